@@ -1,0 +1,8 @@
+//! glmdiff: find the first step where a GPU forward pass of a quantized MoE GGUF model
+//! (GLM-5 `glm-dsa`, DeepSeek-V3 `deepseek2`) diverges from a CPU reference.
+//!
+//! Layers, from the bottom: [`gguf`] (the file format) and [`quant`] (types and dequantization).
+#![warn(missing_docs)]
+
+pub mod gguf;
+pub mod quant;

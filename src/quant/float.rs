@@ -1,0 +1,26 @@
+//! Scalar types: F32, F16, BF16, F64 and the integer types, converted to f32.
+//! F64 and I64 round to nearest f32 (`as f32`), as numpy's `astype(float32)` does.
+
+macro_rules! scalar {
+    ($name:ident, $n:expr, $conv:expr) => {
+        /// Converts little-endian scalars to f32.
+        pub fn $name(src: &[u8], dst: &mut [f32]) {
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact($n)) {
+                let mut a = [0u8; $n];
+                a.copy_from_slice(s);
+                *d = $conv(a);
+            }
+        }
+    };
+}
+
+scalar!(dequant_f32, 4, f32::from_le_bytes);
+scalar!(dequant_f16, 2, |a| half::f16::from_bits(u16::from_le_bytes(a)).to_f32());
+scalar!(dequant_bf16, 2, |a| f32::from_bits(
+    u32::from(u16::from_le_bytes(a)) << 16
+));
+scalar!(dequant_f64, 8, |a| f64::from_le_bytes(a) as f32);
+scalar!(dequant_i8, 1, |a: [u8; 1]| a[0] as i8 as f32);
+scalar!(dequant_i16, 2, |a| i16::from_le_bytes(a) as f32);
+scalar!(dequant_i32, 4, |a| i32::from_le_bytes(a) as f32);
+scalar!(dequant_i64, 8, |a| i64::from_le_bytes(a) as f32);

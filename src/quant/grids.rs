@@ -1,0 +1,1 @@
+//! Lookup grids of the i-quants (ggml `src/ggml-common.h`).

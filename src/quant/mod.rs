@@ -1,0 +1,123 @@
+//! GGML types and CPU dequantization to f32, bit-exact against gguf-py and ggml's
+//! `dequantize_row_*` (`ggml/src/ggml-quants.c`).
+//!
+//! Every function here works on whole blocks of bytes already in memory; it never touches a
+//! file. Each block dequantizes independently, so the parallel path (rayon over fixed chunks of
+//! blocks) gives exactly the single-thread result for any thread count.
+
+mod float;
+mod grids;
+mod iquants;
+mod kquants;
+mod legacy;
+mod small;
+pub mod types;
+
+use anyhow::{bail, Result};
+use rayon::prelude::*;
+
+pub use types::{GgmlType, TypeInfo, TypeStatus, TYPE_TABLE};
+
+/// Number of elements in a K-quant / IQ super-block.
+pub const QK_K: usize = 256;
+
+/// Signature of a block dequantizer: `src` holds exactly `dst.len() / block_size` blocks.
+pub type DequantFn = fn(src: &[u8], dst: &mut [f32]);
+
+/// The dequantizer of `ty`, or `None` when glmdiff has none (activation-only, removed, Q1_0).
+pub fn dequant_fn(ty: GgmlType) -> Option<DequantFn> {
+    use GgmlType as T;
+    Some(match ty {
+        T::F32 => float::dequant_f32,
+        T::F16 => float::dequant_f16,
+        T::BF16 => float::dequant_bf16,
+        T::F64 => float::dequant_f64,
+        T::I8 => float::dequant_i8,
+        T::I16 => float::dequant_i16,
+        T::I32 => float::dequant_i32,
+        T::I64 => float::dequant_i64,
+        T::Q4_0 => legacy::dequant_q4_0,
+        T::Q4_1 => legacy::dequant_q4_1,
+        T::Q5_0 => legacy::dequant_q5_0,
+        T::Q5_1 => legacy::dequant_q5_1,
+        T::Q8_0 => legacy::dequant_q8_0,
+        T::IQ4_NL => legacy::dequant_iq4_nl,
+        T::Q2_K => kquants::dequant_q2_k,
+        T::Q3_K => kquants::dequant_q3_k,
+        T::Q4_K => kquants::dequant_q4_k,
+        T::Q5_K => kquants::dequant_q5_k,
+        T::Q6_K => kquants::dequant_q6_k,
+        T::IQ4_XS => kquants::dequant_iq4_xs,
+        T::IQ2_XXS => iquants::dequant_iq2_xxs,
+        T::IQ2_XS => iquants::dequant_iq2_xs,
+        T::IQ2_S => iquants::dequant_iq2_s,
+        T::IQ3_XXS => iquants::dequant_iq3_xxs,
+        T::IQ3_S => iquants::dequant_iq3_s,
+        T::IQ1_S => iquants::dequant_iq1_s,
+        T::IQ1_M => iquants::dequant_iq1_m,
+        T::TQ1_0 => small::dequant_tq1_0,
+        T::TQ2_0 => small::dequant_tq2_0,
+        T::MXFP4 => small::dequant_mxfp4,
+        T::NVFP4 => small::dequant_nvfp4,
+        _ => return None,
+    })
+}
+
+/// Checks that `src` and `dst` hold the same whole number of blocks of `ty`.
+fn check_sizes(ty: GgmlType, src: &[u8], dst: &[f32]) -> Result<DequantFn> {
+    let Some(f) = dequant_fn(ty) else {
+        bail!(
+            "quant: no dequantization for type {ty} (id {}): {}",
+            ty.id(),
+            match ty.status() {
+                TypeStatus::Removed => "the type was removed from ggml",
+                _ => "it is an activation-only or unsupported format",
+            }
+        );
+    };
+    let (bs, ts) = (ty.block_size(), ty.type_size());
+    if dst.len() % bs != 0 || src.len() != dst.len() / bs * ts {
+        bail!(
+            "quant: {ty}: {} output elements need {} bytes ({} blocks of {ts}), got {} bytes",
+            dst.len(),
+            dst.len() / bs * ts,
+            dst.len() / bs,
+            src.len()
+        );
+    }
+    Ok(f)
+}
+
+/// Dequantizes `src` (whole blocks of `ty`) into `dst` on the calling thread.
+pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
+    let f = check_sizes(ty, src, dst)?;
+    f(src, dst);
+    Ok(())
+}
+
+/// Blocks per parallel work item: large enough to amortize scheduling, small enough to balance.
+const PAR_CHUNK_ELEMS: usize = 1 << 16;
+
+/// Dequantizes `src` into `dst` using rayon's pool; the result equals [`dequantize`] bit for bit.
+pub fn dequantize_par(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
+    let f = check_sizes(ty, src, dst)?;
+    let (bs, ts) = (ty.block_size(), ty.type_size());
+    let blocks_per_chunk = (PAR_CHUNK_ELEMS / bs).max(1);
+    dst.par_chunks_mut(blocks_per_chunk * bs)
+        .zip(src.par_chunks(blocks_per_chunk * ts))
+        .for_each(|(d, s)| f(s, d));
+    Ok(())
+}
+
+/// Dequantizes into a new vector of `n_elements` values (parallel).
+pub fn dequantize_to_vec(ty: GgmlType, src: &[u8], n_elements: usize) -> Result<Vec<f32>> {
+    let mut out = vec![0f32; n_elements];
+    dequantize_par(ty, src, &mut out)?;
+    Ok(out)
+}
+
+/// Reads f16 little-endian at `b[0..2]` as f32 (exact).
+#[inline(always)]
+pub(crate) fn f16_le(b: &[u8]) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+}
