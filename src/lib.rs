@@ -1,8 +1,13 @@
 //! glmdiff: find the first step where a GPU forward pass of a quantized MoE GGUF model
 //! (GLM-5 `glm-dsa`, DeepSeek-V3 `deepseek2`) diverges from a CPU reference.
 //!
-//! Layers, from the bottom: [`gguf`] (the file format) and [`quant`] (types and dequantization).
+//! Layers, from the bottom: [`gguf`] (the file format) and [`quant`] (types and
+//! dequantization); [`cmd`] turns flags from [`cli`] into work and [`report`] prints.
 #![warn(missing_docs)]
 
+pub mod cli;
+pub mod cmd;
 pub mod gguf;
 pub mod quant;
+pub mod report;
+pub mod util;

@@ -1,6 +1,7 @@
 //! The GGUF file format: header, metadata values, tensor infos, split shards, bounds checks,
 //! and a writer for synthetic models and fixtures. Knows nothing of any model architecture.
 
+mod dequant;
 mod file;
 mod model;
 mod value;

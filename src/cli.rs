@@ -1,0 +1,178 @@
+//! Command-line definitions (clap) and their conversion into checked values. No work happens here.
+
+use std::ops::Range;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+
+/// glmdiff: find the first step where a GPU forward pass of a quantized MoE GGUF diverges from a CPU reference.
+#[derive(Debug, Parser)]
+#[command(name = "glmdiff", version, about, long_about = None)]
+#[command(after_help = "Exit codes: 0 ok, 1 a check found a difference, 2 error.")]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Show a GGUF's architecture, hyperparameters, tokenizer, type histogram and tensors.
+    Inspect(InspectArgs),
+    /// Dequantize one tensor (or a row range) to f32 and write it as .npy or .safetensors.
+    Dequant(DequantArgs),
+    /// Run the CPU reference forward pass and write every hook to a safetensors trace.
+    Trace(TraceArgs),
+    /// Write a synthetic GGUF with real tensor names, shapes and a realistic type mix.
+    Synth(SynthArgs),
+    /// Benchmarks (tables of measured rates, ratios against baselines measured in the same run).
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+/// `glmdiff inspect`.
+#[derive(Debug, Args)]
+pub struct InspectArgs {
+    /// The model: a .gguf file, or any shard of a split model (NAME-0000K-of-0000N.gguf).
+    pub model: PathBuf,
+    /// Only list tensors whose name matches this glob (`*` any run, `?` one character), e.g. 'blk.3.*'.
+    #[arg(long, value_name = "GLOB")]
+    pub tensors: Option<String>,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `glmdiff dequant`.
+#[derive(Debug, Args)]
+pub struct DequantArgs {
+    /// The model: a .gguf file, or any shard of a split model.
+    pub model: PathBuf,
+    /// GGUF tensor name, e.g. blk.3.ffn_down_exps.weight.
+    pub tensor: String,
+    /// Only rows A..B (rows of ne[0] elements over all other dimensions; end exclusive).
+    #[arg(long, value_name = "A..B", value_parser = parse_range)]
+    pub rows: Option<Range<u64>>,
+    /// Output file: .npy or .safetensors (f32, PyTorch shape order). Written atomically.
+    #[arg(long, value_name = "FILE")]
+    pub out: PathBuf,
+}
+
+/// `glmdiff trace`.
+#[derive(Debug, Args)]
+pub struct TraceArgs {
+    /// The model: a .gguf file, or any shard of a split model.
+    pub model: PathBuf,
+    /// Prompt text, tokenized with the model's own tokenizer.
+    #[arg(long, conflicts_with = "tokens", required_unless_present = "tokens")]
+    pub prompt: Option<String>,
+    /// Token ids, comma separated (e.g. 1,2,3).
+    #[arg(long, value_delimiter = ',')]
+    pub tokens: Option<Vec<u32>>,
+    /// Only layers A..B (end exclusive); the layers before A still run (their hooks are not kept).
+    #[arg(long, value_name = "A..B", value_parser = parse_range)]
+    pub layers: Option<Range<u64>>,
+    /// Keep only hooks whose name matches one of these globs (repeatable), e.g. 'blk.*.attn_out'.
+    #[arg(long, value_name = "GLOB")]
+    pub hook: Vec<String>,
+    /// Output trace file (.safetensors). Written atomically.
+    #[arg(long, value_name = "FILE")]
+    pub out: PathBuf,
+}
+
+/// `glmdiff synth`.
+#[derive(Debug, Args)]
+pub struct SynthArgs {
+    /// Architecture: glm-dsa or deepseek2.
+    #[arg(long)]
+    pub arch: String,
+    /// Dimensions: glm5, deepseek-v3 or tiny.
+    #[arg(long, default_value = "tiny")]
+    pub dims: String,
+    /// Number of layers to write (default: all of the chosen dimensions).
+    #[arg(long)]
+    pub layers: Option<u32>,
+    /// Type mix: ud-q4_k_xl, or one GGML type name such as q8_0 or f32.
+    #[arg(long, default_value = "ud-q4_k_xl")]
+    pub types: String,
+    /// Random seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Output GGUF. Written atomically.
+    #[arg(long, value_name = "FILE")]
+    pub out: PathBuf,
+}
+
+/// `glmdiff bench ...`.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Dequantization speed per type, single thread and all threads, against gguf-py and llama.cpp's C figures.
+    Dequant(BenchDequantArgs),
+    /// CPU reference time per layer (dequant vs arithmetic), bytes dequantized, peak RSS.
+    Layer(BenchLayerArgs),
+}
+
+/// `glmdiff bench dequant`.
+#[derive(Debug, Args)]
+pub struct BenchDequantArgs {
+    /// Only these types (comma separated names, e.g. q4_k,q8_0).
+    #[arg(long, value_delimiter = ',')]
+    pub types: Vec<String>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `glmdiff bench layer`.
+#[derive(Debug, Args)]
+pub struct BenchLayerArgs {
+    /// A model to run (default: a synthetic GLM-5-dimension model written to a temporary file).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Token counts to time (comma separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    pub tokens: Vec<usize>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Parses `A..B` (end exclusive), `A..` is not allowed: both ends are needed.
+pub fn parse_range(s: &str) -> Result<Range<u64>> {
+    let (a, b) = s
+        .split_once("..")
+        .with_context(|| format!("expected a range A..B, got {s:?}"))?;
+    let a: u64 = a
+        .trim()
+        .parse()
+        .with_context(|| format!("range start {a:?} is not a number"))?;
+    let b: u64 = b
+        .trim()
+        .parse()
+        .with_context(|| format!("range end {b:?} is not a number"))?;
+    if a >= b {
+        bail!("range {a}..{b} is empty (the end is exclusive)");
+    }
+    Ok(a..b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_parse_and_reject_bad_input() {
+        assert_eq!(parse_range("2..5").unwrap(), 2..5);
+        assert!(parse_range("5..5").is_err());
+        assert!(parse_range("x..5").is_err());
+        assert!(parse_range("5").is_err());
+    }
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}

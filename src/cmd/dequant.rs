@@ -1,0 +1,84 @@
+//! `glmdiff dequant`: one tensor (or a row range) to f32 in `.npy` or `.safetensors`.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{bail, Result};
+
+use super::Outcome;
+use crate::cli::DequantArgs;
+use crate::gguf::Model;
+use crate::util::{atomic::write_atomic, npy};
+
+/// Output formats, chosen by the file extension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Format {
+    Npy,
+    Safetensors,
+}
+
+fn format_of(path: &Path) -> Result<Format> {
+    match path.extension().and_then(|e| e.to_str()) {
+        Some("npy") => Ok(Format::Npy),
+        Some("safetensors") => Ok(Format::Safetensors),
+        other => bail!(
+            "dequant: output {} has extension {:?}; use .npy or .safetensors",
+            path.display(),
+            other.unwrap_or("")
+        ),
+    }
+}
+
+/// Runs `glmdiff dequant`.
+pub fn run(args: &DequantArgs) -> Result<Outcome> {
+    let format = format_of(&args.out)?;
+    let model = Model::open(&args.model)?;
+    let t = model.tensor(&args.tensor)?;
+    let n_rows = t.info.n_rows();
+    let rows = args.rows.clone().unwrap_or(0..n_rows);
+    if rows.end > n_rows {
+        bail!(
+            "dequant: --rows {}..{} is out of range: {} {:?} (shape {:?}) has {} rows of {} elements",
+            rows.start,
+            rows.end,
+            t.info.name,
+            t.info.ty,
+            t.info.shape(),
+            n_rows,
+            t.info.row_len()
+        );
+    }
+    let data = model.dequantize_rows(t, rows.clone())?;
+    // PyTorch shape: the whole tensor keeps its shape; a row range is [rows, ne0].
+    let shape: Vec<u64> = if args.rows.is_none() {
+        t.info.shape()
+    } else {
+        vec![rows.end - rows.start, t.info.row_len()]
+    };
+    match format {
+        Format::Npy => write_atomic(&args.out, |w| npy::write_f32(w, &shape, &data))?,
+        Format::Safetensors => {
+            let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let shape_us: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
+            let view =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape_us, &bytes)?;
+            let mut meta = HashMap::new();
+            meta.insert("source".to_string(), model.file_name());
+            meta.insert("gguf_type".to_string(), t.info.ty.name().to_string());
+            meta.insert("rows".to_string(), format!("{}..{}", rows.start, rows.end));
+            let out = safetensors::serialize([(t.info.name.as_str(), view)], Some(meta))?;
+            write_atomic(&args.out, |w| Ok(w.write_all(&out)?))?;
+        }
+    }
+    eprintln!(
+        "wrote {} ({} {}, shape {:?}, rows {}..{} of {})",
+        args.out.display(),
+        t.info.name,
+        t.info.ty,
+        shape,
+        rows.start,
+        rows.end,
+        n_rows
+    );
+    Ok(Outcome::Ok)
+}

@@ -1,0 +1,5 @@
+//! Small shared helpers: glob matching, atomic file writes, array file formats.
+
+pub mod atomic;
+pub mod glob;
+pub mod npy;
