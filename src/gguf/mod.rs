@@ -5,6 +5,7 @@ mod dequant;
 mod file;
 mod model;
 mod value;
+mod writer;
 
 pub use file::{GgufFile, TensorInfo, DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_DIMS};
 pub use model::{
@@ -12,3 +13,4 @@ pub use model::{
     KEY_SPLIT_TENSORS,
 };
 pub use value::{Value, ValueType};
+pub use writer::{FillFn, GgufWriter, GGUF_WRITE_VERSION, MAX_TENSOR_NAME_BYTES};
