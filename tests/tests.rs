@@ -1,1 +1,3 @@
 
+mod common;
+mod malformed;

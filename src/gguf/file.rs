@@ -15,7 +15,7 @@ use anyhow::{bail, Context, Result};
 use memmap2::Mmap;
 
 use super::value::{Value, ValueType};
-use crate::quant::{GgmlType, TypeStatus};
+use crate::quant::{GgmlType, TypeStatus, TYPE_TABLE};
 
 /// The four magic bytes at the start of every GGUF file.
 pub const GGUF_MAGIC: &[u8; 4] = b"GGUF";
@@ -27,6 +27,15 @@ pub const MAX_DIMS: usize = 4;
 pub const MAX_ARRAY_DEPTH: usize = 8;
 /// Longest key or tensor name accepted (ggml limits names to 63 bytes; keys are free-form).
 pub const MAX_NAME_LEN: u64 = 65_535;
+/// Metadata key that sets the alignment of the data section (must be a u32 power of two).
+pub const KEY_ALIGNMENT: &str = "general.alignment";
+/// Smallest tensor info record: name length u64, n_dims u32, one u64 dimension, type u32,
+/// offset u64.
+const MIN_TENSOR_INFO_BYTES: u64 = 32;
+/// Smallest metadata pair: key length u64, type u32, one byte of value.
+const MIN_KV_BYTES: u64 = 13;
+/// Largest dimension or element count: ggml stores them as int64_t.
+const I64_MAX: u64 = i64::MAX as u64;
 
 /// The bytes of a GGUF file: a read-only memory map, or an owned buffer (tests, fuzzing).
 enum Backing {
@@ -115,7 +124,8 @@ impl std::fmt::Debug for GgufFile {
 impl GgufFile {
     /// Opens and checks `path` through a read-only memory map.
     pub fn open(path: &Path) -> Result<GgufFile> {
-        let file = File::open(path).with_context(|| format!("gguf: cannot open {}", path.display()))?;
+        let file =
+            File::open(path).with_context(|| format!("gguf: cannot open {}", path.display()))?;
         // SAFETY: the map is read-only and glmdiff never writes the file. Another process
         // truncating the file while it is mapped would fault; that is the documented caveat of
         // every mmap-based model loader (llama.cpp included) and not something safe Rust can
@@ -131,7 +141,7 @@ impl GgufFile {
     }
 
     fn parse(path: PathBuf, backing: Backing) -> Result<GgufFile> {
-        let (header, tensors) = {
+        let (header, tensors, offset_fields, infos_end) = {
             let mut r = Reader {
                 buf: backing.bytes(),
                 pos: 0,
@@ -139,35 +149,36 @@ impl GgufFile {
                 path: &path,
             };
             let header = r.header()?;
-            let tensors = r.tensor_infos(header.n_tensors)?;
-            (header, (tensors, r.pos as u64))
+            let (tensors, offset_fields) = r.tensor_infos(header.n_tensors)?;
+            (header, tensors, offset_fields, r.pos as u64)
         };
-        let (tensors, infos_end) = tensors;
         let Header {
             version,
             big_endian,
             metadata,
+            key_index,
+            value_at,
             ..
         } = header;
-        let mut key_index = HashMap::with_capacity(metadata.len());
-        for (i, (k, _)) in metadata.iter().enumerate() {
-            if key_index.insert(k.clone(), i).is_some() {
-                bail!("gguf: {}: metadata key {k:?} appears twice", path.display());
-            }
-        }
-        let alignment = match key_index.get("general.alignment").map(|&i| &metadata[i].1) {
+        let alignment = match key_index.get(KEY_ALIGNMENT).copied() {
             None => DEFAULT_ALIGNMENT,
-            Some(Value::U32(a)) if *a != 0 && a.is_power_of_two() => u64::from(*a),
-            Some(Value::U32(a)) => bail!(
-                "gguf: {}: general.alignment is {a}; it must be a power of two",
-                path.display()
-            ),
-            Some(v) => bail!(
-                "gguf: {}: general.alignment has type {}; it must be u32",
-                path.display(),
-                v.value_type().name()
-            ),
+            Some(i) => {
+                let at = value_at[i];
+                match &metadata[i].1 {
+                    Value::U32(a) if a.is_power_of_two() => u64::from(*a),
+                    Value::U32(a) => bail!(
+                        "gguf: {}: metadata value \"{KEY_ALIGNMENT}\" at offset {at}: alignment is {a}; it must be a power of two",
+                        path.display()
+                    ),
+                    v => bail!(
+                        "gguf: {}: metadata value \"{KEY_ALIGNMENT}\" at offset {at}: type is {}; it must be u32",
+                        path.display(),
+                        v.value_type().name()
+                    ),
+                }
+            }
         };
+        // Cannot overflow: `infos_end` is at most the file length and `alignment` below 2^32.
         let data_start = infos_end.div_ceil(alignment) * alignment;
         let mut f = GgufFile {
             path,
@@ -181,64 +192,75 @@ impl GgufFile {
             alignment,
             data_start,
         };
-        f.check_tensors()?;
+        f.check_tensors(&offset_fields)?;
         Ok(f)
     }
 
     /// Checks every tensor: unique names, offsets aligned, data inside the file, no overlaps.
-    fn check_tensors(&mut self) -> Result<()> {
+    /// `offset_fields[i]` is the file offset of tensor `i`'s data offset field (for messages).
+    fn check_tensors(&mut self, offset_fields: &[u64]) -> Result<()> {
         let file_len = self.backing.bytes().len() as u64;
         let p = self.path.display();
         for (i, t) in self.tensors.iter().enumerate() {
             if let Some(j) = self.tensor_index.insert(t.name.clone(), i) {
                 bail!(
-                    "gguf: {p}: tensor {:?} appears twice (tensor infos {j} and {i}, at offsets {} and {})",
+                    "gguf: {p}: name of tensor info #{i} at offset {}: tensor {:?} appears twice (tensor infos #{j} at offset {} and #{i})",
+                    t.info_offset,
                     t.name,
-                    self.tensors[j].info_offset,
-                    t.info_offset
+                    self.tensors[j].info_offset
                 );
             }
+            let at = offset_fields[i];
             if t.offset % self.alignment != 0 {
                 bail!(
-                    "gguf: {p}: tensor {:?}: data offset {} is not a multiple of the alignment {}",
+                    "gguf: {p}: data offset of tensor {:?} at offset {at}: {} is not a multiple of the alignment {}",
                     t.name,
                     t.offset,
                     self.alignment
                 );
             }
-            let end = self
-                .data_start
-                .checked_add(t.offset)
-                .and_then(|s| s.checked_add(t.nbytes));
-            match end {
-                Some(end) if end <= file_len => {}
-                _ => bail!(
-                    "gguf: {p}: tensor {:?} ({} {:?}) needs {} bytes at file offset {} (data section {} + offset {}), but the file has {} bytes",
+            let start = u128::from(self.data_start) + u128::from(t.offset);
+            let end = start + u128::from(t.nbytes);
+            if end > u128::from(file_len) {
+                bail!(
+                    "gguf: {p}: data offset of tensor {:?} at offset {at}: the tensor ({} {:?}) needs {} bytes at file offset {start} (data section {} + offset {}), but the file has {file_len} bytes ({} missing)",
                     t.name,
                     t.ty,
                     t.ne,
                     t.nbytes,
-                    self.data_start as u128 + t.offset as u128,
                     self.data_start,
                     t.offset,
-                    file_len
-                ),
+                    end - u128::from(file_len)
+                );
             }
         }
+        // Every range now lies inside the file, so `offset + nbytes` cannot overflow. Walk the
+        // tensors by offset, remembering the non-empty tensor that reaches furthest: comparing
+        // only neighbours would miss an overlap hidden behind an empty tensor between them.
         let mut order: Vec<usize> = (0..self.tensors.len()).collect();
         order.sort_by_key(|&i| self.tensors[i].offset);
-        for w in order.windows(2) {
-            let (a, b) = (&self.tensors[w[0]], &self.tensors[w[1]]);
-            if a.nbytes > 0 && b.nbytes > 0 && a.offset + a.nbytes > b.offset {
-                bail!(
-                    "gguf: {p}: tensors {:?} (bytes {}..{}) and {:?} (bytes {}..{}) overlap in the data section",
-                    a.name,
-                    a.offset,
-                    a.offset + a.nbytes,
-                    b.name,
-                    b.offset,
-                    b.offset + b.nbytes
-                );
+        let mut furthest: Option<&TensorInfo> = None;
+        for &i in &order {
+            let b = &self.tensors[i];
+            if b.nbytes == 0 {
+                continue;
+            }
+            if let Some(a) = furthest {
+                if a.offset + a.nbytes > b.offset {
+                    bail!(
+                        "gguf: {p}: data offset of tensor {:?} at offset {}: its bytes {}..{} overlap tensor {:?} (bytes {}..{}) in the data section",
+                        b.name,
+                        offset_fields[i],
+                        b.offset,
+                        b.offset + b.nbytes,
+                        a.name,
+                        a.offset,
+                        a.offset + a.nbytes
+                    );
+                }
+            }
+            if furthest.is_none_or(|a| b.offset + b.nbytes > a.offset + a.nbytes) {
+                furthest = Some(b);
             }
         }
         Ok(())
@@ -325,6 +347,10 @@ struct Header {
     big_endian: bool,
     n_tensors: u64,
     metadata: Vec<(String, Value)>,
+    /// Key -> index into `metadata`.
+    key_index: HashMap<String, usize>,
+    /// File offset of each metadata value (after its type id), for messages.
+    value_at: Vec<u64>,
 }
 
 /// A bounds-checked cursor over the file's bytes.
@@ -357,7 +383,12 @@ impl<'a> Reader<'a> {
     }
 
     fn fail(&self, what: &dyn Fn() -> String, msg: String) -> anyhow::Error {
-        anyhow::anyhow!("gguf: {}: {} at offset {}: {msg}", self.path.display(), what(), self.pos)
+        anyhow::anyhow!(
+            "gguf: {}: {} at offset {}: {msg}",
+            self.path.display(),
+            what(),
+            self.pos
+        )
     }
 
     fn take(&mut self, n: u64, what: &dyn Fn() -> String) -> Result<&'a [u8]> {
@@ -410,7 +441,10 @@ impl<'a> Reader<'a> {
         let len = self.u64(what)?;
         if len > max_len {
             self.pos = at;
-            return Err(self.fail(what, format!("string length {len} exceeds the limit {max_len}")));
+            return Err(self.fail(
+                what,
+                format!("string length {len} exceeds the limit {max_len}"),
+            ));
         }
         if len > self.left() {
             self.pos = at;
@@ -430,41 +464,73 @@ impl<'a> Reader<'a> {
         let magic = self.take(4, &|| "magic".to_string())?;
         if magic != GGUF_MAGIC {
             bail!(
-                "gguf: {}: not a GGUF file: magic at offset 0 is {:02x?} ({:?}), expected \"GGUF\"",
+                "gguf: {}: magic at offset 0: bytes are {:02x?} ({:?}), expected \"GGUF\": not a GGUF file",
                 self.path.display(),
                 magic,
                 String::from_utf8_lossy(magic)
             );
         }
-        let mut version = self.u32(&|| "version".to_string())?;
+        let raw_version = self.u32(&|| "version".to_string())?;
+        let mut version = raw_version;
         let mut big_endian = false;
         if version & 0xFFFF == 0 && version != 0 {
-            // A big-endian writer stores 3 as 00 00 00 03, which reads as 0x03000000 here.
+            // A big-endian writer stores 3 as 00 00 00 03, which reads as 0x03000000 here
+            // (the same test as ggml's `gguf.cpp` and gguf-py's `gguf_reader.py`).
             big_endian = true;
             self.be = true;
             version = version.swap_bytes();
         }
         if version != 2 && version != 3 {
+            let order = if big_endian {
+                format!(" (0x{raw_version:08x} read little-endian, so the file looked big-endian)")
+            } else {
+                String::new()
+            };
             bail!(
-                "gguf: {}: version at offset 4 is {version}; glmdiff reads GGUF versions 2 and 3",
+                "gguf: {}: version at offset 4: version is {version}{order}; glmdiff reads GGUF versions 2 and 3",
                 self.path.display()
             );
         }
-        let n_tensors = self.count(32, &|| "tensor count".to_string())?;
-        let n_kv = self.count(13, &|| "metadata count".to_string())?;
+        let n_tensors = self.count(MIN_TENSOR_INFO_BYTES, &|| "tensor count".to_string())?;
+        let n_kv = self.count(MIN_KV_BYTES, &|| "metadata count".to_string())?;
         let mut metadata = Vec::with_capacity(n_kv as usize);
+        let mut key_index: HashMap<String, usize> = HashMap::with_capacity(n_kv as usize);
+        let mut key_at = Vec::with_capacity(n_kv as usize);
+        let mut value_at = Vec::with_capacity(n_kv as usize);
         for i in 0..n_kv {
-            let key = self.string(MAX_NAME_LEN, &|| format!("metadata key #{i}"))?;
+            let at = self.pos;
+            let key_what = || format!("metadata key #{i}");
+            let key = self.string(MAX_NAME_LEN, &key_what)?;
+            if key.is_empty() {
+                self.pos = at;
+                return Err(self.fail(&key_what, "the key is empty".to_string()));
+            }
+            if let Some(&j) = key_index.get(&key) {
+                self.pos = at;
+                return Err(self.fail(
+                    &key_what,
+                    format!(
+                        "key {key:?} appears twice (first as metadata key #{j} at offset {})",
+                        key_at[j]
+                    ),
+                ));
+            }
+            let ty_at = self.pos;
+            let ty_what = || format!("type of metadata value {key:?}");
+            let tid = self.u32(&ty_what)?;
+            let Some(ty) = ValueType::from_id(tid) else {
+                self.pos = ty_at;
+                return Err(self.fail(
+                    &ty_what,
+                    format!("value type {tid} is not a GGUF type (0..=12)"),
+                ));
+            };
             let k = key.clone();
             let what = move || format!("metadata value {k:?}");
-            let tid = self.u32(&|| format!("type of metadata value {key:?}"))?;
-            let ty = ValueType::from_id(tid).ok_or_else(|| {
-                self.fail(
-                    &|| format!("type of metadata value {key:?}"),
-                    format!("value type {tid} is not a GGUF type (0..=12)"),
-                )
-            })?;
+            value_at.push(self.pos as u64);
             let v = self.value(ty, 0, &what)?;
+            key_index.insert(key.clone(), metadata.len());
+            key_at.push(at as u64);
             metadata.push((key, v));
         }
         Ok(Header {
@@ -472,6 +538,8 @@ impl<'a> Reader<'a> {
             big_endian,
             n_tensors,
             metadata,
+            key_index,
+            value_at,
         })
     }
 
@@ -503,10 +571,15 @@ impl<'a> Reader<'a> {
                         format!("arrays nested deeper than {MAX_ARRAY_DEPTH} levels"),
                     ));
                 }
+                let et_at = self.pos;
                 let tid = self.u32(what)?;
-                let et = ValueType::from_id(tid).ok_or_else(|| {
-                    self.fail(what, format!("array element type {tid} is not a GGUF type (0..=12)"))
-                })?;
+                let Some(et) = ValueType::from_id(tid) else {
+                    self.pos = et_at;
+                    return Err(self.fail(
+                        what,
+                        format!("array element type {tid} is not a GGUF type (0..=12)"),
+                    ));
+                };
                 let n = self.count(et.min_size() as u64, what)?;
                 let mut v = Vec::with_capacity(n as usize);
                 for _ in 0..n {
@@ -517,52 +590,68 @@ impl<'a> Reader<'a> {
         })
     }
 
-    fn tensor_infos(&mut self, n: u64) -> Result<Vec<TensorInfo>> {
+    /// Reads `n` tensor infos; also returns the file offset of each one's data offset field.
+    fn tensor_infos(&mut self, n: u64) -> Result<(Vec<TensorInfo>, Vec<u64>)> {
         let mut out = Vec::with_capacity(n as usize);
+        let mut offset_fields = Vec::with_capacity(n as usize);
         for i in 0..n {
             let info_offset = self.pos as u64;
             let name = self.string(MAX_NAME_LEN, &|| format!("name of tensor info #{i}"))?;
-            let nm = name.clone();
-            let what = move || format!("tensor {nm:?}");
             let nd_at = self.pos;
-            let n_dims = self.u32(&|| format!("n_dims of tensor {name:?}"))?;
+            let nd_what = || format!("n_dims of tensor {name:?}");
+            let n_dims = self.u32(&nd_what)?;
             if n_dims == 0 || n_dims as usize > MAX_DIMS {
                 self.pos = nd_at;
                 return Err(self.fail(
-                    &what,
+                    &nd_what,
                     format!("n_dims is {n_dims}; ggml tensors have 1 to {MAX_DIMS} dimensions"),
                 ));
             }
+            let ne_at = self.pos;
             let mut ne = Vec::with_capacity(n_dims as usize);
             for d in 0..n_dims {
                 ne.push(self.u64(&|| format!("ne[{d}] of tensor {name:?}"))?);
             }
-            let mut total: u64 = 1;
-            for &x in &ne {
-                total = match total.checked_mul(x) {
-                    Some(t) if t <= i64::MAX as u64 => t,
-                    _ => {
-                        return Err(self.fail(
-                            &what,
-                            format!("dimensions {ne:?} overflow: the element count exceeds 2^63"),
-                        ))
-                    }
-                };
+            let ne_what = || format!("ne of tensor {name:?}");
+            // ggml keeps dimensions and element counts in int64_t (`gguf.cpp` rejects negative
+            // ne and products >= INT64_MAX). The row count and row bytes are checked too: with a
+            // zero dimension the element count is 0 while they could still overflow.
+            if let Some(d) = ne.iter().position(|&x| x > I64_MAX) {
+                self.pos = ne_at;
+                return Err(self.fail(
+                    &ne_what,
+                    format!("ne[{d}] = {} in {ne:?} exceeds 2^63 - 1", ne[d]),
+                ));
             }
+            let product = |dims: &[u64]| {
+                dims.iter()
+                    .try_fold(1u64, |acc, &x| acc.checked_mul(x).filter(|&t| t <= I64_MAX))
+            };
+            let (Some(total), Some(_)) = (product(&ne), product(&ne[1..])) else {
+                self.pos = ne_at;
+                return Err(self.fail(
+                    &ne_what,
+                    format!("dimensions {ne:?} overflow: the element count exceeds 2^63 - 1"),
+                ));
+            };
             let ty_at = self.pos;
-            let tid = self.u32(&|| format!("type of tensor {name:?}"))?;
+            let ty_what = || format!("type of tensor {name:?}");
+            let tid = self.u32(&ty_what)?;
             let ty = match GgmlType::from_id(tid) {
                 None => {
                     self.pos = ty_at;
                     return Err(self.fail(
-                        &what,
-                        format!("type id {tid} is not a ggml type (known ids 0..=41)"),
+                        &ty_what,
+                        format!(
+                            "type id {tid} is not a ggml type (known ids 0..={})",
+                            TYPE_TABLE.len() - 1
+                        ),
                     ));
                 }
                 Some(t) if t.status() == TypeStatus::Removed => {
                     self.pos = ty_at;
                     return Err(self.fail(
-                        &what,
+                        &ty_what,
                         format!("type id {tid} ({t}) was removed from ggml; re-convert the model"),
                     ));
                 }
@@ -571,7 +660,7 @@ impl<'a> Reader<'a> {
             if ne[0] % ty.block_size() as u64 != 0 {
                 self.pos = ty_at;
                 return Err(self.fail(
-                    &what,
+                    &ty_what,
                     format!(
                         "ne[0] = {} is not a multiple of the {ty} block size {}",
                         ne[0],
@@ -579,9 +668,14 @@ impl<'a> Reader<'a> {
                     ),
                 ));
             }
-            let nbytes = ty.bytes_for(total).ok_or_else(|| {
-                self.fail(&what, format!("byte size of {total} {ty} elements overflows"))
-            })?;
+            let (Some(nbytes), Some(_)) = (ty.bytes_for(total), ty.bytes_for(ne[0])) else {
+                self.pos = ty_at;
+                return Err(self.fail(
+                    &ty_what,
+                    format!("byte size of {ty} tensor {ne:?} overflows"),
+                ));
+            };
+            offset_fields.push(self.pos as u64);
             let offset = self.u64(&|| format!("data offset of tensor {name:?}"))?;
             out.push(TensorInfo {
                 name,
@@ -592,6 +686,6 @@ impl<'a> Reader<'a> {
                 info_offset,
             });
         }
-        Ok(out)
+        Ok((out, offset_fields))
     }
 }
