@@ -1,3 +1,4 @@
 
+mod dequant;
 mod common;
 mod malformed;
