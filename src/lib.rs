@@ -10,4 +10,5 @@ pub mod cmd;
 pub mod gguf;
 pub mod quant;
 pub mod report;
+pub mod tokenizer;
 pub mod util;

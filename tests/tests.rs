@@ -2,3 +2,4 @@
 mod dequant;
 mod common;
 mod malformed;
+mod tokenizer;
