@@ -2,4 +2,5 @@
 mod dequant;
 mod common;
 mod malformed;
+mod cli;
 mod tokenizer;
