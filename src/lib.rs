@@ -7,8 +7,12 @@
 
 pub mod cli;
 pub mod cmd;
+pub mod driver;
+pub mod engine;
 pub mod gguf;
+pub mod model;
 pub mod quant;
 pub mod report;
 pub mod tokenizer;
+pub mod trace;
 pub mod util;

@@ -1,10 +1,100 @@
-//! `glmdiff trace`.
+//! `glmdiff trace`: run the CPU reference forward pass and write the hooks to a safetensors trace.
 
-use anyhow::{bail, Result};
+use std::collections::BTreeMap;
+
+use anyhow::{bail, Context, Result};
 
 use super::Outcome;
+use crate::cli::TraceArgs;
+use crate::driver::{self, Plan};
+use crate::engine::cpu::CpuEngine;
+use crate::engine::Engine;
+use crate::gguf::Model;
+use crate::model::Weights;
+use crate::tokenizer::Tokenizer;
+use crate::trace::{write_trace, HookFilter, TraceMeta, TraceSink};
 
 /// Runs `glmdiff trace`.
-pub fn run(_args: &crate::cli::TraceArgs) -> Result<Outcome> {
-    bail!("trace: not available in this build yet")
+pub fn run(args: &TraceArgs) -> Result<Outcome> {
+    let model = Model::open(&args.model)?;
+    let weights = Weights::new(&model)?;
+    let hp = weights.hparams();
+
+    let tokens = match (&args.tokens, &args.prompt) {
+        (Some(t), _) => t.clone(),
+        (None, Some(p)) => {
+            let tok = Tokenizer::from_model(&model).context(
+                "trace: --prompt needs the model's tokenizer; pass ids with --tokens instead",
+            )?;
+            let mut ids = Vec::new();
+            if tok.add_bos() {
+                ids.extend(tok.bos_id());
+            }
+            ids.extend(tok.encode(p)?);
+            ids
+        }
+        (None, None) => bail!("trace: give --tokens or --prompt"),
+    };
+    if tokens.is_empty() {
+        bail!("trace: the prompt has no tokens");
+    }
+    if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= weights.n_vocab()) {
+        bail!(
+            "trace: token id {bad} is outside the vocabulary 0..{} of {}",
+            weights.n_vocab(),
+            model.file_name()
+        );
+    }
+
+    let layers = match &args.layers {
+        None => None,
+        Some(r) => {
+            if r.end > hp.n_layer as u64 {
+                bail!(
+                    "trace: --layers {}..{} is out of range: the model runs layers 0..{} ({} blocks, {} MTP not run)",
+                    r.start,
+                    r.end,
+                    hp.n_layer,
+                    hp.n_block,
+                    hp.n_nextn
+                );
+            }
+            Some(r.start as usize..r.end as usize)
+        }
+    };
+    let filter = HookFilter {
+        layers,
+        globs: args.hook.clone(),
+    };
+    let mut sink = TraceSink::new(filter);
+    let plan = Plan::for_sink(&weights, &sink)?;
+    let engine = CpuEngine::new(&weights);
+    let summary = driver::run(&engine, &weights, &tokens, &plan, &mut sink)?;
+    if summary.hooks_recorded == 0 {
+        bail!(
+            "trace: no hook matched --layers {:?} --hook {:?}; hook names are blk.L.<point>, token_embd, result_norm, logits",
+            args.layers,
+            args.hook
+        );
+    }
+    let meta = TraceMeta {
+        model: model.file_name(),
+        architecture: hp.arch.as_str().to_string(),
+        tokens: tokens.clone(),
+        engine: engine.describe(),
+        dtype: engine.dtype(),
+        mode: "chained".to_string(),
+        extra: BTreeMap::new(),
+    };
+    write_trace(&args.out, sink.tensors(), &meta)?;
+    eprintln!(
+        "wrote {} ({} hooks, {} tokens, {} of {} layers{})",
+        args.out.display(),
+        summary.hooks_recorded,
+        tokens.len(),
+        summary.n_layers,
+        hp.n_layer,
+        if summary.tail { ", logits" } else { "" }
+    );
+    Ok(Outcome::Ok)
 }

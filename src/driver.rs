@@ -1,0 +1,276 @@
+//! The driver: walks the model's ordered steps ([`crate::model::steps`]) over an [`Engine`] and
+//! hands every hook a sink wants to it.
+//!
+//! Values live in an environment keyed by hook name and are dropped after their last use, so a
+//! whole model runs with a few layers' worth of activations. A step reads its inputs by hook
+//! name, which is what makes an isolated (replay) mode a matter of input policy: [`exec_step`]
+//! takes its inputs as references, so a two-engine driver can feed the candidate engine the
+//! reference's downloaded-and-uploaded inputs instead of its own, step by step, without either
+//! engine knowing. [`run`] is the chained mode of one engine (what `glmdiff trace` needs).
+//!
+//! Extent: layers run in order from 0; the run stops after the last layer that has a hook the
+//! sink wants, unless the sink wants `result_norm` or `logits`, in which case every layer runs
+//! and the final norm and logits follow ([`Plan::for_sink`]).
+
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use anyhow::{bail, Context, Result};
+
+use crate::engine::Engine;
+use crate::model::steps::{self, expert_hook, hook, point, Op, Step};
+use crate::model::Weights;
+use crate::trace::Sink;
+
+/// The steps to run.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// Steps in execution order.
+    pub steps: Vec<Step>,
+    /// Layers run (`0..n_layers`).
+    pub n_layers: usize,
+    /// Whether the final norm and logits run.
+    pub tail: bool,
+}
+
+impl Plan {
+    /// Embedding, layers `0..n_layers`, and the tail when `tail` (which needs every layer).
+    pub fn new(weights: &Weights<'_>, n_layers: usize, tail: bool) -> Result<Plan> {
+        let hp = weights.hparams();
+        if n_layers > hp.n_layer {
+            bail!(
+                "driver: {n_layers} layers asked, the model runs {}",
+                hp.n_layer
+            );
+        }
+        if tail && n_layers != hp.n_layer {
+            bail!(
+                "driver: logits need all {} layers, not {n_layers}",
+                hp.n_layer
+            );
+        }
+        let mut s = steps::embed_steps();
+        for l in 0..n_layers {
+            s.extend(steps::layer_steps(hp, l));
+        }
+        if tail {
+            s.extend(steps::tail_steps(hp, n_layers, weights.output_name()));
+        }
+        Ok(Plan {
+            steps: s,
+            n_layers,
+            tail,
+        })
+    }
+
+    /// The whole forward pass: every layer, then final norm and logits.
+    pub fn full(weights: &Weights<'_>) -> Result<Plan> {
+        Plan::new(weights, weights.hparams().n_layer, true)
+    }
+
+    /// The shortest run that produces every hook `sink` wants (see the module documentation).
+    pub fn for_sink(weights: &Weights<'_>, sink: &dyn Sink) -> Result<Plan> {
+        let hp = weights.hparams();
+        if sink.wants(point::RESULT_NORM) || sink.wants(point::LOGITS) {
+            return Plan::full(weights);
+        }
+        let layer_wanted = |l: usize| {
+            steps::layer_steps(hp, l)
+                .iter()
+                .flat_map(|s| &s.outputs)
+                .any(|o| sink.wants(o))
+                || sink.wants(&hook(l, point::ATTN_PROBS))
+                || (!hp.is_dense(l) && (0..hp.n_expert).any(|e| sink.wants(&expert_hook(l, e))))
+        };
+        let n_layers = (0..hp.n_layer)
+            .rev()
+            .find(|&l| layer_wanted(l))
+            .map_or(0, |l| l + 1);
+        Plan::new(weights, n_layers, false)
+    }
+}
+
+/// What a run did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RunSummary {
+    /// Layers run.
+    pub n_layers: usize,
+    /// Whether logits were computed.
+    pub tail: bool,
+    /// Hooks handed to the sink.
+    pub hooks_recorded: usize,
+}
+
+/// Outputs of one step: its declared outputs in order, then optional extra hooks.
+pub struct StepOutputs<T> {
+    /// One tensor per `step.outputs` entry.
+    pub outputs: Vec<Rc<T>>,
+    /// Optional hooks (`attn_probs`, `exp.{e}.out`) the sink asked for, by name.
+    pub extra: Vec<(String, T)>,
+}
+
+/// Runs one step on `engine` with `inputs` (one per `step.inputs`, in order). `tokens` feeds the
+/// embedding step; `sink` is only asked which optional hooks to produce.
+pub fn exec_step<E: Engine>(
+    engine: &E,
+    step: &Step,
+    inputs: &[Rc<E::Tensor>],
+    tokens: &[u32],
+    sink: &dyn Sink,
+) -> Result<StepOutputs<E::Tensor>> {
+    if inputs.len() != step.inputs.len() {
+        bail!(
+            "driver: step {:?} got {} inputs, expected {}",
+            step.outputs,
+            inputs.len(),
+            step.inputs.len()
+        );
+    }
+    let one = |t: E::Tensor| StepOutputs {
+        outputs: vec![Rc::new(t)],
+        extra: Vec::new(),
+    };
+    let x = |i: usize| inputs[i].as_ref();
+    Ok(match &step.op {
+        Op::Embed => one(engine.embed(tokens)?),
+        Op::RmsNorm { weight, eps, cols } => {
+            one(engine.rms_norm(x(0), weight, *eps, cols.clone())?)
+        }
+        Op::Linear { weight } => one(engine.linear(x(0), weight)?),
+        Op::Rope(s) => one(engine.rope(x(0), s)?),
+        Op::IndexerScores { layer } => one(engine.indexer_scores(*layer, x(0), x(1))?),
+        Op::TopK { k } => one(engine.top_k(x(0), *k)?),
+        Op::Attention { layer } => {
+            let probs_name = hook(*layer, point::ATTN_PROBS);
+            let want = sink.wants(&probs_name);
+            let sel = inputs.get(4).map(|t| t.as_ref());
+            let (heads, probs) = engine.mla_attention(*layer, x(0), x(1), x(2), x(3), sel, want)?;
+            StepOutputs {
+                outputs: vec![Rc::new(heads)],
+                extra: probs.map(|p| (probs_name, p)).into_iter().collect(),
+            }
+        }
+        Op::MoeRoute { layer } => {
+            let r = engine.moe_route(*layer, x(0))?;
+            StepOutputs {
+                outputs: vec![Rc::new(r.probs), Rc::new(r.ids), Rc::new(r.weights)],
+                extra: Vec::new(),
+            }
+        }
+        Op::MoeExperts { layer } => {
+            let want = |e: usize| sink.wants(&expert_hook(*layer, e));
+            let out = engine.moe_experts(*layer, x(0), x(1), x(2), &want)?;
+            StepOutputs {
+                outputs: vec![Rc::new(out.routed)],
+                extra: out
+                    .experts
+                    .into_iter()
+                    .map(|(e, t)| (expert_hook(*layer, e), t))
+                    .collect(),
+            }
+        }
+        Op::Mlp { gate, up, down } => one(engine.mlp(x(0), gate, up, down)?),
+        Op::SwiGlu => one(engine.swiglu(x(0), x(1))?),
+        Op::Add => one(engine.add(x(0), x(1))?),
+        Op::Alias => StepOutputs {
+            outputs: vec![Rc::clone(&inputs[0])],
+            extra: Vec::new(),
+        },
+    })
+}
+
+/// Runs `plan` on `engine` for the prompt `tokens` (positions `0..T`), chained: every step reads
+/// the engine's own earlier outputs. Hooks the sink wants are downloaded and recorded.
+pub fn run<E: Engine>(
+    engine: &E,
+    weights: &Weights<'_>,
+    tokens: &[u32],
+    plan: &Plan,
+    sink: &mut dyn Sink,
+) -> Result<RunSummary> {
+    if tokens.is_empty() {
+        bail!("driver: the prompt has no tokens");
+    }
+    if let Some((i, &id)) = tokens
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| id as usize >= weights.n_vocab())
+    {
+        bail!(
+            "driver: token {i} has id {id}, outside the vocabulary 0..{} of {}",
+            weights.n_vocab(),
+            weights.model().file_name()
+        );
+    }
+    // Index of the last step reading each name: values are dropped after it.
+    let mut last_use: HashMap<&str, usize> = HashMap::new();
+    for (i, s) in plan.steps.iter().enumerate() {
+        for name in &s.inputs {
+            last_use.insert(name, i);
+        }
+    }
+    let mut env: HashMap<String, Rc<E::Tensor>> = HashMap::new();
+    let mut summary = RunSummary {
+        n_layers: plan.n_layers,
+        tail: plan.tail,
+        hooks_recorded: 0,
+    };
+    for (i, s) in plan.steps.iter().enumerate() {
+        let inputs = s
+            .inputs
+            .iter()
+            .map(|n| {
+                env.get(n).cloned().with_context(|| {
+                    format!(
+                        "driver: step {:?} needs {n}, which no earlier step produced",
+                        s.outputs
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let out = exec_step(engine, s, &inputs, tokens, &*sink).with_context(|| {
+            format!("driver: step {} ({})", s.outputs.join(", "), op_name(&s.op))
+        })?;
+        drop(inputs);
+        for (name, t) in s.outputs.iter().zip(out.outputs) {
+            if sink.wants(name) {
+                sink.record(name, engine.download(&t)?)?;
+                summary.hooks_recorded += 1;
+            }
+            if last_use.get(name.as_str()).is_some_and(|&j| j > i) {
+                env.insert(name.clone(), t);
+            }
+        }
+        for (name, t) in out.extra {
+            if sink.wants(&name) {
+                sink.record(&name, engine.download(&t)?)?;
+                summary.hooks_recorded += 1;
+            }
+        }
+        for name in &s.inputs {
+            if last_use.get(name.as_str()) == Some(&i) {
+                env.remove(name);
+            }
+        }
+    }
+    Ok(summary)
+}
+
+/// A short name of a step kind for error messages.
+fn op_name(op: &Op) -> &'static str {
+    match op {
+        Op::Embed => "embed",
+        Op::RmsNorm { .. } => "rms_norm",
+        Op::Linear { .. } => "linear",
+        Op::Rope(_) => "rope",
+        Op::IndexerScores { .. } => "indexer_scores",
+        Op::TopK { .. } => "top_k",
+        Op::Attention { .. } => "mla_attention",
+        Op::MoeRoute { .. } => "moe_route",
+        Op::MoeExperts { .. } => "moe_experts",
+        Op::Mlp { .. } => "mlp",
+        Op::SwiGlu => "swiglu",
+        Op::Add => "add",
+        Op::Alias => "alias",
+    }
+}

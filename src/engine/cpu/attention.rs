@@ -1,0 +1,233 @@
+//! MLA attention (naive form), the DSA lightning indexer and causal top-k on the CPU.
+//!
+//! Definitions: `shared/spec/glm5-architecture.md` 2.1 and 2.2; transformers
+//! `models/glm_moe_dsa/modeling_glm_moe_dsa.py` (`GlmMoeDsaIndexer`, `GlmMoeDsaAttention`) and
+//! `models/deepseek_v3/modeling_deepseek_v3.py`; llama.cpp `src/models/glm-dsa.cpp`.
+
+use anyhow::{bail, Result};
+use rayon::prelude::*;
+
+use super::math::{dot, layer_norm, matmul, rotate_pairs, softmax_in_place};
+use super::CpuEngine;
+use crate::engine::HostTensor;
+use crate::model::hparams::INDEXER_K_NORM_EPS;
+use crate::model::names::{self, blk};
+use crate::model::rope;
+
+impl CpuEngine<'_> {
+    /// DSA index scores `[T, T]` (see [`crate::engine::Engine::indexer_scores`]).
+    ///
+    /// `qI = cq Wq_b^T` viewed `[T, nI, dI]`, each head `[pe | nope]` (rope part first);
+    /// `kI = LayerNorm(a Wk^T)` `[T, dI]`, also `[pe | nope]`; interleaved RoPE on both pe parts;
+    /// `w = (a Wproj^T) * nI^-0.5 * dI^-0.5`; `I(t,s) = sum_h w_h(t) ReLU(qI_h(t) . kI(s))`.
+    /// (transformers scales `q.k` by `dI^-0.5` before the ReLU and the weights by `nI^-0.5`;
+    /// llama.cpp folds both into the weights; the scale is positive, so all three agree.)
+    pub(super) fn indexer_scores_cpu(
+        &self,
+        layer: usize,
+        a: &HostTensor,
+        cq: &HostTensor,
+    ) -> Result<HostTensor> {
+        let hp = self.weights.hparams();
+        let Some(ix) = &hp.indexer else {
+            bail!("engine: cpu: indexer_scores on layer {layer}, but the model has no indexer");
+        };
+        let (t, _) = a.dims2("indexer_scores input a")?;
+        let (ni, di, rope_dim) = (ix.n_head, ix.head_dim, hp.qk_rope);
+        let w = |s: &str| names::blk(layer, s);
+
+        let mut q = self.linear_host(cq, &w(blk::INDEXER_Q_B))?; // [T, nI*dI]
+        let mut k = self.linear_host(a, &w(blk::INDEXER_K))?; // [T, dI]
+        let hw = self.linear_host(a, &w(blk::INDEXER_PROJ))?; // [T, nI]
+        let kn_w = self.weights.vector(&w(blk::INDEXER_K_NORM))?;
+        let kn_b = self.weights.vector(&w(blk::INDEXER_K_NORM_B))?;
+        for row in k.chunks_exact_mut(di) {
+            let normed = layer_norm(row, &kn_w, &kn_b, INDEXER_K_NORM_EPS);
+            row.copy_from_slice(&normed);
+        }
+        for pos in 0..t {
+            let cs = self.cos_sin(pos);
+            for head in q[pos * ni * di..(pos + 1) * ni * di].chunks_exact_mut(di) {
+                rotate_pairs(&mut head[..rope_dim], &cs);
+            }
+            rotate_pairs(&mut k[pos * di..pos * di + rope_dim], &cs);
+        }
+        let scale = 1.0 / ((ni * di) as f64).sqrt();
+        let mut out = vec![f32::NEG_INFINITY; t * t];
+        out.par_chunks_mut(t).enumerate().for_each(|(qt, row)| {
+            let qrow = &q[qt * ni * di..(qt + 1) * ni * di];
+            for (s, o) in row.iter_mut().enumerate().take(qt + 1) {
+                let ks = &k[s * di..(s + 1) * di];
+                let mut acc = 0f64;
+                for h in 0..ni {
+                    let qk = dot(&qrow[h * di..(h + 1) * di], ks);
+                    acc += f64::from(hw[qt * ni + h]) * scale * qk.max(0.0);
+                }
+                *o = acc as f32;
+            }
+        });
+        HostTensor::f32(vec![t, t], out)
+    }
+
+    /// Causal top-k of each score row (see [`crate::engine::Engine::top_k`]).
+    pub(super) fn top_k_cpu(&self, scores: &HostTensor, k: usize) -> Result<HostTensor> {
+        let (t, t2) = scores.dims2("top_k scores")?;
+        if t != t2 {
+            bail!(
+                "engine: cpu: top_k expects [T, T] scores, got {:?}",
+                scores.shape
+            );
+        }
+        let sc = scores.as_f32("top_k scores")?;
+        let width = k.min(t);
+        let mut out = vec![-1i32; t * width];
+        for (row_t, o) in out.chunks_mut(width.max(1)).enumerate().take(t) {
+            for (slot, s) in causal_top_k(&sc[row_t * t..row_t * t + row_t + 1], k)
+                .into_iter()
+                .enumerate()
+            {
+                o[slot] = s as i32;
+            }
+        }
+        HostTensor::i32(vec![t, width], out)
+    }
+
+    /// Naive MLA (see [`crate::engine::Engine::mla_attention`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn mla_cpu(
+        &self,
+        layer: usize,
+        q_b: &HostTensor,
+        q_pe: &HostTensor,
+        kv_norm: &HostTensor,
+        k_pe: &HostTensor,
+        selection: Option<&HostTensor>,
+        want_probs: bool,
+    ) -> Result<(HostTensor, Option<HostTensor>)> {
+        let hp = self.weights.hparams();
+        let (h, nope, rd, v) = (hp.n_head, hp.qk_nope, hp.qk_rope, hp.v_head);
+        let qk = hp.qk_head();
+        let (t, qcols) = q_b.dims2("attention q_b")?;
+        let expect = |x: &HostTensor, shape: Vec<usize>, what: &str| -> Result<()> {
+            if x.shape != shape {
+                bail!("engine: cpu: layer {layer} attention: {what} has shape {:?}, expected {shape:?}", x.shape);
+            }
+            Ok(())
+        };
+        expect(q_b, vec![t, h * qk], "q_b")?;
+        let _ = qcols;
+        expect(q_pe, vec![t, h, rd], "q_pe_rope")?;
+        expect(kv_norm, vec![t, hp.kv_lora_rank], "kv_a_norm")?;
+        expect(k_pe, vec![t, rd], "k_pe_rope")?;
+        let (qb, qpe) = (q_b.as_f32("q_b")?, q_pe.as_f32("q_pe_rope")?);
+        let kpe = k_pe.as_f32("k_pe_rope")?;
+
+        // allowed[t][s]: causal, and in the DSA selection when there is one.
+        let mut allowed = vec![false; t * t];
+        match selection {
+            None => {
+                for qt in 0..t {
+                    allowed[qt * t..qt * t + qt + 1].fill(true);
+                }
+            }
+            Some(sel) => {
+                let (st, sk) = sel.dims2("attention selection")?;
+                if st != t {
+                    bail!("engine: cpu: layer {layer} attention: selection has {st} rows for {t} tokens");
+                }
+                for (qt, row) in sel
+                    .as_i32("selection")?
+                    .chunks(sk.max(1))
+                    .enumerate()
+                    .take(t)
+                {
+                    for &s in row {
+                        if s >= 0 && (s as usize) <= qt {
+                            allowed[qt * t + s as usize] = true;
+                        }
+                    }
+                }
+            }
+        }
+
+        // kv = c · kv_b^T: per head, nope K values then v V values. [T, H*(nope+v)]
+        let kv_b = self.weights.kv_b(layer)?;
+        let kv = matmul(kv_norm.as_f32("kv_a_norm")?, t, &kv_b);
+        let kv_w = nope + v;
+        let scale = rope::softmax_scale(hp);
+
+        // Per head: outputs [T, v] and probabilities [T, T].
+        let per_head: Vec<(Vec<f32>, Vec<f32>)> = (0..h)
+            .into_par_iter()
+            .map(|head| {
+                let mut o = vec![0f32; t * v];
+                let mut probs = vec![0f32; if want_probs { t * t } else { 0 }];
+                let mut p = Vec::with_capacity(t);
+                for qt in 0..t {
+                    let q_nope = &qb[qt * h * qk + head * qk..qt * h * qk + head * qk + nope];
+                    let q_rot = &qpe[(qt * h + head) * rd..(qt * h + head + 1) * rd];
+                    let keys: Vec<usize> = (0..t).filter(|&s| allowed[qt * t + s]).collect();
+                    p.clear();
+                    for &s in &keys {
+                        let k_nope =
+                            &kv[s * h * kv_w + head * kv_w..s * h * kv_w + head * kv_w + nope];
+                        let k_rot = &kpe[s * rd..(s + 1) * rd];
+                        p.push((dot(q_nope, k_nope) + dot(q_rot, k_rot)) * scale);
+                    }
+                    softmax_in_place(&mut p);
+                    let mut acc = vec![0f64; v];
+                    for (&s, &ps) in keys.iter().zip(&p) {
+                        let vs = &kv
+                            [s * h * kv_w + head * kv_w + nope..s * h * kv_w + (head + 1) * kv_w];
+                        for (a, &x) in acc.iter_mut().zip(vs) {
+                            *a += ps * f64::from(x);
+                        }
+                        if want_probs {
+                            probs[qt * t + s] = ps as f32;
+                        }
+                    }
+                    for (o, a) in o[qt * v..(qt + 1) * v].iter_mut().zip(&acc) {
+                        *o = *a as f32;
+                    }
+                }
+                (o, probs)
+            })
+            .collect();
+
+        let mut heads = vec![0f32; t * h * v];
+        for (head, (o, _)) in per_head.iter().enumerate() {
+            for qt in 0..t {
+                heads[qt * h * v + head * v..qt * h * v + (head + 1) * v]
+                    .copy_from_slice(&o[qt * v..(qt + 1) * v]);
+            }
+        }
+        let probs = if want_probs {
+            let all: Vec<f32> = per_head.into_iter().flat_map(|(_, p)| p).collect();
+            Some(HostTensor::f32(vec![h, t, t], all)?)
+        } else {
+            None
+        };
+        Ok((HostTensor::f32(vec![t, h * v], heads)?, probs))
+    }
+}
+
+/// Indices of the `min(k, row.len())` largest values of `row`, largest first; ties go to the
+/// lower index (a stable order, so the result never depends on the sort implementation).
+pub fn causal_top_k(row: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::causal_top_k;
+
+    #[test]
+    fn top_k_breaks_ties_by_lower_index() {
+        assert_eq!(causal_top_k(&[1.0, 3.0, 3.0, 2.0], 2), vec![1, 2]);
+        assert_eq!(causal_top_k(&[0.0, 0.0, 0.0], 2), vec![0, 1]);
+        assert_eq!(causal_top_k(&[5.0], 4), vec![0]);
+    }
+}

@@ -1,0 +1,248 @@
+//! The CPU reference engine: the living definition of every step.
+//!
+//! Clarity first: f32 storage, f64 accumulation in a fixed order ([`math`] documents the
+//! scheme), naive (non-absorbed) MLA. Speed comes from doing only the work needed: weights are
+//! dequantized on demand through [`Weights`] (embedding rows of the prompt, only the selected
+//! experts' slices, big matrices in row chunks of at most [`LINEAR_CHUNK_ELEMS`] values so that
+//! `output.weight` of a 154880-token vocabulary never sits in memory whole), and independent
+//! outputs run in parallel with rayon. Results are bit-identical for any thread count.
+
+mod attention;
+pub mod math;
+mod moe;
+
+use std::ops::Range;
+
+use anyhow::{bail, Context, Result};
+
+use super::{Engine, ExpertsOut, HostTensor, Routing};
+use crate::model::{rope, RopeSlice, Weights};
+
+pub use attention::causal_top_k;
+pub use moe::route_token;
+
+/// Most f32 values of one weight chunk dequantized at a time by [`Engine::linear`] (64 MiB).
+pub const LINEAR_CHUNK_ELEMS: usize = 16 << 20;
+
+/// The CPU reference engine over one model's weights.
+pub struct CpuEngine<'w> {
+    weights: &'w Weights<'w>,
+    /// RoPE inverse frequencies `[rope/2]`.
+    inv_freq: Vec<f64>,
+    /// cos/sin factor (YaRN attention factor; 1 without scaling).
+    attn_factor: f64,
+}
+
+impl<'w> CpuEngine<'w> {
+    /// An engine reading `weights`.
+    pub fn new(weights: &'w Weights<'w>) -> CpuEngine<'w> {
+        let hp = weights.hparams();
+        CpuEngine {
+            weights,
+            inv_freq: rope::inv_freq(&hp.rope),
+            attn_factor: rope::attention_factor(&hp.rope),
+        }
+    }
+
+    /// `(cos, sin)` of every rotated pair at position `pos`, times the attention factor.
+    fn cos_sin(&self, pos: usize) -> Vec<(f64, f64)> {
+        self.inv_freq
+            .iter()
+            .map(|&f| {
+                let a = pos as f64 * f;
+                (a.cos() * self.attn_factor, a.sin() * self.attn_factor)
+            })
+            .collect()
+    }
+
+    /// `x · W^T` for the GGUF matrix `name`, dequantized in row chunks. Returns `[T, out]` values.
+    fn linear_host(&self, x: &HostTensor, name: &str) -> Result<Vec<f32>> {
+        let (t, k) = x.dims2(name)?;
+        let (rows, cols) = self.weights.matrix_dims(name)?;
+        if cols != k {
+            bail!(
+                "engine: cpu: linear {name}: input has {k} columns, the weight [{rows}, {cols}] expects {cols}"
+            );
+        }
+        let xv = x.as_f32(name)?;
+        let chunk = (LINEAR_CHUNK_ELEMS / cols.max(1)).max(1);
+        let mut out = vec![0f32; t * rows];
+        let mut r0 = 0;
+        while r0 < rows {
+            let r1 = (r0 + chunk).min(rows);
+            let w = self.weights.matrix_rows(name, r0..r1)?;
+            math::matmul_into(xv, t, &w, &mut out, rows, r0);
+            r0 = r1;
+        }
+        Ok(out)
+    }
+}
+
+fn same_shape(a: &HostTensor, b: &HostTensor, what: &str) -> Result<()> {
+    if a.shape != b.shape {
+        bail!(
+            "engine: cpu: {what}: shapes {:?} and {:?} differ",
+            a.shape,
+            b.shape
+        );
+    }
+    Ok(())
+}
+
+impl Engine for CpuEngine<'_> {
+    type Tensor = HostTensor;
+
+    fn describe(&self) -> String {
+        "cpu".to_string()
+    }
+
+    fn dtype(&self) -> String {
+        "f32 storage, f64 accumulation".to_string()
+    }
+
+    fn upload(&self, t: &HostTensor) -> Result<HostTensor> {
+        Ok(t.clone())
+    }
+
+    fn download(&self, t: &HostTensor) -> Result<HostTensor> {
+        Ok(t.clone())
+    }
+
+    fn embed(&self, ids: &[u32]) -> Result<HostTensor> {
+        let m = self.weights.embedding_rows(ids)?;
+        HostTensor::f32(vec![m.rows, m.cols], m.data)
+    }
+
+    fn rms_norm(
+        &self,
+        x: &HostTensor,
+        weight: &str,
+        eps: f64,
+        cols: Option<Range<usize>>,
+    ) -> Result<HostTensor> {
+        let (t, n) = x.dims2(weight)?;
+        let cols = cols.unwrap_or(0..n);
+        if cols.end > n || cols.is_empty() {
+            bail!("engine: cpu: rms_norm {weight}: columns {cols:?} of a [{t}, {n}] input");
+        }
+        let w = self.weights.vector(weight)?;
+        if w.len() != cols.len() {
+            bail!(
+                "engine: cpu: rms_norm {weight}: weight has {} values for {} columns",
+                w.len(),
+                cols.len()
+            );
+        }
+        let xv = x.as_f32(weight)?;
+        let sub: Vec<f32> = if cols.len() == n {
+            xv.to_vec()
+        } else {
+            xv.chunks_exact(n)
+                .flat_map(|r| r[cols.clone()].iter().copied())
+                .collect()
+        };
+        HostTensor::f32(
+            vec![t, cols.len()],
+            math::rms_norm(&sub, cols.len(), &w, eps),
+        )
+    }
+
+    fn linear(&self, x: &HostTensor, weight: &str) -> Result<HostTensor> {
+        let (t, _) = x.dims2(weight)?;
+        let out = self
+            .linear_host(x, weight)
+            .with_context(|| format!("engine: cpu: linear {weight}"))?;
+        let rows = out.len() / t.max(1);
+        HostTensor::f32(vec![t, rows], out)
+    }
+
+    fn rope(&self, x: &HostTensor, s: &RopeSlice) -> Result<HostTensor> {
+        let (t, n) = x.dims2("rope input")?;
+        let rd = self.inv_freq.len() * 2;
+        if n != s.heads * s.stride || s.offset + rd > s.stride {
+            bail!(
+                "engine: cpu: rope: input [{t}, {n}] does not hold {} heads of {} with {rd} rotated values at {}",
+                s.heads,
+                s.stride,
+                s.offset
+            );
+        }
+        let xv = x.as_f32("rope input")?;
+        let mut out = Vec::with_capacity(t * s.heads * rd);
+        for pos in 0..t {
+            let cs = self.cos_sin(pos);
+            for h in 0..s.heads {
+                let start = pos * n + h * s.stride + s.offset;
+                let mut pair = xv[start..start + rd].to_vec();
+                math::rotate_pairs(&mut pair, &cs);
+                out.extend(pair);
+            }
+        }
+        let shape = if s.keep_head_axis {
+            vec![t, s.heads, rd]
+        } else {
+            vec![t, s.heads * rd]
+        };
+        HostTensor::f32(shape, out)
+    }
+
+    fn indexer_scores(&self, layer: usize, a: &HostTensor, cq: &HostTensor) -> Result<HostTensor> {
+        self.indexer_scores_cpu(layer, a, cq)
+    }
+
+    fn top_k(&self, scores: &HostTensor, k: usize) -> Result<HostTensor> {
+        self.top_k_cpu(scores, k)
+    }
+
+    fn mla_attention(
+        &self,
+        layer: usize,
+        q_b: &HostTensor,
+        q_pe: &HostTensor,
+        kv_norm: &HostTensor,
+        k_pe: &HostTensor,
+        selection: Option<&HostTensor>,
+        want_probs: bool,
+    ) -> Result<(HostTensor, Option<HostTensor>)> {
+        self.mla_cpu(layer, q_b, q_pe, kv_norm, k_pe, selection, want_probs)
+    }
+
+    fn moe_route(&self, layer: usize, logits: &HostTensor) -> Result<Routing<HostTensor>> {
+        self.moe_route_cpu(layer, logits)
+    }
+
+    fn moe_experts(
+        &self,
+        layer: usize,
+        x: &HostTensor,
+        ids: &HostTensor,
+        weights: &HostTensor,
+        want_expert: &dyn Fn(usize) -> bool,
+    ) -> Result<ExpertsOut<HostTensor>> {
+        self.moe_experts_cpu(layer, x, ids, weights, want_expert)
+    }
+
+    fn mlp(&self, x: &HostTensor, gate: &str, up: &str, down: &str) -> Result<HostTensor> {
+        let g = self.linear(x, gate)?;
+        let u = self.linear(x, up)?;
+        let act = self.swiglu(&g, &u)?;
+        self.linear(&act, down)
+    }
+
+    fn swiglu(&self, a: &HostTensor, b: &HostTensor) -> Result<HostTensor> {
+        same_shape(a, b, "swiglu")?;
+        let out = math::swiglu(a.as_f32("swiglu a")?, b.as_f32("swiglu b")?);
+        HostTensor::f32(a.shape.clone(), out)
+    }
+
+    fn add(&self, a: &HostTensor, b: &HostTensor) -> Result<HostTensor> {
+        same_shape(a, b, "add")?;
+        let out = a
+            .as_f32("add a")?
+            .iter()
+            .zip(b.as_f32("add b")?)
+            .map(|(&x, &y)| (f64::from(x) + f64::from(y)) as f32)
+            .collect();
+        HostTensor::f32(a.shape.clone(), out)
+    }
+}

@@ -1,0 +1,264 @@
+//! MoE router and routed experts on the CPU.
+//!
+//! Router (spec 2.3; transformers `GlmMoeDsaTopkRouter` / `DeepseekV3TopkRouter`; llama.cpp
+//! `src/llama-graph.cpp` `build_moe_ffn`): probabilities `s = sigmoid(logits)` (or softmax),
+//! selection on `s + exp_probs_b` (the bias only chooses), optional group-limited selection
+//! (group score = sum of the group's two best selection scores; the `used` best groups stay),
+//! top-K, weights `s[idx]` normalised to sum 1 when `expert_weights_norm`, times
+//! `expert_weights_scale`. Ties in every top-k go to the lower index.
+
+use anyhow::{bail, Result};
+
+use super::math::{matmul, sigmoid, softmax_in_place, swiglu};
+use super::CpuEngine;
+use crate::engine::{ExpertsOut, HostTensor, Routing};
+use crate::model::names::{self, blk};
+use crate::model::{Gating, HParams};
+
+/// Experts summed into a group's score (DeepSeek-V3: the two best of each group).
+const GROUP_SCORE_TOP: usize = 2;
+
+/// Routing of one token: selected experts (best selection score first) and their weights.
+pub fn route_token(
+    hp: &HParams,
+    logits: &[f32],
+    bias: Option<&[f32]>,
+) -> (Vec<f64>, Vec<usize>, Vec<f64>) {
+    let mut probs: Vec<f64> = logits.iter().map(|&l| f64::from(l)).collect();
+    match hp.gating {
+        Gating::Sigmoid => probs.iter_mut().for_each(|p| *p = sigmoid(*p)),
+        Gating::Softmax => softmax_in_place(&mut probs),
+    }
+    let mut score: Vec<f64> = match bias {
+        Some(b) => probs
+            .iter()
+            .zip(b)
+            .map(|(&p, &b)| p + f64::from(b))
+            .collect(),
+        None => probs.clone(),
+    };
+    if let Some((n_group, used)) = hp.groups {
+        let size = hp.n_expert / n_group;
+        let group_scores: Vec<f64> = score
+            .chunks(size)
+            .map(|g| {
+                let mut best = g.to_vec();
+                best.sort_by(|a, b| b.total_cmp(a));
+                best.iter().take(GROUP_SCORE_TOP).sum()
+            })
+            .collect();
+        let keep = top_indices(&group_scores, used);
+        for (g, chunk) in score.chunks_mut(size).enumerate() {
+            if !keep.contains(&g) {
+                chunk.fill(f64::NEG_INFINITY);
+            }
+        }
+    }
+    let ids = top_indices(&score, hp.n_expert_used);
+    let mut w: Vec<f64> = ids.iter().map(|&e| probs[e]).collect();
+    if hp.expert_weights_norm {
+        let sum: f64 = w.iter().sum();
+        w.iter_mut().for_each(|x| *x /= sum);
+    }
+    w.iter_mut().for_each(|x| *x *= hp.expert_weights_scale);
+    (probs, ids, w)
+}
+
+/// Indices of the `k` largest values, largest first, ties to the lower index.
+fn top_indices(v: &[f64], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..v.len()).collect();
+    idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+impl CpuEngine<'_> {
+    /// Router of layer `layer` (see [`crate::engine::Engine::moe_route`]).
+    pub(super) fn moe_route_cpu(
+        &self,
+        layer: usize,
+        logits: &HostTensor,
+    ) -> Result<Routing<HostTensor>> {
+        let hp = self.weights.hparams();
+        let (t, e) = logits.dims2("moe_logits")?;
+        if e != hp.n_expert {
+            bail!(
+                "engine: cpu: layer {layer} router: {e} logits per token for {} experts",
+                hp.n_expert
+            );
+        }
+        let bias_name = names::blk(layer, blk::EXP_PROBS_B);
+        let bias = if self.weights.has(&bias_name) {
+            Some(self.weights.vector(&bias_name)?)
+        } else {
+            None
+        };
+        let lg = logits.as_f32("moe_logits")?;
+        let k = hp.n_expert_used;
+        let (mut probs, mut ids, mut weights) = (
+            Vec::with_capacity(t * e),
+            Vec::with_capacity(t * k),
+            Vec::with_capacity(t * k),
+        );
+        for row in lg.chunks_exact(e) {
+            let (p, i, w) = route_token(hp, row, bias.as_deref());
+            probs.extend(p.iter().map(|&x| x as f32));
+            ids.extend(i.iter().map(|&x| x as i32));
+            weights.extend(w.iter().map(|&x| x as f32));
+        }
+        Ok(Routing {
+            probs: HostTensor::f32(vec![t, e], probs)?,
+            ids: HostTensor::i32(vec![t, k], ids)?,
+            weights: HostTensor::f32(vec![t, k], weights)?,
+        })
+    }
+
+    /// Routed experts of layer `layer` (see [`crate::engine::Engine::moe_experts`]). Experts run
+    /// one after another in ascending id; only the experts some token selected are dequantized,
+    /// and only their slices of the stacked tensors. The weighted sum is accumulated in f64 in
+    /// ascending expert order (fixed, so independent of threads).
+    pub(super) fn moe_experts_cpu(
+        &self,
+        layer: usize,
+        x: &HostTensor,
+        ids: &HostTensor,
+        weights: &HostTensor,
+        want_expert: &dyn Fn(usize) -> bool,
+    ) -> Result<ExpertsOut<HostTensor>> {
+        let hp = self.weights.hparams();
+        let (t, hidden) = x.dims2("moe input")?;
+        let (ti, k) = ids.dims2("moe_topk_ids")?;
+        if ti != t || weights.shape != ids.shape {
+            bail!(
+                "engine: cpu: layer {layer} experts: input {:?}, ids {:?}, weights {:?} disagree",
+                x.shape,
+                ids.shape,
+                weights.shape
+            );
+        }
+        let (xv, idv, wv) = (
+            x.as_f32("moe input")?,
+            ids.as_i32("moe_topk_ids")?,
+            weights.as_f32("moe_weights")?,
+        );
+        // routed[e] = (token, weight) in token order.
+        let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); hp.n_expert];
+        for tok in 0..t {
+            for j in 0..k {
+                let e = idv[tok * k + j];
+                if e < 0 || e as usize >= hp.n_expert {
+                    bail!(
+                        "engine: cpu: layer {layer}: token {tok} selects expert {e} of {}",
+                        hp.n_expert
+                    );
+                }
+                routed[e as usize].push((tok, wv[tok * k + j]));
+            }
+        }
+        let down_name = names::blk(layer, blk::FFN_DOWN_EXPS);
+        let mut acc = vec![0f64; t * hidden];
+        let mut extra = Vec::new();
+        for (e, toks) in routed.iter().enumerate() {
+            if toks.is_empty() {
+                continue;
+            }
+            let n = toks.len();
+            let xs: Vec<f32> = toks
+                .iter()
+                .flat_map(|&(tok, _)| xv[tok * hidden..(tok + 1) * hidden].iter().copied())
+                .collect(); // [n, hidden]
+            let (gate, up) = self.weights.expert_gate_up(layer, e)?;
+            let act = swiglu(&matmul(&xs, n, &gate), &matmul(&xs, n, &up)); // [n, n_ff_exp]
+            drop((gate, up));
+            let down = self.weights.expert(&down_name, e)?;
+            let y = matmul(&act, n, &down); // [n, hidden]
+            for (i, &(tok, w)) in toks.iter().enumerate() {
+                let w = f64::from(w);
+                for (a, &v) in acc[tok * hidden..(tok + 1) * hidden]
+                    .iter_mut()
+                    .zip(&y[i * hidden..(i + 1) * hidden])
+                {
+                    *a += w * f64::from(v);
+                }
+            }
+            if want_expert(e) {
+                extra.push((e, HostTensor::f32(vec![n, hidden], y)?));
+            }
+        }
+        let out = acc.iter().map(|&v| v as f32).collect();
+        Ok(ExpertsOut {
+            routed: HostTensor::f32(vec![t, hidden], out)?,
+            experts: extra,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Arch, RopeParams};
+
+    fn hp(n_expert: usize, k: usize, groups: Option<(usize, usize)>) -> HParams {
+        HParams {
+            arch: Arch::Deepseek2,
+            hidden: 4,
+            n_block: 1,
+            n_nextn: 0,
+            n_layer: 1,
+            n_dense: 0,
+            n_ff: 4,
+            n_head: 1,
+            q_lora_rank: None,
+            kv_lora_rank: 2,
+            qk_nope: 2,
+            qk_rope: 2,
+            v_head: 2,
+            rms_eps: 1e-6,
+            n_expert,
+            n_expert_used: k,
+            n_expert_shared: 0,
+            n_ff_exp: 2,
+            groups,
+            expert_weights_scale: 2.5,
+            expert_weights_norm: true,
+            gating: Gating::Sigmoid,
+            rope: RopeParams {
+                dim: 2,
+                base: 10000.0,
+                yarn: None,
+            },
+            indexer: None,
+        }
+    }
+
+    /// 8 experts in 4 groups of 2, keep 2 groups, pick 2 experts. Selection scores (probs + bias)
+    /// chosen by hand: groups {0,1}: 0.9+0.1 = 1.0, {2,3}: 0.5+0.5 = 1.0, {4,5}: 0.8+0.3 = 1.1,
+    /// {6,7}: 0.95+0.0 = 0.95. Best groups: {4,5} (1.1), then {0,1} (1.0, tie with {2,3}, lower
+    /// index wins). Expert 6 (0.95) has the second best score overall but its group is dropped,
+    /// so the pick is 0 (0.9) and 4 (0.8).
+    #[test]
+    fn group_limited_top_k_by_hand() {
+        let want_sc = [0.9, 0.1, 0.5, 0.5, 0.8, 0.3, 0.95, 0.0];
+        // logits = 0 -> sigmoid = 0.5; bias = want - 0.5.
+        let logits = [0f32; 8];
+        let bias: Vec<f32> = want_sc.iter().map(|&s| (s - 0.5) as f32).collect();
+        let (probs, ids, w) = route_token(&hp(8, 2, Some((4, 2))), &logits, Some(&bias));
+        assert!(probs.iter().all(|&p| p == 0.5));
+        assert_eq!(ids, vec![0, 4]);
+        // Weights come from the unbiased probs: 0.5/(0.5+0.5) * 2.5 each.
+        assert_eq!(w, vec![1.25, 1.25]);
+        // Without groups, expert 6 wins.
+        let (_, ids, _) = route_token(&hp(8, 2, None), &logits, Some(&bias));
+        assert_eq!(ids, vec![6, 0]);
+    }
+
+    #[test]
+    fn sigmoid_weights_normalise_and_scale() {
+        // logits ln(3), 0, -ln(3): sigmoid = 0.75, 0.5, 0.25; top-2 = [0, 1];
+        // weights = [0.75, 0.5] / 1.25 * 2.5 = [1.5, 1.0].
+        let l3 = 3f32.ln();
+        let (_, ids, w) = route_token(&hp(3, 2, None), &[l3, 0.0, -l3], None);
+        assert_eq!(ids, vec![0, 1]);
+        assert!((w[0] - 1.5).abs() < 1e-7 && (w[1] - 1.0).abs() < 1e-7);
+    }
+}

@@ -1,0 +1,210 @@
+//! The [`Engine`] trait: one method per step kind of the forward pass, at hook granularity, and
+//! its implementations ([`cpu`], the reference).
+//!
+//! # Contract
+//! - An engine owns its tensors (`Engine::Tensor`: host memory for the CPU, device buffers for a
+//!   GPU engine). The driver never looks inside one; it moves values across with
+//!   [`Engine::upload`] / [`Engine::download`], which take and give a [`HostTensor`] (f32 or i32
+//!   data, PyTorch-order shape). That is what makes both run modes possible with the same trait:
+//!   *chained* (every step reads the engine's own earlier outputs) and *isolated* / replay (the
+//!   driver downloads a step's inputs from the reference engine and uploads them to the
+//!   candidate, so a difference is attributed to that step alone).
+//! - Weights are named by their GGUF tensor name and fetched by the engine itself (the CPU engine
+//!   dequantizes only what a step touches; a GPU engine may keep quantized bytes on the device).
+//! - Every method takes inputs in the hook shapes of `shared/spec/hooks.md` and returns its
+//!   outputs in those shapes; element order is the GGUF's own (RoPE pairs rotated in place).
+//! - Positions are `0..T` (one prompt, no KV cache); the causal mask is part of the step.
+//! - Engines never print and never compare; they return errors that name the step and shapes.
+//!
+//! The methods' mathematical definitions are in `shared/spec/glm5-architecture.md`, section 2;
+//! [`cpu`] is the living definition of each.
+
+pub mod cpu;
+
+use std::ops::Range;
+
+use anyhow::{bail, Result};
+
+use crate::model::RopeSlice;
+
+/// Values of a host tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HostData {
+    /// Floating point activations.
+    F32(Vec<f32>),
+    /// Indices (expert ids, selected key positions; -1 = none).
+    I32(Vec<i32>),
+}
+
+/// A tensor in host memory: PyTorch-order shape (slowest first) and row-major values.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostTensor {
+    /// Shape, slowest dimension first.
+    pub shape: Vec<usize>,
+    /// Values, `shape.iter().product()` of them.
+    pub data: HostData,
+}
+
+impl HostTensor {
+    /// An f32 tensor; fails when `data` does not have `shape`'s element count.
+    pub fn f32(shape: Vec<usize>, data: Vec<f32>) -> Result<HostTensor> {
+        check_len(&shape, data.len())?;
+        Ok(HostTensor {
+            shape,
+            data: HostData::F32(data),
+        })
+    }
+
+    /// An i32 tensor; fails when `data` does not have `shape`'s element count.
+    pub fn i32(shape: Vec<usize>, data: Vec<i32>) -> Result<HostTensor> {
+        check_len(&shape, data.len())?;
+        Ok(HostTensor {
+            shape,
+            data: HostData::I32(data),
+        })
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Whether the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The f32 values, or an error naming `what` when the tensor holds integers.
+    pub fn as_f32(&self, what: &str) -> Result<&[f32]> {
+        match &self.data {
+            HostData::F32(v) => Ok(v),
+            HostData::I32(_) => bail!("engine: {what}: expected f32 values, got i32"),
+        }
+    }
+
+    /// The i32 values, or an error naming `what` when the tensor holds floats.
+    pub fn as_i32(&self, what: &str) -> Result<&[i32]> {
+        match &self.data {
+            HostData::I32(v) => Ok(v),
+            HostData::F32(_) => bail!("engine: {what}: expected i32 values, got f32"),
+        }
+    }
+
+    /// `(rows, cols)` of a 2-D tensor, or an error naming `what`.
+    pub fn dims2(&self, what: &str) -> Result<(usize, usize)> {
+        match self.shape[..] {
+            [r, c] => Ok((r, c)),
+            _ => bail!(
+                "engine: {what}: expected a 2-D tensor, got shape {:?}",
+                self.shape
+            ),
+        }
+    }
+}
+
+fn check_len(shape: &[usize], n: usize) -> Result<()> {
+    let want: usize = shape.iter().product();
+    if want != n {
+        bail!("engine: shape {shape:?} needs {want} values, got {n}");
+    }
+    Ok(())
+}
+
+/// Router outputs of one MoE layer (hooks `moe_probs`, `moe_topk_ids`, `moe_weights`).
+pub struct Routing<T> {
+    /// `[T, E]` probabilities (sigmoid or softmax of the logits).
+    pub probs: T,
+    /// `[T, K]` i32 selected experts, best selection score first.
+    pub ids: T,
+    /// `[T, K]` normalised and scaled weights, same order as `ids`.
+    pub weights: T,
+}
+
+/// Routed-expert outputs of one MoE layer.
+pub struct ExpertsOut<T> {
+    /// `[T, hidden]` weighted sum of the selected experts' outputs (hook `moe_routed`).
+    pub routed: T,
+    /// Per expert asked for: its id and its unweighted outputs `[n_e, hidden]`, token order.
+    pub experts: Vec<(usize, T)>,
+}
+
+/// One step kind per method. See the module documentation for the contract.
+pub trait Engine {
+    /// The engine's tensor (host memory, device buffer, ...).
+    type Tensor;
+
+    /// Describes the engine for trace metadata, e.g. `cpu` or `cuda:0 NVIDIA H200 sm_90`.
+    fn describe(&self) -> String;
+    /// Compute precision for trace metadata, e.g. `f32 storage, f64 accumulation`.
+    fn dtype(&self) -> String;
+
+    /// Copies a host tensor into the engine.
+    fn upload(&self, t: &HostTensor) -> Result<Self::Tensor>;
+    /// Copies an engine tensor to the host (called only for hooks a sink wants, and for replay).
+    fn download(&self, t: &Self::Tensor) -> Result<HostTensor>;
+
+    /// Embedding rows of `ids`: `[T, hidden]`. Ids outside the vocabulary are an error.
+    fn embed(&self, ids: &[u32]) -> Result<Self::Tensor>;
+    /// `w * v / sqrt(mean(v^2) + eps)` over columns `cols` (all when `None`) of each row of `x`;
+    /// `weight` is the GGUF norm weight. Out: `[T, cols.len()]`.
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        weight: &str,
+        eps: f64,
+        cols: Option<Range<usize>>,
+    ) -> Result<Self::Tensor>;
+    /// `x · W^T` for the GGUF matrix `weight` (`[out, in]`): `[T, in]` -> `[T, out]`.
+    fn linear(&self, x: &Self::Tensor, weight: &str) -> Result<Self::Tensor>;
+    /// Interleaved RoPE (pairs `2i, 2i+1`) at positions `0..T` on the slice `s` of every head of
+    /// `x` (`[T, heads*stride]`), with the model's frequencies and cos/sin factor
+    /// (`model::rope`). Out: `[T, heads, rope]`, or `[T, rope]` when `!s.keep_head_axis`.
+    fn rope(&self, x: &Self::Tensor, s: &RopeSlice) -> Result<Self::Tensor>;
+    /// DSA lightning-indexer scores of layer `layer` from `a` (attn_norm, `[T, hidden]`) and
+    /// `cq` (q_a_norm, `[T, q_lora]`): `[T, T]`, `-inf` where `s > t`.
+    fn indexer_scores(
+        &self,
+        layer: usize,
+        a: &Self::Tensor,
+        cq: &Self::Tensor,
+    ) -> Result<Self::Tensor>;
+    /// Per row `t`, the `min(k, t+1)` causal positions with the highest scores, highest first,
+    /// ties to the lower position; padded with -1 to `[T, min(k, T)]` (i32).
+    fn top_k(&self, scores: &Self::Tensor, k: usize) -> Result<Self::Tensor>;
+    /// Naive (non-absorbed) MLA of layer `layer`: keys `[W_UK c | k_pe]`, values `W_UV c` from
+    /// kv_b, causal mask, optional DSA selection (`[T, k]` i32, -1 ignored), softmax scale from
+    /// `model::rope::softmax_scale`. Out: attn_heads `[T, H*v]`, and the probabilities
+    /// `[H, T, T]` when `want_probs`.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_attention(
+        &self,
+        layer: usize,
+        q_b: &Self::Tensor,
+        q_pe: &Self::Tensor,
+        kv_norm: &Self::Tensor,
+        k_pe: &Self::Tensor,
+        selection: Option<&Self::Tensor>,
+        want_probs: bool,
+    ) -> Result<(Self::Tensor, Option<Self::Tensor>)>;
+    /// Router of layer `layer` from its logits `[T, E]`: gating (sigmoid/softmax), selection on
+    /// probs + `exp_probs_b` (bias for selection only), group-limited top-k, normalisation and
+    /// scaling.
+    fn moe_route(&self, layer: usize, logits: &Self::Tensor) -> Result<Routing<Self::Tensor>>;
+    /// Routed experts of layer `layer`: `sum_k w_k * down_k(silu(gate_k x) * up_k x)`, `[T, hidden]`.
+    /// For every expert `e` with `want_expert(e)`, also its outputs for the tokens routed to it
+    /// (`[n_e, hidden]`, token order, before weighting).
+    fn moe_experts(
+        &self,
+        layer: usize,
+        x: &Self::Tensor,
+        ids: &Self::Tensor,
+        weights: &Self::Tensor,
+        want_expert: &dyn Fn(usize) -> bool,
+    ) -> Result<ExpertsOut<Self::Tensor>>;
+    /// SwiGLU MLP `down(silu(gate x) * up x)` with three GGUF matrices (shared expert).
+    fn mlp(&self, x: &Self::Tensor, gate: &str, up: &str, down: &str) -> Result<Self::Tensor>;
+    /// `silu(a) * b`, elementwise.
+    fn swiglu(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor>;
+    /// `a + b`, elementwise.
+    fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor>;
+}

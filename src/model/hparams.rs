@@ -1,0 +1,456 @@
+//! Hyperparameters of a `glm-dsa` (GLM-5) or `deepseek2` (DeepSeek-V2/V3) GGUF, read from its
+//! metadata as llama.cpp's loader reads them (`src/llama-model.cpp`, `src/models/glm-dsa.cpp`,
+//! ggml-org/llama.cpp). Keys are `{arch}.{suffix}`; a required key that is missing is an error
+//! naming the key. Defaults exist only where the architecture spec gives one.
+
+use anyhow::{bail, Context, Result};
+
+use crate::gguf::{Model, Value};
+
+/// `general.architecture` of GLM-5 / 5.1 / 5.2.
+pub const ARCH_GLM_DSA: &str = "glm-dsa";
+/// `general.architecture` of DeepSeek-V2 / V3 / R1 (and Kimi K2).
+pub const ARCH_DEEPSEEK2: &str = "deepseek2";
+
+/// llama.cpp's `LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX`.
+pub const GATING_SOFTMAX: i128 = 1;
+/// llama.cpp's `LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID`.
+pub const GATING_SIGMOID: i128 = 2;
+
+/// YaRN defaults of DeepSeek's reference (`beta_fast`, `beta_slow`), also transformers' defaults
+/// (`modeling_rope_utils.py`, `_compute_yarn_parameters`).
+pub const YARN_BETA_FAST_DEFAULT: f64 = 32.0;
+/// See [`YARN_BETA_FAST_DEFAULT`].
+pub const YARN_BETA_SLOW_DEFAULT: f64 = 1.0;
+/// llama.cpp's converter stores `yarn_log_multiplier = 0.1 * mscale_all_dim` for deepseek2
+/// (`convert_hf_to_gguf.py`, `[TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]`); the loader divides it back out.
+pub const YARN_LOG_MUL_CONVERTER_FACTOR: f64 = 0.1;
+/// Epsilon of the DSA indexer's key LayerNorm (transformers `GlmMoeDsaIndexer.k_norm`, eps 1e-6).
+pub const INDEXER_K_NORM_EPS: f64 = 1e-6;
+
+/// The two supported architectures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    /// GLM-5 (`glm-dsa`): MLA with a DSA lightning indexer.
+    GlmDsa,
+    /// DeepSeek-V2/V3 (`deepseek2`): MLA, optional YaRN, group-limited routing.
+    Deepseek2,
+}
+
+impl Arch {
+    /// The GGUF architecture string (metadata key prefix).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Arch::GlmDsa => ARCH_GLM_DSA,
+            Arch::Deepseek2 => ARCH_DEEPSEEK2,
+        }
+    }
+}
+
+/// How router logits become expert probabilities.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gating {
+    /// `softmax(logits)` over all experts (old DeepSeek-V2 files).
+    Softmax,
+    /// `sigmoid(logits)` per expert (DeepSeek-V3, GLM-5).
+    Sigmoid,
+}
+
+/// YaRN context extension as DeepSeek-V3 uses it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Yarn {
+    /// `rope.scaling.factor` (40 for DeepSeek-V3).
+    pub factor: f64,
+    /// `rope.scaling.original_context_length` (4096).
+    pub original_context: f64,
+    /// `rope.scaling.yarn_beta_fast` (default 32).
+    pub beta_fast: f64,
+    /// `rope.scaling.yarn_beta_slow` (default 1).
+    pub beta_slow: f64,
+    /// HF `mscale_all_dim`: `yarn_log_multiplier / 0.1` when the key is present, else `None`.
+    pub mscale_all_dim: Option<f64>,
+    /// `rope.scaling.attn_factor` when the file carries it (HF `attention_factor`).
+    pub attn_factor: Option<f64>,
+}
+
+/// Rotary embedding parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeParams {
+    /// Rotated dimensions per head (`rope.dimension_count`, = qk_rope_head_dim).
+    pub dim: usize,
+    /// `rope.freq_base`.
+    pub base: f64,
+    /// YaRN scaling, or `None` (`rope.scaling.type` absent or `none`).
+    pub yarn: Option<Yarn>,
+}
+
+/// The DSA lightning indexer (GLM-5 only).
+#[derive(Clone, Debug, PartialEq)]
+pub struct IndexerParams {
+    /// `attention.indexer.head_count` (32).
+    pub n_head: usize,
+    /// `attention.indexer.key_length` (128).
+    pub head_dim: usize,
+    /// `attention.indexer.top_k` (2048).
+    pub top_k: usize,
+    /// Per run layer: `true` = the layer runs its own indexer ("full"), `false` = it reuses the
+    /// previous full layer's selection ("shared", GLM-5.2). From `attention.indexer.types`;
+    /// absent = every layer full (GLM-5, 5.1).
+    pub full: Vec<bool>,
+}
+
+/// Everything the forward pass needs from the metadata.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HParams {
+    /// Architecture.
+    pub arch: Arch,
+    /// `embedding_length`.
+    pub hidden: usize,
+    /// `block_count` (MTP blocks included).
+    pub n_block: usize,
+    /// `nextn_predict_layers` (MTP blocks at the end, not run; absent = 0).
+    pub n_nextn: usize,
+    /// Layers run at inference: `n_block - n_nextn`.
+    pub n_layer: usize,
+    /// `leading_dense_block_count`: layers `0..n_dense` use the dense MLP.
+    pub n_dense: usize,
+    /// `feed_forward_length` (dense MLP width).
+    pub n_ff: usize,
+    /// `attention.head_count`.
+    pub n_head: usize,
+    /// `attention.q_lora_rank`; `None` when absent or 0 (plain `attn_q`, DeepSeek-V2-Lite).
+    pub q_lora_rank: Option<usize>,
+    /// `attention.kv_lora_rank`.
+    pub kv_lora_rank: usize,
+    /// Non-rotated part of a query/key head (qk_nope_head_dim).
+    pub qk_nope: usize,
+    /// Rotated part of a query/key head (qk_rope_head_dim = `rope.dimension_count`).
+    pub qk_rope: usize,
+    /// Value head width (v_head_dim).
+    pub v_head: usize,
+    /// `attention.layer_norm_rms_epsilon`, used by every RMSNorm (q_a and kv_a norms included).
+    pub rms_eps: f64,
+    /// `expert_count`.
+    pub n_expert: usize,
+    /// `expert_used_count` (experts per token).
+    pub n_expert_used: usize,
+    /// `expert_shared_count`.
+    pub n_expert_shared: usize,
+    /// `expert_feed_forward_length` (width of each routed and shared expert).
+    pub n_ff_exp: usize,
+    /// `expert_group_count` / `expert_group_used_count` when both are present and the count > 1.
+    pub groups: Option<(usize, usize)>,
+    /// `expert_weights_scale` (routed_scaling_factor).
+    pub expert_weights_scale: f64,
+    /// `expert_weights_norm` (norm_topk_prob; absent = false).
+    pub expert_weights_norm: bool,
+    /// `expert_gating_func` (absent = sigmoid for glm-dsa, softmax for deepseek2).
+    pub gating: Gating,
+    /// RoPE.
+    pub rope: RopeParams,
+    /// DSA indexer (glm-dsa only).
+    pub indexer: Option<IndexerParams>,
+}
+
+/// Reads `{arch}.*` keys of one model, naming the file and key in every error.
+struct Keys<'a> {
+    model: &'a Model,
+    arch: &'a str,
+}
+
+impl Keys<'_> {
+    fn key(&self, suffix: &str) -> String {
+        format!("{}.{suffix}", self.arch)
+    }
+
+    fn get(&self, suffix: &str) -> Option<&Value> {
+        self.model.get(&self.key(suffix))
+    }
+
+    fn missing(&self, suffix: &str) -> anyhow::Error {
+        anyhow::anyhow!(
+            "model: {}: metadata key {} is missing",
+            self.model.path().display(),
+            self.key(suffix)
+        )
+    }
+
+    fn bad(&self, suffix: &str, v: &Value, want: &str) -> anyhow::Error {
+        anyhow::anyhow!(
+            "model: {}: metadata key {} is {} {}, expected {want}",
+            self.model.path().display(),
+            self.key(suffix),
+            v.value_type().name(),
+            v.summary(4)
+        )
+    }
+
+    fn opt_usize(&self, suffix: &str) -> Result<Option<usize>> {
+        match self.get(suffix) {
+            None => Ok(None),
+            Some(v) => match v.as_int() {
+                Some(i) if (0..=u32::MAX as i128).contains(&i) => Ok(Some(i as usize)),
+                _ => Err(self.bad(suffix, v, "a non-negative integer")),
+            },
+        }
+    }
+
+    fn usize(&self, suffix: &str) -> Result<usize> {
+        self.opt_usize(suffix)?.ok_or_else(|| self.missing(suffix))
+    }
+
+    fn opt_f64(&self, suffix: &str) -> Result<Option<f64>> {
+        match self.get(suffix) {
+            None => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() => Ok(Some(x)),
+                _ => Err(self.bad(suffix, v, "a finite number")),
+            },
+        }
+    }
+
+    fn f64(&self, suffix: &str) -> Result<f64> {
+        self.opt_f64(suffix)?.ok_or_else(|| self.missing(suffix))
+    }
+
+    fn opt_bool(&self, suffix: &str) -> Result<Option<bool>> {
+        match self.get(suffix) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => match v.as_int() {
+                Some(0) => Ok(Some(false)),
+                Some(1) => Ok(Some(true)),
+                _ => Err(self.bad(suffix, v, "a bool")),
+            },
+        }
+    }
+}
+
+impl HParams {
+    /// Reads the hyperparameters of `model`; fails for any architecture but glm-dsa and deepseek2.
+    pub fn from_model(model: &Model) -> Result<HParams> {
+        let arch_str = model.architecture().with_context(|| {
+            format!(
+                "model: {}: metadata key general.architecture is missing",
+                model.path().display()
+            )
+        })?;
+        let arch = match arch_str {
+            ARCH_GLM_DSA => Arch::GlmDsa,
+            ARCH_DEEPSEEK2 => Arch::Deepseek2,
+            other => bail!(
+                "model: {}: architecture {other:?} is not supported (only {ARCH_GLM_DSA} and {ARCH_DEEPSEEK2})",
+                model.path().display()
+            ),
+        };
+        let k = Keys {
+            model,
+            arch: arch_str,
+        };
+        let path = model.path().display();
+
+        let n_block = k.usize("block_count")?;
+        let n_nextn = k.opt_usize("nextn_predict_layers")?.unwrap_or(0);
+        if n_nextn >= n_block {
+            bail!("model: {path}: {arch_str}.nextn_predict_layers = {n_nextn} leaves no layer of block_count = {n_block} to run");
+        }
+        let n_layer = n_block - n_nextn;
+        let n_head = k.usize("attention.head_count")?;
+        let kv_lora_rank = k.usize("attention.kv_lora_rank")?;
+        let q_lora_rank = k.opt_usize("attention.q_lora_rank")?.filter(|&r| r > 0);
+        let qk_rope = k.usize("rope.dimension_count")?;
+        if qk_rope % 2 != 0 {
+            bail!("model: {path}: {arch_str}.rope.dimension_count = {qk_rope} is odd; RoPE rotates pairs");
+        }
+        // Head widths: `key_length_mla`/`value_length_mla` in MLA-split files; files with the
+        // legacy unsplit `attn_kv_b` store them as `key_length`/`value_length` instead
+        // (llama.cpp `llama_hparams::n_embd_head_k_mla`).
+        let k_len = k.opt_usize("attention.key_length")?;
+        let v_len = k.opt_usize("attention.value_length")?;
+        let latent_k = kv_lora_rank + qk_rope;
+        let k_mla = match k.opt_usize("attention.key_length_mla")? {
+            Some(x) => x,
+            None => match k_len {
+                Some(x) if x != latent_k => x,
+                _ => return Err(k.missing("attention.key_length_mla")),
+            },
+        };
+        let v_head = match k.opt_usize("attention.value_length_mla")? {
+            Some(x) => x,
+            None => match v_len {
+                Some(x) if x != kv_lora_rank => x,
+                _ => return Err(k.missing("attention.value_length_mla")),
+            },
+        };
+        if k_mla <= qk_rope {
+            bail!("model: {path}: query/key head width {k_mla} is not larger than the rotated part {qk_rope}");
+        }
+        let qk_nope = k_mla - qk_rope;
+
+        let n_expert = k.usize("expert_count")?;
+        let n_expert_used = k.usize("expert_used_count")?;
+        if n_expert_used == 0 || n_expert_used > n_expert {
+            bail!("model: {path}: {arch_str}.expert_used_count = {n_expert_used} must be in 1..={n_expert} (expert_count)");
+        }
+        let groups = match (
+            k.opt_usize("expert_group_count")?,
+            k.opt_usize("expert_group_used_count")?,
+        ) {
+            (Some(g), Some(u)) if g > 1 => {
+                if n_expert % g != 0 || u == 0 || u > g {
+                    bail!("model: {path}: expert groups {g} (used {u}) do not divide {n_expert} experts");
+                }
+                Some((g, u))
+            }
+            (Some(g), None) if g > 1 => return Err(k.missing("expert_group_used_count")),
+            _ => None,
+        };
+        let gating = match k.get("expert_gating_func") {
+            None => match arch {
+                Arch::GlmDsa => Gating::Sigmoid,
+                Arch::Deepseek2 => Gating::Softmax,
+            },
+            Some(v) => match v.as_int() {
+                Some(GATING_SOFTMAX) => Gating::Softmax,
+                Some(GATING_SIGMOID) => Gating::Sigmoid,
+                _ => return Err(k.bad("expert_gating_func", v, "1 (softmax) or 2 (sigmoid)")),
+            },
+        };
+
+        let rope = RopeParams {
+            dim: qk_rope,
+            base: k.f64("rope.freq_base")?,
+            yarn: read_yarn(&k)?,
+        };
+
+        let indexer = match arch {
+            Arch::Deepseek2 => None,
+            Arch::GlmDsa => {
+                let full = match k.get("attention.indexer.types") {
+                    None => vec![true; n_layer],
+                    // One value for all layers (llama.cpp `get_key_or_arr`)
+                    Some(v) if v.as_int().is_some() => vec![v.as_int() != Some(0); n_layer],
+                    Some(v) => {
+                        let a = v.as_array().ok_or_else(|| {
+                            k.bad("attention.indexer.types", v, "an array of bools")
+                        })?;
+                        if a.len() < n_layer {
+                            bail!("model: {path}: {arch_str}.attention.indexer.types has {} entries for {n_layer} layers", a.len());
+                        }
+                        let mut full = Vec::with_capacity(n_layer);
+                        for x in &a[..n_layer] {
+                            match x.as_int() {
+                                Some(0) => full.push(false),
+                                Some(1) => full.push(true),
+                                _ => {
+                                    return Err(k.bad(
+                                        "attention.indexer.types",
+                                        v,
+                                        "bools (true = full)",
+                                    ))
+                                }
+                            }
+                        }
+                        if full.first() == Some(&false) {
+                            bail!("model: {path}: {arch_str}.attention.indexer.types: layer 0 is shared but no earlier layer has an indexer");
+                        }
+                        full
+                    }
+                };
+                let p = IndexerParams {
+                    n_head: k.usize("attention.indexer.head_count")?,
+                    head_dim: k.usize("attention.indexer.key_length")?,
+                    top_k: k.usize("attention.indexer.top_k")?,
+                    full,
+                };
+                if p.head_dim < qk_rope || p.top_k == 0 || p.n_head == 0 {
+                    bail!("model: {path}: indexer head width {} (rope {qk_rope}), top_k {} and {} heads are inconsistent", p.head_dim, p.top_k, p.n_head);
+                }
+                if q_lora_rank.is_none() {
+                    return Err(k.missing("attention.q_lora_rank"));
+                }
+                Some(p)
+            }
+        };
+
+        Ok(HParams {
+            arch,
+            hidden: k.usize("embedding_length")?,
+            n_block,
+            n_nextn,
+            n_layer,
+            n_dense: k.usize("leading_dense_block_count")?,
+            n_ff: k.usize("feed_forward_length")?,
+            n_head,
+            q_lora_rank,
+            kv_lora_rank,
+            qk_nope,
+            qk_rope,
+            v_head,
+            rms_eps: k.f64("attention.layer_norm_rms_epsilon")?,
+            n_expert,
+            n_expert_used,
+            n_expert_shared: k.opt_usize("expert_shared_count")?.unwrap_or(0),
+            n_ff_exp: k.usize("expert_feed_forward_length")?,
+            groups,
+            expert_weights_scale: k.f64("expert_weights_scale")?,
+            expert_weights_norm: k.opt_bool("expert_weights_norm")?.unwrap_or(false),
+            gating,
+            rope,
+            indexer,
+        })
+    }
+
+    /// Query/key head width: `qk_nope + qk_rope`.
+    pub fn qk_head(&self) -> usize {
+        self.qk_nope + self.qk_rope
+    }
+
+    /// Whether layer `l` uses the dense MLP (else MoE).
+    pub fn is_dense(&self, l: usize) -> bool {
+        l < self.n_dense
+    }
+}
+
+/// Reads `rope.scaling.*`: absent or `none` = no scaling; `yarn` = YaRN; anything else is refused.
+fn read_yarn(k: &Keys<'_>) -> Result<Option<Yarn>> {
+    let ty = match k.get("rope.scaling.type") {
+        None => return Ok(None),
+        Some(v) => v
+            .as_str()
+            .ok_or_else(|| k.bad("rope.scaling.type", v, "a string"))?,
+    };
+    match ty {
+        "none" => Ok(None),
+        "yarn" => {
+            let factor = k.f64("rope.scaling.factor")?;
+            if factor <= 0.0 {
+                bail!(
+                    "model: {}: {} = {factor} must be positive",
+                    k.model.path().display(),
+                    k.key("rope.scaling.factor")
+                );
+            }
+            let log_mul = k.opt_f64("rope.scaling.yarn_log_multiplier")?;
+            Ok(Some(Yarn {
+                factor,
+                original_context: k.f64("rope.scaling.original_context_length")?,
+                beta_fast: k
+                    .opt_f64("rope.scaling.yarn_beta_fast")?
+                    .unwrap_or(YARN_BETA_FAST_DEFAULT),
+                beta_slow: k
+                    .opt_f64("rope.scaling.yarn_beta_slow")?
+                    .unwrap_or(YARN_BETA_SLOW_DEFAULT),
+                mscale_all_dim: log_mul
+                    .filter(|&m| m != 0.0)
+                    .map(|m| m / YARN_LOG_MUL_CONVERTER_FACTOR),
+                attn_factor: k.opt_f64("rope.scaling.attn_factor")?,
+            }))
+        }
+        other => bail!(
+            "model: {}: {} = {other:?} is not supported (none or yarn)",
+            k.model.path().display(),
+            k.key("rope.scaling.type")
+        ),
+    }
+}

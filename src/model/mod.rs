@@ -1,0 +1,15 @@
+//! Model knowledge for `glm-dsa` (GLM-5) and `deepseek2` (DeepSeek-V2/V3): hyperparameters from
+//! GGUF metadata ([`hparams`]), tensor names and their expected shapes ([`names`]), weight views
+//! dequantized on demand ([`weights`]: kv_b assembly, expert slices), RoPE/YaRN constants
+//! ([`rope`]) and the ordered list of forward-pass steps ([`steps`]). No activation arithmetic
+//! happens here; engines do that.
+
+pub mod hparams;
+pub mod names;
+pub mod rope;
+pub mod steps;
+pub mod weights;
+
+pub use hparams::{Arch, Gating, HParams, IndexerParams, RopeParams, Yarn};
+pub use steps::{Op, RopeSlice, Step};
+pub use weights::{Matrix, Weights};

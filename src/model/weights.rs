@@ -1,0 +1,297 @@
+//! Typed access to a model's weights by GGUF tensor name, dequantized to f32 on demand and only
+//! as far as asked: embedding rows of the prompt's tokens, row ranges of big matrices, one
+//! expert's slice of a stacked `ffn_*_exps` tensor. Every access checks the tensor's dimensions
+//! against [`names::expected_ne`] and names tensor, expected and actual shapes when they differ.
+
+use std::ops::Range;
+
+use anyhow::{bail, Context, Result};
+
+use super::hparams::HParams;
+use super::names::{self, blk};
+use crate::gguf::{Model, TensorRef};
+
+/// A dense f32 matrix, row-major: `data[r * cols + c]`, PyTorch shape `[rows, cols]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Matrix {
+    /// Number of rows (output features of a linear layer).
+    pub rows: usize,
+    /// Number of columns (input features; GGUF `ne[0]`).
+    pub cols: usize,
+    /// `rows * cols` values.
+    pub data: Vec<f32>,
+}
+
+impl Matrix {
+    /// Row `r`.
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+}
+
+/// The weights of one opened model, with its hyperparameters.
+pub struct Weights<'m> {
+    model: &'m Model,
+    hp: HParams,
+    n_vocab: usize,
+    output: &'static str,
+}
+
+impl<'m> Weights<'m> {
+    /// Reads the hyperparameters of `model` and checks the embedding and output tensors.
+    /// `output.weight` absent means the output projection is `token_embd.weight` (tied).
+    pub fn new(model: &'m Model) -> Result<Weights<'m>> {
+        let hp = HParams::from_model(model)?;
+        let emb = model.tensor(names::TOKEN_EMBD)?;
+        if emb.info.ne.len() != 2 || emb.info.ne[0] != hp.hidden as u64 {
+            bail!(
+                "model: {}: tensor {} has ne={:?}, expected [{}, n_vocab] (embedding_length = {})",
+                model.path().display(),
+                names::TOKEN_EMBD,
+                emb.info.ne,
+                hp.hidden,
+                hp.hidden
+            );
+        }
+        let n_vocab = emb.info.ne[1] as usize;
+        let output = if model.find(names::OUTPUT).is_some() {
+            names::OUTPUT
+        } else {
+            names::TOKEN_EMBD
+        };
+        let w = Weights {
+            model,
+            hp,
+            n_vocab,
+            output,
+        };
+        w.tensor(output)?;
+        Ok(w)
+    }
+
+    /// The hyperparameters.
+    pub fn hparams(&self) -> &HParams {
+        &self.hp
+    }
+
+    /// The underlying model.
+    pub fn model(&self) -> &'m Model {
+        self.model
+    }
+
+    /// Vocabulary size (rows of `token_embd.weight`).
+    pub fn n_vocab(&self) -> usize {
+        self.n_vocab
+    }
+
+    /// Name of the output projection: `output.weight`, or `token_embd.weight` when tied.
+    pub fn output_name(&self) -> &'static str {
+        self.output
+    }
+
+    /// Whether the model has a tensor called `name`.
+    pub fn has(&self, name: &str) -> bool {
+        self.model.find(name).is_some()
+    }
+
+    /// Tensor `name`, its dimensions checked against the architecture's table.
+    pub fn tensor(&self, name: &str) -> Result<TensorRef<'m>> {
+        let t = self.model.tensor(name)?;
+        if let Some(want) = names::expected_ne(&self.hp, self.n_vocab, name) {
+            if t.info.ne != want {
+                let torch = |ne: &[u64]| ne.iter().rev().copied().collect::<Vec<_>>();
+                bail!(
+                    "model: {}: tensor {name} has ne={:?} (PyTorch {:?}), expected ne={want:?} (PyTorch {:?}) from the {} hyperparameters",
+                    self.model.path().display(),
+                    t.info.ne,
+                    t.info.shape(),
+                    torch(&want),
+                    self.hp.arch.as_str()
+                );
+            }
+        }
+        Ok(t)
+    }
+
+    /// A 1-D tensor (norm weight, bias).
+    pub fn vector(&self, name: &str) -> Result<Vec<f32>> {
+        let t = self.tensor(name)?;
+        if t.info.ne.len() != 1 {
+            bail!(
+                "model: {}: tensor {name} has ne={:?}, expected one dimension",
+                self.model.path().display(),
+                t.info.ne
+            );
+        }
+        self.model.dequantize(t)
+    }
+
+    /// `(rows, cols)` of a 2-D tensor: rows = output features, cols = `ne[0]`.
+    pub fn matrix_dims(&self, name: &str) -> Result<(usize, usize)> {
+        let t = self.tensor(name)?;
+        if t.info.ne.len() != 2 {
+            bail!(
+                "model: {}: tensor {name} has ne={:?}, expected a matrix (two dimensions)",
+                self.model.path().display(),
+                t.info.ne
+            );
+        }
+        Ok((t.info.ne[1] as usize, t.info.ne[0] as usize))
+    }
+
+    /// Rows `rows` of a 2-D tensor.
+    pub fn matrix_rows(&self, name: &str, rows: Range<usize>) -> Result<Matrix> {
+        let (n_rows, cols) = self.matrix_dims(name)?;
+        if rows.start > rows.end || rows.end > n_rows {
+            bail!(
+                "model: tensor {name}: rows {}..{} out of range 0..{n_rows}",
+                rows.start,
+                rows.end
+            );
+        }
+        let t = self.tensor(name)?;
+        let data = self
+            .model
+            .dequantize_rows(t, rows.start as u64..rows.end as u64)?;
+        Ok(Matrix {
+            rows: rows.len(),
+            cols,
+            data,
+        })
+    }
+
+    /// A whole 2-D tensor.
+    pub fn matrix(&self, name: &str) -> Result<Matrix> {
+        let (rows, _) = self.matrix_dims(name)?;
+        self.matrix_rows(name, 0..rows)
+    }
+
+    /// Embedding rows of `ids`: `[ids.len(), hidden]`. Ids out of range are an error.
+    pub fn embedding_rows(&self, ids: &[u32]) -> Result<Matrix> {
+        let t = self.tensor(names::TOKEN_EMBD)?;
+        let hidden = self.hp.hidden;
+        let mut data = Vec::with_capacity(ids.len() * hidden);
+        for (i, &id) in ids.iter().enumerate() {
+            if id as usize >= self.n_vocab {
+                bail!(
+                    "model: token {i} has id {id}, outside the vocabulary 0..{} of {}",
+                    self.n_vocab,
+                    self.model.file_name()
+                );
+            }
+            data.extend(self.model.dequantize_rows(t, id as u64..id as u64 + 1)?);
+        }
+        Ok(Matrix {
+            rows: ids.len(),
+            cols: hidden,
+            data,
+        })
+    }
+
+    /// Expert `e`'s matrix of a stacked 3-D tensor (`ne = [cols, rows, n_expert]`): rows
+    /// `e*rows..(e+1)*rows` of the tensor, nothing else dequantized.
+    pub fn expert(&self, name: &str, e: usize) -> Result<Matrix> {
+        let t = self.tensor(name)?;
+        let ne = &t.info.ne;
+        if ne.len() != 3 || e as u64 >= ne[2] {
+            bail!(
+                "model: tensor {name} (ne={ne:?}): expected [cols, rows, n_expert] and expert {e} < n_expert"
+            );
+        }
+        let (cols, rows) = (ne[0] as usize, ne[1] as usize);
+        let start = (e * rows) as u64;
+        let data = self
+            .model
+            .dequantize_rows(t, start..start + rows as u64)
+            .with_context(|| format!("model: expert {e} of {name}"))?;
+        Ok(Matrix { rows, cols, data })
+    }
+
+    /// Expert `e`'s gate and up matrices of layer `layer` (`[n_ff_exp, hidden]` each), from
+    /// `ffn_gate_exps`/`ffn_up_exps` or the fused `ffn_gate_up_exps` (gate rows first, as
+    /// llama.cpp's `build_moe_ffn` splits it).
+    pub fn expert_gate_up(&self, layer: usize, e: usize) -> Result<(Matrix, Matrix)> {
+        let gate = names::blk(layer, blk::FFN_GATE_EXPS);
+        if self.has(&gate) || !self.has(&names::blk(layer, blk::FFN_GATE_UP_EXPS)) {
+            return Ok((
+                self.expert(&gate, e)?,
+                self.expert(&names::blk(layer, blk::FFN_UP_EXPS), e)?,
+            ));
+        }
+        let mut both = self.expert(&names::blk(layer, blk::FFN_GATE_UP_EXPS), e)?;
+        let half = both.rows / 2;
+        let up = Matrix {
+            rows: half,
+            cols: both.cols,
+            data: both.data.split_off(half * both.cols),
+        };
+        both.rows = half;
+        Ok((both, up))
+    }
+
+    /// The kv_b projection of layer `layer` in HF `kv_b_proj` layout, `[H*(nope+v), kv_lora]`:
+    /// rows per head, `nope` K rows then `v` V rows. Built from `attn_k_b`/`attn_v_b` (spec 3.1),
+    /// or read from the legacy unsplit `attn_kv_b`.
+    pub fn kv_b(&self, layer: usize) -> Result<Matrix> {
+        let hp = &self.hp;
+        let (h, nope, v, kv_lora) = (hp.n_head, hp.qk_nope, hp.v_head, hp.kv_lora_rank);
+        let k_name = names::blk(layer, blk::ATTN_K_B);
+        let legacy = names::blk(layer, blk::ATTN_KV_B);
+        if !self.has(&k_name) && self.has(&legacy) {
+            return self.matrix(&legacy);
+        }
+        let kt = self.tensor(&k_name)?;
+        let k_b = self.model.dequantize(kt)?;
+        let vt = self.tensor(&names::blk(layer, blk::ATTN_V_B))?;
+        let v_b = self.model.dequantize(vt)?;
+        Ok(Matrix {
+            rows: h * (nope + v),
+            cols: kv_lora,
+            data: assemble_kv_b(&k_b, &v_b, h, nope, v, kv_lora),
+        })
+    }
+}
+
+/// Rebuilds HF `kv_b_proj` `[H*(nope+v), kv_lora]` from the converter's split tensors:
+/// `k_b` is PyTorch `[H, kv_lora, nope]` (`k_b[h][c][d]`), `v_b` is `[H, v, kv_lora]`.
+/// Per head h: rows `d < nope` are `k_b[h][:, d]` (transposed back), then the `v` rows of `v_b[h]`
+/// (spec 3.1: `cat([K.transpose(1,2), V], dim=1).reshape(H*(nope+v), kv_lora)`).
+pub fn assemble_kv_b(
+    k_b: &[f32],
+    v_b: &[f32],
+    h: usize,
+    nope: usize,
+    v: usize,
+    kv_lora: usize,
+) -> Vec<f32> {
+    let mut out = Vec::with_capacity(h * (nope + v) * kv_lora);
+    for head in 0..h {
+        let kh = &k_b[head * kv_lora * nope..(head + 1) * kv_lora * nope]; // [kv_lora, nope]
+        for d in 0..nope {
+            out.extend((0..kv_lora).map(|c| kh[c * nope + d]));
+        }
+        out.extend_from_slice(&v_b[head * v * kv_lora..(head + 1) * v * kv_lora]);
+        // [v, kv_lora]
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// H=2, nope=2, v=1, kv_lora=3. HF kv_b rows (per head: K0, K1, V0), written by hand:
+    /// head 0: [1,2,3] [4,5,6] [7,8,9]; head 1: [10,11,12] [13,14,15] [16,17,18].
+    /// The converter's split: k_b[h] = K rows transposed ([kv_lora, nope]), v_b[h] = V rows.
+    #[test]
+    fn kv_b_split_and_reassembly_by_hand() {
+        let k_b = [
+            1., 4., 2., 5., 3., 6., // head 0: [[1,4],[2,5],[3,6]]
+            10., 13., 11., 14., 12., 15., // head 1
+        ];
+        let v_b = [7., 8., 9., 16., 17., 18.];
+        let kv = assemble_kv_b(&k_b, &v_b, 2, 2, 1, 3);
+        let want: Vec<f32> = (1..=18).map(|x| x as f32).collect();
+        assert_eq!(kv, want);
+    }
+}

@@ -1,0 +1,267 @@
+//! Trace files: safetensors with one tensor per hook (F32, I32 for ids) and `__metadata__`
+//! (`shared/spec/hooks.md`). Written atomically; readable with the `safetensors` package alone.
+//! The reader also accepts F64/F16/BF16 floats and other integer widths, so golden traces made by
+//! transformers in float64 and external dumps read the same way.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use safetensors::{Dtype, SafeTensors};
+
+use crate::engine::{HostData, HostTensor};
+use crate::util::atomic::write_atomic;
+
+/// Value of the `glmdiff_trace` metadata key written by this version.
+pub const TRACE_FORMAT_VERSION: &str = "1";
+
+/// What a trace records about its run (`__metadata__`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TraceMeta {
+    /// Model file name.
+    pub model: String,
+    /// `general.architecture`.
+    pub architecture: String,
+    /// Prompt token ids.
+    pub tokens: Vec<u32>,
+    /// Engine description (`cpu`, `cuda:0 NVIDIA H200 sm_90`).
+    pub engine: String,
+    /// Compute precision.
+    pub dtype: String,
+    /// `chained` or `isolated`.
+    pub mode: String,
+    /// Further keys.
+    pub extra: BTreeMap<String, String>,
+}
+
+impl TraceMeta {
+    /// The `__metadata__` map: the required keys, `glmdiff_trace` and `glmdiff_version`, then extras.
+    pub fn to_map(&self) -> HashMap<String, String> {
+        let mut m: HashMap<String, String> = self.extra.clone().into_iter().collect();
+        let tokens: Vec<String> = self.tokens.iter().map(u32::to_string).collect();
+        for (k, v) in [
+            ("glmdiff_trace", TRACE_FORMAT_VERSION.to_string()),
+            ("model", self.model.clone()),
+            ("architecture", self.architecture.clone()),
+            ("tokens", format!("[{}]", tokens.join(","))),
+            ("engine", self.engine.clone()),
+            ("dtype", self.dtype.clone()),
+            ("mode", self.mode.clone()),
+            ("glmdiff_version", env!("CARGO_PKG_VERSION").to_string()),
+        ] {
+            m.insert(k.to_string(), v);
+        }
+        m
+    }
+}
+
+/// Writes `tensors` and `meta` to `path` atomically.
+pub fn write_trace(
+    path: &Path,
+    tensors: &BTreeMap<String, HostTensor>,
+    meta: &TraceMeta,
+) -> Result<()> {
+    let bytes: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(name, t)| {
+            let (dtype, data) = match &t.data {
+                HostData::F32(v) => (Dtype::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+                HostData::I32(v) => (Dtype::I32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            };
+            (name.clone(), dtype, t.shape.clone(), data)
+        })
+        .collect();
+    let views = bytes
+        .iter()
+        .map(|(name, dtype, shape, data)| {
+            safetensors::tensor::TensorView::new(*dtype, shape.clone(), data)
+                .map(|v| (name.as_str(), v))
+                .with_context(|| format!("trace: hook {name} shape {shape:?}"))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let out = safetensors::serialize(views, Some(meta.to_map()))
+        .with_context(|| format!("trace: serializing {}", path.display()))?;
+    write_atomic(path, |w| Ok(w.write_all(&out)?))
+}
+
+/// Values of a trace tensor: floats widened to f64, integers to i64.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TraceValues {
+    /// F64, F32, F16 or BF16 data.
+    Float(Vec<f64>),
+    /// Integer data.
+    Int(Vec<i64>),
+}
+
+/// One tensor of a trace.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TraceTensor {
+    /// PyTorch-order shape.
+    pub shape: Vec<usize>,
+    /// Stored dtype name (`F32`, `F64`, `I32`, ...).
+    pub dtype: String,
+    /// The values.
+    pub values: TraceValues,
+}
+
+impl TraceTensor {
+    /// Float values, or an error naming the hook.
+    pub fn floats(&self, name: &str) -> Result<&[f64]> {
+        match &self.values {
+            TraceValues::Float(v) => Ok(v),
+            TraceValues::Int(_) => bail!(
+                "trace: hook {name} holds {} integers, not floats",
+                self.dtype
+            ),
+        }
+    }
+
+    /// Integer values, or an error naming the hook.
+    pub fn ints(&self, name: &str) -> Result<&[i64]> {
+        match &self.values {
+            TraceValues::Int(v) => Ok(v),
+            TraceValues::Float(_) => bail!(
+                "trace: hook {name} holds {} floats, not integers",
+                self.dtype
+            ),
+        }
+    }
+}
+
+/// A trace read from a file.
+#[derive(Clone, Debug, Default)]
+pub struct Trace {
+    /// `__metadata__` (empty when the file has none).
+    pub metadata: HashMap<String, String>,
+    /// Tensors by hook name.
+    pub tensors: BTreeMap<String, TraceTensor>,
+}
+
+impl Trace {
+    /// Hook `name`, or an error naming the hook and the file's hooks count.
+    pub fn get(&self, name: &str) -> Result<&TraceTensor> {
+        self.tensors
+            .get(name)
+            .with_context(|| format!("trace: no hook {name} among {} hooks", self.tensors.len()))
+    }
+
+    /// The `tokens` metadata parsed as a JSON list of ids.
+    pub fn tokens(&self) -> Result<Vec<u32>> {
+        let s = self
+            .metadata
+            .get("tokens")
+            .context("trace: metadata has no tokens key")?;
+        serde_json::from_str(s)
+            .with_context(|| format!("trace: tokens metadata {s:?} is not a JSON list of ids"))
+    }
+}
+
+fn decode(dtype: Dtype, b: &[u8]) -> Result<TraceValues> {
+    fn chunks<const N: usize>(b: &[u8]) -> impl Iterator<Item = [u8; N]> + '_ {
+        b.chunks_exact(N).map(|c| {
+            let mut a = [0u8; N];
+            a.copy_from_slice(c);
+            a
+        })
+    }
+    Ok(match dtype {
+        Dtype::F64 => TraceValues::Float(chunks::<8>(b).map(f64::from_le_bytes).collect()),
+        Dtype::F32 => TraceValues::Float(
+            chunks::<4>(b)
+                .map(|a| f64::from(f32::from_le_bytes(a)))
+                .collect(),
+        ),
+        Dtype::F16 => TraceValues::Float(
+            chunks::<2>(b)
+                .map(|a| f64::from(half::f16::from_le_bytes(a).to_f32()))
+                .collect(),
+        ),
+        Dtype::BF16 => TraceValues::Float(
+            chunks::<2>(b)
+                .map(|a| f64::from(half::bf16::from_le_bytes(a).to_f32()))
+                .collect(),
+        ),
+        Dtype::I64 => TraceValues::Int(chunks::<8>(b).map(i64::from_le_bytes).collect()),
+        Dtype::I32 => TraceValues::Int(
+            chunks::<4>(b)
+                .map(|a| i64::from(i32::from_le_bytes(a)))
+                .collect(),
+        ),
+        Dtype::I16 => TraceValues::Int(
+            chunks::<2>(b)
+                .map(|a| i64::from(i16::from_le_bytes(a)))
+                .collect(),
+        ),
+        Dtype::I8 => TraceValues::Int(b.iter().map(|&x| i64::from(x as i8)).collect()),
+        Dtype::U8 => TraceValues::Int(b.iter().map(|&x| i64::from(x)).collect()),
+        Dtype::BOOL => TraceValues::Int(b.iter().map(|&x| i64::from(x != 0)).collect()),
+        other => bail!("dtype {other:?} is not supported in traces"),
+    })
+}
+
+/// Reads a trace (any safetensors file: glmdiff's, a golden trace, an external dump).
+pub fn read_trace(path: &Path) -> Result<Trace> {
+    let bytes =
+        std::fs::read(path).with_context(|| format!("trace: cannot read {}", path.display()))?;
+    let (_, meta) = SafeTensors::read_metadata(&bytes)
+        .with_context(|| format!("trace: {} is not a safetensors file", path.display()))?;
+    let st = SafeTensors::deserialize(&bytes)
+        .with_context(|| format!("trace: {} is not a safetensors file", path.display()))?;
+    let mut tensors = BTreeMap::new();
+    for (name, view) in st.iter() {
+        let values = decode(view.dtype(), view.data())
+            .with_context(|| format!("trace: {}: hook {name}", path.display()))?;
+        tensors.insert(
+            name.to_string(),
+            TraceTensor {
+                shape: view.shape().to_vec(),
+                dtype: format!("{:?}", view.dtype()),
+                values,
+            },
+        );
+    }
+    Ok(Trace {
+        metadata: meta.metadata().clone().unwrap_or_default(),
+        tensors,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trace_round_trips_with_metadata() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.safetensors");
+        let mut tensors = BTreeMap::new();
+        tensors.insert(
+            "a".to_string(),
+            HostTensor::f32(vec![2, 2], vec![1.0, -2.5, 3.0, 0.0]).unwrap(),
+        );
+        tensors.insert(
+            "ids".to_string(),
+            HostTensor::i32(vec![1, 3], vec![3, -1, 7]).unwrap(),
+        );
+        let meta = TraceMeta {
+            model: "m.gguf".into(),
+            architecture: "glm-dsa".into(),
+            tokens: vec![5, 6],
+            engine: "cpu".into(),
+            dtype: "f32".into(),
+            mode: "chained".into(),
+            extra: BTreeMap::new(),
+        };
+        write_trace(&p, &tensors, &meta).unwrap();
+        let t = read_trace(&p).unwrap();
+        assert_eq!(t.metadata["glmdiff_trace"], TRACE_FORMAT_VERSION);
+        assert_eq!(t.metadata["architecture"], "glm-dsa");
+        assert_eq!(t.tokens().unwrap(), vec![5, 6]);
+        assert_eq!(
+            t.get("a").unwrap().floats("a").unwrap(),
+            &[1.0, -2.5, 3.0, 0.0]
+        );
+        assert_eq!(t.get("ids").unwrap().ints("ids").unwrap(), &[3, -1, 7]);
+        assert_eq!(t.get("ids").unwrap().shape, vec![1, 3]);
+    }
+}
