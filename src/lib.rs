@@ -5,6 +5,7 @@
 //! dequantization); [`cmd`] turns flags from [`cli`] into work and [`report`] prints.
 #![warn(missing_docs)]
 
+pub mod bench;
 pub mod cli;
 pub mod cmd;
 pub mod driver;
