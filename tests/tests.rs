@@ -4,3 +4,4 @@ mod common;
 mod malformed;
 mod cli;
 mod tokenizer;
+mod reference;

@@ -12,4 +12,4 @@ pub mod weights;
 
 pub use hparams::{Arch, Gating, HParams, IndexerParams, RopeParams, Yarn};
 pub use steps::{Op, RopeSlice, Step};
-pub use weights::{Matrix, Weights};
+pub use weights::{Matrix, RowSource, Weights};

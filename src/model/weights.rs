@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use super::hparams::HParams;
 use super::names::{self, blk};
 use crate::gguf::{Model, TensorRef};
+use crate::quant;
 
 /// A dense f32 matrix, row-major: `data[r * cols + c]`, PyTorch shape `[rows, cols]`.
 #[derive(Clone, Debug, PartialEq)]
@@ -26,6 +27,47 @@ impl Matrix {
     /// Row `r`.
     pub fn row(&self, r: usize) -> &[f32] {
         &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+}
+
+/// A range of rows of a GGUF matrix (a 2-D tensor, or one expert's slice of a stacked 3-D one)
+/// that dequantizes any sub-range of its rows into a caller's buffer, straight from the map.
+/// Rows are whole quant blocks (`ne[0]` is a multiple of the block size), so any row range is
+/// block-aligned; the values equal those of [`Model::dequantize_rows`].
+#[derive(Clone, Copy)]
+pub struct RowSource<'m> {
+    model: &'m Model,
+    t: TensorRef<'m>,
+    first: u64,
+    /// Rows of this source.
+    pub rows: usize,
+    /// Values per row (`ne[0]`).
+    pub cols: usize,
+}
+
+impl RowSource<'_> {
+    /// The tensor's GGUF name.
+    pub fn name(&self) -> &str {
+        &self.t.info.name
+    }
+
+    /// Dequantizes rows `rows` (relative to this source) into `dst` (`rows.len() * cols` values),
+    /// on the calling thread.
+    pub fn dequantize_into(&self, rows: Range<usize>, dst: &mut [f32]) -> Result<()> {
+        if rows.end > self.rows || dst.len() != rows.len() * self.cols {
+            bail!(
+                "model: tensor {}: rows {rows:?} of {} into {} values",
+                self.t.info.name,
+                self.rows,
+                dst.len()
+            );
+        }
+        let bytes = self.model.row_data(
+            self.t,
+            self.first + rows.start as u64..self.first + rows.end as u64,
+        )?;
+        quant::dequantize(self.t.info.ty, bytes, dst)
+            .with_context(|| format!("model: tensor {}", self.t.info.name))
     }
 }
 
@@ -111,6 +153,69 @@ impl<'m> Weights<'m> {
             }
         }
         Ok(t)
+    }
+
+    fn source(&self, t: TensorRef<'m>, first: u64, rows: usize) -> Result<RowSource<'m>> {
+        if self.model.shards()[t.shard].is_big_endian() && t.info.ty.type_size() > 1 {
+            bail!(
+                "model: {}: tensor {}: big-endian tensor data is not supported",
+                self.model.path().display(),
+                t.info.name
+            );
+        }
+        Ok(RowSource {
+            model: self.model,
+            t,
+            first,
+            rows,
+            cols: t.info.ne[0] as usize,
+        })
+    }
+
+    /// All rows of the 2-D tensor `name`, to be dequantized on demand.
+    pub fn rows(&self, name: &str) -> Result<RowSource<'m>> {
+        let (rows, _) = self.matrix_dims(name)?;
+        self.source(self.tensor(name)?, 0, rows)
+    }
+
+    /// Expert `e`'s rows of a stacked 3-D tensor (`ne = [cols, rows, n_expert]`).
+    pub fn expert_rows(&self, name: &str, e: usize) -> Result<RowSource<'m>> {
+        let t = self.tensor(name)?;
+        let ne = &t.info.ne;
+        if ne.len() != 3 || e as u64 >= ne[2] {
+            bail!(
+                "model: tensor {name} (ne={ne:?}): expected [cols, rows, n_expert] and expert {e} < n_expert"
+            );
+        }
+        let rows = ne[1] as usize;
+        self.source(t, (e * rows) as u64, rows)
+    }
+
+    /// Expert `e`'s gate and up rows of layer `layer` (`[n_ff_exp, hidden]` each), from
+    /// `ffn_gate_exps`/`ffn_up_exps` or the fused `ffn_gate_up_exps` (per expert, gate rows then
+    /// up rows, as llama.cpp's `build_moe_ffn` splits it).
+    pub fn expert_gate_up_rows(
+        &self,
+        layer: usize,
+        e: usize,
+    ) -> Result<(RowSource<'m>, RowSource<'m>)> {
+        let gate = names::blk(layer, blk::FFN_GATE_EXPS);
+        let fused = names::blk(layer, blk::FFN_GATE_UP_EXPS);
+        if self.has(&gate) || !self.has(&fused) {
+            return Ok((
+                self.expert_rows(&gate, e)?,
+                self.expert_rows(&names::blk(layer, blk::FFN_UP_EXPS), e)?,
+            ));
+        }
+        let both = self.expert_rows(&fused, e)?;
+        let half = both.rows / 2;
+        let gate = RowSource { rows: half, ..both };
+        let up = RowSource {
+            rows: half,
+            first: both.first + half as u64,
+            ..both
+        };
+        Ok((gate, up))
     }
 
     /// A 1-D tensor (norm weight, bias).
@@ -205,28 +310,6 @@ impl<'m> Weights<'m> {
             .dequantize_rows(t, start..start + rows as u64)
             .with_context(|| format!("model: expert {e} of {name}"))?;
         Ok(Matrix { rows, cols, data })
-    }
-
-    /// Expert `e`'s gate and up matrices of layer `layer` (`[n_ff_exp, hidden]` each), from
-    /// `ffn_gate_exps`/`ffn_up_exps` or the fused `ffn_gate_up_exps` (gate rows first, as
-    /// llama.cpp's `build_moe_ffn` splits it).
-    pub fn expert_gate_up(&self, layer: usize, e: usize) -> Result<(Matrix, Matrix)> {
-        let gate = names::blk(layer, blk::FFN_GATE_EXPS);
-        if self.has(&gate) || !self.has(&names::blk(layer, blk::FFN_GATE_UP_EXPS)) {
-            return Ok((
-                self.expert(&gate, e)?,
-                self.expert(&names::blk(layer, blk::FFN_UP_EXPS), e)?,
-            ));
-        }
-        let mut both = self.expert(&names::blk(layer, blk::FFN_GATE_UP_EXPS), e)?;
-        let half = both.rows / 2;
-        let up = Matrix {
-            rows: half,
-            cols: both.cols,
-            data: both.data.split_off(half * both.cols),
-        };
-        both.rows = half;
-        Ok((both, up))
     }
 
     /// The kv_b projection of layer `layer` in HF `kv_b_proj` layout, `[H*(nope+v), kv_lora]`:

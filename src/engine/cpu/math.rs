@@ -10,9 +10,10 @@
 //! results are bit-identical for any `RAYON_NUM_THREADS`. No fused multiply-add is used (Rust
 //! never contracts `a * b + c` on its own), so results do not depend on the CPU either.
 
+use anyhow::Result;
 use rayon::prelude::*;
 
-use crate::model::Matrix;
+use crate::model::{Matrix, RowSource};
 
 /// Independent f64 accumulators of a dot product (lets the compiler use SIMD lanes).
 pub const LANES: usize = 8;
@@ -59,6 +60,44 @@ pub fn matmul_into(x: &[f32], t: usize, w: &Matrix, out: &mut [f32], out_cols: u
             out[tok * out_cols + col0 + r] = tr[r * t + tok];
         }
     }
+}
+
+/// Values of weight rows dequantized by one task of [`matmul_rows`] (256 KiB of f32, so the rows
+/// are still in cache when their dot products run).
+pub const ROW_TASK_ELEMS: usize = 1 << 16;
+
+/// `x · W^T` for weight rows read from a quantized tensor: `[t, src.cols]` -> `[t, src.rows]`.
+/// Each task dequantizes a few rows into a per-thread buffer and uses them at once, so neither
+/// the whole f32 matrix nor large temporary allocations ever exist.
+pub fn matmul_rows(x: &[f32], t: usize, src: &RowSource<'_>) -> Result<Vec<f32>> {
+    let k = src.cols;
+    debug_assert_eq!(x.len(), t * k);
+    let rows_per_task = (ROW_TASK_ELEMS / k.max(1)).max(1);
+    let tt = t.max(1);
+    // [src.rows, t]: one weight row against every token.
+    let mut tr = vec![0f32; src.rows * tt];
+    tr.par_chunks_mut(rows_per_task * tt)
+        .enumerate()
+        .try_for_each_init(Vec::new, |buf: &mut Vec<f32>, (task, o)| -> Result<()> {
+            let r0 = task * rows_per_task;
+            let n = o.len() / tt;
+            buf.resize(n * k, 0.0);
+            src.dequantize_into(r0..r0 + n, buf)?;
+            for (i, orow) in o.chunks_exact_mut(tt).enumerate() {
+                let wr = &buf[i * k..(i + 1) * k];
+                for (tok, v) in orow.iter_mut().enumerate().take(t) {
+                    *v = dot(&x[tok * k..(tok + 1) * k], wr) as f32;
+                }
+            }
+            Ok(())
+        })?;
+    let mut out = vec![0f32; t * src.rows];
+    for r in 0..src.rows {
+        for tok in 0..t {
+            out[tok * src.rows + r] = tr[r * tt + tok];
+        }
+    }
+    Ok(out)
 }
 
 /// `x · W^T`: `[t, w.cols]` -> `[t, w.rows]`.

@@ -3,8 +3,8 @@
 //! Clarity first: f32 storage, f64 accumulation in a fixed order ([`math`] documents the
 //! scheme), naive (non-absorbed) MLA. Speed comes from doing only the work needed: weights are
 //! dequantized on demand through [`Weights`] (embedding rows of the prompt, only the selected
-//! experts' slices, big matrices in row chunks of at most [`LINEAR_CHUNK_ELEMS`] values so that
-//! `output.weight` of a 154880-token vocabulary never sits in memory whole), and independent
+//! experts' slices; matrices a few rows at a time, used while in cache, so that `output.weight` of
+//! a 154880-token vocabulary never sits in memory as f32), and independent
 //! outputs run in parallel with rayon. Results are bit-identical for any thread count.
 
 mod attention;
@@ -20,9 +20,6 @@ use crate::model::{rope, RopeSlice, Weights};
 
 pub use attention::causal_top_k;
 pub use moe::route_token;
-
-/// Most f32 values of one weight chunk dequantized at a time by [`Engine::linear`] (64 MiB).
-pub const LINEAR_CHUNK_ELEMS: usize = 16 << 20;
 
 /// The CPU reference engine over one model's weights.
 pub struct CpuEngine<'w> {
@@ -55,26 +52,19 @@ impl<'w> CpuEngine<'w> {
             .collect()
     }
 
-    /// `x · W^T` for the GGUF matrix `name`, dequantized in row chunks. Returns `[T, out]` values.
+    /// `x · W^T` for the GGUF matrix `name`, dequantized on the fly. Returns `[T, out]` values.
     fn linear_host(&self, x: &HostTensor, name: &str) -> Result<Vec<f32>> {
         let (t, k) = x.dims2(name)?;
-        let (rows, cols) = self.weights.matrix_dims(name)?;
-        if cols != k {
+        let src = self.weights.rows(name)?;
+        if src.cols != k {
             bail!(
-                "engine: cpu: linear {name}: input has {k} columns, the weight [{rows}, {cols}] expects {cols}"
+                "engine: cpu: linear {name}: input has {k} columns, the weight [{}, {}] expects {}",
+                src.rows,
+                src.cols,
+                src.cols
             );
         }
-        let xv = x.as_f32(name)?;
-        let chunk = (LINEAR_CHUNK_ELEMS / cols.max(1)).max(1);
-        let mut out = vec![0f32; t * rows];
-        let mut r0 = 0;
-        while r0 < rows {
-            let r1 = (r0 + chunk).min(rows);
-            let w = self.weights.matrix_rows(name, r0..r1)?;
-            math::matmul_into(xv, t, &w, &mut out, rows, r0);
-            r0 = r1;
-        }
-        Ok(out)
+        math::matmul_rows(x.as_f32(name)?, t, &src)
     }
 }
 

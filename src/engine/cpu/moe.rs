@@ -9,7 +9,7 @@
 
 use anyhow::{bail, Result};
 
-use super::math::{matmul, sigmoid, softmax_in_place, swiglu};
+use super::math::{matmul_rows, sigmoid, softmax_in_place, swiglu};
 use super::CpuEngine;
 use crate::engine::{ExpertsOut, HostTensor, Routing};
 use crate::model::names::{self, blk};
@@ -167,11 +167,12 @@ impl CpuEngine<'_> {
                 .iter()
                 .flat_map(|&(tok, _)| xv[tok * hidden..(tok + 1) * hidden].iter().copied())
                 .collect(); // [n, hidden]
-            let (gate, up) = self.weights.expert_gate_up(layer, e)?;
-            let act = swiglu(&matmul(&xs, n, &gate), &matmul(&xs, n, &up)); // [n, n_ff_exp]
-            drop((gate, up));
-            let down = self.weights.expert(&down_name, e)?;
-            let y = matmul(&act, n, &down); // [n, hidden]
+            let (gate, up) = self.weights.expert_gate_up_rows(layer, e)?;
+            let g = matmul_rows(&xs, n, &gate)?; // [n, n_ff_exp]
+            let u = matmul_rows(&xs, n, &up)?;
+            let act = swiglu(&g, &u);
+            let down = self.weights.expert_rows(&down_name, e)?;
+            let y = matmul_rows(&act, n, &down)?; // [n, hidden]
             for (i, &(tok, w)) in toks.iter().enumerate() {
                 let w = f64::from(w);
                 for (a, &v) in acc[tok * hidden..(tok + 1) * hidden]

@@ -1,0 +1,235 @@
+//! The CPU reference against the float64 golden traces of `fixtures/models/` (made by
+//! `reference/make_model_fixtures.py` from transformers, cross-checked there against a numpy
+//! forward of the spec), and its determinism across thread counts.
+//!
+//! Every `*.trace.safetensors` lists in its metadata the GGUFs it applies to (`models`) and the
+//! prompt (`tokens`); each pair runs here.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use glmdiff::driver::{self, Plan};
+use glmdiff::engine::cpu::CpuEngine;
+use glmdiff::engine::{HostData, HostTensor};
+use glmdiff::gguf::Model;
+use glmdiff::model::Weights;
+use glmdiff::trace::{read_trace, HookFilter, Trace, TraceSink};
+
+/// Largest relative L2 error `|ref - golden| / |golden|` allowed at any hook.
+///
+/// Why 1e-5: the reference stores every weight and activation in f32 (relative rounding 2^-24 ≈
+/// 6e-8 per stored value) and accumulates in f64, so each step adds about one f32 rounding to
+/// what it receives, times the step's amplification (norms and matmuls of random-like data keep
+/// relative errors about constant; softmax and SwiGLU amplify by small factors). Across the
+/// fixtures' few layers the observed worst case is ~2e-7; depth multiplies it roughly linearly.
+/// 1e-5 leaves ~50x headroom and stays ~10x below the smallest real defect of interest (the
+/// q_a/kv_a norm eps 1e-6 vs 1e-5 confusion moves hooks by ~1e-4; layout bugs by O(1)).
+const MAX_REL_L2: f64 = 1e-5;
+
+fn fixtures_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/models")
+}
+
+/// `(trace, gguf)` pairs of every golden trace under `fixtures/models/*/`.
+fn golden_pairs() -> Vec<(PathBuf, PathBuf)> {
+    let mut out = Vec::new();
+    let root = fixtures_root();
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("no model fixtures at {}: {e}", root.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    dirs.sort();
+    for dir in dirs {
+        let mut traces: Vec<PathBuf> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.to_string_lossy().ends_with(".trace.safetensors"))
+            .collect();
+        traces.sort();
+        for tr in traces {
+            let t = read_trace(&tr).unwrap();
+            let models: Vec<String> = match t.metadata.get("models") {
+                Some(m) => serde_json::from_str(m).unwrap(),
+                None => vec![t.metadata["model"].clone()],
+            };
+            for m in models {
+                out.push((tr.clone(), dir.join(m)));
+            }
+        }
+    }
+    assert!(
+        !out.is_empty(),
+        "no golden traces under {}",
+        fixtures_root().display()
+    );
+    out
+}
+
+/// Runs the whole forward pass of `gguf` on `tokens`, keeping the hooks `filter` wants.
+fn run_reference(gguf: &Path, tokens: &[u32], filter: HookFilter) -> BTreeMap<String, HostTensor> {
+    let model = Model::open(gguf).unwrap();
+    let weights = Weights::new(&model).unwrap();
+    let engine = CpuEngine::new(&weights);
+    let mut sink = TraceSink::new(filter);
+    let plan = Plan::full(&weights).unwrap();
+    driver::run(&engine, &weights, tokens, &plan, &mut sink).unwrap();
+    sink.into_tensors()
+}
+
+fn floats(t: &HostTensor) -> Vec<f64> {
+    match &t.data {
+        HostData::F32(v) => v.iter().map(|&x| f64::from(x)).collect(),
+        HostData::I32(v) => v.iter().map(|&x| f64::from(x)).collect(),
+    }
+}
+
+/// Relative L2 error over the entries where the golden value is finite; the non-finite entries
+/// (`-inf` above the diagonal of `indexer_scores`) must be identical.
+fn rel_l2(name: &str, mine: &[f64], golden: &[f64]) -> f64 {
+    let (mut d2, mut n2) = (0.0, 0.0);
+    for (i, (&a, &b)) in mine.iter().zip(golden).enumerate() {
+        if b.is_finite() {
+            assert!(a.is_finite(), "{name}[{i}]: reference {a}, golden {b}");
+            d2 += (a - b) * (a - b);
+            n2 += b * b;
+        } else {
+            assert_eq!(a, b, "{name}[{i}]: reference {a}, golden {b}");
+        }
+    }
+    if n2 == 0.0 {
+        d2.sqrt()
+    } else {
+        (d2 / n2).sqrt()
+    }
+}
+
+/// Rows of an index tensor as sets (ignoring -1 padding).
+fn row_sets(v: &[i64], shape: &[usize]) -> Vec<Vec<i64>> {
+    let w = shape[1].max(1);
+    v.chunks(w)
+        .map(|r| {
+            let mut s: Vec<i64> = r.iter().copied().filter(|&x| x >= 0).collect();
+            s.sort_unstable();
+            s
+        })
+        .collect()
+}
+
+fn check_against_golden(trace_path: &Path, gguf: &Path, golden: &Trace) -> f64 {
+    let tokens = golden.tokens().unwrap();
+    let mine = run_reference(gguf, &tokens, HookFilter::default());
+    let case = format!(
+        "{} on {}",
+        gguf.file_name().unwrap().to_string_lossy(),
+        trace_path.file_name().unwrap().to_string_lossy()
+    );
+    let mine_names: Vec<&String> = mine.keys().collect();
+    let golden_names: Vec<&String> = golden.tensors.keys().collect();
+    assert_eq!(mine_names, golden_names, "{case}: hook names differ");
+
+    let mut worst = (0.0f64, String::new());
+    for (name, g) in &golden.tensors {
+        let m = &mine[name];
+        assert_eq!(m.shape, g.shape, "{case}: {name} shape");
+        if name.ends_with("moe_topk_ids") || name.ends_with("indexer_topk") {
+            let mi: Vec<i64> = m
+                .as_i32(name)
+                .unwrap()
+                .iter()
+                .map(|&x| i64::from(x))
+                .collect();
+            let gi = g.ints(name).unwrap();
+            assert_eq!(
+                row_sets(&mi, &m.shape),
+                row_sets(gi, &g.shape),
+                "{case}: {name} selected sets differ"
+            );
+            continue;
+        }
+        let r = rel_l2(name, &floats(m), g.floats(name).unwrap());
+        if r > worst.0 {
+            worst = (r, name.clone());
+        }
+        assert!(
+            r <= MAX_REL_L2,
+            "{case}: {name} relative L2 error {r:.3e} > {MAX_REL_L2:e}"
+        );
+    }
+    // Identical top-1 token at every position.
+    let (lm, lg) = (floats(&mine["logits"]), golden.get("logits").unwrap());
+    let vocab = lg.shape[1];
+    let argmax = |v: &[f64]| {
+        v.iter()
+            .enumerate()
+            .fold(
+                (0, f64::NEG_INFINITY),
+                |b, (i, &x)| if x > b.1 { (i, x) } else { b },
+            )
+            .0
+    };
+    for (t, (a, b)) in lm
+        .chunks(vocab)
+        .zip(lg.floats("logits").unwrap().chunks(vocab))
+        .enumerate()
+    {
+        assert_eq!(argmax(a), argmax(b), "{case}: top-1 token at position {t}");
+    }
+    eprintln!(
+        "{case}: {} hooks, worst rel L2 {:.3e} at {}",
+        golden.tensors.len(),
+        worst.0,
+        worst.1
+    );
+    worst.0
+}
+
+#[test]
+fn reference_matches_golden_traces_at_every_hook() {
+    let mut overall = 0.0f64;
+    for (trace_path, gguf) in golden_pairs() {
+        let golden = read_trace(&trace_path).unwrap();
+        overall = overall.max(check_against_golden(&trace_path, &gguf, &golden));
+    }
+    eprintln!("worst rel L2 over all fixtures: {overall:.3e}");
+}
+
+/// Every hook, optional ones included, is bit-identical in a 1-thread and a 2-thread pool.
+#[test]
+fn reference_is_bit_identical_for_1_and_2_threads() {
+    let all = || HookFilter {
+        layers: None,
+        globs: vec!["*".to_string()],
+    };
+    for (trace_path, gguf) in golden_pairs() {
+        let tokens = read_trace(&trace_path).unwrap().tokens().unwrap();
+        let run_in = |n: usize| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build()
+                .unwrap()
+                .install(|| run_reference(&gguf, &tokens, all()))
+        };
+        let (one, two) = (run_in(1), run_in(2));
+        assert_eq!(
+            one.keys().collect::<Vec<_>>(),
+            two.keys().collect::<Vec<_>>()
+        );
+        assert!(one.keys().any(|k| k.ends_with(".attn_probs")));
+        for (name, a) in &one {
+            let b = &two[name];
+            assert_eq!(a.shape, b.shape, "{name}");
+            let bits = |t: &HostTensor| -> Vec<u32> {
+                match &t.data {
+                    HostData::F32(v) => v.iter().map(|x| x.to_bits()).collect(),
+                    HostData::I32(v) => v.iter().map(|&x| x as u32).collect(),
+                }
+            };
+            assert!(
+                bits(a) == bits(b),
+                "{}: {name} differs between 1 and 2 threads",
+                gguf.display()
+            );
+        }
+    }
+}
