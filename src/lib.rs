@@ -14,6 +14,7 @@ pub mod gguf;
 pub mod model;
 pub mod quant;
 pub mod report;
+pub mod synth;
 pub mod tokenizer;
 pub mod trace;
 pub mod util;

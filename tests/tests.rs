@@ -5,3 +5,4 @@ mod malformed;
 mod cli;
 mod tokenizer;
 mod reference;
+mod synth;

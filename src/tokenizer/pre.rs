@@ -94,7 +94,7 @@ impl PreTokenizer {
 
     /// Cuts `text` into pieces (byte ranges of `text`, in order, covering all of it).
     pub fn split(&self, text: &str) -> Result<Vec<std::ops::Range<usize>>> {
-        let mut pieces: Vec<std::ops::Range<usize>> = Vec::from([0..text.len()]);
+        let mut pieces: Vec<std::ops::Range<usize>> = std::iter::once(0..text.len()).collect();
         for re in &self.regexes {
             let mut next = Vec::with_capacity(pieces.len() * 2);
             for p in pieces {
