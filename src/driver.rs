@@ -274,3 +274,169 @@ fn op_name(op: &Op) -> &'static str {
         Op::Alias => "alias",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, HashMap};
+
+    use super::*;
+    use crate::engine::cpu::CpuEngine;
+    use crate::engine::HostTensor;
+    use crate::gguf::Model;
+    use crate::model::names::{self, blk};
+    use crate::model::testutil::{
+        assemble_kv_b_for_tests, build_with, metadata, tensor_names, tiny_hparams, tiny_model,
+    };
+    use crate::model::{Arch, HParams};
+    use crate::trace::{HookFilter, TraceSink};
+
+    const TOKENS: [u32; 5] = [3, 1, 4, 1, 5];
+
+    fn run_all(model: &Model, filter: HookFilter) -> BTreeMap<String, HostTensor> {
+        let w = Weights::new(model).unwrap();
+        let engine = CpuEngine::new(&w);
+        let mut sink = TraceSink::new(filter);
+        let plan = Plan::for_sink(&w, &sink).unwrap();
+        run(&engine, &w, &TOKENS, &plan, &mut sink).unwrap();
+        sink.into_tensors()
+    }
+
+    /// Same model as `tiny_model(hp)` with the legacy unsplit `attn_kv_b` and fused
+    /// `ffn_gate_up_exps` (values rebuilt from the split tensors, in the layouts of spec 3.1 and
+    /// llama.cpp's fused expert tensor).
+    fn legacy_and_fused(hp: &HParams, a: &Model) -> Model {
+        let mut over: HashMap<String, Vec<f32>> = HashMap::new();
+        let mut names_b = Vec::new();
+        for name in tensor_names(hp) {
+            let (l, suffix) = names::split_blk(&name).unwrap_or((0, ""));
+            match suffix {
+                blk::ATTN_K_B => {
+                    let k_b = a.dequantize_named(&name).unwrap();
+                    let v_b = a.dequantize_named(&names::blk(l, blk::ATTN_V_B)).unwrap();
+                    let kv = assemble_kv_b_for_tests(&k_b, &v_b, hp);
+                    let n = names::blk(l, blk::ATTN_KV_B);
+                    over.insert(n.clone(), kv);
+                    names_b.push(n);
+                }
+                blk::FFN_GATE_EXPS => {
+                    let g = a.dequantize_named(&name).unwrap();
+                    let u = a
+                        .dequantize_named(&names::blk(l, blk::FFN_UP_EXPS))
+                        .unwrap();
+                    let per = hp.n_ff_exp * hp.hidden;
+                    let fused: Vec<f32> = (0..hp.n_expert)
+                        .flat_map(|e| {
+                            g[e * per..(e + 1) * per]
+                                .iter()
+                                .chain(&u[e * per..(e + 1) * per])
+                                .copied()
+                        })
+                        .collect();
+                    let n = names::blk(l, blk::FFN_GATE_UP_EXPS);
+                    over.insert(n.clone(), fused);
+                    names_b.push(n);
+                }
+                blk::ATTN_V_B | blk::FFN_UP_EXPS => {}
+                _ => {
+                    over.insert(name.clone(), a.dequantize_named(&name).unwrap());
+                    names_b.push(name);
+                }
+            }
+        }
+        build_with(hp, &metadata(hp), &names_b, 32, &over)
+    }
+
+    #[test]
+    fn legacy_kv_b_and_fused_gate_up_give_identical_hooks() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let a = tiny_model(&hp);
+        let b = legacy_and_fused(&hp, &a);
+        assert!(
+            b.find("blk.0.attn_kv_b.weight").is_some() && b.find("blk.0.attn_k_b.weight").is_none()
+        );
+        let (ta, tb) = (
+            run_all(&a, HookFilter::default()),
+            run_all(&b, HookFilter::default()),
+        );
+        assert!(ta.contains_key("logits") && ta.contains_key("blk.1.moe_routed"));
+        assert_eq!(ta, tb);
+    }
+
+    #[test]
+    fn model_without_q_lora_uses_attn_q() {
+        let mut hp = tiny_hparams(Arch::Deepseek2);
+        hp.q_lora_rank = None;
+        let t = run_all(&tiny_model(&hp), HookFilter::default());
+        assert!(t.contains_key("blk.0.q_b") && !t.contains_key("blk.0.q_a"));
+        assert_eq!(t["blk.0.q_b"].shape, vec![5, hp.n_head * hp.qk_head()]);
+        assert_eq!(t["logits"].shape, vec![5, 32]);
+    }
+
+    #[test]
+    fn shared_indexer_layer_reuses_the_previous_selection() {
+        let mut hp = tiny_hparams(Arch::GlmDsa);
+        if let Some(ix) = &mut hp.indexer {
+            ix.full = vec![true, false];
+        }
+        let t = run_all(&tiny_model(&hp), HookFilter::default());
+        assert!(t.contains_key("blk.0.indexer_scores") && !t.contains_key("blk.1.indexer_scores"));
+        assert_eq!(t["blk.1.indexer_topk"], t["blk.0.indexer_topk"]);
+        // T = 5 > top_k = 3: rows 0..2 are padded with -1.
+        assert_eq!(t["blk.0.indexer_topk"].shape, vec![5, 3]);
+        assert_eq!(
+            &t["blk.0.indexer_topk"].as_i32("").unwrap()[..3],
+            &[0, -1, -1]
+        );
+    }
+
+    #[test]
+    fn run_stops_after_the_last_wanted_layer() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let model = tiny_model(&hp);
+        let w = Weights::new(&model).unwrap();
+        let only0 = TraceSink::new(HookFilter {
+            layers: Some(0..1),
+            globs: vec![],
+        });
+        let p = Plan::for_sink(&w, &only0).unwrap();
+        assert_eq!((p.n_layers, p.tail), (1, false));
+        let with_logits = TraceSink::new(HookFilter {
+            layers: Some(0..1),
+            globs: vec!["blk.*".into(), "logits".into()],
+        });
+        let p = Plan::for_sink(&w, &with_logits).unwrap();
+        assert_eq!((p.n_layers, p.tail), (2, true));
+        let t = run_all(
+            &model,
+            HookFilter {
+                layers: Some(1..2),
+                globs: vec!["blk.*.exp.*".into(), "blk.*.attn_probs".into()],
+            },
+        );
+        assert!(t
+            .keys()
+            .all(|k| k.starts_with("blk.1.exp.") || k == "blk.1.attn_probs"));
+        let n_routed: usize = t
+            .iter()
+            .filter(|(k, _)| k.contains(".exp."))
+            .map(|(_, v)| v.shape[0])
+            .sum();
+        assert_eq!(n_routed, TOKENS.len() * hp.n_expert_used);
+        assert_eq!(t["blk.1.attn_probs"].shape, vec![hp.n_head, 5, 5]);
+    }
+
+    #[test]
+    fn tokens_outside_the_vocabulary_are_an_error() {
+        let hp = tiny_hparams(Arch::Deepseek2);
+        let model = tiny_model(&hp);
+        let w = Weights::new(&model).unwrap();
+        let engine = CpuEngine::new(&w);
+        let mut sink = TraceSink::new(HookFilter::default());
+        let plan = Plan::full(&w).unwrap();
+        let e = run(&engine, &w, &[1, 32], &plan, &mut sink).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("token 1 has id 32, outside the vocabulary 0..32"),
+            "{e:#}"
+        );
+    }
+}

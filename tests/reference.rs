@@ -233,3 +233,74 @@ fn reference_is_bit_identical_for_1_and_2_threads() {
         }
     }
 }
+
+fn glmdiff(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_glmdiff"))
+        .args(args)
+        .output()
+        .expect("run glmdiff")
+}
+
+/// `glmdiff trace --prompt` tokenizes like transformers (the golden trace's ids), writes the
+/// metadata keys of hooks.md, and `--layers`/`--hook` keep exactly the asked hooks.
+#[test]
+fn trace_command_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let (trace_path, gguf) = golden_pairs()
+        .into_iter()
+        .find(|(t, _)| t.to_string_lossy().contains("glm5-tiny."))
+        .expect("a glm5-tiny golden trace");
+    let golden = read_trace(&trace_path).unwrap();
+    let prompt = golden.metadata["prompt"].clone();
+    let out = dir.path().join("t.safetensors");
+    let (g, o) = (gguf.to_str().unwrap(), out.to_str().unwrap());
+
+    let r = glmdiff(&["trace", g, "--prompt", &prompt, "--out", o]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let t = read_trace(&out).unwrap();
+    assert_eq!(t.tokens().unwrap(), golden.tokens().unwrap());
+    for key in [
+        "glmdiff_trace",
+        "model",
+        "architecture",
+        "tokens",
+        "engine",
+        "dtype",
+        "mode",
+        "glmdiff_version",
+    ] {
+        assert!(t.metadata.contains_key(key), "metadata key {key}");
+    }
+    assert_eq!(t.metadata["architecture"], "glm-dsa");
+    assert_eq!(t.metadata["mode"], "chained");
+    assert_eq!(
+        t.tensors.keys().collect::<Vec<_>>(),
+        golden.tensors.keys().collect::<Vec<_>>()
+    );
+    assert_eq!(t.get("blk.1.indexer_topk").unwrap().dtype, "I32");
+
+    let r = glmdiff(&[
+        "trace",
+        g,
+        "--tokens",
+        "1,2,3",
+        "--layers",
+        "1..2",
+        "--hook",
+        "blk.*.l_out",
+        "--out",
+        o,
+    ]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let t = read_trace(&out).unwrap();
+    assert_eq!(t.tensors.keys().collect::<Vec<_>>(), vec!["blk.1.l_out"]);
+
+    let r = glmdiff(&["trace", g, "--tokens", "1,999999", "--out", o]);
+    assert_eq!(r.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&r.stderr).contains("token id 999999 is outside the vocabulary")
+    );
+    let r = glmdiff(&["trace", g, "--tokens", "1", "--layers", "0..99", "--out", o]);
+    assert_eq!(r.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&r.stderr).contains("--layers 0..99 is out of range"));
+}

@@ -454,3 +454,118 @@ fn read_yarn(k: &Keys<'_>) -> Result<Option<Yarn>> {
         ),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::testutil::{build, metadata, tiny_hparams};
+
+    fn parse(hp: &HParams, edit: impl FnOnce(&mut Vec<(String, Value)>)) -> Result<HParams> {
+        let mut meta = metadata(hp);
+        edit(&mut meta);
+        HParams::from_model(&build(hp, &meta, &[], 32))
+    }
+
+    fn remove(meta: &mut Vec<(String, Value)>, key: &str) {
+        meta.retain(|(k, _)| k != key);
+    }
+
+    #[test]
+    fn reads_back_what_was_written() {
+        for arch in [Arch::GlmDsa, Arch::Deepseek2] {
+            let mut hp = tiny_hparams(arch);
+            let got = parse(&hp, |_| {}).unwrap();
+            hp.rms_eps = f64::from(hp.rms_eps as f32); // stored as F32
+            assert_eq!(got, hp);
+        }
+    }
+
+    #[test]
+    fn absent_keys_take_the_spec_defaults() {
+        for (arch, gating) in [
+            (Arch::GlmDsa, Gating::Sigmoid),
+            (Arch::Deepseek2, Gating::Softmax),
+        ] {
+            let a = arch.as_str();
+            let got = parse(&tiny_hparams(arch), |m| {
+                remove(m, &format!("{a}.expert_gating_func"));
+                remove(m, &format!("{a}.expert_weights_norm"));
+                remove(m, &format!("{a}.expert_shared_count"));
+            })
+            .unwrap();
+            assert_eq!(got.gating, gating, "{a}");
+            assert!(!got.expert_weights_norm);
+            assert_eq!(
+                (got.n_nextn, got.groups, got.rope.yarn.clone()),
+                (0, None, None)
+            );
+        }
+    }
+
+    #[test]
+    fn mtp_layers_are_not_run() {
+        let mut hp = tiny_hparams(Arch::GlmDsa);
+        hp.n_block = 3;
+        hp.n_nextn = 1;
+        let got = parse(&hp, |_| {}).unwrap();
+        assert_eq!((got.n_block, got.n_layer), (3, 2));
+    }
+
+    #[test]
+    fn missing_keys_are_named() {
+        let e = parse(&tiny_hparams(Arch::GlmDsa), |m| {
+            remove(m, "glm-dsa.attention.kv_lora_rank")
+        })
+        .unwrap_err();
+        assert!(
+            format!("{e:#}").contains("glm-dsa.attention.kv_lora_rank is missing"),
+            "{e:#}"
+        );
+        let e = parse(&tiny_hparams(Arch::GlmDsa), |m| {
+            remove(m, "glm-dsa.attention.q_lora_rank")
+        })
+        .unwrap_err();
+        assert!(
+            format!("{e:#}").contains("glm-dsa.attention.q_lora_rank"),
+            "{e:#}"
+        );
+        let mut hp = tiny_hparams(Arch::Deepseek2);
+        hp.q_lora_rank = None; // DeepSeek-V2-Lite: plain attn_q
+        assert_eq!(parse(&hp, |_| {}).unwrap().q_lora_rank, None);
+    }
+
+    #[test]
+    fn yarn_keys_and_defaults() {
+        let got = parse(&tiny_hparams(Arch::Deepseek2), |m| {
+            let k = |s: &str| format!("deepseek2.rope.scaling.{s}");
+            m.push((k("type"), Value::String("yarn".into())));
+            m.push((k("factor"), Value::F32(40.0)));
+            m.push((k("original_context_length"), Value::U32(4096)));
+            m.push((k("yarn_log_multiplier"), Value::F32(0.1)));
+        })
+        .unwrap();
+        let y = got.rope.yarn.unwrap();
+        assert_eq!((y.factor, y.original_context), (40.0, 4096.0));
+        assert_eq!((y.beta_fast, y.beta_slow), (32.0, 1.0));
+        // 0.1 stored as f32, divided by 0.1: mscale_all_dim = 1 to f32 precision.
+        assert!((y.mscale_all_dim.unwrap() - 1.0).abs() < 1e-7);
+        let e = parse(&tiny_hparams(Arch::Deepseek2), |m| {
+            m.push((
+                "deepseek2.rope.scaling.type".into(),
+                Value::String("longrope".into()),
+            ))
+        })
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("not supported"), "{e:#}");
+    }
+
+    #[test]
+    fn shared_indexer_layers_from_types() {
+        let mut hp = tiny_hparams(Arch::GlmDsa);
+        if let Some(ix) = &mut hp.indexer {
+            ix.full = vec![true, false];
+        }
+        let got = parse(&hp, |_| {}).unwrap();
+        assert_eq!(got.indexer.unwrap().full, vec![true, false]);
+    }
+}

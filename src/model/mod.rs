@@ -10,6 +10,9 @@ pub mod rope;
 pub mod steps;
 pub mod weights;
 
+#[cfg(test)]
+pub(crate) mod testutil;
+
 pub use hparams::{Arch, Gating, HParams, IndexerParams, RopeParams, Yarn};
 pub use steps::{Op, RopeSlice, Step};
 pub use weights::{Matrix, RowSource, Weights};

@@ -362,6 +362,26 @@ pub fn assemble_kv_b(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::testutil::{build_with, metadata, tensor_names, tiny_hparams};
+    use crate::model::Arch;
+    use std::collections::HashMap;
+
+    #[test]
+    fn wrong_shapes_name_tensor_and_shapes() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let mut wrong = hp.clone();
+        wrong.q_lora_rank = Some(10); // attn_q_a written [16, 10], expected [16, 12]
+        let names = tensor_names(&hp);
+        let model = build_with(&wrong, &metadata(&hp), &names, 32, &HashMap::new());
+        let w = Weights::new(&model).unwrap();
+        let e = w.matrix("blk.0.attn_q_a.weight").unwrap_err();
+        let msg = format!("{e:#}");
+        assert!(
+            msg.contains("blk.0.attn_q_a.weight has ne=[16, 10]")
+                && msg.contains("expected ne=[16, 12]"),
+            "{msg}"
+        );
+    }
 
     /// H=2, nope=2, v=1, kv_lora=3. HF kv_b rows (per head: K0, K1, V0), written by hand:
     /// head 0: [1,2,3] [4,5,6] [7,8,9]; head 1: [10,11,12] [13,14,15] [16,17,18].

@@ -1,0 +1,230 @@
+//! Tiny synthetic glm-dsa / deepseek2 models built in memory for unit tests: metadata from a
+//! small set of dimensions and F32 weights from a seeded generator, every tensor named and shaped
+//! by [`names::expected_ne`].
+
+use std::collections::HashMap;
+
+use crate::gguf::{GgufFile, GgufWriter, Model, Value, ValueType};
+use crate::model::names::{self, blk};
+use crate::model::{Arch, Gating, HParams, IndexerParams, RopeParams};
+use crate::quant::GgmlType;
+
+/// Dimensions of a tiny test model (a small [`HParams`]).
+pub fn tiny_hparams(arch: Arch) -> HParams {
+    HParams {
+        arch,
+        hidden: 16,
+        n_block: 2,
+        n_nextn: 0,
+        n_layer: 2,
+        n_dense: 1,
+        n_ff: 24,
+        n_head: 2,
+        q_lora_rank: Some(12),
+        kv_lora_rank: 8,
+        qk_nope: 6,
+        qk_rope: 4,
+        v_head: 5,
+        rms_eps: 1e-6,
+        n_expert: 4,
+        n_expert_used: 2,
+        n_expert_shared: 1,
+        n_ff_exp: 8,
+        groups: None,
+        expert_weights_scale: 2.5,
+        expert_weights_norm: true,
+        gating: Gating::Sigmoid,
+        rope: RopeParams {
+            dim: 4,
+            base: 10000.0,
+            yarn: None,
+        },
+        indexer: match arch {
+            Arch::GlmDsa => Some(IndexerParams {
+                n_head: 2,
+                head_dim: 8,
+                top_k: 3,
+                full: vec![true, true],
+            }),
+            Arch::Deepseek2 => None,
+        },
+    }
+}
+
+/// Metadata keys of `hp` (all written; tests remove or add keys through `edit`).
+pub fn metadata(hp: &HParams) -> Vec<(String, Value)> {
+    let a = hp.arch.as_str();
+    let u = |k: &str, v: usize| (format!("{a}.{k}"), Value::U32(v as u32));
+    let f = |k: &str, v: f64| (format!("{a}.{k}"), Value::F32(v as f32));
+    let mut m = vec![
+        (
+            "general.architecture".to_string(),
+            Value::String(a.to_string()),
+        ),
+        u("block_count", hp.n_block),
+        u("embedding_length", hp.hidden),
+        u("feed_forward_length", hp.n_ff),
+        u("leading_dense_block_count", hp.n_dense),
+        u("attention.head_count", hp.n_head),
+        u("attention.kv_lora_rank", hp.kv_lora_rank),
+        u("attention.key_length_mla", hp.qk_nope + hp.qk_rope),
+        u("attention.value_length_mla", hp.v_head),
+        u("rope.dimension_count", hp.qk_rope),
+        f("rope.freq_base", hp.rope.base),
+        f("attention.layer_norm_rms_epsilon", hp.rms_eps),
+        u("expert_count", hp.n_expert),
+        u("expert_used_count", hp.n_expert_used),
+        u("expert_shared_count", hp.n_expert_shared),
+        u("expert_feed_forward_length", hp.n_ff_exp),
+        f("expert_weights_scale", hp.expert_weights_scale),
+        (
+            format!("{a}.expert_weights_norm"),
+            Value::Bool(hp.expert_weights_norm),
+        ),
+        u(
+            "expert_gating_func",
+            match hp.gating {
+                Gating::Softmax => 1,
+                Gating::Sigmoid => 2,
+            },
+        ),
+    ];
+    if hp.n_nextn > 0 {
+        m.push(u("nextn_predict_layers", hp.n_nextn));
+    }
+    if let Some(q) = hp.q_lora_rank {
+        m.push(u("attention.q_lora_rank", q));
+    }
+    if let Some(ix) = &hp.indexer {
+        m.push(u("attention.indexer.head_count", ix.n_head));
+        m.push(u("attention.indexer.key_length", ix.head_dim));
+        m.push(u("attention.indexer.top_k", ix.top_k));
+        if ix.full.iter().any(|&f| !f) {
+            let v = ix.full.iter().map(|&b| Value::Bool(b)).collect();
+            m.push((
+                format!("{a}.attention.indexer.types"),
+                Value::Array(ValueType::Bool, v),
+            ));
+        }
+    }
+    m
+}
+
+/// Tensor names of a model with `hp` (run layers only).
+pub fn tensor_names(hp: &HParams) -> Vec<String> {
+    let mut v = vec![
+        names::TOKEN_EMBD.to_string(),
+        names::OUTPUT_NORM.to_string(),
+        names::OUTPUT.to_string(),
+    ];
+    for l in 0..hp.n_layer {
+        let mut s = vec![
+            blk::ATTN_NORM,
+            blk::ATTN_KV_A_MQA,
+            blk::ATTN_KV_A_NORM,
+            blk::ATTN_K_B,
+            blk::ATTN_V_B,
+            blk::ATTN_OUTPUT,
+            blk::FFN_NORM,
+        ];
+        if hp.q_lora_rank.is_some() {
+            s.extend([blk::ATTN_Q_A, blk::ATTN_Q_A_NORM, blk::ATTN_Q_B]);
+        } else {
+            s.push(blk::ATTN_Q);
+        }
+        if hp.indexer.as_ref().is_some_and(|ix| ix.full[l]) {
+            s.extend([
+                blk::INDEXER_Q_B,
+                blk::INDEXER_K,
+                blk::INDEXER_K_NORM,
+                blk::INDEXER_K_NORM_B,
+                blk::INDEXER_PROJ,
+            ]);
+        }
+        if hp.is_dense(l) {
+            s.extend([blk::FFN_GATE, blk::FFN_UP, blk::FFN_DOWN]);
+        } else {
+            s.extend([
+                blk::FFN_GATE_INP,
+                blk::EXP_PROBS_B,
+                blk::FFN_GATE_EXPS,
+                blk::FFN_UP_EXPS,
+                blk::FFN_DOWN_EXPS,
+                blk::FFN_GATE_SHEXP,
+                blk::FFN_UP_SHEXP,
+                blk::FFN_DOWN_SHEXP,
+            ]);
+        }
+        v.extend(s.iter().map(|x| names::blk(l, x)));
+    }
+    v
+}
+
+/// A deterministic value in [-0.5, 0.5) (splitmix64 of `seed`).
+fn rand(seed: &mut u64) -> f32 {
+    *seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *seed;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+}
+
+/// A model with metadata `meta` and F32 weights for `tensors` shaped for `hp` (norm weights near 1).
+pub fn build(hp: &HParams, meta: &[(String, Value)], tensors: &[String], n_vocab: usize) -> Model {
+    build_with(hp, meta, tensors, n_vocab, &HashMap::new())
+}
+
+/// [`build`] with the values of some tensors given (`overrides`, name -> values in GGUF order).
+pub fn build_with(
+    hp: &HParams,
+    meta: &[(String, Value)],
+    tensors: &[String],
+    n_vocab: usize,
+    overrides: &HashMap<String, Vec<f32>>,
+) -> Model {
+    let mut w = GgufWriter::new();
+    for (k, v) in meta {
+        w.add(k, v.clone()).unwrap();
+    }
+    for name in tensors {
+        let ne = names::expected_ne(hp, n_vocab, name)
+            .unwrap_or_else(|| panic!("no expected shape for {name}"));
+        w.add_tensor(name, &ne, GgmlType::F32).unwrap();
+    }
+    let mut seed = 7u64;
+    let bytes = w
+        .to_bytes(&mut |info, out| {
+            let n = info.n_elements() as usize;
+            let norm = info.name.ends_with("norm.weight");
+            let mut buf = Vec::with_capacity(n * 4);
+            for i in 0..n {
+                let x = match overrides.get(&info.name) {
+                    Some(v) => v[i],
+                    None => rand(&mut seed) + if norm { 1.0 } else { 0.0 },
+                };
+                buf.extend_from_slice(&x.to_le_bytes());
+            }
+            out.write_all(&buf)?;
+            Ok(())
+        })
+        .unwrap();
+    Model::from_shards(vec![GgufFile::from_bytes("tiny.gguf", bytes).unwrap()]).unwrap()
+}
+
+/// The model of `hp` with every tensor, 32 tokens of vocabulary.
+pub fn tiny_model(hp: &HParams) -> Model {
+    build(hp, &metadata(hp), &tensor_names(hp), 32)
+}
+
+/// [`crate::model::weights::assemble_kv_b`] with the dimensions of `hp`.
+pub fn assemble_kv_b_for_tests(k_b: &[f32], v_b: &[f32], hp: &HParams) -> Vec<f32> {
+    crate::model::weights::assemble_kv_b(
+        k_b,
+        v_b,
+        hp.n_head,
+        hp.qk_nope,
+        hp.v_head,
+        hp.kv_lora_rank,
+    )
+}
