@@ -262,4 +262,17 @@ mod tests {
         assert_eq!(ids, vec![0, 1]);
         assert!((w[0] - 1.5).abs() < 1e-7 && (w[1] - 1.0).abs() < 1e-7);
     }
+
+    #[test]
+    fn softmax_gating_without_norm_by_hand() {
+        // logits 0, ln 2, ln 3: softmax = 1/6, 2/6, 3/6; top-2 = [2, 1]; no normalisation
+        // (DeepSeek-V2): weights = probs * 2.5 = [1.25, 0.8333...].
+        let mut h = hp(3, 2, None);
+        h.gating = Gating::Softmax;
+        h.expert_weights_norm = false;
+        let (p, ids, w) = route_token(&h, &[0.0, 2f32.ln(), 3f32.ln()], None);
+        assert!((p[0] - 1.0 / 6.0).abs() < 1e-7 && (p[2] - 0.5).abs() < 1e-7);
+        assert_eq!(ids, vec![2, 1]);
+        assert!((w[0] - 1.25).abs() < 1e-6 && (w[1] - 2.5 / 3.0).abs() < 1e-6);
+    }
 }
