@@ -355,3 +355,59 @@ fn unsupported_files_and_bad_ids_are_clear_errors() {
     let e = t.decode(&[1, 100_000]).unwrap_err();
     assert!(format!("{e:#}").contains("100000"));
 }
+
+/// The fixtures in `fixtures/models/<model>/`: a GGUF made from a tiny Hugging Face model (by
+/// llama.cpp's converter, or gguf-py for the mixed-quant ones), and `tokenizer_tests.json` with the ids that the transformers
+/// tokenizer of the same model gives (`add_special_tokens=False`).
+fn check_fixture(model: &str, gguf: &str) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/models")
+        .join(model);
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("tokenizer_tests.json")).unwrap()).unwrap();
+    let m = Model::open(&dir.join(gguf)).unwrap();
+    let t = Tokenizer::from_model(&m).unwrap();
+    assert_eq!(t.pre_name(), json["tokenizer_pre"].as_str().unwrap());
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let mut cases: Vec<(String, Vec<u32>)> = json["pairs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["text"].as_str().unwrap().to_string(), ids(&p["ids"])))
+        .collect();
+    for p in json["prompts"].as_object().unwrap().values() {
+        cases.push((p["text"].as_str().unwrap().to_string(), ids(&p["ids"])));
+    }
+    for (text, want) in &cases {
+        let got = t.encode(text).unwrap();
+        assert_eq!(&got, want, "{model}: {text:?}");
+        assert_eq!(
+            t.decode(&got).unwrap(),
+            *text,
+            "{model}: round trip of {text:?}"
+        );
+    }
+    for (s, id) in json["special_tokens"].as_object().unwrap() {
+        let id = id.as_u64().unwrap() as u32;
+        assert_eq!(t.encode(s).unwrap(), [id], "{model}: special {s}");
+        assert_eq!(t.decode(&[id]).unwrap(), *s);
+    }
+}
+
+#[test]
+fn glm5_tiny_fixture_ids_match_transformers() {
+    check_fixture("glm5-tiny", "glm5-tiny-f32.gguf");
+    check_fixture("glm5-tiny-q", "glm5-tiny-q-mixed.gguf");
+}
+
+#[test]
+fn dsv3_tiny_fixture_ids_match_transformers() {
+    check_fixture("dsv3-tiny", "dsv3-tiny-f32.gguf");
+    check_fixture("dsv3-tiny-q", "dsv3-tiny-q-mixed.gguf");
+}
