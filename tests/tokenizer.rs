@@ -356,9 +356,9 @@ fn unsupported_files_and_bad_ids_are_clear_errors() {
     assert!(format!("{e:#}").contains("100000"));
 }
 
-/// The fixtures in `fixtures/models/<model>/`: a GGUF made from a tiny Hugging Face model (by
-/// llama.cpp's converter, or gguf-py for the mixed-quant ones), and `tokenizer_tests.json` with the ids that the transformers
-/// tokenizer of the same model gives (`add_special_tokens=False`).
+/// The fixtures in `fixtures/models/<model>/`: a GGUF that llama.cpp's converter made from a
+/// tiny Hugging Face model (see `fixtures/models/README.md`), and `tokenizer_tests.json` with the
+/// ids that the transformers tokenizer of the same model gives (`add_special_tokens=False`).
 fn check_fixture(model: &str, gguf: &str) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("fixtures/models")
