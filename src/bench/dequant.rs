@@ -30,7 +30,7 @@ pub const DEFAULT_SEED: u64 = 0x0067_6C6D_6469_6666; // "glmdiff" in ASCII
 /// Row length handed to gguf-py: a typical hidden size, a multiple of every block size.
 pub const PY_ROW_ELEMENTS: usize = 4096;
 
-/// llama.cpp's C `dequantize_row_*`, one thread of the reference 2-core Xeon, million
+/// llama.cpp's C `dequantize_row_*`, one thread of the reference 2-core machine, million
 /// elements/s (measured outside glmdiff; constants, not re-measured here).
 pub const C_ANCHORS: &[(GgmlType, f64)] = &[
     (GgmlType::Q4_K, 1720.0),
