@@ -83,6 +83,11 @@ NOTES = [
     "q_pe_rope / k_pe_rope are re-interleaved to GGUF order",
     "llama.cpp glm-dsa sets no f_norm_eps, so its indexer k_norm LayerNorm uses eps 0 (deepseek32 sets 1e-6); "
     "the traces use 1e-6 (transformers, spec 2.2)",
+    "llama.cpp (CPU) on a host with AMX repacks Q8_0/K-quant weights into AMX buffers; attn_k_b (3-D, batched "
+    "matmul) then has no backend and graph scheduling aborts (GGML_ASSERT cur_backend_id != -1); "
+    "reference/llama_check.c loads with use_extra_bufts = false",
+    "llama.cpp multiplies F16 weights with F16-rounded activations, so its logits on the F16 files differ from "
+    "the trace by KL ~1e-6 although the F16 and F32 files hold the same weights (F32 files: KL ~1e-12)",
 ]
 
 
