@@ -20,12 +20,17 @@ pub fn run(args: &TraceArgs) -> Result<Outcome> {
     let weights = Weights::new(&model)?;
     let hp = weights.hparams();
 
+    // The tokenizer is needed for --prompt, and only nice to have for printing tokens.
+    let tokenizer = Tokenizer::from_model(&model);
     let tokens = match (&args.tokens, &args.prompt) {
         (Some(t), _) => t.clone(),
         (None, Some(p)) => {
-            let tok = Tokenizer::from_model(&model).context(
-                "trace: --prompt needs the model's tokenizer; pass ids with --tokens instead",
-            )?;
+            let tok = tokenizer
+                .as_ref()
+                .map_err(|e| anyhow::anyhow!("{e:#}"))
+                .context(
+                    "trace: --prompt needs the model's tokenizer; pass ids with --tokens instead",
+                )?;
             let mut ids = Vec::new();
             if tok.add_bos() {
                 ids.extend(tok.bos_id());
@@ -87,6 +92,9 @@ pub fn run(args: &TraceArgs) -> Result<Outcome> {
         extra: BTreeMap::new(),
     };
     write_trace(&args.out, sink.tensors(), &meta)?;
+    if let Some(logits) = sink.tensors().get("logits") {
+        print_next_tokens(logits, tokenizer.as_ref().ok())?;
+    }
     eprintln!(
         "wrote {} ({} hooks, {} tokens, {} of {} layers{})",
         args.out.display(),
@@ -97,4 +105,27 @@ pub fn run(args: &TraceArgs) -> Result<Outcome> {
         if summary.tail { ", logits" } else { "" }
     );
     Ok(Outcome::Ok)
+}
+
+/// Prints the five most likely next tokens after the prompt's last position.
+fn print_next_tokens(logits: &crate::engine::HostTensor, tok: Option<&Tokenizer>) -> Result<()> {
+    use crate::report::trace::{render_next, top_next, NextToken};
+    let values = logits.as_f32("logits")?; // [T, vocab]
+    let vocab = *logits.shape.last().context("trace: logits have no shape")?;
+    let t = values.len() / vocab.max(1);
+    if t == 0 {
+        return Ok(());
+    }
+    let last = &values[(t - 1) * vocab..t * vocab];
+    let next: Vec<NextToken> = top_next(last, 5)
+        .into_iter()
+        .map(|(id, logit, logprob)| NextToken {
+            id,
+            text: tok.and_then(|k| k.decode(&[id as u32]).ok()),
+            logit,
+            logprob,
+        })
+        .collect();
+    print!("{}", render_next(t - 1, &next));
+    Ok(())
 }

@@ -2,6 +2,7 @@
 //! this one formats.
 
 pub mod inspect;
+pub mod trace;
 
 use std::io::Write;
 
