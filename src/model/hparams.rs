@@ -5,6 +5,7 @@
 
 use anyhow::{bail, Context, Result};
 
+use super::names;
 use crate::gguf::{Model, Value};
 
 /// `general.architecture` of GLM-5 / 5.1 / 5.2.
@@ -144,7 +145,8 @@ pub struct HParams {
     pub expert_weights_scale: f64,
     /// `expert_weights_norm` (norm_topk_prob; absent = false).
     pub expert_weights_norm: bool,
-    /// `expert_gating_func` (absent = sigmoid for glm-dsa, softmax for deepseek2).
+    /// `expert_gating_func` (absent = sigmoid for glm-dsa; for deepseek2 sigmoid when the file has
+    /// `exp_probs_b` selection biases (DeepSeek-V3), else softmax (DeepSeek-V2)).
     pub gating: Gating,
     /// RoPE.
     pub rope: RopeParams,
@@ -308,6 +310,12 @@ impl HParams {
         let gating = match k.get("expert_gating_func") {
             None => match arch {
                 Arch::GlmDsa => Gating::Sigmoid,
+                // Absent in old DeepSeek-V2/V2.5 files (softmax; llama.cpp `llama-model.cpp`
+                // defaults to it), but also in DeepSeek-V3 files converted from a config.json
+                // without `scoring_func` (transformers 5 does not save it). V3's router always
+                // has the selection bias `exp_probs_b` and is sigmoid (transformers
+                // `deepseek_v3/modeling_deepseek_v3.py`, `DeepseekV3TopkRouter`); V2 has no bias.
+                Arch::Deepseek2 if has_selection_bias(model) => Gating::Sigmoid,
                 Arch::Deepseek2 => Gating::Softmax,
             },
             Some(v) => match v.as_int() {
@@ -412,6 +420,14 @@ impl HParams {
     }
 }
 
+/// Whether any layer of `model` has the router selection bias `blk.{L}.exp_probs_b.bias`
+/// (DeepSeek-V3's `e_score_correction_bias`).
+fn has_selection_bias(model: &Model) -> bool {
+    model.tensors().any(|t| {
+        names::split_blk(&t.info.name).is_some_and(|(_, suffix)| suffix == names::blk::EXP_PROBS_B)
+    })
+}
+
 /// Reads `rope.scaling.*`: absent or `none` = no scaling; `yarn` = YaRN; anything else is refused.
 fn read_yarn(k: &Keys<'_>) -> Result<Option<Yarn>> {
     let ty = match k.get("rope.scaling.type") {
@@ -500,6 +516,32 @@ mod tests {
                 (0, None, None)
             );
         }
+    }
+
+    /// A DeepSeek-V3 file converted from a config.json without `scoring_func` has no
+    /// `expert_gating_func`; its `exp_probs_b` biases make it sigmoid (transformers' V3 router).
+    #[test]
+    fn deepseek2_without_gating_key_is_sigmoid_when_it_has_selection_biases() {
+        let hp = tiny_hparams(Arch::Deepseek2);
+        let mut meta = metadata(&hp);
+        remove(&mut meta, "deepseek2.expert_gating_func");
+        let with_bias = build(&hp, &meta, &["blk.1.exp_probs_b.bias".to_string()], 32);
+        assert_eq!(
+            HParams::from_model(&with_bias).unwrap().gating,
+            Gating::Sigmoid
+        );
+        let without = build(&hp, &meta, &["blk.1.ffn_gate_inp.weight".to_string()], 32);
+        assert_eq!(
+            HParams::from_model(&without).unwrap().gating,
+            Gating::Softmax
+        );
+        // An explicit key wins over the inference.
+        meta.push(("deepseek2.expert_gating_func".into(), Value::U32(1)));
+        let explicit = build(&hp, &meta, &["blk.1.exp_probs_b.bias".to_string()], 32);
+        assert_eq!(
+            HParams::from_model(&explicit).unwrap().gating,
+            Gating::Softmax
+        );
     }
 
     #[test]
