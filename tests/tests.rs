@@ -6,3 +6,4 @@ mod cli;
 mod tokenizer;
 mod reference;
 mod synth;
+mod bench_layer;

@@ -2,4 +2,5 @@
 //! and return reports; printing is the caller's job.
 
 pub mod dequant;
+pub mod layer;
 pub mod random_blocks;

@@ -4,6 +4,7 @@ use anyhow::{bail, Context, Result};
 
 use super::Outcome;
 use crate::bench::dequant::{self, BenchDequantOptions};
+use crate::bench::layer::{self, BenchLayerOptions};
 use crate::cli::{BenchDequantArgs, BenchLayerArgs};
 use crate::quant::GgmlType;
 
@@ -29,7 +30,20 @@ pub fn run_dequant(args: &BenchDequantArgs) -> Result<Outcome> {
     Ok(Outcome::Ok)
 }
 
-/// Runs `glmdiff bench layer`.
-pub fn run_layer(_args: &BenchLayerArgs) -> Result<Outcome> {
-    bail!("bench: layer benchmark not available in this build yet")
+/// Runs `glmdiff bench layer`: progress on stderr, the table (or JSON) on stdout.
+pub fn run_layer(args: &BenchLayerArgs) -> Result<Outcome> {
+    if args.tokens.is_empty() || args.tokens.contains(&0) {
+        bail!(
+            "bench: --tokens {:?}: give one or more token counts, each at least 1",
+            args.tokens
+        );
+    }
+    let opts = BenchLayerOptions::new(args.model.clone(), args.tokens.clone())?;
+    let report = layer::run_with_progress(&opts, &mut |msg| eprintln!("{msg}"))?;
+    if args.json {
+        crate::report::print_json(&report)?;
+    } else {
+        print!("{}", layer::render_table(&report));
+    }
+    Ok(Outcome::Ok)
 }

@@ -4,13 +4,163 @@
 //! against [`names::expected_ne`] and names tensor, expected and actual shapes when they differ.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use rayon::prelude::*;
+use serde::Serialize;
 
 use super::hparams::HParams;
 use super::names::{self, blk};
 use crate::gguf::{Model, TensorRef};
 use crate::quant;
+
+/// Values per parallel task when [`Weights`] dequantizes a whole tensor or row range while
+/// counting (the same work split as `quant::dequantize_par`, each task timed on its thread).
+const COUNTED_TASK_ELEMS: usize = 1 << 16;
+
+/// Measures the CPU time of the calling thread (Linux `CLOCK_THREAD_CPUTIME_ID`: time the thread
+/// ran, not time it waited while preempted), or wall time where that clock is unavailable.
+#[derive(Clone, Copy, Debug)]
+pub struct ThreadTimer {
+    cpu_ns: Option<u64>,
+    wall: Instant,
+}
+
+impl ThreadTimer {
+    /// Starts measuring.
+    pub fn start() -> ThreadTimer {
+        ThreadTimer {
+            cpu_ns: thread_cpu_ns(),
+            wall: Instant::now(),
+        }
+    }
+
+    /// Nanoseconds of CPU time of this thread since [`ThreadTimer::start`] (wall time when the
+    /// CPU clock is unavailable). Call it on the thread that started the timer.
+    pub fn elapsed_ns(&self) -> u64 {
+        match (self.cpu_ns, thread_cpu_ns()) {
+            (Some(a), Some(b)) => b.saturating_sub(a),
+            _ => self.wall.elapsed().as_nanos() as u64,
+        }
+    }
+}
+
+/// CPU time of the calling thread, nanoseconds (`clock_gettime(CLOCK_THREAD_CPUTIME_ID)`).
+#[cfg(target_os = "linux")]
+fn thread_cpu_ns() -> Option<u64> {
+    use std::os::raw::{c_int, c_long};
+    /// `struct timespec` of the Linux C ABIs (`time_t` and `long` are both `long`).
+    #[repr(C)]
+    struct Timespec {
+        tv_sec: c_long,
+        tv_nsec: c_long,
+    }
+    extern "C" {
+        fn clock_gettime(clock: c_int, ts: *mut Timespec) -> c_int;
+    }
+    /// `CLOCK_THREAD_CPUTIME_ID` of `<linux/time.h>`.
+    const CLOCK_THREAD_CPUTIME_ID: c_int = 3;
+    let mut ts = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime (libc, linked by std) writes one `struct timespec`, whose layout
+    // `Timespec` reproduces, through a pointer to a live local; it keeps no reference to it.
+    let rc = unsafe { clock_gettime(CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    (rc == 0).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
+}
+
+/// No thread CPU clock: [`ThreadTimer`] measures wall time.
+#[cfg(not(target_os = "linux"))]
+fn thread_cpu_ns() -> Option<u64> {
+    None
+}
+
+/// Counters of the work done on a model's weights, shared by every thread: relaxed atomic adds
+/// and two reads of the thread CPU clock per task of up to 64 Ki values (a system call each,
+/// about 0.6 us on the reference VM: a few percent of a task, paid only when counting).
+///
+/// - dequantization: thread CPU nanoseconds inside the dequantizers ([`ThreadTimer`], summed
+///   over rayon's threads, so with N busy threads it grows up to N times faster than the wall
+///   clock), calls, quantized bytes read, f32 values produced;
+/// - matmul arithmetic: thread CPU nanoseconds in the dot products that consume dequantized
+///   rows (CPU engine matmuls against weights) and their multiply-adds.
+///
+/// Filled only for a [`Weights`] made with [`Weights::with_stats`]; values never change.
+#[derive(Debug, Default)]
+pub struct WeightStats {
+    dequant_ns: AtomicU64,
+    dequant_calls: AtomicU64,
+    bytes_in: AtomicU64,
+    values_out: AtomicU64,
+    matmul_ns: AtomicU64,
+    madds: AtomicU64,
+}
+
+/// A snapshot of [`WeightStats`] (or the difference of two).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct WeightCounts {
+    /// Thread-nanoseconds spent dequantizing.
+    pub dequant_ns: u64,
+    /// Dequantization calls (tasks).
+    pub dequant_calls: u64,
+    /// Quantized bytes read.
+    pub bytes_in: u64,
+    /// f32 values produced.
+    pub values_out: u64,
+    /// Thread-nanoseconds in weight matmul dot products.
+    pub matmul_ns: u64,
+    /// Multiply-adds of those dot products.
+    pub madds: u64,
+}
+
+impl WeightCounts {
+    /// The counts accumulated since `earlier`.
+    pub fn since(&self, earlier: &WeightCounts) -> WeightCounts {
+        WeightCounts {
+            dequant_ns: self.dequant_ns.saturating_sub(earlier.dequant_ns),
+            dequant_calls: self.dequant_calls.saturating_sub(earlier.dequant_calls),
+            bytes_in: self.bytes_in.saturating_sub(earlier.bytes_in),
+            values_out: self.values_out.saturating_sub(earlier.values_out),
+            matmul_ns: self.matmul_ns.saturating_sub(earlier.matmul_ns),
+            madds: self.madds.saturating_sub(earlier.madds),
+        }
+    }
+}
+
+impl WeightStats {
+    /// The current counts.
+    pub fn snapshot(&self) -> WeightCounts {
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        WeightCounts {
+            dequant_ns: r(&self.dequant_ns),
+            dequant_calls: r(&self.dequant_calls),
+            bytes_in: r(&self.bytes_in),
+            values_out: r(&self.values_out),
+            matmul_ns: r(&self.matmul_ns),
+            madds: r(&self.madds),
+        }
+    }
+
+    /// Records one dequantization call timed by `timer` (started on this thread).
+    pub fn add_dequant(&self, timer: &ThreadTimer, bytes_in: usize, values_out: usize) {
+        let ns = timer.elapsed_ns();
+        self.dequant_ns.fetch_add(ns, Ordering::Relaxed);
+        self.dequant_calls.fetch_add(1, Ordering::Relaxed);
+        self.bytes_in.fetch_add(bytes_in as u64, Ordering::Relaxed);
+        self.values_out
+            .fetch_add(values_out as u64, Ordering::Relaxed);
+    }
+
+    /// Records dot products of `madds` multiply-adds timed by `timer` (started on this thread).
+    pub fn add_matmul(&self, timer: &ThreadTimer, madds: usize) {
+        let ns = timer.elapsed_ns();
+        self.matmul_ns.fetch_add(ns, Ordering::Relaxed);
+        self.madds.fetch_add(madds as u64, Ordering::Relaxed);
+    }
+}
 
 /// A dense f32 matrix, row-major: `data[r * cols + c]`, PyTorch shape `[rows, cols]`.
 #[derive(Clone, Debug, PartialEq)]
@@ -39,16 +189,22 @@ pub struct RowSource<'m> {
     model: &'m Model,
     t: TensorRef<'m>,
     first: u64,
+    stats: Option<&'m WeightStats>,
     /// Rows of this source.
     pub rows: usize,
     /// Values per row (`ne[0]`).
     pub cols: usize,
 }
 
-impl RowSource<'_> {
+impl<'m> RowSource<'m> {
     /// The tensor's GGUF name.
     pub fn name(&self) -> &str {
         &self.t.info.name
+    }
+
+    /// The counters this source reports to, if any (see [`Weights::with_stats`]).
+    pub fn stats(&self) -> Option<&'m WeightStats> {
+        self.stats
     }
 
     /// Dequantizes rows `rows` (relative to this source) into `dst` (`rows.len() * cols` values),
@@ -66,8 +222,13 @@ impl RowSource<'_> {
             self.t,
             self.first + rows.start as u64..self.first + rows.end as u64,
         )?;
+        let timer = self.stats.map(|_| ThreadTimer::start());
         quant::dequantize(self.t.info.ty, bytes, dst)
-            .with_context(|| format!("model: tensor {}", self.t.info.name))
+            .with_context(|| format!("model: tensor {}", self.t.info.name))?;
+        if let (Some(s), Some(timer)) = (self.stats, timer) {
+            s.add_dequant(&timer, bytes.len(), dst.len());
+        }
+        Ok(())
     }
 }
 
@@ -77,6 +238,7 @@ pub struct Weights<'m> {
     hp: HParams,
     n_vocab: usize,
     output: &'static str,
+    stats: Option<&'m WeightStats>,
 }
 
 impl<'m> Weights<'m> {
@@ -106,9 +268,43 @@ impl<'m> Weights<'m> {
             hp,
             n_vocab,
             output,
+            stats: None,
         };
         w.tensor(output)?;
         Ok(w)
+    }
+
+    /// Like [`Weights::new`], and every dequantization and weight matmul (CPU engine) through
+    /// these weights is counted in `stats`.
+    pub fn with_stats(model: &'m Model, stats: &'m WeightStats) -> Result<Weights<'m>> {
+        let mut w = Weights::new(model)?;
+        w.stats = Some(stats);
+        Ok(w)
+    }
+
+    /// The counters, when made with [`Weights::with_stats`].
+    pub fn stats(&self) -> Option<&'m WeightStats> {
+        self.stats
+    }
+
+    /// Rows `rows` of tensor `t` to f32, as [`Model::dequantize_rows`]. When counting, the same
+    /// per-block dequantizers run in parallel tasks of [`COUNTED_TASK_ELEMS`] values, each timed
+    /// on its thread (the values are the same: every block dequantizes independently).
+    fn dequantize_rows(&self, t: TensorRef<'m>, rows: Range<u64>) -> Result<Vec<f32>> {
+        if self.stats.is_none() {
+            return self.model.dequantize_rows(t, rows);
+        }
+        let n = rows.end.saturating_sub(rows.start) as usize;
+        let src = self.source(t, rows.start, n)?;
+        let per_task = (COUNTED_TASK_ELEMS / src.cols.max(1)).max(1);
+        let mut out = vec![0f32; n * src.cols]; // [n, cols]
+        out.par_chunks_mut(per_task * src.cols.max(1))
+            .enumerate()
+            .try_for_each(|(i, d)| {
+                let r0 = i * per_task;
+                src.dequantize_into(r0..r0 + d.len() / src.cols.max(1), d)
+            })?;
+        Ok(out)
     }
 
     /// The hyperparameters.
@@ -167,6 +363,7 @@ impl<'m> Weights<'m> {
             model: self.model,
             t,
             first,
+            stats: self.stats,
             rows,
             cols: t.info.ne[0] as usize,
         })
@@ -228,7 +425,7 @@ impl<'m> Weights<'m> {
                 t.info.ne
             );
         }
-        self.model.dequantize(t)
+        self.dequantize_rows(t, 0..t.info.n_rows())
     }
 
     /// `(rows, cols)` of a 2-D tensor: rows = output features, cols = `ne[0]`.
@@ -255,9 +452,7 @@ impl<'m> Weights<'m> {
             );
         }
         let t = self.tensor(name)?;
-        let data = self
-            .model
-            .dequantize_rows(t, rows.start as u64..rows.end as u64)?;
+        let data = self.dequantize_rows(t, rows.start as u64..rows.end as u64)?;
         Ok(Matrix {
             rows: rows.len(),
             cols,
@@ -284,7 +479,7 @@ impl<'m> Weights<'m> {
                     self.model.file_name()
                 );
             }
-            data.extend(self.model.dequantize_rows(t, id as u64..id as u64 + 1)?);
+            data.extend(self.dequantize_rows(t, id as u64..id as u64 + 1)?);
         }
         Ok(Matrix {
             rows: ids.len(),
@@ -306,7 +501,6 @@ impl<'m> Weights<'m> {
         let (cols, rows) = (ne[0] as usize, ne[1] as usize);
         let start = (e * rows) as u64;
         let data = self
-            .model
             .dequantize_rows(t, start..start + rows as u64)
             .with_context(|| format!("model: expert {e} of {name}"))?;
         Ok(Matrix { rows, cols, data })
@@ -324,9 +518,9 @@ impl<'m> Weights<'m> {
             return self.matrix(&legacy);
         }
         let kt = self.tensor(&k_name)?;
-        let k_b = self.model.dequantize(kt)?;
+        let k_b = self.dequantize_rows(kt, 0..kt.info.n_rows())?;
         let vt = self.tensor(&names::blk(layer, blk::ATTN_V_B))?;
-        let v_b = self.model.dequantize(vt)?;
+        let v_b = self.dequantize_rows(vt, 0..vt.info.n_rows())?;
         Ok(Matrix {
             rows: h * (nope + v),
             cols: kv_lora,

@@ -7,7 +7,7 @@
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::math::{dot, layer_norm, matmul, rotate_pairs, softmax_in_place};
+use super::math::{dot, layer_norm, matmul_counted, rotate_pairs, softmax_in_place};
 use super::CpuEngine;
 use crate::engine::HostTensor;
 use crate::model::hparams::INDEXER_K_NORM_EPS;
@@ -152,7 +152,7 @@ impl CpuEngine<'_> {
 
         // kv = c · kv_b^T: per head, nope K values then v V values. [T, H*(nope+v)]
         let kv_b = self.weights.kv_b(layer)?;
-        let kv = matmul(kv_norm.as_f32("kv_a_norm")?, t, &kv_b);
+        let kv = matmul_counted(kv_norm.as_f32("kv_a_norm")?, t, &kv_b, self.weights.stats());
         let kv_w = nope + v;
         let scale = rope::softmax_scale(hp);
 
