@@ -135,9 +135,44 @@ pub fn expected_ne(hp: &HParams, n_vocab: usize, name: &str) -> Option<Vec<u64>>
     })
 }
 
+/// The first of `names` that is a tensor of a run layer (`blk.{L}.*`, `L < n_layer`) the forward
+/// pass does not read, e.g. the projection biases the converter writes for a transformers config
+/// with `attention_bias = true` (`attn_q_a.bias`, `attn_kv_a_mqa.bias`, `attn_output.bias`).
+/// Ignoring one would silently compute a different function. MTP blocks (`L >= n_layer`) are not
+/// run, so their tensors (`nextn.*`) are not looked at.
+pub fn unknown_layer_tensor<'a>(
+    hp: &HParams,
+    mut names: impl Iterator<Item = &'a str>,
+) -> Option<&'a str> {
+    names.find(|name| {
+        split_blk(name).is_some_and(|(l, _)| l < hp.n_layer) && expected_ne(hp, 0, name).is_none()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::testutil::{tensor_names, tiny_hparams};
+    use crate::model::Arch;
+
+    #[test]
+    fn unknown_tensors_of_run_layers_are_found() {
+        let mut hp = tiny_hparams(Arch::Deepseek2);
+        hp.n_block = 3;
+        hp.n_nextn = 1; // blk.2 is an MTP block: not run, not checked
+        let mut all = tensor_names(&hp);
+        all.push("blk.2.nextn.eh_proj.weight".into());
+        all.push("blk.2.attn_q_a.bias".into());
+        assert_eq!(
+            unknown_layer_tensor(&hp, all.iter().map(String::as_str)),
+            None
+        );
+        all.push("blk.1.attn_kv_a_mqa.bias".into());
+        assert_eq!(
+            unknown_layer_tensor(&hp, all.iter().map(String::as_str)),
+            Some("blk.1.attn_kv_a_mqa.bias")
+        );
+    }
 
     #[test]
     fn block_names_split() {

@@ -246,6 +246,15 @@ impl<'m> Weights<'m> {
     /// `output.weight` absent means the output projection is `token_embd.weight` (tied).
     pub fn new(model: &'m Model) -> Result<Weights<'m>> {
         let hp = HParams::from_model(model)?;
+        let all = model.tensors().map(|t| t.info.name.as_str());
+        if let Some(name) = names::unknown_layer_tensor(&hp, all) {
+            bail!(
+                "model: {}: tensor {name} is not part of the {} forward pass (a bias or weight it has no term for, \
+                 e.g. from a config with attention_bias = true); ignoring it would compute a different model",
+                model.path().display(),
+                hp.arch.as_str()
+            );
+        }
         let emb = model.tensor(names::TOKEN_EMBD)?;
         if emb.info.ne.len() != 2 || emb.info.ne[0] != hp.hidden as u64 {
             bail!(
@@ -573,6 +582,43 @@ mod tests {
         assert!(
             msg.contains("blk.0.attn_q_a.weight has ne=[16, 10]")
                 && msg.contains("expected ne=[16, 12]"),
+            "{msg}"
+        );
+    }
+
+    /// The converter writes `attn_kv_a_mqa.bias` (and `attn_q_a.bias`, `attn_output.bias`) for a
+    /// transformers config with `attention_bias = true`; the forward pass has no such term, so the
+    /// file is refused with the tensor named rather than run as a different model.
+    #[test]
+    fn projection_biases_are_refused_by_name() {
+        use crate::gguf::{GgufFile, GgufWriter};
+        use crate::quant::GgmlType;
+        let hp = tiny_hparams(Arch::Deepseek2);
+        let mut w = GgufWriter::new();
+        for (k, v) in metadata(&hp) {
+            w.add(&k, v).unwrap();
+        }
+        for name in tensor_names(&hp) {
+            let ne = names::expected_ne(&hp, 32, &name).unwrap();
+            w.add_tensor(&name, &ne, GgmlType::F32).unwrap();
+        }
+        let kv_a = (hp.kv_lora_rank + hp.qk_rope) as u64;
+        w.add_tensor("blk.0.attn_kv_a_mqa.bias", &[kv_a], GgmlType::F32)
+            .unwrap();
+        let bytes = w
+            .to_bytes(&mut |info, out| {
+                out.write_all(&vec![0u8; info.n_elements() as usize * 4])?;
+                Ok(())
+            })
+            .unwrap();
+        let file = GgufFile::from_bytes("bias.gguf", bytes).unwrap();
+        let model = Model::from_shards(vec![file]).unwrap();
+        let msg = match Weights::new(&model) {
+            Ok(_) => panic!("a file with attention biases was accepted"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(
+            msg.contains("tensor blk.0.attn_kv_a_mqa.bias is not part of the deepseek2"),
             "{msg}"
         );
     }
