@@ -255,6 +255,7 @@ impl<'m> Weights<'m> {
                 hp.arch.as_str()
             );
         }
+        check_dense_layers(model, &hp)?;
         let emb = model.tensor(names::TOKEN_EMBD)?;
         if emb.info.ne.len() != 2 || emb.info.ne[0] != hp.hidden as u64 {
             bail!(
@@ -538,6 +539,31 @@ impl<'m> Weights<'m> {
     }
 }
 
+/// Checks that every run layer has the MLP that `leading_dense_block_count` gives it: a dense layer
+/// with the MoE router instead of `ffn_gate` (or the reverse) means the count disagrees with the
+/// tensors (e.g. a transformers `mlp_layer_types` that is not `first_k_dense_replace` dense layers
+/// followed by MoE ones: the converter writes the count, not the pattern).
+fn check_dense_layers(model: &Model, hp: &HParams) -> Result<()> {
+    for l in 0..hp.n_layer {
+        let (want, other) = if hp.is_dense(l) {
+            (blk::FFN_GATE, blk::FFN_GATE_INP)
+        } else {
+            (blk::FFN_GATE_INP, blk::FFN_GATE)
+        };
+        let (want, other) = (names::blk(l, want), names::blk(l, other));
+        if model.find(&want).is_none() && model.find(&other).is_some() {
+            bail!(
+                "model: {}: {}.leading_dense_block_count = {} makes layer {l} {}, but the file has {other} and no {want}",
+                model.path().display(),
+                hp.arch.as_str(),
+                hp.n_dense,
+                if hp.is_dense(l) { "dense" } else { "MoE" }
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Rebuilds HF `kv_b_proj` `[H*(nope+v), kv_lora]` from the converter's split tensors:
 /// `k_b` is PyTorch `[H, kv_lora, nope]` (`k_b[h][c][d]`), `v_b` is `[H, v, kv_lora]`.
 /// Per head h: rows `d < nope` are `k_b[h][:, d]` (transposed back), then the `v` rows of `v_b[h]`
@@ -619,6 +645,31 @@ mod tests {
         };
         assert!(
             msg.contains("tensor blk.0.attn_kv_a_mqa.bias is not part of the deepseek2"),
+            "{msg}"
+        );
+    }
+
+    /// The tensors have one dense layer, the metadata says two: the error names the count and the
+    /// tensors instead of failing later at the first missing `ffn_gate`.
+    #[test]
+    fn dense_count_disagreeing_with_tensors_is_named() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let mut meta_hp = hp.clone();
+        meta_hp.n_dense = 2;
+        let model = build_with(
+            &hp,
+            &metadata(&meta_hp),
+            &tensor_names(&hp),
+            32,
+            &HashMap::new(),
+        );
+        let msg = match Weights::new(&model) {
+            Ok(_) => panic!("accepted"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(
+            msg.contains("glm-dsa.leading_dense_block_count = 2 makes layer 1 dense")
+                && msg.contains("blk.1.ffn_gate_inp.weight and no blk.1.ffn_gate.weight"),
             "{msg}"
         );
     }
