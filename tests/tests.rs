@@ -1,9 +1,8 @@
-
-mod dequant;
-mod common;
-mod malformed;
+mod bench_layer;
 mod cli;
-mod tokenizer;
+mod common;
+mod dequant;
+mod malformed;
 mod reference;
 mod synth;
-mod bench_layer;
+mod tokenizer;

@@ -102,7 +102,8 @@ pub fn build(model: &Model, pattern: Option<&str>) -> InspectReport {
                 _ => {
                     if let (Some(id), Some(name)) = (
                         v.as_int(),
-                        t.strip_prefix("ggml.").and_then(|s| s.strip_suffix("_token_id")),
+                        t.strip_prefix("ggml.")
+                            .and_then(|s| s.strip_suffix("_token_id")),
                     ) {
                         tok.special.insert(name.to_string(), id);
                     }

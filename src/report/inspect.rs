@@ -36,7 +36,11 @@ pub fn render(r: &InspectReport) -> String {
         } else {
             format!(" {}", special.join(" "))
         },
-        if t.chat_template { " chat_template" } else { "" }
+        if t.chat_template {
+            " chat_template"
+        } else {
+            ""
+        }
     );
 
     if !r.hyperparameters.is_empty() {

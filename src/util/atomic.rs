@@ -33,7 +33,11 @@ pub fn write_atomic(path: &Path, write: impl FnOnce(&mut dyn Write) -> Result<()
         f.sync_all()
             .with_context(|| format!("output: cannot flush {}", tmp.display()))?;
         fs::rename(&tmp, path).with_context(|| {
-            format!("output: cannot rename {} to {}", tmp.display(), path.display())
+            format!(
+                "output: cannot rename {} to {}",
+                tmp.display(),
+                path.display()
+            )
         })
     })();
     if result.is_err() {

@@ -26,7 +26,11 @@ pub fn write_header(w: &mut dyn Write, dtype: NpyDtype, shape: &[u64]) -> Result
         1 => format!("({},)", shape[0]),
         _ => format!(
             "({})",
-            shape.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")
+            shape
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
         ),
     };
     let mut header =
