@@ -539,12 +539,26 @@ impl<'m> Weights<'m> {
     }
 }
 
-/// Checks that every run layer has the MLP that `leading_dense_block_count` gives it: a dense layer
-/// with the MoE router instead of `ffn_gate` (or the reverse) means the count disagrees with the
-/// tensors (e.g. a transformers `mlp_layer_types` that is not `first_k_dense_replace` dense layers
-/// followed by MoE ones: the converter writes the count, not the pattern).
+/// Checks that every run layer is there and has the MLP that `leading_dense_block_count` gives it.
+/// A missing `attn_norm` means the file does not hold the trunk (e.g. the converter's `--mtp`
+/// output: only the NextN block, its layer numbers after the trunk's). A dense layer with the MoE
+/// router instead of `ffn_gate` (or the reverse) means the count disagrees with the tensors (e.g. a
+/// transformers `mlp_layer_types` that is not `first_k_dense_replace` dense layers followed by MoE
+/// ones: the converter writes the count, not the pattern).
 fn check_dense_layers(model: &Model, hp: &HParams) -> Result<()> {
     for l in 0..hp.n_layer {
+        let norm = names::blk(l, blk::ATTN_NORM);
+        if model.find(&norm).is_none() {
+            bail!(
+                "model: {}: {}.block_count = {} with nextn_predict_layers = {} runs layers 0..{}, but the file has no {norm} \
+                 (a file with only the NextN/MTP block, as the converter's --mtp writes, cannot run the model)",
+                model.path().display(),
+                hp.arch.as_str(),
+                hp.n_block,
+                hp.n_nextn,
+                hp.n_layer
+            );
+        }
         let (want, other) = if hp.is_dense(l) {
             (blk::FFN_GATE, blk::FFN_GATE_INP)
         } else {
@@ -670,6 +684,25 @@ mod tests {
         assert!(
             msg.contains("glm-dsa.leading_dense_block_count = 2 makes layer 1 dense")
                 && msg.contains("blk.1.ffn_gate_inp.weight and no blk.1.ffn_gate.weight"),
+            "{msg}"
+        );
+    }
+
+    /// Only the MTP block's tensors (converter `--mtp`): the run layers are named as missing.
+    #[test]
+    fn missing_trunk_layers_are_named() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let names: Vec<String> = tensor_names(&hp)
+            .into_iter()
+            .filter(|n| !n.starts_with("blk.0."))
+            .collect();
+        let model = build_with(&hp, &metadata(&hp), &names, 32, &HashMap::new());
+        let msg = match Weights::new(&model) {
+            Ok(_) => panic!("accepted"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(
+            msg.contains("runs layers 0..2, but the file has no blk.0.attn_norm.weight"),
             "{msg}"
         );
     }
