@@ -21,6 +21,7 @@ fn options(model: Option<&Path>, temp_parent: &Path, tokens: Vec<usize>) -> Benc
         tokens,
         seed: 1,
         warmup: false,
+        reps: 2,
         baseline: true,
         sample_interval: Duration::from_millis(1),
     }
@@ -151,6 +152,7 @@ fn synthetic_model_is_written_to_a_temporary_directory_and_removed() {
     let parent = tempfile::tempdir().unwrap();
     let mut opts = options(None, parent.path(), vec![3]);
     opts.warmup = true;
+    opts.reps = 1;
     opts.baseline = false;
     let r = layer::run(&opts).unwrap();
     let s = r.synth.as_ref().unwrap();

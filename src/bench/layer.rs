@@ -20,9 +20,9 @@
 //! dequantization. With N cores free, CPU approaches N x wall.
 //!
 //! # Baseline
-//! The floor of a layer is measured in the same run on the same bytes: [`quant::dequantize_par`]
+//! The floor of a layer is measured in the same run on the same bytes: [`quant::dequantize_par`](crate::quant::dequantize_par)
 //! over exactly the slices the layer read (its tensors; only the touched experts' rows), then
-//! [`math::matmul`] (the engine's own f64-accumulating kernel, parallel over rows) of the
+//! [`math::matmul`](crate::engine::cpu::math::matmul) (the engine's own f64-accumulating kernel, parallel over rows) of the
 //! dequantized f32 rows with as many tokens as the layer multiplied them with, in chunks of
 //! [`FLOOR_CHUNK_ELEMS`] values. `wall / floor` says how close the layer gets to its own
 //! dequantize-then-multiply cost; everything else the layer does is in the difference.
@@ -36,10 +36,10 @@
 //! and the file-backed part equals the bytes the run read, never the model's size.
 
 mod procfs;
+mod reads;
 mod table;
 
 use std::collections::BTreeMap;
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -49,21 +49,24 @@ use serde::Serialize;
 pub use procfs::{parse_status, Rss};
 pub use table::render_table;
 
+use reads::{floor, layer_reads, Read};
+
 use super::random_blocks::SplitMix64;
 use crate::driver::{self, Plan};
-use crate::engine::cpu::{math, CpuEngine};
+use crate::engine::cpu::CpuEngine;
 use crate::engine::HostTensor;
-use crate::gguf::{Model, TensorRef};
-use crate::model::names::{self, blk};
+use crate::gguf::Model;
+use crate::model::names;
 use crate::model::steps::point;
 use crate::model::weights::{WeightCounts, WeightStats};
-use crate::model::{Matrix, Weights};
-use crate::quant;
+use crate::model::Weights;
 use crate::synth::{self, Arch, Dims, SynthOptions, TypeMix};
 use crate::trace::Sink;
 
 /// Seed of the random prompt token ids.
 pub const DEFAULT_SEED: u64 = 0x0062_656E_6368; // "bench" in ASCII
+/// Timed runs per token count: the machine is shared, so the best of a few is kept.
+pub const DEFAULT_REPS: usize = 3;
 /// Interval of the thread sampling `RssAnon`/`RssFile`.
 pub const DEFAULT_SAMPLE_INTERVAL: Duration = Duration::from_millis(5);
 /// Values per timed call of the floor measurement (4 MiB of f32).
@@ -75,7 +78,7 @@ pub const SYNTH_DENSE: u64 = 1;
 /// Seed of the default synthetic model's weights.
 pub const SYNTH_SEED: u64 = 0;
 /// Activation value of the floor's matmuls (any finite value: only the time is kept).
-const FLOOR_ACTIVATION: f32 = 0.5;
+pub(crate) const FLOOR_ACTIVATION: f32 = 0.5;
 /// File name of the synthetic model inside the temporary directory.
 const SYNTH_FILE: &str = "bench-layer.gguf";
 
@@ -107,8 +110,10 @@ pub struct BenchLayerOptions {
     pub tokens: Vec<usize>,
     /// Seed of the token ids.
     pub seed: u64,
-    /// Run once untimed before each timed run (faults the mapped pages in).
+    /// Run once untimed before the timed runs (faults the mapped pages in).
     pub warmup: bool,
+    /// Timed runs per token count, each followed by its floor; per layer the fastest is kept.
+    pub reps: usize,
     /// Measure the dequantize-then-matmul floor of every layer.
     pub baseline: bool,
     /// Interval of the RSS sampling thread.
@@ -126,6 +131,7 @@ impl BenchLayerOptions {
             tokens,
             seed: DEFAULT_SEED,
             warmup: true,
+            reps: DEFAULT_REPS,
             baseline: true,
             sample_interval: DEFAULT_SAMPLE_INTERVAL,
         })
@@ -286,8 +292,10 @@ pub struct Report {
     pub n_expert_used: usize,
     /// Seed of the token ids.
     pub seed: u64,
-    /// Whether each timed run followed an untimed one.
+    /// Whether the timed runs followed an untimed one.
     pub warmup: bool,
+    /// Timed runs per token count (the best kept).
+    pub reps: usize,
     /// Sampling interval of the RSS thread, milliseconds.
     pub sample_ms: f64,
     /// Resident memory when the benchmark started (before the model was opened).
@@ -383,20 +391,35 @@ fn measure(
             ));
             timed_run(&engine, &weights, &ids, &plan, opts.sample_interval)?;
         }
-        progress(&format!(
-            "bench: {t} tokens: timed run of {n_layers} layers"
-        ));
-        let hwm_reset = procfs::reset_peak();
-        let mut run = timed_run(&engine, &weights, &ids, &plan, opts.sample_interval)?;
-        run.rss_before = rss_before;
-        run.hwm_reset = hwm_reset;
-        if opts.baseline {
-            progress(&format!("bench: {t} tokens: dequantize + matmul floor"));
-            for row in &mut run.layers {
-                let reads = layer_reads(&weights, row.layer, t, &row.experts)?;
-                row.floor = Some(floor(&model, &reads)?);
+        let mut best: Option<Run> = None;
+        for rep in 1..=opts.reps.max(1) {
+            progress(&format!(
+                "bench: {t} tokens: timed run {rep} of {} ({n_layers} layers{})",
+                opts.reps.max(1),
+                if opts.baseline {
+                    ", then the floor"
+                } else {
+                    ""
+                }
+            ));
+            let hwm_reset = procfs::reset_peak();
+            let mut run = timed_run(&engine, &weights, &ids, &plan, opts.sample_interval)?;
+            run.hwm_reset = hwm_reset;
+            if opts.baseline {
+                for row in &mut run.layers {
+                    let reads = layer_reads(&weights, row.layer, t, &row.experts)?;
+                    row.floor = Some(floor(&model, &reads)?);
+                }
             }
+            best = Some(match best {
+                None => run,
+                Some(b) => best_of(b, run),
+            });
         }
+        let Some(mut run) = best else {
+            bail!("bench: layer: no timed run for {t} tokens");
+        };
+        run.rss_before = rss_before;
         run.kinds = by_kind(&run.layers);
         runs.push(run);
         info = Some((
@@ -424,6 +447,7 @@ fn measure(
         n_expert_used,
         seed: opts.seed,
         warmup: opts.warmup,
+        reps: opts.reps.max(1),
         sample_ms: opts.sample_interval.as_secs_f64() * 1e3,
         rss_start: Rss::default(),
         runs,
@@ -581,6 +605,41 @@ fn timed_run(
     })
 }
 
+/// Keeps the best of two timed runs of the same tokens: per layer the row with the lower wall
+/// time, and separately the lower floor; memory peaks are the higher of the two (counts,
+/// routing and expected bytes are the same in both runs).
+fn best_of(a: Run, b: Run) -> Run {
+    let floor_s = |f: &Option<Floor>| f.map_or(f64::INFINITY, |f| f.dequant_s + f.matmul_s);
+    let layers = a
+        .layers
+        .into_iter()
+        .zip(b.layers)
+        .map(|(x, y)| {
+            let floor = if floor_s(&x.floor) <= floor_s(&y.floor) {
+                x.floor
+            } else {
+                y.floor
+            };
+            let peak_anon = x.peak_anon.max(y.peak_anon);
+            let mut row = if x.wall_s <= y.wall_s { x } else { y };
+            row.floor = floor;
+            row.peak_anon = peak_anon;
+            row
+        })
+        .collect();
+    let mut rss_after = b.rss_after;
+    rss_after.vm_hwm = a.rss_after.vm_hwm.max(b.rss_after.vm_hwm);
+    Run {
+        wall_s: a.wall_s.min(b.wall_s),
+        layers,
+        rss_after,
+        hwm_reset: a.hwm_reset && b.hwm_reset,
+        peak_anon: a.peak_anon.max(b.peak_anon),
+        peak_file: a.peak_file.max(b.peak_file),
+        ..b
+    }
+}
+
 /// Tokens per expert from `[T, K]` routing ids (each token selects distinct experts).
 fn count_ids(ids: &[i32]) -> BTreeMap<usize, usize> {
     let mut m = BTreeMap::new();
@@ -588,116 +647,6 @@ fn count_ids(ids: &[i32]) -> BTreeMap<usize, usize> {
         *m.entry(e.max(0) as usize).or_insert(0) += 1;
     }
     m
-}
-
-/// One slice of weights a layer reads: rows of a tensor and how many tokens multiply them
-/// (0 for vectors: norms and biases).
-struct Read<'m> {
-    t: TensorRef<'m>,
-    rows: Range<u64>,
-    tokens: usize,
-}
-
-impl Read<'_> {
-    fn bytes(&self) -> u64 {
-        (self.rows.end - self.rows.start) * self.t.info.row_bytes()
-    }
-
-    fn values(&self) -> u64 {
-        (self.rows.end - self.rows.start) * self.t.info.row_len()
-    }
-
-    fn madds(&self) -> u64 {
-        self.tokens as u64 * self.values()
-    }
-}
-
-/// The slices layer `layer` reads with `t` tokens: every `blk.{layer}.*` tensor whole, except
-/// the stacked expert tensors, of which only the rows of the experts in `routed` (expert ->
-/// tokens routed to it).
-fn layer_reads<'m>(
-    weights: &Weights<'m>,
-    layer: usize,
-    t: usize,
-    routed: &BTreeMap<usize, usize>,
-) -> Result<Vec<Read<'m>>> {
-    let mut out = Vec::new();
-    for tr in weights.model().tensors() {
-        let Some((l, suffix)) = names::split_blk(&tr.info.name) else {
-            continue;
-        };
-        if l != layer {
-            continue;
-        }
-        let stacked = matches!(
-            suffix,
-            blk::FFN_GATE_EXPS | blk::FFN_UP_EXPS | blk::FFN_GATE_UP_EXPS | blk::FFN_DOWN_EXPS
-        );
-        let tokens = if tr.info.ne.len() == 1 { 0 } else { t };
-        if !stacked {
-            out.push(Read {
-                t: tr,
-                rows: 0..tr.info.n_rows(),
-                tokens,
-            });
-            continue;
-        }
-        let ne = &tr.info.ne;
-        if ne.len() != 3 {
-            bail!(
-                "bench: layer: tensor {} has ne={ne:?}, expected [cols, rows, n_expert]",
-                tr.info.name
-            );
-        }
-        for (&e, &n) in routed {
-            let e = e as u64;
-            out.push(Read {
-                t: tr,
-                rows: e * ne[1]..(e + 1) * ne[1],
-                tokens: n,
-            });
-        }
-    }
-    Ok(out)
-}
-
-/// The floor of `reads` (see the module documentation).
-fn floor(model: &Model, reads: &[Read<'_>]) -> Result<Floor> {
-    let (mut dq, mut mm) = (Duration::ZERO, Duration::ZERO);
-    let mut buf: Vec<f32> = Vec::new();
-    for r in reads {
-        let cols = r.t.info.row_len() as usize;
-        let rows_per_call = (FLOOR_CHUNK_ELEMS / cols.max(1)).max(1) as u64;
-        let x = vec![FLOOR_ACTIVATION; r.tokens * cols]; // [tokens, cols]
-        let mut row = r.rows.start;
-        while row < r.rows.end {
-            let end = (row + rows_per_call).min(r.rows.end);
-            let bytes = model.row_data(r.t, row..end)?;
-            let n = (end - row) as usize;
-            buf.resize(n * cols, 0.0);
-            let t0 = Instant::now();
-            quant::dequantize_par(r.t.info.ty, bytes, &mut buf)
-                .with_context(|| format!("bench: layer: floor of {}", r.t.info.name))?;
-            dq += t0.elapsed();
-            if r.tokens > 0 {
-                let w = Matrix {
-                    rows: n,
-                    cols,
-                    data: std::mem::take(&mut buf),
-                };
-                let t0 = Instant::now();
-                let y = math::matmul(&x, r.tokens, &w);
-                mm += t0.elapsed();
-                std::hint::black_box(&y);
-                buf = w.data;
-            }
-            row = end;
-        }
-    }
-    Ok(Floor {
-        dequant_s: dq.as_secs_f64(),
-        matmul_s: mm.as_secs_f64(),
-    })
 }
 
 /// Means per layer kind.

@@ -149,11 +149,13 @@ pub fn render_table(r: &Report) -> String {
         }
     }
     s.push_str(&format!(
-        "\nEach timed run {}; token ids random (seed {:#x}).\n",
+        "\nBest of {} timed runs per token count (per layer: lowest wall; floor: lowest), {}; \
+         token ids random (seed {:#x}).\n",
+        r.reps,
         if r.warmup {
-            "follows an untimed warm-up run with the same tokens (page faults excluded)"
+            "after an untimed warm-up run with the same tokens (page faults excluded)"
         } else {
-            "is the first run of its token count (page faults included)"
+            "without warm-up (page faults included)"
         },
         r.seed
     ));

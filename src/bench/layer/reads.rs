@@ -1,0 +1,124 @@
+//! The weight slices a layer reads and their dequantize-then-matmul floor.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use super::{Floor, FLOOR_ACTIVATION, FLOOR_CHUNK_ELEMS};
+use crate::engine::cpu::math;
+use crate::gguf::{Model, TensorRef};
+use crate::model::names::{self, blk};
+use crate::model::{Matrix, Weights};
+use crate::quant;
+
+/// One slice of weights a layer reads: rows of a tensor and how many tokens multiply them
+/// (0 for vectors: norms and biases).
+pub(super) struct Read<'m> {
+    t: TensorRef<'m>,
+    rows: Range<u64>,
+    tokens: usize,
+}
+
+impl Read<'_> {
+    pub(super) fn bytes(&self) -> u64 {
+        (self.rows.end - self.rows.start) * self.t.info.row_bytes()
+    }
+
+    pub(super) fn values(&self) -> u64 {
+        (self.rows.end - self.rows.start) * self.t.info.row_len()
+    }
+
+    pub(super) fn madds(&self) -> u64 {
+        self.tokens as u64 * self.values()
+    }
+}
+
+/// The slices layer `layer` reads with `t` tokens: every `blk.{layer}.*` tensor whole, except
+/// the stacked expert tensors, of which only the rows of the experts in `routed` (expert ->
+/// tokens routed to it).
+pub(super) fn layer_reads<'m>(
+    weights: &Weights<'m>,
+    layer: usize,
+    t: usize,
+    routed: &BTreeMap<usize, usize>,
+) -> Result<Vec<Read<'m>>> {
+    let mut out = Vec::new();
+    for tr in weights.model().tensors() {
+        let Some((l, suffix)) = names::split_blk(&tr.info.name) else {
+            continue;
+        };
+        if l != layer {
+            continue;
+        }
+        let stacked = matches!(
+            suffix,
+            blk::FFN_GATE_EXPS | blk::FFN_UP_EXPS | blk::FFN_GATE_UP_EXPS | blk::FFN_DOWN_EXPS
+        );
+        let tokens = if tr.info.ne.len() == 1 { 0 } else { t };
+        if !stacked {
+            out.push(Read {
+                t: tr,
+                rows: 0..tr.info.n_rows(),
+                tokens,
+            });
+            continue;
+        }
+        let ne = &tr.info.ne;
+        if ne.len() != 3 {
+            bail!(
+                "bench: layer: tensor {} has ne={ne:?}, expected [cols, rows, n_expert]",
+                tr.info.name
+            );
+        }
+        for (&e, &n) in routed {
+            let e = e as u64;
+            out.push(Read {
+                t: tr,
+                rows: e * ne[1]..(e + 1) * ne[1],
+                tokens: n,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The floor of `reads` (see the module documentation).
+pub(super) fn floor(model: &Model, reads: &[Read<'_>]) -> Result<Floor> {
+    let (mut dq, mut mm) = (Duration::ZERO, Duration::ZERO);
+    let mut buf: Vec<f32> = Vec::new();
+    for r in reads {
+        let cols = r.t.info.row_len() as usize;
+        let rows_per_call = (FLOOR_CHUNK_ELEMS / cols.max(1)).max(1) as u64;
+        let x = vec![FLOOR_ACTIVATION; r.tokens * cols]; // [tokens, cols]
+        let mut row = r.rows.start;
+        while row < r.rows.end {
+            let end = (row + rows_per_call).min(r.rows.end);
+            let bytes = model.row_data(r.t, row..end)?;
+            let n = (end - row) as usize;
+            buf.resize(n * cols, 0.0);
+            let t0 = Instant::now();
+            quant::dequantize_par(r.t.info.ty, bytes, &mut buf)
+                .with_context(|| format!("bench: layer: floor of {}", r.t.info.name))?;
+            dq += t0.elapsed();
+            if r.tokens > 0 {
+                let w = Matrix {
+                    rows: n,
+                    cols,
+                    data: std::mem::take(&mut buf),
+                };
+                let t0 = Instant::now();
+                let y = math::matmul(&x, r.tokens, &w);
+                mm += t0.elapsed();
+                std::hint::black_box(&y);
+                buf = w.data;
+            }
+            row = end;
+        }
+    }
+    Ok(Floor {
+        dequant_s: dq.as_secs_f64(),
+        matmul_s: mm.as_secs_f64(),
+    })
+}
