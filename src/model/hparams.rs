@@ -70,7 +70,9 @@ pub struct Yarn {
     pub beta_slow: f64,
     /// HF `mscale_all_dim`: `yarn_log_multiplier / 0.1` when the key is present, else `None`.
     pub mscale_all_dim: Option<f64>,
-    /// `rope.scaling.attn_factor` when the file carries it (HF `attention_factor`).
+    /// HF `attention_factor` when the file carries it: `rope.scaling.yarn_attn_factor`, the key
+    /// llama.cpp's converter writes (gguf-py `add_rope_scaling_yarn_attn_factor`), else the generic
+    /// `rope.scaling.attn_factor`.
     pub attn_factor: Option<f64>,
 }
 
@@ -460,7 +462,10 @@ fn read_yarn(k: &Keys<'_>) -> Result<Option<Yarn>> {
                 mscale_all_dim: log_mul
                     .filter(|&m| m != 0.0)
                     .map(|m| m / YARN_LOG_MUL_CONVERTER_FACTOR),
-                attn_factor: k.opt_f64("rope.scaling.attn_factor")?,
+                attn_factor: match k.opt_f64("rope.scaling.yarn_attn_factor")? {
+                    Some(a) => Some(a),
+                    None => k.opt_f64("rope.scaling.attn_factor")?,
+                },
             }))
         }
         other => bail!(
@@ -599,6 +604,35 @@ mod tests {
         })
         .unwrap_err();
         assert!(format!("{e:#}").contains("not supported"), "{e:#}");
+    }
+
+    /// A config with an explicit YaRN `attention_factor` is converted to
+    /// `rope.scaling.yarn_attn_factor` (llama.cpp `conversion/base.py`); that is the key read.
+    #[test]
+    fn yarn_attention_factor_from_the_converter_key() {
+        let yarn = |m: &mut Vec<(String, Value)>| {
+            let k = |s: &str| format!("deepseek2.rope.scaling.{s}");
+            m.push((k("type"), Value::String("yarn".into())));
+            m.push((k("factor"), Value::F32(40.0)));
+            m.push((k("original_context_length"), Value::U32(256)));
+        };
+        let got = parse(&tiny_hparams(Arch::Deepseek2), |m| {
+            yarn(m);
+            m.push((
+                "deepseek2.rope.scaling.yarn_attn_factor".into(),
+                Value::F32(1.25),
+            ));
+        })
+        .unwrap();
+        assert_eq!(got.rope.yarn.unwrap().attn_factor, Some(1.25));
+        let got = parse(&tiny_hparams(Arch::Deepseek2), |m| {
+            yarn(m);
+            m.push(("deepseek2.rope.scaling.attn_factor".into(), Value::F32(0.5)));
+        })
+        .unwrap();
+        assert_eq!(got.rope.yarn.unwrap().attn_factor, Some(0.5));
+        let got = parse(&tiny_hparams(Arch::Deepseek2), yarn).unwrap();
+        assert_eq!(got.rope.yarn.unwrap().attn_factor, None);
     }
 
     #[test]
