@@ -8,6 +8,7 @@
 //! [`PY_ROW_ELEMENTS`] values, the way a converter calls it). Rates are million elements per
 //! second and GB/s of f32 output.
 
+use super::cpu_model;
 use std::io::Write;
 use std::process::{Command, Stdio};
 use std::time::Instant;
@@ -231,19 +232,6 @@ pub fn run(opts: &BenchDequantOptions) -> Result<Report> {
         },
         rows,
     })
-}
-
-/// The CPU model name from /proc/cpuinfo, or "unknown".
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown".to_string())
 }
 
 /// What the Python probe found.

@@ -39,6 +39,7 @@ mod procfs;
 mod reads;
 mod table;
 
+use super::cpu_model;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -683,19 +684,6 @@ fn by_kind(layers: &[LayerRow]) -> Vec<KindRow> {
             }
         })
         .collect()
-}
-
-/// The CPU model name from /proc/cpuinfo, or "unknown".
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown".to_string())
 }
 
 /// A directory removed (with its contents) when dropped.

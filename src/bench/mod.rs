@@ -4,3 +4,16 @@
 pub mod dequant;
 pub mod layer;
 pub mod random_blocks;
+
+/// The CPU model name from /proc/cpuinfo, or "unknown".
+pub(crate) fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".to_string())
+}
