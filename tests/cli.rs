@@ -308,3 +308,37 @@ fn help_and_version_exit_0() {
     assert_eq!(run(&["--help"]).status.code(), Some(0));
     assert_eq!(run(&["--version"]).status.code(), Some(0));
 }
+
+#[test]
+fn inspect_shows_the_forward_pass_glmdiff_will_run() {
+    // dsv3-tiny was made from a transformers config with n_group 4, topk_group 2, sigmoid
+    // scoring, 3 layers of which 1 dense, YaRN factor 40 (reference/tiny_models.py).
+    let p =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/models/dsv3-tiny/dsv3-tiny-f32.gguf");
+    let o = run(&["inspect", p.to_str().unwrap(), "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let fp = &r["forward_pass"]["Ok"];
+    let routing = fp["routing"].as_str().unwrap();
+    assert!(routing.contains("gating sigmoid"), "{routing}");
+    assert!(routing.contains("groups 2 of 4"), "{routing}");
+    assert!(
+        fp["layers run"]
+            .as_str()
+            .unwrap()
+            .starts_with("3 of 3 blocks"),
+        "{fp}"
+    );
+    assert!(
+        fp["rope"].as_str().unwrap().contains("YaRN factor 40"),
+        "{fp}"
+    );
+    // Not a supported architecture: no forward-pass section, no error.
+    let o = run(&[
+        "inspect",
+        fixture("all_types.gguf").to_str().unwrap(),
+        "--json",
+    ]);
+    let r: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(r["forward_pass"].is_null());
+}

@@ -23,6 +23,9 @@ pub struct InspectReport {
     pub name: Option<String>,
     /// Metadata keys under the architecture prefix (`glm-dsa.block_count` -> `block_count`).
     pub hyperparameters: BTreeMap<String, serde_json::Value>,
+    /// What the forward pass will use, defaults applied (glm-dsa and deepseek2 only): the
+    /// values glmdiff's reference runs with, or the error that stops it.
+    pub forward_pass: Option<Result<BTreeMap<String, String>, String>>,
     /// Tokenizer summary.
     pub tokenizer: TokenizerSummary,
     /// Other metadata keys (general.*, split.*, quantize.*...), long arrays summarized.
@@ -145,6 +148,7 @@ pub fn build(model: &Model, pattern: Option<&str>) -> InspectReport {
             .and_then(Value::as_str)
             .map(str::to_string),
         hyperparameters: hyper,
+        forward_pass: forward_pass(model),
         tokenizer: tok,
         other_metadata: other,
         tensor_count: model.n_tensors(),
@@ -160,6 +164,87 @@ pub fn build(model: &Model, pattern: Option<&str>) -> InspectReport {
         total_bytes: total,
         tensors,
     }
+}
+
+/// The hyperparameters the reference forward pass derives from the metadata (defaults applied),
+/// for the architectures it supports; `None` for other architectures.
+fn forward_pass(model: &Model) -> Option<Result<BTreeMap<String, String>, String>> {
+    use crate::model::hparams::{Gating, HParams, ARCH_DEEPSEEK2, ARCH_GLM_DSA};
+    let arch = model.architecture()?;
+    if arch != ARCH_GLM_DSA && arch != ARCH_DEEPSEEK2 {
+        return None;
+    }
+    let hp = match HParams::from_model(model) {
+        Ok(hp) => hp,
+        Err(e) => return Some(Err(format!("{e:#}"))),
+    };
+    let mut m = BTreeMap::new();
+    let mut put = |k: &str, v: String| {
+        m.insert(k.to_string(), v);
+    };
+    put(
+        "layers run",
+        format!(
+            "{} of {} blocks ({} MTP not run); dense 0..{}, MoE {}..{}",
+            hp.n_layer, hp.n_block, hp.n_nextn, hp.n_dense, hp.n_dense, hp.n_layer
+        ),
+    );
+    put(
+        "attention",
+        format!(
+            "MLA, {} heads, q_lora {}, kv_lora {}, head nope {} + rope {}, v {}",
+            hp.n_head,
+            hp.q_lora_rank
+                .map_or("none (attn_q)".to_string(), |r| r.to_string()),
+            hp.kv_lora_rank,
+            hp.qk_nope,
+            hp.qk_rope,
+            hp.v_head
+        ),
+    );
+    put("rms_norm eps", format!("{:e}", hp.rms_eps));
+    put(
+        "rope",
+        match &hp.rope.yarn {
+            None => format!("interleaved, base {}, dim {}, no scaling", hp.rope.base, hp.rope.dim),
+            Some(y) => format!(
+                "interleaved, base {}, dim {}, YaRN factor {} orig ctx {} beta {}/{} mscale_all_dim {}",
+                hp.rope.base, hp.rope.dim, y.factor, y.original_context, y.beta_fast, y.beta_slow, y.mscale_all_dim.map_or("none".to_string(), |m| format!("{m:.4}"))
+            ),
+        },
+    );
+    put(
+        "routing",
+        format!(
+            "{} experts, {} per token, {} shared, width {}; gating {}; groups {}; weights norm {}, scale {}",
+            hp.n_expert,
+            hp.n_expert_used,
+            hp.n_expert_shared,
+            hp.n_ff_exp,
+            match hp.gating {
+                Gating::Sigmoid => "sigmoid",
+                Gating::Softmax => "softmax",
+            },
+            hp.groups
+                .map_or("none".to_string(), |(g, u)| format!("{u} of {g}")),
+            hp.expert_weights_norm,
+            hp.expert_weights_scale
+        ),
+    );
+    if let Some(ix) = &hp.indexer {
+        put(
+            "indexer (DSA)",
+            format!(
+                "{} heads x {}, top_k {}, {} of {} layers with their own indexer",
+                ix.n_head,
+                ix.head_dim,
+                ix.top_k,
+                ix.full.iter().filter(|&&f| f).count(),
+                ix.full.len()
+            ),
+        );
+    }
+    Some(Ok(m))
 }
 
 /// Runs `glmdiff inspect`.

@@ -51,6 +51,20 @@ pub fn render(r: &InspectReport) -> String {
         }
         let _ = writeln!(s, "{h}");
     }
+    match &r.forward_pass {
+        None => {}
+        Some(Ok(fp)) => {
+            let _ = writeln!(s, "\nforward pass (as glmdiff runs it, defaults applied):");
+            let mut h = table(&["what", "value"]);
+            for (k, v) in fp {
+                h.add_row(vec![k.clone(), v.clone()]);
+            }
+            let _ = writeln!(s, "{h}");
+        }
+        Some(Err(e)) => {
+            let _ = writeln!(s, "\nforward pass: cannot run: {e}");
+        }
+    }
     if !r.other_metadata.is_empty() {
         let _ = writeln!(s, "\nother metadata:");
         let mut h = table(&["key", "value"]);
