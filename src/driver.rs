@@ -176,6 +176,7 @@ pub fn exec_step<E: Engine>(
             outputs: vec![Rc::clone(&inputs[0])],
             extra: Vec::new(),
         },
+        Op::ZerosLike => one(engine.zeros_like(x(0))?),
     })
 }
 
@@ -272,6 +273,7 @@ fn op_name(op: &Op) -> &'static str {
         Op::SwiGlu => "swiglu",
         Op::Add => "add",
         Op::Alias => "alias",
+        Op::ZerosLike => "zeros_like",
     }
 }
 
@@ -387,6 +389,20 @@ mod tests {
             &t["blk.0.indexer_topk"].as_i32("").unwrap()[..3],
             &[0, -1, -1]
         );
+    }
+
+    #[test]
+    fn model_without_shared_experts_has_zero_ffn_shexp() {
+        let mut hp = tiny_hparams(Arch::Deepseek2);
+        hp.n_expert_shared = 0;
+        let t = run_all(&tiny_model(&hp), HookFilter::default());
+        let routed = t["blk.1.moe_routed"].as_f32("").unwrap();
+        let shexp = &t["blk.1.ffn_shexp"];
+        assert_eq!(shexp.shape, t["blk.1.moe_routed"].shape);
+        assert!(shexp.as_f32("").unwrap().iter().all(|&v| v == 0.0));
+        // x + 0 == x (up to the sign of zero).
+        let out = t["blk.1.ffn_out"].as_f32("").unwrap();
+        assert!(out.iter().zip(routed).all(|(a, b)| a == b));
     }
 
     #[test]

@@ -207,4 +207,11 @@ pub trait Engine {
     fn swiglu(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor>;
     /// `a + b`, elementwise.
     fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor>;
+    /// Zeros of `x`'s shape (f32): the shared-expert output of a model without shared experts.
+    /// The default goes through the host; an engine may create them in place.
+    fn zeros_like(&self, x: &Self::Tensor) -> Result<Self::Tensor> {
+        let h = self.download(x)?;
+        let n = h.shape.iter().product();
+        self.upload(&HostTensor::f32(h.shape, vec![0.0; n])?)
+    }
 }

@@ -14,8 +14,8 @@
 //! `src/models/deepseek2.cpp` `kq_scale`):
 //! `softmax scale = mscale^2 / sqrt(qk_nope + qk_rope)`, `mscale = 0.1 * mscale_all_dim * ln(factor) + 1`
 //! when `mscale_all_dim` is known (GGUF `yarn_log_multiplier / 0.1`), else `1 / sqrt(qk_nope + qk_rope)`.
-//! cos/sin are multiplied by transformers' `attention_factor`: the file's `rope.scaling.attn_factor`
-//! when present; else `get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)`, which is 1
+//! cos/sin are multiplied by transformers' `attention_factor`: the file's
+//! `rope.scaling.yarn_attn_factor` (or the generic `rope.scaling.attn_factor`) when present; else `get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)`, which is 1
 //! because the GGUF does not carry `mscale` and DeepSeek's checkpoints set `mscale == mscale_all_dim`
 //! (V3: 1/1, V2-Lite: 0.707/0.707; llama.cpp `llama-context.cpp` assumes the same); without
 //! `mscale_all_dim` it is `0.1 ln(factor) + 1`.

@@ -157,6 +157,8 @@ pub enum Op {
     Add,
     /// The output is the input (a second name for the same values).
     Alias,
+    /// Zeros of the input's shape. In: x. Out: zeros like x.
+    ZerosLike,
 }
 
 /// One step: an operation, the hook names it reads and the hook names it produces.
@@ -389,20 +391,22 @@ pub fn layer_steps(hp: &HParams, l: usize) -> Vec<Step> {
                 down: w(blk::FFN_DOWN_SHEXP),
             };
             v.push(step(lay, mlp, &[&f], &[&h(point::FFN_SHEXP)]));
-            v.push(step(
-                lay,
-                Op::Add,
-                &[&h(point::MOE_ROUTED), &h(point::FFN_SHEXP)],
-                &[&h(point::FFN_OUT)],
-            ));
         } else {
+            // No shared expert: ffn_shexp is zeros, so every MoE layer has the same hooks
+            // (transformers' shared-expert hook also gives zeros) and ffn_out = moe_routed + 0.
             v.push(step(
                 lay,
-                Op::Alias,
+                Op::ZerosLike,
                 &[&h(point::MOE_ROUTED)],
-                &[&h(point::FFN_OUT)],
+                &[&h(point::FFN_SHEXP)],
             ));
         }
+        v.push(step(
+            lay,
+            Op::Add,
+            &[&h(point::MOE_ROUTED), &h(point::FFN_SHEXP)],
+            &[&h(point::FFN_OUT)],
+        ));
     }
     v.push(step(
         lay,

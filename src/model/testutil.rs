@@ -150,10 +150,10 @@ pub fn tensor_names(hp: &HParams) -> Vec<String> {
                 blk::FFN_GATE_EXPS,
                 blk::FFN_UP_EXPS,
                 blk::FFN_DOWN_EXPS,
-                blk::FFN_GATE_SHEXP,
-                blk::FFN_UP_SHEXP,
-                blk::FFN_DOWN_SHEXP,
             ]);
+            if hp.n_expert_shared > 0 {
+                s.extend([blk::FFN_GATE_SHEXP, blk::FFN_UP_SHEXP, blk::FFN_DOWN_SHEXP]);
+            }
         }
         v.extend(s.iter().map(|x| names::blk(l, x)));
     }
