@@ -39,6 +39,7 @@ pub const C_ANCHORS: &[(GgmlType, f64)] = &[
     (GgmlType::Q6_K, 783.0),
     (GgmlType::Q8_0, 2464.0),
     (GgmlType::IQ4_XS, 701.0),
+    (GgmlType::IQ2_XS, 222.0),
 ];
 
 /// gguf-py 0.19.0 `gguf.quants.dequantize` on the same machine, million elements/s
