@@ -29,7 +29,7 @@ fuzz_target!(|data: &[u8]| {
     }
     let mut sum = 0u64;
     for t in f.tensors() {
-        let bytes = f.tensor_data(t);
+        let bytes = f.tensor_data(t).expect("a parsed tensor");
         assert_eq!(bytes.len() as u64, t.nbytes, "{}", t.name);
         sum = bytes.iter().fold(sum, |s, &b| s.wrapping_add(u64::from(b)));
         let rows = t.n_rows();
@@ -51,7 +51,7 @@ fuzz_target!(|data: &[u8]| {
     black_box(m.architecture());
     for t in m.tensors() {
         let found = m.tensor(&t.info.name).expect("a listed tensor");
-        assert_eq!(m.tensor_data(found).len() as u64, t.info.nbytes);
+        assert_eq!(m.tensor_data(found).expect("a listed tensor").len() as u64, t.info.nbytes);
     }
     black_box(m.tensor("blk.0.attn_q.weight").is_err());
 });

@@ -33,7 +33,7 @@ impl Model {
     /// Reads an integer tensor (I8, I16, I32 or I64) as i64 values.
     pub fn read_ints(&self, t: TensorRef<'_>) -> Result<Vec<i64>> {
         self.check_endian(t)?;
-        let b = self.tensor_data(t);
+        let b = self.tensor_data(t)?;
         Ok(match t.info.ty {
             GgmlType::I8 => b.iter().map(|&x| i64::from(x as i8)).collect(),
             GgmlType::I16 => b
@@ -61,7 +61,7 @@ impl Model {
     }
 
     fn check_endian(&self, t: TensorRef<'_>) -> Result<()> {
-        let shard = &self.shards()[t.shard];
+        let shard = self.shard_of(t)?;
         if shard.is_big_endian() && t.info.ty.type_size() > 1 {
             bail!(
                 "gguf: {}: tensor {:?} ({}): big-endian tensor data is not supported (metadata and inspect work)",

@@ -316,14 +316,17 @@ impl GgufFile {
         self.tensor_index.get(name).map(|&i| &self.tensors[i])
     }
 
-    /// The raw bytes of a tensor of this file (zero-copy view into the map).
-    pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
-        let start = (self.data_start + t.offset) as usize;
-        &self.backing.bytes()[start..start + t.nbytes as usize]
+    /// The raw bytes of a tensor of this file (zero-copy view into the map). `t` must be one of
+    /// this file's tensor infos (same name, type, dimensions, offset and size); an info from
+    /// another file is an error, never an out-of-bounds read.
+    pub fn tensor_data(&self, t: &TensorInfo) -> Result<&[u8]> {
+        self.check_own(t)?;
+        self.data_slice(t, t.offset, t.nbytes)
     }
 
-    /// The raw bytes of rows `rows` of a tensor (rows of `ne[0]` elements).
+    /// The raw bytes of rows `rows` of a tensor of this file (rows of `ne[0]` elements).
     pub fn row_data(&self, t: &TensorInfo, rows: Range<u64>) -> Result<&[u8]> {
+        self.check_own(t)?;
         if rows.start > rows.end || rows.end > t.n_rows() {
             bail!(
                 "gguf: {}: tensor {:?}: rows {}..{} out of range (it has {} rows)",
@@ -334,10 +337,61 @@ impl GgufFile {
                 t.n_rows()
             );
         }
+        // Cannot overflow: rows.end <= n_rows and n_rows * row_bytes = nbytes, checked at parse.
         let rb = t.row_bytes();
-        let start = (self.data_start + t.offset + rows.start * rb) as usize;
-        let len = ((rows.end - rows.start) * rb) as usize;
-        Ok(&self.backing.bytes()[start..start + len])
+        self.data_slice(t, t.offset + rows.start * rb, (rows.end - rows.start) * rb)
+    }
+
+    /// Checks that `t` is this file's info of tensor `t.name`, not one from another file.
+    fn check_own(&self, t: &TensorInfo) -> Result<()> {
+        match self.tensor(&t.name) {
+            Some(own)
+                if own.offset == t.offset
+                    && own.nbytes == t.nbytes
+                    && own.ty == t.ty
+                    && own.ne == t.ne =>
+            {
+                Ok(())
+            }
+            Some(own) => bail!(
+                "gguf: {}: tensor {:?} ({} {:?}, {} bytes at data offset {}) does not match this file's ({} {:?}, {} bytes at data offset {}); the info comes from another file",
+                self.path.display(),
+                t.name,
+                t.ty,
+                t.ne,
+                t.nbytes,
+                t.offset,
+                own.ty,
+                own.ne,
+                own.nbytes,
+                own.offset
+            ),
+            None => bail!(
+                "gguf: {}: no tensor named {:?} in this file; the info comes from another file",
+                self.path.display(),
+                t.name
+            ),
+        }
+    }
+
+    /// `len` bytes at `offset` from the start of the data section, bounds-checked.
+    fn data_slice(&self, t: &TensorInfo, offset: u64, len: u64) -> Result<&[u8]> {
+        let bytes = self.backing.bytes();
+        let range = self
+            .data_start
+            .checked_add(offset)
+            .and_then(|s| Some(s..s.checked_add(len)?))
+            .filter(|r| r.end <= bytes.len() as u64);
+        match range {
+            Some(r) => Ok(&bytes[r.start as usize..r.end as usize]),
+            None => bail!(
+                "gguf: {}: tensor {:?}: {len} bytes at data offset {offset} (data section at {}) run past the end of the {}-byte file",
+                self.path.display(),
+                t.name,
+                self.data_start,
+                bytes.len()
+            ),
+        }
     }
 }
 

@@ -263,14 +263,27 @@ impl Model {
         })
     }
 
-    /// The raw bytes of a whole tensor (zero-copy).
-    pub fn tensor_data(&self, t: TensorRef<'_>) -> &[u8] {
-        self.shards[t.shard].tensor_data(t.info)
+    /// The raw bytes of a whole tensor (zero-copy). `t` must come from this model.
+    pub fn tensor_data(&self, t: TensorRef<'_>) -> Result<&[u8]> {
+        self.shard_of(t)?.tensor_data(t.info)
     }
 
-    /// The raw bytes of rows `rows` of a tensor (zero-copy).
+    /// The raw bytes of rows `rows` of a tensor (zero-copy). `t` must come from this model.
     pub fn row_data(&self, t: TensorRef<'_>, rows: Range<u64>) -> Result<&[u8]> {
-        self.shards[t.shard].row_data(t.info, rows)
+        self.shard_of(t)?.row_data(t.info, rows)
+    }
+
+    /// The shard that `t` names, or an error when the index is past this model's shards.
+    pub(crate) fn shard_of(&self, t: TensorRef<'_>) -> Result<&GgufFile> {
+        self.shards.get(t.shard).with_context(|| {
+            format!(
+                "gguf: {}: tensor {:?} names shard {} but the model has {} shard(s); the reference comes from another model",
+                self.path().display(),
+                t.info.name,
+                t.shard,
+                self.shards.len()
+            )
+        })
     }
 }
 

@@ -517,8 +517,8 @@ mod tests {
         );
         let y = f.tensor("y").unwrap();
         assert_eq!(y.offset, 256); // 204 bytes padded to 64
-        assert_eq!(f.tensor_data(x), &data[0][..]);
-        assert_eq!(f.tensor_data(y), &data[1][..]);
+        assert_eq!(f.tensor_data(x).unwrap(), &data[0][..]);
+        assert_eq!(f.tensor_data(y).unwrap(), &data[1][..]);
         for (a, b) in w.layout().iter().zip(f.tensors()) {
             assert_eq!(a.info_offset, b.info_offset);
         }
@@ -560,7 +560,7 @@ mod tests {
         assert_eq!(n, std::fs::metadata(&p).unwrap().len());
         let m = crate::gguf::Model::open(&p).unwrap();
         assert_eq!(m.architecture(), Some("test"));
-        assert_eq!(m.tensor_data(m.tensor("a").unwrap()), &[1u8; 32]);
+        assert_eq!(m.tensor_data(m.tensor("a").unwrap()).unwrap(), &[1u8; 32]);
         // A failing callback leaves the old file in place and no temporary behind.
         let err = w.write_file(&p, &mut |_, _| bail!("no data"));
         assert!(err.is_err());

@@ -112,13 +112,13 @@ fn check_every_type(f: &GgufFile, version: u32, be: bool) {
         (w.ne.as_slice(), w.shape(), w.nbytes),
         (&[4, 2][..], vec![2, 4], 32)
     );
-    assert_eq!(f.tensor_data(w), &f32_data(8, 1.0, be)[..]);
+    assert_eq!(f.tensor_data(w).unwrap(), &f32_data(8, 1.0, be)[..]);
     assert_eq!(f.row_data(w, 1..2).unwrap(), &f32_data(8, 1.0, be)[16..32]);
     let q = f.tensor("q").unwrap();
     assert_eq!((q.nbytes, q.offset), (34, 32));
-    assert_eq!(f.tensor_data(q), &[0xAB; 34][..]);
+    assert_eq!(f.tensor_data(q).unwrap(), &[0xAB; 34][..]);
     let v = f.tensor("v").unwrap();
-    assert_eq!(f.tensor_data(v), &f32_data(3, -1.0, be)[..]);
+    assert_eq!(f.tensor_data(v).unwrap(), &f32_data(3, -1.0, be)[..]);
     assert_eq!(f.file_len() - f.data_start(), 96 + 12);
 }
 
@@ -135,7 +135,7 @@ fn valid_file_reads_every_value_type() {
     assert_eq!(m.n_tensors(), 3);
     assert_eq!(m.architecture(), Some("glm-dsa"));
     let t = m.tensor("v").unwrap();
-    assert_eq!(m.tensor_data(t), &f32_data(3, -1.0, false)[..]);
+    assert_eq!(m.tensor_data(t).unwrap(), &f32_data(3, -1.0, false)[..]);
 }
 
 #[test]
@@ -227,4 +227,28 @@ fn write_fuzz_seeds() {
         ok(bytes.clone());
         std::fs::write(dir.join(name), bytes).unwrap();
     }
+}
+
+/// Regression: `tensor_data`/`row_data` sliced the map with the offset of whatever info they
+/// were given, so an info or `TensorRef` taken from another file panicked out of bounds.
+#[test]
+fn tensor_info_from_another_file_is_an_error_not_a_panic() {
+    let f = ok(every_type_file(3, false).build().bytes);
+    let mut far = f.tensor("w").unwrap().clone();
+    far.offset = 1 << 40;
+    let e = format!("{:#}", f.tensor_data(&far).unwrap_err());
+    assert!(e.contains("\"w\"") && e.contains("another file"), "{e}");
+    assert!(f.row_data(&far, 0..1).is_err());
+    let mut stranger = far.clone();
+    stranger.name = "not_here".into();
+    let e = format!("{:#}", f.tensor_data(&stranger).unwrap_err());
+    assert!(e.contains("no tensor named \"not_here\""), "{e}");
+
+    let m = Model::from_shards(vec![f]).unwrap();
+    let mut t = m.tensor("v").unwrap();
+    t.shard = 7;
+    let e = format!("{:#}", m.tensor_data(t).unwrap_err());
+    assert!(e.contains("shard 7") && e.contains("1 shard"), "{e}");
+    assert!(m.row_data(t, 0..1).is_err());
+    assert!(m.dequantize(t).is_err());
 }
