@@ -342,3 +342,23 @@ fn inspect_shows_the_forward_pass_glmdiff_will_run() {
     let r: Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(r["forward_pass"].is_null());
 }
+
+/// Regression: a directory or a device as MODEL reached mmap and failed with "No such device".
+#[test]
+fn inspect_on_a_directory_or_device_says_what_it_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    assert_error(&["inspect", d], &[d, "is a directory"]);
+    if Path::new("/dev/null").exists() {
+        assert_error(
+            &["inspect", "/dev/null"],
+            &["/dev/null", "not a regular file"],
+        );
+    }
+    let empty = dir.path().join("empty.gguf");
+    std::fs::write(&empty, b"").unwrap();
+    assert_error(
+        &["inspect", empty.to_str().unwrap()],
+        &["empty.gguf", "magic"],
+    );
+}

@@ -126,6 +126,17 @@ impl GgufFile {
     pub fn open(path: &Path) -> Result<GgufFile> {
         let file =
             File::open(path).with_context(|| format!("gguf: cannot open {}", path.display()))?;
+        let meta = file
+            .metadata()
+            .with_context(|| format!("gguf: cannot stat {}", path.display()))?;
+        if !meta.is_file() {
+            let what = if meta.is_dir() {
+                "a directory"
+            } else {
+                "not a regular file"
+            };
+            bail!("gguf: {} is {what}, not a GGUF file", path.display());
+        }
         // SAFETY: the map is read-only and glmdiff never writes the file. Another process
         // truncating the file while it is mapped would fault; that is the documented caveat of
         // every mmap-based model loader (llama.cpp included) and not something safe Rust can
