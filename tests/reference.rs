@@ -304,3 +304,48 @@ fn trace_command_end_to_end() {
     assert_eq!(r.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&r.stderr).contains("--layers 0..99 is out of range"));
 }
+
+/// Regression: `trace --out x.npy` wrote a safetensors file under a `.npy` name, an output in a
+/// missing directory failed only after the forward pass, and "no hook matched" printed Rust's
+/// `Option`/`Vec` debug forms.
+#[test]
+fn trace_output_name_and_directory_are_checked_before_running() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, gguf) = golden_pairs().into_iter().next().expect("a golden pair");
+    let g = gguf.to_str().unwrap();
+    let npy = dir.path().join("t.npy");
+    let r = glmdiff(&["trace", g, "--tokens", "1", "--out", npy.to_str().unwrap()]);
+    let e = String::from_utf8_lossy(&r.stderr).into_owned();
+    assert_eq!(r.status.code(), Some(2), "{e}");
+    assert!(e.contains("t.npy") && e.contains(".safetensors"), "{e}");
+    assert!(!npy.exists());
+
+    let missing = dir.path().join("no/such/dir/t.safetensors");
+    let r = glmdiff(&[
+        "trace",
+        g,
+        "--tokens",
+        "1",
+        "--out",
+        missing.to_str().unwrap(),
+    ]);
+    let e = String::from_utf8_lossy(&r.stderr).into_owned();
+    assert_eq!(r.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("no/such/dir") && e.contains("does not exist"),
+        "{e}"
+    );
+
+    let out = dir.path().join("t.safetensors");
+    let o = out.to_str().unwrap();
+    let r = glmdiff(&[
+        "trace", g, "--tokens", "1", "--hook", "nomatch*", "--out", o,
+    ]);
+    let e = String::from_utf8_lossy(&r.stderr).into_owned();
+    assert_eq!(r.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("no hook matched --layers all --hook nomatch*"),
+        "{e}"
+    );
+    assert!(!out.exists());
+}

@@ -8,7 +8,8 @@ use anyhow::{bail, Result};
 use super::Outcome;
 use crate::cli::DequantArgs;
 use crate::gguf::Model;
-use crate::util::{atomic::write_atomic, npy};
+use crate::util::atomic::{check_output_dir, write_atomic};
+use crate::util::npy;
 
 /// Output formats, chosen by the file extension.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,6 +33,7 @@ fn format_of(path: &Path) -> Result<Format> {
 /// Runs `glmdiff dequant`.
 pub fn run(args: &DequantArgs) -> Result<Outcome> {
     let format = format_of(&args.out)?;
+    check_output_dir(&args.out)?;
     let model = Model::open(&args.model)?;
     let t = model.tensor(&args.tensor)?;
     let n_rows = t.info.n_rows();

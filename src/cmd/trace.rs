@@ -13,9 +13,17 @@ use crate::gguf::Model;
 use crate::model::Weights;
 use crate::tokenizer::Tokenizer;
 use crate::trace::{write_trace, HookFilter, TraceMeta, TraceSink};
+use crate::util::atomic::check_output_dir;
 
 /// Runs `glmdiff trace`.
 pub fn run(args: &TraceArgs) -> Result<Outcome> {
+    if args.out.extension().and_then(|e| e.to_str()) != Some("safetensors") {
+        bail!(
+            "trace: output {} must end in .safetensors (a trace is a safetensors file)",
+            args.out.display()
+        );
+    }
+    check_output_dir(&args.out)?;
     let model = Model::open(&args.model)?;
     let weights = Weights::new(&model)?;
     let hp = weights.hparams();
@@ -76,10 +84,17 @@ pub fn run(args: &TraceArgs) -> Result<Outcome> {
     let engine = CpuEngine::new(&weights);
     let summary = driver::run(&engine, &weights, &tokens, &plan, &mut sink)?;
     if summary.hooks_recorded == 0 {
+        let layers = args
+            .layers
+            .as_ref()
+            .map_or("all".to_string(), |r| format!("{}..{}", r.start, r.end));
+        let hooks = if args.hook.is_empty() {
+            "(all)".to_string()
+        } else {
+            args.hook.join(" ")
+        };
         bail!(
-            "trace: no hook matched --layers {:?} --hook {:?}; hook names are blk.L.<point>, token_embd, result_norm, logits",
-            args.layers,
-            args.hook
+            "trace: no hook matched --layers {layers} --hook {hooks}; hook names are blk.L.<point>, token_embd, result_norm, logits"
         );
     }
     let meta = TraceMeta {

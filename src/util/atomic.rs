@@ -5,7 +5,27 @@ use std::fs::{self, File};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
+
+/// Checks, before any work, that `path` names a file in an existing directory, so that a long
+/// run does not end in "cannot create" (the write itself still reports its own errors).
+pub fn check_output_dir(path: &Path) -> Result<()> {
+    if path.file_name().is_none() {
+        bail!("output: {} is not a file path", path.display());
+    }
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => return Ok(()),
+    };
+    if !dir.is_dir() {
+        bail!(
+            "output: the directory {} of {} does not exist",
+            dir.display(),
+            path.display()
+        );
+    }
+    Ok(())
+}
 
 /// Writes `path` atomically with the bytes produced by `write`.
 pub fn write_atomic(path: &Path, write: impl FnOnce(&mut dyn Write) -> Result<()>) -> Result<()> {
