@@ -52,7 +52,7 @@ pub struct DequantArgs {
     pub model: PathBuf,
     /// GGUF tensor name, e.g. blk.3.ffn_down_exps.weight.
     pub tensor: String,
-    /// Only rows A..B (rows of ne[0] elements over all other dimensions; end exclusive).
+    /// Only rows A..B (rows of `ne[0]` elements over all other dimensions; end exclusive).
     #[arg(long, value_name = "A..B", value_parser = parse_range)]
     pub rows: Option<Range<u64>>,
     /// Output file: .npy or .safetensors (f32, PyTorch shape order). Written atomically.

@@ -4,8 +4,8 @@
 //! Encoding: special tokens (token type CONTROL or USER_DEFINED) written in the text are matched
 //! as whole tokens first, leftmost and longest first, as Hugging Face tokenizers does for added
 //! tokens by default and llama.cpp does with `parse_special = true`; the text between them is
-//! cut by the pre-tokenizer regexes ([`pre`]), each piece is mapped to GPT-2 byte characters
-//! and merged by BPE ([`bpe`]). No BOS or EOS is added: `encode` returns exactly the tokens of
+//! cut by the pre-tokenizer regexes (`pre`), each piece is mapped to GPT-2 byte characters
+//! and merged by BPE (`bpe`). No BOS or EOS is added: `encode` returns exactly the tokens of
 //! the text (see [`Tokenizer::bos_id`] and [`Tokenizer::add_bos`] to add one). The `lstrip` /
 //! `rstrip` flags of Hugging Face added tokens are not in GGUF and are not applied.
 //!

@@ -3,7 +3,7 @@
 //! A [`Sink`] receives hook tensors from the driver. The driver asks [`Sink::wants`] *before* it
 //! downloads a tensor from an engine, so unwatched tensors never leave the device.
 //! [`HookFilter`] is the selection behind `--layers` and `--hook`; [`TraceSink`] keeps what the
-//! filter wants and writes a safetensors trace ([`file`]).
+//! filter wants and writes a safetensors trace ([`file`](mod@file)).
 
 pub mod file;
 
