@@ -192,6 +192,13 @@ pub fn run<E: Engine>(
     if tokens.is_empty() {
         bail!("driver: the prompt has no tokens");
     }
+    if let Some(n_ctx) = weights.hparams().n_ctx.filter(|&c| tokens.len() > c) {
+        bail!(
+            "driver: {} tokens exceed the context_length {n_ctx} of {}",
+            tokens.len(),
+            weights.model().file_name()
+        );
+    }
     if let Some((i, &id)) = tokens
         .iter()
         .enumerate()
@@ -439,6 +446,26 @@ mod tests {
             .sum();
         assert_eq!(n_routed, TOKENS.len() * hp.n_expert_used);
         assert_eq!(t["blk.1.attn_probs"].shape, vec![hp.n_head, 5, 5]);
+    }
+
+    /// Regression: `bench layer --tokens 999999` aborted on a 4 TB `[T, T]` allocation; a run
+    /// longer than the model's `context_length` is refused before any step.
+    #[test]
+    fn tokens_beyond_the_context_length_are_an_error_not_an_abort() {
+        let mut hp = tiny_hparams(Arch::GlmDsa);
+        hp.n_ctx = Some(4);
+        let model = tiny_model(&hp);
+        let w = Weights::new(&model).unwrap();
+        assert_eq!(w.hparams().n_ctx, Some(4));
+        let engine = CpuEngine::new(&w);
+        let mut sink = TraceSink::new(HookFilter::default());
+        let plan = Plan::full(&w).unwrap();
+        run(&engine, &w, &[1, 2, 3, 4], &plan, &mut sink).unwrap();
+        let e = run(&engine, &w, &[1, 2, 3, 4, 5], &plan, &mut sink).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("5 tokens exceed the context_length 4"),
+            "{e:#}"
+        );
     }
 
     #[test]

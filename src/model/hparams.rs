@@ -119,6 +119,8 @@ pub struct HParams {
     pub n_dense: usize,
     /// `feed_forward_length` (dense MLP width).
     pub n_ff: usize,
+    /// `context_length` (training context), when present: the most tokens a run accepts.
+    pub n_ctx: Option<usize>,
     /// `attention.head_count`.
     pub n_head: usize,
     /// `attention.q_lora_rank`; `None` when absent or 0 (plain `attn_q`, DeepSeek-V2-Lite).
@@ -391,6 +393,7 @@ impl HParams {
             n_layer,
             n_dense: k.usize("leading_dense_block_count")?,
             n_ff: k.usize("feed_forward_length")?,
+            n_ctx: k.opt_usize("context_length")?,
             n_head,
             q_lora_rank,
             kv_lora_rank,

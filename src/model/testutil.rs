@@ -19,6 +19,7 @@ pub fn tiny_hparams(arch: Arch) -> HParams {
         n_layer: 2,
         n_dense: 1,
         n_ff: 24,
+        n_ctx: None,
         n_head: 2,
         q_lora_rank: Some(12),
         kv_lora_rank: 8,
@@ -94,6 +95,9 @@ pub fn metadata(hp: &HParams) -> Vec<(String, Value)> {
     }
     if let Some(q) = hp.q_lora_rank {
         m.push(u("attention.q_lora_rank", q));
+    }
+    if let Some(c) = hp.n_ctx {
+        m.push(u("context_length", c));
     }
     if let Some(ix) = &hp.indexer {
         m.push(u("attention.indexer.head_count", ix.n_head));

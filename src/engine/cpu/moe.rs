@@ -208,6 +208,7 @@ mod tests {
             n_layer: 1,
             n_dense: 0,
             n_ff: 4,
+            n_ctx: None,
             n_head: 1,
             q_lora_rank: None,
             kv_lora_rank: 2,
