@@ -4,7 +4,7 @@ use std::ops::Range;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, Parser, Subcommand};
+use clap::{ArgGroup, Args, Parser, Subcommand};
 
 /// glmdiff: find the first step where a GPU forward pass of a quantized MoE GGUF diverges from a CPU reference.
 #[derive(Debug, Parser)]
@@ -62,11 +62,12 @@ pub struct DequantArgs {
 
 /// `glmdiff trace`.
 #[derive(Debug, Args)]
+#[command(group(ArgGroup::new("input").required(true).args(["prompt", "tokens"])))]
 pub struct TraceArgs {
     /// The model: a .gguf file, or any shard of a split model.
     pub model: PathBuf,
     /// Prompt text, tokenized with the model's own tokenizer.
-    #[arg(long, conflicts_with = "tokens", required_unless_present = "tokens")]
+    #[arg(long)]
     pub prompt: Option<String>,
     /// Token ids, comma separated (e.g. 1,2,3).
     #[arg(long, value_delimiter = ',')]

@@ -362,3 +362,27 @@ fn inspect_on_a_directory_or_device_says_what_it_is() {
         &["empty.gguf", "magic"],
     );
 }
+
+/// Regression: `trace` without `--prompt` or `--tokens` said only that `--prompt` was required.
+#[test]
+fn trace_without_input_names_both_prompt_and_tokens() {
+    let m = fixture("all_types.gguf");
+    let m = m.to_str().unwrap();
+    assert_error(
+        &["trace", m, "--out", "x.safetensors"],
+        &["--prompt", "--tokens"],
+    );
+    assert_error(
+        &[
+            "trace",
+            m,
+            "--prompt",
+            "a",
+            "--tokens",
+            "1",
+            "--out",
+            "x.safetensors",
+        ],
+        &["--prompt", "--tokens", "cannot be used with"],
+    );
+}
