@@ -216,13 +216,56 @@ impl fmt::Display for Value {
             Value::I16(v) => write!(f, "{v}"),
             Value::U32(v) => write!(f, "{v}"),
             Value::I32(v) => write!(f, "{v}"),
-            Value::F32(v) => write!(f, "{v}"),
+            Value::F32(v) => {
+                let plain = (PLAIN_FLOAT_MIN as f32..PLAIN_FLOAT_MAX as f32).contains(&v.abs());
+                write_float(f, *v == 0.0 || !v.is_finite() || plain, v)
+            }
             Value::Bool(v) => write!(f, "{v}"),
             Value::String(s) => write!(f, "{s}"),
             Value::Array(..) => write!(f, "{}", self.summary(8)),
             Value::U64(v) => write!(f, "{v}"),
             Value::I64(v) => write!(f, "{v}"),
-            Value::F64(v) => write!(f, "{v}"),
+            Value::F64(v) => {
+                let plain = (PLAIN_FLOAT_MIN..PLAIN_FLOAT_MAX).contains(&v.abs());
+                write_float(f, *v == 0.0 || !v.is_finite() || plain, v)
+            }
         }
+    }
+}
+
+/// Smallest magnitude printed positionally; below it a float is printed as `1e-300`, not as
+/// hundreds of digits.
+const PLAIN_FLOAT_MIN: f64 = 1e-5;
+/// Magnitude from which a float is printed in exponent form.
+const PLAIN_FLOAT_MAX: f64 = 1e16;
+
+/// Writes `v` positionally (`Display`) when `plain`, else in exponent form (`LowerExp`).
+fn write_float<T: fmt::Display + fmt::LowerExp>(
+    f: &mut fmt::Formatter<'_>,
+    plain: bool,
+    v: &T,
+) -> fmt::Result {
+    if plain {
+        write!(f, "{v}")
+    } else {
+        write!(f, "{v:e}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Regression: `inspect` printed an f64 of 1e-300 as a 300-digit decimal.
+    #[test]
+    fn extreme_floats_display_in_exponent_form() {
+        assert_eq!(Value::F64(1e-300).to_string(), "1e-300");
+        assert_eq!(Value::F64(-1e300).to_string(), "-1e300");
+        assert_eq!(Value::F32(3.25e-6).to_string(), "3.25e-6");
+        assert_eq!(Value::F32(1e-5).to_string(), "0.00001");
+        assert_eq!(Value::F32(1_000_000.0).to_string(), "1000000");
+        assert_eq!(Value::F64(-2.5).to_string(), "-2.5");
+        assert_eq!(Value::F32(-0.0).to_string(), "-0");
+        assert_eq!(Value::F64(f64::INFINITY).to_string(), "inf");
     }
 }
