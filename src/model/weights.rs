@@ -212,7 +212,8 @@ impl<'m> RowSource<'m> {
     pub fn dequantize_into(&self, rows: Range<usize>, dst: &mut [f32]) -> Result<()> {
         if rows.end > self.rows || dst.len() != rows.len() * self.cols {
             bail!(
-                "model: tensor {}: rows {rows:?} of {} into {} values",
+                "model: {}: tensor {}: rows {rows:?} of {} into {} values",
+                self.model.path().display(),
                 self.t.info.name,
                 self.rows,
                 dst.len()
@@ -223,8 +224,13 @@ impl<'m> RowSource<'m> {
             self.first + rows.start as u64..self.first + rows.end as u64,
         )?;
         let timer = self.stats.map(|_| ThreadTimer::start());
-        quant::dequantize(self.t.info.ty, bytes, dst)
-            .with_context(|| format!("model: tensor {}", self.t.info.name))?;
+        quant::dequantize(self.t.info.ty, bytes, dst).with_context(|| {
+            format!(
+                "model: {}: tensor {}",
+                self.model.path().display(),
+                self.t.info.name
+            )
+        })?;
         if let (Some(s), Some(timer)) = (self.stats, timer) {
             s.add_dequant(&timer, bytes.len(), dst.len());
         }
@@ -391,7 +397,8 @@ impl<'m> Weights<'m> {
         let ne = &t.info.ne;
         if ne.len() != 3 || e as u64 >= ne[2] {
             bail!(
-                "model: tensor {name} (ne={ne:?}): expected [cols, rows, n_expert] and expert {e} < n_expert"
+                "model: {}: tensor {name} (ne={ne:?}): expected [cols, rows, n_expert] and expert {e} < n_expert",
+                self.model.path().display()
             );
         }
         let rows = ne[1] as usize;
@@ -456,7 +463,8 @@ impl<'m> Weights<'m> {
         let (n_rows, cols) = self.matrix_dims(name)?;
         if rows.start > rows.end || rows.end > n_rows {
             bail!(
-                "model: tensor {name}: rows {}..{} out of range 0..{n_rows}",
+                "model: {}: tensor {name}: rows {}..{} out of range 0..{n_rows}",
+                self.model.path().display(),
                 rows.start,
                 rows.end
             );
@@ -505,14 +513,20 @@ impl<'m> Weights<'m> {
         let ne = &t.info.ne;
         if ne.len() != 3 || e as u64 >= ne[2] {
             bail!(
-                "model: tensor {name} (ne={ne:?}): expected [cols, rows, n_expert] and expert {e} < n_expert"
+                "model: {}: tensor {name} (ne={ne:?}): expected [cols, rows, n_expert] and expert {e} < n_expert",
+                self.model.path().display()
             );
         }
         let (cols, rows) = (ne[0] as usize, ne[1] as usize);
         let start = (e * rows) as u64;
         let data = self
             .dequantize_rows(t, start..start + rows as u64)
-            .with_context(|| format!("model: expert {e} of {name}"))?;
+            .with_context(|| {
+                format!(
+                    "model: {}: expert {e} of {name}",
+                    self.model.path().display()
+                )
+            })?;
         Ok(Matrix { rows, cols, data })
     }
 
@@ -720,5 +734,22 @@ mod tests {
         let kv = assemble_kv_b(&k_b, &v_b, 2, 2, 1, 3);
         let want: Vec<f32> = (1..=18).map(|x| x as f32).collect();
         assert_eq!(kv, want);
+    }
+
+    /// Regression: expert and row-range errors did not name the file.
+    #[test]
+    fn expert_and_row_range_errors_name_the_file() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let model = build_with(&hp, &metadata(&hp), &tensor_names(&hp), 32, &HashMap::new());
+        let w = Weights::new(&model).unwrap();
+        let name = "blk.1.ffn_up_exps.weight";
+        for e in [
+            w.expert(name, hp.n_expert).unwrap_err(),
+            w.expert_rows(name, hp.n_expert).err().unwrap(),
+            w.matrix_rows("blk.0.attn_q_a.weight", 0..1000).unwrap_err(),
+        ] {
+            let msg = format!("{e:#}");
+            assert!(msg.contains("tiny.gguf"), "{msg}");
+        }
     }
 }
