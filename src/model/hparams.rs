@@ -262,6 +262,13 @@ impl HParams {
         }
         let n_layer = n_block - n_nextn;
         let n_head = k.usize("attention.head_count")?;
+        if n_head == 0 {
+            bail!("model: {path}: {arch_str}.attention.head_count = 0; attention needs at least one head");
+        }
+        let rms_eps = k.f64("attention.layer_norm_rms_epsilon")?;
+        if !(rms_eps.is_finite() && rms_eps > 0.0) {
+            bail!("model: {path}: {arch_str}.attention.layer_norm_rms_epsilon = {rms_eps} must be a finite positive number");
+        }
         let kv_lora_rank = k.usize("attention.kv_lora_rank")?;
         let q_lora_rank = k.opt_usize("attention.q_lora_rank")?.filter(|&r| r > 0);
         let qk_rope = k.usize("rope.dimension_count")?;
@@ -400,7 +407,7 @@ impl HParams {
             qk_nope,
             qk_rope,
             v_head,
-            rms_eps: k.f64("attention.layer_norm_rms_epsilon")?,
+            rms_eps,
             n_expert,
             n_expert_used,
             n_expert_shared: k.opt_usize("expert_shared_count")?.unwrap_or(0),
@@ -582,6 +589,28 @@ mod tests {
         let mut hp = tiny_hparams(Arch::Deepseek2);
         hp.q_lora_rank = None; // DeepSeek-V2-Lite: plain attn_q
         assert_eq!(parse(&hp, |_| {}).unwrap().q_lora_rank, None);
+    }
+
+    /// Regression: `head_count = 0` was accepted (and failed later on a tensor shape), and a
+    /// negative or zero RMSNorm epsilon ran to NaN activations without a word.
+    #[test]
+    fn zero_heads_and_non_positive_eps_are_refused() {
+        let mut hp = tiny_hparams(Arch::GlmDsa);
+        hp.n_head = 0;
+        let e = parse(&hp, |_| {}).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("glm-dsa.attention.head_count = 0"),
+            "{e:#}"
+        );
+        for eps in [0.0, -1.0, f64::NAN] {
+            let mut hp = tiny_hparams(Arch::Deepseek2);
+            hp.rms_eps = eps;
+            let e = parse(&hp, |_| {}).unwrap_err();
+            assert!(
+                format!("{e:#}").contains("deepseek2.attention.layer_norm_rms_epsilon"),
+                "{e:#}"
+            );
+        }
     }
 
     #[test]
