@@ -9,7 +9,7 @@ use super::Outcome;
 use crate::cli::DequantArgs;
 use crate::gguf::Model;
 use crate::util::atomic::{check_output_dir, write_atomic};
-use crate::util::npy;
+use crate::util::{npy, safetensors_stream};
 
 /// Output formats, chosen by the file extension.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,16 +60,14 @@ pub fn run(args: &DequantArgs) -> Result<Outcome> {
     match format {
         Format::Npy => write_atomic(&args.out, |w| npy::write_f32(w, &shape, &data))?,
         Format::Safetensors => {
-            let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-            let shape_us: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
-            let view =
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape_us, &bytes)?;
-            let mut meta = HashMap::new();
-            meta.insert("source".to_string(), model.file_name());
-            meta.insert("gguf_type".to_string(), t.info.ty.name().to_string());
-            meta.insert("rows".to_string(), format!("{}..{}", rows.start, rows.end));
-            let out = safetensors::serialize([(t.info.name.as_str(), view)], Some(meta))?;
-            write_atomic(&args.out, |w| Ok(w.write_all(&out)?))?;
+            let meta = HashMap::from([
+                ("source".to_string(), model.file_name()),
+                ("gguf_type".to_string(), t.info.ty.name().to_string()),
+                ("rows".to_string(), format!("{}..{}", rows.start, rows.end)),
+            ]);
+            write_atomic(&args.out, |w| {
+                safetensors_stream::write_f32(w, &t.info.name, &shape, &data, &meta)
+            })?;
         }
     }
     eprintln!(

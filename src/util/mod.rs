@@ -3,3 +3,4 @@
 pub mod atomic;
 pub mod glob;
 pub mod npy;
+pub mod safetensors_stream;
