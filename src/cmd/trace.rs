@@ -136,11 +136,23 @@ fn print_next_tokens(logits: &crate::engine::HostTensor, tok: Option<&Tokenizer>
         .into_iter()
         .map(|(id, logit, logprob)| NextToken {
             id,
-            text: tok.and_then(|k| k.decode(&[id as u32]).ok()),
+            text: tok.and_then(|k| token_label(k, id as u32)),
             logit,
             logprob,
         })
         .collect();
     print!("{}", render_next(t - 1, &next));
     Ok(())
+}
+
+/// How a candidate token is shown: its decoded text, or, when it is a partial UTF-8 sequence
+/// (one byte of a multi-byte character), its vocabulary entry marked as such.
+fn token_label(tok: &Tokenizer, id: u32) -> Option<String> {
+    let text = tok.decode(&[id]).ok()?;
+    if text.contains('\u{FFFD}') {
+        tok.token_text(id)
+            .map(|v| format!("(partial UTF-8) vocab entry {v:?}"))
+    } else {
+        Some(format!("{text:?}"))
+    }
 }

@@ -9,7 +9,7 @@ use super::table;
 pub struct NextToken {
     /// Token id.
     pub id: usize,
-    /// Decoded text, when the model has a tokenizer.
+    /// Decoded text as shown (quoted), when the model has a tokenizer.
     pub text: Option<String>,
     /// Raw logit.
     pub logit: f32,
@@ -43,10 +43,7 @@ pub fn render_next(position: usize, next: &[NextToken]) -> String {
         t.add_row(vec![
             (r + 1).to_string(),
             n.id.to_string(),
-            n.text
-                .as_deref()
-                .map(|x| format!("{x:?}"))
-                .unwrap_or_else(|| "-".into()),
+            n.text.clone().unwrap_or_else(|| "-".into()),
             format!("{:.4}", n.logit),
             format!("{:.4}", n.logprob),
         ]);
