@@ -25,6 +25,10 @@ pub enum Command {
     Dequant(DequantArgs),
     /// Run the CPU reference forward pass and write every hook to a safetensors trace.
     Trace(TraceArgs),
+    /// Run the reference and a candidate step by step and name the first step where they part.
+    Run(RunArgs),
+    /// Compare two traces hook by hook (the first is the reference).
+    Compare(CompareArgs),
     /// Write a synthetic GGUF with real tensor names, shapes and a realistic type mix.
     Synth(SynthArgs),
     /// Benchmarks (tables of measured rates, ratios against baselines measured in the same run).
@@ -81,6 +85,82 @@ pub struct TraceArgs {
     /// Output trace file (.safetensors). Written atomically.
     #[arg(long, value_name = "FILE")]
     pub out: PathBuf,
+}
+
+/// `glmdiff run`.
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("input").args(["prompt", "tokens"])))]
+#[command(group(ArgGroup::new("range").args(["layer", "layers"])))]
+pub struct RunArgs {
+    /// The model: a .gguf file, or any shard of a split model.
+    pub model: PathBuf,
+    /// Prompt text, tokenized with the model's own tokenizer (default with a trace candidate: the
+    /// trace's tokens).
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// Token ids, comma separated (e.g. 1,2,3).
+    #[arg(long, value_delimiter = ',')]
+    pub tokens: Option<Vec<u32>>,
+    /// Only layer N, starting from the reference's residual stream at its input (cached on disk).
+    #[arg(long, value_name = "N")]
+    pub layer: Option<u64>,
+    /// Only layers A..B (end exclusive), starting from the cached residual stream at layer A.
+    #[arg(long, value_name = "A..B", value_parser = parse_range)]
+    pub layers: Option<Range<u64>>,
+    /// The candidate: auto, cpu, cuda[:N] or trace:FILE (a trace of shared/spec/hooks.md).
+    #[arg(long, default_value = "auto", value_name = "ENGINE")]
+    pub against: String,
+    /// Modes: both, replay (each step from the same inputs) or chained (each side on its own outputs).
+    #[arg(long, default_value = "both", value_parser = ["both", "replay", "chained"])]
+    pub mode: String,
+    /// Compare only hooks matching these globs (repeatable); optional points (attn_probs, exp.E.out) only when named.
+    #[arg(long, value_name = "GLOB")]
+    pub hook: Vec<String>,
+    /// Expand every layer in the table (passing layers are folded to one line by default).
+    #[arg(long)]
+    pub all_steps: bool,
+    /// Replace the floor of matching hooks: 'GLOB=VALUE' (relative L2), repeatable.
+    #[arg(long, value_name = "GLOB=VALUE", value_parser = parse_tol)]
+    pub tol: Vec<(String, f64)>,
+    /// Write the results as JSON (docs/run-json.md). Written atomically.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Write an SVG plot of the error per layer. Written atomically.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+    /// Reference cache directory (default: $GLMDIFF_CACHE_DIR, $XDG_CACHE_HOME/glmdiff or ~/.cache/glmdiff).
+    #[arg(long, value_name = "DIR")]
+    pub cache_dir: Option<PathBuf>,
+    /// Compute the layers before the start without reading or writing the cache.
+    #[arg(long)]
+    pub no_cache: bool,
+}
+
+/// `glmdiff compare`.
+#[derive(Debug, Args)]
+pub struct CompareArgs {
+    /// The reference trace (.safetensors).
+    pub reference: PathBuf,
+    /// The candidate trace (.safetensors); its `dtype` metadata sets the floors.
+    pub candidate: PathBuf,
+    /// A JSON object mapping the candidate's hook names to glmdiff's ({"their.name": "blk.0.q_a"}).
+    #[arg(long, value_name = "FILE")]
+    pub map: Option<PathBuf>,
+    /// Compare only hooks matching these globs (repeatable).
+    #[arg(long, value_name = "GLOB")]
+    pub hook: Vec<String>,
+    /// Expand every layer in the table.
+    #[arg(long)]
+    pub all_steps: bool,
+    /// Replace the floor of matching hooks: 'GLOB=VALUE', repeatable.
+    #[arg(long, value_name = "GLOB=VALUE", value_parser = parse_tol)]
+    pub tol: Vec<(String, f64)>,
+    /// Write the results as JSON (docs/run-json.md). Written atomically.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Write an SVG plot of the error per layer. Written atomically.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
 }
 
 /// `glmdiff synth`.
@@ -159,6 +239,25 @@ pub fn parse_range(s: &str) -> Result<Range<u64>> {
     Ok(a..b)
 }
 
+/// Parses `GLOB=VALUE` with a finite, non-negative VALUE.
+pub fn parse_tol(s: &str) -> Result<(String, f64)> {
+    let (g, v) = s
+        .rsplit_once('=')
+        .with_context(|| format!("expected GLOB=VALUE, got {s:?}"))?;
+    let g = g.trim();
+    if g.is_empty() {
+        bail!("--tol {s:?} has an empty glob");
+    }
+    let v: f64 = v
+        .trim()
+        .parse()
+        .with_context(|| format!("--tol value {v:?} is not a number"))?;
+    if !v.is_finite() || v < 0.0 {
+        bail!("--tol value {v} must be finite and not negative");
+    }
+    Ok((g.to_string(), v))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,6 +268,18 @@ mod tests {
         assert!(parse_range("5..5").is_err());
         assert!(parse_range("x..5").is_err());
         assert!(parse_range("5").is_err());
+    }
+
+    #[test]
+    fn tolerances_parse_and_reject_bad_input() {
+        assert_eq!(
+            parse_tol("blk.*.moe_*=1e-5").unwrap(),
+            ("blk.*.moe_*".to_string(), 1e-5)
+        );
+        assert!(parse_tol("blk.*").is_err());
+        assert!(parse_tol("=1").is_err());
+        assert!(parse_tol("x=-1").is_err());
+        assert!(parse_tol("x=nan").is_err());
     }
 
     #[test]

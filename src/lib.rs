@@ -8,6 +8,7 @@
 pub mod bench;
 pub mod cli;
 pub mod cmd;
+pub mod compare;
 pub mod driver;
 pub mod engine;
 pub mod gguf;
@@ -15,6 +16,7 @@ pub mod model;
 pub mod quant;
 pub mod report;
 pub mod synth;
+pub mod tensor;
 pub mod tokenizer;
 pub mod trace;
 pub mod util;

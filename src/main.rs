@@ -21,6 +21,8 @@ fn main() -> ExitCode {
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Dequant(a) => cmd::dequant::run(a),
         Command::Trace(a) => cmd::trace::run(a),
+        Command::Run(a) => cmd::run::run(a),
+        Command::Compare(a) => cmd::run::compare(a),
         Command::Synth(a) => cmd::synth::run(a),
         Command::Bench(BenchCommand::Dequant(a)) => cmd::bench::run_dequant(a),
         Command::Bench(BenchCommand::Layer(a)) => cmd::bench::run_layer(a),

@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod dequant;
 pub mod inspect;
+pub mod run;
 pub mod synth;
 pub mod trace;
 

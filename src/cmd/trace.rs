@@ -103,7 +103,7 @@ pub fn run(args: &TraceArgs) -> Result<Outcome> {
         tokens: tokens.clone(),
         engine: engine.describe(),
         dtype: engine.dtype(),
-        mode: "chained".to_string(),
+        mode: crate::trace::Mode::Chained,
         extra: BTreeMap::new(),
     };
     write_trace(&args.out, sink.tensors(), &meta)?;

@@ -6,7 +6,7 @@
 //!   GPU engine). The driver never looks inside one; it moves values across with
 //!   [`Engine::upload`] / [`Engine::download`], which take and give a [`HostTensor`] (f32 or i32
 //!   data, PyTorch-order shape). That is what makes both run modes possible with the same trait:
-//!   *chained* (every step reads the engine's own earlier outputs) and *isolated* / replay (the
+//!   *chained* (every step reads the engine's own earlier outputs) and *replay* (the
 //!   driver downloads a step's inputs from the reference engine and uploads them to the
 //!   candidate, so a difference is attributed to that step alone).
 //! - Weights are named by their GGUF tensor name and fetched by the engine itself (the CPU engine
@@ -23,91 +23,33 @@ pub mod cpu;
 
 use std::ops::Range;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 
 use crate::model::RopeSlice;
+pub use crate::tensor::{HostData, HostTensor};
 
-/// Values of a host tensor.
-#[derive(Clone, Debug, PartialEq)]
-pub enum HostData {
-    /// Floating point activations.
-    F32(Vec<f32>),
-    /// Indices (expert ids, selected key positions; -1 = none).
-    I32(Vec<i32>),
+/// Inputs of the attention step (hooks of one layer).
+pub struct MlaInputs<'a, T> {
+    /// `q_b`, `[T, H*(nope+rope)]` (the nope part of each head is used).
+    pub q_b: &'a T,
+    /// `q_pe_rope`, `[T, H, rope]`.
+    pub q_pe: &'a T,
+    /// `kv_a_norm` (the latent c_kv), `[T, kv_lora]`.
+    pub kv_norm: &'a T,
+    /// `k_pe_rope`, `[T, rope]`.
+    pub k_pe: &'a T,
+    /// `indexer_topk`, `[T, k]` i32 (-1 ignored), on DSA models: the keys each query may see.
+    pub selection: Option<&'a T>,
 }
 
-/// A tensor in host memory: PyTorch-order shape (slowest first) and row-major values.
-#[derive(Clone, Debug, PartialEq)]
-pub struct HostTensor {
-    /// Shape, slowest dimension first.
-    pub shape: Vec<usize>,
-    /// Values, `shape.iter().product()` of them.
-    pub data: HostData,
-}
-
-impl HostTensor {
-    /// An f32 tensor; fails when `data` does not have `shape`'s element count.
-    pub fn f32(shape: Vec<usize>, data: Vec<f32>) -> Result<HostTensor> {
-        check_len(&shape, data.len())?;
-        Ok(HostTensor {
-            shape,
-            data: HostData::F32(data),
-        })
-    }
-
-    /// An i32 tensor; fails when `data` does not have `shape`'s element count.
-    pub fn i32(shape: Vec<usize>, data: Vec<i32>) -> Result<HostTensor> {
-        check_len(&shape, data.len())?;
-        Ok(HostTensor {
-            shape,
-            data: HostData::I32(data),
-        })
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        self.shape.iter().product()
-    }
-
-    /// Whether the tensor has no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The f32 values, or an error naming `what` when the tensor holds integers.
-    pub fn as_f32(&self, what: &str) -> Result<&[f32]> {
-        match &self.data {
-            HostData::F32(v) => Ok(v),
-            HostData::I32(_) => bail!("engine: {what}: expected f32 values, got i32"),
-        }
-    }
-
-    /// The i32 values, or an error naming `what` when the tensor holds floats.
-    pub fn as_i32(&self, what: &str) -> Result<&[i32]> {
-        match &self.data {
-            HostData::I32(v) => Ok(v),
-            HostData::F32(_) => bail!("engine: {what}: expected i32 values, got f32"),
-        }
-    }
-
-    /// `(rows, cols)` of a 2-D tensor, or an error naming `what`.
-    pub fn dims2(&self, what: &str) -> Result<(usize, usize)> {
-        match self.shape[..] {
-            [r, c] => Ok((r, c)),
-            _ => bail!(
-                "engine: {what}: expected a 2-D tensor, got shape {:?}",
-                self.shape
-            ),
-        }
-    }
-}
-
-fn check_len(shape: &[usize], n: usize) -> Result<()> {
-    let want: usize = shape.iter().product();
-    if want != n {
-        bail!("engine: shape {shape:?} needs {want} values, got {n}");
-    }
-    Ok(())
+/// Inputs of the routed-experts step (hooks of one layer).
+pub struct ExpertInputs<'a, T> {
+    /// `ffn_norm`, `[T, hidden]`.
+    pub x: &'a T,
+    /// `moe_topk_ids`, `[T, K]` i32.
+    pub ids: &'a T,
+    /// `moe_weights`, `[T, K]`, same order as `ids`.
+    pub weights: &'a T,
 }
 
 /// Router outputs of one MoE layer (hooks `moe_probs`, `moe_topk_ids`, `moe_weights`).
@@ -172,18 +114,13 @@ pub trait Engine {
     /// ties to the lower position; padded with -1 to `[T, min(k, T)]` (i32).
     fn top_k(&self, scores: &Self::Tensor, k: usize) -> Result<Self::Tensor>;
     /// Naive (non-absorbed) MLA of layer `layer`: keys `[W_UK c | k_pe]`, values `W_UV c` from
-    /// kv_b, causal mask, optional DSA selection (`[T, k]` i32, -1 ignored), softmax scale from
+    /// kv_b, causal mask, optional DSA selection, softmax scale from
     /// `model::rope::softmax_scale`. Out: attn_heads `[T, H*v]`, and the probabilities
     /// `[H, T, T]` when `want_probs`.
-    #[allow(clippy::too_many_arguments)]
     fn mla_attention(
         &self,
         layer: usize,
-        q_b: &Self::Tensor,
-        q_pe: &Self::Tensor,
-        kv_norm: &Self::Tensor,
-        k_pe: &Self::Tensor,
-        selection: Option<&Self::Tensor>,
+        x: MlaInputs<'_, Self::Tensor>,
         want_probs: bool,
     ) -> Result<(Self::Tensor, Option<Self::Tensor>)>;
     /// Router of layer `layer` from its logits `[T, E]`: gating (sigmoid/softmax), selection on
@@ -196,9 +133,7 @@ pub trait Engine {
     fn moe_experts(
         &self,
         layer: usize,
-        x: &Self::Tensor,
-        ids: &Self::Tensor,
-        weights: &Self::Tensor,
+        x: ExpertInputs<'_, Self::Tensor>,
         want_expert: &dyn Fn(usize) -> bool,
     ) -> Result<ExpertsOut<Self::Tensor>>;
     /// SwiGLU MLP `down(silu(gate x) * up x)` with three GGUF matrices (shared expert).

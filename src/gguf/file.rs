@@ -302,6 +302,13 @@ impl GgufFile {
         self.data_start
     }
 
+    /// The bytes before the data section: header, metadata and tensor infos (what identifies the
+    /// file's contents cheaply, e.g. for cache keys).
+    pub fn header_bytes(&self) -> &[u8] {
+        let b = self.backing.bytes();
+        &b[..(self.data_start as usize).min(b.len())]
+    }
+
     /// Size of the file in bytes.
     pub fn file_len(&self) -> u64 {
         self.backing.bytes().len() as u64

@@ -2,6 +2,8 @@
 //! this one formats.
 
 pub mod inspect;
+pub mod progress;
+pub mod run;
 pub mod trace;
 
 use std::io::Write;

@@ -9,7 +9,8 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use safetensors::{Dtype, SafeTensors};
 
-use crate::engine::{HostData, HostTensor};
+use super::Mode;
+use crate::tensor::{HostData, HostTensor};
 use crate::util::atomic::write_atomic;
 
 /// Value of the `glmdiff_trace` metadata key written by this version.
@@ -28,8 +29,8 @@ pub struct TraceMeta {
     pub engine: String,
     /// Compute precision.
     pub dtype: String,
-    /// `chained` or `isolated`.
-    pub mode: String,
+    /// How the values were obtained (a single-engine trace is chained).
+    pub mode: Mode,
     /// Further keys.
     pub extra: BTreeMap<String, String>,
 }
@@ -46,7 +47,7 @@ impl TraceMeta {
             ("tokens", format!("[{}]", tokens.join(","))),
             ("engine", self.engine.clone()),
             ("dtype", self.dtype.clone()),
-            ("mode", self.mode.clone()),
+            ("mode", self.mode.as_str().to_string()),
             ("glmdiff_version", env!("CARGO_PKG_VERSION").to_string()),
         ] {
             m.insert(k.to_string(), v);
@@ -226,6 +227,112 @@ pub fn read_trace(path: &Path) -> Result<Trace> {
     })
 }
 
+/// A trace opened for reading one hook at a time (memory-mapped; a hook is decoded only when
+/// asked for), so a run against a large external dump never holds the whole file in memory.
+pub struct TraceFile {
+    path: std::path::PathBuf,
+    map: memmap2::Mmap,
+    metadata: HashMap<String, String>,
+    /// Hook -> (dtype, shape, byte range in the map).
+    index: BTreeMap<String, (Dtype, Vec<usize>, std::ops::Range<usize>)>,
+}
+
+impl TraceFile {
+    /// Opens and checks `path`: a safetensors header whose tensors lie inside the file.
+    pub fn open(path: &Path) -> Result<TraceFile> {
+        let file = std::fs::File::open(path)
+            .with_context(|| format!("trace: cannot open {}", path.display()))?;
+        if file.metadata().map(|m| !m.is_file()).unwrap_or(true) {
+            bail!("trace: {} is not a regular file", path.display());
+        }
+        // SAFETY: the map is read-only and glmdiff never writes the file; a concurrent
+        // truncation by another process is the usual caveat of mapped inputs.
+        let map = unsafe { memmap2::Mmap::map(&file) }
+            .with_context(|| format!("trace: cannot map {}", path.display()))?;
+        let (header_len, meta) = SafeTensors::read_metadata(&map)
+            .with_context(|| format!("trace: {} is not a safetensors file", path.display()))?;
+        let base = 8 + header_len;
+        let mut index = BTreeMap::new();
+        for (name, info) in meta.tensors() {
+            let (a, b) = info.data_offsets;
+            let range = base + a..base + b;
+            if range.end > map.len() {
+                bail!(
+                    "trace: {}: hook {name} ends at byte {} of a {}-byte file",
+                    path.display(),
+                    range.end,
+                    map.len()
+                );
+            }
+            index.insert(name.clone(), (info.dtype, info.shape.clone(), range));
+        }
+        Ok(TraceFile {
+            path: path.to_path_buf(),
+            metadata: meta.metadata().clone().unwrap_or_default(),
+            map,
+            index,
+        })
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// `__metadata__` (empty when the file has none).
+    pub fn metadata(&self) -> &HashMap<String, String> {
+        &self.metadata
+    }
+
+    /// Hook names, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> + '_ {
+        self.index.keys().map(String::as_str)
+    }
+
+    /// Whether the trace has hook `name`.
+    pub fn has(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// The `tokens` metadata parsed as a JSON list of ids.
+    pub fn tokens(&self) -> Result<Vec<u32>> {
+        let s = self.metadata.get("tokens").with_context(|| {
+            format!("trace: {} has no tokens metadata key", self.path.display())
+        })?;
+        serde_json::from_str(s).with_context(|| {
+            format!(
+                "trace: {}: tokens metadata {s:?} is not a JSON list of ids",
+                self.path.display()
+            )
+        })
+    }
+
+    /// Hook `name` as a host tensor (floats rounded to f32, integers to i32), `None` when the
+    /// trace does not have it.
+    pub fn get(&self, name: &str) -> Result<Option<HostTensor>> {
+        let Some((dtype, shape, range)) = self.index.get(name) else {
+            return Ok(None);
+        };
+        let what = || format!("trace: {}: hook {name}", self.path.display());
+        let values = decode(*dtype, &self.map[range.clone()]).with_context(what)?;
+        let t = match values {
+            TraceValues::Float(v) => {
+                HostTensor::f32(shape.clone(), v.into_iter().map(|x| x as f32).collect())
+            }
+            TraceValues::Int(v) => {
+                let ints = v
+                    .iter()
+                    .map(|&x| i32::try_from(x))
+                    .collect::<std::result::Result<Vec<i32>, _>>()
+                    .map_err(|_| anyhow::anyhow!("an index does not fit in i32"))
+                    .with_context(what)?;
+                HostTensor::i32(shape.clone(), ints)
+            }
+        };
+        t.with_context(what).map(Some)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -249,7 +356,7 @@ mod tests {
             tokens: vec![5, 6],
             engine: "cpu".into(),
             dtype: "f32".into(),
-            mode: "chained".into(),
+            mode: Mode::Chained,
             extra: BTreeMap::new(),
         };
         write_trace(&p, &tensors, &meta).unwrap();

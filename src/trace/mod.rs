@@ -3,8 +3,11 @@
 //! A [`Sink`] receives hook tensors from the driver. The driver asks [`Sink::wants`] *before* it
 //! downloads a tensor from an engine, so unwatched tensors never leave the device.
 //! [`HookFilter`] is the selection behind `--layers` and `--hook`; [`TraceSink`] keeps what the
-//! filter wants and writes a safetensors trace ([`file`](mod@file)).
+//! filter wants and writes a safetensors trace ([`file`](mod@file)). A [`PairSink`] receives
+//! (reference, candidate) pairs from the two-engine driver, in a [`Mode`]. [`cache`] keeps the
+//! reference's residual stream on disk so that a run can start at any layer.
 
+pub mod cache;
 pub mod file;
 
 use std::collections::BTreeMap;
@@ -18,8 +21,71 @@ use crate::model::steps::point;
 use crate::util::glob::matches_any;
 
 pub use file::{
-    read_trace, write_trace, Trace, TraceMeta, TraceTensor, TraceValues, TRACE_FORMAT_VERSION,
+    read_trace, write_trace, Trace, TraceFile, TraceMeta, TraceTensor, TraceValues,
+    TRACE_FORMAT_VERSION,
 };
+
+/// How a candidate's hook was obtained.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Every step from the same inputs on both sides: the step's own error.
+    Replay,
+    /// Each side on its own earlier outputs: the error accumulated up to the hook.
+    #[default]
+    Chained,
+}
+
+impl Mode {
+    /// The metadata / JSON word: `replay` or `chained`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Replay => "replay",
+            Mode::Chained => "chained",
+        }
+    }
+
+    /// Parses the metadata word; `isolated` (files written before the wording settled) means
+    /// replay.
+    pub fn parse(s: &str) -> Result<Mode> {
+        match s.trim() {
+            "replay" | "isolated" => Ok(Mode::Replay),
+            "chained" => Ok(Mode::Chained),
+            other => bail!("trace: mode {other:?} is neither replay nor chained"),
+        }
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One hook of both sides, as the two-engine driver hands it over.
+#[derive(Debug)]
+pub struct Pair<'s> {
+    /// Hook name.
+    pub name: &'s str,
+    /// How the candidate's value was obtained.
+    pub mode: Mode,
+    /// The hooks the step producing it read (its upstream).
+    pub inputs: &'s [String],
+    /// The reference's value.
+    pub reference: HostTensor,
+    /// The candidate's value.
+    pub candidate: HostTensor,
+}
+
+/// Receives (reference, candidate) pairs.
+pub trait PairSink {
+    /// Whether the sink compares hook `name` (asked before anything is downloaded).
+    fn wants(&self, name: &str) -> bool;
+    /// One pair (only for names [`PairSink::wants`] accepted).
+    fn record(&mut self, pair: Pair<'_>) -> Result<()>;
+    /// Hook `name` could not be compared in `mode`, and why.
+    fn missing(&mut self, name: &str, mode: Mode, why: &str);
+}
 
 /// Receives hook tensors.
 pub trait Sink {

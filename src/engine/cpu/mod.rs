@@ -15,7 +15,7 @@ use std::ops::Range;
 
 use anyhow::{bail, Context, Result};
 
-use super::{Engine, ExpertsOut, HostTensor, Routing};
+use super::{Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
 use crate::model::{rope, RopeSlice, Weights};
 
 pub use attention::causal_top_k;
@@ -187,14 +187,18 @@ impl Engine for CpuEngine<'_> {
     fn mla_attention(
         &self,
         layer: usize,
-        q_b: &HostTensor,
-        q_pe: &HostTensor,
-        kv_norm: &HostTensor,
-        k_pe: &HostTensor,
-        selection: Option<&HostTensor>,
+        x: MlaInputs<'_, HostTensor>,
         want_probs: bool,
     ) -> Result<(HostTensor, Option<HostTensor>)> {
-        self.mla_cpu(layer, q_b, q_pe, kv_norm, k_pe, selection, want_probs)
+        self.mla_cpu(
+            layer,
+            x.q_b,
+            x.q_pe,
+            x.kv_norm,
+            x.k_pe,
+            x.selection,
+            want_probs,
+        )
     }
 
     fn moe_route(&self, layer: usize, logits: &HostTensor) -> Result<Routing<HostTensor>> {
@@ -204,12 +208,10 @@ impl Engine for CpuEngine<'_> {
     fn moe_experts(
         &self,
         layer: usize,
-        x: &HostTensor,
-        ids: &HostTensor,
-        weights: &HostTensor,
+        x: ExpertInputs<'_, HostTensor>,
         want_expert: &dyn Fn(usize) -> bool,
     ) -> Result<ExpertsOut<HostTensor>> {
-        self.moe_experts_cpu(layer, x, ids, weights, want_expert)
+        self.moe_experts_cpu(layer, x.x, x.ids, x.weights, want_expert)
     }
 
     fn mlp(&self, x: &HostTensor, gate: &str, up: &str, down: &str) -> Result<HostTensor> {

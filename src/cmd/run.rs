@@ -1,0 +1,568 @@
+//! `glmdiff run`: the reference and a candidate side by side over the same steps, and
+//! `glmdiff compare`: the same table for two traces.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+
+use super::Outcome;
+use crate::cli::{CompareArgs, RunArgs};
+use crate::compare::floors::{hook_infos, point_of};
+use crate::compare::graph::{order_key, upstream};
+use crate::compare::{Comparison, Judge, Precision};
+use crate::driver::pair::{run_pair, Candidate, Modes};
+use crate::driver::{prefix_values, Plan, Progress};
+use crate::engine::cpu::CpuEngine;
+use crate::engine::Engine;
+use crate::gguf::Model;
+use crate::model::Weights;
+use crate::report::progress::Bar;
+use crate::report::run::{render, to_json, EngineDesc, Header};
+use crate::tokenizer::Tokenizer;
+use crate::trace::cache::{default_dir, CacheKey, RefCache};
+use crate::trace::{HookFilter, Mode, Pair, PairSink, TraceFile};
+use crate::util::atomic::{check_output_dir, write_atomic};
+
+/// The candidate a run compares against.
+enum Against {
+    Cpu,
+    Trace(PathBuf),
+}
+
+/// Parses `--against`; `cuda` is refused with the reason.
+fn parse_against(s: &str) -> Result<Option<Against>> {
+    match s {
+        "auto" => Ok(None),
+        "cpu" => Ok(Some(Against::Cpu)),
+        c if c == "cuda" || c.starts_with("cuda:") => bail!(
+            "run: --against {c}: this glmdiff has no CUDA engine yet; compare with --against cpu or --against trace:FILE"
+        ),
+        t if t.starts_with("trace:") => {
+            let p = PathBuf::from(&t["trace:".len()..]);
+            if p.as_os_str().is_empty() {
+                bail!("run: --against trace: needs a file, e.g. --against trace:dump.safetensors");
+            }
+            Ok(Some(Against::Trace(p)))
+        }
+        other => bail!("run: --against {other:?}: expected auto, cpu, cuda[:N] or trace:FILE"),
+    }
+}
+
+/// Traces beside `model` made for it (metadata `models` or `model` names its file), sorted.
+fn traces_beside(model: &Path) -> Vec<(PathBuf, TraceFile)> {
+    let Some(dir) = model.parent() else {
+        return Vec::new();
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let file = model
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.to_string_lossy().ends_with(".trace.safetensors"))
+                .collect()
+        })
+        .unwrap_or_default();
+    paths.sort();
+    paths
+        .into_iter()
+        .filter_map(|p| {
+            let t = TraceFile::open(&p).ok()?;
+            let m = t.metadata();
+            let listed: Vec<String> = m
+                .get("models")
+                .and_then(|v| serde_json::from_str(v).ok())
+                .unwrap_or_else(|| m.get("model").cloned().into_iter().collect());
+            listed.contains(&file).then_some((p, t))
+        })
+        .collect()
+}
+
+/// Prompt tokens from `--tokens` or `--prompt` (the tokenizer adds BOS when the model asks).
+pub(crate) fn prompt_tokens(
+    tokens: &Option<Vec<u32>>,
+    prompt: &Option<String>,
+    tokenizer: &Result<Tokenizer>,
+    what: &str,
+) -> Result<Option<Vec<u32>>> {
+    Ok(match (tokens, prompt) {
+        (Some(t), _) => Some(t.clone()),
+        (None, Some(p)) => {
+            let tok = tokenizer.as_ref().map_err(|e| anyhow::anyhow!("{e:#}")).with_context(|| {
+                format!("{what}: --prompt needs the model's tokenizer; pass ids with --tokens instead")
+            })?;
+            let mut ids = Vec::new();
+            if tok.add_bos() {
+                ids.extend(tok.bos_id());
+            }
+            ids.extend(tok.encode(p)?);
+            Some(ids)
+        }
+        (None, None) => None,
+    })
+}
+
+/// How a token is shown: its decoded text quoted, or its vocabulary entry when it is a partial
+/// UTF-8 sequence, or `?` without a tokenizer.
+pub(crate) fn token_text(tok: Option<&Tokenizer>, id: u32) -> String {
+    let Some(tok) = tok else {
+        return "?".into();
+    };
+    match tok.decode(&[id]) {
+        Ok(t) if !t.contains('\u{FFFD}') => format!("{t:?}"),
+        _ => tok.token_text(id).map_or("?".into(), |v| format!("<{v}>")),
+    }
+}
+
+fn check_outputs(json: &Option<PathBuf>, plot: &Option<PathBuf>) -> Result<()> {
+    if let Some(j) = json {
+        check_output_dir(j)?;
+    }
+    if let Some(p) = plot {
+        if p.extension().and_then(|e| e.to_str()) != Some("svg") {
+            bail!("--plot {} must end in .svg", p.display());
+        }
+        check_output_dir(p)?;
+    }
+    Ok(())
+}
+
+fn write_outputs(
+    h: &Header,
+    c: &Comparison,
+    json: &Option<PathBuf>,
+    plot: &Option<PathBuf>,
+) -> Result<()> {
+    if let Some(j) = json {
+        let doc = to_json(h, c);
+        write_atomic(j, |w| {
+            serde_json::to_writer_pretty(&mut *w, &doc)?;
+            Ok(w.write_all(b"\n")?)
+        })?;
+    }
+    if let Some(p) = plot {
+        crate::report::run::write_plot(h, c, p)?;
+    }
+    Ok(())
+}
+
+/// Runs `glmdiff run`.
+pub fn run(args: &RunArgs) -> Result<Outcome> {
+    check_outputs(&args.json, &args.plot)?;
+    let against = parse_against(&args.against)?;
+    let modes = match args.mode.as_str() {
+        "replay" => Modes {
+            replay: true,
+            chained: false,
+        },
+        "chained" => Modes {
+            replay: false,
+            chained: true,
+        },
+        _ => Modes::BOTH,
+    };
+    let model = Model::open(&args.model)?;
+    let weights = Weights::new(&model)?;
+    let hp = weights.hparams();
+    let tokenizer = Tokenizer::from_model(&model);
+    let mut tokens = prompt_tokens(&args.tokens, &args.prompt, &tokenizer, "run")?;
+    let mut notes = Vec::new();
+
+    // The candidate.
+    let (against, trace) = match against {
+        Some(Against::Cpu) => (Against::Cpu, None),
+        Some(Against::Trace(p)) => {
+            let t = TraceFile::open(&p)?;
+            (Against::Trace(p), Some(t))
+        }
+        None => {
+            let found = traces_beside(&args.model).into_iter().find(|(_, t)| {
+                tokens
+                    .as_ref()
+                    .is_none_or(|want| t.tokens().ok().as_ref() == Some(want))
+            });
+            match found {
+                Some((p, t)) => {
+                    notes.push(format!(
+                        "--against auto: no CUDA engine in this build; using the trace {} shipped beside the model",
+                        p.display()
+                    ));
+                    (Against::Trace(p), Some(t))
+                }
+                None => bail!(
+                    "run: --against auto: no CUDA engine in this build, and no trace beside {} made for this model{}; give --against cpu or --against trace:FILE",
+                    args.model.display(),
+                    if tokens.is_some() { " and these tokens" } else { "" }
+                ),
+            }
+        }
+    };
+    if let Some(t) = &trace {
+        let tt = t.tokens()?;
+        match &tokens {
+            None => tokens = Some(tt),
+            Some(mine) if *mine != tt => bail!(
+                "run: the trace {} was made for tokens {:?}, not {:?}",
+                t.path().display(),
+                tt,
+                mine
+            ),
+            _ => {}
+        }
+    }
+    let tokens = tokens
+        .context("run: give --tokens or --prompt (or a trace candidate, whose tokens are used)")?;
+    crate::driver::check_tokens(&weights, &tokens).context("run")?;
+
+    // Layers.
+    let layers = match (args.layer, &args.layers) {
+        (Some(n), _) => n..n + 1,
+        (None, Some(r)) => r.clone(),
+        (None, None) => 0..hp.n_layer as u64,
+    };
+    if layers.end > hp.n_layer as u64 {
+        bail!(
+            "run: layers {}..{} are out of range: the model runs layers 0..{} ({} blocks, {} MTP not run)",
+            layers.start,
+            layers.end,
+            hp.n_layer,
+            hp.n_block,
+            hp.n_nextn
+        );
+    }
+    let layers = layers.start as usize..layers.end as usize;
+    let plan = Plan::range(&weights, layers.clone(), layers.end == hp.n_layer)?;
+
+    // The reference and the residual stream at the first layer.
+    let reference = CpuEngine::new(&weights);
+    let mut timings = Vec::new();
+    let bar = Bar::new();
+    let start = if plan.free_inputs().is_empty() {
+        Vec::new()
+    } else {
+        let names = plan.free_inputs();
+        let cache = if args.no_cache {
+            None
+        } else {
+            let dir = match &args.cache_dir {
+                Some(d) => d.clone(),
+                None => default_dir()?,
+            };
+            Some((
+                RefCache::new(&dir),
+                CacheKey::new(&model, &tokens, layers.start)?,
+            ))
+        };
+        let t0 = Instant::now();
+        match cache
+            .as_ref()
+            .and_then(|(c, k)| c.load(k, &names).map(|v| (v, c.path(k))))
+        {
+            Some((v, p)) => {
+                timings.push((
+                    "reference prefix (cache)".to_string(),
+                    t0.elapsed().as_secs_f64(),
+                ));
+                notes.push(format!(
+                    "layers 0..{} of the reference read from the cache {}",
+                    layers.start,
+                    p.display()
+                ));
+                v
+            }
+            None => {
+                let v = prefix_values(&reference, &weights, &tokens, &plan, &bar)?;
+                timings.push((
+                    format!("reference prefix (layers 0..{}, computed)", layers.start),
+                    t0.elapsed().as_secs_f64(),
+                ));
+                if let Some((c, k)) = &cache {
+                    match c.store(k, &v) {
+                        Ok(p) => notes.push(format!(
+                            "layers 0..{} of the reference computed and cached in {}",
+                            layers.start,
+                            p.display()
+                        )),
+                        Err(e) => notes.push(format!("the reference cache was not written: {e:#}")),
+                    }
+                }
+                v
+            }
+        }
+    };
+
+    // Judge.
+    let ref_prec = Precision::parse(&reference.dtype()).context("run: reference precision")?;
+    let second = CpuEngine::new(&weights);
+    let (cand_desc, cand_prec) = match (&against, &trace) {
+        (Against::Trace(p), Some(t)) => {
+            let dtype = t.metadata().get("dtype").cloned().unwrap_or_default();
+            let prec = match Precision::parse(&dtype) {
+                Some(p) => p,
+                None => {
+                    notes.push(format!(
+                        "the trace's dtype {dtype:?} is not a known precision; floors assume bf16"
+                    ));
+                    Precision::parse("bf16").context("bf16")?
+                }
+            };
+            (
+                EngineDesc {
+                    spec: format!("trace:{}", p.display()),
+                    describe: t
+                        .metadata()
+                        .get("engine")
+                        .cloned()
+                        .unwrap_or_else(|| "?".into()),
+                    dtype,
+                },
+                prec,
+            )
+        }
+        _ => (
+            EngineDesc {
+                spec: "cpu".into(),
+                describe: second.describe(),
+                dtype: second.dtype(),
+            },
+            ref_prec,
+        ),
+    };
+    let judge = Judge {
+        reference: ref_prec,
+        candidate: cand_prec,
+        infos: hook_infos(&plan.steps, &weights),
+        tol: args.tol.clone(),
+    };
+    let filter = HookFilter {
+        layers: None,
+        globs: args.hook.clone(),
+    };
+    let mut cmp = Comparison::new(judge, Box::new(move |n| filter.wants(n)), &tokens);
+    let t0 = Instant::now();
+    let candidate: Candidate<'_, CpuEngine<'_>> = match &trace {
+        Some(t) => Candidate::Trace(t),
+        None => Candidate::Engine(&second),
+    };
+    let progress: &dyn Progress = &bar;
+    run_pair(
+        &reference, candidate, &weights, &tokens, &plan, &start, modes, &mut cmp, progress,
+    )?;
+    timings.push(("compared".to_string(), t0.elapsed().as_secs_f64()));
+    if cmp.records().is_empty() {
+        bail!(
+            "run: no hook matched --hook {}; hook names are blk.L.<point>, token_embd, result_norm, logits",
+            args.hook.join(" ")
+        );
+    }
+
+    let tok = tokenizer.as_ref().ok();
+    let mut header = Header {
+        command: "run".into(),
+        model: args.model.display().to_string(),
+        architecture: hp.arch.as_str().to_string(),
+        layers: Some((layers.start, layers.end, hp.n_layer)),
+        tokens: tokens.iter().map(|&id| (id, token_text(tok, id))).collect(),
+        reference: EngineDesc {
+            spec: "cpu".into(),
+            describe: reference.describe(),
+            dtype: reference.dtype(),
+        },
+        candidate: cand_desc,
+        modes: [Mode::Replay, Mode::Chained]
+            .into_iter()
+            .filter(|m| match m {
+                Mode::Replay => modes.replay,
+                Mode::Chained => modes.chained,
+            })
+            .collect(),
+        notes,
+        rerun: None,
+        timings,
+    };
+    let first = cmp
+        .first_divergence(Mode::Replay)
+        .or(cmp.first_divergence(Mode::Chained));
+    if let Some(l) = first.and_then(|r| r.layer) {
+        let ids: Vec<String> = tokens.iter().map(u32::to_string).collect();
+        header.rerun = Some(format!(
+            "glmdiff run {} --tokens {} --layer {l} --against {} --mode {}{}",
+            shell_word(&args.model.display().to_string()),
+            ids.join(","),
+            shell_word(&header.candidate.spec),
+            args.mode,
+            args.hook
+                .iter()
+                .map(|g| format!(" --hook {}", shell_word(g)))
+                .collect::<String>()
+        ));
+    }
+    let text = |id: u32| token_text(tok, id);
+    print!("{}", render(&header, &cmp, &text, args.all_steps));
+    write_outputs(&header, &cmp, &args.json, &args.plot)?;
+    Ok(if cmp.differs() {
+        Outcome::Differs
+    } else {
+        Outcome::Ok
+    })
+}
+
+/// Quotes a word for a POSIX shell when it needs it.
+fn shell_word(s: &str) -> String {
+    if !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./:=,@+".contains(c))
+    {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+/// Reads a `--map` file: a JSON object from the candidate's names to glmdiff's.
+fn read_map(path: &Path) -> Result<HashMap<String, String>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("compare: cannot read --map {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| {
+        format!(
+            "compare: --map {} is not a JSON object of names to names",
+            path.display()
+        )
+    })
+}
+
+/// Runs `glmdiff compare`.
+pub fn compare(args: &CompareArgs) -> Result<Outcome> {
+    check_outputs(&args.json, &args.plot)?;
+    let reference = TraceFile::open(&args.reference)?;
+    let candidate = TraceFile::open(&args.candidate)?;
+    let (rt, ct) = (reference.tokens(), candidate.tokens());
+    if let (Ok(a), Ok(b)) = (&rt, &ct) {
+        if a != b {
+            bail!(
+                "compare: the traces were made for different tokens: {} has {:?}, {} has {:?}",
+                args.reference.display(),
+                a,
+                args.candidate.display(),
+                b
+            );
+        }
+    }
+    let tokens = rt.unwrap_or_default();
+    // Candidate name -> glmdiff name.
+    let map = match &args.map {
+        Some(p) => read_map(p)?,
+        None => HashMap::new(),
+    };
+    let cand_names: HashMap<String, String> = candidate
+        .names()
+        .map(|n| {
+            (
+                map.get(n).cloned().unwrap_or_else(|| n.to_string()),
+                n.to_string(),
+            )
+        })
+        .collect();
+    let prec = |t: &TraceFile, which: &str, notes: &mut Vec<String>| -> Result<Precision> {
+        let d = t.metadata().get("dtype").cloned().unwrap_or_default();
+        Ok(match Precision::parse(&d) {
+            Some(p) => p,
+            None => {
+                notes.push(format!(
+                    "the {which}'s dtype {d:?} is not a known precision; floors assume bf16"
+                ));
+                Precision::parse("bf16").context("bf16")?
+            }
+        })
+    };
+    let mut notes = Vec::new();
+    let judge = Judge {
+        reference: prec(&reference, "reference", &mut notes)?,
+        candidate: prec(&candidate, "candidate", &mut notes)?,
+        infos: HashMap::new(),
+        tol: args.tol.clone(),
+    };
+    let filter = HookFilter {
+        layers: None,
+        globs: args.hook.clone(),
+    };
+    let mut names: Vec<String> = reference.names().map(str::to_string).collect();
+    names.sort_by_key(|n| order_key(n));
+    let last_l_out = names
+        .iter()
+        .rev()
+        .find(|n| point_of(n) == "l_out")
+        .cloned()
+        .unwrap_or_default();
+    let present = |n: &str| reference.has(n);
+    let mut cmp = Comparison::new(judge, Box::new(move |n| filter.wants(n)), &tokens);
+    for n in &names {
+        if !cmp.wants(n) {
+            continue;
+        }
+        let inputs = upstream(n, &present, &last_l_out);
+        let r = reference.get(n)?.context("compare: hook vanished")?;
+        match cand_names.get(n) {
+            None => cmp.missing(n, Mode::Chained, "not in the candidate trace"),
+            Some(cn) => {
+                let c = candidate.get(cn)?.context("compare: hook vanished")?;
+                cmp.record(Pair {
+                    name: n,
+                    mode: Mode::Chained,
+                    inputs: &inputs,
+                    reference: r,
+                    candidate: c,
+                })?;
+            }
+        }
+    }
+    if cmp.records().is_empty() {
+        bail!("compare: no hook of {} matched", args.reference.display());
+    }
+    let desc = |p: &Path, t: &TraceFile| EngineDesc {
+        spec: p.display().to_string(),
+        describe: t
+            .metadata()
+            .get("engine")
+            .cloned()
+            .unwrap_or_else(|| "?".into()),
+        dtype: t.metadata().get("dtype").cloned().unwrap_or_default(),
+    };
+    let header = Header {
+        command: "compare".into(),
+        model: reference
+            .metadata()
+            .get("model")
+            .cloned()
+            .unwrap_or_else(|| args.reference.display().to_string()),
+        architecture: reference
+            .metadata()
+            .get("architecture")
+            .cloned()
+            .unwrap_or_else(|| "?".into()),
+        layers: None,
+        tokens: tokens.iter().map(|&id| (id, String::new())).collect(),
+        reference: desc(&args.reference, &reference),
+        candidate: desc(&args.candidate, &candidate),
+        modes: vec![Mode::Chained],
+        notes,
+        rerun: None,
+        timings: Vec::new(),
+    };
+    let text = |id: u32| id.to_string();
+    print!("{}", render(&header, &cmp, &text, args.all_steps));
+    write_outputs(&header, &cmp, &args.json, &args.plot)?;
+    Ok(if cmp.differs() {
+        Outcome::Differs
+    } else {
+        Outcome::Ok
+    })
+}

@@ -1,0 +1,397 @@
+//! Tolerance floors: how much relative L2 error a correct engine may show at each hook, from the
+//! precision of both sides, the step's kind, its reduction length and the weight's quant type.
+//!
+//! # The formula
+//! For a hook produced by a step of kind `k` (table in [`Kind::shape`]):
+//!
+//! ```text
+//! floor = SAFETY * ( sqrt(n_k) * amp_k * u_store  +  u_acc * sqrt(K) )
+//! ```
+//!
+//! - `u_store`: unit roundoff of the coarser storage precision of the two sides (f64 2^-53,
+//!   f32 2^-24, f16 2^-11, bf16 2^-8, fp8 e4m3 2^-4). Rounding one tensor to nearest gives a
+//!   relative L2 error of about `u/sqrt(3)` to `u`; a step that rounds `n_k` tensors (inputs,
+//!   weights, intermediates, output) with independent errors adds them in quadrature: `sqrt(n_k)`.
+//! - `amp_k`: how much the step's arithmetic amplifies relative errors of what it rounds: 1 for
+//!   norms, projections, adds; 2 for RoPE (cos/sin are rounded too, and the angle `pos * freq`
+//!   loses `pos * u` absolute); 4 for attention (a logit error `e * |logit|` moves the softmax by
+//!   about that much, and logits are O(1..10)); 8 for the DSA index score (a sum over heads of
+//!   `w_h ReLU(q.k)` with weights of both signs cancels: its relative error is larger than its
+//!   terms'; a 1-token f32 case measured 1.2e-5 against a 6e-8 unit roundoff).
+//! - `u_acc * sqrt(K)`: accumulation of `K` products in the accumulator precision (f32 for every
+//!   low-precision engine, f64 for the reference): recursive summation of random-sign terms
+//!   grows the relative error like `u * sqrt(K)` (blocked and pairwise sums, as cuBLAS does, are
+//!   smaller, so this is an upper estimate).
+//! - quant type: a candidate below f32 that multiplies a block-quantized weight may quantize the
+//!   activations to 8 bits per 32-value block as llama.cpp's CUDA `mmq`/`mmvq` do (`q8_1`): the
+//!   step's `u_store` becomes at least [`U_Q8_ACTIVATIONS`]. Dequantization itself is exact
+//!   (bit-exact dequant is checked separately), so f32 candidates get no quant term.
+//! - `SAFETY = 4`: the estimates above are RMS-like; 4 keeps a correct engine's replay error
+//!   under the floor with margin while an O(1e-1..1) layout bug stays far above it.
+//!
+//! In chained mode a hook also carries its inputs' accumulated error: it may show
+//! `floor + CHAIN_AMP_k * max(chained error of its inputs)` ([`Kind::chain_amp`]) before it
+//! counts as a jump.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+
+use crate::model::steps::{Op, Step};
+use crate::model::{names, Weights};
+
+/// Safety factor over the estimated error (module documentation).
+pub const SAFETY: f64 = 4.0;
+
+/// Effective unit roundoff of 8-bit block activation quantization (`q8_1`: 32 values share
+/// `scale = max|x| / 127`; the error is uniform in `±scale/2`, RMS `scale/sqrt(12)`; for
+/// Gaussian blocks `max|x| ≈ 2.5 σ`, so the relative RMS error is `2.5 / 127 / sqrt(12) ≈ 5.7e-3`).
+pub const U_Q8_ACTIVATIONS: f64 = 5.7e-3;
+
+/// K used when a hook's reduction length is unknown (a trace compared without its model):
+/// GLM-5's hidden size, rounded up.
+pub const DEFAULT_K: usize = 8192;
+
+/// A number format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    /// IEEE binary64.
+    F64,
+    /// IEEE binary32.
+    F32,
+    /// IEEE binary16.
+    F16,
+    /// bfloat16.
+    Bf16,
+    /// FP8 E4M3.
+    Fp8,
+}
+
+impl Dtype {
+    /// Unit roundoff (half an ulp relative to 1): `2^-(mantissa bits + 1)`.
+    pub fn unit_roundoff(self) -> f64 {
+        match self {
+            Dtype::F64 => 2f64.powi(-53),
+            Dtype::F32 => 2f64.powi(-24),
+            Dtype::F16 => 2f64.powi(-11),
+            Dtype::Bf16 => 2f64.powi(-8),
+            Dtype::Fp8 => 2f64.powi(-4),
+        }
+    }
+
+    /// Parses a dtype word (`f32`, `float32`, `bf16`, `bfloat16`, `fp8`, `float8_e4m3fn`, ...).
+    pub fn parse(word: &str) -> Option<Dtype> {
+        let w = word
+            .trim()
+            .trim_start_matches("torch.")
+            .to_ascii_lowercase();
+        Some(match w.as_str() {
+            "f64" | "float64" | "fp64" | "double" => Dtype::F64,
+            "f32" | "float32" | "fp32" | "float" | "tf32" => Dtype::F32,
+            "f16" | "float16" | "fp16" | "half" => Dtype::F16,
+            "bf16" | "bfloat16" => Dtype::Bf16,
+            "fp8" | "f8" | "e4m3" | "float8" | "float8_e4m3fn" | "fp8_e4m3" => Dtype::Fp8,
+            _ => return None,
+        })
+    }
+
+    /// The word used in reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dtype::F64 => "f64",
+            Dtype::F32 => "f32",
+            Dtype::F16 => "f16",
+            Dtype::Bf16 => "bf16",
+            Dtype::Fp8 => "fp8",
+        }
+    }
+}
+
+/// An engine's compute precision: storage of values and accumulation of sums.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Precision {
+    /// Storage of activations and weights.
+    pub storage: Dtype,
+    /// Accumulators (f32 for every low-precision engine; f64 where said).
+    pub accumulate: Dtype,
+}
+
+impl Precision {
+    /// From an engine's `dtype` string (trace metadata): its first word is the storage precision;
+    /// `f64 accumulation` anywhere in it makes sums f64 (the CPU reference says `f32 storage,
+    /// f64 accumulation`). `None` when the first word is not a known dtype.
+    pub fn parse(dtype: &str) -> Option<Precision> {
+        let first = dtype
+            .split(|c: char| c.is_whitespace() || c == ',')
+            .find(|w| !w.is_empty())?;
+        let storage = Dtype::parse(first)?;
+        let lower = dtype.to_ascii_lowercase();
+        let accumulate = if storage == Dtype::F64
+            || lower.contains("f64 accumulation")
+            || lower.contains("float64 accumulation")
+        {
+            Dtype::F64
+        } else {
+            Dtype::F32
+        };
+        Some(Precision {
+            storage,
+            accumulate,
+        })
+    }
+}
+
+/// What kind of step produced a hook (it decides the floor's shape).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// Embedding rows (a gather of dequantized rows).
+    Embed,
+    /// RMSNorm.
+    Norm,
+    /// A projection `x W^T`.
+    Linear,
+    /// RoPE.
+    Rope,
+    /// DSA index scores.
+    IndexerScores,
+    /// A selection of indices (DSA keys, routed experts): compared as sets.
+    Selection,
+    /// MLA attention (heads or probabilities).
+    Attention,
+    /// `silu(a) * b`.
+    SwiGlu,
+    /// A residual add.
+    Add,
+    /// Router probabilities.
+    RouterProbs,
+    /// Router weights of the selected experts.
+    RouterWeights,
+    /// Routed experts (three projections and a SwiGLU per expert, weighted sum).
+    Experts,
+    /// The shared expert (three projections and a SwiGLU).
+    Mlp,
+    /// Zeros (no shared expert).
+    Zeros,
+}
+
+impl Kind {
+    /// `(n_k, amp_k)`: tensors rounded and error amplification (module documentation).
+    pub fn shape(self) -> (f64, f64) {
+        match self {
+            Kind::Embed => (1.0, 1.0),
+            Kind::Norm | Kind::Linear | Kind::Add | Kind::RouterWeights => (3.0, 1.0),
+            Kind::Rope => (3.0, 2.0),
+            Kind::IndexerScores => (6.0, 8.0),
+            Kind::Attention => (6.0, 4.0),
+            Kind::SwiGlu => (4.0, 1.0),
+            Kind::RouterProbs => (2.0, 1.0),
+            // Three projections (3 roundings each) and a SwiGLU.
+            Kind::Experts | Kind::Mlp => (10.0, 1.0),
+            Kind::Selection | Kind::Zeros => (1.0, 1.0),
+        }
+    }
+
+    /// How much of its inputs' accumulated (chained) relative error a step may pass on
+    /// amplified: 4 for most steps (norms and projections of random-like data keep a relative
+    /// error about constant; residual adds with partial cancellation and SwiGLU's gate raise it
+    /// by small factors), 16 where a softmax or a sigmoid turns logit errors into output errors
+    /// scaled by the logits' magnitude.
+    pub fn chain_amp(self) -> f64 {
+        match self {
+            Kind::Attention | Kind::IndexerScores | Kind::RouterProbs | Kind::RouterWeights => 16.0,
+            _ => 4.0,
+        }
+    }
+
+    /// The kind of a hook from its point name alone (`blk.L.<point>` or a global name).
+    pub fn of_point(point: &str) -> Kind {
+        match point {
+            "token_embd" => Kind::Embed,
+            "attn_norm" | "q_a_norm" | "kv_a_norm" | "ffn_norm" | "result_norm" => Kind::Norm,
+            "q_pe_rope" | "k_pe_rope" => Kind::Rope,
+            "indexer_scores" => Kind::IndexerScores,
+            "indexer_topk" | "moe_topk_ids" => Kind::Selection,
+            "attn_heads" | "attn_probs" => Kind::Attention,
+            "ffn_act" => Kind::SwiGlu,
+            "ffn_inp" | "l_out" => Kind::Add,
+            "moe_probs" => Kind::RouterProbs,
+            "moe_weights" => Kind::RouterWeights,
+            "moe_routed" => Kind::Experts,
+            "ffn_shexp" => Kind::Mlp,
+            p if p.starts_with("exp.") => Kind::Experts,
+            // q_a, q_b, kv_a, attn_out, ffn_gate, ffn_up, moe_logits, ffn_out, logits, and
+            // anything new: a projection.
+            _ => Kind::Linear,
+        }
+    }
+}
+
+/// What the floor of one hook depends on besides the precisions.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct HookInfo {
+    /// The step kind.
+    pub kind: Kind,
+    /// Reduction length (`None`: no sum, or unknown).
+    pub k: Option<usize>,
+    /// The step multiplies a block-quantized weight.
+    pub quantized: bool,
+}
+
+impl HookInfo {
+    /// From the point name alone (no model at hand): projections and sums get [`DEFAULT_K`].
+    pub fn from_point(point: &str) -> HookInfo {
+        let kind = Kind::of_point(point);
+        let k = match kind {
+            Kind::Embed | Kind::Selection | Kind::Zeros | Kind::Add | Kind::SwiGlu => None,
+            _ => Some(DEFAULT_K),
+        };
+        HookInfo {
+            kind,
+            k,
+            quantized: false,
+        }
+    }
+}
+
+/// The point of a hook name: `blk.3.q_b` -> `q_b`, `logits` -> `logits`.
+pub fn point_of(name: &str) -> &str {
+    names::split_blk(name).map_or(name, |(_, p)| p)
+}
+
+/// The floor of a hook (module documentation).
+pub fn floor(info: &HookInfo, reference: Precision, candidate: Precision) -> f64 {
+    let mut u = reference
+        .storage
+        .unit_roundoff()
+        .max(candidate.storage.unit_roundoff());
+    if info.quantized && candidate.storage.unit_roundoff() > Dtype::F32.unit_roundoff() {
+        u = u.max(U_Q8_ACTIVATIONS);
+    }
+    let u_acc = reference
+        .accumulate
+        .unit_roundoff()
+        .max(candidate.accumulate.unit_roundoff());
+    let (n, amp) = info.kind.shape();
+    let k = info.k.unwrap_or(0) as f64;
+    SAFETY * (n.sqrt() * amp * u + u_acc * k.sqrt())
+}
+
+/// [`HookInfo`] of every hook a plan's steps produce (extras included), with reduction lengths
+/// and quant types read from the model. Weights that cannot be read fall back to
+/// [`HookInfo::from_point`].
+pub fn hook_infos(steps: &[Step], weights: &Weights<'_>) -> HashMap<String, HookInfo> {
+    let hp = weights.hparams();
+    let quantized = |name: &str| {
+        weights
+            .model()
+            .find(name)
+            .is_some_and(|t| t.info.ty.block_size() > 1)
+    };
+    let mut out = HashMap::new();
+    for s in steps {
+        for o in &s.outputs {
+            let mut info = HookInfo::from_point(point_of(o));
+            match &s.op {
+                Op::Linear { weight } => {
+                    info.kind = Kind::Linear;
+                    info.k = weights.matrix_dims(weight).ok().map(|(_, c)| c);
+                    info.quantized = quantized(weight);
+                }
+                Op::RmsNorm { cols, .. } => {
+                    info.k = Some(cols.as_ref().map_or(hp.hidden, |c| c.len()));
+                }
+                Op::Add => {
+                    info.kind = Kind::Add;
+                    info.k = None;
+                }
+                Op::ZerosLike => info.kind = Kind::Zeros,
+                Op::Attention { layer } => {
+                    info.k = Some(hp.qk_head().max(hp.kv_lora_rank));
+                    info.quantized = quantized(&names::blk(*layer, names::blk::ATTN_K_B))
+                        || quantized(&names::blk(*layer, names::blk::ATTN_KV_B));
+                    out.insert(
+                        crate::model::steps::hook(*layer, crate::model::steps::point::ATTN_PROBS),
+                        info,
+                    );
+                }
+                Op::IndexerScores { .. } => {
+                    let ix = hp.indexer.as_ref().map_or(0, |i| i.head_dim);
+                    info.k = Some(hp.hidden.max(hp.q_lora_rank.unwrap_or(0)).max(ix));
+                }
+                Op::MoeExperts { layer } => {
+                    info.k = Some(hp.hidden.max(hp.n_ff_exp));
+                    info.quantized = quantized(&names::blk(*layer, names::blk::FFN_DOWN_EXPS));
+                    for e in 0..hp.n_expert {
+                        out.insert(crate::model::steps::expert_hook(*layer, e), info);
+                    }
+                }
+                Op::Mlp { down, .. } => {
+                    info.k = Some(hp.hidden.max(hp.n_ff_exp * hp.n_expert_shared.max(1)));
+                    info.quantized = quantized(down);
+                }
+                Op::MoeRoute { .. } => info.k = Some(hp.n_expert),
+                _ => {}
+            }
+            out.insert(o.clone(), info);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn precisions_parse_from_engine_dtype_strings() {
+        let cpu = Precision::parse("f32 storage, f64 accumulation").unwrap();
+        assert_eq!((cpu.storage, cpu.accumulate), (Dtype::F32, Dtype::F64));
+        let hf = Precision::parse("float64").unwrap();
+        assert_eq!((hf.storage, hf.accumulate), (Dtype::F64, Dtype::F64));
+        let bf = Precision::parse("bf16 weights and activations, f32 accumulation").unwrap();
+        assert_eq!((bf.storage, bf.accumulate), (Dtype::Bf16, Dtype::F32));
+        assert_eq!(
+            Precision::parse("torch.bfloat16").unwrap().storage,
+            Dtype::Bf16
+        );
+        assert!(Precision::parse("int4").is_none());
+        assert!(Precision::parse("").is_none());
+    }
+
+    #[test]
+    fn floor_by_hand() {
+        // A bf16 projection of K = 4096 against the f32/f64 reference, unquantized weight:
+        // 4 * (sqrt(3) * 1 * 2^-8 + 2^-24 * 64) = 4 * (6.766e-3 + 3.815e-6) = 2.708e-2.
+        let info = HookInfo {
+            kind: Kind::Linear,
+            k: Some(4096),
+            quantized: false,
+        };
+        let cpu = Precision::parse("f32 storage, f64 accumulation").unwrap();
+        let bf16 = Precision::parse("bf16").unwrap();
+        let want = 4.0 * (3f64.sqrt() * 2f64.powi(-8) + 2f64.powi(-24) * 64.0);
+        assert!((floor(&info, cpu, bf16) - want).abs() < 1e-15);
+        // Quantized weight: 8-bit activations may be used, u = 5.7e-3.
+        let q = HookInfo {
+            quantized: true,
+            ..info
+        };
+        let want_q = 4.0 * (3f64.sqrt() * 5.7e-3 + 2f64.powi(-24) * 64.0);
+        assert!((floor(&q, cpu, bf16) - want_q).abs() < 1e-15);
+        // An f32 candidate gets no quant term: 4 * (sqrt(3) * 2^-24 + 2^-24 * 64).
+        let f32p = Precision::parse("f32").unwrap();
+        let want_f = 4.0 * (3f64.sqrt() + 64.0) * 2f64.powi(-24);
+        assert!((floor(&q, cpu, f32p) - want_f).abs() < 1e-20);
+    }
+
+    #[test]
+    fn kinds_from_point_names() {
+        assert_eq!(Kind::of_point("q_b"), Kind::Linear);
+        assert_eq!(Kind::of_point("exp.3.out"), Kind::Experts);
+        assert_eq!(Kind::of_point("indexer_topk"), Kind::Selection);
+        assert_eq!(point_of("blk.12.attn_heads"), "attn_heads");
+        assert_eq!(point_of("logits"), "logits");
+    }
+}

@@ -1,0 +1,374 @@
+//! Metrics of one hook: a candidate tensor against the reference's.
+//!
+//! Floats ([`FloatMetrics`]): with `a` the candidate and `b` the reference, over the positions
+//! where the reference is finite:
+//! - `max_abs = max |a - b|` and where (a multi-index in the hook's shape),
+//! - `max_rel = max |a - b| / max |b|` (relative to the reference's largest magnitude, so that
+//!   values near zero do not blow it up),
+//! - `nmse = sum (a - b)^2 / sum b^2` and `rel_l2 = sqrt(nmse)` (what the floors bound),
+//! - `cosine = a.b / (|a| |b|)`,
+//! - NaN and Inf counts on each side, and `nonfinite_mismatch`: positions where exactly one side
+//!   is non-finite or both are but differ. Positions where both hold the same infinity (the `-inf`
+//!   above the diagonal of `indexer_scores`) are masks, not errors,
+//! - per token (first axis) relative L2.
+//!
+//! Index sets ([`IdMetrics`], `moe_topk_ids`, `indexer_topk`: `[T, k]`, -1 padding): rows equal in
+//! order, rows equal as sets, mean and smallest Jaccard similarity, and the differing rows.
+//! Everything is accumulated in f64.
+
+use serde::Serialize;
+
+use crate::tensor::{HostData, HostTensor};
+
+/// Float metrics of one hook (see the module documentation).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct FloatMetrics {
+    /// Elements compared (the reference's finite positions).
+    pub n: usize,
+    /// `max |a - b|`.
+    pub max_abs: f64,
+    /// Where `max_abs` is, as an index per dimension.
+    pub max_abs_at: Vec<usize>,
+    /// `max |a - b| / max |b|` (0 when both are zero everywhere).
+    pub max_rel: f64,
+    /// `sum (a-b)^2 / sum b^2` (0 when identical, infinite when b is zero and a is not).
+    pub nmse: f64,
+    /// `sqrt(nmse)`.
+    pub rel_l2: f64,
+    /// Cosine similarity (1 when both are zero).
+    pub cosine: f64,
+    /// NaN counts: reference, candidate.
+    pub nan: [usize; 2],
+    /// Inf counts: reference, candidate.
+    pub inf: [usize; 2],
+    /// Positions where the two sides disagree about being finite (or hold different non-finite
+    /// values).
+    pub nonfinite_mismatch: usize,
+    /// Relative L2 error per token (per index of the first axis).
+    pub per_token: Vec<f64>,
+}
+
+impl FloatMetrics {
+    /// The token (first index) with the largest relative error, and that error.
+    pub fn worst_token(&self) -> Option<(usize, f64)> {
+        self.per_token
+            .iter()
+            .copied()
+            .enumerate()
+            .fold(None, |best, (i, e)| match best {
+                Some((_, b)) if b >= e || e.is_nan() => best,
+                _ => Some((i, e)),
+            })
+    }
+}
+
+/// Index-set metrics of one selection hook (see the module documentation).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct IdMetrics {
+    /// Rows compared.
+    pub rows: usize,
+    /// Rows identical in order.
+    pub exact_rows: usize,
+    /// Rows equal as sets.
+    pub set_equal_rows: usize,
+    /// Mean Jaccard similarity over rows (1 = identical sets).
+    pub mean_jaccard: f64,
+    /// Smallest Jaccard similarity.
+    pub min_jaccard: f64,
+    /// Rows whose sets differ (the first 64).
+    pub differing_rows: Vec<usize>,
+}
+
+/// Metrics of a hook.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Metrics {
+    /// Float values.
+    Float(FloatMetrics),
+    /// Index sets.
+    Ids(IdMetrics),
+}
+
+impl Metrics {
+    /// The headline error: relative L2 for floats, `1 - mean Jaccard` for index sets.
+    pub fn error(&self) -> f64 {
+        match self {
+            Metrics::Float(m) => m.rel_l2,
+            Metrics::Ids(m) => 1.0 - m.mean_jaccard,
+        }
+    }
+}
+
+/// Compares two tensors of one hook. Index tensors (i32 on both sides) give [`IdMetrics`]; a
+/// shape mismatch or a float/int mismatch is an `Err` with a sentence saying so.
+pub fn compare(reference: &HostTensor, candidate: &HostTensor) -> Result<Metrics, String> {
+    if reference.shape != candidate.shape {
+        return Err(format!(
+            "shape {:?} against the reference's {:?}",
+            candidate.shape, reference.shape
+        ));
+    }
+    match (&reference.data, &candidate.data) {
+        (HostData::F32(b), HostData::F32(a)) => Ok(Metrics::Float(float_metrics(
+            &reference.shape,
+            a.iter().map(|&x| f64::from(x)),
+            b.iter().map(|&x| f64::from(x)),
+        ))),
+        (HostData::I32(b), HostData::I32(a)) => {
+            let width = reference.shape.last().copied().unwrap_or(1);
+            Ok(Metrics::Ids(id_metrics(a, b, width)))
+        }
+        (HostData::I32(_), HostData::F32(_)) => {
+            Err("floats where the reference has indices".to_string())
+        }
+        (HostData::F32(_), HostData::I32(_)) => {
+            Err("indices where the reference has floats".to_string())
+        }
+    }
+}
+
+/// Float metrics of candidate `a` against reference `b` (same length, shape `shape`).
+pub fn float_metrics(
+    shape: &[usize],
+    a: impl Iterator<Item = f64>,
+    b: impl Iterator<Item = f64>,
+) -> FloatMetrics {
+    let n_all: usize = shape.iter().product();
+    let rows = shape.first().copied().unwrap_or(1).max(1);
+    let per_row = n_all / rows.max(1);
+    let mut m = FloatMetrics {
+        n: 0,
+        max_abs: 0.0,
+        max_abs_at: Vec::new(),
+        max_rel: 0.0,
+        nmse: 0.0,
+        rel_l2: 0.0,
+        cosine: 1.0,
+        nan: [0, 0],
+        inf: [0, 0],
+        nonfinite_mismatch: 0,
+        per_token: Vec::new(),
+    };
+    let (mut d2, mut b2, mut a2, mut ab, mut bmax) = (0f64, 0f64, 0f64, 0f64, 0f64);
+    let mut at = 0usize;
+    let mut row_d2 = vec![0f64; rows];
+    let mut row_b2 = vec![0f64; rows];
+    for (i, (x, y)) in a.zip(b).enumerate() {
+        m.nan[0] += usize::from(y.is_nan());
+        m.nan[1] += usize::from(x.is_nan());
+        m.inf[0] += usize::from(y.is_infinite());
+        m.inf[1] += usize::from(x.is_infinite());
+        if !y.is_finite() || !x.is_finite() {
+            // Same infinity on both sides: a mask. Anything else: a mismatch.
+            if !(x == y && x.is_infinite()) {
+                m.nonfinite_mismatch += 1;
+            }
+            continue;
+        }
+        m.n += 1;
+        let d = x - y;
+        if d.abs() > m.max_abs {
+            m.max_abs = d.abs();
+            at = i;
+        }
+        bmax = bmax.max(y.abs());
+        d2 += d * d;
+        b2 += y * y;
+        a2 += x * x;
+        ab += x * y;
+        let r = (i / per_row.max(1)).min(rows - 1);
+        row_d2[r] += d * d;
+        row_b2[r] += y * y;
+    }
+    m.max_abs_at = unravel(at, shape);
+    m.max_rel = ratio(m.max_abs, bmax);
+    m.nmse = ratio(d2, b2);
+    m.rel_l2 = m.nmse.sqrt();
+    m.cosine = if a2 == 0.0 && b2 == 0.0 {
+        1.0
+    } else if a2 == 0.0 || b2 == 0.0 {
+        0.0
+    } else {
+        ab / (a2.sqrt() * b2.sqrt())
+    };
+    m.per_token = row_d2
+        .iter()
+        .zip(&row_b2)
+        .map(|(&d, &b)| ratio(d, b).sqrt())
+        .collect();
+    m
+}
+
+/// `num / den` with `0/0 = 0` and `x/0 = inf`.
+fn ratio(num: f64, den: f64) -> f64 {
+    if num == 0.0 {
+        0.0
+    } else if den == 0.0 {
+        f64::INFINITY
+    } else {
+        num / den
+    }
+}
+
+/// The multi-index of flat index `i` in `shape`.
+pub fn unravel(mut i: usize, shape: &[usize]) -> Vec<usize> {
+    let mut out = vec![0; shape.len()];
+    for (o, &d) in out.iter_mut().zip(shape).rev() {
+        if d > 0 {
+            *o = i % d;
+            i /= d;
+        }
+    }
+    out
+}
+
+/// Index-set metrics of candidate rows `a` against reference rows `b` (`width` per row; negative
+/// entries are padding).
+pub fn id_metrics(a: &[i32], b: &[i32], width: usize) -> IdMetrics {
+    let w = width.max(1);
+    let mut m = IdMetrics {
+        rows: 0,
+        exact_rows: 0,
+        set_equal_rows: 0,
+        mean_jaccard: 1.0,
+        min_jaccard: 1.0,
+        differing_rows: Vec::new(),
+    };
+    let mut sum = 0f64;
+    for (r, (ra, rb)) in a.chunks(w).zip(b.chunks(w)).enumerate() {
+        m.rows += 1;
+        if ra == rb {
+            m.exact_rows += 1;
+        }
+        let j = jaccard(ra, rb);
+        if j == 1.0 {
+            m.set_equal_rows += 1;
+        } else if m.differing_rows.len() < 64 {
+            m.differing_rows.push(r);
+        }
+        m.min_jaccard = m.min_jaccard.min(j);
+        sum += j;
+    }
+    if m.rows > 0 {
+        m.mean_jaccard = sum / m.rows as f64;
+    }
+    m
+}
+
+/// Sorted set of the non-negative entries of a row.
+pub fn row_set(row: &[i32]) -> Vec<i32> {
+    let mut s: Vec<i32> = row.iter().copied().filter(|&x| x >= 0).collect();
+    s.sort_unstable();
+    s.dedup();
+    s
+}
+
+/// Jaccard similarity `|A ∩ B| / |A ∪ B|` of two rows' sets (1 when both are empty).
+pub fn jaccard(a: &[i32], b: &[i32]) -> f64 {
+    let (sa, sb) = (row_set(a), row_set(b));
+    let inter = sa.iter().filter(|x| sb.binary_search(x).is_ok()).count();
+    let union = sa.len() + sb.len() - inter;
+    if union == 0 {
+        1.0
+    } else {
+        inter as f64 / union as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f(shape: Vec<usize>, v: Vec<f32>) -> HostTensor {
+        HostTensor::f32(shape, v).unwrap()
+    }
+
+    #[test]
+    fn float_metrics_by_hand() {
+        // reference b = [[3, 4], [0, 0]], candidate a = [[3, 4], [0, 1]].
+        // d = [0, 0, 0, 1]: max_abs 1 at (1, 1); max|b| = 4 -> max_rel 0.25;
+        // nmse = 1 / 25 = 0.04, rel_l2 = 0.2; a.b = 25, |a| = sqrt(26), |b| = 5 -> cos = 5/sqrt(26);
+        // per token: row 0 exact (0), row 1 has |b| = 0 and |d| = 1 -> inf.
+        let m = compare(
+            &f(vec![2, 2], vec![3.0, 4.0, 0.0, 0.0]),
+            &f(vec![2, 2], vec![3.0, 4.0, 0.0, 1.0]),
+        )
+        .unwrap();
+        let Metrics::Float(m) = m else { panic!() };
+        assert_eq!(m.n, 4);
+        assert_eq!(m.max_abs, 1.0);
+        assert_eq!(m.max_abs_at, vec![1, 1]);
+        assert_eq!(m.max_rel, 0.25);
+        assert!((m.nmse - 0.04).abs() < 1e-15);
+        assert!((m.rel_l2 - 0.2).abs() < 1e-15);
+        assert!((m.cosine - 5.0 / 26f64.sqrt()).abs() < 1e-15);
+        assert_eq!(m.per_token, vec![0.0, f64::INFINITY]);
+        assert_eq!(m.worst_token(), Some((1, f64::INFINITY)));
+    }
+
+    #[test]
+    fn identical_and_zero_tensors() {
+        let z = f(vec![3], vec![0.0; 3]);
+        let Metrics::Float(m) = compare(&z, &z).unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            (m.nmse, m.rel_l2, m.cosine, m.max_rel),
+            (0.0, 0.0, 1.0, 0.0)
+        );
+        let Metrics::Float(m) = compare(&z, &f(vec![3], vec![0.0, 2.0, 0.0])).unwrap() else {
+            panic!()
+        };
+        assert_eq!((m.nmse, m.cosine), (f64::INFINITY, 0.0));
+    }
+
+    #[test]
+    fn masks_are_not_errors_but_new_non_finite_values_are() {
+        let inf = f32::NEG_INFINITY;
+        let b = f(vec![2, 2], vec![1.0, inf, 2.0, 3.0]);
+        let a = f(vec![2, 2], vec![1.0, inf, 2.0, 3.0]);
+        let Metrics::Float(m) = compare(&b, &a).unwrap() else {
+            panic!()
+        };
+        assert_eq!((m.n, m.nonfinite_mismatch, m.inf), (3, 0, [1, 1]));
+        assert_eq!(m.rel_l2, 0.0);
+        let a = f(vec![2, 2], vec![f32::NAN, 0.0, 2.0, f32::INFINITY]);
+        let Metrics::Float(m) = compare(&b, &a).unwrap() else {
+            panic!()
+        };
+        // NaN where b = 1, 0 where b = -inf (mask filled), +inf where b = 3.
+        assert_eq!(
+            (m.nan, m.inf, m.nonfinite_mismatch, m.n),
+            ([0, 1], [1, 1], 3, 1)
+        );
+    }
+
+    #[test]
+    fn id_metrics_by_hand() {
+        // rows (width 3): [1 2 3] vs [1 2 3] exact; [3 2 1] vs [1 2 3] same set, other order;
+        // [1 2 -1] vs [1 4 -1]: {1,2} vs {1,4}: J = 1/3.
+        let b = [1, 2, 3, 1, 2, 3, 1, 2, -1];
+        let a = [1, 2, 3, 3, 2, 1, 1, 4, -1];
+        let m = id_metrics(&a, &b, 3);
+        assert_eq!((m.rows, m.exact_rows, m.set_equal_rows), (3, 1, 2));
+        assert!((m.mean_jaccard - (1.0 + 1.0 + 1.0 / 3.0) / 3.0).abs() < 1e-15);
+        assert!((m.min_jaccard - 1.0 / 3.0).abs() < 1e-15);
+        assert_eq!(m.differing_rows, vec![2]);
+        assert_eq!(jaccard(&[-1, -1], &[-1, -1]), 1.0);
+    }
+
+    #[test]
+    fn shape_and_kind_mismatches_are_explained() {
+        let a = f(vec![2], vec![0.0, 1.0]);
+        let b = f(vec![1, 2], vec![0.0, 1.0]);
+        assert!(compare(&a, &b).unwrap_err().contains("[1, 2]"));
+        let i = HostTensor::i32(vec![2], vec![0, 1]).unwrap();
+        assert!(compare(&i, &a).unwrap_err().contains("floats"));
+    }
+
+    #[test]
+    fn unravel_is_row_major() {
+        assert_eq!(unravel(7, &[2, 2, 3]), vec![1, 0, 1]);
+        assert_eq!(unravel(0, &[]), Vec::<usize>::new());
+    }
+}

@@ -1,0 +1,563 @@
+//! Verdicts: a [`Comparison`] receives (reference, candidate) pairs, computes their metrics at
+//! once (tensors are dropped after), judges each hook against its floor and finds the first
+//! divergence in each mode.
+//!
+//! # Rules
+//! - **replay**: a float hook fails when its relative L2 error is above its floor, or when the
+//!   candidate has NaN/Inf where the reference has a finite value (or the reverse). A selection
+//!   hook fails when a row selects a different set.
+//! - **chained**: a float hook fails when its error jumps above what its inputs explain:
+//!   `floor + chain_amp * max(chained error of its inputs)` (the error a correct step passes
+//!   on); NaN/Inf always fails. A selection that differs although every input is within its
+//!   floor fails; one that differs after inputs that already drifted is *drift*, and everything
+//!   computed from a differing selection that jumps is drift too (other keys or experts were
+//!   used): shown, not a divergence.
+//! - The first divergence of a mode is the first hook, in the order of the forward pass, that
+//!   fails in it. The outcome differs (exit 1) when replay has a failure, when chained does and
+//!   replay did not run, or when chained shows NaN/Inf.
+//! - `--tol GLOB=VALUE` replaces the floor of matching hooks.
+
+use std::collections::HashMap;
+
+use anyhow::Result;
+use serde::Serialize;
+
+use super::floors::{floor, point_of, HookInfo, Precision};
+use super::logits::{analyse, LogitsReport};
+use super::metrics::{compare, Metrics};
+use crate::model::names::split_blk;
+use crate::trace::{Mode, Pair, PairSink};
+use crate::util::glob::matches as glob_match;
+
+/// How one hook fared in one mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// Within the allowed error.
+    Pass,
+    /// Above it (or NaN/Inf, or a confident selection change).
+    Fail,
+    /// Chained only: different because an earlier selection differed (expected downstream of a
+    /// near-tie flip).
+    Drift,
+    /// Not compared (missing from a trace, incomparable inputs).
+    Missing,
+}
+
+/// One mode's result at one hook.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ModeResult {
+    /// Metrics (absent when the hook was not compared or shapes disagree).
+    pub metrics: Option<Metrics>,
+    /// Headline error: relative L2 (floats), 1 - mean Jaccard (selections).
+    pub error: f64,
+    /// Error allowed here: the floor (replay), floor plus what the inputs explain (chained).
+    pub allowed: f64,
+    /// Verdict.
+    pub status: Status,
+    /// Why, when not a plain pass.
+    pub note: Option<String>,
+}
+
+/// Everything known about one hook.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct HookRecord {
+    /// Hook name.
+    pub name: String,
+    /// Layer (`None` for global hooks).
+    pub layer: Option<usize>,
+    /// Shape (the reference's).
+    pub shape: Vec<usize>,
+    /// Step kind and what the floor depends on.
+    pub info: HookInfo,
+    /// The floor (relative L2), after `--tol`.
+    pub floor: f64,
+    /// The hooks its step read.
+    pub inputs: Vec<String>,
+    /// Replay result.
+    pub replay: Option<ModeResult>,
+    /// Chained result.
+    pub chained: Option<ModeResult>,
+}
+
+impl HookRecord {
+    /// The result in `mode`.
+    pub fn result(&self, mode: Mode) -> Option<&ModeResult> {
+        match mode {
+            Mode::Replay => self.replay.as_ref(),
+            Mode::Chained => self.chained.as_ref(),
+        }
+    }
+
+    fn slot(&mut self, mode: Mode) -> &mut Option<ModeResult> {
+        match mode {
+            Mode::Replay => &mut self.replay,
+            Mode::Chained => &mut self.chained,
+        }
+    }
+
+    /// Whether any mode failed.
+    pub fn failed(&self) -> bool {
+        [&self.replay, &self.chained]
+            .iter()
+            .any(|r| r.as_ref().is_some_and(|r| r.status == Status::Fail))
+    }
+}
+
+/// Settings of a comparison.
+#[derive(Clone, Debug)]
+pub struct Judge {
+    /// The reference's precision.
+    pub reference: Precision,
+    /// The candidate's precision.
+    pub candidate: Precision,
+    /// Floor inputs per hook (from the model; hooks not listed use their point name).
+    pub infos: HashMap<String, HookInfo>,
+    /// `--tol` overrides, in order: the first matching glob wins.
+    pub tol: Vec<(String, f64)>,
+}
+
+impl Judge {
+    /// The floor inputs of `name`.
+    pub fn info(&self, name: &str) -> HookInfo {
+        self.infos
+            .get(name)
+            .copied()
+            .unwrap_or_else(|| HookInfo::from_point(point_of(name)))
+    }
+
+    /// The floor of `name` (a `--tol` override when one matches).
+    pub fn floor(&self, name: &str) -> f64 {
+        self.tol
+            .iter()
+            .find(|(g, _)| glob_match(g, name))
+            .map_or_else(
+                || floor(&self.info(name), self.reference, self.candidate),
+                |(_, v)| *v,
+            )
+    }
+}
+
+/// Receives pairs, keeps their metrics and verdicts.
+pub struct Comparison {
+    judge: Judge,
+    wants: Box<dyn Fn(&str) -> bool>,
+    tokens: Vec<u32>,
+    records: Vec<HookRecord>,
+    index: HashMap<String, usize>,
+    logits: Vec<(Mode, LogitsReport)>,
+}
+
+impl Comparison {
+    /// A comparison judged by `judge`, of the hooks `wants` selects, for the prompt `tokens`.
+    pub fn new(judge: Judge, wants: Box<dyn Fn(&str) -> bool>, tokens: &[u32]) -> Comparison {
+        Comparison {
+            judge,
+            wants,
+            tokens: tokens.to_vec(),
+            records: Vec::new(),
+            index: HashMap::new(),
+            logits: Vec::new(),
+        }
+    }
+
+    /// The records in forward-pass order.
+    pub fn records(&self) -> &[HookRecord] {
+        &self.records
+    }
+
+    /// The judge.
+    pub fn judge(&self) -> &Judge {
+        &self.judge
+    }
+
+    /// Output distributions per mode (when logits were compared).
+    pub fn logits(&self) -> &[(Mode, LogitsReport)] {
+        &self.logits
+    }
+
+    fn record_mut(&mut self, name: &str, shape: &[usize], inputs: &[String]) -> &mut HookRecord {
+        let i = match self.index.get(name) {
+            Some(&i) => i,
+            None => {
+                let info = self.judge.info(name);
+                self.records.push(HookRecord {
+                    name: name.to_string(),
+                    layer: split_blk(name).map(|(l, _)| l),
+                    shape: shape.to_vec(),
+                    info,
+                    floor: self.judge.floor(name),
+                    inputs: inputs.to_vec(),
+                    replay: None,
+                    chained: None,
+                });
+                self.index.insert(name.to_string(), self.records.len() - 1);
+                self.records.len() - 1
+            }
+        };
+        &mut self.records[i]
+    }
+
+    /// The chained state of an input: its error (floats) and whether it (or something before
+    /// it) changed a selection or drifted.
+    fn upstream_chained(&self, inputs: &[String]) -> (f64, bool, bool) {
+        let (mut err, mut changed, mut over_floor) = (0f64, false, false);
+        for n in inputs {
+            let Some(r) = self.index.get(n).map(|&i| &self.records[i]) else {
+                continue;
+            };
+            let Some(c) = &r.chained else { continue };
+            match (&c.metrics, c.status) {
+                (_, Status::Drift) => changed = true,
+                (Some(Metrics::Ids(m)), _) if m.set_equal_rows < m.rows => changed = true,
+                (Some(Metrics::Float(_)), _) => {
+                    err = err.max(c.error);
+                    over_floor |= c.error > r.floor;
+                }
+                _ => {}
+            }
+        }
+        (err, changed, over_floor)
+    }
+
+    /// Judges one pair.
+    fn judge_pair(&self, pair: &Pair<'_>, floor: f64) -> ModeResult {
+        let metrics = match compare(&pair.reference, &pair.candidate) {
+            Ok(m) => m,
+            Err(why) => {
+                return ModeResult {
+                    metrics: None,
+                    error: f64::INFINITY,
+                    allowed: floor,
+                    status: Status::Fail,
+                    note: Some(why),
+                }
+            }
+        };
+        let error = metrics.error();
+        let (up_err, up_changed, up_over) = match pair.mode {
+            Mode::Replay => (0.0, false, false),
+            Mode::Chained => self.upstream_chained(pair.inputs),
+        };
+        let amp = self.judge.info(pair.name).kind.chain_amp();
+        let allowed = match pair.mode {
+            Mode::Replay => floor,
+            Mode::Chained => floor + amp * up_err,
+        };
+        let (status, note) = match &metrics {
+            Metrics::Float(m) if m.nonfinite_mismatch > 0 => (
+                Status::Fail,
+                Some(format!(
+                    "{} NaN/Inf where the reference differs (candidate NaN {}, Inf {}; reference NaN {}, Inf {})",
+                    m.nonfinite_mismatch, m.nan[1], m.inf[1], m.nan[0], m.inf[0]
+                )),
+            ),
+            Metrics::Float(_) if error <= allowed => (Status::Pass, None),
+            Metrics::Float(_) if up_changed => (
+                Status::Drift,
+                Some("after a selection that differs: other keys or experts were used".into()),
+            ),
+            Metrics::Float(_) => (
+                Status::Fail,
+                Some(format!("error {error:.3e} above the allowed {allowed:.3e}")),
+            ),
+            Metrics::Ids(m) if m.set_equal_rows == m.rows => (Status::Pass, None),
+            Metrics::Ids(m) => {
+                let what = format!(
+                    "{} of {} rows select another set (mean Jaccard {:.3})",
+                    m.rows - m.set_equal_rows,
+                    m.rows,
+                    m.mean_jaccard
+                );
+                if pair.mode == Mode::Chained && (up_changed || up_over) {
+                    (Status::Drift, Some(format!("{what}, after inputs that drifted")))
+                } else {
+                    (Status::Fail, Some(what))
+                }
+            }
+        };
+        ModeResult {
+            metrics: Some(metrics),
+            error,
+            allowed,
+            status,
+            note,
+        }
+    }
+
+    /// The first hook failing in `mode`.
+    pub fn first_divergence(&self, mode: Mode) -> Option<&HookRecord> {
+        self.records
+            .iter()
+            .find(|r| r.result(mode).is_some_and(|m| m.status == Status::Fail))
+    }
+
+    /// Whether the comparison found a difference (module documentation).
+    pub fn differs(&self) -> bool {
+        let ran = |mode: Mode| self.records.iter().any(|r| r.result(mode).is_some());
+        let chained_nonfinite = self.records.iter().any(|r| {
+            r.chained.as_ref().is_some_and(
+                |c| matches!(&c.metrics, Some(Metrics::Float(m)) if m.nonfinite_mismatch > 0),
+            )
+        });
+        self.first_divergence(Mode::Replay).is_some()
+            || (!ran(Mode::Replay) && self.first_divergence(Mode::Chained).is_some())
+            || chained_nonfinite
+    }
+
+    /// Per-layer summaries in order (global hooks are grouped under `None`).
+    pub fn layers(&self) -> Vec<LayerSummary> {
+        let mut out: Vec<LayerSummary> = Vec::new();
+        for (i, r) in self.records.iter().enumerate() {
+            let group = r.layer;
+            let new = out
+                .last()
+                .is_none_or(|g| g.layer != group || r.name == "token_embd");
+            if new {
+                out.push(LayerSummary {
+                    layer: group,
+                    label: group.map_or_else(|| r.name.clone(), |l| l.to_string()),
+                    records: Vec::new(),
+                    worst: [None, None],
+                    floor: 0.0,
+                    failed: 0,
+                    drift: 0,
+                    missing: 0,
+                });
+            }
+            let Some(g) = out.last_mut() else { continue };
+            if group.is_none() && !new {
+                g.label = format!("{}, {}", g.label, r.name);
+            }
+            g.records.push(i);
+            g.floor = g.floor.max(r.floor);
+            for (slot, res) in [(0usize, &r.replay), (1, &r.chained)] {
+                let Some(res) = res else { continue };
+                match res.status {
+                    Status::Fail => g.failed += 1,
+                    Status::Drift => g.drift += 1,
+                    Status::Missing => g.missing += 1,
+                    Status::Pass => {}
+                }
+                if res.status != Status::Missing
+                    && matches!(res.metrics, Some(Metrics::Float(_)) | None)
+                    && g.worst[slot].as_ref().is_none_or(|(_, e)| res.error > *e)
+                {
+                    g.worst[slot] = Some((i, res.error));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// One layer's (or the global hooks') records, folded.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LayerSummary {
+    /// Layer (`None` for global hooks).
+    pub layer: Option<usize>,
+    /// `"3"`, or the global hooks' names.
+    pub label: String,
+    /// Indices into [`Comparison::records`].
+    pub records: Vec<usize>,
+    /// Worst float error per mode (replay, chained): record index and error.
+    pub worst: [Option<(usize, f64)>; 2],
+    /// Largest floor among the records.
+    pub floor: f64,
+    /// Results that failed (both modes counted).
+    pub failed: usize,
+    /// Results that drifted.
+    pub drift: usize,
+    /// Results missing.
+    pub missing: usize,
+}
+
+impl PairSink for Comparison {
+    fn wants(&self, name: &str) -> bool {
+        (self.wants)(name)
+    }
+
+    fn record(&mut self, pair: Pair<'_>) -> Result<()> {
+        let floor = self.judge.floor(pair.name);
+        let result = self.judge_pair(&pair, floor);
+        if pair.name == crate::model::steps::point::LOGITS {
+            if let (Ok(r), Ok(c), &[_, vocab]) = (
+                pair.reference.as_f32("logits"),
+                pair.candidate.as_f32("logits"),
+                &pair.reference.shape[..],
+            ) {
+                if pair.candidate.shape == pair.reference.shape {
+                    let report = analyse(r, c, vocab, &self.tokens, 5);
+                    self.logits.push((pair.mode, report));
+                }
+            }
+        }
+        let rec = self.record_mut(pair.name, &pair.reference.shape, pair.inputs);
+        *rec.slot(pair.mode) = Some(result);
+        Ok(())
+    }
+
+    fn missing(&mut self, name: &str, mode: Mode, why: &str) {
+        let rec = self.record_mut(name, &[], &[]);
+        *rec.slot(mode) = Some(ModeResult {
+            metrics: None,
+            error: f64::NAN,
+            allowed: rec.floor,
+            status: Status::Missing,
+            note: Some(why.to_string()),
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::HostTensor;
+
+    fn judge() -> Judge {
+        Judge {
+            reference: Precision::parse("f32 storage, f64 accumulation").unwrap(),
+            candidate: Precision::parse("bf16").unwrap(),
+            infos: HashMap::new(),
+            tol: vec![("blk.*.q_a".into(), 1e-9)],
+        }
+    }
+
+    fn f(v: Vec<f32>) -> HostTensor {
+        HostTensor::f32(vec![1, v.len()], v).unwrap()
+    }
+
+    fn push(
+        c: &mut Comparison,
+        name: &str,
+        mode: Mode,
+        inputs: &[String],
+        r: Vec<f32>,
+        k: Vec<f32>,
+    ) {
+        c.record(Pair {
+            name,
+            mode,
+            inputs,
+            reference: f(r),
+            candidate: f(k),
+        })
+        .unwrap();
+    }
+
+    #[test]
+    fn replay_failures_name_the_first_divergence_and_tol_overrides() {
+        let mut c = Comparison::new(judge(), Box::new(|_| true), &[1]);
+        let none: Vec<String> = vec![];
+        // attn_norm: rel error 1e-3, bf16 norm floor ~2.7e-2 -> pass.
+        push(
+            &mut c,
+            "blk.0.attn_norm",
+            Mode::Replay,
+            &none,
+            vec![1.0, 0.0],
+            vec![1.001, 0.0],
+        );
+        // q_a: rel error 1e-3 against --tol 1e-9 -> fail.
+        push(
+            &mut c,
+            "blk.0.q_a",
+            Mode::Replay,
+            &none,
+            vec![1.0, 0.0],
+            vec![1.001, 0.0],
+        );
+        assert_eq!(c.records()[1].floor, 1e-9);
+        assert_eq!(c.first_divergence(Mode::Replay).unwrap().name, "blk.0.q_a");
+        assert!(c.differs());
+        assert!(c.first_divergence(Mode::Chained).is_none());
+    }
+
+    #[test]
+    fn chained_jumps_are_judged_against_their_inputs() {
+        let mut c = Comparison::new(judge(), Box::new(|_| true), &[1]);
+        let none: Vec<String> = vec![];
+        let up = vec!["blk.0.attn_norm".to_string()];
+        // The input already carries 0.1 relative error (over its floor: a chained failure there).
+        push(
+            &mut c,
+            "blk.0.attn_norm",
+            Mode::Chained,
+            &none,
+            vec![1.0, 0.0],
+            vec![1.1, 0.0],
+        );
+        // q_b has 0.2: allowed = floor + 4 * 0.1 > 0.2 -> pass (explained by its input).
+        push(
+            &mut c,
+            "blk.0.q_b",
+            Mode::Chained,
+            &up,
+            vec![1.0, 0.0],
+            vec![1.2, 0.0],
+        );
+        assert_eq!(
+            c.records()[1].chained.as_ref().unwrap().status,
+            Status::Pass
+        );
+        assert_eq!(
+            c.first_divergence(Mode::Chained).unwrap().name,
+            "blk.0.attn_norm"
+        );
+        // Chained-only failures make the outcome differ.
+        assert!(c.differs());
+    }
+
+    #[test]
+    fn nan_always_fails_and_drift_follows_selection_changes() {
+        let mut c = Comparison::new(judge(), Box::new(|_| true), &[1]);
+        let none: Vec<String> = vec![];
+        push(
+            &mut c,
+            "blk.0.q_b",
+            Mode::Replay,
+            &none,
+            vec![1.0, 2.0],
+            vec![f32::NAN, 2.0],
+        );
+        assert_eq!(c.records()[0].replay.as_ref().unwrap().status, Status::Fail);
+        let ids = |v: Vec<i32>| HostTensor::i32(vec![1, 2], v).unwrap();
+        c.record(Pair {
+            name: "blk.1.moe_topk_ids",
+            mode: Mode::Chained,
+            inputs: &["blk.1.moe_logits".to_string()],
+            reference: ids(vec![0, 1]),
+            candidate: ids(vec![0, 2]),
+        })
+        .unwrap();
+        // Inputs within their floors: a selection change is a failure.
+        assert_eq!(
+            c.records()[1].chained.as_ref().unwrap().status,
+            Status::Fail
+        );
+        let up = vec!["blk.1.moe_topk_ids".to_string()];
+        push(
+            &mut c,
+            "blk.1.moe_routed",
+            Mode::Chained,
+            &up,
+            vec![1.0, 0.0],
+            vec![0.0, 1.0],
+        );
+        assert_eq!(
+            c.records()[2].chained.as_ref().unwrap().status,
+            Status::Drift
+        );
+    }
+
+    #[test]
+    fn missing_hooks_are_listed_not_failed() {
+        let mut c = Comparison::new(judge(), Box::new(|_| true), &[1]);
+        c.missing("blk.0.q_a", Mode::Chained, "not in the trace");
+        assert_eq!(
+            c.records()[0].chained.as_ref().unwrap().status,
+            Status::Missing
+        );
+        assert!(!c.differs());
+    }
+}

@@ -1,0 +1,538 @@
+//! Printing `glmdiff run` and `glmdiff compare`: the header, the hook table with passing layers
+//! folded, the first divergences with the command that re-runs that layer, the output
+//! distributions, and the JSON document of `docs/run-json.md`. Everything here formats facts
+//! computed by [`crate::compare`]; nothing is computed.
+
+use std::fmt::Write as _;
+
+use serde_json::{json, Value};
+
+use super::table;
+use crate::compare::logits::LogitsReport;
+use crate::compare::{Comparison, HookRecord, Metrics, ModeResult, Status};
+use crate::trace::Mode;
+
+/// Version of the JSON document (`glmdiff_run` key).
+pub const RUN_JSON_VERSION: u32 = 1;
+
+/// One side of a comparison as the header shows it.
+#[derive(Clone, Debug, Default)]
+pub struct EngineDesc {
+    /// What was asked (`cpu`, `trace:FILE`).
+    pub spec: String,
+    /// The engine's own description (`cpu`, `transformers-5.24.0 float64`).
+    pub describe: String,
+    /// Its compute precision string.
+    pub dtype: String,
+}
+
+/// Facts about the run that the comparison does not hold.
+#[derive(Clone, Debug, Default)]
+pub struct Header {
+    /// Command (`run` or `compare`).
+    pub command: String,
+    /// Model path as given (or the reference trace for `compare`).
+    pub model: String,
+    /// Architecture.
+    pub architecture: String,
+    /// Layers run `(first, end)`, and the model's layer count.
+    pub layers: Option<(usize, usize, usize)>,
+    /// Prompt tokens with their text.
+    pub tokens: Vec<(u32, String)>,
+    /// The reference.
+    pub reference: EngineDesc,
+    /// The candidate.
+    pub candidate: EngineDesc,
+    /// Modes run.
+    pub modes: Vec<Mode>,
+    /// Notes to show under the header (assumptions, cache use).
+    pub notes: Vec<String>,
+    /// Command that re-runs the first divergent layer, when there is one.
+    pub rerun: Option<String>,
+    /// Timings: (what, seconds).
+    pub timings: Vec<(String, f64)>,
+}
+
+fn e(x: f64) -> String {
+    if x.is_nan() {
+        "-".into()
+    } else if x == 0.0 {
+        "0".into()
+    } else {
+        format!("{x:.2e}")
+    }
+}
+
+fn status_word(r: Option<&ModeResult>) -> &'static str {
+    match r.map(|r| r.status) {
+        None => "",
+        Some(Status::Pass) => "ok",
+        Some(Status::Fail) => "FAIL",
+        Some(Status::Drift) => "drift",
+        Some(Status::Missing) => "missing",
+    }
+}
+
+fn verdict(rec: &HookRecord) -> String {
+    let parts: Vec<String> = [(Mode::Replay, &rec.replay), (Mode::Chained, &rec.chained)]
+        .iter()
+        .filter_map(|(m, r)| r.as_ref().map(|r| (m, r)))
+        .map(|(m, r)| format!("{} {}", &m.as_str()[..1], status_word(Some(r))))
+        .collect();
+    let all_ok = [&rec.replay, &rec.chained]
+        .iter()
+        .all(|r| r.as_ref().is_none_or(|r| r.status == Status::Pass));
+    if all_ok {
+        "ok".into()
+    } else {
+        parts.join(", ")
+    }
+}
+
+fn mode_error(r: Option<&ModeResult>) -> String {
+    match r {
+        None => String::new(),
+        Some(r) if r.status == Status::Missing => "missing".into(),
+        Some(r) => match &r.metrics {
+            Some(Metrics::Ids(m)) => format!("J {:.3}", m.mean_jaccard),
+            _ => e(r.error),
+        },
+    }
+}
+
+/// The hook's primary result: replay when it ran, else chained.
+fn primary(rec: &HookRecord) -> Option<&ModeResult> {
+    rec.replay
+        .as_ref()
+        .filter(|r| r.status != Status::Missing)
+        .or(rec.chained.as_ref())
+}
+
+fn hook_row(rec: &HookRecord) -> Vec<String> {
+    let p = primary(rec);
+    let (maxd, nmse, cos) = match p.and_then(|r| r.metrics.as_ref()) {
+        Some(Metrics::Float(m)) => (
+            format!("{} @{:?}", e(m.max_abs), m.max_abs_at),
+            e(m.nmse),
+            format!("{:.6}", m.cosine),
+        ),
+        Some(Metrics::Ids(m)) => (
+            format!("{}/{} rows equal", m.set_equal_rows, m.rows),
+            "-".into(),
+            "-".into(),
+        ),
+        None => (
+            p.and_then(|r| r.note.clone()).unwrap_or_default(),
+            "-".into(),
+            "-".into(),
+        ),
+    };
+    vec![
+        rec.name.clone(),
+        format!("{:?}", rec.shape),
+        maxd,
+        nmse,
+        cos,
+        mode_error(rec.replay.as_ref()),
+        mode_error(rec.chained.as_ref()),
+        e(rec.floor),
+        verdict(rec),
+    ]
+}
+
+/// Renders the whole text report.
+pub fn render(h: &Header, c: &Comparison, text: &dyn Fn(u32) -> String, all_steps: bool) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "glmdiff {}: {} ({})", h.command, h.model, h.architecture);
+    if let Some((a, b, n)) = h.layers {
+        let _ = writeln!(s, "layers: {a}..{b} of {n}");
+    }
+    let toks: Vec<String> = h.tokens.iter().map(|(id, t)| format!("{id} {t}")).collect();
+    let _ = writeln!(s, "tokens ({}): {}", h.tokens.len(), toks.join(" | "));
+    for (what, d) in [("reference", &h.reference), ("candidate", &h.candidate)] {
+        let _ = writeln!(s, "{what}: {} = {} [{}]", d.spec, d.describe, d.dtype);
+    }
+    let modes: Vec<&str> = h.modes.iter().map(|m| m.as_str()).collect();
+    let _ = writeln!(s, "mode: {}", modes.join(" + "));
+    for n in &h.notes {
+        let _ = writeln!(s, "note: {n}");
+    }
+    let _ = writeln!(s);
+
+    let mut t = table(&[
+        "hook",
+        "shape",
+        "max |diff| @",
+        "NMSE",
+        "cosine",
+        "replay",
+        "chained",
+        "floor",
+        "verdict",
+    ]);
+    let layers = c.layers();
+    let first_bad = layers.iter().position(|g| g.failed > 0);
+    for (gi, g) in layers.iter().enumerate() {
+        let expand = g.layer.is_none() || all_steps || Some(gi) == first_bad;
+        if expand {
+            for &i in &g.records {
+                t.add_row(hook_row(&c.records()[i]));
+            }
+            continue;
+        }
+        let worst = |slot: usize| {
+            g.worst[slot].map_or(String::new(), |(i, err)| {
+                let p = crate::compare::floors::point_of(&c.records()[i].name).to_string();
+                format!("{} ({p})", e(err))
+            })
+        };
+        let mut v = if g.failed > 0 {
+            "FAIL".to_string()
+        } else {
+            "ok".to_string()
+        };
+        if g.failed > 0 {
+            v.push_str(&format!(" ({} failed)", g.failed));
+        }
+        if g.drift > 0 {
+            v.push_str(&format!(", {} drift", g.drift));
+        }
+        if g.missing > 0 {
+            v.push_str(&format!(", {} missing", g.missing));
+        }
+        t.add_row(vec![
+            format!("layer {} ({} hooks)", g.label, g.records.len()),
+            String::new(),
+            String::new(),
+            String::new(),
+            String::new(),
+            worst(0),
+            worst(1),
+            format!("<= {}", e(g.floor)),
+            v,
+        ]);
+    }
+    let _ = writeln!(s, "{t}");
+
+    let missing: Vec<&HookRecord> = c
+        .records()
+        .iter()
+        .filter(|r| {
+            [&r.replay, &r.chained]
+                .iter()
+                .any(|m| m.as_ref().is_some_and(|m| m.status == Status::Missing))
+        })
+        .collect();
+    if !missing.is_empty() {
+        let names: Vec<&str> = missing.iter().take(12).map(|r| r.name.as_str()).collect();
+        let why = missing
+            .iter()
+            .find_map(|r| {
+                [&r.replay, &r.chained]
+                    .iter()
+                    .find_map(|m| m.as_ref().and_then(|m| m.note.clone()))
+            })
+            .unwrap_or_default();
+        let _ = writeln!(
+            s,
+            "not compared: {} hooks ({why}{}): {}{}",
+            missing.len(),
+            if missing.len() > 1 { ", ..." } else { "" },
+            names.join(", "),
+            if missing.len() > 12 { ", ..." } else { "" }
+        );
+    }
+    for mode in [Mode::Replay, Mode::Chained] {
+        if !h.modes.contains(&mode) {
+            continue;
+        }
+        let label = match mode {
+            Mode::Replay => "first divergence (replay, the step's own error):",
+            Mode::Chained => "first divergence (chained, accumulated):",
+        };
+        match c.first_divergence(mode) {
+            Some(r) => {
+                let res = r.result(mode);
+                let _ = writeln!(
+                    s,
+                    "{label} {} ({})",
+                    r.name,
+                    res.and_then(|x| x.note.clone()).unwrap_or_default()
+                );
+            }
+            None => {
+                let _ = writeln!(s, "{label} none");
+            }
+        }
+    }
+    let drift: usize = layers.iter().map(|g| g.drift).sum();
+    if drift > 0 {
+        let first = c.records().iter().find(|r| {
+            r.chained
+                .as_ref()
+                .is_some_and(|m| m.status == Status::Drift)
+        });
+        if let Some(r) = first {
+            let _ = writeln!(
+                s,
+                "chained drift: {drift} hooks differ downstream of a selection change, from {} ({})",
+                r.name,
+                r.chained.as_ref().and_then(|m| m.note.clone()).unwrap_or_default()
+            );
+        }
+    }
+    if let Some(cmd) = &h.rerun {
+        let _ = writeln!(s, "re-run that layer: {cmd}");
+    }
+    let mode = if h.modes.contains(&Mode::Chained) {
+        Mode::Chained
+    } else {
+        Mode::Replay
+    };
+    if let Some((m, l)) = c
+        .logits()
+        .iter()
+        .find(|(m, _)| *m == mode)
+        .or(c.logits().first())
+    {
+        let _ = writeln!(s);
+        s.push_str(&render_logits(*m, l, text));
+    }
+    let verdict = if c.differs() {
+        "DIFFERS: a step diverges beyond what precision explains"
+    } else {
+        "OK: every compared hook is within its floor"
+    };
+    let _ = writeln!(s, "\n{verdict}");
+    if !h.timings.is_empty() {
+        let t: Vec<String> = h
+            .timings
+            .iter()
+            .map(|(w, sec)| format!("{w} {sec:.2} s"))
+            .collect();
+        let _ = writeln!(s, "time: {}", t.join(", "));
+    }
+    s
+}
+
+fn tok(text: &dyn Fn(u32) -> String, id: u32) -> String {
+    format!("{id}:{}", text(id))
+}
+
+/// Renders the output-distribution section.
+pub fn render_logits(mode: Mode, l: &LogitsReport, text: &dyn Fn(u32) -> String) -> String {
+    let mut s = String::new();
+    let n = l.positions.len();
+    let agree = l.positions.iter().filter(|p| p.top1_agree).count();
+    let _ = writeln!(
+        s,
+        "output distribution ({mode}): top-1 agreement {agree}/{n}, KL(ref || cand) max {} mean {}",
+        e(l.max_kl),
+        e(l.mean_kl)
+    );
+    let lp = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}"));
+    let _ = writeln!(
+        s,
+        "mean entropy (nats): reference {:.3}, candidate {:.3} (uniform over {} tokens: {:.3}); mean logprob of the prompt's next tokens: reference {}, candidate {}",
+        l.mean_entropy[0],
+        l.mean_entropy[1],
+        l.vocab,
+        l.uniform_entropy,
+        lp(l.mean_next_logprob[0]),
+        lp(l.mean_next_logprob[1])
+    );
+    if l.candidate_flat {
+        let _ = writeln!(
+            s,
+            "FLAT: the candidate's distribution is nearly uniform (entropy {:.2} of at most {:.2}) while the reference's is not: its logits carry no information",
+            l.mean_entropy[1], l.uniform_entropy
+        );
+    }
+    // At most 12 positions: the first 3, the last, and the largest KL.
+    let mut shown: Vec<usize> = (0..n.min(3)).collect();
+    if n > 0 {
+        shown.push(n - 1);
+    }
+    let mut by_kl: Vec<usize> = (0..n).collect();
+    by_kl.sort_by(|&a, &b| l.positions[b].kl.total_cmp(&l.positions[a].kl));
+    shown.extend(by_kl.into_iter().take(8));
+    shown.sort_unstable();
+    shown.dedup();
+    let mut t = table(&[
+        "pos",
+        "next",
+        "reference top-5 (logprob)",
+        "candidate top-5 (logprob)",
+        "H ref",
+        "H cand",
+        "KL",
+        "logprob(next) ref / cand",
+    ]);
+    let tops = |v: &[(u32, f64)]| {
+        v.iter()
+            .map(|(id, lp)| format!("{} {lp:.2}", tok(text, *id)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    for &i in &shown {
+        let p = &l.positions[i];
+        t.add_row(vec![
+            p.position.to_string(),
+            p.next_token.map_or("-".into(), |id| tok(text, id)),
+            tops(&p.reference.top),
+            tops(&p.candidate.top),
+            format!("{:.3}", p.reference.entropy),
+            format!("{:.3}", p.candidate.entropy),
+            e(p.kl),
+            format!(
+                "{} / {}",
+                lp(p.reference.next_logprob),
+                lp(p.candidate.next_logprob)
+            ),
+        ]);
+    }
+    let _ = writeln!(s, "{t}");
+    if shown.len() < n {
+        let _ = writeln!(
+            s,
+            "({} of {n} positions shown; the JSON has all)",
+            shown.len()
+        );
+    }
+    s
+}
+
+fn mode_json(r: &Option<ModeResult>) -> Value {
+    match r {
+        None => Value::Null,
+        Some(r) => json!({
+            "status": r.status,
+            "error": r.error,
+            "allowed": r.allowed,
+            "note": r.note,
+            "metrics": r.metrics,
+        }),
+    }
+}
+
+fn divergence_json(c: &Comparison, mode: Mode) -> Value {
+    match c.first_divergence(mode) {
+        None => Value::Null,
+        Some(r) => {
+            let res = r.result(mode);
+            json!({
+                "hook": r.name,
+                "layer": r.layer,
+                "error": res.map(|x| x.error),
+                "allowed": res.map(|x| x.allowed),
+                "note": res.and_then(|x| x.note.clone()),
+            })
+        }
+    }
+}
+
+/// The JSON document of `docs/run-json.md`.
+pub fn to_json(h: &Header, c: &Comparison) -> Value {
+    let engine = |d: &EngineDesc| json!({"spec": d.spec, "describe": d.describe, "dtype": d.dtype});
+    let records: Vec<Value> = c
+        .records()
+        .iter()
+        .map(|r| {
+            json!({
+                "hook": r.name,
+                "layer": r.layer,
+                "shape": r.shape,
+                "kind": r.info.kind,
+                "reduction": r.info.k,
+                "quantized_weight": r.info.quantized,
+                "floor": r.floor,
+                "inputs": r.inputs,
+                "replay": mode_json(&r.replay),
+                "chained": mode_json(&r.chained),
+            })
+        })
+        .collect();
+    let layers: Vec<Value> = c
+        .layers()
+        .iter()
+        .map(|g| {
+            let worst = |slot: usize| {
+                g.worst[slot].map_or(
+                    Value::Null,
+                    |(i, err)| json!({"hook": c.records()[i].name, "error": err}),
+                )
+            };
+            json!({
+                "layer": g.layer,
+                "label": g.label,
+                "hooks": g.records.len(),
+                "worst_replay": worst(0),
+                "worst_chained": worst(1),
+                "floor": g.floor,
+                "failed": g.failed,
+                "drift": g.drift,
+                "missing": g.missing,
+            })
+        })
+        .collect();
+    let mut logits = serde_json::Map::new();
+    for (m, l) in c.logits() {
+        logits.insert(m.as_str().to_string(), json!(l));
+    }
+    json!({
+        "glmdiff_run": RUN_JSON_VERSION,
+        "glmdiff_version": env!("CARGO_PKG_VERSION"),
+        "command": h.command,
+        "model": h.model,
+        "architecture": h.architecture,
+        "layers": h.layers.map(|(a, b, n)| json!({"first": a, "end": b, "model_layers": n})),
+        "tokens": h.tokens.iter().map(|(id, t)| json!({"id": id, "text": t})).collect::<Vec<_>>(),
+        "engines": {"reference": engine(&h.reference), "candidate": engine(&h.candidate)},
+        "modes": h.modes,
+        "verdict": if c.differs() { "differs" } else { "ok" },
+        "first_divergence": divergence_json(c, Mode::Replay),
+        "first_divergence_chained": divergence_json(c, Mode::Chained),
+        "rerun": h.rerun,
+        "notes": h.notes,
+        "records": records,
+        "layer_summaries": layers,
+        "logits": if logits.is_empty() { Value::Null } else { Value::Object(logits) },
+        "timings": h.timings.iter().map(|(w, s)| json!({"what": w, "seconds": s})).collect::<Vec<_>>(),
+    })
+}
+
+/// The error-per-layer plot of a comparison: per layer, the worst float error in each mode, the
+/// largest floor, and whether a hook failed.
+pub fn error_plot(h: &Header, c: &Comparison) -> super::plot::ErrorPlot {
+    let points = c
+        .layers()
+        .iter()
+        .map(|g| super::plot::LayerPoint {
+            label: match g.layer {
+                Some(l) => l.to_string(),
+                None if g.label.starts_with("token_embd") => "embd".to_string(),
+                None => "out".to_string(),
+            },
+            replay: g.worst[0].map(|(_, e)| e),
+            chained: g.worst[1].map(|(_, e)| e),
+            floor: g.floor,
+            failed: g.failed > 0,
+        })
+        .collect();
+    super::plot::ErrorPlot {
+        title: format!(
+            "{}: {} vs {}",
+            std::path::Path::new(&h.model)
+                .file_name()
+                .map_or(h.model.clone(), |f| f.to_string_lossy().into_owned()),
+            h.reference.spec,
+            h.candidate.spec
+        ),
+        points,
+    }
+}
+
+/// Writes the error-per-layer plot as SVG (atomically).
+pub fn write_plot(h: &Header, c: &Comparison, path: &std::path::Path) -> anyhow::Result<()> {
+    super::plot::write_svg(&error_plot(h, c), path)
+}

@@ -1,0 +1,89 @@
+//! Tensors in host memory ([`HostTensor`]): the currency between engines, the driver, trace files
+//! and comparisons. PyTorch-order shapes (slowest dimension first), row-major values, f32 for
+//! activations and i32 for indices. It sits at the bottom of the crate so that `engine`, `trace`
+//! and `compare` all use it without importing each other.
+
+use anyhow::{bail, Result};
+
+/// Values of a host tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HostData {
+    /// Floating point activations.
+    F32(Vec<f32>),
+    /// Indices (expert ids, selected key positions; -1 = none).
+    I32(Vec<i32>),
+}
+
+/// A tensor in host memory: PyTorch-order shape (slowest first) and row-major values.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostTensor {
+    /// Shape, slowest dimension first.
+    pub shape: Vec<usize>,
+    /// Values, `shape.iter().product()` of them.
+    pub data: HostData,
+}
+
+impl HostTensor {
+    /// An f32 tensor; fails when `data` does not have `shape`'s element count.
+    pub fn f32(shape: Vec<usize>, data: Vec<f32>) -> Result<HostTensor> {
+        check_len(&shape, data.len())?;
+        Ok(HostTensor {
+            shape,
+            data: HostData::F32(data),
+        })
+    }
+
+    /// An i32 tensor; fails when `data` does not have `shape`'s element count.
+    pub fn i32(shape: Vec<usize>, data: Vec<i32>) -> Result<HostTensor> {
+        check_len(&shape, data.len())?;
+        Ok(HostTensor {
+            shape,
+            data: HostData::I32(data),
+        })
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Whether the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The f32 values, or an error naming `what` when the tensor holds integers.
+    pub fn as_f32(&self, what: &str) -> Result<&[f32]> {
+        match &self.data {
+            HostData::F32(v) => Ok(v),
+            HostData::I32(_) => bail!("tensor: {what}: expected f32 values, got i32"),
+        }
+    }
+
+    /// The i32 values, or an error naming `what` when the tensor holds floats.
+    pub fn as_i32(&self, what: &str) -> Result<&[i32]> {
+        match &self.data {
+            HostData::I32(v) => Ok(v),
+            HostData::F32(_) => bail!("tensor: {what}: expected i32 values, got f32"),
+        }
+    }
+
+    /// `(rows, cols)` of a 2-D tensor, or an error naming `what`.
+    pub fn dims2(&self, what: &str) -> Result<(usize, usize)> {
+        match self.shape[..] {
+            [r, c] => Ok((r, c)),
+            _ => bail!(
+                "tensor: {what}: expected a 2-D tensor, got shape {:?}",
+                self.shape
+            ),
+        }
+    }
+}
+
+fn check_len(shape: &[usize], n: usize) -> Result<()> {
+    let want: usize = shape.iter().product();
+    if want != n {
+        bail!("tensor: shape {shape:?} needs {want} values, got {n}");
+    }
+    Ok(())
+}

@@ -1,0 +1,218 @@
+//! The reference cache: the reference's values entering layer A (the residual stream, and a
+//! shared DSA selection of an earlier layer), kept on disk so that `run --layer A` does not
+//! recompute layers `0..A` every time.
+//!
+//! Where: `$GLMDIFF_CACHE_DIR`, else `$XDG_CACHE_HOME/glmdiff`, else `$HOME/.cache/glmdiff`
+//! ([`default_dir`]). One safetensors file per entry (the trace format; metadata holds the key),
+//! named by a 64-bit FNV-1a hash of the key, written atomically. The key is the model's identity
+//! (canonical path, size and modification time of every shard, a hash of every shard's header:
+//! metadata and tensor infos), the tokens, the layer and glmdiff's version; an entry whose stored
+//! key differs from the asked one (a hash collision, a stale file) is ignored and overwritten.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::UNIX_EPOCH;
+
+use anyhow::{bail, Context, Result};
+
+use super::file::{write_trace, TraceFile, TraceMeta};
+use super::Mode;
+use crate::gguf::Model;
+use crate::tensor::HostTensor;
+
+/// Identity of one cache entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheKey {
+    /// Canonical model path, shard sizes, mtimes and header hashes, one line per shard.
+    pub model_identity: String,
+    /// Prompt token ids.
+    pub tokens: Vec<u32>,
+    /// The layer whose inputs the entry holds.
+    pub layer: usize,
+    /// glmdiff's version (another version may compute differently).
+    pub version: String,
+}
+
+impl CacheKey {
+    /// The key of `model`'s inputs to `layer` for `tokens`.
+    pub fn new(model: &Model, tokens: &[u32], layer: usize) -> Result<CacheKey> {
+        let mut id = String::new();
+        for shard in model.shards() {
+            let p = shard.path();
+            let canon = std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+            let meta = std::fs::metadata(p)
+                .with_context(|| format!("cache: cannot stat {}", p.display()))?;
+            let mtime = meta
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_nanos());
+            id.push_str(&format!(
+                "{} size={} mtime_ns={} header_fnv={:016x}\n",
+                canon.display(),
+                meta.len(),
+                mtime,
+                fnv1a64(shard.header_bytes())
+            ));
+        }
+        Ok(CacheKey {
+            model_identity: id,
+            tokens: tokens.to_vec(),
+            layer,
+            version: env!("CARGO_PKG_VERSION").to_string(),
+        })
+    }
+
+    fn metadata(&self) -> BTreeMap<String, String> {
+        let mut m = BTreeMap::new();
+        m.insert("cache_model".into(), self.model_identity.clone());
+        m.insert("cache_layer".into(), self.layer.to_string());
+        m.insert("cache_version".into(), self.version.clone());
+        m
+    }
+
+    fn file_name(&self) -> String {
+        let toks: Vec<String> = self.tokens.iter().map(u32::to_string).collect();
+        let all = format!(
+            "{}|{}|{}|{}",
+            self.model_identity,
+            toks.join(","),
+            self.layer,
+            self.version
+        );
+        format!(
+            "layer{}-{:016x}.safetensors",
+            self.layer,
+            fnv1a64(all.as_bytes())
+        )
+    }
+}
+
+/// 64-bit FNV-1a (Fowler, Noll, Vo): a stable hash for file names and cheap identity checks.
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// The cache directory: `$GLMDIFF_CACHE_DIR`, `$XDG_CACHE_HOME/glmdiff` or `$HOME/.cache/glmdiff`.
+pub fn default_dir() -> Result<PathBuf> {
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    if let Some(d) = env("GLMDIFF_CACHE_DIR") {
+        return Ok(d);
+    }
+    if let Some(d) = env("XDG_CACHE_HOME") {
+        return Ok(d.join("glmdiff"));
+    }
+    if let Some(h) = env("HOME") {
+        return Ok(h.join(".cache").join("glmdiff"));
+    }
+    bail!("cache: no cache directory: set GLMDIFF_CACHE_DIR (or XDG_CACHE_HOME or HOME)")
+}
+
+/// A cache directory.
+pub struct RefCache {
+    dir: PathBuf,
+}
+
+impl RefCache {
+    /// The cache in `dir` (created on the first store).
+    pub fn new(dir: &Path) -> RefCache {
+        RefCache {
+            dir: dir.to_path_buf(),
+        }
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The entry's path.
+    pub fn path(&self, key: &CacheKey) -> PathBuf {
+        self.dir.join(key.file_name())
+    }
+
+    /// The values stored under `key`, when an entry with exactly this key and every name in
+    /// `names` exists. A damaged entry is treated as absent (it will be overwritten).
+    pub fn load(&self, key: &CacheKey, names: &[String]) -> Option<Vec<(String, HostTensor)>> {
+        let p = self.path(key);
+        let f = TraceFile::open(&p).ok()?;
+        let want = key.metadata();
+        if want.iter().any(|(k, v)| f.metadata().get(k) != Some(v))
+            || f.tokens().ok()? != key.tokens
+        {
+            return None;
+        }
+        names
+            .iter()
+            .map(|n| f.get(n).ok().flatten().map(|t| (n.clone(), t)))
+            .collect()
+    }
+
+    /// Stores `values` under `key` (atomically).
+    pub fn store(&self, key: &CacheKey, values: &[(String, HostTensor)]) -> Result<PathBuf> {
+        std::fs::create_dir_all(&self.dir)
+            .with_context(|| format!("cache: cannot create {}", self.dir.display()))?;
+        let p = self.path(key);
+        let tensors: BTreeMap<String, HostTensor> = values.iter().cloned().collect();
+        let meta = TraceMeta {
+            model: key.model_identity.lines().next().unwrap_or("").to_string(),
+            architecture: String::new(),
+            tokens: key.tokens.clone(),
+            engine: "cpu".into(),
+            dtype: "f32 storage, f64 accumulation".into(),
+            mode: Mode::Chained,
+            extra: key.metadata(),
+        };
+        write_trace(&p, &tensors, &meta)
+            .with_context(|| format!("cache: cannot write {}", p.display()))?;
+        Ok(p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fnv1a64_matches_published_vectors() {
+        // Test vectors of the FNV reference (isthe.com/chongo/tech/comp/fnv): "" and "a".
+        assert_eq!(fnv1a64(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a64(b"foobar"), 0x8594_4171_f739_67e8);
+    }
+
+    #[test]
+    fn entries_round_trip_and_other_keys_miss() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = RefCache::new(dir.path());
+        let key = CacheKey {
+            model_identity: "/m.gguf size=1 mtime_ns=2 header_fnv=3\n".into(),
+            tokens: vec![1, 2],
+            layer: 3,
+            version: "x".into(),
+        };
+        let v = vec![(
+            "blk.2.l_out".to_string(),
+            HostTensor::f32(vec![2, 2], vec![1.0, 2.0, 3.0, 4.0]).unwrap(),
+        )];
+        assert!(c.load(&key, &["blk.2.l_out".into()]).is_none());
+        c.store(&key, &v).unwrap();
+        assert_eq!(c.load(&key, &["blk.2.l_out".into()]).unwrap(), v);
+        assert!(c.load(&key, &["blk.1.l_out".into()]).is_none());
+        let mut other = key.clone();
+        other.tokens = vec![1, 3];
+        assert!(c.load(&other, &["blk.2.l_out".into()]).is_none());
+        // A file under the right name whose stored key differs is not used.
+        std::fs::copy(c.path(&key), c.path(&other)).unwrap();
+        assert!(c.load(&other, &["blk.2.l_out".into()]).is_none());
+    }
+}
