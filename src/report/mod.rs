@@ -1,7 +1,8 @@
-//! Everything glmdiff prints to stdout: tables (comfy-table) and JSON. Other modules compute;
-//! this one formats.
+//! Everything glmdiff prints to stdout: tables (comfy-table) and JSON, plus the SVG plot of
+//! `run --plot` ([`plot`]). Other modules compute; this one formats.
 
 pub mod inspect;
+pub mod plot;
 pub mod progress;
 pub mod run;
 pub mod trace;
