@@ -7,8 +7,8 @@ Sources followed (read, not copied):
 - transformers `models/glm_moe_dsa/{configuration,modeling}_glm_moe_dsa.py` and
   `models/deepseek_v3/{configuration,modeling}_deepseek_v3.py` (parameter names and shapes).
 - llama.cpp `src/llama-vocab.cpp` (pre-tokenizer regexes of `LLAMA_VOCAB_PRE_TYPE_CHATGLM4`, used for
-  `glm4`, and `LLAMA_VOCAB_PRE_TYPE_DEEPSEEK3_LLM`, used for `deepseek-v3`; `glm4` also sets
-  `ignore_merges`).
+  `glm4`, and `LLAMA_VOCAB_PRE_TYPE_DEEPSEEK3_LLM`, used for `deepseek-v3`; `llama_vocab::impl::load`
+  sets `ignore_merges` for neither, only for the llama3 names).
 - llama.cpp `conversion/base.py` `_set_vocab_glm` (the GLM converter looks up the added tokens
   `[gMASK]`, `<|user|>`, `<|endoftext|>`, `<|observation|>`).
 """
@@ -168,10 +168,14 @@ def build_tokenizer(spec: ModelSpec):
         special_tokens=[], show_progress=False,
     )
     tok.train_from_iterator([TRAIN_TEXT] * 3, trainer=trainer)
-    # llama.cpp sets ignore_merges for "glm4" (a whole pre-token found in the vocab is used as is);
-    # make the HF tokenizer do the same so both give the same ids.
+    # ignore_merges (a whole pre-token found in the vocab is used as is) as llama.cpp sets it for
+    # these pre-tokenizers: off for both "glm4" and "deepseek-v3" (llama_vocab::impl::load sets it
+    # only for the llama3 names), so the HF tokenizer and llama.cpp give the same ids by
+    # construction. GLM's own tokenizer.json is said to turn it on (ggml-org/llama.cpp#27754, open,
+    # would follow); with this trained vocab it makes no difference, since every token is the
+    # result of merging its own bytes.
     js = json.loads(tok.to_str())
-    js["model"]["ignore_merges"] = bool(is_glm)
+    js["model"]["ignore_merges"] = False
     tok = Tokenizer.from_str(json.dumps(js))
     specials = GLM_SPECIAL_TOKENS if is_glm else DEEPSEEK_SPECIAL_TOKENS
     tok.add_special_tokens(specials)

@@ -68,22 +68,35 @@ fn vocab() -> (Vec<String>, Vec<i32>) {
     (tokens, types)
 }
 
-/// Writes a GGUF with only tokenizer metadata and opens it.
+/// Writes a GGUF with only tokenizer metadata (the vocabulary of [`vocab`]) and opens it.
 fn model_with(dir: &Path, model: &str, pre: Option<&str>, extra: &[(&str, Value)]) -> Model {
     let (tokens, types) = vocab();
+    model_from(dir, model, pre, &tokens, types, MERGES, extra)
+}
+
+/// Writes a GGUF with only tokenizer metadata (the given vocabulary) and opens it.
+fn model_from(
+    dir: &Path,
+    model: &str,
+    pre: Option<&str>,
+    tokens: &[String],
+    types: Vec<i32>,
+    merges: &[&str],
+    extra: &[(&str, Value)],
+) -> Model {
     let mut w = GgufWriter::new();
     w.add_str("general.architecture", "test").unwrap();
     w.add_str("tokenizer.ggml.model", model).unwrap();
     if let Some(p) = pre {
         w.add_str("tokenizer.ggml.pre", p).unwrap();
     }
-    w.add_str_array("tokenizer.ggml.tokens", &tokens).unwrap();
+    w.add_str_array("tokenizer.ggml.tokens", tokens).unwrap();
     w.add(
         "tokenizer.ggml.token_type",
         Value::Array(ValueType::I32, types.into_iter().map(Value::I32).collect()),
     )
     .unwrap();
-    w.add_str_array("tokenizer.ggml.merges", MERGES).unwrap();
+    w.add_str_array("tokenizer.ggml.merges", merges).unwrap();
     for (k, v) in extra {
         w.add(k, v.clone()).unwrap();
     }
@@ -318,6 +331,63 @@ fn default_ids_match_hugging_face() {
     let t = Tokenizer::from_model(&model_with(dir.path(), "gpt2", None, &[])).unwrap();
     assert_eq!(t.pre_name(), "default");
     assert_eq!(t.encode(TEXTS[1]).unwrap(), HF_DEFAULT[1]);
+}
+
+/// Merges of the `ignore_merges` vocabulary, in rank order.
+const IGNORE_MERGES_MERGES: &[&str] = &["b c", "a b", "Ġ a"];
+
+/// The `ignore_merges` vocabulary: the 256 byte characters in byte order (id = byte), the merge
+/// results "bc" 256, "ab" 257, "Ġa" 258, and "Ġabc" 259, which the merges never reach.
+fn ignore_merges_vocab() -> Vec<String> {
+    let mut tokens: Vec<String> = gpt2_byte_chars().iter().map(|c| c.to_string()).collect();
+    tokens.extend(IGNORE_MERGES_MERGES.iter().map(|m| m.replace(' ', "")));
+    tokens.push("Ġabc".to_string());
+    tokens
+}
+
+/// A piece that is a vocabulary entry but that the merges split differently: llama.cpp's
+/// `ignore_merges` (set for the llama3 names only, `src/llama-vocab.cpp`
+/// `llama_vocab::impl::load`) emits it whole, every other pre-tokenizer merges it.
+///
+/// Worked by hand for "abc abc ab"; every pre-tokenizer here cuts it into "abc", " abc", " ab"
+/// (byte-level "abc", "Ġabc", "Ġab"; ids a 97, b 98, c 99, Ġ 32):
+/// - "abc": pairs (a,b) rank 1 and (b,c) rank 0; "b c" merges first: [a, bc]; (a,bc) is no
+///   merge. [97, 256]. "abc" is not in the vocabulary, so ignore_merges changes nothing.
+/// - "Ġabc" without ignore_merges: (Ġ,a) rank 2, (a,b) 1, (b,c) 0: [Ġ, a, bc]; then (Ġ,a) is
+///   the only merge left: [Ġa, bc] = [258, 256], never "ab" nor "Ġabc". With ignore_merges the
+///   whole piece is the entry "Ġabc": [259].
+/// - "Ġab": (Ġ,a) 2, (a,b) 1: [Ġ, ab]; (Ġ,ab) is no merge: [32, 257]; "Ġab" is no entry.
+///
+/// The same ids come from Hugging Face tokenizers 0.23.3 (`reference/ignore_merges_ids.py`,
+/// `models.BPE(..., ignore_merges=<llama3 only>)`), which also gives [97, 256, 259, 32, 257]
+/// for the glm4 regex with `ignore_merges=True`.
+#[test]
+fn ignore_merges_takes_a_vocabulary_piece_whole_for_llama3_only() {
+    const TEXT: &str = "abc abc ab";
+    const MERGED: [u32; 6] = [97, 256, 258, 256, 32, 257];
+    const WHOLE: [u32; 5] = [97, 256, 259, 32, 257];
+    let tokens = ignore_merges_vocab();
+    let dir = tempfile::tempdir().unwrap();
+    for pre in glmdiff::tokenizer::KNOWN_PRE {
+        let types = vec![1; tokens.len()];
+        let m = model_from(
+            dir.path(),
+            "gpt2",
+            Some(pre),
+            &tokens,
+            types,
+            IGNORE_MERGES_MERGES,
+            &[],
+        );
+        let t = Tokenizer::from_model(&m).unwrap();
+        let want: &[u32] = match *pre {
+            "llama3" | "llama-v3" | "llama-bpe" => &WHOLE,
+            _ => &MERGED,
+        };
+        let got = t.encode(TEXT).unwrap();
+        assert_eq!(got, want, "pre {pre}");
+        assert_eq!(t.decode(&got).unwrap(), TEXT, "pre {pre}, round trip");
+    }
 }
 
 #[test]

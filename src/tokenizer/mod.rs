@@ -5,9 +5,11 @@
 //! as whole tokens first, leftmost and longest first, as Hugging Face tokenizers does for added
 //! tokens by default and llama.cpp does with `parse_special = true`; the text between them is
 //! cut by the pre-tokenizer regexes (`pre`), each piece is mapped to GPT-2 byte characters
-//! and merged by BPE (`bpe`). No BOS or EOS is added: `encode` returns exactly the tokens of
-//! the text (see [`Tokenizer::bos_id`] and [`Tokenizer::add_bos`] to add one). The `lstrip` /
-//! `rstrip` flags of Hugging Face added tokens are not in GGUF and are not applied.
+//! and merged by BPE (`bpe`), except that a pre-tokenizer with `ignore_merges` (llama3) takes
+//! a piece that is itself a vocabulary entry as that one token. No BOS or EOS is added:
+//! `encode` returns exactly the tokens of the text (see [`Tokenizer::bos_id`] and
+//! [`Tokenizer::add_bos`] to add one). The `lstrip` / `rstrip` flags of Hugging Face added
+//! tokens are not in GGUF and are not applied.
 //!
 //! Decoding: NORMAL tokens go back through the byte map to bytes, CONTROL and USER_DEFINED
 //! tokens are their text as is (Hugging Face `decode(..., skip_special_tokens=False)`); the
@@ -347,20 +349,28 @@ impl Tokenizer {
         }
         let mut symbols = Vec::new();
         for piece in self.pre.split(text)? {
-            let bytes = text[piece].as_bytes();
-            if self.pre.ignore_merges {
-                let mapped: String = bytes.iter().map(|&b| self.byte_chars[b as usize]).collect();
-                if let Some(&id) = self.ids.get(&mapped) {
-                    out.push(id);
-                    continue;
-                }
-            }
-            symbols.clear();
-            symbols.extend(bytes.iter().map(|&b| self.byte_ids[b as usize]));
-            bpe::merge(&mut symbols, &self.merges);
-            out.extend_from_slice(&symbols);
+            self.encode_piece(text[piece].as_bytes(), &mut symbols, out);
         }
         Ok(())
+    }
+
+    /// Tokenizes one pre-tokenizer piece: with the pre-tokenizer's `ignore_merges`
+    /// ([`PreTokenizer::ignore_merges`]) a piece whose byte-level text is a vocabulary entry is
+    /// that one token (llama.cpp `llm_tokenizer_bpe_session::tokenize` in `src/llama-vocab.cpp`,
+    /// Hugging Face tokenizers `BPE::tokenize_with_cache` in `models/bpe/model.rs`); otherwise
+    /// its bytes are merged by BPE. `symbols` is scratch space.
+    fn encode_piece(&self, bytes: &[u8], symbols: &mut Vec<u32>, out: &mut Vec<u32>) {
+        if self.pre.ignore_merges() {
+            let mapped: String = bytes.iter().map(|&b| self.byte_chars[b as usize]).collect();
+            if let Some(&id) = self.ids.get(&mapped) {
+                out.push(id);
+                return;
+            }
+        }
+        symbols.clear();
+        symbols.extend(bytes.iter().map(|&b| self.byte_ids[b as usize]));
+        bpe::merge(symbols, &self.merges);
+        out.extend_from_slice(symbols);
     }
 
     /// Turns ids back into text (special tokens as their text).

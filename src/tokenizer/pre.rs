@@ -8,6 +8,10 @@
 //! llama.cpp's `unicode_regex_split` and Hugging Face tokenizers' `Sequence` of `Split`
 //! pre-tokenizers with behavior `Isolated` (which is how the GLM and DeepSeek `tokenizer.json`
 //! files write them).
+//!
+//! Besides its regexes a pre-tokenizer carries llama.cpp's `ignore_merges` flag (see
+//! [`PreTokenizer::ignore_merges`]). A GGUF has no key for it: llama.cpp derives it from
+//! `tokenizer.ggml.pre` in `llama_vocab::impl::load`, and so does this module.
 
 use anyhow::{anyhow, Result};
 use fancy_regex::Regex;
@@ -48,15 +52,17 @@ pub const KNOWN_PRE: &[&str] = &[
 pub struct PreTokenizer {
     name: String,
     regexes: Vec<Regex>,
-    /// Whether a piece that is itself a token skips the merges (llama.cpp `ignore_merges`,
-    /// Hugging Face BPE `ignore_merges`; set for llama3).
-    pub ignore_merges: bool,
+    ignore_merges: bool,
 }
 
 impl PreTokenizer {
     /// The pre-tokenizer for `tokenizer.ggml.pre` = `pre` (`None`: absent, llama.cpp's default).
     pub fn new(pre: Option<&str>) -> Result<PreTokenizer> {
         let name = pre.unwrap_or("default");
+        // ignore_merges as llama.cpp's `llama_vocab::impl::load` sets it: only the llama3 names
+        // (`pre_type = LLAMA_VOCAB_PRE_TYPE_LLAMA3; ignore_merges = true;`). Its glm4 /
+        // chatglm-bpe branch sets only `special_bos_id`, deepseek-v3 only `clean_spaces`, gpt-2
+        // and default nothing.
         let (exprs, ignore_merges): (&[&str], bool) = match name {
             "glm4" | "chatglm-bpe" => (&[LLAMA3], false),
             "deepseek-v3" => (&DEEPSEEK3, false),
@@ -90,6 +96,29 @@ impl PreTokenizer {
     /// The pre-tokenizer's name (`tokenizer.ggml.pre`, or "default").
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Whether a piece that is itself a vocabulary entry is emitted as that one token, without
+    /// running the merges over its bytes (which could stop at a different split, or never reach
+    /// the entry at all).
+    ///
+    /// This is llama.cpp's `ignore_merges` (ggml-org/llama.cpp `src/llama-vocab.cpp`: set in
+    /// `llama_vocab::impl::load` per `tokenizer.ggml.pre`, true here only for the llama3 names,
+    /// and read in `llm_tokenizer_bpe_session::tokenize`, where a word with
+    /// `vocab.text_to_token(word) != LLAMA_TOKEN_NULL` becomes one symbol before any merge).
+    /// Hugging Face tokenizers has the same flag on its BPE model, read from the `ignore_merges`
+    /// field of `tokenizer.json` (huggingface/tokenizers `tokenizers/src/models/bpe/model.rs`,
+    /// `BPE::tokenize_with_cache`: `if self.ignore_merges` and the whole piece is in the
+    /// vocabulary, it is returned as one token).
+    ///
+    /// glm4 follows llama.cpp's master (false). An open llama.cpp pull request
+    /// (ggml-org/llama.cpp#27754) would set it for glm4 as well, stating that GLM's own
+    /// `tokenizer.json` has `"ignore_merges": true`; if it lands, the glm4 arm of
+    /// [`PreTokenizer::new`] changes with it. Both settings give the same ids for a piece whose
+    /// bytes the merges carry to its vocabulary entry; they differ only for entries the merges
+    /// do not reach from their bytes.
+    pub fn ignore_merges(&self) -> bool {
+        self.ignore_merges
     }
 
     /// Cuts `text` into pieces (byte ranges of `text`, in order, covering all of it).
@@ -167,6 +196,21 @@ mod tests {
             pieces("deepseek-v3", "ab1234中文字cd, (x)"),
             ["ab", "123", "4", "中文字", "cd", ",", " (", "x", ")"]
         );
+    }
+
+    #[test]
+    fn ignore_merges_only_for_the_llama3_names() {
+        // llama.cpp src/llama-vocab.cpp, llama_vocab::impl::load: `ignore_merges = true` only in
+        // the LLAMA_VOCAB_PRE_TYPE_LLAMA3 branch among the names known here.
+        for n in KNOWN_PRE {
+            let want = matches!(*n, "llama3" | "llama-v3" | "llama-bpe");
+            assert_eq!(
+                PreTokenizer::new(Some(n)).unwrap().ignore_merges(),
+                want,
+                "{n}"
+            );
+        }
+        assert!(!PreTokenizer::new(None).unwrap().ignore_merges());
     }
 
     #[test]
