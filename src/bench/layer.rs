@@ -37,7 +37,6 @@
 
 mod procfs;
 mod reads;
-mod table;
 
 use super::cpu_model;
 use std::collections::BTreeMap;
@@ -48,7 +47,6 @@ use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
 pub use procfs::{parse_status, Rss};
-pub use table::render_table;
 
 use reads::{floor, layer_reads, Read};
 

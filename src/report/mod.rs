@@ -1,6 +1,7 @@
 //! Everything glmdiff prints to stdout: tables (comfy-table) and JSON. Other modules compute;
 //! this one formats.
 
+pub mod bench;
 pub mod inspect;
 pub mod trace;
 
