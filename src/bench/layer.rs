@@ -58,8 +58,8 @@ use crate::gguf::Model;
 use crate::model::names;
 use crate::model::steps::point;
 use crate::model::weights::{WeightCounts, WeightStats};
-use crate::model::Weights;
-use crate::synth::{self, Arch, Dims, SynthOptions, TypeMix};
+use crate::model::{Arch, Weights};
+use crate::synth::{self, Dims, SynthOptions, TypeMix};
 use crate::trace::Sink;
 
 /// Seed of the random prompt token ids.
@@ -327,7 +327,7 @@ pub fn run_with_progress(
         let s = &opts.synth;
         let description = format!(
             "synthetic {} ({} dims, {} layers of which {} dense, {} MTP, {} types, seed {})",
-            s.arch.name(),
+            s.arch.as_str(),
             s.dims.name,
             s.dims.n_layer,
             s.dims.n_dense,

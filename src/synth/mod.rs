@@ -19,11 +19,12 @@ use anyhow::{anyhow, Context, Result};
 use rayon::prelude::*;
 
 pub use blocks::{BlockGen, Init, Rng, SUPPORTED};
-pub use dims::{Arch, Dims, IndexerDims, Yarn, GATING_SIGMOID};
+pub use dims::{Dims, IndexerDims, Yarn};
 pub use plan::{plan, shape_fallback, TensorPlan, TypeMix};
 pub use vocab::Vocab;
 
 use crate::gguf::GgufWriter;
+use crate::model::Arch;
 use crate::quant::GgmlType;
 
 /// Target bytes of one generated chunk (rounded down to whole blocks).
@@ -55,7 +56,9 @@ impl SynthOptions {
         types: &str,
         seed: u64,
     ) -> Result<SynthOptions> {
-        let arch = Arch::parse(arch)?;
+        let arch = Arch::from_name(arch).ok_or_else(|| {
+            anyhow!("synth: unknown --arch {arch:?} (expected glm-dsa or deepseek2)")
+        })?;
         let mut d = Dims::preset(arch, dims)?;
         if let Some(n) = layers {
             d = d.with_layers(u64::from(n))?;
@@ -99,10 +102,10 @@ fn chunk_seed(seed: u64, name: &str, chunk: u64) -> u64 {
 pub fn prepare(opts: &SynthOptions) -> Result<(GgufWriter, Vec<TensorPlan>)> {
     let (arch, d) = (opts.arch, &opts.dims);
     let mut w = GgufWriter::new();
-    w.add_str("general.architecture", arch.name())?;
+    w.add_str("general.architecture", arch.as_str())?;
     let name = format!(
         "synthetic {} ({} dims, {} layers, seed {})",
-        arch.name(),
+        arch.as_str(),
         d.name,
         d.n_layer,
         opts.seed
