@@ -16,8 +16,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use super::random_blocks::{fill_blocks, SplitMix64};
+use super::random_blocks::fill_blocks;
 use crate::quant::{self, GgmlType, TYPE_TABLE};
+use crate::util::rng::SplitMix64;
 
 /// Default elements per type: 16 Mi values, 64 MiB of f32 output (larger than most L3 caches).
 pub const DEFAULT_ELEMENTS: usize = 1 << 24;

@@ -50,7 +50,6 @@ pub use procfs::{parse_status, Rss};
 
 use reads::{floor, layer_reads, Read};
 
-use super::random_blocks::SplitMix64;
 use crate::driver::{self, Plan};
 use crate::engine::cpu::CpuEngine;
 use crate::engine::HostTensor;
@@ -61,6 +60,7 @@ use crate::model::weights::{WeightCounts, WeightStats};
 use crate::model::{Arch, Weights};
 use crate::synth::{self, Dims, SynthOptions, TypeMix};
 use crate::trace::Sink;
+use crate::util::rng::{SplitMix64, GAMMA};
 
 /// Seed of the random prompt token ids.
 pub const DEFAULT_SEED: u64 = 0x0062_656E_6368; // "bench" in ASCII
@@ -463,7 +463,7 @@ fn mix_name(mix: TypeMix) -> String {
 
 /// `t` random token ids below `n_vocab` (the same for the same seed and count).
 fn token_ids(seed: u64, t: usize, n_vocab: usize) -> Vec<u32> {
-    let mut rng = SplitMix64::new(seed ^ (t as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let mut rng = SplitMix64::new(seed ^ (t as u64).wrapping_mul(GAMMA));
     (0..t)
         .map(|_| (rng.next_u64() % n_vocab.max(1) as u64) as u32)
         .collect()

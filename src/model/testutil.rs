@@ -8,6 +8,7 @@ use crate::gguf::{GgufFile, GgufWriter, Model, Value, ValueType};
 use crate::model::names::{self, blk};
 use crate::model::{keys, Arch, Gating, HParams, IndexerParams, RopeParams};
 use crate::quant::GgmlType;
+use crate::util::rng::SplitMix64;
 
 /// Dimensions of a tiny test model (a small [`HParams`]).
 pub fn tiny_hparams(arch: Arch) -> HParams {
@@ -164,16 +165,6 @@ pub fn tensor_names(hp: &HParams) -> Vec<String> {
     v
 }
 
-/// A deterministic value in [-0.5, 0.5) (splitmix64 of `seed`).
-fn rand(seed: &mut u64) -> f32 {
-    *seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *seed;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    (z >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-}
-
 /// A model with metadata `meta` and F32 weights for `tensors` shaped for `hp` (norm weights near 1).
 pub fn build(hp: &HParams, meta: &[(String, Value)], tensors: &[String], n_vocab: usize) -> Model {
     build_with(hp, meta, tensors, n_vocab, &HashMap::new())
@@ -196,7 +187,7 @@ pub fn build_with(
             .unwrap_or_else(|| panic!("no expected shape for {name}"));
         w.add_tensor(name, &ne, GgmlType::F32).unwrap();
     }
-    let mut seed = 7u64;
+    let mut rng = SplitMix64::new(7);
     let bytes = w
         .to_bytes(&mut |info, out| {
             let n = info.n_elements() as usize;
@@ -205,7 +196,8 @@ pub fn build_with(
             for i in 0..n {
                 let x = match overrides.get(&info.name) {
                     Some(v) => v[i],
-                    None => rand(&mut seed) + if norm { 1.0 } else { 0.0 },
+                    // Uniform in [-0.5, 0.5), norm weights shifted to around 1.
+                    None => rng.uniform() - 0.5 + if norm { 1.0 } else { 0.0 },
                 };
                 buf.extend_from_slice(&x.to_le_bytes());
             }

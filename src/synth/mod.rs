@@ -18,7 +18,7 @@ use std::path::Path;
 use anyhow::{anyhow, Context, Result};
 use rayon::prelude::*;
 
-pub use blocks::{BlockGen, Init, Rng, SUPPORTED};
+pub use blocks::{BlockGen, Init, SUPPORTED};
 pub use dims::{Dims, IndexerDims, Yarn};
 pub use plan::{plan, shape_fallback, TensorPlan, TypeMix};
 pub use vocab::Vocab;
@@ -26,6 +26,7 @@ pub use vocab::Vocab;
 use crate::gguf::GgufWriter;
 use crate::model::Arch;
 use crate::quant::GgmlType;
+use crate::util::rng::{mix64, SplitMix64, GAMMA};
 
 /// Target bytes of one generated chunk (rounded down to whole blocks).
 const CHUNK_BYTES: usize = 1 << 20;
@@ -94,8 +95,8 @@ fn fnv1a(s: &str) -> u64 {
 
 /// The seed of chunk `chunk` of tensor `name`.
 fn chunk_seed(seed: u64, name: &str, chunk: u64) -> u64 {
-    let t = blocks::mix64(seed ^ blocks::mix64(fnv1a(name)));
-    blocks::mix64(t ^ chunk.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+    let t = mix64(seed ^ mix64(fnv1a(name)));
+    mix64(t ^ chunk.wrapping_mul(GAMMA))
 }
 
 /// Declares the metadata and tensors of `opts` on a writer; returns it with the plan.
@@ -151,7 +152,10 @@ pub fn write(opts: &SynthOptions, path: &Path) -> Result<SynthSummary> {
                     let start = c * chunk as u64;
                     let len = (info.nbytes - start).min(chunk as u64) as usize;
                     let mut buf = vec![0u8; len];
-                    g.fill(&mut buf, &mut Rng::new(chunk_seed(opts.seed, &t.name, c)));
+                    g.fill(
+                        &mut buf,
+                        &mut SplitMix64::new(chunk_seed(opts.seed, &t.name, c)),
+                    );
                     buf
                 })
                 .collect();
