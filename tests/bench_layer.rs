@@ -140,7 +140,7 @@ fn tiny_model_report_structure_and_byte_accounting() {
     let model = Model::open(&path).unwrap();
     check_report(&model, &r, &tokens);
     assert!(r.synth.is_none());
-    let table = layer::render_table(&r);
+    let table = glmdiff::report::bench::render_layer(&r);
     assert!(table.contains("dense") && table.contains("MoE") && table.contains("wall/floor"));
     assert!(!table.contains("note:"), "{table}");
     let json = serde_json::to_value(&r).unwrap();

@@ -14,11 +14,11 @@ use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use comfy_table::{presets::UTF8_FULL_CONDENSED, Cell, CellAlignment, Table};
 use serde::{Deserialize, Serialize};
 
-use super::random_blocks::{fill_blocks, SplitMix64};
+use super::random_blocks::fill_blocks;
 use crate::quant::{self, GgmlType, TYPE_TABLE};
+use crate::util::rng::SplitMix64;
 
 /// Default elements per type: 16 Mi values, 64 MiB of f32 output (larger than most L3 caches).
 pub const DEFAULT_ELEMENTS: usize = 1 << 24;
@@ -351,65 +351,6 @@ fn time_python(python: &str, ty: GgmlType, src: &[u8], reps: usize) -> Result<f6
     Ok(t.seconds)
 }
 
-fn fmt_opt(v: Option<f64>, digits: usize) -> String {
-    v.map_or_else(|| "-".to_string(), |x| format!("{x:.digits$}"))
-}
-
-/// Renders the report as a table, followed by the run's settings and any gguf-py notes.
-pub fn render_table(r: &Report) -> String {
-    let mut t = Table::new();
-    t.load_preset(UTF8_FULL_CONDENSED);
-    t.set_header(vec![
-        "type",
-        "1T Melem/s",
-        "1T GB/s",
-        &format!("{}T Melem/s", r.threads),
-        &format!("{}T GB/s", r.threads),
-        "C 1T (ref)",
-        "1T / C",
-        "gguf-py Melem/s",
-        "1T / gguf-py",
-        "gguf-py (ref)",
-    ]);
-    for row in &r.rows {
-        let cells = vec![
-            Cell::new(&row.ty),
-            Cell::new(format!("{:.0}", row.single_melem_s)),
-            Cell::new(format!("{:.2}", row.single_gb_s)),
-            Cell::new(format!("{:.0}", row.multi_melem_s)),
-            Cell::new(format!("{:.2}", row.multi_gb_s)),
-            Cell::new(fmt_opt(row.c_anchor_melem_s, 0)),
-            Cell::new(fmt_opt(row.ratio_single_vs_c, 2)),
-            Cell::new(fmt_opt(row.gguf_py_melem_s, 1)),
-            Cell::new(fmt_opt(row.ratio_single_vs_gguf_py, 0)),
-            Cell::new(fmt_opt(row.gguf_py_anchor_melem_s, 0)),
-        ];
-        t.add_row(cells);
-    }
-    for i in 1..10 {
-        if let Some(c) = t.column_mut(i) {
-            c.set_cell_alignment(CellAlignment::Right);
-        }
-    }
-    let mut s = t.to_string();
-    s.push_str(&format!(
-        "\n{} elements per type, f32 output, median of {} runs (gguf-py: {}) after a warm-up; \
-         cpu: {}; seed {:#x}; gguf-py: {}\n",
-        r.elements, r.reps, r.py_reps, r.cpu, r.seed, r.gguf_py
-    ));
-    s.push_str(
-        "C and gguf-py (ref) are figures measured outside this run on the reference machine.\n",
-    );
-    for row in &r.rows {
-        if let Some(note) = &row.gguf_py_note {
-            if !note.starts_with("skipped: disabled") && r.gguf_py.starts_with("gguf") {
-                s.push_str(&format!("{}: gguf-py {note}\n", row.ty));
-            }
-        }
-    }
-    s
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -435,8 +376,6 @@ mod tests {
             );
         }
         assert_eq!(r.rows[0].c_anchor_melem_s, Some(1720.0));
-        let table = render_table(&r);
-        assert!(table.contains("Q4_K") && table.contains("1720"));
         let json = serde_json::to_string(&r).unwrap();
         assert!(json.contains("\"ratio_single_vs_c\""));
     }

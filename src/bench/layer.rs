@@ -37,7 +37,6 @@
 
 mod procfs;
 mod reads;
-mod table;
 
 use super::cpu_model;
 use std::collections::BTreeMap;
@@ -48,11 +47,9 @@ use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
 pub use procfs::{parse_status, Rss};
-pub use table::render_table;
 
 use reads::{floor, layer_reads, Read};
 
-use super::random_blocks::SplitMix64;
 use crate::driver::{self, Plan};
 use crate::engine::cpu::CpuEngine;
 use crate::engine::HostTensor;
@@ -60,9 +57,10 @@ use crate::gguf::Model;
 use crate::model::names;
 use crate::model::steps::point;
 use crate::model::weights::{WeightCounts, WeightStats};
-use crate::model::Weights;
-use crate::synth::{self, Arch, Dims, SynthOptions, TypeMix};
+use crate::model::{Arch, Weights};
+use crate::synth::{self, Dims, SynthOptions, TypeMix};
 use crate::trace::Sink;
+use crate::util::rng::{SplitMix64, GAMMA};
 
 /// Seed of the random prompt token ids.
 pub const DEFAULT_SEED: u64 = 0x0062_656E_6368; // "bench" in ASCII
@@ -329,7 +327,7 @@ pub fn run_with_progress(
         let s = &opts.synth;
         let description = format!(
             "synthetic {} ({} dims, {} layers of which {} dense, {} MTP, {} types, seed {})",
-            s.arch.name(),
+            s.arch.as_str(),
             s.dims.name,
             s.dims.n_layer,
             s.dims.n_dense,
@@ -465,7 +463,7 @@ fn mix_name(mix: TypeMix) -> String {
 
 /// `t` random token ids below `n_vocab` (the same for the same seed and count).
 fn token_ids(seed: u64, t: usize, n_vocab: usize) -> Vec<u32> {
-    let mut rng = SplitMix64::new(seed ^ (t as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let mut rng = SplitMix64::new(seed ^ (t as u64).wrapping_mul(GAMMA));
     (0..t)
         .map(|_| (rng.next_u64() % n_vocab.max(1) as u64) as u32)
         .collect()

@@ -1,5 +1,5 @@
-//! Benchmarks: measured rates with baselines taken in the same run. These functions compute
-//! and return reports; printing is the caller's job.
+//! Benchmarks: measured rates with baselines taken in the same run. These functions measure
+//! and return report structs; [`crate::report::bench`] renders them and the caller prints.
 
 pub mod dequant;
 pub mod layer;

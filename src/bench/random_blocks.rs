@@ -8,49 +8,30 @@
 //! Field offsets follow the block structs of ggml `ggml/src/ggml-common.h`.
 
 use crate::quant::GgmlType;
+use crate::util::rng::SplitMix64;
 
-/// SplitMix64 (Steele, Lea, Flood 2014): a tiny, fast, well-mixed 64-bit generator.
-#[derive(Clone, Debug)]
-pub struct SplitMix64(u64);
+/// Random bytes over all of `out`: one draw per whole 8-byte word, then one more draw for the
+/// tail, used in part (or not at all when `out` is whole words). This draw count fixes the
+/// bytes a seed gives.
+fn fill_bytes(rng: &mut SplitMix64, out: &mut [u8]) {
+    let words = out.len() - out.len() % 8;
+    let (head, rest) = out.split_at_mut(words);
+    rng.fill(head);
+    let last = rng.next_u64().to_le_bytes();
+    rest.copy_from_slice(&last[..rest.len()]);
+}
 
-impl SplitMix64 {
-    /// A generator started at `seed`.
-    pub fn new(seed: u64) -> Self {
-        Self(seed)
-    }
+/// A uniform integer in `lo..=hi` (`hi - lo` small; the modulo bias is irrelevant here).
+fn range(rng: &mut SplitMix64, lo: u32, hi: u32) -> u32 {
+    lo + (rng.next_u64() % u64::from(hi - lo + 1)) as u32
+}
 
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Fills `buf` with random bytes.
-    pub fn fill(&mut self, buf: &mut [u8]) {
-        let mut chunks = buf.chunks_exact_mut(8);
-        for c in &mut chunks {
-            c.copy_from_slice(&self.next_u64().to_le_bytes());
-        }
-        let rest = chunks.into_remainder();
-        let last = self.next_u64().to_le_bytes();
-        rest.copy_from_slice(&last[..rest.len()]);
-    }
-
-    /// A uniform integer in `lo..=hi` (`hi - lo` small; the modulo bias is irrelevant here).
-    fn range(&mut self, lo: u32, hi: u32) -> u32 {
-        lo + (self.next_u64() % u64::from(hi - lo + 1)) as u32
-    }
-
-    /// A sane f16 as little-endian bytes: `±(1 + m/1024) * 2^k`, `k` in -10..=0.
-    fn f16_bytes(&mut self) -> [u8; 2] {
-        let sign = self.range(0, 1) << 15;
-        let exp = self.range(5, 15) << 10; // biased exponent 5..=15 -> 2^-10..=2^0
-        let man = self.range(0, 1023);
-        ((sign | exp | man) as u16).to_le_bytes()
-    }
+/// A sane f16 as little-endian bytes: `±(1 + m/1024) * 2^k`, `k` in -10..=0.
+fn f16_bytes(rng: &mut SplitMix64) -> [u8; 2] {
+    let sign = range(rng, 0, 1) << 15;
+    let exp = range(rng, 5, 15) << 10; // biased exponent 5..=15 -> 2^-10..=2^0
+    let man = range(rng, 0, 1023);
+    ((sign | exp | man) as u16).to_le_bytes()
 }
 
 /// Where a block keeps its scales: offsets of f16 fields, and the special one-byte scales.
@@ -90,7 +71,7 @@ const IQ1_M_SCALE_EXP_TOP_MASK: u8 = 0x40;
 /// Fills `out` (whole blocks of `ty`) with random valid blocks.
 pub fn fill_blocks(ty: GgmlType, rng: &mut SplitMix64, out: &mut [u8]) {
     use GgmlType as T;
-    rng.fill(out);
+    fill_bytes(rng, out);
     let ts = ty.type_size();
     if ts == 0 {
         return;
@@ -98,10 +79,10 @@ pub fn fill_blocks(ty: GgmlType, rng: &mut SplitMix64, out: &mut [u8]) {
     match ty {
         T::F16 => out
             .chunks_exact_mut(2)
-            .for_each(|c| c.copy_from_slice(&rng.f16_bytes())),
+            .for_each(|c| c.copy_from_slice(&f16_bytes(rng))),
         T::BF16 => out.chunks_exact_mut(2).for_each(|c| {
             // bf16 `±(1 + m/128) * 2^k`, k in -10..=0: biased exponent 117..=127.
-            let bits = (rng.range(0, 1) << 15) | (rng.range(117, 127) << 7) | rng.range(0, 127);
+            let bits = (range(rng, 0, 1) << 15) | (range(rng, 117, 127) << 7) | range(rng, 0, 127);
             c.copy_from_slice(&(bits as u16).to_le_bytes());
         }),
         T::F32 => out.chunks_exact_mut(4).for_each(|c| {
@@ -116,13 +97,13 @@ pub fn fill_blocks(ty: GgmlType, rng: &mut SplitMix64, out: &mut [u8]) {
             let fields = scale_fields(ty);
             for b in out.chunks_exact_mut(ts) {
                 for &o in fields.f16 {
-                    b[o..o + 2].copy_from_slice(&rng.f16_bytes());
+                    b[o..o + 2].copy_from_slice(&f16_bytes(rng));
                 }
                 for &o in fields.e8m0 {
-                    b[o] = rng.range(118, 136) as u8; // 2^-10 ..= 2^8
+                    b[o] = range(rng, 118, 136) as u8; // 2^-10 ..= 2^8
                 }
                 for &o in fields.ue4m3 {
-                    b[o] = rng.range(0, 0x7E) as u8;
+                    b[o] = range(rng, 0, 0x7E) as u8;
                 }
                 if ty == T::IQ1_M {
                     b[IQ1_M_SCALE_EXP_TOP_BYTE] &= !IQ1_M_SCALE_EXP_TOP_MASK;
@@ -136,14 +117,6 @@ pub fn fill_blocks(ty: GgmlType, rng: &mut SplitMix64, out: &mut [u8]) {
 mod tests {
     use super::*;
     use crate::quant::{dequant_fn, dequantize, TYPE_TABLE};
-
-    #[test]
-    fn splitmix64_matches_the_reference_sequence() {
-        // First outputs for seed 0 of the reference C code (Vigna, splitmix64.c).
-        let mut r = SplitMix64::new(0);
-        assert_eq!(r.next_u64(), 0xE220_A839_7B1D_CDAF);
-        assert_eq!(r.next_u64(), 0x6E78_9E6A_A1B9_65F4);
-    }
 
     #[test]
     fn random_blocks_dequantize_to_finite_values() {

@@ -25,7 +25,7 @@ pub fn run_dequant(args: &BenchDequantArgs) -> Result<Outcome> {
     if args.json {
         crate::report::print_json(&report)?;
     } else {
-        print!("{}", dequant::render_table(&report));
+        print!("{}", crate::report::bench::render_dequant(&report));
     }
     Ok(Outcome::Ok)
 }
@@ -43,7 +43,7 @@ pub fn run_layer(args: &BenchLayerArgs) -> Result<Outcome> {
     if args.json {
         crate::report::print_json(&report)?;
     } else {
-        print!("{}", layer::render_table(&report));
+        print!("{}", crate::report::bench::render_layer(&report));
     }
     Ok(Outcome::Ok)
 }

@@ -20,7 +20,7 @@ pub fn run(args: &SynthArgs) -> Result<Outcome> {
     println!(
         "wrote {}: {} ({} dims), {} blocks, {} tensors, {} bytes ({:.2} GiB) in {secs:.1} s ({:.0} MiB/s)",
         args.out.display(),
-        opts.arch.name(),
+        opts.arch.as_str(),
         opts.dims.name,
         s.block_count,
         s.n_tensors,

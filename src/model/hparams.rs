@@ -5,7 +5,7 @@
 
 use anyhow::{bail, Context, Result};
 
-use super::names;
+use super::{keys, names};
 use crate::gguf::{Model, Value};
 
 /// `general.architecture` of GLM-5 / 5.1 / 5.2.
@@ -39,11 +39,28 @@ pub enum Arch {
 }
 
 impl Arch {
-    /// The GGUF architecture string (metadata key prefix).
+    /// The GGUF architecture string (`general.architecture`, the metadata key prefix).
     pub fn as_str(self) -> &'static str {
         match self {
             Arch::GlmDsa => ARCH_GLM_DSA,
             Arch::Deepseek2 => ARCH_DEEPSEEK2,
+        }
+    }
+
+    /// The architecture whose GGUF string is `s` (`glm-dsa`, `deepseek2`), if supported.
+    pub fn from_name(s: &str) -> Option<Arch> {
+        match s {
+            ARCH_GLM_DSA => Some(Arch::GlmDsa),
+            ARCH_DEEPSEEK2 => Some(Arch::Deepseek2),
+            _ => None,
+        }
+    }
+
+    /// `tokenizer.ggml.pre` of the real models of this architecture.
+    pub fn tokenizer_pre(self) -> &'static str {
+        match self {
+            Arch::GlmDsa => "glm4",
+            Arch::Deepseek2 => "deepseek-v3",
         }
     }
 }
@@ -166,7 +183,7 @@ struct Keys<'a> {
 
 impl Keys<'_> {
     fn key(&self, suffix: &str) -> String {
-        format!("{}.{suffix}", self.arch)
+        keys::arch_key(self.arch, suffix)
     }
 
     fn get(&self, suffix: &str) -> Option<&Value> {
@@ -241,13 +258,11 @@ impl HParams {
                 model.path().display()
             )
         })?;
-        let arch = match arch_str {
-            ARCH_GLM_DSA => Arch::GlmDsa,
-            ARCH_DEEPSEEK2 => Arch::Deepseek2,
-            other => bail!(
-                "model: {}: architecture {other:?} is not supported (only {ARCH_GLM_DSA} and {ARCH_DEEPSEEK2})",
+        let Some(arch) = Arch::from_name(arch_str) else {
+            bail!(
+                "model: {}: architecture {arch_str:?} is not supported (only {ARCH_GLM_DSA} and {ARCH_DEEPSEEK2})",
                 model.path().display()
-            ),
+            );
         };
         let k = Keys {
             model,
@@ -255,44 +270,57 @@ impl HParams {
         };
         let path = model.path().display();
 
-        let n_block = k.usize("block_count")?;
-        let n_nextn = k.opt_usize("nextn_predict_layers")?.unwrap_or(0);
+        let n_block = k.usize(keys::BLOCK_COUNT)?;
+        let n_nextn = k.opt_usize(keys::NEXTN_PREDICT_LAYERS)?.unwrap_or(0);
         if n_nextn >= n_block {
-            bail!("model: {path}: {arch_str}.nextn_predict_layers = {n_nextn} leaves no layer of block_count = {n_block} to run");
+            bail!(
+                "model: {path}: {} = {n_nextn} leaves no layer of {} = {n_block} to run",
+                k.key(keys::NEXTN_PREDICT_LAYERS),
+                keys::BLOCK_COUNT
+            );
         }
         let n_layer = n_block - n_nextn;
-        let n_head = k.usize("attention.head_count")?;
+        let n_head = k.usize(keys::ATTN_HEAD_COUNT)?;
         if n_head == 0 {
-            bail!("model: {path}: {arch_str}.attention.head_count = 0; attention needs at least one head");
+            bail!(
+                "model: {path}: {} = 0; attention needs at least one head",
+                k.key(keys::ATTN_HEAD_COUNT)
+            );
         }
-        let rms_eps = k.f64("attention.layer_norm_rms_epsilon")?;
+        let rms_eps = k.f64(keys::ATTN_LAYERNORM_RMS_EPS)?;
         if !(rms_eps.is_finite() && rms_eps > 0.0) {
-            bail!("model: {path}: {arch_str}.attention.layer_norm_rms_epsilon = {rms_eps} must be a finite positive number");
+            bail!(
+                "model: {path}: {} = {rms_eps} must be a finite positive number",
+                k.key(keys::ATTN_LAYERNORM_RMS_EPS)
+            );
         }
-        let kv_lora_rank = k.usize("attention.kv_lora_rank")?;
-        let q_lora_rank = k.opt_usize("attention.q_lora_rank")?.filter(|&r| r > 0);
-        let qk_rope = k.usize("rope.dimension_count")?;
+        let kv_lora_rank = k.usize(keys::ATTN_KV_LORA_RANK)?;
+        let q_lora_rank = k.opt_usize(keys::ATTN_Q_LORA_RANK)?.filter(|&r| r > 0);
+        let qk_rope = k.usize(keys::ROPE_DIMENSION_COUNT)?;
         if qk_rope % 2 != 0 {
-            bail!("model: {path}: {arch_str}.rope.dimension_count = {qk_rope} is odd; RoPE rotates pairs");
+            bail!(
+                "model: {path}: {} = {qk_rope} is odd; RoPE rotates pairs",
+                k.key(keys::ROPE_DIMENSION_COUNT)
+            );
         }
         // Head widths: `key_length_mla`/`value_length_mla` in MLA-split files; files with the
         // legacy unsplit `attn_kv_b` store them as `key_length`/`value_length` instead
         // (llama.cpp `llama_hparams::n_embd_head_k_mla`).
-        let k_len = k.opt_usize("attention.key_length")?;
-        let v_len = k.opt_usize("attention.value_length")?;
+        let k_len = k.opt_usize(keys::ATTN_KEY_LENGTH)?;
+        let v_len = k.opt_usize(keys::ATTN_VALUE_LENGTH)?;
         let latent_k = kv_lora_rank + qk_rope;
-        let k_mla = match k.opt_usize("attention.key_length_mla")? {
+        let k_mla = match k.opt_usize(keys::ATTN_KEY_LENGTH_MLA)? {
             Some(x) => x,
             None => match k_len {
                 Some(x) if x != latent_k => x,
-                _ => return Err(k.missing("attention.key_length_mla")),
+                _ => return Err(k.missing(keys::ATTN_KEY_LENGTH_MLA)),
             },
         };
-        let v_head = match k.opt_usize("attention.value_length_mla")? {
+        let v_head = match k.opt_usize(keys::ATTN_VALUE_LENGTH_MLA)? {
             Some(x) => x,
             None => match v_len {
                 Some(x) if x != kv_lora_rank => x,
-                _ => return Err(k.missing("attention.value_length_mla")),
+                _ => return Err(k.missing(keys::ATTN_VALUE_LENGTH_MLA)),
             },
         };
         if k_mla <= qk_rope {
@@ -300,14 +328,18 @@ impl HParams {
         }
         let qk_nope = k_mla - qk_rope;
 
-        let n_expert = k.usize("expert_count")?;
-        let n_expert_used = k.usize("expert_used_count")?;
+        let n_expert = k.usize(keys::EXPERT_COUNT)?;
+        let n_expert_used = k.usize(keys::EXPERT_USED_COUNT)?;
         if n_expert_used == 0 || n_expert_used > n_expert {
-            bail!("model: {path}: {arch_str}.expert_used_count = {n_expert_used} must be in 1..={n_expert} (expert_count)");
+            bail!(
+                "model: {path}: {} = {n_expert_used} must be in 1..={n_expert} ({})",
+                k.key(keys::EXPERT_USED_COUNT),
+                keys::EXPERT_COUNT
+            );
         }
         let groups = match (
-            k.opt_usize("expert_group_count")?,
-            k.opt_usize("expert_group_used_count")?,
+            k.opt_usize(keys::EXPERT_GROUP_COUNT)?,
+            k.opt_usize(keys::EXPERT_GROUP_USED_COUNT)?,
         ) {
             (Some(g), Some(u)) if g > 1 => {
                 if n_expert % g != 0 || u == 0 || u > g {
@@ -315,10 +347,10 @@ impl HParams {
                 }
                 Some((g, u))
             }
-            (Some(g), None) if g > 1 => return Err(k.missing("expert_group_used_count")),
+            (Some(g), None) if g > 1 => return Err(k.missing(keys::EXPERT_GROUP_USED_COUNT)),
             _ => None,
         };
-        let gating = match k.get("expert_gating_func") {
+        let gating = match k.get(keys::EXPERT_GATING_FUNC) {
             None => match arch {
                 Arch::GlmDsa => Gating::Sigmoid,
                 // Absent in old DeepSeek-V2/V2.5 files (softmax; llama.cpp `llama-model.cpp`
@@ -332,29 +364,33 @@ impl HParams {
             Some(v) => match v.as_int() {
                 Some(GATING_SOFTMAX) => Gating::Softmax,
                 Some(GATING_SIGMOID) => Gating::Sigmoid,
-                _ => return Err(k.bad("expert_gating_func", v, "1 (softmax) or 2 (sigmoid)")),
+                _ => return Err(k.bad(keys::EXPERT_GATING_FUNC, v, "1 (softmax) or 2 (sigmoid)")),
             },
         };
 
         let rope = RopeParams {
             dim: qk_rope,
-            base: k.f64("rope.freq_base")?,
+            base: k.f64(keys::ROPE_FREQ_BASE)?,
             yarn: read_yarn(&k)?,
         };
 
         let indexer = match arch {
             Arch::Deepseek2 => None,
             Arch::GlmDsa => {
-                let full = match k.get("attention.indexer.types") {
+                let full = match k.get(keys::INDEXER_TYPES) {
                     None => vec![true; n_layer],
                     // One value for all layers (llama.cpp `get_key_or_arr`)
                     Some(v) if v.as_int().is_some() => vec![v.as_int() != Some(0); n_layer],
                     Some(v) => {
-                        let a = v.as_array().ok_or_else(|| {
-                            k.bad("attention.indexer.types", v, "an array of bools")
-                        })?;
+                        let a = v
+                            .as_array()
+                            .ok_or_else(|| k.bad(keys::INDEXER_TYPES, v, "an array of bools"))?;
                         if a.len() < n_layer {
-                            bail!("model: {path}: {arch_str}.attention.indexer.types has {} entries for {n_layer} layers", a.len());
+                            bail!(
+                                "model: {path}: {} has {} entries for {n_layer} layers",
+                                k.key(keys::INDEXER_TYPES),
+                                a.len()
+                            );
                         }
                         let mut full = Vec::with_capacity(n_layer);
                         for x in &a[..n_layer] {
@@ -363,7 +399,7 @@ impl HParams {
                                 Some(1) => full.push(true),
                                 _ => {
                                     return Err(k.bad(
-                                        "attention.indexer.types",
+                                        keys::INDEXER_TYPES,
                                         v,
                                         "bools (true = full)",
                                     ))
@@ -371,22 +407,25 @@ impl HParams {
                             }
                         }
                         if full.first() == Some(&false) {
-                            bail!("model: {path}: {arch_str}.attention.indexer.types: layer 0 is shared but no earlier layer has an indexer");
+                            bail!(
+                                "model: {path}: {}: layer 0 is shared but no earlier layer has an indexer",
+                                k.key(keys::INDEXER_TYPES)
+                            );
                         }
                         full
                     }
                 };
                 let p = IndexerParams {
-                    n_head: k.usize("attention.indexer.head_count")?,
-                    head_dim: k.usize("attention.indexer.key_length")?,
-                    top_k: k.usize("attention.indexer.top_k")?,
+                    n_head: k.usize(keys::INDEXER_HEAD_COUNT)?,
+                    head_dim: k.usize(keys::INDEXER_KEY_LENGTH)?,
+                    top_k: k.usize(keys::INDEXER_TOP_K)?,
                     full,
                 };
                 if p.head_dim < qk_rope || p.top_k == 0 || p.n_head == 0 {
                     bail!("model: {path}: indexer head width {} (rope {qk_rope}), top_k {} and {} heads are inconsistent", p.head_dim, p.top_k, p.n_head);
                 }
                 if q_lora_rank.is_none() {
-                    return Err(k.missing("attention.q_lora_rank"));
+                    return Err(k.missing(keys::ATTN_Q_LORA_RANK));
                 }
                 Some(p)
             }
@@ -394,13 +433,13 @@ impl HParams {
 
         Ok(HParams {
             arch,
-            hidden: k.usize("embedding_length")?,
+            hidden: k.usize(keys::EMBEDDING_LENGTH)?,
             n_block,
             n_nextn,
             n_layer,
-            n_dense: k.usize("leading_dense_block_count")?,
-            n_ff: k.usize("feed_forward_length")?,
-            n_ctx: k.opt_usize("context_length")?,
+            n_dense: k.usize(keys::LEADING_DENSE_BLOCK_COUNT)?,
+            n_ff: k.usize(keys::FEED_FORWARD_LENGTH)?,
+            n_ctx: k.opt_usize(keys::CONTEXT_LENGTH)?,
             n_head,
             q_lora_rank,
             kv_lora_rank,
@@ -410,11 +449,11 @@ impl HParams {
             rms_eps,
             n_expert,
             n_expert_used,
-            n_expert_shared: k.opt_usize("expert_shared_count")?.unwrap_or(0),
-            n_ff_exp: k.usize("expert_feed_forward_length")?,
+            n_expert_shared: k.opt_usize(keys::EXPERT_SHARED_COUNT)?.unwrap_or(0),
+            n_ff_exp: k.usize(keys::EXPERT_FEED_FORWARD_LENGTH)?,
             groups,
-            expert_weights_scale: k.f64("expert_weights_scale")?,
-            expert_weights_norm: k.opt_bool("expert_weights_norm")?.unwrap_or(false),
+            expert_weights_scale: k.f64(keys::EXPERT_WEIGHTS_SCALE)?,
+            expert_weights_norm: k.opt_bool(keys::EXPERT_WEIGHTS_NORM)?.unwrap_or(false),
             gating,
             rope,
             indexer,
@@ -442,27 +481,27 @@ fn has_selection_bias(model: &Model) -> bool {
 
 /// Reads `rope.scaling.*`: absent or `none` = no scaling; `yarn` = YaRN; anything else is refused.
 fn read_yarn(k: &Keys<'_>) -> Result<Option<Yarn>> {
-    let ty = match k.get("rope.scaling.type") {
+    let ty = match k.get(keys::ROPE_SCALING_TYPE) {
         None => return Ok(None),
         Some(v) => v
             .as_str()
-            .ok_or_else(|| k.bad("rope.scaling.type", v, "a string"))?,
+            .ok_or_else(|| k.bad(keys::ROPE_SCALING_TYPE, v, "a string"))?,
     };
     match ty {
         "none" => Ok(None),
         "yarn" => {
-            let factor = k.f64("rope.scaling.factor")?;
+            let factor = k.f64(keys::ROPE_SCALING_FACTOR)?;
             if factor <= 0.0 {
                 bail!(
                     "model: {}: {} = {factor} must be positive",
                     k.model.path().display(),
-                    k.key("rope.scaling.factor")
+                    k.key(keys::ROPE_SCALING_FACTOR)
                 );
             }
-            let log_mul = k.opt_f64("rope.scaling.yarn_log_multiplier")?;
+            let log_mul = k.opt_f64(keys::ROPE_SCALING_YARN_LOG_MUL)?;
             Ok(Some(Yarn {
                 factor,
-                original_context: k.f64("rope.scaling.original_context_length")?,
+                original_context: k.f64(keys::ROPE_SCALING_ORIG_CTX_LEN)?,
                 beta_fast: k
                     .opt_f64("rope.scaling.yarn_beta_fast")?
                     .unwrap_or(YARN_BETA_FAST_DEFAULT),
@@ -472,16 +511,16 @@ fn read_yarn(k: &Keys<'_>) -> Result<Option<Yarn>> {
                 mscale_all_dim: log_mul
                     .filter(|&m| m != 0.0)
                     .map(|m| m / YARN_LOG_MUL_CONVERTER_FACTOR),
-                attn_factor: match k.opt_f64("rope.scaling.yarn_attn_factor")? {
+                attn_factor: match k.opt_f64(keys::ROPE_SCALING_YARN_ATTN_FACTOR)? {
                     Some(a) => Some(a),
-                    None => k.opt_f64("rope.scaling.attn_factor")?,
+                    None => k.opt_f64(keys::ROPE_SCALING_ATTN_FACTOR)?,
                 },
             }))
         }
         other => bail!(
             "model: {}: {} = {other:?} is not supported (none or yarn)",
             k.model.path().display(),
-            k.key("rope.scaling.type")
+            k.key(keys::ROPE_SCALING_TYPE)
         ),
     }
 }

@@ -2,9 +2,13 @@
 //! GGUF metadata ([`hparams`]), tensor names and their expected shapes ([`names`]), weight views
 //! dequantized on demand ([`weights`]: kv_b assembly, expert slices), RoPE/YaRN constants
 //! ([`rope`]) and the ordered list of forward-pass steps ([`steps`]). No activation arithmetic
-//! happens here; engines do that.
+//! happens here; engines do that. [`inspect`] gathers the facts `glmdiff inspect` shows about a
+//! GGUF of any architecture. [`keys`] spells the `{arch}.*` metadata keys once, for readers and
+//! writers alike.
 
 pub mod hparams;
+pub mod inspect;
+pub mod keys;
 pub mod names;
 pub mod rope;
 pub mod steps;

@@ -6,8 +6,9 @@ use std::collections::HashMap;
 
 use crate::gguf::{GgufFile, GgufWriter, Model, Value, ValueType};
 use crate::model::names::{self, blk};
-use crate::model::{Arch, Gating, HParams, IndexerParams, RopeParams};
+use crate::model::{keys, Arch, Gating, HParams, IndexerParams, RopeParams};
 use crate::quant::GgmlType;
+use crate::util::rng::SplitMix64;
 
 /// Dimensions of a tiny test model (a small [`HParams`]).
 pub fn tiny_hparams(arch: Arch) -> HParams {
@@ -55,35 +56,35 @@ pub fn tiny_hparams(arch: Arch) -> HParams {
 /// Metadata keys of `hp` (all written; tests remove or add keys through `edit`).
 pub fn metadata(hp: &HParams) -> Vec<(String, Value)> {
     let a = hp.arch.as_str();
-    let u = |k: &str, v: usize| (format!("{a}.{k}"), Value::U32(v as u32));
-    let f = |k: &str, v: f64| (format!("{a}.{k}"), Value::F32(v as f32));
+    let u = |k: &str, v: usize| (keys::arch_key(a, k), Value::U32(v as u32));
+    let f = |k: &str, v: f64| (keys::arch_key(a, k), Value::F32(v as f32));
     let mut m = vec![
         (
             "general.architecture".to_string(),
             Value::String(a.to_string()),
         ),
-        u("block_count", hp.n_block),
-        u("embedding_length", hp.hidden),
-        u("feed_forward_length", hp.n_ff),
-        u("leading_dense_block_count", hp.n_dense),
-        u("attention.head_count", hp.n_head),
-        u("attention.kv_lora_rank", hp.kv_lora_rank),
-        u("attention.key_length_mla", hp.qk_nope + hp.qk_rope),
-        u("attention.value_length_mla", hp.v_head),
-        u("rope.dimension_count", hp.qk_rope),
-        f("rope.freq_base", hp.rope.base),
-        f("attention.layer_norm_rms_epsilon", hp.rms_eps),
-        u("expert_count", hp.n_expert),
-        u("expert_used_count", hp.n_expert_used),
-        u("expert_shared_count", hp.n_expert_shared),
-        u("expert_feed_forward_length", hp.n_ff_exp),
-        f("expert_weights_scale", hp.expert_weights_scale),
+        u(keys::BLOCK_COUNT, hp.n_block),
+        u(keys::EMBEDDING_LENGTH, hp.hidden),
+        u(keys::FEED_FORWARD_LENGTH, hp.n_ff),
+        u(keys::LEADING_DENSE_BLOCK_COUNT, hp.n_dense),
+        u(keys::ATTN_HEAD_COUNT, hp.n_head),
+        u(keys::ATTN_KV_LORA_RANK, hp.kv_lora_rank),
+        u(keys::ATTN_KEY_LENGTH_MLA, hp.qk_nope + hp.qk_rope),
+        u(keys::ATTN_VALUE_LENGTH_MLA, hp.v_head),
+        u(keys::ROPE_DIMENSION_COUNT, hp.qk_rope),
+        f(keys::ROPE_FREQ_BASE, hp.rope.base),
+        f(keys::ATTN_LAYERNORM_RMS_EPS, hp.rms_eps),
+        u(keys::EXPERT_COUNT, hp.n_expert),
+        u(keys::EXPERT_USED_COUNT, hp.n_expert_used),
+        u(keys::EXPERT_SHARED_COUNT, hp.n_expert_shared),
+        u(keys::EXPERT_FEED_FORWARD_LENGTH, hp.n_ff_exp),
+        f(keys::EXPERT_WEIGHTS_SCALE, hp.expert_weights_scale),
         (
-            format!("{a}.expert_weights_norm"),
+            keys::arch_key(a, keys::EXPERT_WEIGHTS_NORM),
             Value::Bool(hp.expert_weights_norm),
         ),
         u(
-            "expert_gating_func",
+            keys::EXPERT_GATING_FUNC,
             match hp.gating {
                 Gating::Softmax => 1,
                 Gating::Sigmoid => 2,
@@ -91,22 +92,22 @@ pub fn metadata(hp: &HParams) -> Vec<(String, Value)> {
         ),
     ];
     if hp.n_nextn > 0 {
-        m.push(u("nextn_predict_layers", hp.n_nextn));
+        m.push(u(keys::NEXTN_PREDICT_LAYERS, hp.n_nextn));
     }
     if let Some(q) = hp.q_lora_rank {
-        m.push(u("attention.q_lora_rank", q));
+        m.push(u(keys::ATTN_Q_LORA_RANK, q));
     }
     if let Some(c) = hp.n_ctx {
-        m.push(u("context_length", c));
+        m.push(u(keys::CONTEXT_LENGTH, c));
     }
     if let Some(ix) = &hp.indexer {
-        m.push(u("attention.indexer.head_count", ix.n_head));
-        m.push(u("attention.indexer.key_length", ix.head_dim));
-        m.push(u("attention.indexer.top_k", ix.top_k));
+        m.push(u(keys::INDEXER_HEAD_COUNT, ix.n_head));
+        m.push(u(keys::INDEXER_KEY_LENGTH, ix.head_dim));
+        m.push(u(keys::INDEXER_TOP_K, ix.top_k));
         if ix.full.iter().any(|&f| !f) {
             let v = ix.full.iter().map(|&b| Value::Bool(b)).collect();
             m.push((
-                format!("{a}.attention.indexer.types"),
+                keys::arch_key(a, keys::INDEXER_TYPES),
                 Value::Array(ValueType::Bool, v),
             ));
         }
@@ -164,16 +165,6 @@ pub fn tensor_names(hp: &HParams) -> Vec<String> {
     v
 }
 
-/// A deterministic value in [-0.5, 0.5) (splitmix64 of `seed`).
-fn rand(seed: &mut u64) -> f32 {
-    *seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *seed;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    (z >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-}
-
 /// A model with metadata `meta` and F32 weights for `tensors` shaped for `hp` (norm weights near 1).
 pub fn build(hp: &HParams, meta: &[(String, Value)], tensors: &[String], n_vocab: usize) -> Model {
     build_with(hp, meta, tensors, n_vocab, &HashMap::new())
@@ -196,7 +187,7 @@ pub fn build_with(
             .unwrap_or_else(|| panic!("no expected shape for {name}"));
         w.add_tensor(name, &ne, GgmlType::F32).unwrap();
     }
-    let mut seed = 7u64;
+    let mut rng = SplitMix64::new(7);
     let bytes = w
         .to_bytes(&mut |info, out| {
             let n = info.n_elements() as usize;
@@ -205,7 +196,8 @@ pub fn build_with(
             for i in 0..n {
                 let x = match overrides.get(&info.name) {
                     Some(v) => v[i],
-                    None => rand(&mut seed) + if norm { 1.0 } else { 0.0 },
+                    // Uniform in [-0.5, 0.5), norm weights shifted to around 1.
+                    None => rng.uniform() - 0.5 + if norm { 1.0 } else { 0.0 },
                 };
                 buf.extend_from_slice(&x.to_le_bytes());
             }

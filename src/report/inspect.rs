@@ -1,9 +1,10 @@
-//! Text rendering of `glmdiff inspect`.
+//! Text rendering of `glmdiff inspect`: formats an [`InspectReport`] built by
+//! [`crate::model::inspect`].
 
 use std::fmt::Write as _;
 
 use super::{human_bytes, table};
-use crate::cmd::inspect::InspectReport;
+use crate::model::inspect::InspectReport;
 
 /// Renders the report as text.
 pub fn render(r: &InspectReport) -> String {

@@ -1,6 +1,7 @@
 //! Everything glmdiff prints to stdout: tables (comfy-table) and JSON, plus the SVG plot of
 //! `run --plot` ([`plot`]). Other modules compute; this one formats.
 
+pub mod bench;
 pub mod inspect;
 pub mod plot;
 pub mod progress;

@@ -3,6 +3,7 @@
 use std::fmt::Write as _;
 
 use super::table;
+use crate::util::topk::top_k;
 
 /// One candidate next token.
 #[derive(Clone, Debug)]
@@ -26,10 +27,8 @@ pub fn top_next(logits: &[f32], k: usize) -> Vec<(usize, f32, f64)> {
             .map(|&l| (l as f64 - max).exp())
             .sum::<f64>()
             .ln();
-    let mut idx: Vec<usize> = (0..logits.len()).collect();
-    idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-    idx.into_iter()
-        .take(k)
+    top_k(logits, k)
+        .into_iter()
         .map(|i| (i, logits[i], logits[i] as f64 - lse))
         .collect()
 }

@@ -16,62 +16,7 @@ use anyhow::{bail, Result};
 use half::{bf16, f16};
 
 use crate::quant::{self, GgmlType};
-
-/// A small fast PRNG: SplitMix64 (Steele, Lea, Flood 2014; constants from Vigna's public-domain
-/// `splitmix64.c`). Every output is a pure function of the seed and the call count.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    /// A generator started at `seed`.
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed)
-    }
-
-    /// Next 64 random bits.
-    #[inline]
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        mix64(self.0)
-    }
-
-    /// Uniform in [0, 1).
-    #[inline]
-    pub fn uniform(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 * (1.0 / (1u64 << 24) as f32)
-    }
-
-    /// Uniform integer in `lo..=hi`.
-    #[inline]
-    pub fn range(&mut self, lo: u32, hi: u32) -> u32 {
-        let n = u64::from(hi - lo + 1);
-        lo + (((self.next_u64() >> 32) * n) >> 32) as u32
-    }
-
-    /// Approximately standard normal: Irwin-Hall sum of four uniforms, centred and scaled to
-    /// unit variance (each uniform has variance 1/12).
-    #[inline]
-    pub fn normal(&mut self) -> f32 {
-        let s = self.uniform() + self.uniform() + self.uniform() + self.uniform();
-        (s - 2.0) * 3f32.sqrt()
-    }
-
-    /// Fills `b` with random bytes.
-    pub fn fill(&mut self, b: &mut [u8]) {
-        for c in b.chunks_mut(8) {
-            let r = self.next_u64().to_le_bytes();
-            c.copy_from_slice(&r[..c.len()]);
-        }
-    }
-}
-
-/// SplitMix64's output function (a bijective 64-bit mixer).
-#[inline]
-pub fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+use crate::util::rng::SplitMix64;
 
 /// What a tensor's values look like.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -207,7 +152,7 @@ impl BlockGen {
     }
 
     /// Fills `out` (a whole number of blocks) with random blocks.
-    pub fn fill(&self, out: &mut [u8], rng: &mut Rng) {
+    pub fn fill(&self, out: &mut [u8], rng: &mut SplitMix64) {
         use GgmlType as T;
         let ts = self.ty.type_size();
         let target = match self.init {
@@ -245,7 +190,7 @@ impl BlockGen {
         }
     }
 
-    fn quant_block(&self, b: &mut [u8], d: f32, rng: &mut Rng) {
+    fn quant_block(&self, b: &mut [u8], d: f32, rng: &mut SplitMix64) {
         use GgmlType as T;
         let mut d16 = f16::from_f32(d);
         // Types without a minimum whose codes are not symmetric about 0 get a random sign on
@@ -376,7 +321,7 @@ fn measure_unit_ms(ty: GgmlType) -> Result<f64> {
     debug_assert!(is_grid_iquant(ty));
     let (bs, ts) = (ty.block_size(), ty.type_size());
     let mut bytes = vec![0u8; CALIBRATION_BLOCKS * ts];
-    let mut rng = Rng::new(CALIBRATION_SEED);
+    let mut rng = SplitMix64::new(CALIBRATION_SEED);
     for b in bytes.chunks_exact_mut(ts) {
         rng.fill(b);
         b[..2].copy_from_slice(&f16::ONE.to_le_bytes());
@@ -416,18 +361,6 @@ mod tests {
         let p = pack_scale_min_k4(&sc, &m);
         for j in 0..8 {
             assert_eq!(unpack(j, &p), (sc[j], m[j]), "j = {j}");
-        }
-    }
-
-    #[test]
-    fn rng_is_deterministic_and_ranges_hold() {
-        let mut a = Rng::new(7);
-        let mut b = Rng::new(7);
-        for _ in 0..1000 {
-            assert_eq!(a.next_u64(), b.next_u64());
-            let r = a.range(3, 9);
-            assert!((3..=9).contains(&r));
-            b.range(3, 9);
         }
     }
 }

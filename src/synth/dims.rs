@@ -1,47 +1,12 @@
-//! Architectures and dimension presets of synthetic models, and the hyperparameter metadata
-//! they carry. Values from shared spec `glm5-architecture.md` sections 1 and 3; key names from
-//! gguf-py `gguf/constants.py` (`Keys.LLM`, `Keys.Attention`, `Keys.Attention.Indexer`,
-//! `Keys.Rope`).
+//! Dimension presets of synthetic models per [`Arch`], and the hyperparameter metadata they
+//! carry. Values from shared spec `glm5-architecture.md` sections 1 and 3; key names from
+//! [`crate::model::keys`].
 
 use anyhow::{bail, Result};
 
 use crate::gguf::GgufWriter;
-
-/// The two architectures glmdiff models.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Arch {
-    /// GLM-5 (`glm-dsa`): MLA with split `attn_k_b`/`attn_v_b`, DSA indexer, one MTP layer.
-    GlmDsa,
-    /// DeepSeek-V3 (`deepseek2`): MLA, group-limited routing, YaRN, no indexer, no MTP layer.
-    Deepseek2,
-}
-
-impl Arch {
-    /// Parses `glm-dsa` or `deepseek2`.
-    pub fn parse(s: &str) -> Result<Arch> {
-        match s {
-            "glm-dsa" => Ok(Arch::GlmDsa),
-            "deepseek2" => Ok(Arch::Deepseek2),
-            other => bail!("synth: unknown --arch {other:?} (expected glm-dsa or deepseek2)"),
-        }
-    }
-
-    /// `general.architecture` and the metadata key prefix.
-    pub fn name(self) -> &'static str {
-        match self {
-            Arch::GlmDsa => "glm-dsa",
-            Arch::Deepseek2 => "deepseek2",
-        }
-    }
-
-    /// `tokenizer.ggml.pre` of the real models.
-    pub fn tokenizer_pre(self) -> &'static str {
-        match self {
-            Arch::GlmDsa => "glm4",
-            Arch::Deepseek2 => "deepseek-v3",
-        }
-    }
-}
+use crate::model::hparams::GATING_SIGMOID;
+use crate::model::{keys, Arch};
 
 /// The DSA lightning indexer's sizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -119,9 +84,6 @@ pub struct Dims {
     /// `expert_weights_scale` (routed_scaling_factor).
     pub routed_scale: f32,
 }
-
-/// `expert_gating_func` value for sigmoid (llama.cpp `LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID`).
-pub const GATING_SIGMOID: u32 = 2;
 
 impl Dims {
     /// The preset `name` for `arch`: `glm5` (glm-dsa), `deepseek-v3` (deepseek2), `tiny` (both).
@@ -232,7 +194,7 @@ impl Dims {
             }
             (arch, other) => bail!(
                 "synth: --dims {other:?} is not available for --arch {} (use {} or tiny)",
-                arch.name(),
+                arch.as_str(),
                 match arch {
                     Arch::GlmDsa => "glm5",
                     Arch::Deepseek2 => "deepseek-v3",
@@ -262,61 +224,61 @@ impl Dims {
 
     /// Writes the `{arch}.*` hyperparameter keys.
     pub fn write_metadata(&self, arch: Arch, w: &mut GgufWriter) -> Result<()> {
-        let a = arch.name();
+        let a = arch.as_str();
         let u = |x: u64| -> Result<u32> {
             u32::try_from(x).map_err(|_| anyhow::anyhow!("synth: {x} does not fit u32"))
         };
-        let mut put = |k: &str, v: crate::gguf::Value| w.add(&format!("{a}.{k}"), v);
+        let mut put = |k: &str, v: crate::gguf::Value| w.add(&keys::arch_key(a, k), v);
         use crate::gguf::Value as V;
-        put("context_length", V::U32(u(self.context)?))?;
-        put("embedding_length", V::U32(u(self.hidden)?))?;
-        put("block_count", V::U32(u(self.block_count())?))?;
+        put(keys::CONTEXT_LENGTH, V::U32(u(self.context)?))?;
+        put(keys::EMBEDDING_LENGTH, V::U32(u(self.hidden)?))?;
+        put(keys::BLOCK_COUNT, V::U32(u(self.block_count())?))?;
         if arch == Arch::GlmDsa {
             // DeepSeek GGUFs carry no MTP block and no key (absent means 0).
-            put("nextn_predict_layers", V::U32(u(self.nextn)?))?;
+            put(keys::NEXTN_PREDICT_LAYERS, V::U32(u(self.nextn)?))?;
         }
-        put("feed_forward_length", V::U32(u(self.dense_ff)?))?;
-        put("vocab_size", V::U32(u(self.vocab)?))?;
-        put("attention.head_count", V::U32(u(self.n_head)?))?;
-        put("attention.head_count_kv", V::U32(1))?;
+        put(keys::FEED_FORWARD_LENGTH, V::U32(u(self.dense_ff)?))?;
+        put(keys::VOCAB_SIZE, V::U32(u(self.vocab)?))?;
+        put(keys::ATTN_HEAD_COUNT, V::U32(u(self.n_head)?))?;
+        put(keys::ATTN_HEAD_COUNT_KV, V::U32(1))?;
         put(
-            "attention.key_length",
+            keys::ATTN_KEY_LENGTH,
             V::U32(u(self.kv_lora + self.qk_rope)?),
         )?;
-        put("attention.value_length", V::U32(u(self.kv_lora)?))?;
+        put(keys::ATTN_VALUE_LENGTH, V::U32(u(self.kv_lora)?))?;
         put(
-            "attention.key_length_mla",
+            keys::ATTN_KEY_LENGTH_MLA,
             V::U32(u(self.qk_nope + self.qk_rope)?),
         )?;
-        put("attention.value_length_mla", V::U32(u(self.v_head)?))?;
-        put("attention.q_lora_rank", V::U32(u(self.q_lora)?))?;
-        put("attention.kv_lora_rank", V::U32(u(self.kv_lora)?))?;
-        put("attention.layer_norm_rms_epsilon", V::F32(self.rms_eps))?;
-        put("rope.dimension_count", V::U32(u(self.qk_rope)?))?;
-        put("rope.freq_base", V::F32(self.rope_theta))?;
+        put(keys::ATTN_VALUE_LENGTH_MLA, V::U32(u(self.v_head)?))?;
+        put(keys::ATTN_Q_LORA_RANK, V::U32(u(self.q_lora)?))?;
+        put(keys::ATTN_KV_LORA_RANK, V::U32(u(self.kv_lora)?))?;
+        put(keys::ATTN_LAYERNORM_RMS_EPS, V::F32(self.rms_eps))?;
+        put(keys::ROPE_DIMENSION_COUNT, V::U32(u(self.qk_rope)?))?;
+        put(keys::ROPE_FREQ_BASE, V::F32(self.rope_theta))?;
         if let Some(y) = self.yarn {
-            put("rope.scaling.type", V::String("yarn".into()))?;
-            put("rope.scaling.factor", V::F32(y.factor))?;
-            put(
-                "rope.scaling.original_context_length",
-                V::U32(y.original_context),
-            )?;
-            put("rope.scaling.yarn_log_multiplier", V::F32(y.log_multiplier))?;
+            put(keys::ROPE_SCALING_TYPE, V::String("yarn".into()))?;
+            put(keys::ROPE_SCALING_FACTOR, V::F32(y.factor))?;
+            put(keys::ROPE_SCALING_ORIG_CTX_LEN, V::U32(y.original_context))?;
+            put(keys::ROPE_SCALING_YARN_LOG_MUL, V::F32(y.log_multiplier))?;
         }
-        put("leading_dense_block_count", V::U32(u(self.n_dense)?))?;
-        put("expert_count", V::U32(u(self.n_expert)?))?;
-        put("expert_used_count", V::U32(u(self.n_expert_used)?))?;
-        put("expert_shared_count", V::U32(u(self.n_shared)?))?;
-        put("expert_group_count", V::U32(u(self.n_group)?))?;
-        put("expert_group_used_count", V::U32(u(self.topk_group)?))?;
-        put("expert_feed_forward_length", V::U32(u(self.expert_ff)?))?;
-        put("expert_weights_scale", V::F32(self.routed_scale))?;
-        put("expert_weights_norm", V::Bool(true))?;
-        put("expert_gating_func", V::U32(GATING_SIGMOID))?;
+        put(keys::LEADING_DENSE_BLOCK_COUNT, V::U32(u(self.n_dense)?))?;
+        put(keys::EXPERT_COUNT, V::U32(u(self.n_expert)?))?;
+        put(keys::EXPERT_USED_COUNT, V::U32(u(self.n_expert_used)?))?;
+        put(keys::EXPERT_SHARED_COUNT, V::U32(u(self.n_shared)?))?;
+        put(keys::EXPERT_GROUP_COUNT, V::U32(u(self.n_group)?))?;
+        put(keys::EXPERT_GROUP_USED_COUNT, V::U32(u(self.topk_group)?))?;
+        put(keys::EXPERT_FEED_FORWARD_LENGTH, V::U32(u(self.expert_ff)?))?;
+        put(keys::EXPERT_WEIGHTS_SCALE, V::F32(self.routed_scale))?;
+        put(keys::EXPERT_WEIGHTS_NORM, V::Bool(true))?;
+        put(
+            keys::EXPERT_GATING_FUNC,
+            V::U32(u32::try_from(GATING_SIGMOID)?),
+        )?;
         if let Some(ix) = self.indexer {
-            put("attention.indexer.head_count", V::U32(u(ix.n_head)?))?;
-            put("attention.indexer.key_length", V::U32(u(ix.head_dim)?))?;
-            put("attention.indexer.top_k", V::U32(u(ix.top_k)?))?;
+            put(keys::INDEXER_HEAD_COUNT, V::U32(u(ix.n_head)?))?;
+            put(keys::INDEXER_KEY_LENGTH, V::U32(u(ix.head_dim)?))?;
+            put(keys::INDEXER_TOP_K, V::U32(u(ix.top_k)?))?;
         }
         Ok(())
     }

@@ -18,13 +18,15 @@ use std::path::Path;
 use anyhow::{anyhow, Context, Result};
 use rayon::prelude::*;
 
-pub use blocks::{BlockGen, Init, Rng, SUPPORTED};
-pub use dims::{Arch, Dims, IndexerDims, Yarn, GATING_SIGMOID};
+pub use blocks::{BlockGen, Init, SUPPORTED};
+pub use dims::{Dims, IndexerDims, Yarn};
 pub use plan::{plan, shape_fallback, TensorPlan, TypeMix};
 pub use vocab::Vocab;
 
 use crate::gguf::GgufWriter;
+use crate::model::Arch;
 use crate::quant::GgmlType;
+use crate::util::rng::{mix64, SplitMix64, GAMMA};
 
 /// Target bytes of one generated chunk (rounded down to whole blocks).
 const CHUNK_BYTES: usize = 1 << 20;
@@ -55,7 +57,9 @@ impl SynthOptions {
         types: &str,
         seed: u64,
     ) -> Result<SynthOptions> {
-        let arch = Arch::parse(arch)?;
+        let arch = Arch::from_name(arch).ok_or_else(|| {
+            anyhow!("synth: unknown --arch {arch:?} (expected glm-dsa or deepseek2)")
+        })?;
         let mut d = Dims::preset(arch, dims)?;
         if let Some(n) = layers {
             d = d.with_layers(u64::from(n))?;
@@ -91,18 +95,18 @@ fn fnv1a(s: &str) -> u64 {
 
 /// The seed of chunk `chunk` of tensor `name`.
 fn chunk_seed(seed: u64, name: &str, chunk: u64) -> u64 {
-    let t = blocks::mix64(seed ^ blocks::mix64(fnv1a(name)));
-    blocks::mix64(t ^ chunk.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+    let t = mix64(seed ^ mix64(fnv1a(name)));
+    mix64(t ^ chunk.wrapping_mul(GAMMA))
 }
 
 /// Declares the metadata and tensors of `opts` on a writer; returns it with the plan.
 pub fn prepare(opts: &SynthOptions) -> Result<(GgufWriter, Vec<TensorPlan>)> {
     let (arch, d) = (opts.arch, &opts.dims);
     let mut w = GgufWriter::new();
-    w.add_str("general.architecture", arch.name())?;
+    w.add_str("general.architecture", arch.as_str())?;
     let name = format!(
         "synthetic {} ({} dims, {} layers, seed {})",
-        arch.name(),
+        arch.as_str(),
         d.name,
         d.n_layer,
         opts.seed
@@ -148,7 +152,10 @@ pub fn write(opts: &SynthOptions, path: &Path) -> Result<SynthSummary> {
                     let start = c * chunk as u64;
                     let len = (info.nbytes - start).min(chunk as u64) as usize;
                     let mut buf = vec![0u8; len];
-                    g.fill(&mut buf, &mut Rng::new(chunk_seed(opts.seed, &t.name, c)));
+                    g.fill(
+                        &mut buf,
+                        &mut SplitMix64::new(chunk_seed(opts.seed, &t.name, c)),
+                    );
                     buf
                 })
                 .collect();

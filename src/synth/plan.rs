@@ -5,7 +5,8 @@
 use anyhow::{bail, Result};
 
 use super::blocks::{Init, SUPPORTED};
-use super::dims::{Arch, Dims};
+use super::dims::Dims;
+use crate::model::Arch;
 use crate::quant::{GgmlType, QK_K};
 
 /// Which types the weights get.

@@ -8,8 +8,8 @@ use std::collections::HashSet;
 
 use anyhow::{bail, Result};
 
-use super::dims::Arch;
 use crate::gguf::{GgufWriter, Value, ValueType};
+use crate::model::Arch;
 use crate::tokenizer::TokenType;
 
 /// Words whose merges are included (each also with a leading space).

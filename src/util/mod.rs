@@ -1,6 +1,10 @@
-//! Small shared helpers: glob matching, atomic file writes, array file formats.
+//! Small shared helpers at the bottom of the crate (they import nothing from it): glob matching,
+//! atomic file writes, array file formats, the SplitMix64 generator ([`rng`]) and top-k with
+//! ties ([`topk`]).
 
 pub mod atomic;
 pub mod glob;
 pub mod npy;
+pub mod rng;
 pub mod safetensors_stream;
+pub mod topk;

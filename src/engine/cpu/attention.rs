@@ -214,10 +214,7 @@ impl CpuEngine<'_> {
 /// Indices of the `min(k, row.len())` largest values of `row`, largest first; ties go to the
 /// lower index (a stable order, so the result never depends on the sort implementation).
 pub fn causal_top_k(row: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..row.len()).collect();
-    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-    idx.truncate(k);
-    idx
+    crate::util::topk::top_k(row, k)
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ use super::CpuEngine;
 use crate::engine::{ExpertsOut, HostTensor, Routing};
 use crate::model::names::{self, blk};
 use crate::model::{Gating, HParams};
+use crate::util::topk::top_k;
 
 /// Experts summed into a group's score (DeepSeek-V3: the two best of each group).
 const GROUP_SCORE_TOP: usize = 2;
@@ -47,14 +48,14 @@ pub fn route_token(
                 best.iter().take(GROUP_SCORE_TOP).sum()
             })
             .collect();
-        let keep = top_indices(&group_scores, used);
+        let keep = top_k(&group_scores, used);
         for (g, chunk) in score.chunks_mut(size).enumerate() {
             if !keep.contains(&g) {
                 chunk.fill(f64::NEG_INFINITY);
             }
         }
     }
-    let ids = top_indices(&score, hp.n_expert_used);
+    let ids = top_k(&score, hp.n_expert_used);
     let mut w: Vec<f64> = ids.iter().map(|&e| probs[e]).collect();
     if hp.expert_weights_norm {
         let sum: f64 = w.iter().sum();
@@ -62,14 +63,6 @@ pub fn route_token(
     }
     w.iter_mut().for_each(|x| *x *= hp.expert_weights_scale);
     (probs, ids, w)
-}
-
-/// Indices of the `k` largest values, largest first, ties to the lower index.
-fn top_indices(v: &[f64], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..v.len()).collect();
-    idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
-    idx.truncate(k);
-    idx
 }
 
 impl CpuEngine<'_> {

@@ -1,7 +1,69 @@
-//! Text rendering of a [`Report`].
+//! Text rendering of `glmdiff bench dequant` and `glmdiff bench layer`: the tables and the notes
+//! under them. [`crate::bench`] measures and returns the reports; this module only formats them.
 
-use super::{LayerKind, Report};
-use crate::report::{human_bytes, table};
+use comfy_table::{presets::UTF8_FULL_CONDENSED, Cell, CellAlignment, Table};
+
+use super::{human_bytes, table};
+use crate::bench::{dequant, layer};
+
+fn fmt_opt(v: Option<f64>, digits: usize) -> String {
+    v.map_or_else(|| "-".to_string(), |x| format!("{x:.digits$}"))
+}
+
+/// Renders a `bench dequant` report as a table, followed by the run's settings and any gguf-py notes.
+pub fn render_dequant(r: &dequant::Report) -> String {
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED);
+    t.set_header(vec![
+        "type",
+        "1T Melem/s",
+        "1T GB/s",
+        &format!("{}T Melem/s", r.threads),
+        &format!("{}T GB/s", r.threads),
+        "C 1T (ref)",
+        "1T / C",
+        "gguf-py Melem/s",
+        "1T / gguf-py",
+        "gguf-py (ref)",
+    ]);
+    for row in &r.rows {
+        let cells = vec![
+            Cell::new(&row.ty),
+            Cell::new(format!("{:.0}", row.single_melem_s)),
+            Cell::new(format!("{:.2}", row.single_gb_s)),
+            Cell::new(format!("{:.0}", row.multi_melem_s)),
+            Cell::new(format!("{:.2}", row.multi_gb_s)),
+            Cell::new(fmt_opt(row.c_anchor_melem_s, 0)),
+            Cell::new(fmt_opt(row.ratio_single_vs_c, 2)),
+            Cell::new(fmt_opt(row.gguf_py_melem_s, 1)),
+            Cell::new(fmt_opt(row.ratio_single_vs_gguf_py, 0)),
+            Cell::new(fmt_opt(row.gguf_py_anchor_melem_s, 0)),
+        ];
+        t.add_row(cells);
+    }
+    for i in 1..10 {
+        if let Some(c) = t.column_mut(i) {
+            c.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+    let mut s = t.to_string();
+    s.push_str(&format!(
+        "\n{} elements per type, f32 output, median of {} runs (gguf-py: {}) after a warm-up; \
+         cpu: {}; seed {:#x}; gguf-py: {}\n",
+        r.elements, r.reps, r.py_reps, r.cpu, r.seed, r.gguf_py
+    ));
+    s.push_str(
+        "C and gguf-py (ref) are figures measured outside this run on the reference machine.\n",
+    );
+    for row in &r.rows {
+        if let Some(note) = &row.gguf_py_note {
+            if !note.starts_with("skipped: disabled") && r.gguf_py.starts_with("gguf") {
+                s.push_str(&format!("{}: gguf-py {note}\n", row.ty));
+            }
+        }
+    }
+    s
+}
 
 const MIB: f64 = (1u64 << 20) as f64;
 
@@ -13,9 +75,9 @@ fn ms(s: f64) -> String {
     format!("{:.1}", s * 1e3)
 }
 
-/// Renders the report: a table per layer kind and token count, a memory table per token count,
+/// Renders a `bench layer` report: a table per layer kind and token count, a memory table per token count,
 /// then the run's settings and what the columns mean.
-pub fn render_table(r: &Report) -> String {
+pub fn render_layer(r: &layer::Report) -> String {
     let mut s = String::new();
     s.push_str(&format!(
         "model: {} ({}, {}); layers run: 0..{}; {} experts, {} per token\n",
@@ -69,8 +131,8 @@ pub fn render_table(r: &Report) -> String {
                 .map(|c| format!("{:.0}%", 100.0 * k.dequant_s / c))
                 .unwrap_or_else(|| "-".into());
             let experts = match k.kind {
-                LayerKind::Dense => "-".to_string(),
-                LayerKind::Moe => format!(
+                layer::LayerKind::Dense => "-".to_string(),
+                layer::LayerKind::Moe => format!(
                     "{:.0} / {}",
                     k.experts,
                     (run.tokens * r.n_expert_used).min(r.n_expert)
@@ -172,4 +234,24 @@ pub fn render_table(r: &Report) -> String {
         r.sample_ms
     ));
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::GgmlType;
+
+    #[test]
+    fn dequant_table_shows_types_and_anchors() {
+        let opts = dequant::BenchDequantOptions {
+            elements: 4096,
+            reps: 1,
+            types: vec![GgmlType::Q4_K, GgmlType::Q8_0, GgmlType::Q8_1],
+            with_python: false,
+            ..Default::default()
+        };
+        let r = dequant::run(&opts).unwrap();
+        let table = render_dequant(&r);
+        assert!(table.contains("Q4_K") && table.contains("1720"));
+    }
 }
