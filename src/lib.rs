@@ -7,21 +7,29 @@
 //! 1. [`util`]: glob matching, atomic writes, array files, SplitMix64, top-k with ties. Imports
 //!    nothing from the crate.
 //! 2. [`quant`]: the GGML type table and the dequantizers. Imports nothing from the crate.
-//! 3. [`gguf`]: the file format (reader, split shards, streaming writer); uses `quant` for tensor
+//! 3. [`tensor`]: host tensors (shape + f32/i32 values), the currency between engines, traces
+//!    and comparisons. Imports nothing from the crate.
+//! 4. [`gguf`]: the file format (reader, split shards, streaming writer); uses `quant` for tensor
 //!    types and `util`.
-//! 4. [`model`]: hyperparameters, metadata keys, tensor names, weight views, the ordered steps,
+//! 5. [`model`]: hyperparameters, metadata keys, tensor names, weight views, the ordered steps,
 //!    and the facts `inspect` shows; uses `gguf`, `quant`, `util`.
-//! 5. [`engine`]: the `Engine` trait and the CPU reference; uses `model`, `util`.
-//! 6. [`trace`]: sinks, hook selection, trace files; uses `engine`, `model`, `util`.
-//! 7. [`driver`]: walks the steps over an engine into a sink; uses `trace`, `engine`, `model`.
-//! 8. [`tokenizer`]: byte-level BPE from GGUF metadata; uses only `gguf`.
-//! 9. [`synth`]: synthetic GGUFs; uses `tokenizer`, `model`, `gguf`, `quant`, `util`.
-//! 10. [`bench`](mod@bench): benchmarks that measure and return data; uses `synth`, `driver`,
+//! 6. [`engine`]: the `Engine` trait and the CPU reference; uses `model`, `tensor`, `util`.
+//! 7. [`trace`]: sinks (one tensor, or reference/candidate pairs), hook selection, trace files,
+//!    the reference cache; uses `model`, `gguf`, `tensor`, `util`.
+//! 8. [`compare`]: metrics, tolerance floors, verdicts, first divergence, output distributions;
+//!    uses `trace` (it is a pair sink), `model`, `tensor`, `util`.
+//! 9. [`driver`]: walks the steps over one engine into a sink, or over a reference and a
+//!    candidate (engine or trace) into a pair sink, in replay and chained modes; uses `trace`,
+//!    `engine`, `model`.
+//! 10. [`tokenizer`]: byte-level BPE from GGUF metadata; uses only `gguf`.
+//! 11. [`synth`]: synthetic GGUFs; uses `tokenizer`, `model`, `gguf`, `quant`, `util`.
+//! 12. [`bench`](mod@bench): benchmarks that measure and return data; uses `synth`, `driver`,
 //!     `trace`, `engine`, `model`, `gguf`, `quant`, `util`.
-//! 11. [`report`]: all formatting for stdout (tables, JSON) of the data `model` and `bench`
-//!     return; uses `bench`, `model`, `util`.
-//! 12. [`cli`]: the flags. Imports nothing from the crate.
-//! 13. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
+//! 13. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
+//!     the layers below return; uses `compare`, `driver` (the progress trait), `bench`,
+//!     `model`, `trace`, `util`.
+//! 14. [`cli`]: the flags. Imports nothing from the crate.
+//! 15. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
 //!     and handing results to `report`; the only module that uses them all.
 //!
 //! In the library only `report` and `cmd` write to stdout or stderr.

@@ -80,9 +80,10 @@ pub fn log_softmax(row: &[f32]) -> Vec<f64> {
 
 /// The `k` largest entries (index, value), largest first, ties to the lower index.
 pub fn top_k(v: &[f64], k: usize) -> Vec<(u32, f64)> {
-    let mut idx: Vec<usize> = (0..v.len()).collect();
-    idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
-    idx.into_iter().take(k).map(|i| (i as u32, v[i])).collect()
+    crate::util::topk::top_k(v, k)
+        .into_iter()
+        .map(|i| (i as u32, v[i]))
+        .collect()
 }
 
 fn entropy(lp: &[f64]) -> f64 {

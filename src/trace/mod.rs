@@ -15,9 +15,9 @@ use std::ops::Range;
 
 use anyhow::{bail, Result};
 
-use crate::engine::HostTensor;
 use crate::model::names::split_blk;
 use crate::model::steps::point;
+use crate::tensor::HostTensor;
 use crate::util::glob::matches_any;
 
 pub use file::{
