@@ -4,5 +4,6 @@ mod common;
 mod dequant;
 mod malformed;
 mod reference;
+mod run;
 mod synth;
 mod tokenizer;

@@ -18,7 +18,7 @@ use anyhow::{Context, Result};
 
 use super::{check_tokens, exec_step, is_layer_end, Plan, Progress, Runner};
 use crate::engine::{Engine, HostTensor};
-use crate::model::steps::{Op, Step};
+use crate::model::steps::{expert_hook, hook, point, Op, Step};
 use crate::model::Weights;
 use crate::trace::{Mode, Pair, PairSink, TraceFile};
 
@@ -81,8 +81,9 @@ pub fn run_pair<R: Engine, C: Engine>(
     let mut summary = PairSummary::default();
     progress.start("layers", plan.layers().len() as u64);
     while let Some(step) = refr.peek() {
-        // Replay inputs are taken before the reference moves on (its step may drop them).
-        let replay_inputs = if modes.replay {
+        // Replay inputs are taken before the reference moves on (its step may drop them), and
+        // only for steps with a wanted hook: nothing else leaves the reference.
+        let replay_inputs = if modes.replay && step_wanted(step, &*sink, weights) {
             Some(replay_inputs(&refr, &candidate, step, start)?)
         } else {
             None
@@ -190,6 +191,18 @@ pub fn run_pair<R: Engine, C: Engine>(
     }
     progress.finish();
     Ok(summary)
+}
+
+/// Whether `sink` wants any hook `step` produces, optional ones included.
+fn step_wanted(step: &Step, sink: &dyn PairSink, weights: &Weights<'_>) -> bool {
+    step.outputs.iter().any(|o| sink.wants(o))
+        || match step.op {
+            Op::Attention { layer } => sink.wants(&hook(layer, point::ATTN_PROBS)),
+            Op::MoeExperts { layer } => {
+                (0..weights.hparams().n_expert).any(|e| sink.wants(&expert_hook(layer, e)))
+            }
+            _ => false,
+        }
 }
 
 /// The host values of `step`'s inputs that replay feeds both sides: the reference's own, or,

@@ -1,0 +1,559 @@
+//! `glmdiff run` and `glmdiff compare` end to end on the fixture models: a second CPU reference
+//! and the float64 transformers traces (independent of glmdiff) must come out clean in both
+//! modes; traces with an error planted by the test at one hook must be named at that hook.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use glmdiff::engine::HostTensor;
+use glmdiff::trace::{read_trace, write_trace, Mode, TraceMeta, TraceValues};
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/models")
+}
+
+/// Every (golden trace, GGUF) pair of the fixtures.
+fn golden_pairs() -> Vec<(PathBuf, PathBuf)> {
+    let mut out = Vec::new();
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(fixtures())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    dirs.sort();
+    for d in dirs {
+        let mut traces: Vec<PathBuf> = std::fs::read_dir(&d)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.to_string_lossy().ends_with(".trace.safetensors"))
+            .collect();
+        traces.sort();
+        for t in traces {
+            let tr = read_trace(&t).unwrap();
+            let models: Vec<String> = serde_json::from_str(&tr.metadata["models"]).unwrap();
+            for m in models {
+                out.push((t.clone(), d.join(m)));
+            }
+        }
+    }
+    assert!(out.len() >= 12, "fixture pairs: {}", out.len());
+    out
+}
+
+/// Runs glmdiff with a private cache directory.
+fn glmdiff(cache: &Path, args: &[&str]) -> Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_glmdiff"))
+        .args(args)
+        .env("GLMDIFF_CACHE_DIR", cache)
+        .output()
+        .expect("run glmdiff")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn read_json(p: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+/// A copy of a golden trace with `edit` applied to its tensors, written as F32/I32.
+fn doctored(src: &Path, dst: &Path, edit: impl FnOnce(&mut BTreeMap<String, HostTensor>)) {
+    let t = read_trace(src).unwrap();
+    let mut tensors: BTreeMap<String, HostTensor> = t
+        .tensors
+        .iter()
+        .map(|(n, v)| {
+            let h = match &v.values {
+                TraceValues::Float(f) => {
+                    HostTensor::f32(v.shape.clone(), f.iter().map(|&x| x as f32).collect())
+                }
+                TraceValues::Int(i) => {
+                    HostTensor::i32(v.shape.clone(), i.iter().map(|&x| x as i32).collect())
+                }
+            };
+            (n.clone(), h.unwrap())
+        })
+        .collect();
+    edit(&mut tensors);
+    let meta = TraceMeta {
+        model: t.metadata["model"].clone(),
+        architecture: t.metadata["architecture"].clone(),
+        tokens: t.tokens().unwrap(),
+        engine: "doctored copy".into(),
+        dtype: t.metadata["dtype"].clone(),
+        mode: Mode::Chained,
+        extra: [("models".to_string(), t.metadata["models"].clone())]
+            .into_iter()
+            .collect(),
+    };
+    write_trace(dst, &tensors, &meta).unwrap();
+}
+
+fn scale(t: &mut HostTensor, f: f32) {
+    if let glmdiff::engine::HostData::F32(v) = &mut t.data {
+        v.iter_mut().for_each(|x| *x *= f);
+    }
+}
+
+#[test]
+fn run_against_cpu_is_clean_on_every_fixture_in_both_modes() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for (trace, gguf) in golden_pairs() {
+        let tokens = read_trace(&trace).unwrap().tokens().unwrap();
+        let ids: Vec<String> = tokens.iter().map(u32::to_string).collect();
+        let json = dir.path().join("r.json");
+        let o = glmdiff(
+            cache.path(),
+            &[
+                "run",
+                gguf.to_str().unwrap(),
+                "--tokens",
+                &ids.join(","),
+                "--against",
+                "cpu",
+                "--json",
+                json.to_str().unwrap(),
+            ],
+        );
+        assert_eq!(o.status.code(), Some(0), "{}: {}", gguf.display(), text(&o));
+        let j = read_json(&json);
+        assert_eq!(j["verdict"], "ok");
+        assert!(j["first_divergence"].is_null() && j["first_divergence_chained"].is_null());
+        let records = j["records"].as_array().unwrap();
+        assert!(records.len() > 30);
+        for r in records {
+            for m in ["replay", "chained"] {
+                assert_eq!(
+                    r[m]["status"],
+                    "pass",
+                    "{}: {} {m}",
+                    gguf.display(),
+                    r["hook"]
+                );
+                // Two instances of the same deterministic engine agree bit for bit.
+                assert_eq!(r[m]["error"], 0.0, "{}: {} {m}", gguf.display(), r["hook"]);
+            }
+        }
+        assert_eq!(j["logits"]["chained"]["top1_agreement"], 1.0);
+    }
+}
+
+/// The transformers float64 traces are an independent engine: clean in both modes, every hook
+/// within its floor, nothing missing.
+#[test]
+fn run_against_golden_traces_is_clean_in_both_modes() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for (trace, gguf) in golden_pairs() {
+        let json = dir.path().join("r.json");
+        let against = format!("trace:{}", trace.display());
+        let o = glmdiff(
+            cache.path(),
+            &[
+                "run",
+                gguf.to_str().unwrap(),
+                "--against",
+                &against,
+                "--json",
+                json.to_str().unwrap(),
+            ],
+        );
+        let case = format!("{} vs {}", gguf.display(), trace.display());
+        assert_eq!(o.status.code(), Some(0), "{case}: {}", text(&o));
+        let j = read_json(&json);
+        let mut worst = (0.0f64, String::new());
+        for r in j["records"].as_array().unwrap() {
+            for m in ["replay", "chained"] {
+                assert_eq!(
+                    r[m]["status"], "pass",
+                    "{case}: {} {m}: {}",
+                    r["hook"], r[m]
+                );
+                let e = r[m]["error"].as_f64().unwrap();
+                if e > worst.0 {
+                    worst = (e, format!("{} {m}", r["hook"]));
+                }
+            }
+        }
+        eprintln!("{case}: worst {:.3e} at {} ", worst.0, worst.1);
+        assert_eq!(j["logits"]["chained"]["top1_agreement"], 1.0, "{case}");
+    }
+}
+
+/// An error planted at one hook of an otherwise exact trace is named at that hook by replay and
+/// chained runs and by `compare`.
+#[test]
+fn a_planted_error_is_named_at_its_hook() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (trace, gguf) = golden_pairs()
+        .into_iter()
+        .find(|(t, _)| t.to_string_lossy().contains("glm5-tiny.long"))
+        .unwrap();
+    let bad = dir.path().join("bad.trace.safetensors");
+    // 1% too large: far above the f64-vs-f32 floor (~4e-7), far below garbage.
+    doctored(&trace, &bad, |t| {
+        scale(t.get_mut("blk.1.attn_out").unwrap(), 1.01)
+    });
+    let json = dir.path().join("r.json");
+    let against = format!("trace:{}", bad.display());
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "run",
+            gguf.to_str().unwrap(),
+            "--against",
+            &against,
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let j = read_json(&json);
+    assert_eq!(j["verdict"], "differs");
+    assert_eq!(j["first_divergence"]["hook"], "blk.1.attn_out");
+    assert_eq!(j["first_divergence_chained"]["hook"], "blk.1.attn_out");
+    let e = j["first_divergence"]["error"].as_f64().unwrap();
+    assert!((e - 0.01).abs() < 1e-4, "replay error {e}");
+    let out = text(&o);
+    assert!(
+        out.contains("first divergence (replay, the step's own error): blk.1.attn_out"),
+        "{out}"
+    );
+    assert!(out.contains("--layer 1"), "{out}");
+
+    // The same through compare (two traces, chained only).
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "compare",
+            trace.to_str().unwrap(),
+            bad.to_str().unwrap(),
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let j = read_json(&json);
+    assert_eq!(j["first_divergence_chained"]["hook"], "blk.1.attn_out");
+    assert!(j["first_divergence"].is_null());
+
+    // A selection bug: one row of blk.2's experts differs while its logits are exact.
+    let bad_ids = dir.path().join("ids.trace.safetensors");
+    doctored(&trace, &bad_ids, |t| {
+        let ids = t.get_mut("blk.2.moe_topk_ids").unwrap();
+        let k = ids.shape[1];
+        if let glmdiff::engine::HostData::I32(v) = &mut ids.data {
+            // Token 3's first expert becomes one it did not select.
+            let row = &mut v[3 * k..4 * k];
+            let unused = (0..64).find(|e| !row.contains(e)).unwrap();
+            row[0] = unused;
+        }
+    });
+    let against = format!("trace:{}", bad_ids.display());
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "run",
+            gguf.to_str().unwrap(),
+            "--against",
+            &against,
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let j = read_json(&json);
+    assert_eq!(j["first_divergence"]["hook"], "blk.2.moe_topk_ids");
+    assert_eq!(j["first_divergence_chained"]["hook"], "blk.2.moe_topk_ids");
+}
+
+/// Hooks missing from a trace are listed, not fatal; a trace of other tokens is an error.
+#[test]
+fn missing_hooks_are_listed_and_other_tokens_refused() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (trace, gguf) = golden_pairs()
+        .into_iter()
+        .find(|(t, _)| t.to_string_lossy().contains("dsv3-tiny.short"))
+        .unwrap();
+    let partial = dir.path().join("partial.trace.safetensors");
+    doctored(&trace, &partial, |t| {
+        t.retain(|n, _| !n.ends_with(".q_a") && n != "blk.1.l_out");
+    });
+    let json = dir.path().join("r.json");
+    let against = format!("trace:{}", partial.display());
+    let g = gguf.to_str().unwrap();
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "run",
+            g,
+            "--against",
+            &against,
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let j = read_json(&json);
+    let status = |hook: &str, mode: &str| -> String {
+        j["records"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["hook"] == hook)
+            .map(|r| r[mode]["status"].as_str().unwrap_or("").to_string())
+            .unwrap_or_default()
+    };
+    assert_eq!(status("blk.0.q_a", "chained"), "missing");
+    assert_eq!(status("blk.0.q_a", "replay"), "missing");
+    // q_a_norm reads q_a: not replayable from the trace; blk.2's attn_norm reads blk.1.l_out.
+    assert_eq!(status("blk.0.q_a_norm", "replay"), "missing");
+    assert_eq!(status("blk.0.q_a_norm", "chained"), "pass");
+    assert_eq!(status("blk.2.attn_norm", "replay"), "missing");
+    assert!(text(&o).contains("not compared:"), "{}", text(&o));
+
+    let o = glmdiff(
+        cache.path(),
+        &["run", g, "--against", &against, "--tokens", "1,2,3"],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).contains("was made for tokens"), "{}", text(&o));
+}
+
+/// `--layer N` starts from the cached residual stream: the first run computes and stores it,
+/// the second reads it, and both give the same numbers as a full run.
+#[test]
+fn layer_runs_reuse_the_reference_cache() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (trace, gguf) = golden_pairs()
+        .into_iter()
+        .find(|(t, _)| t.to_string_lossy().contains("glm5-tiny.long"))
+        .unwrap();
+    let g = gguf.to_str().unwrap();
+    let against = format!("trace:{}", trace.display());
+    let (j1, j2, jf) = (
+        dir.path().join("1.json"),
+        dir.path().join("2.json"),
+        dir.path().join("f.json"),
+    );
+    let o1 = glmdiff(
+        cache.path(),
+        &[
+            "run",
+            g,
+            "--against",
+            &against,
+            "--layer",
+            "2",
+            "--json",
+            j1.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(o1.status.code(), Some(0), "{}", text(&o1));
+    assert!(text(&o1).contains("computed and cached"), "{}", text(&o1));
+    let o2 = glmdiff(
+        cache.path(),
+        &[
+            "run",
+            g,
+            "--against",
+            &against,
+            "--layer",
+            "2",
+            "--json",
+            j2.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(o2.status.code(), Some(0), "{}", text(&o2));
+    assert!(text(&o2).contains("read from the cache"), "{}", text(&o2));
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "run",
+            g,
+            "--against",
+            &against,
+            "--json",
+            jf.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0));
+    let (a, b, full) = (read_json(&j1), read_json(&j2), read_json(&jf));
+    let recs = |j: &Value| -> BTreeMap<String, Value> {
+        j["records"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| (r["hook"].as_str().unwrap().to_string(), r.clone()))
+            .collect()
+    };
+    let (ra, rb, rf) = (recs(&a), recs(&b), recs(&full));
+    assert_eq!(ra, rb);
+    assert!(ra
+        .keys()
+        .all(|k| k.starts_with("blk.2.") || k == "result_norm" || k == "logits"));
+    for (k, v) in &ra {
+        assert_eq!(v["replay"], rf[k]["replay"], "{k}");
+        assert_eq!(v["chained"]["metrics"], rf[k]["chained"]["metrics"], "{k}");
+    }
+    let t = |j: &Value, w: &str| {
+        j["timings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["what"].as_str().unwrap().starts_with(w))
+            .map(|x| x["seconds"].as_f64().unwrap())
+    };
+    eprintln!(
+        "--layer 2: prefix computed in {:?} s, read from the cache in {:?} s",
+        t(&a, "reference prefix (layers"),
+        t(&b, "reference prefix (cache)")
+    );
+    assert!(t(&b, "reference prefix (cache)").is_some());
+}
+
+#[test]
+fn json_contract_plot_and_errors() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = fixtures().join("glm5-tiny-q/glm5-tiny-q-mixed.gguf");
+    let g = gguf.to_str().unwrap();
+    let json = dir.path().join("r.json");
+    let svg = dir.path().join("p.svg");
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "run",
+            g,
+            "--json",
+            json.to_str().unwrap(),
+            "--plot",
+            svg.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(text(&o).contains("--against auto"), "{}", text(&o));
+    let j = read_json(&json);
+    for key in [
+        "glmdiff_run",
+        "first_divergence",
+        "first_divergence_chained",
+        "engines",
+        "tokens",
+        "records",
+        "logits",
+        "modes",
+        "verdict",
+        "layer_summaries",
+    ] {
+        assert!(j.get(key).is_some(), "JSON key {key}");
+    }
+    assert_eq!(j["modes"], serde_json::json!(["replay", "chained"]));
+    let r = &j["records"][1];
+    for key in [
+        "hook", "layer", "shape", "kind", "floor", "inputs", "replay", "chained",
+    ] {
+        assert!(r.get(key).is_some(), "record key {key}: {r}");
+    }
+    for key in [
+        "max_abs",
+        "max_abs_at",
+        "max_rel",
+        "nmse",
+        "rel_l2",
+        "cosine",
+        "nan",
+        "inf",
+        "per_token",
+    ] {
+        assert!(
+            r["replay"]["metrics"].get(key).is_some(),
+            "metric {key}: {r}"
+        );
+    }
+    let svg_text = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg_text.starts_with("<svg") && svg_text.contains("replay"));
+
+    for (args, needle) in [
+        (vec!["run", g, "--against", "cuda"], "no CUDA engine"),
+        (vec!["run", g, "--against", "cuda:1"], "no CUDA engine"),
+        (
+            vec!["run", g, "--against", "gpu"],
+            "expected auto, cpu, cuda[:N] or trace:FILE",
+        ),
+        (
+            vec!["run", g, "--against", "cpu"],
+            "give --tokens or --prompt",
+        ),
+        (
+            vec![
+                "run",
+                g,
+                "--against",
+                "cpu",
+                "--tokens",
+                "1",
+                "--layer",
+                "9",
+            ],
+            "out of range",
+        ),
+        (
+            vec![
+                "run",
+                g,
+                "--tokens",
+                "1",
+                "--against",
+                "trace:/no/such.safetensors",
+            ],
+            "/no/such.safetensors",
+        ),
+        (
+            vec!["run", g, "--tokens", "1,2", "--against", "auto"],
+            "no trace beside",
+        ),
+        (
+            vec![
+                "run",
+                g,
+                "--tokens",
+                "1",
+                "--against",
+                "cpu",
+                "--plot",
+                "x.png",
+            ],
+            "must end in .svg",
+        ),
+        (
+            vec![
+                "run",
+                g,
+                "--tokens",
+                "1",
+                "--against",
+                "cpu",
+                "--tol",
+                "q_a",
+            ],
+            "GLOB=VALUE",
+        ),
+        (vec!["compare", g, g], "not a safetensors file"),
+    ] {
+        let o = glmdiff(cache.path(), &args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", text(&o));
+        assert!(text(&o).contains(needle), "{args:?}: {}", text(&o));
+    }
+}
