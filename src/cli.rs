@@ -122,6 +122,9 @@ pub struct RunArgs {
     /// Replace the floor of matching hooks: 'GLOB=VALUE' (relative L2), repeatable.
     #[arg(long, value_name = "GLOB=VALUE", value_parser = parse_tol)]
     pub tol: Vec<(String, f64)>,
+    /// The candidate's precision for matching hooks: 'GLOB=DTYPE' (f64, f32, f16, bf16, fp8), repeatable, e.g. 'blk.*.indexer_*=fp8'.
+    #[arg(long, value_name = "GLOB=DTYPE", value_parser = parse_precision)]
+    pub precision: Vec<(String, String)>,
     /// Write the results as JSON (docs/run-json.md). Written atomically.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -155,6 +158,9 @@ pub struct CompareArgs {
     /// Replace the floor of matching hooks: 'GLOB=VALUE', repeatable.
     #[arg(long, value_name = "GLOB=VALUE", value_parser = parse_tol)]
     pub tol: Vec<(String, f64)>,
+    /// The candidate's precision for matching hooks: 'GLOB=DTYPE', repeatable.
+    #[arg(long, value_name = "GLOB=DTYPE", value_parser = parse_precision)]
+    pub precision: Vec<(String, String)>,
     /// Write the results as JSON (docs/run-json.md). Written atomically.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -256,6 +262,21 @@ pub fn parse_tol(s: &str) -> Result<(String, f64)> {
         bail!("--tol value {v} must be finite and not negative");
     }
     Ok((g.to_string(), v))
+}
+
+/// Parses `GLOB=DTYPE` with a DTYPE of f64, f32, f16, bf16 or fp8 (and their long names).
+pub fn parse_precision(s: &str) -> Result<(String, String)> {
+    let (g, d) = s
+        .rsplit_once('=')
+        .with_context(|| format!("expected GLOB=DTYPE, got {s:?}"))?;
+    let g = g.trim();
+    if g.is_empty() {
+        bail!("--precision {s:?} has an empty glob");
+    }
+    if crate::compare::Dtype::parse(d).is_none() {
+        bail!("--precision dtype {d:?} is not one of f64, f32, f16, bf16, fp8");
+    }
+    Ok((g.to_string(), d.trim().to_string()))
 }
 
 #[cfg(test)]

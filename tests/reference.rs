@@ -8,12 +8,12 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use glmdiff::compare::{compare, Metrics};
 use glmdiff::driver::{self, Plan};
 use glmdiff::engine::cpu::CpuEngine;
 use glmdiff::engine::{HostData, HostTensor};
 use glmdiff::gguf::Model;
 use glmdiff::model::Weights;
-use glmdiff::compare::{compare, Metrics};
 use glmdiff::trace::{read_trace, HookFilter, Trace, TraceSink, TraceTensor, TraceValues};
 
 /// Largest relative L2 error `|ref - golden| / |golden|` allowed at any hook.
@@ -119,7 +119,10 @@ fn check_against_golden(trace_path: &Path, gguf: &Path, golden: &Trace) -> f64 {
                 ids.differing_rows
             ),
             Metrics::Float(f) => {
-                assert_eq!(f.nonfinite_mismatch, 0, "{case}: {name}: non-finite values differ");
+                assert_eq!(
+                    f.nonfinite_mismatch, 0,
+                    "{case}: {name}: non-finite values differ"
+                );
                 let r = f.rel_l2;
                 if r > worst.0 {
                     worst = (r, name.clone());

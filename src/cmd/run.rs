@@ -341,12 +341,10 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
         candidate: cand_prec,
         infos: hook_infos(&plan.steps, &weights),
         tol: args.tol.clone(),
+        precision: precision_overrides(&args.precision)?,
+        selection_bias: selection_bias(&weights, &plan)?,
     };
-    let filter = HookFilter {
-        layers: None,
-        globs: args.hook.clone(),
-    };
-    let mut cmp = Comparison::new(judge, Box::new(move |n| filter.wants(n)), &tokens);
+    let mut cmp = Comparison::new(judge, wants_with_scores(&args.hook), &tokens);
     let t0 = Instant::now();
     let candidate: Candidate<'_, CpuEngine<'_>> = match &trace {
         Some(t) => Candidate::Trace(t),
@@ -413,6 +411,46 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
     } else {
         Outcome::Ok
     })
+}
+
+/// `--precision` pairs as precisions.
+fn precision_overrides(p: &[(String, String)]) -> Result<Vec<(String, Precision)>> {
+    p.iter()
+        .map(|(g, d)| {
+            Precision::parse(d)
+                .map(|p| (g.clone(), p))
+                .with_context(|| format!("--precision {g}={d}: unknown dtype"))
+        })
+        .collect()
+}
+
+/// The hooks a comparison keeps: `--hook` globs (all standard hooks without them), plus the
+/// score hooks behind a wanted selection (their values judge its flips).
+fn wants_with_scores(globs: &[String]) -> Box<dyn Fn(&str) -> bool> {
+    let filter = HookFilter {
+        layers: None,
+        globs: globs.to_vec(),
+    };
+    Box::new(move |n: &str| {
+        filter.wants(n)
+            || match crate::model::names::split_blk(n) {
+                Some((l, "indexer_scores")) => filter.wants(&format!("blk.{l}.indexer_topk")),
+                Some((l, "moe_probs")) => filter.wants(&format!("blk.{l}.moe_topk_ids")),
+                _ => false,
+            }
+    })
+}
+
+/// The selection bias `exp_probs_b` of every MoE layer the plan runs.
+fn selection_bias(weights: &Weights<'_>, plan: &Plan) -> Result<HashMap<usize, Vec<f32>>> {
+    let mut out = HashMap::new();
+    for l in plan.layers() {
+        let name = crate::model::names::blk(l, crate::model::names::blk::EXP_PROBS_B);
+        if weights.has(&name) {
+            out.insert(l, weights.vector(&name)?);
+        }
+    }
+    Ok(out)
 }
 
 /// Quotes a word for a POSIX shell when it needs it.
@@ -489,10 +527,8 @@ pub fn compare(args: &CompareArgs) -> Result<Outcome> {
         candidate: prec(&candidate, "candidate", &mut notes)?,
         infos: HashMap::new(),
         tol: args.tol.clone(),
-    };
-    let filter = HookFilter {
-        layers: None,
-        globs: args.hook.clone(),
+        precision: precision_overrides(&args.precision)?,
+        selection_bias: HashMap::new(),
     };
     let mut names: Vec<String> = reference.names().map(str::to_string).collect();
     names.sort_by_key(|n| order_key(n));
@@ -503,7 +539,7 @@ pub fn compare(args: &CompareArgs) -> Result<Outcome> {
         .cloned()
         .unwrap_or_default();
     let present = |n: &str| reference.has(n);
-    let mut cmp = Comparison::new(judge, Box::new(move |n| filter.wants(n)), &tokens);
+    let mut cmp = Comparison::new(judge, wants_with_scores(&args.hook), &tokens);
     for n in &names {
         if !cmp.wants(n) {
             continue;
@@ -520,6 +556,7 @@ pub fn compare(args: &CompareArgs) -> Result<Outcome> {
                     inputs: &inputs,
                     reference: r,
                     candidate: c,
+                    note: None,
                 })?;
             }
         }

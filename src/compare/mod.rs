@@ -7,6 +7,7 @@ pub mod floors;
 pub mod graph;
 pub mod logits;
 pub mod metrics;
+pub mod selection;
 pub mod verdict;
 
 pub use floors::{Dtype, HookInfo, Kind, Precision};

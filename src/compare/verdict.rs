@@ -5,17 +5,21 @@
 //! # Rules
 //! - **replay**: a float hook fails when its relative L2 error is above its floor, or when the
 //!   candidate has NaN/Inf where the reference has a finite value (or the reverse). A selection
-//!   hook fails when a row selects a different set.
+//!   hook (`indexer_topk`, `moe_topk_ids`) whose sets differ is judged by the margin of each flip
+//!   ([`super::selection`]): near-tie flips are expected (status `near_tie`), a confident flip
+//!   fails.
 //! - **chained**: a float hook fails when its error jumps above what its inputs explain:
 //!   `floor + chain_amp * max(chained error of its inputs)` (the error a correct step passes
-//!   on); NaN/Inf always fails. A selection that differs although every input is within its
-//!   floor fails; one that differs after inputs that already drifted is *drift*, and everything
-//!   computed from a differing selection that jumps is drift too (other keys or experts were
-//!   used): shown, not a divergence.
+//!   on); NaN/Inf always fails. Selections are judged by margin as in replay, with the score
+//!   hook's chained error as the tolerance when it is larger than the floor. Downstream of a
+//!   selection that differs (near-tie or confident), a jump is *drift*: other keys or experts
+//!   were used, which is what the user's output shows, not a new divergence. Drift names where it
+//!   started (hook, token, margin).
 //! - The first divergence of a mode is the first hook, in the order of the forward pass, that
-//!   fails in it. The outcome differs (exit 1) when replay has a failure, when chained does and
-//!   replay did not run, or when chained shows NaN/Inf.
-//! - `--tol GLOB=VALUE` replaces the floor of matching hooks.
+//!   fails in it. The outcome differs (exit 1) when replay has a failure, when chained has a
+//!   confident flip or NaN/Inf, or when only chained ran and it has a failure.
+//! - `--tol GLOB=VALUE` replaces the floor of matching hooks; `--precision GLOB=DTYPE` sets the
+//!   candidate's precision for matching hooks (an FP8 indexer: `blk.*.indexer_*=fp8`).
 
 use std::collections::HashMap;
 
@@ -25,7 +29,9 @@ use serde::Serialize;
 use super::floors::{floor, point_of, HookInfo, Precision};
 use super::logits::{analyse, LogitsReport};
 use super::metrics::{compare, Metrics};
+use super::selection::{judge_flips, FlipStats, Scores};
 use crate::model::names::split_blk;
+use crate::tensor::HostTensor;
 use crate::trace::{Mode, Pair, PairSink};
 use crate::util::glob::matches as glob_match;
 
@@ -35,6 +41,9 @@ use crate::util::glob::matches as glob_match;
 pub enum Status {
     /// Within the allowed error.
     Pass,
+    /// A selection that differs only in near-tie flips (expected of a lower precision).
+    #[serde(rename = "near_tie")]
+    NearTie,
     /// Above it (or NaN/Inf, or a confident selection change).
     Fail,
     /// Chained only: different because an earlier selection differed (expected downstream of a
@@ -57,6 +66,10 @@ pub struct ModeResult {
     pub status: Status,
     /// Why, when not a plain pass.
     pub note: Option<String>,
+    /// Selections: the flips and their margins.
+    pub flips: Option<FlipStats>,
+    /// Chained: the selection difference upstream that explains this hook's drift.
+    pub drift_from: Option<String>,
 }
 
 /// Everything known about one hook.
@@ -115,6 +128,12 @@ pub struct Judge {
     pub infos: HashMap<String, HookInfo>,
     /// `--tol` overrides, in order: the first matching glob wins.
     pub tol: Vec<(String, f64)>,
+    /// `--precision` overrides of the candidate's precision, in order: the first matching glob
+    /// wins.
+    pub precision: Vec<(String, Precision)>,
+    /// Selection bias (`exp_probs_b`) per MoE layer, added to the router probabilities when
+    /// judging expert flips.
+    pub selection_bias: HashMap<usize, Vec<f32>>,
 }
 
 impl Judge {
@@ -126,13 +145,27 @@ impl Judge {
             .unwrap_or_else(|| HookInfo::from_point(point_of(name)))
     }
 
+    /// The candidate's precision at `name` (a `--precision` override when one matches).
+    pub fn candidate_precision(&self, name: &str) -> Precision {
+        self.precision
+            .iter()
+            .find(|(g, _)| glob_match(g, name))
+            .map_or(self.candidate, |(_, p)| *p)
+    }
+
     /// The floor of `name` (a `--tol` override when one matches).
     pub fn floor(&self, name: &str) -> f64 {
         self.tol
             .iter()
             .find(|(g, _)| glob_match(g, name))
             .map_or_else(
-                || floor(&self.info(name), self.reference, self.candidate),
+                || {
+                    floor(
+                        &self.info(name),
+                        self.reference,
+                        self.candidate_precision(name),
+                    )
+                },
                 |(_, v)| *v,
             )
     }
@@ -146,6 +179,9 @@ pub struct Comparison {
     records: Vec<HookRecord>,
     index: HashMap<String, usize>,
     logits: Vec<(Mode, LogitsReport)>,
+    /// The latest reference scores per (mode, score point): hook name, values, and the relative
+    /// error allowed there (for judging flips).
+    scores: HashMap<(Mode, &'static str), (String, HostTensor, f64)>,
 }
 
 impl Comparison {
@@ -158,6 +194,7 @@ impl Comparison {
             records: Vec::new(),
             index: HashMap::new(),
             logits: Vec::new(),
+            scores: HashMap::new(),
         }
     }
 
@@ -198,45 +235,92 @@ impl Comparison {
         &mut self.records[i]
     }
 
-    /// The chained state of an input: its error (floats) and whether it (or something before
-    /// it) changed a selection or drifted.
-    fn upstream_chained(&self, inputs: &[String]) -> (f64, bool, bool) {
-        let (mut err, mut changed, mut over_floor) = (0f64, false, false);
+    /// The chained state of a step's inputs: the largest float error among them, and the
+    /// selection difference upstream that explains drift, if any.
+    fn upstream_chained(&self, inputs: &[String]) -> (f64, Option<String>) {
+        let (mut err, mut origin) = (0f64, None);
         for n in inputs {
             let Some(r) = self.index.get(n).map(|&i| &self.records[i]) else {
                 continue;
             };
             let Some(c) = &r.chained else { continue };
-            match (&c.metrics, c.status) {
-                (_, Status::Drift) => changed = true,
-                (Some(Metrics::Ids(m)), _) if m.set_equal_rows < m.rows => changed = true,
-                (Some(Metrics::Float(_)), _) => {
-                    err = err.max(c.error);
-                    over_floor |= c.error > r.floor;
+            if origin.is_none() {
+                origin = c.drift_from.clone();
+            }
+            match &c.metrics {
+                Some(Metrics::Float(_)) => err = err.max(c.error),
+                Some(Metrics::Ids(_)) if origin.is_none() => {
+                    if let Some(f) = c.flips.as_ref().and_then(|f| f.first.as_ref()) {
+                        origin = Some(format!(
+                            "{} token {} (margin {:.2e}, tolerance {:.2e})",
+                            r.name, f.token, f.margin, f.tolerance
+                        ));
+                    }
                 }
                 _ => {}
             }
         }
-        (err, changed, over_floor)
+        (err, origin)
+    }
+
+    /// The reference's scores behind selection hook `name` in `mode`, if they were compared:
+    /// the same layer's `indexer_scores` / `moe_probs`, or, for a shared DSA layer, the layer
+    /// whose selection it reuses (the latest one kept).
+    fn scores_for(&self, name: &str, mode: Mode) -> Option<Scores<'_>> {
+        let (layer, point) = split_blk(name)?;
+        let sp: &'static str = match point {
+            "indexer_topk" => "indexer_scores",
+            "moe_topk_ids" => "moe_probs",
+            _ => return None,
+        };
+        let (hook, t, rel) = self.scores.get(&(mode, sp))?;
+        let src_layer = split_blk(hook).map(|(l, _)| l)?;
+        if sp == "moe_probs" && src_layer != layer {
+            return None;
+        }
+        let values = t.as_f32(hook).ok()?;
+        let cols = *t.shape.last()?;
+        let bias = if sp == "moe_probs" {
+            self.judge.selection_bias.get(&layer).map(Vec::as_slice)
+        } else {
+            None
+        };
+        Some(Scores {
+            values,
+            cols,
+            bias,
+            rel_tol: *rel,
+        })
     }
 
     /// Judges one pair.
     fn judge_pair(&self, pair: &Pair<'_>, floor: f64) -> ModeResult {
+        let with_note = |mut r: ModeResult| {
+            if let Some(n) = &pair.note {
+                r.note = Some(match r.note {
+                    Some(x) => format!("{x}; {n}"),
+                    None => n.clone(),
+                });
+            }
+            r
+        };
         let metrics = match compare(&pair.reference, &pair.candidate) {
             Ok(m) => m,
             Err(why) => {
-                return ModeResult {
+                return with_note(ModeResult {
                     metrics: None,
                     error: f64::INFINITY,
                     allowed: floor,
                     status: Status::Fail,
                     note: Some(why),
-                }
+                    flips: None,
+                    drift_from: None,
+                })
             }
         };
         let error = metrics.error();
-        let (up_err, up_changed, up_over) = match pair.mode {
-            Mode::Replay => (0.0, false, false),
+        let (up_err, origin) = match pair.mode {
+            Mode::Replay => (0.0, None),
             Mode::Chained => self.upstream_chained(pair.inputs),
         };
         let amp = self.judge.info(pair.name).kind.chain_amp();
@@ -244,45 +328,91 @@ impl Comparison {
             Mode::Replay => floor,
             Mode::Chained => floor + amp * up_err,
         };
-        let (status, note) = match &metrics {
-            Metrics::Float(m) if m.nonfinite_mismatch > 0 => (
-                Status::Fail,
-                Some(format!(
-                    "{} NaN/Inf where the reference differs (candidate NaN {}, Inf {}; reference NaN {}, Inf {})",
-                    m.nonfinite_mismatch, m.nan[1], m.inf[1], m.nan[0], m.inf[0]
-                )),
-            ),
-            Metrics::Float(_) if error <= allowed => (Status::Pass, None),
-            Metrics::Float(_) if up_changed => (
-                Status::Drift,
-                Some("after a selection that differs: other keys or experts were used".into()),
-            ),
-            Metrics::Float(_) => (
-                Status::Fail,
-                Some(format!("error {error:.3e} above the allowed {allowed:.3e}")),
-            ),
-            Metrics::Ids(m) if m.set_equal_rows == m.rows => (Status::Pass, None),
-            Metrics::Ids(m) => {
-                let what = format!(
-                    "{} of {} rows select another set (mean Jaccard {:.3})",
-                    m.rows - m.set_equal_rows,
-                    m.rows,
-                    m.mean_jaccard
-                );
-                if pair.mode == Mode::Chained && (up_changed || up_over) {
-                    (Status::Drift, Some(format!("{what}, after inputs that drifted")))
-                } else {
-                    (Status::Fail, Some(what))
-                }
-            }
-        };
-        ModeResult {
-            metrics: Some(metrics),
+        let mut r = ModeResult {
+            metrics: None,
             error,
             allowed,
-            status,
-            note,
+            status: Status::Pass,
+            note: None,
+            flips: None,
+            drift_from: None,
+        };
+        match &metrics {
+            Metrics::Float(m) if m.nonfinite_mismatch > 0 => {
+                r.status = Status::Fail;
+                r.note = Some(format!(
+                    "{} NaN/Inf where the reference differs (candidate NaN {}, Inf {}; reference NaN {}, Inf {})",
+                    m.nonfinite_mismatch, m.nan[1], m.inf[1], m.nan[0], m.inf[0]
+                ));
+            }
+            Metrics::Float(_) if error <= allowed => {}
+            Metrics::Float(_) if origin.is_some() => {
+                r.status = Status::Drift;
+                r.note = Some(format!(
+                    "drift after a selection that differs upstream, from {}",
+                    origin.as_deref().unwrap_or("?")
+                ));
+                r.drift_from = origin;
+            }
+            Metrics::Float(_) => {
+                r.status = Status::Fail;
+                r.note = Some(format!("error {error:.3e} above the allowed {allowed:.3e}"));
+            }
+            Metrics::Ids(m) if m.set_equal_rows == m.rows => {}
+            Metrics::Ids(_) => {
+                let (reference, candidate) = (
+                    pair.reference.as_i32(pair.name).unwrap_or(&[]),
+                    pair.candidate.as_i32(pair.name).unwrap_or(&[]),
+                );
+                let width = pair.reference.shape.last().copied().unwrap_or(1);
+                let scores = self.scores_for(pair.name, pair.mode);
+                let st = judge_flips(reference, candidate, width, scores.as_ref());
+                let margins = st.margins.map_or(String::new(), |(a, b)| {
+                    format!(", margins {a:.2e}..{b:.2e}")
+                });
+                let what = format!(
+                    "{} of {} rows select another set: {} near-tie, {} confident{margins}{}",
+                    st.differing,
+                    st.rows,
+                    st.near_tie,
+                    st.confident,
+                    if st.judged {
+                        ""
+                    } else {
+                        " (the reference's scores were not compared: margins unknown)"
+                    }
+                );
+                if pair.mode == Mode::Chained && origin.is_some() {
+                    r.status = Status::Drift;
+                    r.note = Some(format!(
+                        "{what}; after drift from {}",
+                        origin.as_deref().unwrap_or("?")
+                    ));
+                    r.drift_from = origin;
+                } else if st.confident > 0 {
+                    r.status = Status::Fail;
+                    r.note = Some(match st.first_confident.as_ref() {
+                        Some(c) => format!(
+                            "{what}; first confident flip at token {}: {:?} in, {:?} out, margin {:.2e} > tolerance {:.2e}",
+                            c.token, c.entered, c.left, c.margin, c.tolerance
+                        ),
+                        None => what,
+                    });
+                } else {
+                    r.status = Status::NearTie;
+                    r.note = Some(what);
+                    if let Some(f) = &st.first {
+                        r.drift_from = Some(format!(
+                            "the near-tie flip at {} token {} (margin {:.2e} <= tolerance {:.2e})",
+                            pair.name, f.token, f.margin, f.tolerance
+                        ));
+                    }
+                }
+                r.flips = Some(st);
+            }
         }
+        r.metrics = Some(metrics);
+        with_note(r)
     }
 
     /// The first hook failing in `mode`.
@@ -295,14 +425,18 @@ impl Comparison {
     /// Whether the comparison found a difference (module documentation).
     pub fn differs(&self) -> bool {
         let ran = |mode: Mode| self.records.iter().any(|r| r.result(mode).is_some());
-        let chained_nonfinite = self.records.iter().any(|r| {
-            r.chained.as_ref().is_some_and(
-                |c| matches!(&c.metrics, Some(Metrics::Float(m)) if m.nonfinite_mismatch > 0),
-            )
+        let chained_hard = self.records.iter().any(|r| {
+            r.chained.as_ref().is_some_and(|c| {
+                let nonfinite =
+                    matches!(&c.metrics, Some(Metrics::Float(m)) if m.nonfinite_mismatch > 0);
+                let confident =
+                    c.status == Status::Fail && c.flips.as_ref().is_some_and(|f| f.confident > 0);
+                nonfinite || confident
+            })
         });
         self.first_divergence(Mode::Replay).is_some()
+            || chained_hard
             || (!ran(Mode::Replay) && self.first_divergence(Mode::Chained).is_some())
-            || chained_nonfinite
     }
 
     /// Per-layer summaries in order (global hooks are grouped under `None`).
@@ -323,6 +457,8 @@ impl Comparison {
                     failed: 0,
                     drift: 0,
                     missing: 0,
+                    near_tie: [0, 0],
+                    margins: [None, None],
                 });
             }
             let Some(g) = out.last_mut() else { continue };
@@ -334,6 +470,17 @@ impl Comparison {
             for (slot, res) in [(0usize, &r.replay), (1, &r.chained)] {
                 let Some(res) = res else { continue };
                 match res.status {
+                    Status::NearTie => {
+                        if let Some(f) = &res.flips {
+                            g.near_tie[slot] += f.near_tie;
+                            if let Some((a, b)) = f.margins {
+                                g.margins[slot] = Some(match g.margins[slot] {
+                                    None => (a, b),
+                                    Some((x, y)) => (x.min(a), y.max(b)),
+                                });
+                            }
+                        }
+                    }
                     Status::Fail => g.failed += 1,
                     Status::Drift => g.drift += 1,
                     Status::Missing => g.missing += 1,
@@ -370,6 +517,10 @@ pub struct LayerSummary {
     pub drift: usize,
     /// Results missing.
     pub missing: usize,
+    /// Rows with near-tie flips per mode (replay, chained).
+    pub near_tie: [usize; 2],
+    /// Smallest and largest near-tie margin per mode.
+    pub margins: [Option<(f64, f64)>; 2],
 }
 
 impl PairSink for Comparison {
@@ -379,6 +530,7 @@ impl PairSink for Comparison {
 
     fn record(&mut self, pair: Pair<'_>) -> Result<()> {
         let floor = self.judge.floor(pair.name);
+        let shape = pair.reference.shape.clone();
         let result = self.judge_pair(&pair, floor);
         if pair.name == crate::model::steps::point::LOGITS {
             if let (Ok(r), Ok(c), &[_, vocab]) = (
@@ -392,7 +544,27 @@ impl PairSink for Comparison {
                 }
             }
         }
-        let rec = self.record_mut(pair.name, &pair.reference.shape, pair.inputs);
+        // Score hooks are kept (the latest per mode) to judge the flips of the selection after.
+        let point = point_of(pair.name);
+        if point == "indexer_scores" || point == "moe_probs" {
+            let sp: &'static str = if point == "moe_probs" {
+                "moe_probs"
+            } else {
+                "indexer_scores"
+            };
+            // The relative error the scores may carry: the floor, or what they really show in
+            // chained mode when that is more.
+            let rel = if pair.mode == Mode::Chained && result.error.is_finite() {
+                floor.max(result.error)
+            } else {
+                floor
+            };
+            self.scores.insert(
+                (pair.mode, sp),
+                (pair.name.to_string(), pair.reference, rel),
+            );
+        }
+        let rec = self.record_mut(pair.name, &shape, pair.inputs);
         *rec.slot(pair.mode) = Some(result);
         Ok(())
     }
@@ -405,6 +577,8 @@ impl PairSink for Comparison {
             allowed: rec.floor,
             status: Status::Missing,
             note: Some(why.to_string()),
+            flips: None,
+            drift_from: None,
         });
     }
 }
@@ -420,6 +594,8 @@ mod tests {
             candidate: Precision::parse("bf16").unwrap(),
             infos: HashMap::new(),
             tol: vec![("blk.*.q_a".into(), 1e-9)],
+            precision: Vec::new(),
+            selection_bias: HashMap::new(),
         }
     }
 
@@ -441,6 +617,7 @@ mod tests {
             inputs,
             reference: f(r),
             candidate: f(k),
+            note: None,
         })
         .unwrap();
     }
@@ -528,6 +705,7 @@ mod tests {
             inputs: &["blk.1.moe_logits".to_string()],
             reference: ids(vec![0, 1]),
             candidate: ids(vec![0, 2]),
+            note: None,
         })
         .unwrap();
         // Inputs within their floors: a selection change is a failure.
@@ -559,5 +737,74 @@ mod tests {
             Status::Missing
         );
         assert!(!c.differs());
+    }
+
+    /// Router probabilities [0.9, 0.5, 0.4999, 0.1] for one token, top-2: the reference picks
+    /// {0, 1}; a candidate picking {0, 2} flips a near tie (gap 1e-4 against a bf16 tolerance
+    /// of about 1e-2 * rms 0.58), one picking {0, 3} a confident one (gap 0.4).
+    #[test]
+    fn flips_are_judged_by_margin_and_drift_follows_near_ties() {
+        let probs = || f(vec![0.9, 0.5, 0.4999, 0.1]);
+        let ids = |v: Vec<i32>| HostTensor::i32(vec![1, 2], v).unwrap();
+        let run = |cand: Vec<i32>| {
+            let mut c = Comparison::new(judge(), Box::new(|_| true), &[1]);
+            let none: Vec<String> = vec![];
+            let logits = vec!["blk.1.moe_logits".to_string()];
+            for mode in [Mode::Replay, Mode::Chained] {
+                c.record(Pair {
+                    name: "blk.1.moe_probs",
+                    mode,
+                    inputs: &none,
+                    reference: probs(),
+                    candidate: probs(),
+                    note: None,
+                })
+                .unwrap();
+                c.record(Pair {
+                    name: "blk.1.moe_topk_ids",
+                    mode,
+                    inputs: &logits,
+                    reference: ids(vec![0, 1]),
+                    candidate: ids(cand.clone()),
+                    note: None,
+                })
+                .unwrap();
+            }
+            let up = vec!["blk.1.moe_topk_ids".to_string()];
+            push(
+                &mut c,
+                "blk.1.moe_routed",
+                Mode::Chained,
+                &up,
+                vec![1.0, 0.0],
+                vec![0.0, 1.0],
+            );
+            c
+        };
+        let c = run(vec![0, 2]);
+        let sel = &c.records()[1];
+        assert_eq!(sel.replay.as_ref().unwrap().status, Status::NearTie);
+        assert_eq!(sel.chained.as_ref().unwrap().status, Status::NearTie);
+        let f = sel.replay.as_ref().unwrap().flips.as_ref().unwrap();
+        assert_eq!((f.near_tie, f.confident), (1, 0));
+        assert!((f.margins.unwrap().0 - 1e-4).abs() < 1e-6);
+        let routed = c.records()[2].chained.as_ref().unwrap();
+        assert_eq!(routed.status, Status::Drift);
+        assert!(routed
+            .drift_from
+            .as_deref()
+            .unwrap()
+            .contains("blk.1.moe_topk_ids token 0"));
+        assert!(!c.differs());
+        assert!(c.first_divergence(Mode::Chained).is_none());
+
+        let c = run(vec![0, 3]);
+        let sel = &c.records()[1];
+        assert_eq!(sel.replay.as_ref().unwrap().status, Status::Fail);
+        assert_eq!(
+            c.first_divergence(Mode::Replay).unwrap().name,
+            "blk.1.moe_topk_ids"
+        );
+        assert!(c.differs());
     }
 }

@@ -9,10 +9,21 @@
 //!   trace as candidate (an engine glmdiff cannot run) the reference runs the step from the
 //!   trace's own inputs and is compared with the trace's output.
 //!
+//! Selections are step inputs: the attention step reads the DSA key selection (`indexer_topk`),
+//! the expert step the routing (`moe_topk_ids`, `moe_weights`). In replay they come from the
+//! candidate (its own selection from the reference's scores), so that attention and expert
+//! arithmetic are checked on the keys and experts the candidate really used; when that differs
+//! from the reference's selection the reference recomputes the step with the candidate's
+//! selection, so both sides still start from the same inputs. The selection step itself is
+//! judged on its own. A trace that lacks a selection falls back on the reference's, and the pair
+//! says so.
+//!
 //! Every output the sink wants is downloaded, handed to the sink as a (reference, candidate) pair
 //! and dropped: nothing accumulates here, so memory stays bounded by a layer's activations.
 //! Hooks that cannot be compared (missing from a trace, or a step whose inputs are missing) are
 //! reported to the sink as missing, not as errors.
+
+use std::collections::HashMap;
 
 use anyhow::{Context, Result};
 
@@ -79,12 +90,14 @@ pub fn run_pair<R: Engine, C: Engine>(
         _ => None,
     };
     let mut summary = PairSummary::default();
+    // The candidate's replayed selections (engine candidates), by hook name.
+    let mut cand_sel: HashMap<String, HostTensor> = HashMap::new();
     progress.start("layers", plan.layers().len() as u64);
     while let Some(step) = refr.peek() {
         // Replay inputs are taken before the reference moves on (its step may drop them), and
         // only for steps with a wanted hook: nothing else leaves the reference.
         let replay_inputs = if modes.replay && step_wanted(step, &*sink, weights) {
-            Some(replay_inputs(&refr, &candidate, step, start)?)
+            Some(replay_inputs(&refr, &candidate, step, start, &cand_sel)?)
         } else {
             None
         };
@@ -132,6 +145,7 @@ pub fn run_pair<R: Engine, C: Engine>(
                 step,
                 reference_side.cloned(),
                 cand_out,
+                None,
                 &mut summary,
             )?;
         }
@@ -145,27 +159,58 @@ pub fn run_pair<R: Engine, C: Engine>(
                     }
                 }
                 Ok(inputs) => {
-                    let wants = |n: &str| sink.wants(n);
+                    let wants = |n: &str| sink.wants(n) || is_selection(n);
                     match &candidate {
                         Candidate::Engine(c) => {
-                            let out = replay_step(*c, step, &inputs, tokens, &wants)?;
-                            let cand: Vec<(String, Option<HostTensor>)> =
-                                out.into_iter().map(|(n, t)| (n, Some(t))).collect();
-                            let reference_side = ref_out.iter().chain(&ref_extra).cloned();
-                            hand_over(
-                                sink,
-                                Mode::Replay,
-                                absent(&candidate),
-                                step,
-                                reference_side,
-                                cand,
-                                &mut summary,
-                            )?;
+                            if step.op == Op::Alias {
+                                // No arithmetic: the candidate's selection keeps its new name.
+                                if let (Some(src), Some(out)) =
+                                    (step.inputs.first(), step.outputs.first())
+                                {
+                                    if let Some(v) = cand_sel.get(src).cloned() {
+                                        cand_sel.insert(out.clone(), v);
+                                    }
+                                }
+                            } else {
+                                let out = replay_step(*c, step, &inputs.values, tokens, &wants)?;
+                                for (n, t) in &out {
+                                    if is_selection(n) {
+                                        cand_sel.insert(n.clone(), t.clone());
+                                    }
+                                }
+                                // The reference recomputes the step when the candidate's
+                                // selection differs from its own.
+                                let reference_side: Vec<(String, HostTensor)> = if inputs
+                                    .substituted
+                                {
+                                    replay_step(reference, step, &inputs.values, tokens, &wants)?
+                                } else {
+                                    ref_out.iter().chain(&ref_extra).cloned().collect()
+                                };
+                                let reference_side: Vec<(String, HostTensor)> = reference_side
+                                    .into_iter()
+                                    .filter(|(n, _)| sink.wants(n))
+                                    .collect();
+                                let cand: Vec<(String, Option<HostTensor>)> =
+                                    out.into_iter().map(|(n, t)| (n, Some(t))).collect();
+                                hand_over(
+                                    sink,
+                                    Mode::Replay,
+                                    absent(&candidate),
+                                    step,
+                                    reference_side.into_iter(),
+                                    cand,
+                                    inputs.note.as_deref(),
+                                    &mut summary,
+                                )?;
+                            }
                         }
                         Candidate::Trace(tr) => {
                             // The reference runs the step from the trace's inputs; the trace's
                             // outputs are the candidate.
-                            let out = replay_step(reference, step, &inputs, tokens, &wants)?;
+                            let out = replay_step(reference, step, &inputs.values, tokens, &wants)?;
+                            let out: Vec<(String, HostTensor)> =
+                                out.into_iter().filter(|(n, _)| sink.wants(n)).collect();
                             let cand: Vec<(String, Option<HostTensor>)> = out
                                 .iter()
                                 .map(|(n, _)| Ok((n.clone(), tr.get(n)?)))
@@ -177,6 +222,7 @@ pub fn run_pair<R: Engine, C: Engine>(
                                 step,
                                 out.into_iter(),
                                 cand,
+                                inputs.note.as_deref(),
                                 &mut summary,
                             )?;
                         }
@@ -205,35 +251,75 @@ fn step_wanted(step: &Step, sink: &dyn PairSink, weights: &Weights<'_>) -> bool 
         }
 }
 
-/// The host values of `step`'s inputs that replay feeds both sides: the reference's own, or,
-/// for a trace candidate, the trace's (`Err` names the first input the trace lacks).
+/// Whether hook `name` is a selection a later step reads (DSA keys, routed experts and their
+/// weights).
+pub fn is_selection(name: &str) -> bool {
+    let p = crate::model::names::split_blk(name).map_or(name, |(_, p)| p);
+    p == point::INDEXER_TOPK || p == point::MOE_TOPK_IDS || p == point::MOE_WEIGHTS
+}
+
+/// The inputs replay feeds both sides of one step.
+struct ReplayInputs {
+    /// One host value per step input.
+    values: Vec<HostTensor>,
+    /// A selection input was replaced by the candidate's, and differs from the reference's.
+    substituted: bool,
+    /// Said to the sink with every pair of the step.
+    note: Option<String>,
+}
+
+/// The host values of `step`'s inputs that replay feeds both sides: the reference's own with
+/// the candidate's selections (engine candidate), or the trace's (trace candidate; a selection
+/// the trace lacks comes from the reference, other missing inputs make the step unreplayable:
+/// `Err` names the first).
 fn replay_inputs<R: Engine, C: Engine>(
     refr: &Runner<'_, R>,
     candidate: &Candidate<'_, C>,
     step: &Step,
     start: &[(String, HostTensor)],
-) -> Result<std::result::Result<Vec<HostTensor>, String>> {
-    let mut v = Vec::with_capacity(step.inputs.len());
+    cand_sel: &HashMap<String, HostTensor>,
+) -> Result<std::result::Result<ReplayInputs, String>> {
+    let mut r = ReplayInputs {
+        values: Vec::with_capacity(step.inputs.len()),
+        substituted: false,
+        note: None,
+    };
+    let reference_value = |n: &str| -> Result<HostTensor> {
+        let t = refr
+            .get(n)
+            .with_context(|| format!("driver: replay input {n} is not alive"))?;
+        refr.engine().download(t)
+    };
     for n in &step.inputs {
         match candidate {
             Candidate::Engine(_) => {
-                let t = refr
-                    .get(n)
-                    .with_context(|| format!("driver: replay input {n} is not alive"))?;
-                v.push(refr.engine().download(t)?);
+                let own = reference_value(n)?;
+                match cand_sel.get(n) {
+                    Some(c) if step.op != Op::Alias && *c != own => {
+                        r.substituted = true;
+                        r.values.push(c.clone());
+                    }
+                    _ => r.values.push(own),
+                }
             }
             Candidate::Trace(tr) => match tr.get(n)? {
-                Some(t) => v.push(t),
+                Some(t) => r.values.push(t),
                 // The run's starting values stand for the trace's when it lacks them (a trace
                 // of layers A..B only): both sides then start from the same residual.
                 None => match start.iter().find(|(s, _)| s == n) {
-                    Some((_, t)) => v.push(t.clone()),
+                    Some((_, t)) => r.values.push(t.clone()),
+                    None if is_selection(n) => {
+                        r.values.push(reference_value(n)?);
+                        r.note = Some(format!(
+                            "{n} is not in the trace: the reference's selection was used"
+                        ));
+                    }
                     None => return Ok(Err(format!("input {n} is not in the trace"))),
                 },
             },
         }
     }
-    Ok(Ok(v))
+    Ok(Ok(r))
 }
 
 /// Runs `step` on `engine` from host `inputs` and returns every output `wants` asks for, as host
@@ -302,6 +388,7 @@ fn absent<C: Engine>(c: &Candidate<'_, C>) -> &'static str {
 
 /// Pairs reference and candidate outputs by name and hands them to the sink; a candidate
 /// output that is `None` (not in a trace) is reported missing.
+#[allow(clippy::too_many_arguments)]
 fn hand_over(
     sink: &mut dyn PairSink,
     mode: Mode,
@@ -309,6 +396,7 @@ fn hand_over(
     step: &Step,
     reference: impl Iterator<Item = (String, HostTensor)>,
     candidate: Vec<(String, Option<HostTensor>)>,
+    note: Option<&str>,
     summary: &mut PairSummary,
 ) -> Result<()> {
     let mut candidate = candidate;
@@ -325,6 +413,7 @@ fn hand_over(
                     inputs: &step.inputs,
                     reference: r,
                     candidate: c,
+                    note: note.map(str::to_string),
                 })?;
                 summary.pairs += 1;
             }

@@ -67,6 +67,7 @@ fn status_word(r: Option<&ModeResult>) -> &'static str {
     match r.map(|r| r.status) {
         None => "",
         Some(Status::Pass) => "ok",
+        Some(Status::NearTie) => "near-tie",
         Some(Status::Fail) => "FAIL",
         Some(Status::Drift) => "drift",
         Some(Status::Missing) => "missing",
@@ -82,6 +83,13 @@ fn verdict(rec: &HookRecord) -> String {
     let all_ok = [&rec.replay, &rec.chained]
         .iter()
         .all(|r| r.as_ref().is_none_or(|r| r.status == Status::Pass));
+    let near = [&rec.replay, &rec.chained].iter().all(|r| {
+        r.as_ref()
+            .is_none_or(|r| matches!(r.status, Status::Pass | Status::NearTie))
+    });
+    if near && !all_ok {
+        return "ok (near-tie flips)".into();
+    }
     if all_ok {
         "ok".into()
     } else {
@@ -199,6 +207,12 @@ pub fn render(h: &Header, c: &Comparison, text: &dyn Fn(u32) -> String, all_step
         }
         if g.missing > 0 {
             v.push_str(&format!(", {} missing", g.missing));
+        }
+        if g.near_tie.iter().any(|&n| n > 0) {
+            v.push_str(&format!(
+                ", near-tie flips: {} rows replay, {} chained",
+                g.near_tie[0], g.near_tie[1]
+            ));
         }
         t.add_row(vec![
             format!("layer {} ({} hooks)", g.label, g.records.len()),

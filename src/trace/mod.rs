@@ -75,6 +75,9 @@ pub struct Pair<'s> {
     pub reference: HostTensor,
     /// The candidate's value.
     pub candidate: HostTensor,
+    /// How the inputs were chosen, when not as the mode says (e.g. a selection a trace lacks,
+    /// taken from the reference).
+    pub note: Option<String>,
 }
 
 /// Receives (reference, candidate) pairs.

@@ -1,0 +1,237 @@
+//! Judging a selection that differs (DSA keys, routed experts) by its margin.
+//!
+//! A low-precision engine that computes the scores a little differently will pick another key
+//! or expert wherever two candidates are nearly tied: that is expected, not a bug. A mapping or
+//! router bug picks others with a clear gap. For each row whose selected set differs, with the
+//! reference's scores `s` of that row (the DSA index scores, or the router probabilities plus
+//! the selection bias):
+//!
+//! - `entered` = what the candidate chose and the reference did not, `left` = the reverse;
+//! - the row's margin is `max over e in entered of min over l in left of |s(e) - s(l)|`: the
+//!   score gap between what came in and the closest thing that went out (padding or a masked,
+//!   non-causal key makes it infinite);
+//! - the row's tolerance is `rel_tol * rms(finite scores of the row)`, where `rel_tol` is the
+//!   relative error allowed at the score hook in that mode (its floor, or in chained mode the
+//!   larger of the floor and the error the scores really show there);
+//! - margin <= tolerance: a near-tie flip (expected, counted); otherwise a confident flip (a
+//!   divergence).
+
+use serde::Serialize;
+
+use super::metrics::row_set;
+
+/// One flipped row.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct FlipAt {
+    /// Row (token).
+    pub token: usize,
+    /// Score gap between what entered and what left (module documentation).
+    pub margin: f64,
+    /// What the gap is allowed to be.
+    pub tolerance: f64,
+    /// Chosen by the candidate only.
+    pub entered: Vec<i32>,
+    /// Chosen by the reference only.
+    pub left: Vec<i32>,
+}
+
+/// Flips of one selection hook.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct FlipStats {
+    /// Rows compared.
+    pub rows: usize,
+    /// Rows whose sets differ.
+    pub differing: usize,
+    /// Of those, within the tolerance.
+    pub near_tie: usize,
+    /// Of those, beyond it (or not judged: no scores).
+    pub confident: usize,
+    /// Smallest and largest margin over differing rows.
+    pub margins: Option<(f64, f64)>,
+    /// The largest margin / tolerance.
+    pub max_ratio: Option<f64>,
+    /// The first differing row.
+    pub first: Option<FlipAt>,
+    /// The first confident flip.
+    pub first_confident: Option<FlipAt>,
+    /// Whether the reference's scores were at hand (otherwise every flip counts as confident).
+    pub judged: bool,
+}
+
+/// The reference's scores of one selection: `[rows, cols]` values plus an optional per-column
+/// bias added for selection (`exp_probs_b`), and the relative tolerance.
+pub struct Scores<'a> {
+    /// Row-major scores.
+    pub values: &'a [f32],
+    /// Columns per row.
+    pub cols: usize,
+    /// Selection bias per column.
+    pub bias: Option<&'a [f32]>,
+    /// Relative error allowed at the score hook.
+    pub rel_tol: f64,
+}
+
+/// Judges the rows of `candidate` against `reference` (`width` ids per row, -1 padding).
+pub fn judge_flips(
+    reference: &[i32],
+    candidate: &[i32],
+    width: usize,
+    scores: Option<&Scores<'_>>,
+) -> FlipStats {
+    let w = width.max(1);
+    let mut st = FlipStats {
+        rows: 0,
+        differing: 0,
+        near_tie: 0,
+        confident: 0,
+        margins: None,
+        max_ratio: None,
+        first: None,
+        first_confident: None,
+        judged: scores.is_some(),
+    };
+    for (t, (rr, cr)) in reference.chunks(w).zip(candidate.chunks(w)).enumerate() {
+        st.rows += 1;
+        let (sr, sc) = (row_set(rr), row_set(cr));
+        if sr == sc
+            && rr.iter().filter(|&&x| x < 0).count() == cr.iter().filter(|&&x| x < 0).count()
+        {
+            continue;
+        }
+        st.differing += 1;
+        let entered: Vec<i32> = sc
+            .iter()
+            .copied()
+            .filter(|x| sr.binary_search(x).is_err())
+            .collect();
+        let left: Vec<i32> = sr
+            .iter()
+            .copied()
+            .filter(|x| sc.binary_search(x).is_err())
+            .collect();
+        let (margin, tolerance) = match scores {
+            None => (f64::INFINITY, 0.0),
+            Some(s) => row_margin(s, t, &entered, &left),
+        };
+        let at = FlipAt {
+            token: t,
+            margin,
+            tolerance,
+            entered,
+            left,
+        };
+        st.margins = Some(match st.margins {
+            None => (margin, margin),
+            Some((a, b)) => (a.min(margin), b.max(margin)),
+        });
+        let ratio = if tolerance > 0.0 {
+            margin / tolerance
+        } else {
+            f64::INFINITY
+        };
+        st.max_ratio = Some(st.max_ratio.map_or(ratio, |r: f64| r.max(ratio)));
+        if margin <= tolerance {
+            st.near_tie += 1;
+        } else {
+            st.confident += 1;
+            if st.first_confident.is_none() {
+                st.first_confident = Some(at.clone());
+            }
+        }
+        if st.first.is_none() {
+            st.first = Some(at);
+        }
+    }
+    st
+}
+
+/// `(margin, tolerance)` of row `t` (module documentation).
+fn row_margin(s: &Scores<'_>, t: usize, entered: &[i32], left: &[i32]) -> (f64, f64) {
+    let Some(row) = s.values.get(t * s.cols..(t + 1) * s.cols) else {
+        return (f64::INFINITY, 0.0);
+    };
+    let finite: Vec<f64> = row
+        .iter()
+        .filter(|x| x.is_finite())
+        .map(|&x| f64::from(x))
+        .collect();
+    let rms = if finite.is_empty() {
+        0.0
+    } else {
+        (finite.iter().map(|x| x * x).sum::<f64>() / finite.len() as f64).sqrt()
+    };
+    let score = |i: i32| -> f64 {
+        if i < 0 || i as usize >= s.cols {
+            return f64::NAN;
+        }
+        let b = s
+            .bias
+            .and_then(|b| b.get(i as usize))
+            .map_or(0.0, |&b| f64::from(b));
+        f64::from(row[i as usize]) + b
+    };
+    let gap = |a: f64, b: f64| -> f64 {
+        let d = (a - b).abs();
+        if d.is_nan() {
+            f64::INFINITY
+        } else {
+            d
+        }
+    };
+    // Different counts (padding where the other side has a key) cannot be a tie.
+    let margin = if entered.len() != left.len() {
+        f64::INFINITY
+    } else {
+        entered
+            .iter()
+            .map(|&e| {
+                left.iter()
+                    .map(|&l| gap(score(e), score(l)))
+                    .fold(f64::INFINITY, f64::min)
+            })
+            .fold(0.0, f64::max)
+    };
+    (margin, s.rel_tol * rms)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn margins_by_hand() {
+        // One row of 4 scores [1.0, 0.9, 0.5, 0.1], top-2 reference {0, 1}.
+        // rms = sqrt((1 + 0.81 + 0.25 + 0.01) / 4) = sqrt(0.5175) = 0.71937.
+        let v = [1.0f32, 0.9, 0.5, 0.1];
+        let s = Scores {
+            values: &v,
+            cols: 4,
+            bias: None,
+            rel_tol: 0.1, // tolerance 0.071937
+        };
+        // Candidate {0, 2}: 2 entered, 1 left: margin |0.5 - 0.9| = 0.4 > 0.072: confident.
+        let st = judge_flips(&[0, 1], &[0, 2], 2, Some(&s));
+        assert_eq!((st.differing, st.near_tie, st.confident), (1, 0, 1));
+        let f = st.first_confident.unwrap();
+        assert!(
+            (f.margin - 0.4).abs() < 1e-6 && (f.tolerance - 0.1 * 0.5175f64.sqrt()).abs() < 1e-9
+        );
+        assert_eq!((f.entered, f.left), (vec![2], vec![1]));
+        // A bias moves expert 2 next to expert 1: 0.5 + 0.38 = 0.88 vs 0.9: gap 0.02 < 0.072.
+        let b = [0.0f32, 0.0, 0.38, 0.0];
+        let s = Scores {
+            bias: Some(&b),
+            ..s
+        };
+        let st = judge_flips(&[0, 1], &[0, 2], 2, Some(&s));
+        assert_eq!((st.near_tie, st.confident), (1, 0));
+        assert!((st.margins.unwrap().0 - 0.02).abs() < 1e-6);
+        // Order alone is not a flip; padding against a key is confident.
+        assert_eq!(judge_flips(&[0, 1], &[1, 0], 2, Some(&s)).differing, 0);
+        let st = judge_flips(&[0, 1], &[0, -1], 2, Some(&s));
+        assert_eq!(st.confident, 1);
+        // Without scores every flip is confident and the stats say it was not judged.
+        let st = judge_flips(&[0, 1], &[0, 2], 2, None);
+        assert_eq!((st.confident, st.judged), (1, false));
+    }
+}
