@@ -276,6 +276,76 @@ fn a_planted_error_is_named_at_its_hook() {
     assert_eq!(j["first_divergence_chained"]["hook"], "blk.2.moe_topk_ids");
 }
 
+/// Garbage logits (the failure glmdiff was made for: every token near -ln vocab) are flagged
+/// FLAT; each mode alone gives its own verdicts; `--all-steps` expands every layer.
+#[test]
+fn flat_logits_modes_and_all_steps() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (trace, gguf) = golden_pairs()
+        .into_iter()
+        .find(|(t, _)| t.to_string_lossy().contains("glm5-tiny-q.short"))
+        .unwrap();
+    let flat = dir.path().join("flat.trace.safetensors");
+    doctored(&trace, &flat, |t| scale(t.get_mut("logits").unwrap(), 0.01));
+    let g = gguf.to_str().unwrap();
+    let against = format!("trace:{}", flat.display());
+    let json = dir.path().join("r.json");
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "run",
+            g,
+            "--against",
+            &against,
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("FLAT: the candidate's distribution is close to uniform"),
+        "{}",
+        text(&o)
+    );
+    let j = read_json(&json);
+    assert_eq!(j["first_divergence"]["hook"], "logits");
+    assert_eq!(j["logits"]["chained"]["candidate_flat"], true);
+
+    let good = format!("trace:{}", trace.display());
+    for mode in ["replay", "chained"] {
+        let o = glmdiff(
+            cache.path(),
+            &[
+                "run",
+                g,
+                "--against",
+                &good,
+                "--mode",
+                mode,
+                "--all-steps",
+                "--json",
+                json.to_str().unwrap(),
+            ],
+        );
+        assert_eq!(o.status.code(), Some(0), "{mode}: {}", text(&o));
+        let j = read_json(&json);
+        assert_eq!(j["modes"], serde_json::json!([mode]));
+        let other = if mode == "replay" {
+            "chained"
+        } else {
+            "replay"
+        };
+        assert!(j["records"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r[other].is_null()));
+        // Every hook has its own row: blk.1.l_out is printed, not folded.
+        assert!(text(&o).contains("| blk.1.l_out"), "{}", text(&o));
+    }
+}
+
 /// Hooks missing from a trace are listed, not fatal; a trace of other tokens is an error.
 #[test]
 fn missing_hooks_are_listed_and_other_tokens_refused() {

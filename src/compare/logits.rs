@@ -2,14 +2,15 @@
 //! probabilities, entropy, `KL(ref || cand)`, top-1 agreement and the log probability each side
 //! gives the prompt's actual next token. All in f64 from the f32 logits.
 //!
-//! Flat distributions are flagged: a side whose mean entropy is above [`FLAT_FRACTION`] of the
-//! uniform distribution's (`ln vocab`) while the other's is not. That is the failure glmdiff was
-//! made for: logprobs all near `-ln vocab`, known tokens at -20.
+//! Flat distributions are flagged: the candidate is *flat* when its mean entropy is less than
+//! [`FLAT_GAP_RATIO`] of the reference's distance from the uniform distribution (`ln vocab -
+//! H`), i.e. its logits carry less than half the information the reference's do. That is the
+//! failure glmdiff was made for: top tokens near -5, known tokens at -20, no preference left.
 
 use serde::Serialize;
 
-/// Mean entropy above this fraction of `ln vocab` counts as flat.
-pub const FLAT_FRACTION: f64 = 0.8;
+/// The candidate is flat when `ln V - H_cand < FLAT_GAP_RATIO * (ln V - H_ref)`.
+pub const FLAT_GAP_RATIO: f64 = 0.5;
 
 /// One side's view of one position.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -157,8 +158,8 @@ pub fn analyse(
             mean_next(&|p| p.candidate.next_logprob),
         ],
         candidate_flat: vocab > 1
-            && mean_entropy[1] > FLAT_FRACTION * uniform
-            && mean_entropy[0] <= FLAT_FRACTION * uniform,
+            && uniform - mean_entropy[0] > 0.0
+            && uniform - mean_entropy[1] < FLAT_GAP_RATIO * (uniform - mean_entropy[0]),
         mean_entropy,
         positions,
     }
@@ -186,13 +187,14 @@ mod tests {
         assert_eq!(p.candidate.top[0].0, 0);
         assert!(!p.top1_agree);
         assert_eq!(p.next_token, None);
-        // H(p) = 0.562 is above 0.8 ln 2 = 0.555 as well: both count as flat, so not flagged.
-        assert!(!a.candidate_flat);
-        // Vocab 4: reference [0, 0, 0, 5] (p = [e^-5, e^-5, e^-5, 1] / Z, H = 0.11 nats), candidate
-        // uniform (H = ln 4): the candidate alone is flat.
-        let a = analyse(&[0.0, 0.0, 0.0, 5.0], &[0.0; 4], 4, &[0], 1);
-        assert!(a.mean_entropy[0] < 0.2 && (a.mean_entropy[1] - 4f64.ln()).abs() < 1e-12);
+        // Gaps to uniform: reference ln 2 - 0.562 = 0.131, candidate 0 < 0.5 * 0.131: flat.
         assert!(a.candidate_flat);
+        // Vocab 4: reference [0, 0, 0, 5] (H = 0.11 nats, gap 1.27), candidate [0, 0, 0, 4]
+        // (H = 0.27, gap 1.11 > 0.5 * 1.27): less sharp, not flat; the reverse is not flat either.
+        let a = analyse(&[0.0, 0.0, 0.0, 5.0], &[0.0, 0.0, 0.0, 4.0], 4, &[0], 1);
+        assert!(a.mean_entropy[0] < 0.2 && !a.candidate_flat);
+        let a = analyse(&[0.0, 0.0, 0.0, 4.0], &[0.0, 0.0, 0.0, 5.0], 4, &[0], 1);
+        assert!(!a.candidate_flat);
     }
 
     #[test]

@@ -358,8 +358,8 @@ pub fn render_logits(mode: Mode, l: &LogitsReport, text: &dyn Fn(u32) -> String)
     if l.candidate_flat {
         let _ = writeln!(
             s,
-            "FLAT: the candidate's distribution is nearly uniform (entropy {:.2} of at most {:.2}) while the reference's is not: its logits carry no information",
-            l.mean_entropy[1], l.uniform_entropy
+            "FLAT: the candidate's distribution is close to uniform (entropy {:.2}, uniform {:.2}, reference {:.2}): its logits carry less than half the reference's information",
+            l.mean_entropy[1], l.uniform_entropy, l.mean_entropy[0]
         );
     }
     // At most 12 positions: the first 3, the last, and the largest KL.
