@@ -33,38 +33,7 @@ fn fixtures_root() -> PathBuf {
 
 /// `(trace, gguf)` pairs of every golden trace under `fixtures/models/*/`.
 fn golden_pairs() -> Vec<(PathBuf, PathBuf)> {
-    let mut out = Vec::new();
-    let root = fixtures_root();
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap_or_else(|e| panic!("no model fixtures at {}: {e}", root.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.is_dir())
-        .collect();
-    dirs.sort();
-    for dir in dirs {
-        let mut traces: Vec<PathBuf> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .filter(|p| p.to_string_lossy().ends_with(".trace.safetensors"))
-            .collect();
-        traces.sort();
-        for tr in traces {
-            let t = read_trace(&tr).unwrap();
-            let models: Vec<String> = match t.metadata.get("models") {
-                Some(m) => serde_json::from_str(m).unwrap(),
-                None => vec![t.metadata["model"].clone()],
-            };
-            for m in models {
-                out.push((tr.clone(), dir.join(m)));
-            }
-        }
-    }
-    assert!(
-        !out.is_empty(),
-        "no golden traces under {}",
-        fixtures_root().display()
-    );
-    out
+    crate::common::trace_pairs(&fixtures_root(), &fixtures_root())
 }
 
 /// Runs the whole forward pass of `gguf` on `tokens`, keeping the hooks `filter` wants.

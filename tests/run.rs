@@ -11,33 +11,12 @@ use glmdiff::trace::{read_trace, write_trace, Mode, TraceMeta, TraceValues};
 use serde_json::Value;
 
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/models")
+    crate::common::fixtures("models")
 }
 
 /// Every (golden trace, GGUF) pair of the fixtures.
 fn golden_pairs() -> Vec<(PathBuf, PathBuf)> {
-    let mut out = Vec::new();
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(fixtures())
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.is_dir())
-        .collect();
-    dirs.sort();
-    for d in dirs {
-        let mut traces: Vec<PathBuf> = std::fs::read_dir(&d)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .filter(|p| p.to_string_lossy().ends_with(".trace.safetensors"))
-            .collect();
-        traces.sort();
-        for t in traces {
-            let tr = read_trace(&t).unwrap();
-            let models: Vec<String> = serde_json::from_str(&tr.metadata["models"]).unwrap();
-            for m in models {
-                out.push((t.clone(), d.join(m)));
-            }
-        }
-    }
+    let out = crate::common::trace_pairs(&fixtures(), &fixtures());
     assert!(out.len() >= 12, "fixture pairs: {}", out.len());
     out
 }

@@ -2,6 +2,7 @@ mod bench_layer;
 mod cli;
 mod common;
 mod dequant;
+mod engines;
 mod malformed;
 mod reference;
 mod run;

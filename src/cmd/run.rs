@@ -135,6 +135,24 @@ fn check_outputs(json: &Option<PathBuf>, plot: &Option<PathBuf>) -> Result<()> {
     Ok(())
 }
 
+/// Prints the report, writes `--json` and `--plot`, and turns the verdict into the outcome.
+fn finish(
+    h: &Header,
+    c: &Comparison,
+    text: &dyn Fn(u32) -> String,
+    all_steps: bool,
+    json: &Option<PathBuf>,
+    plot: &Option<PathBuf>,
+) -> Result<Outcome> {
+    print!("{}", render(h, c, text, all_steps));
+    write_outputs(h, c, json, plot)?;
+    Ok(if c.differs() {
+        Outcome::Differs
+    } else {
+        Outcome::Ok
+    })
+}
+
 fn write_outputs(
     h: &Header,
     c: &Comparison,
@@ -300,6 +318,7 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
     };
 
     // Judge.
+    let mut header_notes = Vec::new();
     let ref_prec = Precision::parse(&reference.dtype()).context("run: reference precision")?;
     let second = CpuEngine::new(&weights);
     let (cand_desc, cand_prec) = match (&against, &trace) {
@@ -341,9 +360,16 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
         candidate: cand_prec,
         infos: hook_infos(&plan.steps, &weights),
         tol: args.tol.clone(),
-        precision: precision_overrides(&args.precision)?,
+        precision: {
+            let mut p = precision_overrides(&args.precision)?;
+            if let Some(t) = &trace {
+                p.extend(trace_precision(t, &mut header_notes));
+            }
+            p
+        },
         selection_bias: selection_bias(&weights, &plan)?,
     };
+    notes.append(&mut header_notes);
     let mut cmp = Comparison::new(judge, wants_with_scores(&args.hook), &tokens);
     let t0 = Instant::now();
     let candidate: Candidate<'_, CpuEngine<'_>> = match &trace {
@@ -404,13 +430,7 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
         ));
     }
     let text = |id: u32| token_text(tok, id);
-    print!("{}", render(&header, &cmp, &text, args.all_steps));
-    write_outputs(&header, &cmp, &args.json, &args.plot)?;
-    Ok(if cmp.differs() {
-        Outcome::Differs
-    } else {
-        Outcome::Ok
-    })
+    finish(&header, &cmp, &text, args.all_steps, &args.json, &args.plot)
 }
 
 /// `--precision` pairs as precisions.
@@ -422,6 +442,28 @@ fn precision_overrides(p: &[(String, String)]) -> Result<Vec<(String, Precision)
                 .with_context(|| format!("--precision {g}={d}: unknown dtype"))
         })
         .collect()
+}
+
+/// Precision overrides a trace declares: `indexer_dtype` (e.g. `fp8` for an FP8 DSA indexer)
+/// sets the precision of `blk.*.indexer_*`. `--precision` flags come first and win.
+fn trace_precision(t: &TraceFile, notes: &mut Vec<String>) -> Vec<(String, Precision)> {
+    let Some(d) = t.metadata().get("indexer_dtype") else {
+        return Vec::new();
+    };
+    match Precision::parse(d) {
+        Some(p) => {
+            notes.push(format!(
+                "the trace's indexer_dtype {d:?} sets the candidate's precision of blk.*.indexer_*"
+            ));
+            vec![("blk.*.indexer_*".to_string(), p)]
+        }
+        None => {
+            notes.push(format!(
+                "the trace's indexer_dtype {d:?} is not a known precision; ignored"
+            ));
+            Vec::new()
+        }
+    }
 }
 
 /// The hooks a comparison keeps: `--hook` globs (all standard hooks without them), plus the
@@ -527,7 +569,11 @@ pub fn compare(args: &CompareArgs) -> Result<Outcome> {
         candidate: prec(&candidate, "candidate", &mut notes)?,
         infos: HashMap::new(),
         tol: args.tol.clone(),
-        precision: precision_overrides(&args.precision)?,
+        precision: {
+            let mut p = precision_overrides(&args.precision)?;
+            p.extend(trace_precision(&candidate, &mut notes));
+            p
+        },
         selection_bias: HashMap::new(),
     };
     let mut names: Vec<String> = reference.names().map(str::to_string).collect();
@@ -595,11 +641,5 @@ pub fn compare(args: &CompareArgs) -> Result<Outcome> {
         timings: Vec::new(),
     };
     let text = |id: u32| id.to_string();
-    print!("{}", render(&header, &cmp, &text, args.all_steps));
-    write_outputs(&header, &cmp, &args.json, &args.plot)?;
-    Ok(if cmp.differs() {
-        Outcome::Differs
-    } else {
-        Outcome::Ok
-    })
+    finish(&header, &cmp, &text, args.all_steps, &args.json, &args.plot)
 }

@@ -3,18 +3,20 @@
 //! divergence in each mode.
 //!
 //! # Rules
-//! - **replay**: a float hook fails when its relative L2 error is above its floor, or when the
-//!   candidate has NaN/Inf where the reference has a finite value (or the reverse). A selection
+//! - **replay**: a float hook fails when its relative L2 error is above its floor, when one
+//!   token's error is above `TOKEN_FACTOR` times the floor, or when the candidate has NaN/Inf
+//!   where the reference has a finite value (or the reverse). A selection
 //!   hook (`indexer_topk`, `moe_topk_ids`) whose sets differ is judged by the margin of each flip
 //!   ([`super::selection`]): near-tie flips are expected (status `near_tie`), a confident flip
 //!   fails.
 //! - **chained**: a float hook fails when its error jumps above what its inputs explain:
 //!   `floor + chain_amp * max(chained error of its inputs)` (the error a correct step passes
 //!   on); NaN/Inf always fails. Selections are judged by margin as in replay, with the score
-//!   hook's chained error as the tolerance when it is larger than the floor. Downstream of a
-//!   selection that differs (near-tie or confident), a jump is *drift*: other keys or experts
-//!   were used, which is what the user's output shows, not a new divergence. Drift names where it
-//!   started (hook, token, margin).
+//!   hook's chained error as the tolerance when it is larger than the floor. Everything computed
+//!   after a selection that differs (near-tie or confident), in that layer and all later ones,
+//!   carries that origin: a jump there, a float one or another selection change, is *drift*
+//!   (other keys or experts were used, which is what the user's output shows), not a new
+//!   divergence. Drift names where it started (hook, token, margin).
 //! - The first divergence of a mode is the first hook, in the order of the forward pass, that
 //!   fails in it. The outcome differs (exit 1) when replay has a failure, when chained has a
 //!   confident flip or NaN/Inf, or when only chained ran and it has a failure.
@@ -26,7 +28,7 @@ use std::collections::HashMap;
 use anyhow::Result;
 use serde::Serialize;
 
-use super::floors::{floor, point_of, HookInfo, Precision};
+use super::floors::{floor, point_of, HookInfo, Precision, TOKEN_FACTOR};
 use super::logits::{analyse, LogitsReport};
 use super::metrics::{compare, Metrics};
 use super::selection::{judge_flips, FlipStats, Scores};
@@ -345,7 +347,20 @@ impl Comparison {
                     m.nonfinite_mismatch, m.nan[1], m.inf[1], m.nan[0], m.inf[0]
                 ));
             }
-            Metrics::Float(_) if error <= allowed => {}
+            // Within what is allowed; downstream of a selection that differs the hook still
+            // carries that origin, so that a later jump is told apart from a new divergence.
+            Metrics::Float(m)
+                if pair.mode == Mode::Replay
+                    && m.worst_token()
+                        .is_some_and(|(_, e)| e > TOKEN_FACTOR * allowed) =>
+            {
+                let (t, e) = m.worst_token().unwrap_or((0, f64::NAN));
+                r.status = Status::Fail;
+                r.note = Some(format!(
+                    "token {t}: error {e:.3e} above {TOKEN_FACTOR} x the floor {allowed:.3e} (the whole tensor: {error:.3e})"
+                ));
+            }
+            Metrics::Float(_) if error <= allowed => r.drift_from = origin,
             Metrics::Float(_) if origin.is_some() => {
                 r.status = Status::Drift;
                 r.note = Some(format!(
@@ -358,7 +373,7 @@ impl Comparison {
                 r.status = Status::Fail;
                 r.note = Some(format!("error {error:.3e} above the allowed {allowed:.3e}"));
             }
-            Metrics::Ids(m) if m.set_equal_rows == m.rows => {}
+            Metrics::Ids(m) if m.set_equal_rows == m.rows => r.drift_from = origin,
             Metrics::Ids(_) => {
                 let (reference, candidate) = (
                     pair.reference.as_i32(pair.name).unwrap_or(&[]),

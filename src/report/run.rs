@@ -425,6 +425,8 @@ fn mode_json(r: &Option<ModeResult>) -> Value {
             "allowed": r.allowed,
             "note": r.note,
             "metrics": r.metrics,
+            "flips": r.flips,
+            "drift_from": r.drift_from,
         }),
     }
 }

@@ -1,3 +1,46 @@
 //! Helpers shared by the integration tests.
 
 pub mod gguf_bytes;
+
+use std::path::{Path, PathBuf};
+
+/// The repository's fixture directory `fixtures/<sub>`.
+pub fn fixtures(sub: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(sub)
+}
+
+/// `(trace, gguf)` for every `*.trace.safetensors` in the subdirectories of `traces_root` and
+/// every GGUF its metadata lists (`models`, else `model`), found in the directory of the same
+/// name under `models_root`. Sorted by directory and file name.
+pub fn trace_pairs(traces_root: &Path, models_root: &Path) -> Vec<(PathBuf, PathBuf)> {
+    let mut out = Vec::new();
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(traces_root)
+        .unwrap_or_else(|e| panic!("no trace fixtures at {}: {e}", traces_root.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    dirs.sort();
+    for dir in dirs {
+        let mut traces: Vec<PathBuf> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.to_string_lossy().ends_with(".trace.safetensors"))
+            .collect();
+        traces.sort();
+        let models_dir = models_root.join(dir.file_name().unwrap());
+        for tr in traces {
+            let t = glmdiff::trace::read_trace(&tr).unwrap();
+            let models: Vec<String> = match t.metadata.get("models") {
+                Some(m) => serde_json::from_str(m).unwrap(),
+                None => vec![t.metadata["model"].clone()],
+            };
+            for m in models {
+                out.push((tr.clone(), models_dir.join(m)));
+            }
+        }
+    }
+    assert!(!out.is_empty(), "no traces under {}", traces_root.display());
+    out
+}
