@@ -347,10 +347,10 @@ impl Comparison {
                     m.nonfinite_mismatch, m.nan[1], m.inf[1], m.nan[0], m.inf[0]
                 ));
             }
-            // Within what is allowed; downstream of a selection that differs the hook still
-            // carries that origin, so that a later jump is told apart from a new divergence.
+            // The tensor is within its floor but one token is far above it (replay only).
             Metrics::Float(m)
                 if pair.mode == Mode::Replay
+                    && error <= allowed
                     && m.worst_token()
                         .is_some_and(|(_, e)| e > TOKEN_FACTOR * allowed) =>
             {
@@ -360,6 +360,8 @@ impl Comparison {
                     "token {t}: error {e:.3e} above {TOKEN_FACTOR} x the floor {allowed:.3e} (the whole tensor: {error:.3e})"
                 ));
             }
+            // Within what is allowed; downstream of a selection that differs the hook still
+            // carries that origin, so that a later jump is told apart from a new divergence.
             Metrics::Float(_) if error <= allowed => r.drift_from = origin,
             Metrics::Float(_) if origin.is_some() => {
                 r.status = Status::Drift;
@@ -741,6 +743,36 @@ mod tests {
             c.records()[2].chained.as_ref().unwrap().status,
             Status::Drift
         );
+    }
+
+    /// 400 tokens of [1, 1]; token 7 is 30% off: the tensor's error is sqrt(2 * 0.09 / 800) =
+    /// 0.015, under the bf16 projection floor (0.027), but token 7's 0.3 is above 3x it.
+    #[test]
+    fn one_bad_token_fails_in_replay() {
+        let mut c = Comparison::new(judge(), Box::new(|_| true), &[1]);
+        let r = HostTensor::f32(vec![400, 2], vec![1.0; 800]).unwrap();
+        let mut v = vec![1.0f32; 800];
+        v[14] = 1.3;
+        v[15] = 1.3;
+        let k = HostTensor::f32(vec![400, 2], v).unwrap();
+        for mode in [Mode::Replay, Mode::Chained] {
+            c.record(Pair {
+                name: "blk.0.q_b",
+                mode,
+                inputs: &[],
+                reference: r.clone(),
+                candidate: k.clone(),
+                note: None,
+            })
+            .unwrap();
+        }
+        let rec = &c.records()[0];
+        let replay = rec.replay.as_ref().unwrap();
+        assert!((replay.error - 0.015).abs() < 1e-6 && replay.error < rec.floor);
+        assert_eq!(replay.status, Status::Fail);
+        assert!(replay.note.as_deref().unwrap().starts_with("token 7:"));
+        // Chained judges the tensor only.
+        assert_eq!(rec.chained.as_ref().unwrap().status, Status::Pass);
     }
 
     #[test]

@@ -279,21 +279,30 @@ pub fn render(h: &Header, c: &Comparison, text: &dyn Fn(u32) -> String, all_step
             }
         }
     }
-    let drift: usize = layers.iter().map(|g| g.drift).sum();
-    if drift > 0 {
-        let first = c.records().iter().find(|r| {
+    s.push_str(&render_flips(c));
+    let drift: Vec<&HookRecord> = c
+        .records()
+        .iter()
+        .filter(|r| {
             r.chained
                 .as_ref()
                 .is_some_and(|m| m.status == Status::Drift)
-        });
-        if let Some(r) = first {
-            let _ = writeln!(
-                s,
-                "chained drift: {drift} hooks differ downstream of a selection change, from {} ({})",
-                r.name,
-                r.chained.as_ref().and_then(|m| m.note.clone()).unwrap_or_default()
-            );
-        }
+        })
+        .collect();
+    if let Some(first) = drift.first() {
+        let origin = first
+            .chained
+            .as_ref()
+            .and_then(|m| m.drift_from.clone())
+            .unwrap_or_default();
+        let names: Vec<&str> = drift.iter().take(8).map(|r| r.name.as_str()).collect();
+        let _ = writeln!(
+            s,
+            "chained drift (expected, not a divergence): {} hooks differ beyond their floors downstream of {origin}: {}{}",
+            drift.len(),
+            names.join(", "),
+            if drift.len() > 8 { ", ..." } else { "" }
+        );
     }
     if let Some(cmd) = &h.rerun {
         let _ = writeln!(s, "re-run that layer: {cmd}");
@@ -327,6 +336,54 @@ pub fn render(h: &Header, c: &Comparison, text: &dyn Fn(u32) -> String, all_step
         let _ = writeln!(s, "time: {}", t.join(", "));
     }
     s
+}
+
+/// The selections whose sets differ, one row per hook and mode: how many rows, near-tie or
+/// confident, and the margins against their tolerance.
+fn render_flips(c: &Comparison) -> String {
+    let mut t = table(&[
+        "selection",
+        "mode",
+        "rows differing",
+        "near-tie",
+        "confident",
+        "margin min..max",
+        "first flip (token: in / out, margin vs tolerance)",
+    ]);
+    let mut any = false;
+    for r in c.records() {
+        for (mode, res) in [(Mode::Replay, &r.replay), (Mode::Chained, &r.chained)] {
+            let Some(f) = res.as_ref().and_then(|x| x.flips.as_ref()) else {
+                continue;
+            };
+            any = true;
+            let first = f.first_confident.as_ref().or(f.first.as_ref());
+            t.add_row(vec![
+                r.name.clone(),
+                mode.as_str().to_string(),
+                format!("{} of {}", f.differing, f.rows),
+                f.near_tie.to_string(),
+                f.confident.to_string(),
+                f.margins
+                    .map_or("-".into(), |(a, b)| format!("{}..{}", e(a), e(b))),
+                first.map_or("-".into(), |x| {
+                    format!(
+                        "{}: {:?} / {:?}, {} vs {}",
+                        x.token,
+                        x.entered,
+                        x.left,
+                        e(x.margin),
+                        e(x.tolerance)
+                    )
+                }),
+            ]);
+        }
+    }
+    if any {
+        format!("selections that differ (a flip within its tolerance is a near tie):\n{t}\n")
+    } else {
+        String::new()
+    }
 }
 
 fn tok(text: &dyn Fn(u32) -> String, id: u32) -> String {
@@ -518,7 +575,7 @@ pub fn to_json(h: &Header, c: &Comparison) -> Value {
 }
 
 /// The error-per-layer plot of a comparison: per layer, the worst float error in each mode, the
-/// largest floor, and whether a hook failed.
+/// floor of the worst replay hook, and whether a hook failed.
 pub fn error_plot(h: &Header, c: &Comparison) -> super::plot::ErrorPlot {
     let points = c
         .layers()
@@ -531,7 +588,10 @@ pub fn error_plot(h: &Header, c: &Comparison) -> super::plot::ErrorPlot {
             },
             replay: g.worst[0].map(|(_, e)| e),
             chained: g.worst[1].map(|(_, e)| e),
-            floor: g.floor,
+            // The floor of the hook the replay point stands for (the chained one without replay).
+            floor: g.worst[0]
+                .or(g.worst[1])
+                .map_or(g.floor, |(i, _)| c.records()[i].floor),
             failed: g.failed > 0,
         })
         .collect();
