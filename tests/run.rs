@@ -325,6 +325,94 @@ fn flat_logits_modes_and_all_steps() {
     }
 }
 
+/// A trace without the DSA selection still replays attention, on the reference's selection,
+/// and says so; `compare --map` reads a trace whose hooks have other names.
+#[test]
+fn selection_fallback_and_name_map() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (trace, gguf) = golden_pairs()
+        .into_iter()
+        .find(|(t, _)| t.to_string_lossy().contains("glm5-tiny.long"))
+        .unwrap();
+    let nosel = dir.path().join("nosel.trace.safetensors");
+    doctored(&trace, &nosel, |t| {
+        t.remove("blk.1.indexer_topk");
+    });
+    let json = dir.path().join("r.json");
+    let against = format!("trace:{}", nosel.display());
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "run",
+            gguf.to_str().unwrap(),
+            "--against",
+            &against,
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let j = read_json(&json);
+    let rec = j["records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["hook"] == "blk.1.attn_heads")
+        .unwrap()
+        .clone();
+    assert_eq!(rec["replay"]["status"], "pass", "{rec}");
+    assert!(
+        rec["replay"]["note"]
+            .as_str()
+            .unwrap()
+            .contains("blk.1.indexer_topk is not in the trace: the reference's selection was used"),
+        "{rec}"
+    );
+
+    // The candidate calls q_a "layers.0.self_attn.q_a_proj"; the map names it back.
+    let renamed = dir.path().join("renamed.trace.safetensors");
+    doctored(&trace, &renamed, |t| {
+        let v = t.remove("blk.0.q_a").unwrap();
+        t.insert("layers.0.self_attn.q_a_proj".into(), v);
+    });
+    let map = dir.path().join("map.json");
+    std::fs::write(&map, r#"{"layers.0.self_attn.q_a_proj": "blk.0.q_a"}"#).unwrap();
+    let (t, r) = (trace.to_str().unwrap(), renamed.to_str().unwrap());
+    let o = glmdiff(
+        cache.path(),
+        &["compare", t, r, "--json", json.to_str().unwrap()],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(text(&o).contains("not compared: 1 hooks"), "{}", text(&o));
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "compare",
+            t,
+            r,
+            "--map",
+            map.to_str().unwrap(),
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(!text(&o).contains("not compared"), "{}", text(&o));
+    let j = read_json(&json);
+    let q_a = j["records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["hook"] == "blk.0.q_a")
+        .unwrap()
+        .clone();
+    assert_eq!(q_a["chained"]["status"], "pass");
+    let o = glmdiff(cache.path(), &["compare", t, r, "--map", "/no/map.json"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).contains("/no/map.json"), "{}", text(&o));
+}
+
 /// Hooks missing from a trace are listed, not fatal; a trace of other tokens is an error.
 #[test]
 fn missing_hooks_are_listed_and_other_tokens_refused() {
