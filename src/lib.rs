@@ -39,6 +39,7 @@ pub mod bench;
 pub mod cli;
 pub mod cmd;
 pub mod compare;
+pub mod cuda;
 pub mod driver;
 pub mod engine;
 pub mod gguf;

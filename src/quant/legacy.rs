@@ -27,7 +27,7 @@ const Q8_0_BYTES: usize = 34;
 const IQ4_NL_BYTES: usize = 18;
 
 /// The 16 non-linear levels of IQ4_NL and IQ4_XS (ggml `src/ggml-common.h`, `kvalues_iq4nl`).
-pub(super) const KVALUES_IQ4NL: [i8; 16] = [
+pub(crate) const KVALUES_IQ4NL: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 

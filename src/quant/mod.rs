@@ -6,11 +6,11 @@
 //! blocks) gives exactly the single-thread result for any thread count.
 
 mod float;
-mod grids;
+pub(crate) mod grids;
 mod iquants;
 mod kquants;
-mod legacy;
-mod small;
+pub(crate) mod legacy;
+pub(crate) mod small;
 pub mod types;
 
 use anyhow::{bail, Result};

@@ -27,12 +27,12 @@ const QK_NVFP4_SUB: usize = 16;
 
 /// E2M1 values doubled (ggml `src/ggml-common.h`, `kvalues_mxfp4`); the scale decoders below
 /// return half the scale to compensate.
-const KVALUES_MXFP4: [f32; 16] = [
+pub(crate) const KVALUES_MXFP4: [f32; 16] = [
     0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0, -12.0,
 ];
 
 /// Powers of three that shift the next base-3 digit of a TQ1_0 byte into its top bits.
-const POW3: [u8; 5] = [1, 3, 9, 27, 81];
+pub(crate) const POW3: [u8; 5] = [1, 3, 9, 27, 81];
 
 /// `2^k` as f32 for `-126 <= k <= 127`.
 const fn pow2(k: i32) -> f32 {
@@ -67,7 +67,7 @@ const fn ue4m3_to_f32_half(x: u8) -> f32 {
 }
 
 /// [`ue4m3_to_f32_half`] for every byte.
-const UE4M3_HALF: [f32; 256] = {
+pub(crate) const UE4M3_HALF: [f32; 256] = {
     let mut t = [0f32; 256];
     let mut i = 0;
     while i < 256 {

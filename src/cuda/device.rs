@@ -1,0 +1,205 @@
+//! Devices and contexts: library probing, the device list, a context and stream per device,
+//! kernel modules compiled and loaded once per device.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{bail, Context, Result};
+use cudarc::driver::{sys as drv, CudaContext, CudaFunction, CudaModule, CudaStream};
+use cudarc::nvrtc::Ptx;
+
+use super::{family_source, nvrtc, CompileOptions};
+
+/// Where the CUDA libraries usually are, for error messages.
+pub(crate) const LIB_HINT: &str = "install the NVIDIA driver (libcuda.so.1) and CUDA 13 (libnvrtc.so.13, libcublas.so.13), or put their directories on LD_LIBRARY_PATH";
+
+/// Checks that libcuda and libnvrtc can be opened; the error names each missing library and the
+/// file names tried.
+pub fn probe_libraries() -> Result<()> {
+    let mut missing = Vec::new();
+    // SAFETY: only dlopen + symbol lookup; no CUDA call is made.
+    if !unsafe { drv::is_culib_present() } {
+        missing.push(format!(
+            "the NVIDIA driver library (tried {})",
+            cudarc::get_lib_name_candidates("cuda").join(", ")
+        ));
+    }
+    if !nvrtc::available() {
+        missing.push(format!(
+            "NVRTC (tried {})",
+            cudarc::get_lib_name_candidates("nvrtc").join(", ")
+        ));
+    }
+    if !missing.is_empty() {
+        bail!(
+            "cuda: no CUDA on this machine: missing {}; {LIB_HINT}",
+            missing.join(" and ")
+        );
+    }
+    Ok(())
+}
+
+/// What the driver says about one device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// Ordinal.
+    pub ordinal: usize,
+    /// Name, e.g. `NVIDIA H200`.
+    pub name: String,
+    /// Compute capability.
+    pub capability: (i32, i32),
+    /// Memory in bytes.
+    pub memory: u64,
+    /// Streaming multiprocessors.
+    pub sms: u32,
+}
+
+impl DeviceInfo {
+    /// Every device, without creating contexts.
+    pub fn list() -> Result<Vec<DeviceInfo>> {
+        probe_libraries()?;
+        use cudarc::driver::result::device as dev;
+        use drv::CUdevice_attribute as A;
+        let n = CudaContext::device_count().context("cuda: cuInit / cuDeviceGetCount")?;
+        let mut out = Vec::new();
+        for i in 0..n {
+            let d = dev::get(i).with_context(|| format!("cuda: cuDeviceGet({i})"))?;
+            // SAFETY: `d` is a valid device handle from cuDeviceGet.
+            let attr = |a| unsafe { dev::get_attribute(d, a) };
+            out.push(DeviceInfo {
+                ordinal: i as usize,
+                name: dev::get_name(d)?,
+                capability: (
+                    attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                    attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+                ),
+                // SAFETY: as above.
+                memory: unsafe { dev::total_mem(d) }? as u64,
+                sms: attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
+            });
+        }
+        Ok(out)
+    }
+}
+
+impl std::fmt::Display for DeviceInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "cuda:{} {} sm_{}{} ({:.1} GiB, {} SMs)",
+            self.ordinal,
+            self.name,
+            self.capability.0,
+            self.capability.1,
+            self.memory as f64 / (1u64 << 30) as f64,
+            self.sms
+        )
+    }
+}
+
+/// One device in use: its context, stream, compile options and loaded kernel modules.
+pub struct Gpu {
+    /// The device.
+    pub info: DeviceInfo,
+    /// The NVRTC options kernels are compiled with.
+    pub options: CompileOptions,
+    /// NVRTC and driver versions, `(nvrtc, driver)` as `major.minor` strings.
+    pub versions: (String, String),
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+}
+
+impl Gpu {
+    /// Opens device `ordinal`; a bad ordinal lists the devices there are.
+    pub fn open(ordinal: usize) -> Result<Gpu> {
+        let devices = DeviceInfo::list()?;
+        if devices.is_empty() {
+            bail!("cuda: the driver reports no CUDA device");
+        }
+        let Some(info) = devices.get(ordinal).cloned() else {
+            let list: Vec<String> = devices.iter().map(|d| format!("  {d}")).collect();
+            bail!(
+                "cuda: no device {ordinal}; the devices are:\n{}",
+                list.join("\n")
+            );
+        };
+        let ctx = CudaContext::new(ordinal)
+            .with_context(|| format!("cuda: creating a context on device {ordinal}"))?;
+        let stream = ctx.default_stream();
+        let (nv_a, nv_b) = nvrtc::version()?;
+        let mut drv_ver = 0i32;
+        // SAFETY: `drv_ver` is valid for a write; the driver library is present.
+        unsafe { drv::cuDriverGetVersion(&mut drv_ver) }
+            .result()
+            .context("cuda: cuDriverGetVersion")?;
+        Ok(Gpu {
+            options: CompileOptions::for_capability(info.capability.0, info.capability.1),
+            versions: (
+                format!("{nv_a}.{nv_b}"),
+                format!("{}.{}", drv_ver / 1000, (drv_ver % 1000) / 10),
+            ),
+            info,
+            ctx,
+            stream,
+            modules: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The stream every launch and copy of this device goes to.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// A line for report headers: device, options, NVRTC and driver versions.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} | NVRTC {} ({}) | driver CUDA {}",
+            self.info, self.versions.0, self.options, self.versions.1
+        )
+    }
+
+    /// Kernel `function` of family `name` (source `source`), compiling and loading the family
+    /// on first use.
+    pub fn function(
+        &self,
+        name: &'static str,
+        source: &str,
+        function: &str,
+    ) -> Result<CudaFunction> {
+        let module = {
+            let mut m = self
+                .modules
+                .lock()
+                .map_err(|_| anyhow::anyhow!("cuda: module cache poisoned"))?;
+            match m.get(name) {
+                Some(x) => x.clone(),
+                None => {
+                    let cubin = nvrtc::compile_cached(&family_source(source), name, &self.options)?;
+                    let module =
+                        self.ctx
+                            .load_module(Ptx::from_binary(cubin))
+                            .with_context(|| {
+                                format!("cuda: loading module {name} for {}", self.options.arch)
+                            })?;
+                    m.insert(name, module.clone());
+                    module
+                }
+            }
+        };
+        module
+            .load_function(function)
+            .with_context(|| format!("cuda: kernel {function} not found in {name}"))
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn memory(&self) -> Result<(u64, u64)> {
+        let (free, total) = self.ctx.mem_get_info().context("cuda: cuMemGetInfo")?;
+        Ok((free as u64, total as u64))
+    }
+}

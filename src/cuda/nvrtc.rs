@@ -1,0 +1,136 @@
+//! NVRTC: kernel source -> CUBIN for the device's own architecture, with glmdiff's fixed
+//! options, and a disk cache of compiled modules.
+
+use std::ffi::{CStr, CString};
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use cudarc::nvrtc::{result as nr, sys as ns};
+
+use super::CompileOptions;
+
+/// Whether libnvrtc can be opened (cudarc panics on first use of a missing library).
+pub fn available() -> bool {
+    // SAFETY: only tries to dlopen the library and look the symbols up; no NVRTC call is made.
+    unsafe { ns::is_culib_present() }
+}
+
+/// The NVRTC version, `(major, minor)`.
+pub fn version() -> Result<(i32, i32)> {
+    if !available() {
+        bail!(
+            "cuda: libnvrtc (NVRTC) is not found: {}",
+            super::device::LIB_HINT
+        );
+    }
+    let (mut a, mut b) = (0i32, 0i32);
+    // SAFETY: both pointers are valid for writes; the library is present (checked above).
+    unsafe { ns::nvrtcVersion(&mut a, &mut b) }
+        .result()
+        .context("cuda: nvrtcVersion")?;
+    Ok((a, b))
+}
+
+/// Compiles `source` (named `name` in messages) to a CUBIN. A compile error carries the file,
+/// the options and NVRTC's log.
+pub fn compile_cubin(source: &str, name: &str, opts: &CompileOptions) -> Result<Vec<u8>> {
+    if !available() {
+        bail!(
+            "cuda: libnvrtc (NVRTC) is not found: {}",
+            super::device::LIB_HINT
+        );
+    }
+    let csrc = CString::new(source).context("cuda: kernel source holds a NUL byte")?;
+    let cname = CString::new(name).context("cuda: kernel name holds a NUL byte")?;
+    let prog = nr::create_program(&csrc, Some(&cname))
+        .with_context(|| format!("cuda: nvrtcCreateProgram for {name}"))?;
+    let args = opts.args();
+    // SAFETY: `prog` is a live program created above; the options are valid C strings.
+    let compiled = unsafe { nr::compile_program(prog, &args) };
+    let out = (|| -> Result<Vec<u8>> {
+        if let Err(e) = compiled {
+            // SAFETY: `prog` is live; the log is a NUL-terminated buffer NVRTC filled.
+            let log = unsafe { nr::get_program_log(prog) }.unwrap_or_default();
+            // SAFETY: the log buffer ends with NUL (NVRTC's contract for the program log).
+            let log = unsafe { CStr::from_ptr(log.as_ptr()) }
+                .to_string_lossy()
+                .into_owned();
+            bail!(
+                "cuda: NVRTC failed to compile {name} with {}: {e:?}\n{log}",
+                args.join(" ")
+            );
+        }
+        let mut size = 0usize;
+        // SAFETY: `prog` compiled successfully; `size` is valid for a write.
+        unsafe { ns::nvrtcGetCUBINSize(prog, &mut size) }
+            .result()
+            .context("cuda: nvrtcGetCUBINSize")?;
+        let mut buf = vec![0u8; size];
+        // SAFETY: `buf` holds exactly the `size` bytes NVRTC reported.
+        unsafe { ns::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast()) }
+            .result()
+            .context("cuda: nvrtcGetCUBIN")?;
+        Ok(buf)
+    })();
+    // SAFETY: `prog` is destroyed once, after its last use.
+    unsafe { nr::destroy_program(prog) }.ok();
+    out
+}
+
+/// Where compiled modules are cached: `<glmdiff cache>/cubin`.
+fn cache_dir() -> Option<PathBuf> {
+    crate::trace::cache::default_dir()
+        .ok()
+        .map(|d| d.join("cubin"))
+}
+
+/// [`compile_cubin`] through the disk cache (keyed by a hash of the source, the options and the
+/// NVRTC version). A cache that cannot be read or written is skipped, never an error.
+pub fn compile_cached(source: &str, name: &str, opts: &CompileOptions) -> Result<Vec<u8>> {
+    let (a, b) = version()?;
+    let key = crate::trace::cache::fnv1a64(
+        format!("{source}\n{}\nnvrtc {a}.{b}", opts.args().join(" ")).as_bytes(),
+    );
+    let path = cache_dir().map(|d| d.join(format!("{name}-{}-{key:016x}.cubin", opts.arch)));
+    if let Some(p) = &path {
+        if let Ok(bytes) = std::fs::read(p) {
+            return Ok(bytes);
+        }
+    }
+    let cubin = compile_cubin(source, name, opts)?;
+    if let Some(p) = &path {
+        if let Some(dir) = p.parent() {
+            if std::fs::create_dir_all(dir).is_ok() {
+                let _ = crate::util::atomic::write_atomic(p, |w| Ok(w.write_all(&cubin)?));
+            }
+        }
+    }
+    Ok(cubin)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::{family_source, COMPARE_SOURCE, DEQUANT_SOURCE};
+
+    /// Every kernel family compiles for sm_90 and sm_120 (NVRTC needs no GPU). Skipped, and
+    /// said so, where libnvrtc is not installed.
+    #[test]
+    fn kernel_families_compile_with_nvrtc() {
+        if !available() {
+            eprintln!("skipped: libnvrtc not found (set LD_LIBRARY_PATH to a CUDA 13 NVRTC)");
+            return;
+        }
+        for arch in [(9, 0), (12, 0)] {
+            let opts = CompileOptions::for_capability(arch.0, arch.1);
+            for (name, src) in [
+                ("dequant.cu", DEQUANT_SOURCE),
+                ("compare.cu", COMPARE_SOURCE),
+            ] {
+                let cubin = compile_cubin(&family_source(src), name, &opts)
+                    .unwrap_or_else(|e| panic!("{e:#}"));
+                assert!(cubin.len() > 1000, "{name} for {}", opts.arch);
+            }
+        }
+    }
+}
