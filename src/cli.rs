@@ -25,6 +25,8 @@ pub enum Command {
     Dequant(DequantArgs),
     /// Run the CPU reference forward pass and write every hook to a safetensors trace.
     Trace(TraceArgs),
+    /// Dequantize tensors on the GPU and compare them bit for bit with the CPU, on the device.
+    DequantCheck(DequantCheckArgs),
     /// Run the reference and a candidate step by step and name the first step where they part.
     Run(RunArgs),
     /// Compare two traces hook by hook (the first is the reference).
@@ -62,6 +64,27 @@ pub struct DequantArgs {
     /// Output file: .npy or .safetensors (f32, PyTorch shape order). Written atomically.
     #[arg(long, value_name = "FILE")]
     pub out: PathBuf,
+}
+
+/// `glmdiff dequant-check`.
+#[derive(Debug, Args)]
+pub struct DequantCheckArgs {
+    /// The model: a .gguf file, or any shard of a split model.
+    pub model: PathBuf,
+    /// GGUF tensor names to check.
+    pub tensor: Vec<String>,
+    /// Check every tensor of the model.
+    #[arg(long)]
+    pub all: bool,
+    /// Check the tensors whose name matches this glob (e.g. 'blk.3.*').
+    #[arg(long, value_name = "GLOB")]
+    pub tensors: Option<String>,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// Write the results as JSON. Written atomically.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
 }
 
 /// `glmdiff trace`.
@@ -207,6 +230,10 @@ pub struct BenchDequantArgs {
     /// Only these types (comma separated names, e.g. q4_k,q8_0).
     #[arg(long, value_delimiter = ',')]
     pub types: Vec<String>,
+    /// Benchmark the CUDA kernels of this device instead (bytes moved per second against a
+    /// device-to-device copy measured in the same run).
+    #[arg(long, value_name = "N")]
+    pub device: Option<usize>,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,

@@ -21,6 +21,7 @@ fn main() -> ExitCode {
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Dequant(a) => cmd::dequant::run(a),
         Command::Trace(a) => cmd::trace::run(a),
+        Command::DequantCheck(a) => cmd::dequant_check::run(a),
         Command::Run(a) => cmd::run::run(a),
         Command::Compare(a) => cmd::run::compare(a),
         Command::Synth(a) => cmd::synth::run(a),

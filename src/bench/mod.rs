@@ -2,6 +2,8 @@
 //! and return report structs; [`crate::report::bench`] renders them and the caller prints.
 
 pub mod dequant;
+#[cfg(feature = "cuda")]
+pub mod gpu_dequant;
 pub mod layer;
 pub mod random_blocks;
 

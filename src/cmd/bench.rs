@@ -17,6 +17,9 @@ pub fn run_dequant(args: &BenchDequantArgs) -> Result<Outcome> {
             GgmlType::from_name(n).with_context(|| format!("bench: --types: unknown type {n:?}"))
         })
         .collect::<Result<Vec<_>>>()?;
+    if let Some(d) = args.device {
+        return run_dequant_gpu(d, &types, args.json);
+    }
     let opts = BenchDequantOptions {
         types,
         ..BenchDequantOptions::default()
@@ -28,6 +31,23 @@ pub fn run_dequant(args: &BenchDequantArgs) -> Result<Outcome> {
         print!("{}", crate::report::bench::render_dequant(&report));
     }
     Ok(Outcome::Ok)
+}
+
+#[cfg(feature = "cuda")]
+fn run_dequant_gpu(device: usize, types: &[GgmlType], json: bool) -> Result<Outcome> {
+    let gpu = crate::cuda::Gpu::open(device)?;
+    let report = crate::bench::gpu_dequant::run(&gpu, types)?;
+    if json {
+        crate::report::print_json(&report)?;
+    } else {
+        print!("{}", crate::report::bench::render_gpu_dequant(&report));
+    }
+    Ok(Outcome::Ok)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_dequant_gpu(_: usize, _: &[GgmlType], _: bool) -> Result<Outcome> {
+    bail!("bench: --device: this glmdiff was built without the `cuda` feature")
 }
 
 /// Runs `glmdiff bench layer`: progress on stderr, the table (or JSON) on stdout.

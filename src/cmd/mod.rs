@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod dequant;
+pub mod dequant_check;
 pub mod inspect;
 pub mod run;
 pub mod synth;

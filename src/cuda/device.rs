@@ -5,7 +5,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Context, Result};
-use cudarc::driver::{sys as drv, CudaContext, CudaFunction, CudaModule, CudaStream};
+use cudarc::driver::{
+    sys as drv, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr,
+    DriverError, ValidAsZeroBits,
+};
 use cudarc::nvrtc::Ptx;
 
 use super::{family_source, nvrtc, CompileOptions};
@@ -195,6 +198,36 @@ impl Gpu {
         module
             .load_function(function)
             .with_context(|| format!("cuda: kernel {function} not found in {name}"))
+    }
+
+    /// A device copy of `host`; out of memory says how much was asked and how much is free.
+    pub fn alloc_copy<T: DeviceRepr>(&self, host: &[T], what: &str) -> Result<CudaSlice<T>> {
+        self.stream
+            .clone_htod(host)
+            .map_err(|e| self.oom(e, std::mem::size_of_val(host), what))
+    }
+
+    /// Zeroed device memory for `n` values.
+    pub fn alloc_zeroed<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        n: usize,
+        what: &str,
+    ) -> Result<CudaSlice<T>> {
+        self.stream
+            .alloc_zeros::<T>(n)
+            .map_err(|e| self.oom(e, n * std::mem::size_of::<T>(), what))
+    }
+
+    fn oom(&self, e: DriverError, bytes: usize, what: &str) -> anyhow::Error {
+        let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+        let free = self.memory().map_or("unknown".to_string(), |(f, t)| {
+            format!("{} of {}", gib(f), gib(t))
+        });
+        anyhow::anyhow!(
+            "cuda: cannot allocate {} for {what} on {}: {e} (free: {free})",
+            gib(bytes as u64),
+            self.info
+        )
     }
 
     /// Free and total device memory in bytes.

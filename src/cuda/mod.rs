@@ -13,6 +13,11 @@
 pub mod tables;
 
 #[cfg(feature = "cuda")]
+pub mod check;
+#[cfg(feature = "cuda")]
+pub mod dequant;
+
+#[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;

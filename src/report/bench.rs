@@ -255,3 +255,34 @@ mod tests {
         assert!(table.contains("Q4_K") && table.contains("1720"));
     }
 }
+
+/// Renders `bench dequant --device`.
+#[cfg(feature = "cuda")]
+pub fn render_gpu_dequant(r: &crate::bench::gpu_dequant::Report) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::new();
+    let _ = writeln!(s, "device: {}", r.device);
+    let _ = writeln!(
+        s,
+        "device-to-device copy: {:.0} GB/s (read + write), the ceiling",
+        r.copy_gbps
+    );
+    let mut t = table(&[
+        "type",
+        "ms (2^28 values)",
+        "GB/s (read + write)",
+        "of copy",
+        "G values/s",
+    ]);
+    for row in &r.rows {
+        t.add_row(vec![
+            row.ty.clone(),
+            format!("{:.3}", row.ms),
+            format!("{:.0}", row.gbps),
+            format!("{:.0}%", 100.0 * row.of_copy),
+            format!("{:.1}", row.gelems),
+        ]);
+    }
+    let _ = writeln!(s, "{t}");
+    s
+}

@@ -2,6 +2,8 @@
 //! `run --plot` ([`plot`]). Other modules compute; this one formats.
 
 pub mod bench;
+#[cfg(feature = "cuda")]
+pub mod dequant_check;
 pub mod inspect;
 pub mod plot;
 pub mod progress;

@@ -4,11 +4,24 @@ pub mod gguf_bytes;
 
 use std::path::{Path, PathBuf};
 
+/// The repository root: `$GLMDIFF_REPO` when set (a test binary run from another checkout, as
+/// on the GPU machine), else the crate the tests were built in.
+pub fn repo_root() -> PathBuf {
+    std::env::var_os("GLMDIFF_REPO")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+}
+
+/// The glmdiff binary: `$GLMDIFF_BIN` when set, else the one cargo built with the tests.
+pub fn glmdiff_bin() -> PathBuf {
+    std::env::var_os("GLMDIFF_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_glmdiff")))
+}
+
 /// The repository's fixture directory `fixtures/<sub>`.
 pub fn fixtures(sub: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures")
-        .join(sub)
+    repo_root().join("fixtures").join(sub)
 }
 
 /// `(trace, gguf)` for every `*.trace.safetensors` in the subdirectories of `traces_root` and
