@@ -56,6 +56,10 @@ run() {
     summary+=("dequant-check synth GLM-5 ($(du -h "$tmp/glm5.gguf" | cut -f1)): exit $rc, $(tail -n 1 "$out/synth.txt" | cut -c1-200)")
     rm -rf "$tmp"
 
+    echo "== bench dequant --device 0"
+    "$bin" bench dequant --device 0 2>&1 | tee "$out/bench.txt"
+    summary+=("bench dequant --device 0: $(grep -E 'copy' "$out/bench.txt" | head -n 1)")
+
     if command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda-13.0/bin/compute-sanitizer ]; then
         local cs; cs=$(command -v compute-sanitizer || echo /usr/local/cuda-13.0/bin/compute-sanitizer)
         for tool in memcheck racecheck initcheck; do

@@ -236,26 +236,6 @@ pub fn render_layer(r: &layer::Report) -> String {
     s
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::quant::GgmlType;
-
-    #[test]
-    fn dequant_table_shows_types_and_anchors() {
-        let opts = dequant::BenchDequantOptions {
-            elements: 4096,
-            reps: 1,
-            types: vec![GgmlType::Q4_K, GgmlType::Q8_0, GgmlType::Q8_1],
-            with_python: false,
-            ..Default::default()
-        };
-        let r = dequant::run(&opts).unwrap();
-        let table = render_dequant(&r);
-        assert!(table.contains("Q4_K") && table.contains("1720"));
-    }
-}
-
 /// Renders `bench dequant --device`.
 #[cfg(feature = "cuda")]
 pub fn render_gpu_dequant(r: &crate::bench::gpu_dequant::Report) -> String {
@@ -285,4 +265,24 @@ pub fn render_gpu_dequant(r: &crate::bench::gpu_dequant::Report) -> String {
     }
     let _ = writeln!(s, "{t}");
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::GgmlType;
+
+    #[test]
+    fn dequant_table_shows_types_and_anchors() {
+        let opts = dequant::BenchDequantOptions {
+            elements: 4096,
+            reps: 1,
+            types: vec![GgmlType::Q4_K, GgmlType::Q8_0, GgmlType::Q8_1],
+            with_python: false,
+            ..Default::default()
+        };
+        let r = dequant::run(&opts).unwrap();
+        let table = render_dequant(&r);
+        assert!(table.contains("Q4_K") && table.contains("1720"));
+    }
 }
