@@ -44,3 +44,25 @@ extern "C" __global__ void compare_u16(const u16* __restrict__ gpu, const u16* _
         atomicMin(&stats[1], first);
     }
 }
+
+// hash_f32(v, n, base, out): *out += sum over i of mix64(canon(bits(v[i])) ^ (base + i) * GAMMA),
+// wrapping. The sum commutes, so any thread order gives the same hash; src/cuda/check.rs computes
+// the same on the CPU (`hash_f32_host`) and compares the two, so that equal chunks need no copy of
+// the CPU's values. Every NaN hashes as 0x7FC00000 (NaN equals NaN, as in compare_f32).
+__device__ __forceinline__ u64 mix64(u64 z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+extern "C" __global__ void hash_f32(const float* __restrict__ v, u64 n, u64 base, u64* out) {
+    u64 acc = 0;
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        float x = v[i];
+        u32 bits = (x != x) ? 0x7FC00000u : __float_as_uint(x);
+        acc += mix64((u64)bits ^ ((base + i) * 0x9E3779B97F4A7C15ull));
+    }
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+    if ((threadIdx.x & 31) == 0) atomicAdd(out, acc);
+}

@@ -177,6 +177,41 @@ mod device {
         assert!(checked >= 30, "{checked} types");
     }
 
+    /// The comparison machinery itself: a planted difference is found by the hash, and
+    /// compare_f32 names its index and size; NaN equals NaN whatever the payload.
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_compare_and_hash_find_a_planted_difference() {
+        use glmdiff::cuda::dequant::hash_f32_host;
+        let g = gpu();
+        let mut rng = SplitMix64::new(5);
+        let a: Vec<f32> = (0..1_000_003).map(|_| rng.normal()).collect();
+        let mut b = a.clone();
+        let (da, db) = (
+            g.alloc_copy(&a, "a").unwrap(),
+            g.alloc_copy(&b, "b").unwrap(),
+        );
+        assert_eq!(g.hash_f32(&da, 7).unwrap(), hash_f32_host(&a, 7));
+        assert_eq!(g.compare_f32(&da, &db).unwrap().mismatches, 0);
+        b[123_457] += 0.5;
+        b[999_999] = f32::from_bits(0x7FC0_0001); // a NaN where a has a number
+        let db = g.alloc_copy(&b, "b").unwrap();
+        assert_ne!(g.hash_f32(&db, 7).unwrap(), hash_f32_host(&a, 7));
+        assert_eq!(g.hash_f32(&db, 7).unwrap(), hash_f32_host(&b, 7));
+        let st = g.compare_f32(&da, &db).unwrap();
+        assert_eq!((st.mismatches, st.first), (2, Some(123_457)));
+        assert!((st.max_abs - 0.5).abs() < 1e-6, "{}", st.max_abs);
+        // Two different NaN payloads are equal.
+        let n1 = vec![f32::from_bits(0x7FC0_0000); 64];
+        let n2 = vec![f32::from_bits(0xFFFF_FFFF); 64];
+        let (d1, d2) = (
+            g.alloc_copy(&n1, "n1").unwrap(),
+            g.alloc_copy(&n2, "n2").unwrap(),
+        );
+        assert_eq!(g.compare_f32(&d1, &d2).unwrap().mismatches, 0);
+        assert_eq!(g.hash_f32(&d1, 0).unwrap(), g.hash_f32(&d2, 0).unwrap());
+    }
+
     /// A bad device ordinal lists the devices; the CLI checks the fixtures clean.
     #[test]
     #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]

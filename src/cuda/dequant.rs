@@ -67,7 +67,10 @@ impl OutFormat {
     }
 }
 
-/// A grid for `n` elements: 256 threads a block, at most 32 blocks per SM (grid-stride loops).
+/// Outputs each dequant thread makes (`DQ_PER_THREAD` in `cuda/dequant.cu`).
+const DQ_PER_THREAD: u64 = 8;
+
+/// A grid for `n` work items: 256 threads a block, at most 32 blocks per SM (grid-stride loops).
 fn grid(gpu: &Gpu, n: u64) -> LaunchConfig {
     let threads = 256u32;
     let blocks = n
@@ -111,8 +114,10 @@ impl Gpu {
         let mut b = self.stream().launch_builder(&f);
         b.arg(src).arg(dst).arg(&n);
         // SAFETY: the kernel reads n / QK whole blocks from `src` (checked: src holds exactly
-        // those bytes) and writes n floats to `dst` (checked above); 64-bit indices.
-        unsafe { b.launch(grid(self, n)) }.with_context(|| format!("cuda: launching {name}"))?;
+        // those bytes) and writes n floats to `dst` (checked above; a fresh allocation, so
+        // aligned for its 16-byte stores); 64-bit indices.
+        unsafe { b.launch(grid(self, n.div_ceil(DQ_PER_THREAD))) }
+            .with_context(|| format!("cuda: launching {name}"))?;
         Ok(())
     }
 
@@ -136,7 +141,8 @@ impl Gpu {
         let mut b = self.stream().launch_builder(&f);
         b.arg(src).arg(dst).arg(&n);
         // SAFETY: as in `dequant_f32`, with 2-byte outputs.
-        unsafe { b.launch(grid(self, n)) }.with_context(|| format!("cuda: launching {name}"))?;
+        unsafe { b.launch(grid(self, n.div_ceil(DQ_PER_THREAD))) }
+            .with_context(|| format!("cuda: launching {name}"))?;
         Ok(())
     }
 
@@ -182,6 +188,41 @@ impl Gpu {
     }
 }
 
+/// The hash `hash_f32` computes on the device, on the host: the wrapping sum over `i` of
+/// `mix64(bits(v[i]) ^ (base + i) * GAMMA)`, every NaN as `0x7FC00000`.
+pub fn hash_f32_host(v: &[f32], base: u64) -> u64 {
+    use crate::util::rng::{mix64, GAMMA};
+    use rayon::prelude::*;
+    v.par_chunks(1 << 16)
+        .enumerate()
+        .map(|(c, chunk)| {
+            let start = base.wrapping_add((c as u64) << 16);
+            chunk.iter().enumerate().fold(0u64, |acc, (i, &x)| {
+                let bits = if x.is_nan() { 0x7FC0_0000 } else { x.to_bits() };
+                acc.wrapping_add(mix64(
+                    u64::from(bits) ^ start.wrapping_add(i as u64).wrapping_mul(GAMMA),
+                ))
+            })
+        })
+        .reduce(|| 0u64, u64::wrapping_add)
+}
+
+impl Gpu {
+    /// [`hash_f32_host`] of `v` on the device.
+    pub fn hash_f32(&self, v: &CudaSlice<f32>, base: u64) -> Result<u64> {
+        let s = self.stream();
+        let mut out = self.alloc_zeroed::<u64>(1, "hash")?;
+        let n = v.len() as u64;
+        let f = self.function("compare", COMPARE_SOURCE, "hash_f32")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(v).arg(&n).arg(&base).arg(&mut out);
+        // SAFETY: `v` holds n values; `out` one counter; blocks are multiples of 32 threads
+        // (the warp reduction needs whole warps).
+        unsafe { b.launch(grid(self, n)) }.context("cuda: launching hash_f32")?;
+        Ok(s.clone_dtoh(&out).context("cuda: reading the hash")?[0])
+    }
+}
+
 /// What the on-device comparison found.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct CompareStats {
@@ -201,5 +242,31 @@ impl CompareStats {
             self.first = other.first.map(|i| i + offset);
         }
         self.max_abs = self.max_abs.max(other.max_abs);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::hash_f32_host;
+
+    /// The hash is a sum over (position, value): independent of how the host splits the work,
+    /// sensitive to a value moving, NaN payloads equal.
+    #[test]
+    fn host_hash_by_hand() {
+        use crate::util::rng::{mix64, GAMMA};
+        let v = [1.0f32, -2.5];
+        let want = mix64(u64::from(1.0f32.to_bits()) ^ 10u64.wrapping_mul(GAMMA)).wrapping_add(
+            mix64(u64::from((-2.5f32).to_bits()) ^ 11u64.wrapping_mul(GAMMA)),
+        );
+        assert_eq!(hash_f32_host(&v, 10), want);
+        assert_ne!(hash_f32_host(&[-2.5, 1.0], 10), want);
+        let big: Vec<f32> = (0..200_000).map(|i| i as f32).collect();
+        let split =
+            hash_f32_host(&big[..70_000], 0).wrapping_add(hash_f32_host(&big[70_000..], 70_000));
+        assert_eq!(hash_f32_host(&big, 0), split);
+        assert_eq!(
+            hash_f32_host(&[f32::from_bits(0x7FC0_0001)], 0),
+            hash_f32_host(&[f32::NAN], 0)
+        );
     }
 }
