@@ -4,8 +4,8 @@
 //! # Layers
 //! From the bottom; each module imports only from modules listed before it (`use crate::`):
 //!
-//! 1. [`util`]: glob matching, atomic writes, array files, SplitMix64, top-k with ties. Imports
-//!    nothing from the crate.
+//! 1. [`util`]: glob matching, atomic writes, array files, SplitMix64, top-k with ties, the
+//!    progress trait. Imports nothing from the crate.
 //! 2. [`quant`]: the GGML type table and the dequantizers. Imports nothing from the crate.
 //! 3. [`tensor`]: host tensors (shape + f32/i32 values), the currency between engines, traces
 //!    and comparisons. Imports nothing from the crate.
@@ -16,20 +16,23 @@
 //! 6. [`engine`]: the `Engine` trait and the CPU reference; uses `model`, `tensor`, `util`.
 //! 7. [`trace`]: sinks (one tensor, or reference/candidate pairs), hook selection, trace files,
 //!    the reference cache; uses `model`, `gguf`, `tensor`, `util`.
-//! 8. [`compare`]: metrics, tolerance floors, verdicts, first divergence, output distributions;
+//! 8. [`cuda`]: devices, NVRTC, the dequant and comparison kernels, `dequant-check`; uses
+//!    `trace` (the cache directory and its hash), `gguf`, `quant`, `util`.
+//! 9. [`compare`]: metrics, tolerance floors, verdicts, first divergence, output distributions;
 //!    uses `trace` (it is a pair sink), `model`, `tensor`, `util`.
-//! 9. [`driver`]: walks the steps over one engine into a sink, or over a reference and a
-//!    candidate (engine or trace) into a pair sink, in replay and chained modes; uses `trace`,
-//!    `engine`, `model`.
-//! 10. [`tokenizer`]: byte-level BPE from GGUF metadata; uses only `gguf`.
-//! 11. [`synth`]: synthetic GGUFs; uses `tokenizer`, `model`, `gguf`, `quant`, `util`.
-//! 12. [`bench`](mod@bench): benchmarks that measure and return data; uses `synth`, `driver`,
+//! 10. [`driver`]: walks the steps over one engine into a sink, or over a reference and a
+//!     candidate (engine or trace) into a pair sink, in replay and chained modes; uses `trace`,
+//!     `engine`, `model`.
+//! 11. [`tokenizer`]: byte-level BPE from GGUF metadata; uses only `gguf`.
+//! 12. [`synth`]: synthetic GGUFs; uses `tokenizer`, `model`, `gguf`, `quant`, `util`.
+//! 13. [`bench`](mod@bench): benchmarks that measure and return data; uses `synth`, `driver`,
+//!     `cuda` (the GPU dequant benchmark),
 //!     `trace`, `engine`, `model`, `gguf`, `quant`, `util`.
-//! 13. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
-//!     the layers below return; uses `compare`, `driver` (the progress trait), `bench`,
+//! 14. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
+//!     the layers below return; uses `compare`, `cuda`, `bench`,
 //!     `model`, `trace`, `util`.
-//! 14. [`cli`]: the flags. Imports nothing from the crate.
-//! 15. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
+//! 15. [`cli`]: the flags. Imports nothing from the crate.
+//! 16. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
 //!     and handing results to `report`; the only module that uses them all.
 //!
 //! In the library only `report` and `cmd` write to stdout or stderr.

@@ -18,9 +18,9 @@ use serde::Serialize;
 
 use super::dequant::{hash_f32_host, CompareStats};
 use super::Gpu;
-use crate::driver::Progress;
 use crate::gguf::{Model, TensorRef};
 use crate::quant::{dequantize_par, GgmlType};
+use crate::util::progress::Progress;
 
 /// Elements per chunk (256 MiB of f32 per side).
 pub const CHUNK_ELEMS: u64 = 1 << 26;

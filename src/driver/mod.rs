@@ -164,24 +164,7 @@ pub fn check_tokens(weights: &Weights<'_>, tokens: &[u32]) -> Result<()> {
     Ok(())
 }
 
-/// Progress of a long run, reported by the driver (which never prints): one unit per layer.
-pub trait Progress {
-    /// A phase of `total` units begins.
-    fn start(&self, what: &str, total: u64);
-    /// `n` more units are done.
-    fn inc(&self, n: u64);
-    /// The phase ended.
-    fn finish(&self);
-}
-
-/// A [`Progress`] that reports nothing.
-pub struct NoProgress;
-
-impl Progress for NoProgress {
-    fn start(&self, _: &str, _: u64) {}
-    fn inc(&self, _: u64) {}
-    fn finish(&self) {}
-}
+pub use crate::util::progress::{NoProgress, Progress};
 
 /// What a run did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

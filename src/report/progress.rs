@@ -2,7 +2,7 @@
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::driver::Progress;
+use crate::util::progress::Progress;
 
 /// A progress bar on stderr; hidden when stderr is not a terminal.
 pub struct Bar {

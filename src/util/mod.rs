@@ -5,6 +5,7 @@
 pub mod atomic;
 pub mod glob;
 pub mod npy;
+pub mod progress;
 pub mod rng;
 pub mod safetensors_stream;
 pub mod topk;
