@@ -22,11 +22,11 @@
         u64 groups = n / DQ_PER_THREAD;                                                          \
         for (u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride) {      \
             u64 i0 = g * DQ_PER_THREAD;                                                          \
+            /* QK is a multiple of 8: the thread's values share one block. */                    \
+            const u8* blk = src + (i0 / (QK)) * (TS);                                            \
+            u32 j0 = (u32)(i0 % (QK));                                                           \
             float v[DQ_PER_THREAD];                                                              \
-            _Pragma("unroll") for (int k = 0; k < DQ_PER_THREAD; k++) {                          \
-                u64 i = i0 + k;                                                                  \
-                v[k] = dq_##T(src + (i / (QK)) * (TS), (u32)(i % (QK)));                         \
-            }                                                                                    \
+            _Pragma("unroll") for (int k = 0; k < DQ_PER_THREAD; k++) v[k] = dq_##T(blk, j0 + k); \
             float4* d4 = (float4*)(dst + i0);                                                    \
             d4[0] = make_float4(v[0], v[1], v[2], v[3]);                                         \
             d4[1] = make_float4(v[4], v[5], v[6], v[7]);                                         \
@@ -46,11 +46,21 @@
         for (u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride) {      \
             u64 i0 = g * DQ_PER_THREAD;                                                          \
             u32 w[DQ_PER_THREAD / 2];                                                            \
-            _Pragma("unroll") for (int k = 0; k < DQ_PER_THREAD; k += 2) {                       \
-                u64 i = i0 + k;                                                                  \
-                u32 lo = ROUND(dq_##T(src + (i / (QK)) * (TS), (u32)(i % (QK))));                \
-                u32 hi = ROUND(dq_##T(src + ((i + 1) / (QK)) * (TS), (u32)((i + 1) % (QK))));    \
-                w[k / 2] = lo | (hi << 16);                                                      \
+            if ((QK) % DQ_PER_THREAD == 0) {                                                     \
+                const u8* blk = src + (i0 / (QK)) * (TS);                                        \
+                u32 j0 = (u32)(i0 % (QK));                                                       \
+                _Pragma("unroll") for (int k = 0; k < DQ_PER_THREAD; k += 2) {                   \
+                    u32 lo = ROUND(dq_##T(blk, j0 + k));                                         \
+                    u32 hi = ROUND(dq_##T(blk, j0 + k + 1));                                     \
+                    w[k / 2] = lo | (hi << 16);                                                  \
+                }                                                                                \
+            } else {                                                                             \
+                _Pragma("unroll") for (int k = 0; k < DQ_PER_THREAD; k += 2) {                   \
+                    u64 i = i0 + k;                                                              \
+                    u32 lo = ROUND(dq_##T(src + (i / (QK)) * (TS), (u32)(i % (QK))));            \
+                    u32 hi = ROUND(dq_##T(src + ((i + 1) / (QK)) * (TS), (u32)((i + 1) % (QK)))); \
+                    w[k / 2] = lo | (hi << 16);                                                  \
+                }                                                                                \
             }                                                                                    \
             *(uint4*)(dst + i0) = make_uint4(w[0], w[1], w[2], w[3]);                            \
         }                                                                                        \
