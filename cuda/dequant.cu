@@ -9,11 +9,11 @@
 // TS bytes, `dst` (16-byte aligned) gets n = blocks * QK values; 64-bit indices, grid-stride
 // loops (consecutive threads write consecutive outputs).
 
-// Each thread makes 8 consecutive outputs (inside one block for every block type, QK being a
-// multiple of 8; 8 blocks of one value for the scalar types): the scale fields those outputs
-// share are read and decoded once after inlining, and the outputs leave in 16- or 32-byte stores.
-// A tail of n % 8 values is written one by one.
-#define DQ_PER_THREAD 8
+// Each thread makes DQ_PER_THREAD = 16 consecutive outputs (inside one block: every block type's
+// QK is a multiple of 16): the scale fields those outputs share are read and decoded once after
+// inlining, and the outputs leave in 16-byte stores. A tail of n % 16 values is written one by
+// one. (Scalar types have their own kernels below.)
+#define DQ_PER_THREAD 16
 
 #define DEQUANT_KERNELS(T, QK, TS)                                                              \
     extern "C" __global__ void dequant_##T##_f32(const u8* __restrict__ src,                     \
@@ -28,8 +28,8 @@
             float v[DQ_PER_THREAD];                                                              \
             _Pragma("unroll") for (int k = 0; k < DQ_PER_THREAD; k++) v[k] = dq_##T(blk, j0 + k); \
             float4* d4 = (float4*)(dst + i0);                                                    \
-            d4[0] = make_float4(v[0], v[1], v[2], v[3]);                                         \
-            d4[1] = make_float4(v[4], v[5], v[6], v[7]);                                         \
+            _Pragma("unroll") for (int k = 0; k < DQ_PER_THREAD / 4; k++)                        \
+                d4[k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);         \
         }                                                                                        \
         for (u64 i = groups * DQ_PER_THREAD + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; \
              i += stride)                                                                        \
@@ -62,7 +62,8 @@
                     w[k / 2] = lo | (hi << 16);                                                  \
                 }                                                                                \
             }                                                                                    \
-            *(uint4*)(dst + i0) = make_uint4(w[0], w[1], w[2], w[3]);                            \
+            _Pragma("unroll") for (int k = 0; k < DQ_PER_THREAD / 8; k++)                        \
+                ((uint4*)(dst + i0))[k] = make_uint4(w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]); \
         }                                                                                        \
         for (u64 i = groups * DQ_PER_THREAD + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; \
              i += stride)                                                                        \
@@ -72,28 +73,50 @@
 // ---- scalar types (src/quant/float.rs) -------------------------------------------------------
 
 // Scalar types have one value per "block": a thread's 8 values are 8 consecutive scalars, read
-// with 16-byte loads (8-byte for I8) into registers, then converted one by one.
-#define SCALAR_KERNELS(T, TS)                                                                   \
-    __device__ __forceinline__ void load8_##T(const u8* __restrict__ p, u8* b) {                 \
-        if ((8 * (TS)) % 16 == 0) {                                                              \
-            _Pragma("unroll") for (int k = 0; k < 8 * (TS) / 16; k++)                            \
-                ((uint4*)b)[k] = ((const uint4*)p)[k];                                           \
-        } else {                                                                                 \
-            *(uint2*)b = *(const uint2*)p;                                                       \
-        }                                                                                        \
-    }                                                                                            \
+// with 16-byte loads (8-byte for I8) straight into registers, then converted one by one by
+// `cv_<type>` on the raw little-endian integer (the same conversions as `dq_<type>`).
+__device__ __forceinline__ float cv_f32(u32 x) { return __uint_as_float(x); }
+__device__ __forceinline__ float cv_i32(u32 x) { return __int2float_rn((int)x); }
+__device__ __forceinline__ float cv_f16(u32 x) { return cvt_f16((u16)x); }
+__device__ __forceinline__ float cv_bf16(u32 x) { return __uint_as_float(x << 16); }
+__device__ __forceinline__ float cv_i16(u32 x) { return (float)(short)(u16)x; }
+__device__ __forceinline__ float cv_i8(u32 x) { return (float)(i8)(u8)x; }
+__device__ __forceinline__ float cv_f64(u64 x) { return __double2float_rn(__longlong_as_double((long long)x)); }
+__device__ __forceinline__ float cv_i64(u64 x) { return __ll2float_rn((long long)x); }
+
+// 8 values of 1, 2, 4 or 8 bytes from `p` (aligned to 8 * TS bytes) as words.
+__device__ __forceinline__ void words8_1(const u8* p, u32 w[8]) {
+    uint2 q = *(const uint2*)p;
+    _Pragma("unroll") for (int k = 0; k < 4; k++) { w[k] = (q.x >> (8 * k)) & 0xFFu; w[k + 4] = (q.y >> (8 * k)) & 0xFFu; }
+}
+__device__ __forceinline__ void words8_2(const u8* p, u32 w[8]) {
+    uint4 q = *(const uint4*)p;
+    w[0] = q.x & 0xFFFFu; w[1] = q.x >> 16; w[2] = q.y & 0xFFFFu; w[3] = q.y >> 16;
+    w[4] = q.z & 0xFFFFu; w[5] = q.z >> 16; w[6] = q.w & 0xFFFFu; w[7] = q.w >> 16;
+}
+__device__ __forceinline__ void words8_4(const u8* p, u32 w[8]) {
+    uint4 a = ((const uint4*)p)[0], b = ((const uint4*)p)[1];
+    w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+}
+__device__ __forceinline__ void words8_8(const u8* p, u64 w[8]) {
+    _Pragma("unroll") for (int k = 0; k < 4; k++) {
+        uint4 q = ((const uint4*)p)[k];
+        w[2 * k] = (u64)q.x | ((u64)q.y << 32);
+        w[2 * k + 1] = (u64)q.z | ((u64)q.w << 32);
+    }
+}
+
+#define SCALAR_KERNELS(T, TS, W)                                                                \
     extern "C" __global__ void dequant_##T##_f32(const u8* __restrict__ src,                     \
                                                  float* __restrict__ dst, u64 n) {               \
         u64 stride = (u64)gridDim.x * blockDim.x;                                                \
         u64 groups = n / 8;                                                                      \
         for (u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride) {      \
-            __align__(16) u8 b[8 * (TS)];                                                        \
-            load8_##T(src + g * 8 * (TS), b);                                                    \
+            W w[8];                                                                              \
+            words8_##TS(src + g * 8 * (TS), w);                                                  \
             float4* d4 = (float4*)(dst + g * 8);                                                 \
-            d4[0] = make_float4(dq_##T(b, 0), dq_##T(b + (TS), 0), dq_##T(b + 2 * (TS), 0),      \
-                                dq_##T(b + 3 * (TS), 0));                                        \
-            d4[1] = make_float4(dq_##T(b + 4 * (TS), 0), dq_##T(b + 5 * (TS), 0),                \
-                                dq_##T(b + 6 * (TS), 0), dq_##T(b + 7 * (TS), 0));               \
+            d4[0] = make_float4(cv_##T(w[0]), cv_##T(w[1]), cv_##T(w[2]), cv_##T(w[3]));         \
+            d4[1] = make_float4(cv_##T(w[4]), cv_##T(w[5]), cv_##T(w[6]), cv_##T(w[7]));         \
         }                                                                                        \
         for (u64 i = groups * 8 + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) \
             dst[i] = dq_##T(src + i * (TS), 0);                                                  \
@@ -101,25 +124,24 @@
     DEQUANT_KERNEL_U16(T, 1, TS, bf16, float_to_bf16_bits)                                       \
     DEQUANT_KERNEL_U16(T, 1, TS, f16, float_to_half_bits)
 
-__device__ __forceinline__ float dq_f32(const u8* b, u32) { return ld_f32(b); }
-__device__ __forceinline__ float dq_f16(const u8* b, u32) { return ld_f16(b); }
-__device__ __forceinline__ float dq_bf16(const u8* b, u32) { return ld_bf16(b); }
-__device__ __forceinline__ float dq_f64(const u8* b, u32) {
-    return __double2float_rn(__longlong_as_double((long long)ld_u64(b)));
-}
-__device__ __forceinline__ float dq_i8(const u8* b, u32) { return (float)(i8)b[0]; }
-__device__ __forceinline__ float dq_i16(const u8* b, u32) { return (float)(short)ld_u16(b); }
-__device__ __forceinline__ float dq_i32(const u8* b, u32) { return __int2float_rn((int)ld_u32(b)); }
-__device__ __forceinline__ float dq_i64(const u8* b, u32) { return __ll2float_rn((long long)ld_u64(b)); }
+// One scalar at b (the tails, and the bf16/f16 kernels).
+__device__ __forceinline__ float dq_f32(const u8* b, u32) { return cv_f32(ld_u32(b)); }
+__device__ __forceinline__ float dq_f16(const u8* b, u32) { return cv_f16(ld_u16(b)); }
+__device__ __forceinline__ float dq_bf16(const u8* b, u32) { return cv_bf16(ld_u16(b)); }
+__device__ __forceinline__ float dq_f64(const u8* b, u32) { return cv_f64(ld_u64(b)); }
+__device__ __forceinline__ float dq_i8(const u8* b, u32) { return cv_i8(b[0]); }
+__device__ __forceinline__ float dq_i16(const u8* b, u32) { return cv_i16(ld_u16(b)); }
+__device__ __forceinline__ float dq_i32(const u8* b, u32) { return cv_i32(ld_u32(b)); }
+__device__ __forceinline__ float dq_i64(const u8* b, u32) { return cv_i64(ld_u64(b)); }
 
-SCALAR_KERNELS(f32, 4)
-SCALAR_KERNELS(f16, 2)
-SCALAR_KERNELS(bf16, 2)
-SCALAR_KERNELS(f64, 8)
-SCALAR_KERNELS(i8, 1)
-SCALAR_KERNELS(i16, 2)
-SCALAR_KERNELS(i32, 4)
-SCALAR_KERNELS(i64, 8)
+SCALAR_KERNELS(f32, 4, u32)
+SCALAR_KERNELS(f16, 2, u32)
+SCALAR_KERNELS(bf16, 2, u32)
+SCALAR_KERNELS(f64, 8, u64)
+SCALAR_KERNELS(i8, 1, u32)
+SCALAR_KERNELS(i16, 2, u32)
+SCALAR_KERNELS(i32, 4, u32)
+SCALAR_KERNELS(i64, 8, u64)
 
 // ---- 32-element blocks (src/quant/legacy.rs) -------------------------------------------------
 

@@ -67,8 +67,9 @@ impl OutFormat {
     }
 }
 
-/// Outputs each dequant thread makes (`DQ_PER_THREAD` in `cuda/dequant.cu`).
-const DQ_PER_THREAD: u64 = 8;
+/// Outputs each dequant thread makes (`DQ_PER_THREAD` in `cuda/dequant.cu`; the scalar types'
+/// kernels make 8, which this over-provisions harmlessly through their grid-stride loops).
+const DQ_PER_THREAD: u64 = 16;
 
 /// A grid for `n` work items: 256 threads a block, at most 32 blocks per SM (grid-stride loops).
 fn grid(gpu: &Gpu, n: u64) -> LaunchConfig {
