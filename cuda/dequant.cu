@@ -9,29 +9,39 @@
 // TS bytes, `dst` (16-byte aligned) gets n = blocks * QK values; 64-bit indices, grid-stride
 // loops (consecutive threads write consecutive outputs).
 
-// Each thread makes DQ_PER_THREAD = 16 consecutive outputs (inside one block: every block type's
-// QK is a multiple of 16): the scale fields those outputs share are read and decoded once after
-// inlining, and the outputs leave in 16-byte stores. A tail of n % 16 values is written one by
-// one. (Scalar types have their own kernels below.)
-#define DQ_PER_THREAD 16
+// Work is split by warps: warp w makes the 256 outputs [256 w, 256 w + 256), lane l the quads
+// (4 consecutive outputs) starting at 4 l and 128 + 4 l. A quad lies inside one block (every
+// block type's QK is a multiple of 4), so its scale fields are read and decoded once after
+// inlining; each store instruction of a warp writes 512 contiguous bytes (256 for 16-bit
+// outputs). Outputs past the last whole 256 are written one by one.
+#define DQ_WARP_SPAN 256
+
+#define DQ_QUAD(T, QK, TS, i, v)                                                                \
+    {                                                                                            \
+        const u8* blk_ = src + ((i) / (QK)) * (TS);                                              \
+        u32 j_ = (u32)((i) % (QK));                                                              \
+        v[0] = dq_##T(blk_, j_);                                                                 \
+        v[1] = dq_##T(blk_, j_ + 1);                                                             \
+        v[2] = dq_##T(blk_, j_ + 2);                                                             \
+        v[3] = dq_##T(blk_, j_ + 3);                                                             \
+    }
 
 #define DEQUANT_KERNELS(T, QK, TS)                                                              \
     extern "C" __global__ void dequant_##T##_f32(const u8* __restrict__ src,                     \
                                                  float* __restrict__ dst, u64 n) {               \
-        u64 stride = (u64)gridDim.x * blockDim.x;                                                \
-        u64 groups = n / DQ_PER_THREAD;                                                          \
-        for (u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride) {      \
-            u64 i0 = g * DQ_PER_THREAD;                                                          \
-            /* QK is a multiple of 8: the thread's values share one block. */                    \
-            const u8* blk = src + (i0 / (QK)) * (TS);                                            \
-            u32 j0 = (u32)(i0 % (QK));                                                           \
-            float v[DQ_PER_THREAD];                                                              \
-            _Pragma("unroll") for (int k = 0; k < DQ_PER_THREAD; k++) v[k] = dq_##T(blk, j0 + k); \
-            float4* d4 = (float4*)(dst + i0);                                                    \
-            _Pragma("unroll") for (int k = 0; k < DQ_PER_THREAD / 4; k++)                        \
-                d4[k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);         \
+        u64 warps = ((u64)gridDim.x * blockDim.x) / 32;                                          \
+        u64 lane = threadIdx.x & 31;                                                             \
+        u64 full = n / DQ_WARP_SPAN;                                                             \
+        for (u64 w = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32; w < full; w += warps) {  \
+            _Pragma("unroll") for (int h = 0; h < 2; h++) {                                      \
+                u64 i = w * DQ_WARP_SPAN + 128 * h + 4 * lane;                                   \
+                float v[4];                                                                      \
+                DQ_QUAD(T, QK, TS, i, v)                                                         \
+                *(float4*)(dst + i) = make_float4(v[0], v[1], v[2], v[3]);                       \
+            }                                                                                    \
         }                                                                                        \
-        for (u64 i = groups * DQ_PER_THREAD + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; \
+        u64 stride = (u64)gridDim.x * blockDim.x;                                                \
+        for (u64 i = full * DQ_WARP_SPAN + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;   \
              i += stride)                                                                        \
             dst[i] = dq_##T(src + (i / (QK)) * (TS), (u32)(i % (QK)));                           \
     }                                                                                            \
@@ -41,31 +51,20 @@
 #define DEQUANT_KERNEL_U16(T, QK, TS, SUFFIX, ROUND)                                            \
     extern "C" __global__ void dequant_##T##_##SUFFIX(const u8* __restrict__ src,                \
                                                       u16* __restrict__ dst, u64 n) {            \
-        u64 stride = (u64)gridDim.x * blockDim.x;                                                \
-        u64 groups = n / DQ_PER_THREAD;                                                          \
-        for (u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride) {      \
-            u64 i0 = g * DQ_PER_THREAD;                                                          \
-            u32 w[DQ_PER_THREAD / 2];                                                            \
-            if ((QK) % DQ_PER_THREAD == 0) {                                                     \
-                const u8* blk = src + (i0 / (QK)) * (TS);                                        \
-                u32 j0 = (u32)(i0 % (QK));                                                       \
-                _Pragma("unroll") for (int k = 0; k < DQ_PER_THREAD; k += 2) {                   \
-                    u32 lo = ROUND(dq_##T(blk, j0 + k));                                         \
-                    u32 hi = ROUND(dq_##T(blk, j0 + k + 1));                                     \
-                    w[k / 2] = lo | (hi << 16);                                                  \
-                }                                                                                \
-            } else {                                                                             \
-                _Pragma("unroll") for (int k = 0; k < DQ_PER_THREAD; k += 2) {                   \
-                    u64 i = i0 + k;                                                              \
-                    u32 lo = ROUND(dq_##T(src + (i / (QK)) * (TS), (u32)(i % (QK))));            \
-                    u32 hi = ROUND(dq_##T(src + ((i + 1) / (QK)) * (TS), (u32)((i + 1) % (QK)))); \
-                    w[k / 2] = lo | (hi << 16);                                                  \
-                }                                                                                \
+        u64 warps = ((u64)gridDim.x * blockDim.x) / 32;                                          \
+        u64 lane = threadIdx.x & 31;                                                             \
+        u64 full = ((QK) % 4 == 0) ? n / DQ_WARP_SPAN : 0;                                       \
+        for (u64 w = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32; w < full; w += warps) {  \
+            _Pragma("unroll") for (int h = 0; h < 2; h++) {                                      \
+                u64 i = w * DQ_WARP_SPAN + 128 * h + 4 * lane;                                   \
+                float v[4];                                                                      \
+                DQ_QUAD(T, QK, TS, i, v)                                                         \
+                *(uint2*)(dst + i) = make_uint2(ROUND(v[0]) | ((u32)ROUND(v[1]) << 16),          \
+                                                ROUND(v[2]) | ((u32)ROUND(v[3]) << 16));         \
             }                                                                                    \
-            _Pragma("unroll") for (int k = 0; k < DQ_PER_THREAD / 8; k++)                        \
-                ((uint4*)(dst + i0))[k] = make_uint4(w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]); \
         }                                                                                        \
-        for (u64 i = groups * DQ_PER_THREAD + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; \
+        u64 stride = (u64)gridDim.x * blockDim.x;                                                \
+        for (u64 i = full * DQ_WARP_SPAN + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;   \
              i += stride)                                                                        \
             dst[i] = ROUND(dq_##T(src + (i / (QK)) * (TS), (u32)(i % (QK))));                    \
     }

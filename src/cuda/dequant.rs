@@ -67,9 +67,9 @@ impl OutFormat {
     }
 }
 
-/// Outputs each dequant thread makes (`DQ_PER_THREAD` in `cuda/dequant.cu`; the scalar types'
-/// kernels make 8, which this over-provisions harmlessly through their grid-stride loops).
-const DQ_PER_THREAD: u64 = 16;
+/// Outputs per dequant thread (a warp makes 256 in `cuda/dequant.cu`, the scalar kernels 8 a
+/// thread); the launch sizes the grid by it, the kernels' grid-stride loops cover the rest.
+const DQ_PER_THREAD: u64 = 8;
 
 /// A grid for `n` work items: 256 threads a block, at most 32 blocks per SM (grid-stride loops).
 fn grid(gpu: &Gpu, n: u64) -> LaunchConfig {
