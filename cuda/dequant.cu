@@ -71,9 +71,9 @@
 
 // ---- scalar types (src/quant/float.rs) -------------------------------------------------------
 
-// Scalar types have one value per "block": a thread's 8 values are 8 consecutive scalars, read
-// with 16-byte loads (8-byte for I8) straight into registers, then converted one by one by
-// `cv_<type>` on the raw little-endian integer (the same conversions as `dq_<type>`).
+// Scalar types have one value per "block": a lane's quad is 4 consecutive scalars, read with one
+// vector load straight into registers, then converted one by one by `cv_<type>` on the raw
+// little-endian integer (the same conversions as `dq_<type>`).
 __device__ __forceinline__ float cv_f32(u32 x) { return __uint_as_float(x); }
 __device__ __forceinline__ float cv_i32(u32 x) { return __int2float_rn((int)x); }
 __device__ __forceinline__ float cv_f16(u32 x) { return cvt_f16((u16)x); }
@@ -83,41 +83,47 @@ __device__ __forceinline__ float cv_i8(u32 x) { return (float)(i8)(u8)x; }
 __device__ __forceinline__ float cv_f64(u64 x) { return __double2float_rn(__longlong_as_double((long long)x)); }
 __device__ __forceinline__ float cv_i64(u64 x) { return __ll2float_rn((long long)x); }
 
-// 8 values of 1, 2, 4 or 8 bytes from `p` (aligned to 8 * TS bytes) as words.
-__device__ __forceinline__ void words8_1(const u8* p, u32 w[8]) {
+// 4 values of 1, 2, 4 or 8 bytes from `p` (aligned to 4 * TS bytes) as words.
+__device__ __forceinline__ void words4_1(const u8* p, u32 w[4]) {
+    u32 q = *(const u32*)p;
+    _Pragma("unroll") for (int k = 0; k < 4; k++) w[k] = (q >> (8 * k)) & 0xFFu;
+}
+__device__ __forceinline__ void words4_2(const u8* p, u32 w[4]) {
     uint2 q = *(const uint2*)p;
-    _Pragma("unroll") for (int k = 0; k < 4; k++) { w[k] = (q.x >> (8 * k)) & 0xFFu; w[k + 4] = (q.y >> (8 * k)) & 0xFFu; }
-}
-__device__ __forceinline__ void words8_2(const u8* p, u32 w[8]) {
-    uint4 q = *(const uint4*)p;
     w[0] = q.x & 0xFFFFu; w[1] = q.x >> 16; w[2] = q.y & 0xFFFFu; w[3] = q.y >> 16;
-    w[4] = q.z & 0xFFFFu; w[5] = q.z >> 16; w[6] = q.w & 0xFFFFu; w[7] = q.w >> 16;
 }
-__device__ __forceinline__ void words8_4(const u8* p, u32 w[8]) {
-    uint4 a = ((const uint4*)p)[0], b = ((const uint4*)p)[1];
-    w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+__device__ __forceinline__ void words4_4(const u8* p, u32 w[4]) {
+    uint4 q = *(const uint4*)p;
+    w[0] = q.x; w[1] = q.y; w[2] = q.z; w[3] = q.w;
 }
-__device__ __forceinline__ void words8_8(const u8* p, u64 w[8]) {
-    _Pragma("unroll") for (int k = 0; k < 4; k++) {
+__device__ __forceinline__ void words4_8(const u8* p, u64 w[4]) {
+    _Pragma("unroll") for (int k = 0; k < 2; k++) {
         uint4 q = ((const uint4*)p)[k];
         w[2 * k] = (u64)q.x | ((u64)q.y << 32);
         w[2 * k + 1] = (u64)q.z | ((u64)q.w << 32);
     }
 }
 
+// Scalar kernels split work by warps like the block kernels (lane l: the quads at 4 l and
+// 128 + 4 l of the warp's 256 values), so that loads and stores of a warp are contiguous.
 #define SCALAR_KERNELS(T, TS, W)                                                                \
     extern "C" __global__ void dequant_##T##_f32(const u8* __restrict__ src,                     \
                                                  float* __restrict__ dst, u64 n) {               \
-        u64 stride = (u64)gridDim.x * blockDim.x;                                                \
-        u64 groups = n / 8;                                                                      \
-        for (u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride) {      \
-            W w[8];                                                                              \
-            words8_##TS(src + g * 8 * (TS), w);                                                  \
-            float4* d4 = (float4*)(dst + g * 8);                                                 \
-            d4[0] = make_float4(cv_##T(w[0]), cv_##T(w[1]), cv_##T(w[2]), cv_##T(w[3]));         \
-            d4[1] = make_float4(cv_##T(w[4]), cv_##T(w[5]), cv_##T(w[6]), cv_##T(w[7]));         \
+        u64 warps = ((u64)gridDim.x * blockDim.x) / 32;                                          \
+        u64 lane = threadIdx.x & 31;                                                             \
+        u64 full = n / DQ_WARP_SPAN;                                                             \
+        for (u64 g = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32; g < full; g += warps) {  \
+            _Pragma("unroll") for (int h = 0; h < 2; h++) {                                      \
+                u64 i = g * DQ_WARP_SPAN + 128 * h + 4 * lane;                                   \
+                W w[4];                                                                          \
+                words4_##TS(src + i * (TS), w);                                                  \
+                *(float4*)(dst + i) =                                                            \
+                    make_float4(cv_##T(w[0]), cv_##T(w[1]), cv_##T(w[2]), cv_##T(w[3]));         \
+            }                                                                                    \
         }                                                                                        \
-        for (u64 i = groups * 8 + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) \
+        u64 stride = (u64)gridDim.x * blockDim.x;                                                \
+        for (u64 i = full * DQ_WARP_SPAN + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;   \
+             i += stride)                                                                        \
             dst[i] = dq_##T(src + i * (TS), 0);                                                  \
     }                                                                                            \
     DEQUANT_KERNEL_U16(T, 1, TS, bf16, float_to_bf16_bits)                                       \
