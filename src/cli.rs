@@ -136,6 +136,20 @@ pub struct RunArgs {
     /// Modes: both, replay (each step from the same inputs) or chained (each side on its own outputs).
     #[arg(long, default_value = "both", value_parser = ["both", "replay", "chained"])]
     pub mode: String,
+    /// What to compare and how to report it.
+    #[command(flatten)]
+    pub report: ReportArgs,
+    /// Reference cache directory (default: $GLMDIFF_CACHE_DIR, $XDG_CACHE_HOME/glmdiff or ~/.cache/glmdiff).
+    #[arg(long, value_name = "DIR")]
+    pub cache_dir: Option<PathBuf>,
+    /// Compute the layers before the start without reading or writing the cache.
+    #[arg(long)]
+    pub no_cache: bool,
+}
+
+/// The flags `run` and `compare` share: which hooks, floors and precisions, and the outputs.
+#[derive(Debug, Args)]
+pub struct ReportArgs {
     /// Compare only hooks matching these globs (repeatable); optional points (attn_probs, exp.E.out) only when named.
     #[arg(long, value_name = "GLOB")]
     pub hook: Vec<String>,
@@ -154,12 +168,6 @@ pub struct RunArgs {
     /// Write an SVG plot of the error per layer. Written atomically.
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<PathBuf>,
-    /// Reference cache directory (default: $GLMDIFF_CACHE_DIR, $XDG_CACHE_HOME/glmdiff or ~/.cache/glmdiff).
-    #[arg(long, value_name = "DIR")]
-    pub cache_dir: Option<PathBuf>,
-    /// Compute the layers before the start without reading or writing the cache.
-    #[arg(long)]
-    pub no_cache: bool,
 }
 
 /// `glmdiff compare`.
@@ -172,24 +180,9 @@ pub struct CompareArgs {
     /// A JSON object mapping the candidate's hook names to glmdiff's ({"their.name": "blk.0.q_a"}).
     #[arg(long, value_name = "FILE")]
     pub map: Option<PathBuf>,
-    /// Compare only hooks matching these globs (repeatable).
-    #[arg(long, value_name = "GLOB")]
-    pub hook: Vec<String>,
-    /// Expand every layer in the table.
-    #[arg(long)]
-    pub all_steps: bool,
-    /// Replace the floor of matching hooks: 'GLOB=VALUE', repeatable.
-    #[arg(long, value_name = "GLOB=VALUE", value_parser = parse_tol)]
-    pub tol: Vec<(String, f64)>,
-    /// The candidate's precision for matching hooks: 'GLOB=DTYPE', repeatable.
-    #[arg(long, value_name = "GLOB=DTYPE", value_parser = parse_precision)]
-    pub precision: Vec<(String, String)>,
-    /// Write the results as JSON (docs/run-json.md). Written atomically.
-    #[arg(long, value_name = "FILE")]
-    pub json: Option<PathBuf>,
-    /// Write an SVG plot of the error per layer. Written atomically.
-    #[arg(long, value_name = "FILE.svg")]
-    pub plot: Option<PathBuf>,
+    /// What to compare and how to report it.
+    #[command(flatten)]
+    pub report: ReportArgs,
 }
 
 /// `glmdiff synth`.

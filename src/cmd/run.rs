@@ -174,7 +174,7 @@ fn write_outputs(
 
 /// Runs `glmdiff run`.
 pub fn run(args: &RunArgs) -> Result<Outcome> {
-    check_outputs(&args.json, &args.plot)?;
+    check_outputs(&args.report.json, &args.report.plot)?;
     let against = parse_against(&args.against)?;
     let modes = match args.mode.as_str() {
         "replay" => Modes {
@@ -359,9 +359,9 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
         reference: ref_prec,
         candidate: cand_prec,
         infos: hook_infos(&plan.steps, &weights),
-        tol: args.tol.clone(),
+        tol: args.report.tol.clone(),
         precision: {
-            let mut p = precision_overrides(&args.precision)?;
+            let mut p = precision_overrides(&args.report.precision)?;
             if let Some(t) = &trace {
                 p.extend(trace_precision(t, &mut header_notes));
             }
@@ -370,7 +370,7 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
         selection_bias: selection_bias(&weights, &plan)?,
     };
     notes.append(&mut header_notes);
-    let mut cmp = Comparison::new(judge, wants_with_scores(&args.hook), &tokens);
+    let mut cmp = Comparison::new(judge, wants_with_scores(&args.report.hook), &tokens);
     let t0 = Instant::now();
     let candidate: Candidate<'_, CpuEngine<'_>> = match &trace {
         Some(t) => Candidate::Trace(t),
@@ -384,7 +384,7 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
     if cmp.records().is_empty() {
         bail!(
             "run: no hook matched --hook {}; hook names are blk.L.<point>, token_embd, result_norm, logits",
-            args.hook.join(" ")
+            args.report.hook.join(" ")
         );
     }
 
@@ -423,14 +423,22 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
             ids.join(","),
             shell_word(&header.candidate.spec),
             args.mode,
-            args.hook
+            args.report
+                .hook
                 .iter()
                 .map(|g| format!(" --hook {}", shell_word(g)))
                 .collect::<String>()
         ));
     }
     let text = |id: u32| token_text(tok, id);
-    finish(&header, &cmp, &text, args.all_steps, &args.json, &args.plot)
+    finish(
+        &header,
+        &cmp,
+        &text,
+        args.report.all_steps,
+        &args.report.json,
+        &args.report.plot,
+    )
 }
 
 /// `--precision` pairs as precisions.
@@ -521,7 +529,7 @@ fn read_map(path: &Path) -> Result<HashMap<String, String>> {
 
 /// Runs `glmdiff compare`.
 pub fn compare(args: &CompareArgs) -> Result<Outcome> {
-    check_outputs(&args.json, &args.plot)?;
+    check_outputs(&args.report.json, &args.report.plot)?;
     let reference = TraceFile::open(&args.reference)?;
     let candidate = TraceFile::open(&args.candidate)?;
     let (rt, ct) = (reference.tokens(), candidate.tokens());
@@ -568,9 +576,9 @@ pub fn compare(args: &CompareArgs) -> Result<Outcome> {
         reference: prec(&reference, "reference", &mut notes)?,
         candidate: prec(&candidate, "candidate", &mut notes)?,
         infos: HashMap::new(),
-        tol: args.tol.clone(),
+        tol: args.report.tol.clone(),
         precision: {
-            let mut p = precision_overrides(&args.precision)?;
+            let mut p = precision_overrides(&args.report.precision)?;
             p.extend(trace_precision(&candidate, &mut notes));
             p
         },
@@ -585,7 +593,7 @@ pub fn compare(args: &CompareArgs) -> Result<Outcome> {
         .cloned()
         .unwrap_or_default();
     let present = |n: &str| reference.has(n);
-    let mut cmp = Comparison::new(judge, wants_with_scores(&args.hook), &tokens);
+    let mut cmp = Comparison::new(judge, wants_with_scores(&args.report.hook), &tokens);
     for n in &names {
         if !cmp.wants(n) {
             continue;
@@ -641,5 +649,12 @@ pub fn compare(args: &CompareArgs) -> Result<Outcome> {
         timings: Vec::new(),
     };
     let text = |id: u32| id.to_string();
-    finish(&header, &cmp, &text, args.all_steps, &args.json, &args.plot)
+    finish(
+        &header,
+        &cmp,
+        &text,
+        args.report.all_steps,
+        &args.report.json,
+        &args.report.plot,
+    )
 }

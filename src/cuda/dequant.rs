@@ -106,20 +106,7 @@ impl Gpu {
         src: &CudaSlice<u8>,
         dst: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        let n = elements(ty, src.len())?;
-        if dst.len() as u64 != n {
-            bail!("cuda: {ty}: output holds {} values for {n}", dst.len());
-        }
-        let name = format!("dequant_{}_f32", stem(ty)?);
-        let f = self.function("dequant", DEQUANT_SOURCE, &name)?;
-        let mut b = self.stream().launch_builder(&f);
-        b.arg(src).arg(dst).arg(&n);
-        // SAFETY: the kernel reads n / QK whole blocks from `src` (checked: src holds exactly
-        // those bytes) and writes n floats to `dst` (checked above; a fresh allocation, so
-        // aligned for its 16-byte stores); 64-bit indices.
-        unsafe { b.launch(grid(self, n.div_ceil(DQ_PER_THREAD))) }
-            .with_context(|| format!("cuda: launching {name}"))?;
-        Ok(())
+        self.dequant_into(ty, OutFormat::F32, src, dst)
     }
 
     /// Dequantizes into 16-bit values (`Bf16` or `F16` bit patterns).
@@ -133,6 +120,17 @@ impl Gpu {
         if format == OutFormat::F32 {
             bail!("cuda: dequant_u16 takes bf16 or f16");
         }
+        self.dequant_into(ty, format, src, dst)
+    }
+
+    /// Launches `dequant_<type>_<format>` from `src` into `dst` (`format`'s element type).
+    fn dequant_into<T: cudarc::driver::DeviceRepr>(
+        &self,
+        ty: GgmlType,
+        format: OutFormat,
+        src: &CudaSlice<u8>,
+        dst: &mut CudaSlice<T>,
+    ) -> Result<()> {
         let n = elements(ty, src.len())?;
         if dst.len() as u64 != n {
             bail!("cuda: {ty}: output holds {} values for {n}", dst.len());
@@ -141,7 +139,10 @@ impl Gpu {
         let f = self.function("dequant", DEQUANT_SOURCE, &name)?;
         let mut b = self.stream().launch_builder(&f);
         b.arg(src).arg(dst).arg(&n);
-        // SAFETY: as in `dequant_f32`, with 2-byte outputs.
+        // SAFETY: the kernel reads n / QK whole blocks from `src` (checked: src holds exactly
+        // those bytes) and writes n values of the format's width to `dst` (checked above; the
+        // callers pass whole allocations, aligned for the kernels' 16-byte stores); 64-bit
+        // indices.
         unsafe { b.launch(grid(self, n.div_ceil(DQ_PER_THREAD))) }
             .with_context(|| format!("cuda: launching {name}"))?;
         Ok(())
