@@ -19,7 +19,9 @@
 #define DQ_QUAD(T, QK, TS, i, v)                                                                \
     {                                                                                            \
         const u8* blk_ = src + ((i) / (QK)) * (TS);                                              \
-        u32 j_ = (u32)((i) % (QK));                                                              \
+        /* A quad starts at a multiple of 4: saying so lets the compiler see that its four */    \
+        /* values share every sub-block index, and decode the scales once. */                    \
+        u32 j_ = (u32)((i) % (QK)) & ~3u;                                                        \
         v[0] = dq_##T(blk_, j_);                                                                 \
         v[1] = dq_##T(blk_, j_ + 1);                                                             \
         v[2] = dq_##T(blk_, j_ + 2);                                                             \
