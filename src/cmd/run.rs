@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 
 use super::Outcome;
-use crate::cli::{CompareArgs, RunArgs};
+use crate::cli::{CompareArgs, ReportArgs, RunArgs};
 use crate::compare::floors::{hook_infos, point_of};
 use crate::compare::graph::{order_key, upstream};
 use crate::compare::{Comparison, Judge, Precision};
@@ -140,12 +140,10 @@ fn finish(
     h: &Header,
     c: &Comparison,
     text: &dyn Fn(u32) -> String,
-    all_steps: bool,
-    json: &Option<PathBuf>,
-    plot: &Option<PathBuf>,
+    report: &ReportArgs,
 ) -> Result<Outcome> {
-    print!("{}", render(h, c, text, all_steps));
-    write_outputs(h, c, json, plot)?;
+    print!("{}", render(h, c, text, report.all_steps));
+    write_outputs(h, c, &report.json, &report.plot)?;
     Ok(if c.differs() {
         Outcome::Differs
     } else {
@@ -431,14 +429,7 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
         ));
     }
     let text = |id: u32| token_text(tok, id);
-    finish(
-        &header,
-        &cmp,
-        &text,
-        args.report.all_steps,
-        &args.report.json,
-        &args.report.plot,
-    )
+    finish(&header, &cmp, &text, &args.report)
 }
 
 /// `--precision` pairs as precisions.
@@ -649,12 +640,5 @@ pub fn compare(args: &CompareArgs) -> Result<Outcome> {
         timings: Vec::new(),
     };
     let text = |id: u32| id.to_string();
-    finish(
-        &header,
-        &cmp,
-        &text,
-        args.report.all_steps,
-        &args.report.json,
-        &args.report.plot,
-    )
+    finish(&header, &cmp, &text, &args.report)
 }
