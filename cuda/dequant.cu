@@ -28,19 +28,35 @@
         v[3] = dq_##T(blk_, j_ + 3);                                                             \
     }
 
+// The f32 kernels first stage a warp's blocks (its 256 outputs' bytes, at most DQ_STAGE) in
+// shared memory with byte loads that a warp issues 32 contiguous bytes at a time, then decode
+// from there: the scattered per-lane reads of scale fields and packed values hit shared memory
+// instead of global memory.
+#define DQ_STAGE 288
+
 #define DEQUANT_KERNELS(T, QK, TS)                                                              \
+    static_assert((DQ_WARP_SPAN / (QK)) * (TS) <= DQ_STAGE, "a warp's blocks fit the stage");   \
     extern "C" __global__ void dequant_##T##_f32(const u8* __restrict__ src,                     \
                                                  float* __restrict__ dst, u64 n) {               \
+        __shared__ __align__(16) u8 stage_[8][DQ_STAGE];                                         \
+        u8* sh = stage_[(threadIdx.x / 32) & 7];                                                 \
+        const u32 span = (DQ_WARP_SPAN / (QK)) * (TS);                                           \
         u64 warps = ((u64)gridDim.x * blockDim.x) / 32;                                          \
-        u64 lane = threadIdx.x & 31;                                                             \
+        u32 lane = threadIdx.x & 31;                                                             \
         u64 full = n / DQ_WARP_SPAN;                                                             \
         for (u64 w = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32; w < full; w += warps) {  \
+            const u8* g = src + w * span;                                                        \
+            for (u32 k = lane; k < span; k += 32) sh[k] = g[k];                                  \
+            __syncwarp();                                                                        \
             _Pragma("unroll") for (int h = 0; h < 2; h++) {                                      \
-                u64 i = w * DQ_WARP_SPAN + 128 * h + 4 * lane;                                   \
-                float v[4];                                                                      \
-                DQ_QUAD(T, QK, TS, i, v)                                                         \
-                *(float4*)(dst + i) = make_float4(v[0], v[1], v[2], v[3]);                       \
+                u32 il = 128 * h + 4 * lane;                                                     \
+                const u8* blk = sh + (il / (QK)) * (TS);                                         \
+                u32 j = (il % (QK)) & ~3u;                                                       \
+                float4 v = make_float4(dq_##T(blk, j), dq_##T(blk, j + 1), dq_##T(blk, j + 2),   \
+                                       dq_##T(blk, j + 3));                                      \
+                *(float4*)(dst + w * DQ_WARP_SPAN + il) = v;                                     \
             }                                                                                    \
+            __syncwarp();                                                                        \
         }                                                                                        \
         u64 stride = (u64)gridDim.x * blockDim.x;                                                \
         for (u64 i = full * DQ_WARP_SPAN + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;   \
