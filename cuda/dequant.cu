@@ -28,13 +28,36 @@
         v[3] = dq_##T(blk_, j_ + 3);                                                             \
     }
 
-// The f32 kernels first stage a warp's blocks (its 256 outputs' bytes, at most DQ_STAGE) in
-// shared memory with byte loads that a warp issues 32 contiguous bytes at a time, then decode
-// from there: the scattered per-lane reads of scale fields and packed values hit shared memory
-// instead of global memory.
 #define DQ_STAGE 288
 
 #define DEQUANT_KERNELS(T, QK, TS)                                                              \
+    extern "C" __global__ void dequant_##T##_f32(const u8* __restrict__ src,                     \
+                                                 float* __restrict__ dst, u64 n) {               \
+        u64 warps = ((u64)gridDim.x * blockDim.x) / 32;                                          \
+        u64 lane = threadIdx.x & 31;                                                             \
+        u64 full = n / DQ_WARP_SPAN;                                                             \
+        for (u64 w = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32; w < full; w += warps) {  \
+            _Pragma("unroll") for (int h = 0; h < 2; h++) {                                      \
+                u64 i = w * DQ_WARP_SPAN + 128 * h + 4 * lane;                                   \
+                float v[4];                                                                      \
+                DQ_QUAD(T, QK, TS, i, v)                                                         \
+                *(float4*)(dst + i) = make_float4(v[0], v[1], v[2], v[3]);                       \
+            }                                                                                    \
+        }                                                                                        \
+        u64 stride = (u64)gridDim.x * blockDim.x;                                                \
+        for (u64 i = full * DQ_WARP_SPAN + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;   \
+             i += stride)                                                                        \
+            dst[i] = dq_##T(src + (i / (QK)) * (TS), (u32)(i % (QK)));                           \
+    }                                                                                            \
+    DEQUANT_KERNEL_U16(T, QK, TS, bf16, float_to_bf16_bits)                                      \
+    DEQUANT_KERNEL_U16(T, QK, TS, f16, float_to_half_bits)
+
+// DEQUANT_KERNELS_STAGED: the f32 kernel first stages a warp's blocks (its 256 outputs' bytes,
+// at most DQ_STAGE) in shared memory with byte loads that a warp issues 32 contiguous bytes at a
+// time, then decodes from there, so the scattered per-lane reads of scale fields and packed
+// values hit shared memory. It is faster for most types and slower for a few (Q5_0, Q6_K, IQ3_S,
+// IQ4_XS, NVFP4, TQ2_0 on an H200: `glmdiff bench dequant --device`); each type uses the faster.
+#define DEQUANT_KERNELS_STAGED(T, QK, TS)                                                       \
     static_assert((DQ_WARP_SPAN / (QK)) * (TS) <= DQ_STAGE, "a warp's blocks fit the stage");   \
     extern "C" __global__ void dequant_##T##_f32(const u8* __restrict__ src,                     \
                                                  float* __restrict__ dst, u64 n) {               \
@@ -210,8 +233,8 @@ __device__ __forceinline__ float dq_iq4_nl(const u8* b, u32 j) {
 }
 
 DEQUANT_KERNELS(q8_0, 32, 34)
-DEQUANT_KERNELS(q4_0, 32, 18)
-DEQUANT_KERNELS(q4_1, 32, 20)
+DEQUANT_KERNELS_STAGED(q4_0, 32, 18)
+DEQUANT_KERNELS_STAGED(q4_1, 32, 20)
 DEQUANT_KERNELS(q5_0, 32, 22)
-DEQUANT_KERNELS(q5_1, 32, 24)
+DEQUANT_KERNELS_STAGED(q5_1, 32, 24)
 DEQUANT_KERNELS(iq4_nl, 32, 18)

@@ -155,13 +155,13 @@ __device__ __forceinline__ float dq_iq1_m(const u8* b, u32 j) {
     return iq1_value(dl, iq1_delta((nib & 8u) != 0), iq1s_grid[idx], k);
 }
 
-DEQUANT_KERNELS(iq2_xxs, 256, 66)
-DEQUANT_KERNELS(iq2_xs, 256, 74)
-DEQUANT_KERNELS(iq2_s, 256, 82)
-DEQUANT_KERNELS(iq3_xxs, 256, 98)
+DEQUANT_KERNELS_STAGED(iq2_xxs, 256, 66)
+DEQUANT_KERNELS_STAGED(iq2_xs, 256, 74)
+DEQUANT_KERNELS_STAGED(iq2_s, 256, 82)
+DEQUANT_KERNELS_STAGED(iq3_xxs, 256, 98)
 DEQUANT_KERNELS(iq3_s, 256, 110)
-DEQUANT_KERNELS(iq1_s, 256, 50)
-DEQUANT_KERNELS(iq1_m, 256, 56)
+DEQUANT_KERNELS_STAGED(iq1_s, 256, 50)
+DEQUANT_KERNELS_STAGED(iq1_m, 256, 56)
 
 // ---- TQ1_0 ------------------------------------------------------------------------------------
 // small.rs `dequant_tq1_0` (`tq1_digits`, `tq1_trit`), ggml `dequantize_row_tq1_0`. Block (54
@@ -222,7 +222,7 @@ __device__ __forceinline__ float dq_nvfp4(const u8* b, u32 j) {
     return kvalues_mxfp4[q] * d;
 }
 
-DEQUANT_KERNELS(tq1_0, 256, 54)
+DEQUANT_KERNELS_STAGED(tq1_0, 256, 54)
 DEQUANT_KERNELS(tq2_0, 256, 66)
-DEQUANT_KERNELS(mxfp4, 32, 17)
+DEQUANT_KERNELS_STAGED(mxfp4, 32, 17)
 DEQUANT_KERNELS(nvfp4, 64, 36)

@@ -137,9 +137,9 @@ __device__ __forceinline__ float dq_iq4_xs(const u8* b, u32 e) {
     return dl * (float)kvalues_iq4nl[q];
 }
 
-DEQUANT_KERNELS(q2_k, 256, 84)
-DEQUANT_KERNELS(q3_k, 256, 110)
-DEQUANT_KERNELS(q4_k, 256, 144)
-DEQUANT_KERNELS(q5_k, 256, 176)
+DEQUANT_KERNELS_STAGED(q2_k, 256, 84)
+DEQUANT_KERNELS_STAGED(q3_k, 256, 110)
+DEQUANT_KERNELS_STAGED(q4_k, 256, 144)
+DEQUANT_KERNELS_STAGED(q5_k, 256, 176)
 DEQUANT_KERNELS(q6_k, 256, 210)
 DEQUANT_KERNELS(iq4_xs, 256, 136)
