@@ -484,47 +484,26 @@ fn layer_runs_reuse_the_reference_cache() {
         dir.path().join("2.json"),
         dir.path().join("f.json"),
     );
-    let o1 = glmdiff(
-        cache.path(),
-        &[
+    // `glmdiff run` against the trace, writing `json`, with `extra` flags.
+    let run = |json: &Path, extra: &[&str]| {
+        let mut args = vec![
             "run",
             g,
             "--against",
             &against,
-            "--layer",
-            "2",
             "--json",
-            j1.to_str().unwrap(),
-        ],
-    );
+            json.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        glmdiff(cache.path(), &args)
+    };
+    let o1 = run(&j1, &["--layer", "2"]);
     assert_eq!(o1.status.code(), Some(0), "{}", text(&o1));
     assert!(text(&o1).contains("computed and cached"), "{}", text(&o1));
-    let o2 = glmdiff(
-        cache.path(),
-        &[
-            "run",
-            g,
-            "--against",
-            &against,
-            "--layer",
-            "2",
-            "--json",
-            j2.to_str().unwrap(),
-        ],
-    );
+    let o2 = run(&j2, &["--layer", "2"]);
     assert_eq!(o2.status.code(), Some(0), "{}", text(&o2));
     assert!(text(&o2).contains("read from the cache"), "{}", text(&o2));
-    let o = glmdiff(
-        cache.path(),
-        &[
-            "run",
-            g,
-            "--against",
-            &against,
-            "--json",
-            jf.to_str().unwrap(),
-        ],
-    );
+    let o = run(&jf, &[]);
     assert_eq!(o.status.code(), Some(0));
     let (a, b, full) = (read_json(&j1), read_json(&j2), read_json(&jf));
     let recs = |j: &Value| -> BTreeMap<String, Value> {
