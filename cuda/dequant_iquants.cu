@@ -155,13 +155,136 @@ __device__ __forceinline__ float dq_iq1_m(const u8* b, u32 j) {
     return iq1_value(dl, iq1_delta((nib & 8u) != 0), iq1s_grid[idx], k);
 }
 
-DEQUANT_KERNELS_STAGED(iq2_xxs, 256, 66)
-DEQUANT_KERNELS_STAGED(iq2_xs, 256, 74)
-DEQUANT_KERNELS_STAGED(iq2_s, 256, 82)
-DEQUANT_KERNELS_STAGED(iq3_xxs, 256, 98)
-DEQUANT_KERNELS(iq3_s, 256, 110)
-DEQUANT_KERNELS_STAGED(iq1_s, 256, 50)
-DEQUANT_KERNELS_STAGED(iq1_m, 256, 56)
+// ---- octets (see DEQUANT_OCTETS in dequant.cu) --------------------------------------------------
+// Lane (s, q) makes values 4q..4q+4 of groups grp = q/2 (first half) and 2 + q/2 (second half)
+// of sub-block s: bytes 4(q%2) .. 4(q%2)+4 of each group's grid entry, sign bits 4(q%2) + k.
+// The same operations as the dq_ functions above (kmask_iq2xs[k] is 1 << k).
+
+// The value of byte k of a 4-byte grid half `g4`, sign bit `bit` of `signs`: db * grid, negated.
+__device__ __forceinline__ float sv4(float db, u32 g4, u32 k, u32 signs, u32 bit) {
+    const float v = db * (float)byte_of(g4, k);
+    return ((signs >> bit) & 1u) ? -v : v;
+}
+__device__ __forceinline__ u32 grid_half(u64 g, u32 upper) {
+    return upper ? (u32)(g >> 32) : (u32)g;
+}
+
+__device__ __forceinline__ void dq8_iq2_xxs(const u8* b, u32 j, float v[8]) {
+    const u32 s = j >> 5, q = (j >> 2) & 3u, up = q & 1u;
+    const float d = ld_f16_a2(b);
+    const u8* qp = b + 2 + 8 * s;
+    const u32 aux = ld4_a2(qp + 4);
+    const float db = half_step_scale(d, aux >> 28, 0.25f);
+    _Pragma("unroll") for (u32 t = 0; t < 2; t++) {
+        const u32 grp = 2 * t + (q >> 1);
+        const u32 signs = ksigns_iq2xs[(aux >> (7 * grp)) & 127u];
+        const u32 g4 = grid_half(iq2xxs_grid[qp[grp]], up);
+        _Pragma("unroll") for (u32 k = 0; k < 4; k++) v[4 * t + k] = sv4(db, g4, k, signs, 4 * up + k);
+    }
+}
+
+__device__ __forceinline__ void dq8_iq2_xs(const u8* b, u32 j, float v[8]) {
+    const u32 s = j >> 5, q = (j >> 2) & 3u, up = q & 1u;
+    const float d = ld_f16_a2(b);
+    const u32 sc = b[66 + s];
+    _Pragma("unroll") for (u32 t = 0; t < 2; t++) {
+        const u32 grp = 2 * t + (q >> 1);
+        const float db = half_step_scale(d, t == 0 ? (sc & 0xFu) : (sc >> 4), 0.25f);
+        const u32 vv = *(const u16*)(b + 2 + 8 * s + 2 * grp);
+        const u32 signs = ksigns_iq2xs[vv >> 9];
+        const u32 g4 = grid_half(iq2xs_grid[vv & 511u], up);
+        _Pragma("unroll") for (u32 k = 0; k < 4; k++) v[4 * t + k] = sv4(db, g4, k, signs, 4 * up + k);
+    }
+}
+
+__device__ __forceinline__ void dq8_iq2_s(const u8* b, u32 j, float v[8]) {
+    const u32 s = j >> 5, q = (j >> 2) & 3u, up = q & 1u;
+    const float d = ld_f16_a2(b);
+    const u32 sc = b[74 + s];
+    const u32 h = b[66 + s];
+    _Pragma("unroll") for (u32 t = 0; t < 2; t++) {
+        const u32 grp = 2 * t + (q >> 1);
+        const float db = half_step_scale(d, t == 0 ? (sc & 0xFu) : (sc >> 4), 0.25f);
+        const u32 idx = (u32)b[2 + 4 * s + grp] | ((h << (8 - 2 * grp)) & 0x300u);
+        const u32 signs = b[34 + 4 * s + grp];
+        const u32 g4 = grid_half(iq2s_grid[idx], up);
+        _Pragma("unroll") for (u32 k = 0; k < 4; k++) v[4 * t + k] = sv4(db, g4, k, signs, 4 * up + k);
+    }
+}
+
+// IQ3: a group's values 0-3 and 4-7 are two separate 4-byte grid entries: one lookup per half.
+__device__ __forceinline__ void dq8_iq3_xxs(const u8* b, u32 j, float v[8]) {
+    const u32 s = j >> 5, q = (j >> 2) & 3u, up = q & 1u;
+    const float d = ld_f16_a2(b);
+    const u32 aux = ld4_a2(b + 66 + 4 * s);
+    const float db = half_step_scale(d, aux >> 28, 0.5f);
+    _Pragma("unroll") for (u32 t = 0; t < 2; t++) {
+        const u32 grp = 2 * t + (q >> 1);
+        const u32 signs = ksigns_iq2xs[(aux >> (7 * grp)) & 127u];
+        const u32 g4 = iq3xxs_grid[b[2 + 8 * s + 2 * grp + up]];
+        _Pragma("unroll") for (u32 k = 0; k < 4; k++) v[4 * t + k] = sv4(db, g4, k, signs, 4 * up + k);
+    }
+}
+
+__device__ __forceinline__ void dq8_iq3_s(const u8* b, u32 j, float v[8]) {
+    const u32 s = j >> 5, q = (j >> 2) & 3u, up = q & 1u;
+    const float d = ld_f16_a2(b);
+    const u32 sc = ((u32)b[106 + s / 2] >> (4 * (s % 2))) & 0xFu;
+    const float db = d * (float)(1u + 2u * sc);
+    const u32 h = b[66 + s];
+    _Pragma("unroll") for (u32 t = 0; t < 2; t++) {
+        const u32 grp = 2 * t + (q >> 1);
+        const u32 idx = (u32)b[2 + 8 * s + 2 * grp + up] | ((h << (8 - 2 * grp - up)) & 256u);
+        const u32 g4 = iq3s_grid[idx];
+        const u32 signs = b[74 + 4 * s + grp];
+        _Pragma("unroll") for (u32 k = 0; k < 4; k++) v[4 * t + k] = sv4(db, g4, k, signs, 4 * up + k);
+    }
+}
+
+// IQ1: dl * (grid byte as i8 + delta).
+__device__ __forceinline__ void dq8_iq1_s(const u8* b, u32 j, float v[8]) {
+    const u32 s = j >> 5, q = (j >> 2) & 3u, up = q & 1u;
+    const float d = ld_f16_a2(b);
+    const u32 h = *(const u16*)(b + 34 + 2 * s);
+    const float dl = d * (float)(2u * ((h >> 12) & 7u) + 1u);
+    const float delta = iq1_delta((h & 0x8000u) != 0);
+    _Pragma("unroll") for (u32 t = 0; t < 2; t++) {
+        const u32 grp = 2 * t + (q >> 1);
+        const u32 idx = (u32)b[2 + 4 * s + grp] | (((h >> (3 * grp)) & 7u) << 8);
+        const u32 g4 = grid_half(iq1s_grid[idx], up);
+        _Pragma("unroll") for (u32 k = 0; k < 4; k++)
+            v[4 * t + k] = dl * ((float)(i8)(u8)byte_of(g4, k) + delta);
+    }
+}
+
+__device__ __forceinline__ void dq8_iq1_m(const u8* b, u32 j, float v[8]) {
+    const u32 s = j >> 5, q = (j >> 2) & 3u, up = q & 1u;
+    const u32 sc0 = *(const u16*)(b + 48), sc1 = *(const u16*)(b + 50),
+              sc2 = *(const u16*)(b + 52), sc3 = *(const u16*)(b + 54);
+    const u16 d_bits =
+        (u16)((sc0 >> 12) | ((sc1 >> 8) & 0x00F0u) | ((sc2 >> 4) & 0x0F00u) | (sc3 & 0xF000u));
+    const float d = cvt_f16(d_bits);  // the hardware conversion here, dq_iq1_m the integer one
+    const u32 s16 = (u32) * (const u16*)(b + 48 + 2 * (s / 2)) >> (6 * (s % 2));
+    _Pragma("unroll") for (u32 t = 0; t < 2; t++) {
+        const u32 grp = 2 * t + (q >> 1);
+        const float dl = t == 0 ? d * (float)(2u * (s16 & 7u) + 1u)
+                                : d * (float)(2u * ((s16 >> 3) & 7u) + 1u);
+        const u32 nib = ((u32)b[32 + 2 * s + grp / 2] >> (4 * (grp % 2))) & 0xFu;
+        const u32 idx = (u32)b[4 * s + grp] | ((nib & 7u) << 8);
+        const float delta = iq1_delta((nib & 8u) != 0);
+        const u32 g4 = grid_half(iq1s_grid[idx], up);
+        _Pragma("unroll") for (u32 k = 0; k < 4; k++)
+            v[4 * t + k] = dl * ((float)(i8)(u8)byte_of(g4, k) + delta);
+    }
+}
+
+DEQUANT_KERNELS8(iq2_xxs, 256, 66, 2)
+DEQUANT_KERNELS8(iq2_xs, 256, 74, 2)
+DEQUANT_KERNELS8(iq2_s, 256, 82, 2)
+DEQUANT_KERNELS8(iq3_xxs, 256, 98, 2)
+DEQUANT_KERNELS8(iq3_s, 256, 110, 2)
+DEQUANT_KERNELS8(iq1_s, 256, 50, 2)
+DEQUANT_KERNELS8(iq1_m, 256, 56, 4)
 
 // ---- TQ1_0 ------------------------------------------------------------------------------------
 // small.rs `dequant_tq1_0` (`tq1_digits`, `tq1_trit`), ggml `dequantize_row_tq1_0`. Block (54
@@ -222,7 +345,46 @@ __device__ __forceinline__ float dq_nvfp4(const u8* b, u32 j) {
     return kvalues_mxfp4[q] * d;
 }
 
-DEQUANT_KERNELS_STAGED(tq1_0, 256, 54)
-DEQUANT_KERNELS(tq2_0, 256, 66)
-DEQUANT_KERNELS_STAGED(mxfp4, 32, 17)
-DEQUANT_KERNELS(nvfp4, 64, 36)
+// ---- octets (see DEQUANT_OCTETS in dequant.cu) --------------------------------------------------
+// TQ1_0's digit positions do not follow 32-value chunks: its octet is eight dq_ calls.
+DQ8_FROM_DQ(tq1_0)
+
+// TQ2_0: j = 128h + 32l + 4q: bytes qs[32h + 4q ..] and qs[32h + 16 + 4q ..], bits 2l.
+__device__ __forceinline__ void dq8_tq2_0(const u8* b, u32 j, float v[8]) {
+    const u32 h = j >> 7, l = (j >> 5) & 3u, q = (j >> 2) & 3u;
+    const float d = ld_f16_a2(b + 64);
+    _Pragma("unroll") for (u32 t = 0; t < 2; t++) {
+        const u32 x = ld4_a2(b + 32 * h + 16 * t + 4 * q);
+        _Pragma("unroll") for (u32 k = 0; k < 4; k++)
+            v[4 * t + k] = (float)((int)((x >> (8 * k + 2 * l)) & 3u) - 1) * d;
+    }
+}
+
+// MXFP4 (17-byte blocks, byte aligned): qs[j..j+4], low nibbles then high nibbles.
+__device__ __forceinline__ void dq8_mxfp4(const u8* b, u32 j, float v[8]) {
+    const float d = e8m0_to_f32_half(b[0]);
+    _Pragma("unroll") for (u32 k = 0; k < 4; k++) {
+        const u32 x = b[1 + j + k];
+        v[k] = kvalues_mxfp4[x & 0xFu] * d;
+        v[4 + k] = kvalues_mxfp4[x >> 4] * d;
+    }
+}
+
+// NVFP4: j = 32c + 4q; the halves are sub-blocks 2c and 2c + 1 (one UE4M3 scale each); values
+// r = 4q + k of a sub-block are the low (r < 8) or high nibbles of qs[8 sub + r % 8].
+__device__ __forceinline__ void dq8_nvfp4(const u8* b, u32 j, float v[8]) {
+    const u32 c = j >> 5, q = (j >> 2) & 3u;
+    const u32 sh = q >= 2 ? 4u : 0u, off = 4 * (q & 1u);
+    _Pragma("unroll") for (u32 t = 0; t < 2; t++) {
+        const u32 sub = 2 * c + t;
+        const float d = ue4m3_half[b[sub]];
+        const u32 x = ld4_a4(b + 4 + 8 * sub + off);
+        _Pragma("unroll") for (u32 k = 0; k < 4; k++)
+            v[4 * t + k] = kvalues_mxfp4[(x >> (8 * k + sh)) & 0xFu] * d;
+    }
+}
+
+DEQUANT_KERNELS8(tq1_0, 256, 54, 2)
+DEQUANT_KERNELS8(tq2_0, 256, 66, 2)
+DEQUANT_KERNELS8(mxfp4, 32, 17, 1)
+DEQUANT_KERNELS8(nvfp4, 64, 36, 4)

@@ -137,9 +137,109 @@ __device__ __forceinline__ float dq_iq4_xs(const u8* b, u32 e) {
     return dl * (float)kvalues_iq4nl[q];
 }
 
-DEQUANT_KERNELS_STAGED(q2_k, 256, 84)
-DEQUANT_KERNELS_STAGED(q3_k, 256, 110)
-DEQUANT_KERNELS_STAGED(q4_k, 256, 144)
-DEQUANT_KERNELS_STAGED(q5_k, 256, 176)
-DEQUANT_KERNELS(q6_k, 256, 210)
-DEQUANT_KERNELS(iq4_xs, 256, 136)
+// ---- octets ----------------------------------------------------------------------------------
+// See DEQUANT_OCTETS in dequant.cu: v[0..4] = y[j..j+4], v[4..8] = y[j+16..j+20] with
+// j = 32 s + 4 q (s: the 32-value chunk, q < 4); the same operations as the dq_ functions above
+// on the same operands, with the scale fields decoded once per half (16 values) or per chunk.
+
+// Q2_K: the halves are scale fields 2s and 2s + 1; bytes qs[32h + 16t + 4q ..] shifted by 2 jj.
+__device__ __forceinline__ void dq8_q2_k(const u8* b, u32 j, float v[8]) {
+    const u32 s = j >> 5, q = (j >> 2) & 3u, h = s >> 2, jj = s & 3u;
+    const float d = ld_f16_a2(b + 80), dmin = ld_f16_a2(b + 82);
+    _Pragma("unroll") for (u32 t = 0; t < 2; t++) {
+        const u32 sc = b[2 * s + t];
+        const float dl = d * (float)(sc & 0xFu);
+        const float ml = dmin * (float)(sc >> 4);
+        const u32 x = ld4_a4(b + 16 + 32 * h + 16 * t + 4 * q);
+        _Pragma("unroll") for (u32 k = 0; k < 4; k++)
+            v[4 * t + k] = dl * (float)((x >> (8 * k + 2 * jj)) & 3u) - ml;
+    }
+}
+
+// Q3_K: scale fields 2s and 2s + 1; low bits from qs[32h + 16t + 4q ..], high bit from hmask.
+__device__ __forceinline__ void dq8_q3_k(const u8* b, u32 j, float v[8]) {
+    const u32 s = j >> 5, q = (j >> 2) & 3u, h = s >> 2, jj = s & 3u;
+    const float d = ld_f16_a2(b + 108);
+    _Pragma("unroll") for (u32 t = 0; t < 2; t++) {
+        const float dl = d * (float)kq_q3_k_scale(b + 96, 2 * s + t);
+        const u32 x = ld4_a2(b + 32 + 32 * h + 16 * t + 4 * q);
+        const u32 hm = ld4_a2(b + 16 * t + 4 * q);
+        _Pragma("unroll") for (u32 k = 0; k < 4; k++) {
+            const int low = (int)((x >> (8 * k + 2 * jj)) & 3u);
+            const int qv = low - (((hm >> (8 * k + 4 * h + jj)) & 1u) != 0 ? 0 : 4);
+            v[4 * t + k] = dl * (float)qv;
+        }
+    }
+}
+
+// Q4_K: one (sc, m) for the chunk; bytes qs[32g + 4q ..] and qs[32g + 16 + 4q ..], nibble t.
+__device__ __forceinline__ void dq8_q4_k(const u8* b, u32 j, float v[8]) {
+    const u32 s = j >> 5, q = (j >> 2) & 3u, g = s >> 1, sh = 4 * (s & 1u);
+    u32 sc, m;
+    kq_scale_min_k4(b + 4, s, &sc, &m);
+    const float d = ld_f16_a2(b), dmin = ld_f16_a2(b + 2);
+    const float dl = d * (float)sc;
+    const float ml = dmin * (float)m;
+    _Pragma("unroll") for (u32 t = 0; t < 2; t++) {
+        const u32 x = ld4_a4(b + 16 + 32 * g + 16 * t + 4 * q);
+        _Pragma("unroll") for (u32 k = 0; k < 4; k++)
+            v[4 * t + k] = dl * (float)((x >> (8 * k + sh)) & 0xFu) - ml;
+    }
+}
+
+// Q5_K: as Q4_K, plus bit s of qh[16t + 4q ..].
+__device__ __forceinline__ void dq8_q5_k(const u8* b, u32 j, float v[8]) {
+    const u32 s = j >> 5, q = (j >> 2) & 3u, g = s >> 1, sh = 4 * (s & 1u);
+    u32 sc, m;
+    kq_scale_min_k4(b + 4, s, &sc, &m);
+    const float d = ld_f16_a2(b), dmin = ld_f16_a2(b + 2);
+    const float dl = d * (float)sc;
+    const float ml = dmin * (float)m;
+    _Pragma("unroll") for (u32 t = 0; t < 2; t++) {
+        const u32 x = ld4_a4(b + 48 + 32 * g + 16 * t + 4 * q);
+        const u32 hb = ld4_a4(b + 16 + 16 * t + 4 * q);
+        _Pragma("unroll") for (u32 k = 0; k < 4; k++) {
+            const u32 qv = ((x >> (8 * k + sh)) & 0xFu) | (((hb >> (8 * k + s)) & 1u) << 4);
+            v[4 * t + k] = dl * (float)qv - ml;
+        }
+    }
+}
+
+// Q6_K: scales 2s and 2s + 1; low 4 bits from ql[64h + 32(kk & 1) + 16t + 4q ..] (nibble kk / 2),
+// high 2 bits from qh[32h + 16t + 4q ..] >> 2kk.
+__device__ __forceinline__ void dq8_q6_k(const u8* b, u32 j, float v[8]) {
+    const u32 s = j >> 5, q = (j >> 2) & 3u, h = s >> 2, kk = s & 3u;
+    const float d = ld_f16_a2(b + 208);
+    _Pragma("unroll") for (u32 t = 0; t < 2; t++) {
+        const float ds = d * (float)(i8)b[192 + 2 * s + t];
+        const u32 a = ld4_a2(b + 64 * h + 32 * (kk & 1u) + 16 * t + 4 * q);
+        const u32 hh = ld4_a2(b + 128 + 32 * h + 16 * t + 4 * q);
+        _Pragma("unroll") for (u32 k = 0; k < 4; k++) {
+            const u32 lo = (a >> (8 * k + 4 * (kk >> 1))) & 0xFu;
+            const u32 hi = (hh >> (8 * k + 2 * kk)) & 3u;
+            v[4 * t + k] = ds * (float)((int)(lo | (hi << 4)) - 32);
+        }
+    }
+}
+
+// IQ4_XS: one scale for the chunk; qs[16s + 4q ..]: low nibbles first half, high the second.
+__device__ __forceinline__ void dq8_iq4_xs(const u8* b, u32 j, float v[8]) {
+    const u32 s = j >> 5, q = (j >> 2) & 3u;
+    const float d = ld_f16_a2(b);
+    const u32 scales_h = *(const u16*)(b + 2);
+    const u32 lo = (b[4 + (s >> 1)] >> (4 * (s & 1u))) & 0xFu;
+    const u32 hi = (scales_h >> (2 * s)) & 3u;
+    const float dl = d * (float)((int)(lo | (hi << 4)) - 32);
+    const u32 x = ld4_a4(b + 8 + 16 * s + 4 * q);
+    _Pragma("unroll") for (u32 k = 0; k < 4; k++) {
+        v[k] = dl * (float)kvalues_iq4nl[(x >> (8 * k)) & 0xFu];
+        v[4 + k] = dl * (float)kvalues_iq4nl[(x >> (8 * k + 4)) & 0xFu];
+    }
+}
+
+DEQUANT_KERNELS8(q2_k, 256, 84, 4)
+DEQUANT_KERNELS8(q3_k, 256, 110, 2)
+DEQUANT_KERNELS8(q4_k, 256, 144, 4)
+DEQUANT_KERNELS8(q5_k, 256, 176, 4)
+DEQUANT_KERNELS8(q6_k, 256, 210, 2)
+DEQUANT_KERNELS8(iq4_xs, 256, 136, 4)

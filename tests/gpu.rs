@@ -177,6 +177,72 @@ mod device {
         assert!(checked >= 30, "{checked} types");
     }
 
+    /// Blocks at every byte offset 0..16 from a 16-byte boundary (a row range of a tensor kept
+    /// on the device starts anywhere), block counts that leave a tail past the last whole 256
+    /// values, and the first and last 16-byte words only partly the tensor's: f32 and bf16
+    /// bit-exact against the CPU.
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_dequant_at_every_offset() {
+        let g = gpu();
+        let s = g.stream();
+        let mut cases = 0;
+        for info in TYPE_TABLE.iter() {
+            let ty = info.ty;
+            if kernel_stem(ty).is_none() {
+                continue;
+            }
+            // 256 * 37 + 96 values (a tail) where the block allows, 37 whole 256s otherwise.
+            let n = if 96 % ty.block_size() == 0 {
+                256 * 37 + 96
+            } else {
+                256 * 37
+            };
+            let blocks = n / ty.block_size();
+            let mut bytes = vec![0u8; blocks * ty.type_size()];
+            fill_blocks(
+                ty,
+                &mut SplitMix64::new(77 ^ u64::from(ty.id())),
+                &mut bytes,
+            );
+            let want = cpu_f32(ty, &bytes);
+            let want16: Vec<u16> = want
+                .iter()
+                .map(|&x| half::bf16::from_f32(x).to_bits())
+                .collect();
+            let cpu = g.alloc_copy(&want, "cpu").unwrap();
+            let cpu16 = g.alloc_copy(&want16, "cpu16").unwrap();
+            for pad in 0..=16usize {
+                let mut padded = vec![0xA5u8; pad + bytes.len() + 16];
+                padded[pad..pad + bytes.len()].copy_from_slice(&bytes);
+                let raw = g.alloc_copy(&padded, "raw").unwrap();
+                let view = raw.slice(pad..pad + bytes.len());
+                let mut out = g.alloc_zeroed::<f32>(n, "gpu").unwrap();
+                g.dequant_view(ty, OutFormat::F32, &view, &mut out.as_view_mut())
+                    .unwrap();
+                let st = g.compare_f32(&out, &cpu).unwrap();
+                assert_eq!(
+                    st.mismatches, 0,
+                    "{ty} at offset {pad}: first at {:?}",
+                    st.first
+                );
+                let mut out16 = g.alloc_zeroed::<u16>(n, "gpu16").unwrap();
+                g.dequant_view(ty, OutFormat::Bf16, &view, &mut out16.as_view_mut())
+                    .unwrap();
+                let st = g.compare_u16(&out16, &cpu16).unwrap();
+                assert_eq!(
+                    st.mismatches, 0,
+                    "{ty} bf16 at offset {pad}: first at {:?}",
+                    st.first
+                );
+                cases += 1;
+            }
+        }
+        s.synchronize().unwrap();
+        eprintln!("{cases} type x offset cases bit-exact (f32, bf16)");
+        assert!(cases >= 30 * 17, "{cases} cases");
+    }
+
     /// The comparison machinery itself: a planted difference is found by the hash, and
     /// compare_f32 names its index and size; NaN equals NaN whatever the payload.
     #[test]

@@ -1,7 +1,9 @@
 //! Dequantization on the device, and the on-device comparison with the CPU's result.
 
 use anyhow::{bail, Context, Result};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaSlice, CudaView, CudaViewMut, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 
 use super::{Gpu, COMPARE_SOURCE, DEQUANT_SOURCE};
 use crate::quant::GgmlType;
@@ -106,7 +108,7 @@ impl Gpu {
         src: &CudaSlice<u8>,
         dst: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        self.dequant_into(ty, OutFormat::F32, src, dst)
+        self.dequant_view(ty, OutFormat::F32, &src.as_view(), &mut dst.as_view_mut())
     }
 
     /// Dequantizes into 16-bit values (`Bf16` or `F16` bit patterns).
@@ -120,28 +122,43 @@ impl Gpu {
         if format == OutFormat::F32 {
             bail!("cuda: dequant_u16 takes bf16 or f16");
         }
-        self.dequant_into(ty, format, src, dst)
+        self.dequant_view(ty, format, &src.as_view(), &mut dst.as_view_mut())
     }
 
-    /// Launches `dequant_<type>_<format>` from `src` into `dst` (`format`'s element type).
-    fn dequant_into<T: cudarc::driver::DeviceRepr>(
+    /// Launches `dequant_<type>_<format>` from `src` (whole blocks at any byte offset, e.g. a
+    /// row range of a tensor kept on the device) into `dst` (`format`'s element type, 4 bytes
+    /// for f32 and 2 for bf16/f16, exactly the element count, 16-byte aligned).
+    pub fn dequant_view<T: DeviceRepr>(
         &self,
         ty: GgmlType,
         format: OutFormat,
-        src: &CudaSlice<u8>,
-        dst: &mut CudaSlice<T>,
+        src: &CudaView<'_, u8>,
+        dst: &mut CudaViewMut<'_, T>,
     ) -> Result<()> {
+        let want = if format == OutFormat::F32 { 4 } else { 2 };
+        if std::mem::size_of::<T>() != want {
+            bail!(
+                "cuda: {ty}: {format:?} output needs {want}-byte values, not {}",
+                std::mem::size_of::<T>()
+            );
+        }
         let n = elements(ty, src.len())?;
         if dst.len() as u64 != n {
             bail!("cuda: {ty}: output holds {} values for {n}", dst.len());
         }
+        let s = self.stream();
+        let (ptr, _rec) = dst.device_ptr_mut(s);
+        if ptr % 16 != 0 {
+            bail!("cuda: {ty}: output at {ptr:#x} is not 16-byte aligned");
+        }
+        drop(_rec);
         let name = format!("dequant_{}_{}", stem(ty)?, format.suffix());
         let f = self.function("dequant", DEQUANT_SOURCE, &name)?;
-        let mut b = self.stream().launch_builder(&f);
+        let mut b = s.launch_builder(&f);
         b.arg(src).arg(dst).arg(&n);
         // SAFETY: the kernel reads n / QK whole blocks from `src` (checked: src holds exactly
-        // those bytes) and writes n values of the format's width to `dst` (checked above; the
-        // callers pass whole allocations, aligned for the kernels' 16-byte stores); 64-bit
+        // those bytes; it never loads outside them) and writes n values of the format's width
+        // (checked above) to `dst`, 16-byte aligned (checked) for its vector stores; 64-bit
         // indices.
         unsafe { b.launch(grid(self, n.div_ceil(DQ_PER_THREAD))) }
             .with_context(|| format!("cuda: launching {name}"))?;
