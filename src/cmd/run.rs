@@ -28,17 +28,28 @@ use crate::util::atomic::{check_output_dir, write_atomic};
 /// The candidate a run compares against.
 enum Against {
     Cpu,
+    /// The CUDA engine on device N.
+    Cuda(usize),
     Trace(PathBuf),
 }
 
-/// Parses `--against`; `cuda` is refused with the reason.
+/// Parses `--against`.
 fn parse_against(s: &str) -> Result<Option<Against>> {
     match s {
         "auto" => Ok(None),
         "cpu" => Ok(Some(Against::Cpu)),
-        c if c == "cuda" || c.starts_with("cuda:") => bail!(
-            "run: --against {c}: this glmdiff has no CUDA engine yet; compare with --against cpu or --against trace:FILE"
-        ),
+        c if c == "cuda" || c.starts_with("cuda:") => {
+            if !cfg!(feature = "cuda") {
+                bail!("run: --against {c}: this glmdiff was built without the `cuda` feature");
+            }
+            let n = match c.strip_prefix("cuda:") {
+                None => 0,
+                Some(n) => n.parse().with_context(|| {
+                    format!("run: --against {c}: expected cuda or cuda:N with N a device index")
+                })?,
+            };
+            Ok(Some(Against::Cuda(n)))
+        }
         t if t.starts_with("trace:") => {
             let p = PathBuf::from(&t["trace:".len()..]);
             if p.as_os_str().is_empty() {
@@ -195,6 +206,11 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
     // The candidate.
     let (against, trace) = match against {
         Some(Against::Cpu) => (Against::Cpu, None),
+        Some(Against::Cuda(n)) => (Against::Cuda(n), None),
+        None if cuda_device_present() => {
+            notes.push("--against auto: a CUDA device is present; comparing with the CUDA engine on device 0".to_string());
+            (Against::Cuda(0), None)
+        }
         Some(Against::Trace(p)) => {
             let t = TraceFile::open(&p)?;
             (Against::Trace(p), Some(t))
@@ -208,13 +224,13 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
             match found {
                 Some((p, t)) => {
                     notes.push(format!(
-                        "--against auto: no CUDA engine in this build; using the trace {} shipped beside the model",
+                        "--against auto: no CUDA device; using the trace {} shipped beside the model",
                         p.display()
                     ));
                     (Against::Trace(p), Some(t))
                 }
                 None => bail!(
-                    "run: --against auto: no CUDA engine in this build, and no trace beside {} made for this model{}; give --against cpu or --against trace:FILE",
+                    "run: --against auto: no CUDA device, and no trace beside {} made for this model{}; give --against cpu or --against trace:FILE",
                     args.model.display(),
                     if tokens.is_some() { " and these tokens" } else { "" }
                 ),
@@ -319,7 +335,30 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
     let mut header_notes = Vec::new();
     let ref_prec = Precision::parse(&reference.dtype()).context("run: reference precision")?;
     let second = CpuEngine::new(&weights);
+    #[cfg(feature = "cuda")]
+    let gpu = match &against {
+        Against::Cuda(n) => Some(crate::cuda::Gpu::open(*n).context("run: --against cuda")?),
+        _ => None,
+    };
+    #[cfg(feature = "cuda")]
+    let cuda_engine = match &gpu {
+        Some(g) => Some(crate::engine::cuda::CudaEngine::new(g, &weights)?),
+        None => None,
+    };
     let (cand_desc, cand_prec) = match (&against, &trace) {
+        #[cfg(feature = "cuda")]
+        (Against::Cuda(n), _) => {
+            let e = cuda_engine.as_ref().context("run: the CUDA engine")?;
+            let dtype = e.dtype();
+            (
+                EngineDesc {
+                    spec: format!("cuda:{n}"),
+                    describe: e.describe(),
+                    dtype: dtype.clone(),
+                },
+                Precision::parse(&dtype).context("run: CUDA engine precision")?,
+            )
+        }
         (Against::Trace(p), Some(t)) => {
             let dtype = t.metadata().get("dtype").cloned().unwrap_or_default();
             let prec = match Precision::parse(&dtype) {
@@ -370,14 +409,35 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
     notes.append(&mut header_notes);
     let mut cmp = Comparison::new(judge, wants_with_scores(&args.report.hook), &tokens);
     let t0 = Instant::now();
-    let candidate: Candidate<'_, CpuEngine<'_>> = match &trace {
-        Some(t) => Candidate::Trace(t),
-        None => Candidate::Engine(&second),
-    };
     let progress: &dyn Progress = &bar;
-    run_pair(
-        &reference, candidate, &weights, &tokens, &plan, &start, modes, &mut cmp, progress,
-    )?;
+    #[cfg(feature = "cuda")]
+    let on_gpu = if let Some(e) = &cuda_engine {
+        run_pair(
+            &reference,
+            Candidate::Engine(e),
+            &weights,
+            &tokens,
+            &plan,
+            &start,
+            modes,
+            &mut cmp,
+            progress,
+        )?;
+        true
+    } else {
+        false
+    };
+    #[cfg(not(feature = "cuda"))]
+    let on_gpu = false;
+    if !on_gpu {
+        let candidate: Candidate<'_, CpuEngine<'_>> = match &trace {
+            Some(t) => Candidate::Trace(t),
+            None => Candidate::Engine(&second),
+        };
+        run_pair(
+            &reference, candidate, &weights, &tokens, &plan, &start, modes, &mut cmp, progress,
+        )?;
+    }
     timings.push(("compared".to_string(), t0.elapsed().as_secs_f64()));
     if cmp.records().is_empty() {
         bail!(
@@ -430,6 +490,18 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
     }
     let text = |id: u32| token_text(tok, id);
     finish(&header, &cmp, &text, &args.report)
+}
+
+/// Whether `--against auto` finds a CUDA device (driver, libraries and at least one device).
+fn cuda_device_present() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        crate::cuda::DeviceInfo::list().is_ok_and(|d| !d.is_empty())
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
 }
 
 /// `--precision` pairs as precisions.

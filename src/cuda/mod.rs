@@ -39,6 +39,8 @@ pub const DEQUANT_SOURCE: &str = concat!(
 );
 /// On-device comparison kernels.
 pub const COMPARE_SOURCE: &str = include_str!("../../cuda/compare.cu");
+/// The forward-pass kernels of the CUDA engine (all but the projections, which are cuBLAS).
+pub const FORWARD_SOURCE: &str = include_str!("../../cuda/forward.cu");
 
 /// Fixed NVRTC options (they change numerics, so they are part of every report).
 #[derive(Clone, Debug, PartialEq, Eq)]

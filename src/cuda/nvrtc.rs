@@ -111,7 +111,7 @@ pub fn compile_cached(source: &str, name: &str, opts: &CompileOptions) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::{family_source, COMPARE_SOURCE, DEQUANT_SOURCE};
+    use crate::cuda::{family_source, COMPARE_SOURCE, DEQUANT_SOURCE, FORWARD_SOURCE};
 
     /// Every kernel family compiles for sm_90 and sm_120 (NVRTC needs no GPU). Skipped, and
     /// said so, where libnvrtc is not installed.
@@ -126,6 +126,7 @@ mod tests {
             for (name, src) in [
                 ("dequant.cu", DEQUANT_SOURCE),
                 ("compare.cu", COMPARE_SOURCE),
+                ("forward.cu", FORWARD_SOURCE),
             ] {
                 let cubin = compile_cubin(&family_source(src), name, &opts)
                     .unwrap_or_else(|e| panic!("{e:#}"));

@@ -20,6 +20,8 @@
 //! [`cpu`] is the living definition of each.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use std::ops::Range;
 
