@@ -527,13 +527,11 @@ mod tests {
     use std::collections::{BTreeMap, HashMap};
 
     use super::*;
-    use crate::engine::cpu::CpuEngine;
+    use crate::engine::cpu::{assemble_kv_b, CpuEngine};
     use crate::engine::HostTensor;
     use crate::gguf::Model;
     use crate::model::names::{self, blk};
-    use crate::model::testutil::{
-        assemble_kv_b_for_tests, build_with, metadata, tensor_names, tiny_hparams, tiny_model,
-    };
+    use crate::model::testutil::{build_with, metadata, tensor_names, tiny_hparams, tiny_model};
     use crate::model::{Arch, HParams};
     use crate::trace::{HookFilter, TraceSink};
 
@@ -560,7 +558,8 @@ mod tests {
                 blk::ATTN_K_B => {
                     let k_b = a.dequantize_named(&name).unwrap();
                     let v_b = a.dequantize_named(&names::blk(l, blk::ATTN_V_B)).unwrap();
-                    let kv = assemble_kv_b_for_tests(&k_b, &v_b, hp);
+                    let (h, nope, v, kv_lora) = (hp.n_head, hp.qk_nope, hp.v_head, hp.kv_lora_rank);
+                    let kv = assemble_kv_b(&k_b, &v_b, h, nope, v, kv_lora);
                     let n = names::blk(l, blk::ATTN_KV_B);
                     over.insert(n.clone(), kv);
                     names_b.push(n);

@@ -7,10 +7,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 use super::{Floor, FLOOR_ACTIVATION, FLOOR_CHUNK_ELEMS};
-use crate::engine::cpu::math;
+use crate::engine::cpu::{math, Matrix};
 use crate::gguf::{Model, TensorRef};
 use crate::model::names::{self, blk};
-use crate::model::{Matrix, Weights};
+use crate::model::Weights;
 use crate::quant;
 
 /// One slice of weights a layer reads: rows of a tensor and how many tokens multiply them
