@@ -484,6 +484,7 @@ mod tests {
     use super::*;
     use crate::model::testutil::{build_with, metadata, tensor_names, tiny_hparams};
     use crate::model::Arch;
+    use crate::quant::GgmlType;
     use std::collections::HashMap;
 
     #[test]
@@ -599,6 +600,96 @@ mod tests {
         ] {
             let msg = format!("{e:#}");
             assert!(msg.contains("tiny.gguf"), "{msg}");
+        }
+    }
+
+    /// Rows, columns and bytes of each kind of description on the tiny F32 model (hidden 16,
+    /// q_lora 12, H 2, nope 6, v 5, kv_lora 8, 4 experts of 8 rows), and their values equal the
+    /// tensor's own rows as the reader dequantizes them.
+    #[test]
+    fn descriptions_name_tensor_rows_and_bytes() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let model = build_with(&hp, &metadata(&hp), &tensor_names(&hp), 32, &HashMap::new());
+        let w = Weights::new(&model).unwrap();
+        let whole = |name: &str| model.dequantize_named(name).unwrap();
+
+        let q_a = w.matrix_desc("blk.0.attn_q_a.weight").unwrap();
+        assert_eq!(
+            (q_a.rows.clone(), q_a.cols, q_a.ty()),
+            (0..12, 16, GgmlType::F32)
+        );
+        assert_eq!(q_a.data().unwrap().len(), 12 * 16 * 4);
+        assert_eq!(q_a.dequantize().unwrap(), whole("blk.0.attn_q_a.weight"));
+
+        let up = w.expert_desc("blk.1.ffn_up_exps.weight", 2).unwrap();
+        assert_eq!((up.rows.clone(), up.cols), (16..24, 16));
+        let all = whole("blk.1.ffn_up_exps.weight");
+        assert_eq!(up.dequantize().unwrap(), &all[16 * 16..24 * 16]);
+        let (gate, up2) = w.expert_gate_up_desc(1, 2).unwrap();
+        assert_eq!(gate.name(), "blk.1.ffn_gate_exps.weight");
+        assert_eq!((gate.rows.clone(), up2.rows.clone()), (16..24, 16..24));
+
+        let norm = w.vector_desc("blk.0.attn_norm.weight").unwrap();
+        assert_eq!((norm.n_rows(), norm.cols), (1, 16));
+        assert!(w.vector_desc("blk.0.attn_q_a.weight").is_err());
+
+        let emb = w.embedding_rows_desc(&[3, 0]).unwrap();
+        let table = whole(names::TOKEN_EMBD);
+        assert_eq!(emb[0].rows, 3..4);
+        assert_eq!(emb[0].dequantize().unwrap(), &table[3 * 16..4 * 16]);
+        let msg = format!("{:#}", w.embedding_rows_desc(&[1, 32]).unwrap_err());
+        assert!(
+            msg.contains("token 1 has id 32, outside the vocabulary 0..32"),
+            "{msg}"
+        );
+
+        match w.kv_b_desc(0).unwrap() {
+            KvB::Split {
+                k_b,
+                v_b,
+                heads,
+                nope,
+                v,
+                kv_lora,
+            } => {
+                assert_eq!((heads, nope, v, kv_lora), (2, 6, 5, 8));
+                // k_b: [H, kv_lora, nope] = 16 rows of 6; v_b: [H, v, kv_lora] = 10 rows of 8.
+                assert_eq!((k_b.rows.clone(), k_b.cols), (0..16, 6));
+                assert_eq!((v_b.rows.clone(), v_b.cols), (0..10, 8));
+            }
+            KvB::Legacy(_) => panic!("the split pair is there"),
+        }
+    }
+
+    /// Fused `ffn_gate_up_exps` (`[hidden, 2*n_ff_exp, E]`): expert e's gate is rows
+    /// `2e*ff..(2e+1)*ff`, its up the next `ff`; legacy `attn_kv_b` is one `[H*(nope+v),
+    /// kv_lora]` matrix.
+    #[test]
+    fn fused_gate_up_and_legacy_kv_b_descriptions() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let split = [
+            blk::ATTN_K_B,
+            blk::ATTN_V_B,
+            blk::FFN_GATE_EXPS,
+            blk::FFN_UP_EXPS,
+        ];
+        let mut names: Vec<String> = tensor_names(&hp)
+            .into_iter()
+            .filter(|n| !names::split_blk(n).is_some_and(|(_, s)| split.contains(&s)))
+            .collect();
+        names.extend([
+            names::blk(0, blk::ATTN_KV_B),
+            names::blk(1, blk::ATTN_KV_B),
+            names::blk(1, blk::FFN_GATE_UP_EXPS),
+        ]);
+        let model = build_with(&hp, &metadata(&hp), &names, 32, &HashMap::new());
+        let w = Weights::new(&model).unwrap();
+        let (gate, up) = w.expert_gate_up_desc(1, 2).unwrap();
+        assert_eq!(gate.name(), "blk.1.ffn_gate_up_exps.weight");
+        assert_eq!((gate.rows.clone(), up.rows.clone()), (32..40, 40..48));
+        match w.kv_b_desc(1).unwrap() {
+            KvB::Legacy(kv_b) => assert_eq!((kv_b.rows.clone(), kv_b.cols), (0..22, 8)),
+            KvB::Split { .. } => panic!("the file has only attn_kv_b"),
         }
     }
 }
