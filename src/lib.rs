@@ -11,9 +11,12 @@
 //!    and comparisons. Imports nothing from the crate.
 //! 4. [`gguf`]: the file format (reader, split shards, streaming writer); uses `quant` for tensor
 //!    types and `util`.
-//! 5. [`model`]: hyperparameters, metadata keys, tensor names, weight views, the ordered steps,
-//!    and the facts `inspect` shows; uses `gguf`, `quant`, `util`.
-//! 6. [`engine`]: the `Engine` trait and the CPU reference; uses `model`, `tensor`, `util`.
+//! 5. [`model`]: hyperparameters, metadata keys, tensor names, weight descriptions (tensor,
+//!    row range, raw bytes; kv_b split or legacy) that engines realise, the ordered steps and
+//!    the GGUF tensors each reads, and the facts `inspect` shows; uses `gguf`, `quant`, `util`.
+//! 6. [`engine`]: the `Engine` trait (steps and weight residency hooks) and the CPU reference,
+//!    which dequantizes the descriptions and counts its own work for `bench`; uses `model`,
+//!    `quant`, `tensor`, `util`.
 //! 7. [`trace`]: sinks (one tensor, or reference/candidate pairs), hook selection, trace files,
 //!    the reference cache; uses `model`, `gguf`, `tensor`, `util`.
 //! 8. [`cuda`]: devices, NVRTC, the dequant and comparison kernels, `dequant-check`; uses

@@ -165,8 +165,7 @@ fn synthetic_model_is_written_to_a_temporary_directory_and_removed() {
 #[test]
 fn counting_weights_give_bit_identical_hooks() {
     use glmdiff::driver::{self, Plan};
-    use glmdiff::engine::cpu::CpuEngine;
-    use glmdiff::model::weights::WeightStats;
+    use glmdiff::engine::cpu::{CpuEngine, WeightStats};
     use glmdiff::model::Weights;
     use glmdiff::trace::{HookFilter, TraceSink};
 
@@ -175,14 +174,15 @@ fn counting_weights_give_bit_identical_hooks() {
     synth::write(&tiny(), &path).unwrap();
     let model = Model::open(&path).unwrap();
     let stats = WeightStats::default();
-    let trace = |w: &Weights<'_>| {
+    let w = Weights::new(&model).unwrap();
+    let trace = |engine: &CpuEngine<'_>| {
         let mut sink = TraceSink::new(HookFilter::default());
-        let plan = Plan::full(w).unwrap();
-        driver::run(&CpuEngine::new(w), w, &[5, 9, 2, 7], &plan, &mut sink).unwrap();
+        let plan = Plan::full(&w).unwrap();
+        driver::run(engine, &w, &[5, 9, 2, 7], &plan, &mut sink).unwrap();
         sink.into_tensors()
     };
-    let plain = trace(&Weights::new(&model).unwrap());
-    let counted = trace(&Weights::with_stats(&model, &stats).unwrap());
+    let plain = trace(&CpuEngine::new(&w));
+    let counted = trace(&CpuEngine::with_stats(&w, &stats));
     assert!(plain.contains_key("logits") && plain.contains_key("blk.1.moe_routed"));
     assert_eq!(plain, counted);
     let c = stats.snapshot();

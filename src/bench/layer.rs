@@ -11,7 +11,8 @@
 //! # What the split means
 //! The CPU engine dequantizes a few weight rows per rayon task and uses them at once, so the two
 //! kinds of work interleave on every thread and have no separate wall-clock time. The counters
-//! of [`WeightStats`] add up *thread CPU time* ([`ThreadTimer`](crate::model::weights::ThreadTimer): time a thread ran, not time it
+//! of [`WeightStats`] (counted by the engine itself, [`CpuEngine::with_stats`]) add up *thread
+//! CPU time* ([`ThreadTimer`](crate::engine::cpu::ThreadTimer): time a thread ran, not time it
 //! sat preempted on a loaded machine): `dequant` inside the dequantizers, `matmul` in the dot
 //! products against weights, summed over threads. `CPU` is the time all threads of the process
 //! were on a CPU over the layer (`/proc/self/task/*/schedstat`); `other` = CPU - dequant -
@@ -51,12 +52,11 @@ pub use procfs::{parse_status, Rss};
 use reads::{floor, layer_reads, Read};
 
 use crate::driver::{self, Plan};
-use crate::engine::cpu::CpuEngine;
+use crate::engine::cpu::{CpuEngine, WeightCounts, WeightStats};
 use crate::engine::HostTensor;
 use crate::gguf::Model;
 use crate::model::names;
 use crate::model::steps::point;
-use crate::model::weights::{WeightCounts, WeightStats};
 use crate::model::{Arch, Weights};
 use crate::synth::{self, Dims, SynthOptions, TypeMix};
 use crate::trace::Sink;
@@ -377,11 +377,11 @@ fn measure(
     for &t in &opts.tokens {
         let model = Model::open(path)?;
         let stats = WeightStats::default();
-        let weights = Weights::with_stats(&model, &stats)?;
+        let weights = Weights::new(&model)?;
         let hp = weights.hparams();
         let n_layers = (hp.n_dense + 1).min(hp.n_layer);
         let plan = Plan::new(&weights, n_layers, false)?;
-        let engine = CpuEngine::new(&weights);
+        let engine = CpuEngine::with_stats(&weights, &stats);
         let ids = token_ids(opts.seed, t, weights.n_vocab());
         let rss_before = procfs::rss().unwrap_or_default();
         if opts.warmup {
@@ -525,9 +525,9 @@ fn timed_run(
     plan: &Plan,
     interval: Duration,
 ) -> Result<Run> {
-    let stats = weights
+    let stats = engine
         .stats()
-        .context("bench: layer: the weights have no counters")?;
+        .context("bench: layer: the engine has no counters")?;
     let sampler = procfs::Sampler::default();
     let (clock, wall) = std::thread::scope(|s| {
         s.spawn(|| sampler.watch(interval));

@@ -560,7 +560,7 @@ fn selection_bias(weights: &Weights<'_>, plan: &Plan) -> Result<HashMap<usize, V
     for l in plan.layers() {
         let name = crate::model::names::blk(l, crate::model::names::blk::EXP_PROBS_B);
         if weights.has(&name) {
-            out.insert(l, weights.vector(&name)?);
+            out.insert(l, weights.vector_desc(&name)?.dequantize()?);
         }
     }
     Ok(out)

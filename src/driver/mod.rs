@@ -13,10 +13,19 @@
 //! starts from given values of its free inputs (the residual stream entering layer A, and a
 //! shared DSA selection from an earlier layer), see [`Plan::free_inputs`]. The tail (final norm
 //! and logits) runs only after the model's last layer.
+//!
+//! Weight residency: every walk of a plan on an engine (a [`Runner`], or the replayed steps of a
+//! candidate engine in [`pair`]) tells the engine which weights come next, through
+//! [`Engine::begin_model`], [`Engine::begin_layer`], [`Engine::end_layer`] and
+//! [`Engine::end_model`], with the names the plan gathered from `Step::weights`
+//! ([`Plan::global_weights`], [`Plan::layer_weights`]). A layer is begun just before the first
+//! step the engine runs in it and ended when it runs a step of another layer or the walk
+//! finishes ([`Runner::finish`]).
 
 pub mod pair;
+mod residency;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 
 use anyhow::{bail, Context, Result};
@@ -25,6 +34,7 @@ use crate::engine::{Engine, ExpertInputs, HostTensor, MlaInputs};
 use crate::model::steps::{self, expert_hook, hook, point, Op, Step};
 use crate::model::Weights;
 use crate::trace::Sink;
+use residency::Residency;
 
 /// The steps to run.
 #[derive(Clone, Debug)]
@@ -37,6 +47,12 @@ pub struct Plan {
     pub n_layers: usize,
     /// Whether the final norm and logits run.
     pub tail: bool,
+    /// GGUF tensors of the plan's global steps (embedding, final norm, output projection), each
+    /// once in first-use order: what [`Engine::begin_model`] is given.
+    pub global_weights: Vec<String>,
+    /// Per layer run, the GGUF tensors its steps read ([`Step::weights`]), each once in
+    /// first-use order: what [`Engine::begin_layer`] is given.
+    pub layer_weights: BTreeMap<usize, Vec<String>>,
 }
 
 impl Plan {
@@ -75,12 +91,28 @@ impl Plan {
         if tail {
             s.extend(steps::tail_steps(hp, layers.end, weights.output_name()));
         }
+        let global_weights = steps::weights_of(s.iter().filter(|st| st.layer.is_none()), weights);
+        let layer_weights = layers
+            .clone()
+            .map(|l| {
+                let of_layer = s.iter().filter(|st| st.layer == Some(l));
+                (l, steps::weights_of(of_layer, weights))
+            })
+            .collect();
         Ok(Plan {
             steps: s,
             first_layer: layers.start,
             n_layers: layers.end,
             tail,
+            global_weights,
+            layer_weights,
         })
+    }
+
+    /// The GGUF tensors layer `layer`'s steps read ([`Plan::layer_weights`]; none for a layer
+    /// the plan does not run).
+    pub fn weights_of_layer(&self, layer: usize) -> &[String] {
+        self.layer_weights.get(&layer).map_or(&[], Vec::as_slice)
     }
 
     /// The whole forward pass: every layer, then final norm and logits.
@@ -310,6 +342,7 @@ pub struct Runner<'a, E: Engine> {
     keep: HashSet<String>,
     next: usize,
     env: HashMap<String, E::Tensor>,
+    residency: Residency,
 }
 
 impl<'a, E: Engine> Runner<'a, E> {
@@ -340,6 +373,7 @@ impl<'a, E: Engine> Runner<'a, E> {
             keep: keep.iter().cloned().collect(),
             next: 0,
             env,
+            residency: Residency::default(),
         })
     }
 
@@ -373,6 +407,7 @@ impl<'a, E: Engine> Runner<'a, E> {
         let (live, keep) = (&self.live, &self.keep);
         self.env
             .retain(|n, _| keep.contains(n) || live.last_use.get(n).is_some_and(|&j| j >= i));
+        self.residency.enter(self.engine, self.plan, s)?;
         let out = {
             let inputs = s
                 .inputs
@@ -395,6 +430,13 @@ impl<'a, E: Engine> Runner<'a, E> {
         }
         self.next += 1;
         Ok(out.extra)
+    }
+
+    /// Ends the walk's weight hooks on the engine: [`Engine::end_layer`] of the layer begun and
+    /// [`Engine::end_model`]. Call it after the last step (or when stopping early); the runner's
+    /// values stay readable.
+    pub fn finish(&mut self) -> Result<()> {
+        self.residency.finish(self.engine)
     }
 
     /// Takes a value kept with `keep` (or still alive) out of the runner.
@@ -458,6 +500,7 @@ pub fn run_from<E: Engine>(
             progress.inc(1);
         }
     }
+    runner.finish()?;
     progress.finish();
     Ok(summary)
 }
@@ -485,6 +528,7 @@ pub fn prefix_values<E: Engine>(
             progress.inc(1);
         }
     }
+    runner.finish()?;
     progress.finish();
     need.into_iter()
         .map(|n| {
@@ -527,13 +571,11 @@ mod tests {
     use std::collections::{BTreeMap, HashMap};
 
     use super::*;
-    use crate::engine::cpu::CpuEngine;
+    use crate::engine::cpu::{assemble_kv_b, CpuEngine};
     use crate::engine::HostTensor;
     use crate::gguf::Model;
     use crate::model::names::{self, blk};
-    use crate::model::testutil::{
-        assemble_kv_b_for_tests, build_with, metadata, tensor_names, tiny_hparams, tiny_model,
-    };
+    use crate::model::testutil::{build_with, metadata, tensor_names, tiny_hparams, tiny_model};
     use crate::model::{Arch, HParams};
     use crate::trace::{HookFilter, TraceSink};
 
@@ -560,7 +602,8 @@ mod tests {
                 blk::ATTN_K_B => {
                     let k_b = a.dequantize_named(&name).unwrap();
                     let v_b = a.dequantize_named(&names::blk(l, blk::ATTN_V_B)).unwrap();
-                    let kv = assemble_kv_b_for_tests(&k_b, &v_b, hp);
+                    let (h, nope, v, kv_lora) = (hp.n_head, hp.qk_nope, hp.v_head, hp.kv_lora_rank);
+                    let kv = assemble_kv_b(&k_b, &v_b, h, nope, v, kv_lora);
                     let n = names::blk(l, blk::ATTN_KV_B);
                     over.insert(n.clone(), kv);
                     names_b.push(n);

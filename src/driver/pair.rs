@@ -18,6 +18,10 @@
 //! judged on its own. A trace that lacks a selection falls back on the reference's, and the pair
 //! says so.
 //!
+//! Both engines are told the weights of the layers they run (`Engine::begin_layer` and the other
+//! residency hooks, see [`super`]); a candidate engine that only replays is told only of the
+//! layers whose steps it replays.
+//!
 //! Every output the sink wants is downloaded, handed to the sink as a (reference, candidate) pair
 //! and dropped: nothing accumulates here, so memory stays bounded by a layer's activations.
 //! Hooks that cannot be compared (missing from a trace, or a step whose inputs are missing) are
@@ -27,7 +31,7 @@ use std::collections::HashMap;
 
 use anyhow::{Context, Result};
 
-use super::{check_tokens, exec_step, is_layer_end, Plan, Progress, Runner};
+use super::{check_tokens, exec_step, is_layer_end, Plan, Progress, Residency, Runner};
 use crate::engine::{Engine, HostTensor};
 use crate::model::steps::{expert_hook, hook, point, Op, Step};
 use crate::model::Weights;
@@ -90,6 +94,8 @@ pub fn run_pair<R: Engine, C: Engine>(
         _ => None,
     };
     let mut summary = PairSummary::default();
+    // The weight hooks of a candidate engine that only replays (no runner of its own).
+    let mut cand_residency = Residency::default();
     // The candidate's replayed selections (engine candidates), by hook name.
     let mut cand_sel: HashMap<String, HostTensor> = HashMap::new();
     progress.start("layers", plan.layers().len() as u64);
@@ -172,6 +178,9 @@ pub fn run_pair<R: Engine, C: Engine>(
                                     }
                                 }
                             } else {
+                                if cand.is_none() {
+                                    cand_residency.enter(*c, plan, step)?;
+                                }
                                 let out = replay_step(*c, step, &inputs.values, tokens, &wants)?;
                                 for (n, t) in &out {
                                     if is_selection(n) {
@@ -234,6 +243,13 @@ pub fn run_pair<R: Engine, C: Engine>(
         if is_layer_end(step) {
             progress.inc(1);
         }
+    }
+    refr.finish()?;
+    if let Some(c) = &mut cand {
+        c.finish()?;
+    }
+    if let Candidate::Engine(c) = &candidate {
+        cand_residency.finish(*c)?;
     }
     progress.finish();
     Ok(summary)

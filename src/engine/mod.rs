@@ -9,8 +9,22 @@
 //!   *chained* (every step reads the engine's own earlier outputs) and *replay* (the
 //!   driver downloads a step's inputs from the reference engine and uploads them to the
 //!   candidate, so a difference is attributed to that step alone).
-//! - Weights are named by their GGUF tensor name and fetched by the engine itself (the CPU engine
-//!   dequantizes only what a step touches; a GPU engine may keep quantized bytes on the device).
+//! - Weights are named by their GGUF tensor name and fetched by the engine itself from the
+//!   descriptions of [`crate::model::Weights`] (`matrix_desc`, `expert_desc`,
+//!   `expert_gate_up_desc`, `vector_desc`, `embedding_rows_desc`, `kv_b_desc`: a tensor and a
+//!   row range, with its raw GGUF bytes), each engine realising them its own way: the CPU
+//!   engine dequantizes only what a step touches; a GPU engine may keep the quantized blocks on
+//!   the device.
+//! - Weight residency: the driver tells an engine which tensors are about to be read. In one walk
+//!   of a plan it calls [`Engine::begin_model`] once before the engine's first step (with the
+//!   global tensors of the plan: embedding, final norm, output), then per layer
+//!   [`Engine::begin_layer`] before the layer's first step (with the layer's tensors, from
+//!   `Step::weights`) and [`Engine::end_layer`] before the next layer begins or the tail runs,
+//!   and [`Engine::end_model`] after the last step. Layers come in increasing order, one begun at
+//!   a time, and every call that reads a layer's weights falls between that layer's begin and
+//!   end. A walk that fails stops without the end calls (an engine frees what it holds when
+//!   dropped); an engine used by two walks at once (the same engine as reference and candidate)
+//!   sees both walks' calls interleaved. The defaults do nothing.
 //! - Every method takes inputs in the hook shapes of `shared/spec/hooks.md` and returns its
 //!   outputs in those shapes; element order is the GGUF's own (RoPE pairs rotated in place).
 //! - Positions are `0..T` (one prompt, no KV cache); the causal mask is part of the step.
@@ -81,6 +95,33 @@ pub trait Engine {
     fn describe(&self) -> String;
     /// Compute precision for trace metadata, e.g. `f32 storage, f64 accumulation`.
     fn dtype(&self) -> String;
+
+    /// Before the engine's first step of a walk: the GGUF tensors the plan's global steps read
+    /// (`token_embd.weight`, `output_norm.weight`, `output.weight`, as far as the plan runs the
+    /// embedding and the tail; empty for a plan of middle layers), in first-use order. An engine
+    /// may make them resident until [`Engine::end_model`]. Default: nothing.
+    fn begin_model(&self, weights: &[String]) -> Result<()> {
+        let _ = weights;
+        Ok(())
+    }
+    /// After the last step of a walk (and after the last [`Engine::end_layer`]). Default: nothing.
+    fn end_model(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Before the first step of layer `layer`: the GGUF tensors its steps read (the union of
+    /// `Step::weights`, in first-use order; whole tensors, of which the stacked expert tensors
+    /// are read only in the selected experts' rows). An engine may upload them here and free
+    /// them at [`Engine::end_layer`]. Default: nothing.
+    fn begin_layer(&self, layer: usize, weights: &[String]) -> Result<()> {
+        let _ = (layer, weights);
+        Ok(())
+    }
+    /// After the last step of layer `layer` (before the next layer begins or the tail runs).
+    /// Default: nothing.
+    fn end_layer(&self, layer: usize) -> Result<()> {
+        let _ = layer;
+        Ok(())
+    }
 
     /// Copies a host tensor into the engine.
     fn upload(&self, t: &HostTensor) -> Result<Self::Tensor>;

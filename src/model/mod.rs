@@ -1,6 +1,7 @@
 //! Model knowledge for `glm-dsa` (GLM-5) and `deepseek2` (DeepSeek-V2/V3): hyperparameters from
-//! GGUF metadata ([`hparams`]), tensor names and their expected shapes ([`names`]), weight views
-//! dequantized on demand ([`weights`]: kv_b assembly, expert slices), RoPE/YaRN constants
+//! GGUF metadata ([`hparams`]), tensor names and their expected shapes ([`names`]), descriptions of
+//! the weights each step reads ([`weights`]: tensor and row range, kv_b split or legacy, expert
+//! slices; engines realise them), RoPE/YaRN constants
 //! ([`rope`]) and the ordered list of forward-pass steps ([`steps`]). No activation arithmetic
 //! happens here; engines do that. [`inspect`] gathers the facts `glmdiff inspect` shows about a
 //! GGUF of any architecture. [`keys`] spells the `{arch}.*` metadata keys once, for readers and
@@ -19,4 +20,4 @@ pub(crate) mod testutil;
 
 pub use hparams::{Arch, Gating, HParams, IndexerParams, RopeParams, Yarn};
 pub use steps::{Op, RopeSlice, Step};
-pub use weights::{Matrix, RowSource, Weights};
+pub use weights::{KvB, WeightSlice, Weights};

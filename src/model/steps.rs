@@ -2,11 +2,15 @@
 //! name (`shared/spec/hooks.md`), so a driver can run them over any engine, chained (inputs from
 //! the same engine) or replay (inputs taken from a reference run), and hand every output to a
 //! trace sink. No arithmetic happens here; the step kinds are defined by the `Engine` trait.
+//!
+//! Each step also says which GGUF tensors it reads ([`Step::weights`]), so that an engine can be
+//! told a layer's weights before its first step ([`weights_of`] gathers them for a list of steps).
 
 use std::ops::Range;
 
 use super::hparams::HParams;
 use super::names::{self, blk};
+use super::weights::Weights;
 
 /// Hook point names (the part after `blk.{L}.`), one per step output. Never rename or reuse one.
 pub mod point {
@@ -172,6 +176,75 @@ pub struct Step {
     pub outputs: Vec<String>,
     /// Layer of the step (`None` for global steps).
     pub layer: Option<usize>,
+}
+
+impl Step {
+    /// The GGUF tensors this step reads, in the order it reads them (none for steps without
+    /// weights: RoPE, top-k, SwiGLU, add, alias, zeros):
+    ///
+    /// - embedding: `token_embd.weight`; norms, linears and the shared-expert MLP: their named
+    ///   weights (the logits' linear reads `output.weight`, or `token_embd.weight` when tied);
+    /// - DSA indexer: `indexer.attn_q_b`, `indexer.attn_k`, `indexer.proj`, `indexer.k_norm`
+    ///   weight and bias;
+    /// - attention: kv_b as the file holds it, `attn_k_b` + `attn_v_b` or the legacy
+    ///   `attn_kv_b` ([`Weights::kv_b_names`]);
+    /// - router: the selection bias `exp_probs_b.bias` when the file has one (the logits come
+    ///   from the `ffn_gate_inp` linear before it);
+    /// - routed experts: the stacked `ffn_gate_exps` + `ffn_up_exps` (or the fused
+    ///   `ffn_gate_up_exps`) and `ffn_down_exps`, whole tensors, of which an engine reads only
+    ///   the selected experts' rows ([`Weights::expert_desc`]).
+    ///
+    /// Over the steps of a run layer `L` these are exactly the file's `blk.{L}.*` tensors, with
+    /// one exception: a legacy `attn_kv_b` beside the split `attn_k_b`/`attn_v_b` (converter
+    /// versions that wrote all three) is not read. The blocks of MTP layers (`L >= n_layer`,
+    /// `nextn.*` and a full layer's tensors) are never run, so never read.
+    pub fn weights(&self, w: &Weights<'_>) -> Vec<String> {
+        match &self.op {
+            Op::Embed => vec![names::TOKEN_EMBD.to_string()],
+            Op::RmsNorm { weight, .. } | Op::Linear { weight } => vec![weight.clone()],
+            Op::IndexerScores { layer } => [
+                blk::INDEXER_Q_B,
+                blk::INDEXER_K,
+                blk::INDEXER_PROJ,
+                blk::INDEXER_K_NORM,
+                blk::INDEXER_K_NORM_B,
+            ]
+            .iter()
+            .map(|s| names::blk(*layer, s))
+            .collect(),
+            Op::Attention { layer } => w.kv_b_names(*layer),
+            Op::MoeRoute { layer } => {
+                let bias = names::blk(*layer, blk::EXP_PROBS_B);
+                if w.has(&bias) {
+                    vec![bias]
+                } else {
+                    Vec::new()
+                }
+            }
+            Op::MoeExperts { layer } => {
+                let mut v = w.expert_gate_up_names(*layer);
+                v.push(names::blk(*layer, blk::FFN_DOWN_EXPS));
+                v
+            }
+            Op::Mlp { gate, up, down } => vec![gate.clone(), up.clone(), down.clone()],
+            Op::Rope(_) | Op::TopK { .. } | Op::SwiGlu | Op::Add | Op::Alias | Op::ZerosLike => {
+                Vec::new()
+            }
+        }
+    }
+}
+
+/// The union of [`Step::weights`] over `steps`, each name once, in first-use order.
+pub fn weights_of<'s>(steps: impl IntoIterator<Item = &'s Step>, w: &Weights<'_>) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for s in steps {
+        for name in s.weights(w) {
+            if !out.contains(&name) {
+                out.push(name);
+            }
+        }
+    }
+    out
 }
 
 fn step(layer: Option<usize>, op: Op, inputs: &[&str], outputs: &[&str]) -> Step {
@@ -440,4 +513,138 @@ pub fn tail_steps(hp: &HParams, n_layers: usize, output: &str) -> Vec<Step> {
             &[point::LOGITS],
         ),
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeSet, HashMap};
+    use std::path::Path;
+
+    use super::*;
+    use crate::gguf::Model;
+    use crate::model::testutil::{build_with, metadata, tensor_names, tiny_hparams};
+    use crate::model::Arch;
+
+    /// Tensors of `w`'s file that no step of a full run reads, after checking that the steps of
+    /// every run layer read only that layer's tensors and the global steps only the file's
+    /// tensors outside `blk.*`, all of them present.
+    fn unread(w: &Weights<'_>) -> BTreeSet<String> {
+        let hp = w.hparams();
+        let file: BTreeSet<String> = w.model().tensors().map(|t| t.info.name.clone()).collect();
+        let mut read = BTreeSet::new();
+        for l in 0..hp.n_layer {
+            let names: BTreeSet<String> = weights_of(&layer_steps(hp, l), w).into_iter().collect();
+            let theirs = names
+                .iter()
+                .all(|n| names::split_blk(n).is_some_and(|(nl, _)| nl == l));
+            assert!(theirs, "layer {l} reads {names:?}");
+            read.extend(names);
+        }
+        let global = embed_steps()
+            .into_iter()
+            .chain(tail_steps(hp, hp.n_layer, w.output_name()));
+        let global: Vec<Step> = global.collect();
+        let names = weights_of(&global, w);
+        assert!(names.iter().all(|n| names::split_blk(n).is_none()));
+        read.extend(names);
+        let missing: Vec<&String> = read.difference(&file).collect();
+        assert!(
+            missing.is_empty(),
+            "steps read tensors the file lacks: {missing:?}"
+        );
+        file.difference(&read).cloned().collect()
+    }
+
+    /// Both fixture architectures, plain and quantized: every tensor of every run layer and
+    /// every global tensor is read by some step; only the MTP block (GLM-5 fixtures: `blk.3`,
+    /// `nextn_predict_layers = 1`) is left.
+    #[test]
+    fn step_weights_are_exactly_the_tensors_of_the_fixtures() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/models");
+        let files = [
+            "glm5-tiny/glm5-tiny-f32.gguf",
+            "glm5-tiny-q/glm5-tiny-q-mixed.gguf",
+            "dsv3-tiny/dsv3-tiny-f32.gguf",
+            "dsv3-tiny-q/dsv3-tiny-q-mixed.gguf",
+        ];
+        let mut archs = BTreeSet::new();
+        for f in files {
+            let model = Model::open(&dir.join(f)).unwrap();
+            let w = Weights::new(&model).unwrap();
+            let hp = w.hparams();
+            archs.insert(hp.arch.as_str());
+            let left = unread(&w);
+            let mtp = left
+                .iter()
+                .all(|n| names::split_blk(n).is_some_and(|(l, _)| l >= hp.n_layer));
+            assert!(mtp, "{f}: tensors of run layers no step reads: {left:?}");
+            assert_eq!(left.is_empty(), hp.n_nextn == 0, "{f}: {left:?}");
+        }
+        assert_eq!(archs.len(), 2);
+    }
+
+    /// The file-dependent choices: fused expert gate/up, legacy kv_b, no q_lora (`attn_q`), no
+    /// shared experts, no selection bias; and a file with kv_b both split and unsplit, where the
+    /// documented exception `attn_kv_b` is the only tensor left unread.
+    #[test]
+    fn step_weights_follow_the_file() {
+        let model = |hp: &HParams, names: &[String]| {
+            build_with(hp, &metadata(hp), names, 32, &HashMap::new())
+        };
+        // Layer 0 is dense, layer 1 MoE.
+        let glm = tiny_hparams(Arch::GlmDsa);
+        let split = [
+            blk::ATTN_K_B,
+            blk::ATTN_V_B,
+            blk::FFN_GATE_EXPS,
+            blk::FFN_UP_EXPS,
+        ];
+        let mut fused: Vec<String> = tensor_names(&glm)
+            .into_iter()
+            .filter(|n| !names::split_blk(n).is_some_and(|(_, s)| split.contains(&s)))
+            .collect();
+        fused.extend([
+            names::blk(0, blk::ATTN_KV_B),
+            names::blk(1, blk::ATTN_KV_B),
+            names::blk(1, blk::FFN_GATE_UP_EXPS),
+        ]);
+        let m = model(&glm, &fused);
+        let w = Weights::new(&m).unwrap();
+        assert!(unread(&w).is_empty());
+        let experts = layer_steps(&glm, 1)
+            .into_iter()
+            .find(|s| s.op == Op::MoeExperts { layer: 1 })
+            .unwrap();
+        assert_eq!(
+            experts.weights(&w),
+            [
+                "blk.1.ffn_gate_up_exps.weight",
+                "blk.1.ffn_down_exps.weight"
+            ]
+        );
+        assert_eq!(w.kv_b_names(0), ["blk.0.attn_kv_b.weight"]);
+
+        let mut ds = tiny_hparams(Arch::Deepseek2);
+        ds.q_lora_rank = None;
+        ds.n_expert_shared = 0;
+        let names: Vec<String> = tensor_names(&ds)
+            .into_iter()
+            .filter(|n| !n.ends_with(blk::EXP_PROBS_B))
+            .collect();
+        let m = model(&ds, &names);
+        let w = Weights::new(&m).unwrap();
+        assert!(unread(&w).is_empty());
+        let route = layer_steps(&ds, 1)
+            .into_iter()
+            .find(|s| s.op == Op::MoeRoute { layer: 1 })
+            .unwrap();
+        assert!(route.weights(&w).is_empty());
+
+        let mut both = tensor_names(&glm);
+        both.extend((0..2).map(|l| names::blk(l, blk::ATTN_KV_B)));
+        let m = model(&glm, &both);
+        let w = Weights::new(&m).unwrap();
+        let left: Vec<String> = unread(&w).into_iter().collect();
+        assert_eq!(left, ["blk.0.attn_kv_b.weight", "blk.1.attn_kv_b.weight"]);
+    }
 }

@@ -212,15 +212,3 @@ pub fn build_with(
 pub fn tiny_model(hp: &HParams) -> Model {
     build(hp, &metadata(hp), &tensor_names(hp), 32)
 }
-
-/// [`crate::model::weights::assemble_kv_b`] with the dimensions of `hp`.
-pub fn assemble_kv_b_for_tests(k_b: &[f32], v_b: &[f32], hp: &HParams) -> Vec<f32> {
-    crate::model::weights::assemble_kv_b(
-        k_b,
-        v_b,
-        hp.n_head,
-        hp.qk_nope,
-        hp.v_head,
-        hp.kv_lora_rank,
-    )
-}

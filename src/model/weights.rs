@@ -1,250 +1,181 @@
-//! Typed access to a model's weights by GGUF tensor name, dequantized to f32 on demand and only
-//! as far as asked: embedding rows of the prompt's tokens, row ranges of big matrices, one
-//! expert's slice of a stacked `ffn_*_exps` tensor. Every access checks the tensor's dimensions
-//! against [`names::expected_ne`] and names tensor, expected and actual shapes when they differ.
+//! Typed access to a model's weights by GGUF tensor name, as *descriptions* that every engine
+//! realises its own way: a [`WeightSlice`] names a tensor (name, GGML type, `ne`, shard and
+//! offset, as the reader has them) and a range of its rows, and gives the raw GGUF bytes of those
+//! rows straight from the map. The CPU reference dequantizes them to f32 on demand
+//! (`engine::cpu`); a GPU engine may upload the quantized blocks as they are.
+//!
+//! Only what a step reads is described: one embedding row per prompt token, a matrix, a norm
+//! vector, one expert's slice of a stacked `ffn_*_exps` tensor, and kv_b either as the
+//! converter's split `attn_k_b`/`attn_v_b` pair or as the legacy unsplit `attn_kv_b` ([`KvB`]).
+//! Every description checks the tensor's dimensions against [`names::expected_ne`] and names
+//! tensor, expected and actual shapes when they differ.
+//!
+//! # Rows
+//! A GGUF tensor with `ne = [n0, n1, n2, ...]` (fastest first) is `n1 * n2 * ...` rows of `n0`
+//! values, row-major: row `r` holds the values `[r*n0, (r+1)*n0)` of the tensor, and its bytes
+//! are whole quant blocks (`n0` is a multiple of the type's block size), `n0 / block_size *
+//! type_size` bytes per row. So any row range is block-aligned, a 2-D `[cols, rows]` tensor is
+//! a PyTorch `[rows, cols]` matrix whose row `r` is output feature `r` of `y = x · W^T`, and
+//! expert `e` of a stacked `[cols, rows, n_expert]` tensor is rows `e*rows..(e+1)*rows`.
 
+use std::fmt;
 use std::ops::Range;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
-use rayon::prelude::*;
-use serde::Serialize;
+use anyhow::{bail, Result};
 
 use super::hparams::HParams;
 use super::names::{self, blk};
 use crate::gguf::{Model, TensorRef};
-use crate::quant;
+use crate::quant::GgmlType;
 
-/// Values per parallel task when [`Weights`] dequantizes a whole tensor or row range while
-/// counting (the same work split as `quant::dequantize_par`, each task timed on its thread).
-const COUNTED_TASK_ELEMS: usize = 1 << 16;
-
-/// Measures the CPU time of the calling thread (Linux `CLOCK_THREAD_CPUTIME_ID`: time the thread
-/// ran, not time it waited while preempted), or wall time where that clock is unavailable.
-#[derive(Clone, Copy, Debug)]
-pub struct ThreadTimer {
-    cpu_ns: Option<u64>,
-    wall: Instant,
-}
-
-impl ThreadTimer {
-    /// Starts measuring.
-    pub fn start() -> ThreadTimer {
-        ThreadTimer {
-            cpu_ns: thread_cpu_ns(),
-            wall: Instant::now(),
-        }
-    }
-
-    /// Nanoseconds of CPU time of this thread since [`ThreadTimer::start`] (wall time when the
-    /// CPU clock is unavailable). Call it on the thread that started the timer.
-    pub fn elapsed_ns(&self) -> u64 {
-        match (self.cpu_ns, thread_cpu_ns()) {
-            (Some(a), Some(b)) => b.saturating_sub(a),
-            _ => self.wall.elapsed().as_nanos() as u64,
-        }
-    }
-}
-
-/// CPU time of the calling thread, nanoseconds (`clock_gettime(CLOCK_THREAD_CPUTIME_ID)`).
-#[cfg(target_os = "linux")]
-fn thread_cpu_ns() -> Option<u64> {
-    use std::os::raw::{c_int, c_long};
-    /// `struct timespec` of the Linux C ABIs (`time_t` and `long` are both `long`).
-    #[repr(C)]
-    struct Timespec {
-        tv_sec: c_long,
-        tv_nsec: c_long,
-    }
-    extern "C" {
-        fn clock_gettime(clock: c_int, ts: *mut Timespec) -> c_int;
-    }
-    /// `CLOCK_THREAD_CPUTIME_ID` of `<linux/time.h>`.
-    const CLOCK_THREAD_CPUTIME_ID: c_int = 3;
-    let mut ts = Timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime (libc, linked by std) writes one `struct timespec`, whose layout
-    // `Timespec` reproduces, through a pointer to a live local; it keeps no reference to it.
-    let rc = unsafe { clock_gettime(CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    (rc == 0).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
-}
-
-/// No thread CPU clock: [`ThreadTimer`] measures wall time.
-#[cfg(not(target_os = "linux"))]
-fn thread_cpu_ns() -> Option<u64> {
-    None
-}
-
-/// Counters of the work done on a model's weights, shared by every thread: relaxed atomic adds
-/// and two reads of the thread CPU clock per task of up to 64 Ki values (a system call each,
-/// about 0.6 us on the reference VM: a few percent of a task, paid only when counting).
+/// A range of rows of one GGUF tensor: all rows of a matrix, one expert's rows of a stacked 3-D
+/// tensor, the one row of a 1-D vector, one embedding row. A description only: nothing is read
+/// until [`WeightSlice::data`] (raw blocks) or [`WeightSlice::dequantize`] (host f32) is called.
 ///
-/// - dequantization: thread CPU nanoseconds inside the dequantizers ([`ThreadTimer`], summed
-///   over rayon's threads, so with N busy threads it grows up to N times faster than the wall
-///   clock), calls, quantized bytes read, f32 values produced;
-/// - matmul arithmetic: thread CPU nanoseconds in the dot products that consume dequantized
-///   rows (CPU engine matmuls against weights) and their multiply-adds.
-///
-/// Filled only for a [`Weights`] made with [`Weights::with_stats`]; values never change.
-#[derive(Debug, Default)]
-pub struct WeightStats {
-    dequant_ns: AtomicU64,
-    dequant_calls: AtomicU64,
-    bytes_in: AtomicU64,
-    values_out: AtomicU64,
-    matmul_ns: AtomicU64,
-    madds: AtomicU64,
-}
-
-/// A snapshot of [`WeightStats`] (or the difference of two).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct WeightCounts {
-    /// Thread-nanoseconds spent dequantizing.
-    pub dequant_ns: u64,
-    /// Dequantization calls (tasks).
-    pub dequant_calls: u64,
-    /// Quantized bytes read.
-    pub bytes_in: u64,
-    /// f32 values produced.
-    pub values_out: u64,
-    /// Thread-nanoseconds in weight matmul dot products.
-    pub matmul_ns: u64,
-    /// Multiply-adds of those dot products.
-    pub madds: u64,
-}
-
-impl WeightCounts {
-    /// The counts accumulated since `earlier`.
-    pub fn since(&self, earlier: &WeightCounts) -> WeightCounts {
-        WeightCounts {
-            dequant_ns: self.dequant_ns.saturating_sub(earlier.dequant_ns),
-            dequant_calls: self.dequant_calls.saturating_sub(earlier.dequant_calls),
-            bytes_in: self.bytes_in.saturating_sub(earlier.bytes_in),
-            values_out: self.values_out.saturating_sub(earlier.values_out),
-            matmul_ns: self.matmul_ns.saturating_sub(earlier.matmul_ns),
-            madds: self.madds.saturating_sub(earlier.madds),
-        }
-    }
-}
-
-impl WeightStats {
-    /// The current counts.
-    pub fn snapshot(&self) -> WeightCounts {
-        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        WeightCounts {
-            dequant_ns: r(&self.dequant_ns),
-            dequant_calls: r(&self.dequant_calls),
-            bytes_in: r(&self.bytes_in),
-            values_out: r(&self.values_out),
-            matmul_ns: r(&self.matmul_ns),
-            madds: r(&self.madds),
-        }
-    }
-
-    /// Records one dequantization call timed by `timer` (started on this thread).
-    pub fn add_dequant(&self, timer: &ThreadTimer, bytes_in: usize, values_out: usize) {
-        let ns = timer.elapsed_ns();
-        self.dequant_ns.fetch_add(ns, Ordering::Relaxed);
-        self.dequant_calls.fetch_add(1, Ordering::Relaxed);
-        self.bytes_in.fetch_add(bytes_in as u64, Ordering::Relaxed);
-        self.values_out
-            .fetch_add(values_out as u64, Ordering::Relaxed);
-    }
-
-    /// Records dot products of `madds` multiply-adds timed by `timer` (started on this thread).
-    pub fn add_matmul(&self, timer: &ThreadTimer, madds: usize) {
-        let ns = timer.elapsed_ns();
-        self.matmul_ns.fetch_add(ns, Ordering::Relaxed);
-        self.madds.fetch_add(madds as u64, Ordering::Relaxed);
-    }
-}
-
-/// A dense f32 matrix, row-major: `data[r * cols + c]`, PyTorch shape `[rows, cols]`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Matrix {
-    /// Number of rows (output features of a linear layer).
-    pub rows: usize,
-    /// Number of columns (input features; GGUF `ne[0]`).
-    pub cols: usize,
-    /// `rows * cols` values.
-    pub data: Vec<f32>,
-}
-
-impl Matrix {
-    /// Row `r`.
-    pub fn row(&self, r: usize) -> &[f32] {
-        &self.data[r * self.cols..(r + 1) * self.cols]
-    }
-}
-
-/// A range of rows of a GGUF matrix (a 2-D tensor, or one expert's slice of a stacked 3-D one)
-/// that dequantizes any sub-range of its rows into a caller's buffer, straight from the map.
-/// Rows are whole quant blocks (`ne[0]` is a multiple of the block size), so any row range is
-/// block-aligned; the values equal those of [`Model::dequantize_rows`].
-#[derive(Clone, Copy)]
-pub struct RowSource<'m> {
+/// Element order: the slice is `n_rows() = rows.len()` rows of `cols` values, row-major
+/// (PyTorch `[rows.len(), cols]`), exactly the tensor's own order (see the module
+/// documentation); [`WeightSlice::data`] is those rows' `n_rows() * row_bytes()` bytes, in the
+/// GGUF's block layout of [`WeightSlice::ty`] (little-endian; big-endian files are refused when
+/// the description is made).
+#[derive(Clone)]
+pub struct WeightSlice<'m> {
     model: &'m Model,
-    t: TensorRef<'m>,
-    first: u64,
-    stats: Option<&'m WeightStats>,
-    /// Rows of this source.
-    pub rows: usize,
+    /// The tensor as the reader has it: name, GGML type, `ne` (fastest first), shard index and
+    /// offset of its data within the shard's data section.
+    pub tensor: TensorRef<'m>,
+    /// Rows of the tensor this slice covers (rows of `ne[0]` values, counted over every other
+    /// dimension of the tensor).
+    pub rows: Range<usize>,
     /// Values per row (`ne[0]`).
     pub cols: usize,
 }
 
-impl<'m> RowSource<'m> {
-    /// The tensor's GGUF name.
-    pub fn name(&self) -> &str {
-        &self.t.info.name
-    }
-
-    /// The counters this source reports to, if any (see [`Weights::with_stats`]).
-    pub fn stats(&self) -> Option<&'m WeightStats> {
-        self.stats
-    }
-
-    /// Dequantizes rows `rows` (relative to this source) into `dst` (`rows.len() * cols` values),
-    /// on the calling thread.
-    pub fn dequantize_into(&self, rows: Range<usize>, dst: &mut [f32]) -> Result<()> {
-        if rows.end > self.rows || dst.len() != rows.len() * self.cols {
-            bail!(
-                "model: {}: tensor {}: rows {rows:?} of {} into {} values",
-                self.model.path().display(),
-                self.t.info.name,
-                self.rows,
-                dst.len()
-            );
-        }
-        let bytes = self.model.row_data(
-            self.t,
-            self.first + rows.start as u64..self.first + rows.end as u64,
-        )?;
-        let timer = self.stats.map(|_| ThreadTimer::start());
-        quant::dequantize(self.t.info.ty, bytes, dst).with_context(|| {
-            format!(
-                "model: {}: tensor {}",
-                self.model.path().display(),
-                self.t.info.name
-            )
-        })?;
-        if let (Some(s), Some(timer)) = (self.stats, timer) {
-            s.add_dequant(&timer, bytes.len(), dst.len());
-        }
-        Ok(())
+impl fmt::Debug for WeightSlice<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WeightSlice")
+            .field("name", &self.tensor.info.name)
+            .field("ty", &self.tensor.info.ty)
+            .field("ne", &self.tensor.info.ne)
+            .field("shard", &self.tensor.shard)
+            .field("rows", &self.rows)
+            .field("cols", &self.cols)
+            .finish()
     }
 }
 
-/// The weights of one opened model, with its hyperparameters.
+impl<'m> WeightSlice<'m> {
+    /// The tensor's GGUF name.
+    pub fn name(&self) -> &'m str {
+        &self.tensor.info.name
+    }
+
+    /// The tensor's GGML type (the block layout of [`WeightSlice::data`]).
+    pub fn ty(&self) -> GgmlType {
+        self.tensor.info.ty
+    }
+
+    /// Number of rows (`rows.len()`).
+    pub fn n_rows(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// Bytes per row in the file (`cols / block_size * type_size`).
+    pub fn row_bytes(&self) -> usize {
+        self.tensor.info.row_bytes() as usize
+    }
+
+    /// Values of the slice (`n_rows() * cols`).
+    pub fn n_values(&self) -> usize {
+        self.n_rows() * self.cols
+    }
+
+    /// The model the tensor belongs to.
+    pub fn model(&self) -> &'m Model {
+        self.model
+    }
+
+    /// Rows `rows` of this slice (relative to its first row) as a slice of their own.
+    pub fn sub(&self, rows: Range<usize>) -> Result<WeightSlice<'m>> {
+        if rows.start > rows.end || rows.end > self.n_rows() {
+            bail!(
+                "model: {}: tensor {}: rows {}..{} out of range 0..{}",
+                self.model.path().display(),
+                self.name(),
+                rows.start,
+                rows.end,
+                self.n_rows()
+            );
+        }
+        Ok(WeightSlice {
+            rows: self.rows.start + rows.start..self.rows.start + rows.end,
+            ..self.clone()
+        })
+    }
+
+    /// The raw GGUF bytes of the slice's rows (zero-copy from the map): `n_rows() * row_bytes()`
+    /// bytes of whole [`WeightSlice::ty`] blocks, what a GPU engine uploads as it is.
+    pub fn data(&self) -> Result<&'m [u8]> {
+        self.model
+            .row_data(self.tensor, self.rows.start as u64..self.rows.end as u64)
+    }
+
+    /// The slice dequantized to host f32, `[n_rows(), cols]` row-major (parallel over blocks,
+    /// bit-identical for any thread count; the values of gguf-py's `dequantize`).
+    pub fn dequantize(&self) -> Result<Vec<f32>> {
+        self.model
+            .dequantize_rows(self.tensor, self.rows.start as u64..self.rows.end as u64)
+    }
+}
+
+/// The kv_b projection of one layer (MLA's up-projection of the latent `c_kv` to per-head keys
+/// and values), as the file holds it. HF `kv_b_proj` is `[H*(nope+v), kv_lora]`: per head `h`,
+/// rows `h*(nope+v) .. h*(nope+v)+nope` are `W_UK[h]` (`[nope, kv_lora]`) and the next `v` rows
+/// `W_UV[h]` (`[v, kv_lora]`); `shared/spec/glm5-architecture.md` 3.1 gives the converter's split.
+#[derive(Clone, Debug)]
+pub enum KvB<'m> {
+    /// `attn_k_b` and `attn_v_b`, the converter's split (every current GLM-5/DeepSeek-V3 GGUF).
+    Split {
+        /// `attn_k_b.weight`: `ne = [nope, kv_lora, H]`, PyTorch `[H, kv_lora, nope]`, all
+        /// `H*kv_lora` rows of `nope` values: row `h*kv_lora + c` holds `k_b[h][c][0..nope]`,
+        /// and `k_b[h][c][d] = kv_b_proj[h*(nope+v) + d][c]` (each head's K block transposed).
+        /// Use: `q_lat[h][c] = sum_d k_b[h][c][d] q_nope[h][d]`.
+        k_b: WeightSlice<'m>,
+        /// `attn_v_b.weight`: `ne = [kv_lora, v, H]`, PyTorch `[H, v, kv_lora]`, all `H*v` rows
+        /// of `kv_lora` values: row `h*v + j` is `kv_b_proj[h*(nope+v) + nope + j]` (not
+        /// transposed). Use: `o[h][j] = sum_c v_b[h][j][c] o_lat[h][c]`.
+        v_b: WeightSlice<'m>,
+        /// Attention heads `H`.
+        heads: usize,
+        /// Non-RoPE query/key dimension per head (`qk_nope_head_dim`).
+        nope: usize,
+        /// Value dimension per head (`v_head_dim`).
+        v: usize,
+        /// Latent rank (`kv_lora_rank`).
+        kv_lora: usize,
+    },
+    /// `attn_kv_b.weight` of older files (read only when `attn_k_b` is absent): `ne = [kv_lora,
+    /// H*(nope+v)]`, PyTorch `[H*(nope+v), kv_lora]`, exactly HF `kv_b_proj` (per head `nope` K
+    /// rows then `v` V rows). The dimensions are those of [`HParams`].
+    Legacy(WeightSlice<'m>),
+}
+
+impl<'m> KvB<'m> {
+    /// The slices the projection is made of (`[k_b, v_b]` or `[kv_b]`).
+    pub fn slices(&self) -> Vec<&WeightSlice<'m>> {
+        match self {
+            KvB::Split { k_b, v_b, .. } => vec![k_b, v_b],
+            KvB::Legacy(kv_b) => vec![kv_b],
+        }
+    }
+}
+
+/// The weights of one opened model, with its hyperparameters: descriptions of what each step
+/// reads ([`WeightSlice`], [`KvB`]), never values.
 pub struct Weights<'m> {
     model: &'m Model,
     hp: HParams,
     n_vocab: usize,
     output: &'static str,
-    stats: Option<&'m WeightStats>,
 }
 
 impl<'m> Weights<'m> {
@@ -284,43 +215,9 @@ impl<'m> Weights<'m> {
             hp,
             n_vocab,
             output,
-            stats: None,
         };
         w.tensor(output)?;
         Ok(w)
-    }
-
-    /// Like [`Weights::new`], and every dequantization and weight matmul (CPU engine) through
-    /// these weights is counted in `stats`.
-    pub fn with_stats(model: &'m Model, stats: &'m WeightStats) -> Result<Weights<'m>> {
-        let mut w = Weights::new(model)?;
-        w.stats = Some(stats);
-        Ok(w)
-    }
-
-    /// The counters, when made with [`Weights::with_stats`].
-    pub fn stats(&self) -> Option<&'m WeightStats> {
-        self.stats
-    }
-
-    /// Rows `rows` of tensor `t` to f32, as [`Model::dequantize_rows`]. When counting, the same
-    /// per-block dequantizers run in parallel tasks of [`COUNTED_TASK_ELEMS`] values, each timed
-    /// on its thread (the values are the same: every block dequantizes independently).
-    fn dequantize_rows(&self, t: TensorRef<'m>, rows: Range<u64>) -> Result<Vec<f32>> {
-        if self.stats.is_none() {
-            return self.model.dequantize_rows(t, rows);
-        }
-        let n = rows.end.saturating_sub(rows.start) as usize;
-        let src = self.source(t, rows.start, n)?;
-        let per_task = (COUNTED_TASK_ELEMS / src.cols.max(1)).max(1);
-        let mut out = vec![0f32; n * src.cols]; // [n, cols]
-        out.par_chunks_mut(per_task * src.cols.max(1))
-            .enumerate()
-            .try_for_each(|(i, d)| {
-                let r0 = i * per_task;
-                src.dequantize_into(r0..r0 + d.len() / src.cols.max(1), d)
-            })?;
-        Ok(out)
     }
 
     /// The hyperparameters.
@@ -367,7 +264,8 @@ impl<'m> Weights<'m> {
         Ok(t)
     }
 
-    fn source(&self, t: TensorRef<'m>, first: u64, rows: usize) -> Result<RowSource<'m>> {
+    /// Rows `first..first+rows` of `t`, refusing tensor data a little-endian reader cannot use.
+    fn slice(&self, t: TensorRef<'m>, first: usize, rows: usize) -> Result<WeightSlice<'m>> {
         if self.model.shards()[t.shard].is_big_endian() && t.info.ty.type_size() > 1 {
             bail!(
                 "model: {}: tensor {}: big-endian tensor data is not supported",
@@ -375,65 +273,23 @@ impl<'m> Weights<'m> {
                 t.info.name
             );
         }
-        Ok(RowSource {
+        Ok(WeightSlice {
             model: self.model,
-            t,
-            first,
-            stats: self.stats,
-            rows,
+            tensor: t,
+            rows: first..first + rows,
             cols: t.info.ne[0] as usize,
         })
     }
 
-    /// All rows of the 2-D tensor `name`, to be dequantized on demand.
-    pub fn rows(&self, name: &str) -> Result<RowSource<'m>> {
-        let (rows, _) = self.matrix_dims(name)?;
-        self.source(self.tensor(name)?, 0, rows)
-    }
-
-    /// Expert `e`'s rows of a stacked 3-D tensor (`ne = [cols, rows, n_expert]`).
-    pub fn expert_rows(&self, name: &str, e: usize) -> Result<RowSource<'m>> {
+    /// Every row of tensor `name`, whatever its dimensions (all experts of a stacked tensor, the
+    /// one row of a vector): what an engine that keeps a whole layer resident uploads.
+    pub fn tensor_desc(&self, name: &str) -> Result<WeightSlice<'m>> {
         let t = self.tensor(name)?;
-        let ne = &t.info.ne;
-        if ne.len() != 3 || e as u64 >= ne[2] {
-            bail!(
-                "model: {}: tensor {name} (ne={ne:?}): expected [cols, rows, n_expert] and expert {e} < n_expert",
-                self.model.path().display()
-            );
-        }
-        let rows = ne[1] as usize;
-        self.source(t, (e * rows) as u64, rows)
+        self.slice(t, 0, t.info.n_rows() as usize)
     }
 
-    /// Expert `e`'s gate and up rows of layer `layer` (`[n_ff_exp, hidden]` each), from
-    /// `ffn_gate_exps`/`ffn_up_exps` or the fused `ffn_gate_up_exps` (per expert, gate rows then
-    /// up rows, as llama.cpp's `build_moe_ffn` splits it).
-    pub fn expert_gate_up_rows(
-        &self,
-        layer: usize,
-        e: usize,
-    ) -> Result<(RowSource<'m>, RowSource<'m>)> {
-        let gate = names::blk(layer, blk::FFN_GATE_EXPS);
-        let fused = names::blk(layer, blk::FFN_GATE_UP_EXPS);
-        if self.has(&gate) || !self.has(&fused) {
-            return Ok((
-                self.expert_rows(&gate, e)?,
-                self.expert_rows(&names::blk(layer, blk::FFN_UP_EXPS), e)?,
-            ));
-        }
-        let both = self.expert_rows(&fused, e)?;
-        let half = both.rows / 2;
-        let gate = RowSource { rows: half, ..both };
-        let up = RowSource {
-            rows: half,
-            first: both.first + half as u64,
-            ..both
-        };
-        Ok((gate, up))
-    }
-
-    /// A 1-D tensor (norm weight, bias).
-    pub fn vector(&self, name: &str) -> Result<Vec<f32>> {
+    /// The 1-D tensor `name` (norm weight, bias) as one row of `ne[0]` values.
+    pub fn vector_desc(&self, name: &str) -> Result<WeightSlice<'m>> {
         let t = self.tensor(name)?;
         if t.info.ne.len() != 1 {
             bail!(
@@ -442,7 +298,7 @@ impl<'m> Weights<'m> {
                 t.info.ne
             );
         }
-        self.dequantize_rows(t, 0..t.info.n_rows())
+        self.slice(t, 0, 1)
     }
 
     /// `(rows, cols)` of a 2-D tensor: rows = output features, cols = `ne[0]`.
@@ -458,57 +314,16 @@ impl<'m> Weights<'m> {
         Ok((t.info.ne[1] as usize, t.info.ne[0] as usize))
     }
 
-    /// Rows `rows` of a 2-D tensor.
-    pub fn matrix_rows(&self, name: &str, rows: Range<usize>) -> Result<Matrix> {
-        let (n_rows, cols) = self.matrix_dims(name)?;
-        if rows.start > rows.end || rows.end > n_rows {
-            bail!(
-                "model: {}: tensor {name}: rows {}..{} out of range 0..{n_rows}",
-                self.model.path().display(),
-                rows.start,
-                rows.end
-            );
-        }
-        let t = self.tensor(name)?;
-        let data = self.dequantize_rows(t, rows.start as u64..rows.end as u64)?;
-        Ok(Matrix {
-            rows: rows.len(),
-            cols,
-            data,
-        })
-    }
-
-    /// A whole 2-D tensor.
-    pub fn matrix(&self, name: &str) -> Result<Matrix> {
+    /// All rows of the 2-D tensor `name` (`ne = [cols, rows]`, PyTorch `[rows, cols]`: row `r`
+    /// is output feature `r` of `x · W^T`).
+    pub fn matrix_desc(&self, name: &str) -> Result<WeightSlice<'m>> {
         let (rows, _) = self.matrix_dims(name)?;
-        self.matrix_rows(name, 0..rows)
+        self.slice(self.tensor(name)?, 0, rows)
     }
 
-    /// Embedding rows of `ids`: `[ids.len(), hidden]`. Ids out of range are an error.
-    pub fn embedding_rows(&self, ids: &[u32]) -> Result<Matrix> {
-        let t = self.tensor(names::TOKEN_EMBD)?;
-        let hidden = self.hp.hidden;
-        let mut data = Vec::with_capacity(ids.len() * hidden);
-        for (i, &id) in ids.iter().enumerate() {
-            if id as usize >= self.n_vocab {
-                bail!(
-                    "model: token {i} has id {id}, outside the vocabulary 0..{} of {}",
-                    self.n_vocab,
-                    self.model.file_name()
-                );
-            }
-            data.extend(self.dequantize_rows(t, id as u64..id as u64 + 1)?);
-        }
-        Ok(Matrix {
-            rows: ids.len(),
-            cols: hidden,
-            data,
-        })
-    }
-
-    /// Expert `e`'s matrix of a stacked 3-D tensor (`ne = [cols, rows, n_expert]`): rows
-    /// `e*rows..(e+1)*rows` of the tensor, nothing else dequantized.
-    pub fn expert(&self, name: &str, e: usize) -> Result<Matrix> {
+    /// Expert `e`'s rows of the stacked 3-D tensor `name` (`ne = [cols, rows, n_expert]`): rows
+    /// `e*rows..(e+1)*rows`, PyTorch `[rows, cols]` like a matrix.
+    pub fn expert_desc(&self, name: &str, e: usize) -> Result<WeightSlice<'m>> {
         let t = self.tensor(name)?;
         let ne = &t.info.ne;
         if ne.len() != 3 || e as u64 >= ne[2] {
@@ -517,38 +332,110 @@ impl<'m> Weights<'m> {
                 self.model.path().display()
             );
         }
-        let (cols, rows) = (ne[0] as usize, ne[1] as usize);
-        let start = (e * rows) as u64;
-        let data = self
-            .dequantize_rows(t, start..start + rows as u64)
-            .with_context(|| {
-                format!(
-                    "model: {}: expert {e} of {name}",
-                    self.model.path().display()
-                )
-            })?;
-        Ok(Matrix { rows, cols, data })
+        let rows = ne[1] as usize;
+        self.slice(t, e * rows, rows)
     }
 
-    /// The kv_b projection of layer `layer` in HF `kv_b_proj` layout, `[H*(nope+v), kv_lora]`:
-    /// rows per head, `nope` K rows then `v` V rows. Built from `attn_k_b`/`attn_v_b` (spec 3.1),
-    /// or read from the legacy unsplit `attn_kv_b`.
-    pub fn kv_b(&self, layer: usize) -> Result<Matrix> {
-        let hp = &self.hp;
-        let (h, nope, v, kv_lora) = (hp.n_head, hp.qk_nope, hp.v_head, hp.kv_lora_rank);
-        let k_name = names::blk(layer, blk::ATTN_K_B);
-        let legacy = names::blk(layer, blk::ATTN_KV_B);
-        if !self.has(&k_name) && self.has(&legacy) {
-            return self.matrix(&legacy);
+    /// Whether layer `layer` holds its experts' gates and ups fused in `ffn_gate_up_exps`
+    /// (`--fuse-gate-up-exps`) rather than in `ffn_gate_exps` and `ffn_up_exps`.
+    fn gate_up_fused(&self, layer: usize) -> bool {
+        !self.has(&names::blk(layer, blk::FFN_GATE_EXPS))
+            && self.has(&names::blk(layer, blk::FFN_GATE_UP_EXPS))
+    }
+
+    /// Names of the stacked expert gate and up tensors of layer `layer`: `[ffn_gate_exps,
+    /// ffn_up_exps]`, or `[ffn_gate_up_exps]` when fused.
+    pub fn expert_gate_up_names(&self, layer: usize) -> Vec<String> {
+        if self.gate_up_fused(layer) {
+            vec![names::blk(layer, blk::FFN_GATE_UP_EXPS)]
+        } else {
+            vec![
+                names::blk(layer, blk::FFN_GATE_EXPS),
+                names::blk(layer, blk::FFN_UP_EXPS),
+            ]
         }
-        let kt = self.tensor(&k_name)?;
-        let k_b = self.dequantize_rows(kt, 0..kt.info.n_rows())?;
-        let vt = self.tensor(&names::blk(layer, blk::ATTN_V_B))?;
-        let v_b = self.dequantize_rows(vt, 0..vt.info.n_rows())?;
-        Ok(Matrix {
-            rows: h * (nope + v),
-            cols: kv_lora,
-            data: assemble_kv_b(&k_b, &v_b, h, nope, v, kv_lora),
+    }
+
+    /// Expert `e`'s gate and up rows of layer `layer` (`[n_ff_exp, hidden]` each), from
+    /// `ffn_gate_exps`/`ffn_up_exps` or the fused `ffn_gate_up_exps` (`ne = [hidden,
+    /// 2*n_ff_exp, n_expert]`: per expert, its `n_ff_exp` gate rows then its `n_ff_exp` up rows,
+    /// as llama.cpp's `build_moe_ffn` splits it; the two slices are then rows of one tensor).
+    pub fn expert_gate_up_desc(
+        &self,
+        layer: usize,
+        e: usize,
+    ) -> Result<(WeightSlice<'m>, WeightSlice<'m>)> {
+        if !self.gate_up_fused(layer) {
+            return Ok((
+                self.expert_desc(&names::blk(layer, blk::FFN_GATE_EXPS), e)?,
+                self.expert_desc(&names::blk(layer, blk::FFN_UP_EXPS), e)?,
+            ));
+        }
+        let both = self.expert_desc(&names::blk(layer, blk::FFN_GATE_UP_EXPS), e)?;
+        let half = both.n_rows() / 2;
+        Ok((both.sub(0..half)?, both.sub(half..2 * half)?))
+    }
+
+    /// The whole embedding table `token_embd.weight` (`ne = [hidden, n_vocab]`, PyTorch
+    /// `[n_vocab, hidden]`: row `id` is token `id`'s embedding).
+    pub fn embedding_desc(&self) -> Result<WeightSlice<'m>> {
+        self.matrix_desc(names::TOKEN_EMBD)
+    }
+
+    /// The embedding rows of `ids`, one single-row slice per token (`[1, hidden]` each), in
+    /// token order. Ids outside the vocabulary are an error naming the token.
+    pub fn embedding_rows_desc(&self, ids: &[u32]) -> Result<Vec<WeightSlice<'m>>> {
+        let table = self.embedding_desc()?;
+        ids.iter()
+            .enumerate()
+            .map(|(i, &id)| {
+                if id as usize >= self.n_vocab {
+                    bail!(
+                        "model: token {i} has id {id}, outside the vocabulary 0..{} of {}",
+                        self.n_vocab,
+                        self.model.file_name()
+                    );
+                }
+                table.sub(id as usize..id as usize + 1)
+            })
+            .collect()
+    }
+
+    /// Whether layer `layer` holds kv_b only as the legacy unsplit `attn_kv_b` (no `attn_k_b`).
+    fn kv_b_legacy(&self, layer: usize) -> bool {
+        !self.has(&names::blk(layer, blk::ATTN_K_B)) && self.has(&names::blk(layer, blk::ATTN_KV_B))
+    }
+
+    /// Names of the kv_b tensors of layer `layer` that attention reads: `[attn_k_b, attn_v_b]`,
+    /// or `[attn_kv_b]` in a file without the split (see [`KvB`]).
+    pub fn kv_b_names(&self, layer: usize) -> Vec<String> {
+        if self.kv_b_legacy(layer) {
+            vec![names::blk(layer, blk::ATTN_KV_B)]
+        } else {
+            vec![
+                names::blk(layer, blk::ATTN_K_B),
+                names::blk(layer, blk::ATTN_V_B),
+            ]
+        }
+    }
+
+    /// The kv_b projection of layer `layer`: the split `attn_k_b`/`attn_v_b` (preferred when
+    /// present, spec 3.1), or the legacy unsplit `attn_kv_b`. Shapes and element order are
+    /// documented on [`KvB`]; both are checked against the hyperparameters.
+    pub fn kv_b_desc(&self, layer: usize) -> Result<KvB<'m>> {
+        if self.kv_b_legacy(layer) {
+            return Ok(KvB::Legacy(
+                self.matrix_desc(&names::blk(layer, blk::ATTN_KV_B))?,
+            ));
+        }
+        let hp = &self.hp;
+        Ok(KvB::Split {
+            k_b: self.tensor_desc(&names::blk(layer, blk::ATTN_K_B))?,
+            v_b: self.tensor_desc(&names::blk(layer, blk::ATTN_V_B))?,
+            heads: hp.n_head,
+            nope: hp.qk_nope,
+            v: hp.v_head,
+            kv_lora: hp.kv_lora_rank,
         })
     }
 }
@@ -592,35 +479,12 @@ fn check_dense_layers(model: &Model, hp: &HParams) -> Result<()> {
     Ok(())
 }
 
-/// Rebuilds HF `kv_b_proj` `[H*(nope+v), kv_lora]` from the converter's split tensors:
-/// `k_b` is PyTorch `[H, kv_lora, nope]` (`k_b[h][c][d]`), `v_b` is `[H, v, kv_lora]`.
-/// Per head h: rows `d < nope` are `k_b[h][:, d]` (transposed back), then the `v` rows of `v_b[h]`
-/// (spec 3.1: `cat([K.transpose(1,2), V], dim=1).reshape(H*(nope+v), kv_lora)`).
-pub fn assemble_kv_b(
-    k_b: &[f32],
-    v_b: &[f32],
-    h: usize,
-    nope: usize,
-    v: usize,
-    kv_lora: usize,
-) -> Vec<f32> {
-    let mut out = Vec::with_capacity(h * (nope + v) * kv_lora);
-    for head in 0..h {
-        let kh = &k_b[head * kv_lora * nope..(head + 1) * kv_lora * nope]; // [kv_lora, nope]
-        for d in 0..nope {
-            out.extend((0..kv_lora).map(|c| kh[c * nope + d]));
-        }
-        out.extend_from_slice(&v_b[head * v * kv_lora..(head + 1) * v * kv_lora]);
-        // [v, kv_lora]
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::model::testutil::{build_with, metadata, tensor_names, tiny_hparams};
     use crate::model::Arch;
+    use crate::quant::GgmlType;
     use std::collections::HashMap;
 
     #[test]
@@ -631,7 +495,7 @@ mod tests {
         let names = tensor_names(&hp);
         let model = build_with(&wrong, &metadata(&hp), &names, 32, &HashMap::new());
         let w = Weights::new(&model).unwrap();
-        let e = w.matrix("blk.0.attn_q_a.weight").unwrap_err();
+        let e = w.matrix_desc("blk.0.attn_q_a.weight").unwrap_err();
         let msg = format!("{e:#}");
         assert!(
             msg.contains("blk.0.attn_q_a.weight has ne=[16, 10]")
@@ -721,21 +585,6 @@ mod tests {
         );
     }
 
-    /// H=2, nope=2, v=1, kv_lora=3. HF kv_b rows (per head: K0, K1, V0), written by hand:
-    /// head 0: [1,2,3] [4,5,6] [7,8,9]; head 1: [10,11,12] [13,14,15] [16,17,18].
-    /// The converter's split: k_b[h] = K rows transposed ([kv_lora, nope]), v_b[h] = V rows.
-    #[test]
-    fn kv_b_split_and_reassembly_by_hand() {
-        let k_b = [
-            1., 4., 2., 5., 3., 6., // head 0: [[1,4],[2,5],[3,6]]
-            10., 13., 11., 14., 12., 15., // head 1
-        ];
-        let v_b = [7., 8., 9., 16., 17., 18.];
-        let kv = assemble_kv_b(&k_b, &v_b, 2, 2, 1, 3);
-        let want: Vec<f32> = (1..=18).map(|x| x as f32).collect();
-        assert_eq!(kv, want);
-    }
-
     /// Regression: expert and row-range errors did not name the file.
     #[test]
     fn expert_and_row_range_errors_name_the_file() {
@@ -744,12 +593,103 @@ mod tests {
         let w = Weights::new(&model).unwrap();
         let name = "blk.1.ffn_up_exps.weight";
         for e in [
-            w.expert(name, hp.n_expert).unwrap_err(),
-            w.expert_rows(name, hp.n_expert).err().unwrap(),
-            w.matrix_rows("blk.0.attn_q_a.weight", 0..1000).unwrap_err(),
+            w.expert_desc(name, hp.n_expert).unwrap_err(),
+            w.matrix_desc("blk.0.attn_q_a.weight")
+                .and_then(|m| m.sub(0..1000))
+                .unwrap_err(),
         ] {
             let msg = format!("{e:#}");
             assert!(msg.contains("tiny.gguf"), "{msg}");
+        }
+    }
+
+    /// Rows, columns and bytes of each kind of description on the tiny F32 model (hidden 16,
+    /// q_lora 12, H 2, nope 6, v 5, kv_lora 8, 4 experts of 8 rows), and their values equal the
+    /// tensor's own rows as the reader dequantizes them.
+    #[test]
+    fn descriptions_name_tensor_rows_and_bytes() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let model = build_with(&hp, &metadata(&hp), &tensor_names(&hp), 32, &HashMap::new());
+        let w = Weights::new(&model).unwrap();
+        let whole = |name: &str| model.dequantize_named(name).unwrap();
+
+        let q_a = w.matrix_desc("blk.0.attn_q_a.weight").unwrap();
+        assert_eq!(
+            (q_a.rows.clone(), q_a.cols, q_a.ty()),
+            (0..12, 16, GgmlType::F32)
+        );
+        assert_eq!(q_a.data().unwrap().len(), 12 * 16 * 4);
+        assert_eq!(q_a.dequantize().unwrap(), whole("blk.0.attn_q_a.weight"));
+
+        let up = w.expert_desc("blk.1.ffn_up_exps.weight", 2).unwrap();
+        assert_eq!((up.rows.clone(), up.cols), (16..24, 16));
+        let all = whole("blk.1.ffn_up_exps.weight");
+        assert_eq!(up.dequantize().unwrap(), &all[16 * 16..24 * 16]);
+        let (gate, up2) = w.expert_gate_up_desc(1, 2).unwrap();
+        assert_eq!(gate.name(), "blk.1.ffn_gate_exps.weight");
+        assert_eq!((gate.rows.clone(), up2.rows.clone()), (16..24, 16..24));
+
+        let norm = w.vector_desc("blk.0.attn_norm.weight").unwrap();
+        assert_eq!((norm.n_rows(), norm.cols), (1, 16));
+        assert!(w.vector_desc("blk.0.attn_q_a.weight").is_err());
+
+        let emb = w.embedding_rows_desc(&[3, 0]).unwrap();
+        let table = whole(names::TOKEN_EMBD);
+        assert_eq!(emb[0].rows, 3..4);
+        assert_eq!(emb[0].dequantize().unwrap(), &table[3 * 16..4 * 16]);
+        let msg = format!("{:#}", w.embedding_rows_desc(&[1, 32]).unwrap_err());
+        assert!(
+            msg.contains("token 1 has id 32, outside the vocabulary 0..32"),
+            "{msg}"
+        );
+
+        match w.kv_b_desc(0).unwrap() {
+            KvB::Split {
+                k_b,
+                v_b,
+                heads,
+                nope,
+                v,
+                kv_lora,
+            } => {
+                assert_eq!((heads, nope, v, kv_lora), (2, 6, 5, 8));
+                // k_b: [H, kv_lora, nope] = 16 rows of 6; v_b: [H, v, kv_lora] = 10 rows of 8.
+                assert_eq!((k_b.rows.clone(), k_b.cols), (0..16, 6));
+                assert_eq!((v_b.rows.clone(), v_b.cols), (0..10, 8));
+            }
+            KvB::Legacy(_) => panic!("the split pair is there"),
+        }
+    }
+
+    /// Fused `ffn_gate_up_exps` (`[hidden, 2*n_ff_exp, E]`): expert e's gate is rows
+    /// `2e*ff..(2e+1)*ff`, its up the next `ff`; legacy `attn_kv_b` is one `[H*(nope+v),
+    /// kv_lora]` matrix.
+    #[test]
+    fn fused_gate_up_and_legacy_kv_b_descriptions() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let split = [
+            blk::ATTN_K_B,
+            blk::ATTN_V_B,
+            blk::FFN_GATE_EXPS,
+            blk::FFN_UP_EXPS,
+        ];
+        let mut names: Vec<String> = tensor_names(&hp)
+            .into_iter()
+            .filter(|n| !names::split_blk(n).is_some_and(|(_, s)| split.contains(&s)))
+            .collect();
+        names.extend([
+            names::blk(0, blk::ATTN_KV_B),
+            names::blk(1, blk::ATTN_KV_B),
+            names::blk(1, blk::FFN_GATE_UP_EXPS),
+        ]);
+        let model = build_with(&hp, &metadata(&hp), &names, 32, &HashMap::new());
+        let w = Weights::new(&model).unwrap();
+        let (gate, up) = w.expert_gate_up_desc(1, 2).unwrap();
+        assert_eq!(gate.name(), "blk.1.ffn_gate_up_exps.weight");
+        assert_eq!((gate.rows.clone(), up.rows.clone()), (32..40, 40..48));
+        match w.kv_b_desc(1).unwrap() {
+            KvB::Legacy(kv_b) => assert_eq!((kv_b.rows.clone(), kv_b.cols), (0..22, 8)),
+            KvB::Split { .. } => panic!("the file has only attn_kv_b"),
         }
     }
 }

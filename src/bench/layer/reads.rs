@@ -7,10 +7,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 use super::{Floor, FLOOR_ACTIVATION, FLOOR_CHUNK_ELEMS};
-use crate::engine::cpu::math;
+use crate::engine::cpu::{math, Matrix};
 use crate::gguf::{Model, TensorRef};
 use crate::model::names::{self, blk};
-use crate::model::{Matrix, Weights};
+use crate::model::{steps, Weights};
 use crate::quant;
 
 /// One slice of weights a layer reads: rows of a tensor and how many tokens multiply them
@@ -35,9 +35,9 @@ impl Read<'_> {
     }
 }
 
-/// The slices layer `layer` reads with `t` tokens: every `blk.{layer}.*` tensor whole, except
-/// the stacked expert tensors, of which only the rows of the experts in `routed` (expert ->
-/// tokens routed to it).
+/// The slices layer `layer` reads with `t` tokens: every tensor its steps read
+/// ([`Step::weights`](crate::model::Step::weights)) whole, except the stacked expert tensors, of
+/// which only the rows of the experts in `routed` (expert -> tokens routed to it).
 pub(super) fn layer_reads<'m>(
     weights: &Weights<'m>,
     layer: usize,
@@ -45,13 +45,10 @@ pub(super) fn layer_reads<'m>(
     routed: &BTreeMap<usize, usize>,
 ) -> Result<Vec<Read<'m>>> {
     let mut out = Vec::new();
-    for tr in weights.model().tensors() {
-        let Some((l, suffix)) = names::split_blk(&tr.info.name) else {
-            continue;
-        };
-        if l != layer {
-            continue;
-        }
+    let steps = steps::layer_steps(weights.hparams(), layer);
+    for name in steps::weights_of(&steps, weights) {
+        let tr = weights.tensor(&name)?;
+        let suffix = names::split_blk(&name).map_or("", |(_, s)| s);
         let stacked = matches!(
             suffix,
             blk::FFN_GATE_EXPS | blk::FFN_UP_EXPS | blk::FFN_GATE_UP_EXPS | blk::FFN_DOWN_EXPS

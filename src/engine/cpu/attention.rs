@@ -39,8 +39,8 @@ impl CpuEngine<'_> {
         let mut q = self.linear_host(cq, &w(blk::INDEXER_Q_B))?; // [T, nI*dI]
         let mut k = self.linear_host(a, &w(blk::INDEXER_K))?; // [T, dI]
         let hw = self.linear_host(a, &w(blk::INDEXER_PROJ))?; // [T, nI]
-        let kn_w = self.weights.vector(&w(blk::INDEXER_K_NORM))?;
-        let kn_b = self.weights.vector(&w(blk::INDEXER_K_NORM_B))?;
+        let kn_w = self.host_vector(&w(blk::INDEXER_K_NORM))?;
+        let kn_b = self.host_vector(&w(blk::INDEXER_K_NORM_B))?;
         for row in k.chunks_exact_mut(di) {
             let normed = layer_norm(row, &kn_w, &kn_b, INDEXER_K_NORM_EPS);
             row.copy_from_slice(&normed);
@@ -151,8 +151,8 @@ impl CpuEngine<'_> {
         }
 
         // kv = c · kv_b^T: per head, nope K values then v V values. [T, H*(nope+v)]
-        let kv_b = self.weights.kv_b(layer)?;
-        let kv = matmul_counted(kv_norm.as_f32("kv_a_norm")?, t, &kv_b, self.weights.stats());
+        let kv_b = self.host_kv_b(layer)?;
+        let kv = matmul_counted(kv_norm.as_f32("kv_a_norm")?, t, &kv_b, self.stats);
         let kv_w = nope + v;
         let scale = rope::softmax_scale(hp);
 

@@ -13,8 +13,8 @@
 use anyhow::Result;
 use rayon::prelude::*;
 
-use crate::model::weights::{ThreadTimer, WeightStats};
-use crate::model::{Matrix, RowSource};
+use super::stats::{ThreadTimer, WeightStats};
+use super::weights::{Matrix, RowSource};
 
 /// Independent f64 accumulators of a dot product (lets the compiler use SIMD lanes).
 pub const LANES: usize = 8;

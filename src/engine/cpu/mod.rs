@@ -1,15 +1,21 @@
 //! The CPU reference engine: the living definition of every step.
 //!
 //! Clarity first: f32 storage, f64 accumulation in a fixed order ([`math`] documents the
-//! scheme), naive (non-absorbed) MLA. Speed comes from doing only the work needed: weights are
-//! dequantized on demand through [`Weights`] (embedding rows of the prompt, only the selected
-//! experts' slices; matrices a few rows at a time, used while in cache, so that `output.weight` of
-//! a 154880-token vocabulary never sits in memory as f32), and independent
-//! outputs run in parallel with rayon. Results are bit-identical for any thread count.
+//! scheme), naive (non-absorbed) MLA. Speed comes from doing only the work needed: the weight
+//! descriptions of [`Weights`] are dequantized on demand ([`weights`]: embedding rows of the
+//! prompt, only the selected experts' slices; matrices a few rows at a time, used while in cache,
+//! so that `output.weight` of a 154880-token vocabulary never sits in memory as f32), and
+//! independent outputs run in parallel with rayon. Results are bit-identical for any thread count.
+//!
+//! The engine keeps nothing between steps, so the layer hooks of [`Engine`] are no-ops here.
+//! Made with [`CpuEngine::with_stats`], it counts its dequantization and weight-matmul work in
+//! [`WeightStats`] ([`stats`]) for `glmdiff bench layer`; the values are the same either way.
 
 mod attention;
 pub mod math;
 mod moe;
+pub mod stats;
+pub mod weights;
 
 use std::ops::Range;
 
@@ -20,10 +26,14 @@ use crate::model::{rope, RopeSlice, Weights};
 
 pub use attention::causal_top_k;
 pub use moe::route_token;
+pub use stats::{ThreadTimer, WeightCounts, WeightStats};
+pub use weights::{assemble_kv_b, Matrix, RowSource};
 
 /// The CPU reference engine over one model's weights.
 pub struct CpuEngine<'w> {
     weights: &'w Weights<'w>,
+    /// Counters of dequantization and weight matmuls, when counting.
+    stats: Option<&'w WeightStats>,
     /// RoPE inverse frequencies `[rope/2]`.
     inv_freq: Vec<f64>,
     /// cos/sin factor (YaRN attention factor; 1 without scaling).
@@ -36,9 +46,24 @@ impl<'w> CpuEngine<'w> {
         let hp = weights.hparams();
         CpuEngine {
             weights,
+            stats: None,
             inv_freq: rope::inv_freq(&hp.rope),
             attn_factor: rope::attention_factor(&hp.rope),
         }
+    }
+
+    /// Like [`CpuEngine::new`], and every dequantization and weight matmul of the engine is
+    /// counted in `stats` (thread CPU time, bytes, values, multiply-adds).
+    pub fn with_stats(weights: &'w Weights<'w>, stats: &'w WeightStats) -> CpuEngine<'w> {
+        CpuEngine {
+            stats: Some(stats),
+            ..CpuEngine::new(weights)
+        }
+    }
+
+    /// The counters, when made with [`CpuEngine::with_stats`].
+    pub fn stats(&self) -> Option<&'w WeightStats> {
+        self.stats
     }
 
     /// `(cos, sin)` of every rotated pair at position `pos`, times the attention factor.
@@ -55,7 +80,7 @@ impl<'w> CpuEngine<'w> {
     /// `x · W^T` for the GGUF matrix `name`, dequantized on the fly. Returns `[T, out]` values.
     fn linear_host(&self, x: &HostTensor, name: &str) -> Result<Vec<f32>> {
         let (t, k) = x.dims2(name)?;
-        let src = self.weights.rows(name)?;
+        let src = self.row_source(self.weights.matrix_desc(name)?);
         if src.cols != k {
             bail!(
                 "engine: cpu: linear {name}: input has {k} columns, the weight [{}, {}] expects {}",
@@ -99,7 +124,7 @@ impl Engine for CpuEngine<'_> {
     }
 
     fn embed(&self, ids: &[u32]) -> Result<HostTensor> {
-        let m = self.weights.embedding_rows(ids)?;
+        let m = self.host_embedding(ids)?;
         HostTensor::f32(vec![m.rows, m.cols], m.data)
     }
 
@@ -115,7 +140,7 @@ impl Engine for CpuEngine<'_> {
         if cols.end > n || cols.is_empty() {
             bail!("engine: cpu: rms_norm {weight}: columns {cols:?} of a [{t}, {n}] input");
         }
-        let w = self.weights.vector(weight)?;
+        let w = self.host_vector(weight)?;
         if w.len() != cols.len() {
             bail!(
                 "engine: cpu: rms_norm {weight}: weight has {} values for {} columns",

@@ -82,7 +82,7 @@ impl CpuEngine<'_> {
         }
         let bias_name = names::blk(layer, blk::EXP_PROBS_B);
         let bias = if self.weights.has(&bias_name) {
-            Some(self.weights.vector(&bias_name)?)
+            Some(self.host_vector(&bias_name)?)
         } else {
             None
         };
@@ -160,11 +160,11 @@ impl CpuEngine<'_> {
                 .iter()
                 .flat_map(|&(tok, _)| xv[tok * hidden..(tok + 1) * hidden].iter().copied())
                 .collect(); // [n, hidden]
-            let (gate, up) = self.weights.expert_gate_up_rows(layer, e)?;
-            let g = matmul_rows(&xs, n, &gate)?; // [n, n_ff_exp]
-            let u = matmul_rows(&xs, n, &up)?;
+            let (gate, up) = self.weights.expert_gate_up_desc(layer, e)?;
+            let g = matmul_rows(&xs, n, &self.row_source(gate))?; // [n, n_ff_exp]
+            let u = matmul_rows(&xs, n, &self.row_source(up))?;
             let act = swiglu(&g, &u);
-            let down = self.weights.expert_rows(&down_name, e)?;
+            let down = self.row_source(self.weights.expert_desc(&down_name, e)?);
             let y = matmul_rows(&act, n, &down)?; // [n, hidden]
             for (i, &(tok, w)) in toks.iter().enumerate() {
                 let w = f64::from(w);

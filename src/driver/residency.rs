@@ -1,0 +1,370 @@
+//! The weight residency hooks of one engine's walk of a plan (see the [`super`] documentation):
+//! which of [`Engine::begin_model`], [`Engine::begin_layer`], [`Engine::end_layer`] and
+//! [`Engine::end_model`] are due before a step and at the end.
+
+use anyhow::{Context, Result};
+
+use super::Plan;
+use crate::engine::Engine;
+use crate::model::Step;
+
+/// Where one engine's walk of a plan stands in the weight hooks of [`Engine`]: whether the model
+/// is begun, and which layer.
+#[derive(Debug, Default)]
+pub(crate) struct Residency {
+    model: bool,
+    layer: Option<usize>,
+}
+
+impl Residency {
+    /// Readies `engine` for `step`: begins the model before the walk's first step, and when the
+    /// step's layer differs from the one begun, ends that one and begins the step's.
+    pub(crate) fn enter<E: Engine>(&mut self, engine: &E, plan: &Plan, step: &Step) -> Result<()> {
+        if !self.model {
+            engine
+                .begin_model(&plan.global_weights)
+                .context("driver: begin_model")?;
+            self.model = true;
+        }
+        if step.layer != self.layer {
+            if let Some(l) = self.layer.take() {
+                engine
+                    .end_layer(l)
+                    .with_context(|| format!("driver: end_layer {l}"))?;
+            }
+            if let Some(l) = step.layer {
+                engine
+                    .begin_layer(l, plan.weights_of_layer(l))
+                    .with_context(|| format!("driver: begin_layer {l}"))?;
+                self.layer = Some(l);
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends the layer begun, then the model (nothing when the walk ran no step).
+    pub(crate) fn finish<E: Engine>(&mut self, engine: &E) -> Result<()> {
+        if let Some(l) = self.layer.take() {
+            engine
+                .end_layer(l)
+                .with_context(|| format!("driver: end_layer {l}"))?;
+        }
+        if std::mem::take(&mut self.model) {
+            engine.end_model().context("driver: end_model")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+    use std::ops::Range;
+
+    use anyhow::bail;
+
+    use super::super::{pair, prefix_values, run, run_from, NoProgress};
+    use super::*;
+    use crate::engine::cpu::CpuEngine;
+    use crate::engine::{ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
+    use crate::model::names::{self, blk};
+    use crate::model::testutil::{tensor_names, tiny_hparams, tiny_model};
+    use crate::model::{Arch, RopeSlice, Weights};
+    use crate::trace::{HookFilter, Mode, Pair, PairSink, TraceSink};
+
+    const TOKENS: [u32; 5] = [3, 1, 4, 1, 5];
+
+    /// The CPU engine, recording the weight hooks the driver calls and checking that every
+    /// weight a method reads was announced: by `begin_model`, or by `begin_layer` of the layer
+    /// begun (which must be the method's own layer).
+    struct Recording<'w> {
+        cpu: CpuEngine<'w>,
+        weights: &'w Weights<'w>,
+        events: RefCell<Vec<String>>,
+        global: RefCell<Option<Vec<String>>>,
+        layer: RefCell<Option<(usize, Vec<String>)>>,
+    }
+
+    impl<'w> Recording<'w> {
+        fn new(weights: &'w Weights<'w>) -> Recording<'w> {
+            Recording {
+                cpu: CpuEngine::new(weights),
+                weights,
+                events: Default::default(),
+                global: Default::default(),
+                layer: Default::default(),
+            }
+        }
+
+        fn events(&self) -> Vec<String> {
+            self.events.borrow().clone()
+        }
+
+        fn uses(&self, name: &str) -> Result<()> {
+            let global = self.global.borrow();
+            let layer = self.layer.borrow();
+            let announced = global.as_ref().is_some_and(|g| g.iter().any(|n| n == name))
+                || layer
+                    .as_ref()
+                    .is_some_and(|(_, ws)| ws.iter().any(|n| n == name));
+            if !announced {
+                bail!("{name} read without being announced (layer begun: {layer:?})");
+            }
+            Ok(())
+        }
+
+        fn in_layer(&self, layer: usize, names: &[String]) -> Result<()> {
+            let begun = self.layer.borrow().as_ref().map(|(l, _)| *l);
+            if begun != Some(layer) {
+                bail!("a step of layer {layer} ran while layer {begun:?} was begun");
+            }
+            names.iter().try_for_each(|n| self.uses(n))
+        }
+    }
+
+    impl Engine for Recording<'_> {
+        type Tensor = HostTensor;
+        fn describe(&self) -> String {
+            self.cpu.describe()
+        }
+        fn dtype(&self) -> String {
+            self.cpu.dtype()
+        }
+        fn begin_model(&self, weights: &[String]) -> Result<()> {
+            if self.global.borrow().is_some() {
+                bail!("begin_model twice");
+            }
+            *self.global.borrow_mut() = Some(weights.to_vec());
+            self.events
+                .borrow_mut()
+                .push(format!("begin_model {}", weights.join(" ")));
+            Ok(())
+        }
+        fn end_model(&self) -> Result<()> {
+            if self.layer.borrow().is_some() || self.global.borrow_mut().take().is_none() {
+                bail!("end_model with a layer begun or no model");
+            }
+            self.events.borrow_mut().push("end_model".into());
+            Ok(())
+        }
+        fn begin_layer(&self, layer: usize, weights: &[String]) -> Result<()> {
+            if self.global.borrow().is_none() || self.layer.borrow().is_some() {
+                bail!("begin_layer {layer} outside the model or inside another layer");
+            }
+            *self.layer.borrow_mut() = Some((layer, weights.to_vec()));
+            self.events
+                .borrow_mut()
+                .push(format!("begin_layer {layer}"));
+            Ok(())
+        }
+        fn end_layer(&self, layer: usize) -> Result<()> {
+            match self.layer.borrow_mut().take() {
+                Some((l, _)) if l == layer => {}
+                other => bail!("end_layer {layer} while {other:?} was begun"),
+            }
+            self.events.borrow_mut().push(format!("end_layer {layer}"));
+            Ok(())
+        }
+        fn upload(&self, t: &HostTensor) -> Result<HostTensor> {
+            self.cpu.upload(t)
+        }
+        fn download(&self, t: &HostTensor) -> Result<HostTensor> {
+            self.cpu.download(t)
+        }
+        fn embed(&self, ids: &[u32]) -> Result<HostTensor> {
+            self.uses(names::TOKEN_EMBD)?;
+            self.cpu.embed(ids)
+        }
+        fn rms_norm(
+            &self,
+            x: &HostTensor,
+            weight: &str,
+            eps: f64,
+            cols: Option<Range<usize>>,
+        ) -> Result<HostTensor> {
+            self.uses(weight)?;
+            self.cpu.rms_norm(x, weight, eps, cols)
+        }
+        fn linear(&self, x: &HostTensor, weight: &str) -> Result<HostTensor> {
+            self.uses(weight)?;
+            self.cpu.linear(x, weight)
+        }
+        fn rope(&self, x: &HostTensor, s: &RopeSlice) -> Result<HostTensor> {
+            self.cpu.rope(x, s)
+        }
+        fn indexer_scores(
+            &self,
+            layer: usize,
+            a: &HostTensor,
+            cq: &HostTensor,
+        ) -> Result<HostTensor> {
+            let w = |s: &str| names::blk(layer, s);
+            let ix = [
+                blk::INDEXER_Q_B,
+                blk::INDEXER_K,
+                blk::INDEXER_PROJ,
+                blk::INDEXER_K_NORM,
+                blk::INDEXER_K_NORM_B,
+            ];
+            self.in_layer(layer, &ix.map(w))?;
+            self.cpu.indexer_scores(layer, a, cq)
+        }
+        fn top_k(&self, scores: &HostTensor, k: usize) -> Result<HostTensor> {
+            self.cpu.top_k(scores, k)
+        }
+        fn mla_attention(
+            &self,
+            layer: usize,
+            x: MlaInputs<'_, HostTensor>,
+            want_probs: bool,
+        ) -> Result<(HostTensor, Option<HostTensor>)> {
+            self.in_layer(layer, &self.weights.kv_b_names(layer))?;
+            self.cpu.mla_attention(layer, x, want_probs)
+        }
+        fn moe_route(&self, layer: usize, logits: &HostTensor) -> Result<Routing<HostTensor>> {
+            self.in_layer(layer, &[names::blk(layer, blk::EXP_PROBS_B)])?;
+            self.cpu.moe_route(layer, logits)
+        }
+        fn moe_experts(
+            &self,
+            layer: usize,
+            x: ExpertInputs<'_, HostTensor>,
+            want_expert: &dyn Fn(usize) -> bool,
+        ) -> Result<ExpertsOut<HostTensor>> {
+            let mut ws = self.weights.expert_gate_up_names(layer);
+            ws.push(names::blk(layer, blk::FFN_DOWN_EXPS));
+            self.in_layer(layer, &ws)?;
+            self.cpu.moe_experts(layer, x, want_expert)
+        }
+        fn mlp(&self, x: &HostTensor, gate: &str, up: &str, down: &str) -> Result<HostTensor> {
+            [gate, up, down].iter().try_for_each(|n| self.uses(n))?;
+            self.cpu.mlp(x, gate, up, down)
+        }
+        fn swiglu(&self, a: &HostTensor, b: &HostTensor) -> Result<HostTensor> {
+            self.cpu.swiglu(a, b)
+        }
+        fn add(&self, a: &HostTensor, b: &HostTensor) -> Result<HostTensor> {
+            self.cpu.add(a, b)
+        }
+    }
+
+    /// A pair sink that wants the hooks of `filter` and counts what it gets.
+    struct CountPairs(HookFilter, usize);
+
+    impl PairSink for CountPairs {
+        fn wants(&self, name: &str) -> bool {
+            self.0.wants(name)
+        }
+        fn record(&mut self, _: Pair<'_>) -> Result<()> {
+            self.1 += 1;
+            Ok(())
+        }
+        fn missing(&mut self, name: &str, mode: Mode, why: &str) {
+            panic!("{name} missing in {mode:?}: {why}");
+        }
+    }
+
+    /// The weight hooks in order, around every layer, for a chained run, a reference prefix and
+    /// both pair modes (a replay-only candidate begins only the layers it replays); the names
+    /// handed over are every tensor of the layer, and every weight a step reads was announced
+    /// first (checked by the recording engine, which fails the run otherwise).
+    #[test]
+    fn driver_announces_each_layers_weights_in_order() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let model = tiny_model(&hp);
+        let w = Weights::new(&model).unwrap();
+        let full = [
+            "begin_model token_embd.weight output_norm.weight output.weight",
+            "begin_layer 0",
+            "end_layer 0",
+            "begin_layer 1",
+            "end_layer 1",
+            "end_model",
+        ];
+
+        let engine = Recording::new(&w);
+        let plan = Plan::full(&w).unwrap();
+        let mut sink = TraceSink::new(HookFilter::default());
+        run(&engine, &w, &TOKENS, &plan, &mut sink).unwrap();
+        assert_eq!(engine.events(), full);
+        for l in 0..hp.n_layer {
+            let mut got = plan.weights_of_layer(l).to_vec();
+            let mut want: Vec<String> = tensor_names(&hp)
+                .into_iter()
+                .filter(|n| names::split_blk(n).is_some_and(|(nl, _)| nl == l))
+                .collect();
+            got.sort();
+            want.sort();
+            assert_eq!(got, want, "layer {l}");
+        }
+
+        // Layers 1..2 from the reference's prefix 0..1.
+        let engine = Recording::new(&w);
+        let next = Plan::range(&w, 1..2, true).unwrap();
+        let start = prefix_values(&engine, &w, &TOKENS, &next, &NoProgress).unwrap();
+        assert_eq!(
+            engine.events(),
+            [
+                "begin_model token_embd.weight",
+                "begin_layer 0",
+                "end_layer 0",
+                "end_model"
+            ]
+        );
+
+        for (modes, hooks, cand_events) in [
+            (pair::Modes::BOTH, vec![], full.to_vec()),
+            (
+                pair::Modes {
+                    replay: true,
+                    chained: false,
+                },
+                vec!["blk.1.attn_out".to_string()],
+                vec![
+                    "begin_model token_embd.weight output_norm.weight output.weight",
+                    "begin_layer 1",
+                    "end_layer 1",
+                    "end_model",
+                ],
+            ),
+        ] {
+            let (reference, candidate) = (Recording::new(&w), Recording::new(&w));
+            let mut sink = CountPairs(
+                HookFilter {
+                    layers: None,
+                    globs: hooks,
+                },
+                0,
+            );
+            pair::run_pair(
+                &reference,
+                pair::Candidate::Engine(&candidate),
+                &w,
+                &TOKENS,
+                &plan,
+                &[],
+                modes,
+                &mut sink,
+                &NoProgress,
+            )
+            .unwrap();
+            assert!(sink.1 > 0);
+            assert_eq!(reference.events(), full);
+            assert_eq!(candidate.events(), cand_events, "{modes:?}");
+        }
+
+        // A plan of the last layer and the tail, started from the prefix's values.
+        let engine = Recording::new(&w);
+        let mut sink = TraceSink::new(HookFilter::default());
+        run_from(&engine, &w, &TOKENS, &next, &start, &mut sink, &NoProgress).unwrap();
+        assert_eq!(
+            engine.events(),
+            [
+                "begin_model output_norm.weight output.weight",
+                "begin_layer 1",
+                "end_layer 1",
+                "end_model"
+            ]
+        );
+    }
+}

@@ -1,0 +1,215 @@
+//! The CPU realisation of the weight descriptions of [`crate::model::weights`]: host f32,
+//! dequantized on demand and only as far as a step needs (the embedding rows of the prompt, one
+//! expert's slice, a matrix a few rows at a time), with kv_b reassembled into HF `kv_b_proj`
+//! layout. When the engine counts ([`CpuEngine::with_stats`]), every dequantization runs in
+//! tasks of at most [`COUNTED_TASK_ELEMS`] values, each timed on its thread; the values are the
+//! same either way (every block dequantizes independently).
+
+use std::ops::Range;
+
+use anyhow::{bail, Context, Result};
+use rayon::prelude::*;
+
+use super::stats::{ThreadTimer, WeightStats};
+use super::CpuEngine;
+use crate::model::{KvB, WeightSlice};
+use crate::quant;
+
+/// Values per parallel task when a whole slice is dequantized while counting (the same work
+/// split as `quant::dequantize_par`, each task timed on its thread).
+pub const COUNTED_TASK_ELEMS: usize = 1 << 16;
+
+/// A dense f32 matrix, row-major: `data[r * cols + c]`, PyTorch shape `[rows, cols]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Matrix {
+    /// Number of rows (output features of a linear layer).
+    pub rows: usize,
+    /// Number of columns (input features; GGUF `ne[0]`).
+    pub cols: usize,
+    /// `rows * cols` values.
+    pub data: Vec<f32>,
+}
+
+impl Matrix {
+    /// Row `r`.
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+}
+
+/// A [`WeightSlice`] that dequantizes any sub-range of its rows into a caller's buffer, on the
+/// calling thread, counting the work in `stats` when given. The values equal those of
+/// [`WeightSlice::dequantize`].
+#[derive(Clone)]
+pub struct RowSource<'m> {
+    slice: WeightSlice<'m>,
+    stats: Option<&'m WeightStats>,
+    /// Rows of this source.
+    pub rows: usize,
+    /// Values per row (`ne[0]`).
+    pub cols: usize,
+}
+
+impl<'m> RowSource<'m> {
+    /// Rows of `slice`, counted in `stats` when given.
+    pub fn new(slice: WeightSlice<'m>, stats: Option<&'m WeightStats>) -> RowSource<'m> {
+        RowSource {
+            rows: slice.n_rows(),
+            cols: slice.cols,
+            slice,
+            stats,
+        }
+    }
+
+    /// The tensor's GGUF name.
+    pub fn name(&self) -> &str {
+        self.slice.name()
+    }
+
+    /// The counters this source reports to, if any.
+    pub fn stats(&self) -> Option<&'m WeightStats> {
+        self.stats
+    }
+
+    /// Dequantizes rows `rows` (relative to this source) into `dst` (`rows.len() * cols` values),
+    /// on the calling thread.
+    pub fn dequantize_into(&self, rows: Range<usize>, dst: &mut [f32]) -> Result<()> {
+        let model = self.slice.model();
+        if rows.start > rows.end || rows.end > self.rows || dst.len() != rows.len() * self.cols {
+            bail!(
+                "model: {}: tensor {}: rows {rows:?} of {} into {} values",
+                model.path().display(),
+                self.name(),
+                self.rows,
+                dst.len()
+            );
+        }
+        let bytes = self.slice.sub(rows)?.data()?;
+        let timer = self.stats.map(|_| ThreadTimer::start());
+        quant::dequantize(self.slice.ty(), bytes, dst).with_context(|| {
+            format!("model: {}: tensor {}", model.path().display(), self.name())
+        })?;
+        if let (Some(s), Some(timer)) = (self.stats, timer) {
+            s.add_dequant(&timer, bytes.len(), dst.len());
+        }
+        Ok(())
+    }
+}
+
+/// Rebuilds HF `kv_b_proj` `[H*(nope+v), kv_lora]` from the converter's split tensors:
+/// `k_b` is PyTorch `[H, kv_lora, nope]` (`k_b[h][c][d]`), `v_b` is `[H, v, kv_lora]`.
+/// Per head h: rows `d < nope` are `k_b[h][:, d]` (transposed back), then the `v` rows of `v_b[h]`
+/// (spec 3.1: `cat([K.transpose(1,2), V], dim=1).reshape(H*(nope+v), kv_lora)`).
+pub fn assemble_kv_b(
+    k_b: &[f32],
+    v_b: &[f32],
+    h: usize,
+    nope: usize,
+    v: usize,
+    kv_lora: usize,
+) -> Vec<f32> {
+    let mut out = Vec::with_capacity(h * (nope + v) * kv_lora);
+    for head in 0..h {
+        let kh = &k_b[head * kv_lora * nope..(head + 1) * kv_lora * nope]; // [kv_lora, nope]
+        for d in 0..nope {
+            out.extend((0..kv_lora).map(|c| kh[c * nope + d]));
+        }
+        out.extend_from_slice(&v_b[head * v * kv_lora..(head + 1) * v * kv_lora]);
+        // [v, kv_lora]
+    }
+    out
+}
+
+impl<'w> CpuEngine<'w> {
+    /// `slice` as a row source counted in this engine's counters.
+    pub(super) fn row_source(&self, slice: WeightSlice<'w>) -> RowSource<'w> {
+        RowSource::new(slice, self.stats)
+    }
+
+    /// The whole of `slice` to f32, `[n_rows, cols]`. Uncounted: [`WeightSlice::dequantize`];
+    /// counted: the same blocks in parallel tasks of [`COUNTED_TASK_ELEMS`] values, each timed.
+    pub(super) fn dequantize(&self, slice: &WeightSlice<'w>) -> Result<Vec<f32>> {
+        if self.stats.is_none() {
+            return slice.dequantize();
+        }
+        let src = self.row_source(slice.clone());
+        let cols = src.cols.max(1);
+        let per_task = (COUNTED_TASK_ELEMS / cols).max(1);
+        let mut out = vec![0f32; src.rows * src.cols]; // [rows, cols]
+        out.par_chunks_mut(per_task * cols)
+            .enumerate()
+            .try_for_each(|(i, d)| {
+                let r0 = i * per_task;
+                src.dequantize_into(r0..r0 + d.len() / cols, d)
+            })?;
+        Ok(out)
+    }
+
+    /// The 1-D tensor `name` (norm weight, bias) in f32.
+    pub(super) fn host_vector(&self, name: &str) -> Result<Vec<f32>> {
+        self.dequantize(&self.weights.vector_desc(name)?)
+    }
+
+    /// Embedding rows of `ids`: `[ids.len(), hidden]`. Ids out of range are an error.
+    pub(super) fn host_embedding(&self, ids: &[u32]) -> Result<Matrix> {
+        let hidden = self.weights.hparams().hidden;
+        let mut data = Vec::with_capacity(ids.len() * hidden);
+        for row in self.weights.embedding_rows_desc(ids)? {
+            data.extend(self.dequantize(&row)?);
+        }
+        Ok(Matrix {
+            rows: ids.len(),
+            cols: hidden,
+            data,
+        })
+    }
+
+    /// The kv_b projection of layer `layer` in HF `kv_b_proj` layout, `[H*(nope+v), kv_lora]`:
+    /// rows per head, `nope` K rows then `v` V rows; reassembled from `attn_k_b`/`attn_v_b`
+    /// ([`assemble_kv_b`]) or read from the legacy unsplit `attn_kv_b`.
+    pub(super) fn host_kv_b(&self, layer: usize) -> Result<Matrix> {
+        match self.weights.kv_b_desc(layer)? {
+            KvB::Legacy(kv_b) => Ok(Matrix {
+                rows: kv_b.n_rows(),
+                cols: kv_b.cols,
+                data: self.dequantize(&kv_b)?,
+            }),
+            KvB::Split {
+                k_b,
+                v_b,
+                heads,
+                nope,
+                v,
+                kv_lora,
+            } => {
+                let k = self.dequantize(&k_b)?; // [H, kv_lora, nope]
+                let vv = self.dequantize(&v_b)?; // [H, v, kv_lora]
+                Ok(Matrix {
+                    rows: heads * (nope + v),
+                    cols: kv_lora,
+                    data: assemble_kv_b(&k, &vv, heads, nope, v, kv_lora),
+                })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// H=2, nope=2, v=1, kv_lora=3. HF kv_b rows (per head: K0, K1, V0), written by hand:
+    /// head 0: [1,2,3] [4,5,6] [7,8,9]; head 1: [10,11,12] [13,14,15] [16,17,18].
+    /// The converter's split: k_b[h] = K rows transposed ([kv_lora, nope]), v_b[h] = V rows.
+    #[test]
+    fn kv_b_split_and_reassembly_by_hand() {
+        let k_b = [
+            1., 4., 2., 5., 3., 6., // head 0: [[1,4],[2,5],[3,6]]
+            10., 13., 11., 14., 12., 15., // head 1
+        ];
+        let v_b = [7., 8., 9., 16., 17., 18.];
+        let kv = assemble_kv_b(&k_b, &v_b, 2, 2, 1, 3);
+        let want: Vec<f32> = (1..=18).map(|x| x as f32).collect();
+        assert_eq!(kv, want);
+    }
+}
