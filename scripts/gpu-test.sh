@@ -83,6 +83,9 @@ run() {
             local r=$?
             summary+=("compute-sanitizer $tool: exit $r, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs/sanitizer-$tool.txt" | tail -n 1)")
         done
+        # The forward kernels and cuBLAS calls of the CUDA engine, on the quantized GLM-5 fixture.
+        "$cs" --tool memcheck --error-exitcode 9 "$bin" run fixtures/models/glm5-tiny-q/glm5-tiny-q-mixed.gguf --prompt "The capital of France is" --against cuda --no-cache > "$logs/sanitizer-forward.txt" 2>&1
+        summary+=("compute-sanitizer memcheck, run --against cuda: exit $?, $(grep -E 'ERROR SUMMARY' "$logs/sanitizer-forward.txt" | tail -n 1)")
         # Sources at every byte offset, tails and partial first/last words.
         "$cs" --tool memcheck --error-exitcode 9 .gpu/tests gpu_dequant_at_every_offset --include-ignored --test-threads=1 > "$logs/sanitizer-offsets.txt" 2>&1
         summary+=("compute-sanitizer memcheck, every offset: exit $?, $(grep -E 'ERROR SUMMARY' "$logs/sanitizer-offsets.txt" | tail -n 1)")

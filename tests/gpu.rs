@@ -21,6 +21,45 @@ fn glmdiff(args: &[&str]) -> std::process::Output {
         .expect("run glmdiff")
 }
 
+/// Without a CUDA device `run --against cuda` is a clear error (exit 2); with one, it is the
+/// GPU test below.
+#[test]
+fn run_against_cuda_without_a_gpu_says_so() {
+    #[cfg(feature = "cuda")]
+    let has_cuda = glmdiff::cuda::DeviceInfo::list().is_ok_and(|d| !d.is_empty());
+    #[cfg(not(feature = "cuda"))]
+    let has_cuda = false;
+    if has_cuda {
+        eprintln!("skipped: a CUDA device is present (gpu_run_against_cuda covers it)");
+        return;
+    }
+    let f = fixtures("models/glm5-tiny/glm5-tiny-f32.gguf");
+    let o = glmdiff(&[
+        "run",
+        f.to_str().unwrap(),
+        "--tokens",
+        "1,2,3",
+        "--against",
+        "cuda",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--against cuda") && err.contains("cuda"),
+        "{err}"
+    );
+    let o = glmdiff(&[
+        "run",
+        f.to_str().unwrap(),
+        "--tokens",
+        "1,2,3",
+        "--against",
+        "cuda:x",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("cuda:N"));
+}
+
 /// Without CUDA (CI, developers' machines) `dequant-check` is a clear error, exit 2; with it, the
 /// fixtures check clean (exit 0).
 #[test]
@@ -276,6 +315,49 @@ mod device {
         );
         assert_eq!(g.compare_f32(&d1, &d2).unwrap().mismatches, 0);
         assert_eq!(g.hash_f32(&d1, 0).unwrap(), g.hash_f32(&d2, 0).unwrap());
+    }
+
+    /// `run --against cuda` on every fixture model, both modes, every hook (per-expert and
+    /// attention-probability points too): the CUDA engine (absorbed MLA, cuBLAS SGEMM on weights
+    /// dequantized per step) within the f32 floors of the CPU reference at every step, exit 0.
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_run_against_cuda() {
+        let models = [
+            "models/glm5-tiny/glm5-tiny-f32.gguf",
+            "models/glm5-tiny/glm5-tiny-f16.gguf",
+            "models/glm5-tiny-q/glm5-tiny-q-mixed.gguf",
+            "models/dsv3-tiny/dsv3-tiny-f32.gguf",
+            "models/dsv3-tiny/dsv3-tiny-f16.gguf",
+            "models/dsv3-tiny-q/dsv3-tiny-q-mixed.gguf",
+        ];
+        let mut failed = Vec::new();
+        for m in models {
+            let f = fixtures(m);
+            for extra in [&[][..], &["--all-steps", "--layer", "1"][..]] {
+                let mut args = vec![
+                    "run",
+                    f.to_str().unwrap(),
+                    "--prompt",
+                    "The capital of France is Paris, and the capital of Italy is",
+                    "--against",
+                    "cuda",
+                    "--no-cache",
+                ];
+                args.extend_from_slice(extra);
+                let o = glmdiff(&args);
+                let out = String::from_utf8_lossy(&o.stdout).into_owned();
+                eprintln!(
+                    "== {m} {extra:?}: exit {:?}\n{out}{}",
+                    o.status.code(),
+                    String::from_utf8_lossy(&o.stderr)
+                );
+                if o.status.code() != Some(0) {
+                    failed.push(format!("{m} {extra:?}"));
+                }
+            }
+        }
+        assert!(failed.is_empty(), "run --against cuda failed on {failed:?}");
     }
 
     /// A bad device ordinal lists the devices; the CLI checks the fixtures clean.

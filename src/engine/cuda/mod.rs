@@ -181,11 +181,10 @@ impl<'w> CudaEngine<'w> {
         if let Some(r) = self.raw.borrow().get(name) {
             return Ok(r.clone());
         }
-        let t = self.weights.tensor(name)?;
         let bytes = self
             .weights
-            .model()
-            .row_data(t, 0..t.info.n_rows())
+            .tensor_desc(name)?
+            .data()
             .with_context(|| format!("engine: cuda: reading {name}"))?;
         let d = Rc::new(self.gpu.alloc_copy(bytes, name)?);
         self.raw.borrow_mut().insert(name.to_string(), d.clone());
@@ -216,7 +215,7 @@ impl<'w> CudaEngine<'w> {
         if let Some(v) = self.vectors.borrow().get(name) {
             return Ok(v.clone());
         }
-        let host = self.weights.vector(name)?;
+        let host = self.weights.vector_desc(name)?.dequantize()?;
         let d = Rc::new(self.gpu.alloc_copy(&host, name)?);
         self.vectors
             .borrow_mut()
@@ -997,6 +996,13 @@ impl Engine for CudaEngine<'_> {
             &nn
         );
         Ok(self.tensor_f32(a.shape.clone(), y))
+    }
+
+    /// A layer's quantized weights are uploaded as its steps first read them and freed when
+    /// the layer ends, so the device holds one layer (plus the embedding and output) at a time.
+    fn end_layer(&self, layer: usize) -> Result<()> {
+        self.forget(&format!("blk.{layer}."));
+        Ok(())
     }
 
     fn zeros_like(&self, x: &GpuTensor) -> Result<GpuTensor> {
