@@ -259,13 +259,12 @@ __device__ __forceinline__ void dq8_iq1_s(const u8* b, u32 j, float v[8]) {
 
 __device__ __forceinline__ void dq8_iq1_m(const u8* b, u32 j, float v[8]) {
     const u32 s = j >> 5, q = (j >> 2) & 3u, up = q & 1u;
-    // sc[0], sc[1] = the halves of x0; sc[2], sc[3] those of x1.
-    const u32 x0 = ld4_a4(b + 48), x1 = ld4_a4(b + 52);
-    const u16 d_bits = (u16)(((x0 >> 12) & 0x000Fu) | ((x0 >> 24) & 0x00F0u) |
-                             ((x1 >> 4) & 0x0F00u) | ((x1 >> 16) & 0xF000u));
+    const u32 sc0 = *(const u16*)(b + 48), sc1 = *(const u16*)(b + 50),
+              sc2 = *(const u16*)(b + 52), sc3 = *(const u16*)(b + 54);
+    const u16 d_bits =
+        (u16)((sc0 >> 12) | ((sc1 >> 8) & 0x00F0u) | ((sc2 >> 4) & 0x0F00u) | (sc3 & 0xF000u));
     const float d = cvt_f16(d_bits);  // the hardware conversion here, dq_iq1_m the integer one
-    const u32 word = s < 4 ? x0 : x1;
-    const u32 s16 = (((s >> 1) & 1u) ? (word >> 16) : (word & 0xFFFFu)) >> (6 * (s % 2));
+    const u32 s16 = (u32) * (const u16*)(b + 48 + 2 * (s / 2)) >> (6 * (s % 2));
     _Pragma("unroll") for (u32 t = 0; t < 2; t++) {
         const u32 grp = 2 * t + (q >> 1);
         const float dl = t == 0 ? d * (float)(2u * (s16 & 7u) + 1u)
