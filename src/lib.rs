@@ -14,9 +14,9 @@
 //! 5. [`model`]: hyperparameters, metadata keys, tensor names, weight descriptions (tensor,
 //!    row range, raw bytes; kv_b split or legacy) that engines realise, the ordered steps and
 //!    the GGUF tensors each reads, and the facts `inspect` shows; uses `gguf`, `quant`, `util`.
-//! 6. [`engine`]: the `Engine` trait (steps and weight residency hooks) and the CPU reference,
-//!    which dequantizes the descriptions and counts its own work for `bench`; uses `model`,
-//!    `quant`, `tensor`, `util`.
+//! 6. [`engine`]: the `Engine` trait (steps and weight residency hooks), the CPU reference,
+//!    which dequantizes the descriptions and counts its own work for `bench`, and (feature
+//!    `cuda`) the CUDA engine; uses `model`, `quant`, `tensor`, `util`, and `cuda` for the GPU.
 //! 7. [`trace`]: sinks (one tensor, or reference/candidate pairs), hook selection, trace files,
 //!    the reference cache; uses `model`, `gguf`, `tensor`, `util`.
 //! 8. [`cuda`]: devices, NVRTC, the dequant and comparison kernels, `dequant-check`; uses
