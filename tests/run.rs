@@ -602,8 +602,10 @@ fn json_contract_plot_and_errors() {
     assert!(svg_text.starts_with("<svg") && svg_text.contains("replay"));
 
     for (args, needle) in [
-        (vec!["run", g, "--against", "cuda"], "no CUDA engine"),
-        (vec!["run", g, "--against", "cuda:1"], "no CUDA engine"),
+        (
+            vec!["run", g, "--tokens", "1", "--against", "cuda:x"],
+            "cuda:N with N a device index",
+        ),
         (
             vec!["run", g, "--against", "gpu"],
             "expected auto, cpu, cuda[:N] or trace:FILE",
@@ -672,4 +674,13 @@ fn json_contract_plot_and_errors() {
         assert_eq!(o.status.code(), Some(2), "{args:?}: {}", text(&o));
         assert!(text(&o).contains(needle), "{args:?}: {}", text(&o));
     }
+    // Device 99: no CUDA on this machine, or no such device where there is one.
+    let args = ["run", g, "--tokens", "1", "--against", "cuda:99"];
+    let o = glmdiff(cache.path(), &args);
+    assert_eq!(o.status.code(), Some(2), "{args:?}: {}", text(&o));
+    assert!(
+        text(&o).contains("no CUDA") || text(&o).contains("no device 99"),
+        "{args:?}: {}",
+        text(&o)
+    );
 }
