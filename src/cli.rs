@@ -177,7 +177,7 @@ pub struct CompareArgs {
     pub reference: PathBuf,
     /// The candidate trace (.safetensors); its `dtype` metadata sets the floors.
     pub candidate: PathBuf,
-    /// A JSON object mapping the candidate's hook names to glmdiff's ({"their.name": "blk.0.q_a"}).
+    /// A JSON object or TOML table (by extension) mapping the candidate's hook names to glmdiff's ({"their.name": "blk.0.q_a"}).
     #[arg(long, value_name = "FILE")]
     pub map: Option<PathBuf>,
     /// What to compare and how to report it.
