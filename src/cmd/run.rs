@@ -552,7 +552,7 @@ fn selection_bias(weights: &Weights<'_>, plan: &Plan) -> Result<HashMap<usize, V
 }
 
 /// Quotes a word for a POSIX shell when it needs it.
-fn shell_word(s: &str) -> String {
+pub(crate) fn shell_word(s: &str) -> String {
     if !s.is_empty()
         && s.chars()
             .all(|c| c.is_ascii_alphanumeric() || "-_./:=,@+".contains(c))
