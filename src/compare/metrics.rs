@@ -310,6 +310,26 @@ mod tests {
     }
 
     #[test]
+    fn small_rows_are_judged_against_a_quarter_of_the_typical_row() {
+        // reference rows [3, 4] (norm 5) and [0.01, 0] (a cancelled sum); candidate off by 1e-3
+        // in the small row. Its own relative error is 0.1; the RMS row norm is
+        // sqrt((25 + 1e-4) / 2), a quarter of it 0.884, so it is judged at 1e-3 / 0.884.
+        let m = compare(
+            &f(vec![2, 2], vec![3.0, 4.0, 0.01, 0.0]),
+            &f(vec![2, 2], vec![3.0, 4.0, 0.011, 0.0]),
+        )
+        .unwrap();
+        let Metrics::Float(m) = m else { panic!() };
+        assert!((m.per_token[1] - 0.1).abs() < 1e-5, "{:?}", m.per_token);
+        let quarter = SMALL_ROW * ((25.0 + 1e-4) / 2f64).sqrt();
+        let (t, e) = m.worst_token_judged().unwrap();
+        assert_eq!(t, 1);
+        assert!((e - 1e-3 / quarter).abs() < 1e-6, "{e}");
+        // A row of normal size keeps its own relative error.
+        assert_eq!(m.per_token_judged[0], m.per_token[0]);
+    }
+
+    #[test]
     fn float_metrics_by_hand() {
         // reference b = [[3, 4], [0, 0]], candidate a = [[3, 4], [0, 1]].
         // d = [0, 0, 0, 1]: max_abs 1 at (1, 1); max|b| = 4 -> max_rel 0.25;
