@@ -305,7 +305,7 @@ fn parse_case(file: &str, dir: &Path, n: usize, t: &Table) -> Result<Case> {
             ))
         }
         Some(a) => match a.strip_prefix("trace:") {
-            Some(p) if p.is_empty() => return Err(cx.err("against", "trace: needs a file")),
+            Some("") => return Err(cx.err("against", "trace: needs a file")),
             Some(p) => {
                 let p = dir.join(p);
                 if !p.is_file() {
