@@ -31,6 +31,8 @@ pub enum Command {
     Run(RunArgs),
     /// Compare two traces hook by hook (the first is the reference).
     Compare(CompareArgs),
+    /// Run a suite of `run` cases with pinned expectations (a CI regression gate).
+    Regress(RegressArgs),
     /// Write a synthetic GGUF with real tensor names, shapes and a realistic type mix.
     Synth(SynthArgs),
     /// Benchmarks (tables of measured rates, ratios against baselines measured in the same run).
@@ -177,12 +179,34 @@ pub struct CompareArgs {
     pub reference: PathBuf,
     /// The candidate trace (.safetensors); its `dtype` metadata sets the floors.
     pub candidate: PathBuf,
-    /// A JSON object mapping the candidate's hook names to glmdiff's ({"their.name": "blk.0.q_a"}).
+    /// A JSON object or TOML table (by extension) mapping the candidate's hook names to glmdiff's ({"their.name": "blk.0.q_a"}).
     #[arg(long, value_name = "FILE")]
     pub map: Option<PathBuf>,
     /// What to compare and how to report it.
     #[command(flatten)]
     pub report: ReportArgs,
+}
+
+/// `glmdiff regress`.
+#[derive(Debug, Args)]
+pub struct RegressArgs {
+    /// The suite: a TOML file of [[case]] tables (docs/regress.md); paths are relative to it.
+    pub suite: PathBuf,
+    /// Write one JSON record per case (run's --json document plus the case's results). Written atomically.
+    #[arg(long, value_name = "FILE")]
+    pub jsonl: Option<PathBuf>,
+    /// An earlier --jsonl: print new failures, fixed cases and metrics that moved by more than 2x.
+    #[arg(long, value_name = "OLD.jsonl")]
+    pub baseline: Option<PathBuf>,
+    /// Run only the cases whose name matches one of these globs (repeatable).
+    #[arg(long, value_name = "GLOB")]
+    pub case: Vec<String>,
+    /// Reference cache directory for `layer`/`layers` cases (default as for `run`).
+    #[arg(long, value_name = "DIR")]
+    pub cache_dir: Option<PathBuf>,
+    /// Compute the layers before a case's start without reading or writing the cache.
+    #[arg(long)]
+    pub no_cache: bool,
 }
 
 /// `glmdiff synth`.

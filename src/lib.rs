@@ -26,16 +26,18 @@
 //! 10. [`driver`]: walks the steps over one engine into a sink, or over a reference and a
 //!     candidate (engine or trace) into a pair sink, in replay and chained modes; uses `trace`,
 //!     `engine`, `model`.
-//! 11. [`tokenizer`]: byte-level BPE from GGUF metadata; uses only `gguf`.
-//! 12. [`synth`]: synthetic GGUFs; uses `tokenizer`, `model`, `gguf`, `quant`, `util`.
-//! 13. [`bench`](mod@bench): benchmarks that measure and return data; uses `synth`, `driver`,
+//! 11. [`regress`]: suites of `run` cases, their expectations and the changes against a
+//!     baseline; uses `compare`, `trace`.
+//! 12. [`tokenizer`]: byte-level BPE from GGUF metadata; uses only `gguf`.
+//! 13. [`synth`]: synthetic GGUFs; uses `tokenizer`, `model`, `gguf`, `quant`, `util`.
+//! 14. [`bench`](mod@bench): benchmarks that measure and return data; uses `synth`, `driver`,
 //!     `cuda` (the GPU dequant benchmark),
 //!     `trace`, `engine`, `model`, `gguf`, `quant`, `util`.
-//! 14. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
-//!     the layers below return; uses `compare`, `cuda`, `bench`,
+//! 15. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
+//!     the layers below return; uses `compare`, `regress`, `cuda`, `bench`,
 //!     `model`, `trace`, `util`.
-//! 15. [`cli`]: the flags. Imports nothing from the crate.
-//! 16. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
+//! 16. [`cli`]: the flags. Imports nothing from the crate.
+//! 17. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
 //!     and handing results to `report`; the only module that uses them all.
 //!
 //! In the library only `report` and `cmd` write to stdout or stderr.
@@ -51,6 +53,7 @@ pub mod engine;
 pub mod gguf;
 pub mod model;
 pub mod quant;
+pub mod regress;
 pub mod report;
 pub mod synth;
 pub mod tensor;

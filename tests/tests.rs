@@ -6,6 +6,7 @@ mod engines;
 mod gpu;
 mod malformed;
 mod reference;
+mod regress;
 mod run;
 mod synth;
 mod tokenizer;

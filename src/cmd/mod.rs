@@ -5,6 +5,7 @@ pub mod bench;
 pub mod dequant;
 pub mod dequant_check;
 pub mod inspect;
+pub mod regress;
 pub mod run;
 pub mod synth;
 pub mod trace;

@@ -184,6 +184,26 @@ fn write_outputs(
 /// Runs `glmdiff run`.
 pub fn run(args: &RunArgs) -> Result<Outcome> {
     check_outputs(&args.report.json, &args.report.plot)?;
+    let ran = execute(args)?;
+    let tok = ran.tokenizer.as_ref();
+    let text = |id: u32| token_text(tok, id);
+    finish(&ran.header, &ran.comparison, &text, &args.report)
+}
+
+/// What one `run` computed: the facts for the header, the comparison, and the model's
+/// tokenizer (when it has one) for showing tokens.
+pub struct Ran {
+    /// Facts about the run that the comparison does not hold.
+    pub header: Header,
+    /// Every hook's metrics and verdicts, and the output distributions.
+    pub comparison: Comparison,
+    /// The model's tokenizer.
+    pub tokenizer: Option<Tokenizer>,
+}
+
+/// The work of `glmdiff run` without its outputs: opens the model, runs the reference and the
+/// candidate over the asked steps and returns the comparison (`regress` runs its cases with it).
+pub fn execute(args: &RunArgs) -> Result<Ran> {
     let against = parse_against(&args.against)?;
     let modes = match args.mode.as_str() {
         "replay" => Modes {
@@ -276,6 +296,7 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
     // The reference and the residual stream at the first layer.
     let reference = CpuEngine::new(&weights);
     let mut timings = Vec::new();
+    let mut cache_note = None;
     let bar = Bar::new();
     let start = if plan.free_inputs().is_empty() {
         Vec::new()
@@ -303,7 +324,7 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
                     "reference prefix (cache)".to_string(),
                     t0.elapsed().as_secs_f64(),
                 ));
-                notes.push(format!(
+                cache_note = Some(format!(
                     "layers 0..{} of the reference read from the cache {}",
                     layers.start,
                     p.display()
@@ -318,12 +339,16 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
                 ));
                 if let Some((c, k)) = &cache {
                     match c.store(k, &v) {
-                        Ok(p) => notes.push(format!(
-                            "layers 0..{} of the reference computed and cached in {}",
-                            layers.start,
-                            p.display()
-                        )),
-                        Err(e) => notes.push(format!("the reference cache was not written: {e:#}")),
+                        Ok(p) => {
+                            cache_note = Some(format!(
+                                "layers 0..{} of the reference computed and cached in {}",
+                                layers.start,
+                                p.display()
+                            ))
+                        }
+                        Err(e) => {
+                            cache_note = Some(format!("the reference cache was not written: {e:#}"))
+                        }
                     }
                 }
                 v
@@ -401,6 +426,7 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
             let mut p = precision_overrides(&args.report.precision)?;
             if let Some(t) = &trace {
                 p.extend(trace_precision(t, &mut header_notes));
+                header_notes.extend(not_captured_note(t));
             }
             p
         },
@@ -467,6 +493,7 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
             })
             .collect(),
         notes,
+        cache: cache_note,
         rerun: None,
         timings,
     };
@@ -488,8 +515,11 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
                 .collect::<String>()
         ));
     }
-    let text = |id: u32| token_text(tok, id);
-    finish(&header, &cmp, &text, &args.report)
+    Ok(Ran {
+        header,
+        comparison: cmp,
+        tokenizer: tokenizer.ok(),
+    })
 }
 
 /// Whether `--against auto` finds a CUDA device (driver, libraries and at least one device).
@@ -537,6 +567,33 @@ fn trace_precision(t: &TraceFile, notes: &mut Vec<String>) -> Vec<(String, Preci
     }
 }
 
+/// A note listing what a trace's engine could not capture: metadata `not_captured`, a JSON object
+/// from hook names or globs to the reason (a fused kernel with no hook point). Those hooks are
+/// then reported as not in the trace.
+fn not_captured_note(t: &TraceFile) -> Option<String> {
+    let raw = t.metadata().get("not_captured")?;
+    let Ok(map) = serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(raw) else {
+        return Some(format!(
+            "the trace's metadata not_captured is not a JSON object of hooks to reasons: {raw:?}"
+        ));
+    };
+    if map.is_empty() {
+        return None;
+    }
+    let items: Vec<String> = map
+        .iter()
+        .map(|(h, why)| match why.as_str() {
+            Some(w) if !w.is_empty() => format!("{h} ({w})"),
+            _ => h.clone(),
+        })
+        .collect();
+    Some(format!(
+        "the trace's engine could not capture {} hook(s), shown as not in the trace: {}",
+        map.len(),
+        items.join("; ")
+    ))
+}
+
 /// The hooks a comparison keeps: `--hook` globs (all standard hooks without them), plus the
 /// score hooks behind a wanted selection (their values judge its flips).
 fn wants_with_scores(globs: &[String]) -> Box<dyn Fn(&str) -> bool> {
@@ -567,7 +624,7 @@ fn selection_bias(weights: &Weights<'_>, plan: &Plan) -> Result<HashMap<usize, V
 }
 
 /// Quotes a word for a POSIX shell when it needs it.
-fn shell_word(s: &str) -> String {
+pub(crate) fn shell_word(s: &str) -> String {
     if !s.is_empty()
         && s.chars()
             .all(|c| c.is_ascii_alphanumeric() || "-_./:=,@+".contains(c))
@@ -578,16 +635,49 @@ fn shell_word(s: &str) -> String {
     }
 }
 
-/// Reads a `--map` file: a JSON object from the candidate's names to glmdiff's.
+/// Reads a `--map` file: a JSON object or a TOML table from the candidate's names to glmdiff's
+/// (`.toml` is read as TOML, `.json` as JSON, anything else as whichever parses). Two names
+/// mapped to one hook are refused.
 fn read_map(path: &Path) -> Result<HashMap<String, String>> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("compare: cannot read --map {}", path.display()))?;
-    serde_json::from_str(&text).with_context(|| {
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    let json = || serde_json::from_str::<std::collections::BTreeMap<String, String>>(&text);
+    let toml = || toml::from_str::<std::collections::BTreeMap<String, String>>(&text);
+    let map = match ext {
+        "json" => json().map_err(|e| anyhow::anyhow!("{e}")),
+        "toml" => toml().map_err(|e| anyhow::anyhow!("{}", e.to_string().trim_end())),
+        _ => json().or_else(|je| {
+            toml().map_err(|te| {
+                anyhow::anyhow!("as JSON: {je}; as TOML: {}", te.to_string().trim_end())
+            })
+        }),
+    }
+    .with_context(|| {
         format!(
-            "compare: --map {} is not a JSON object of names to names",
-            path.display()
+            "compare: --map {} is not a {} of names to names (e.g. {})",
+            path.display(),
+            match ext {
+                "json" => "JSON object",
+                "toml" => "TOML table",
+                _ => "JSON object or TOML table",
+            },
+            match ext {
+                "toml" => r#""layers.0.self_attn.q_a_proj" = "blk.0.q_a""#,
+                _ => r#"{"layers.0.self_attn.q_a_proj": "blk.0.q_a"}"#,
+            }
         )
-    })
+    })?;
+    let mut seen: HashMap<&str, &str> = HashMap::new();
+    for (from, to) in &map {
+        if let Some(other) = seen.insert(to.as_str(), from.as_str()) {
+            bail!(
+                "compare: --map {}: {other:?} and {from:?} are both mapped to {to:?}",
+                path.display()
+            );
+        }
+    }
+    Ok(map.into_iter().collect())
 }
 
 /// Runs `glmdiff compare`.
@@ -643,6 +733,7 @@ pub fn compare(args: &CompareArgs) -> Result<Outcome> {
         precision: {
             let mut p = precision_overrides(&args.report.precision)?;
             p.extend(trace_precision(&candidate, &mut notes));
+            notes.extend(not_captured_note(&candidate));
             p
         },
         selection_bias: HashMap::new(),
@@ -708,6 +799,7 @@ pub fn compare(args: &CompareArgs) -> Result<Outcome> {
         candidate: desc(&args.candidate, &candidate),
         modes: vec![Mode::Chained],
         notes,
+        cache: None,
         rerun: None,
         timings: Vec::new(),
     };

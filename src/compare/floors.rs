@@ -54,7 +54,9 @@ use crate::model::{names, Weights};
 /// percent of the tokens) hardly moves the tensor's relative L2 but is O(1) on its tokens. One
 /// row holds far fewer values than the tensor, so its rounding error fluctuates more: measured on
 /// the clean bf16 dumps, the worst token reaches 0.32 of the floor where the whole tensor reaches
-/// 0.14; 3 keeps the same 10x margin as the tensor criterion.
+/// 0.14; 3 keeps the same 10x margin as the tensor criterion. A row far smaller than the
+/// tensor's typical row (a sum that cancelled) is judged against [`super::metrics::SMALL_ROW`]
+/// of that typical row.
 pub const TOKEN_FACTOR: f64 = 3.0;
 
 /// Safety factor over the estimated error (module documentation).

@@ -46,20 +46,39 @@ pub struct FloatMetrics {
     pub nonfinite_mismatch: usize,
     /// Relative L2 error per token (per index of the first axis).
     pub per_token: Vec<f64>,
+    /// Per token, the error judged by the token criterion: relative to the larger of the row's
+    /// own norm and [`SMALL_ROW`] times the tensor's RMS row norm (not in the JSON).
+    #[serde(skip)]
+    pub per_token_judged: Vec<f64>,
 }
+
+/// A row whose reference norm is below this share of the tensor's RMS row norm (a sum that
+/// cancelled, as a DSA index score over heads with weights of both signs can) is judged by its
+/// error relative to that share: its rounding error is set by the size of the terms it summed,
+/// not by its small result. Rows of normal size are judged by their own norm.
+pub const SMALL_ROW: f64 = 0.25;
 
 impl FloatMetrics {
     /// The token (first index) with the largest relative error, and that error.
     pub fn worst_token(&self) -> Option<(usize, f64)> {
-        self.per_token
-            .iter()
-            .copied()
-            .enumerate()
-            .fold(None, |best, (i, e)| match best {
-                Some((_, b)) if b >= e || e.is_nan() => best,
-                _ => Some((i, e)),
-            })
+        worst(&self.per_token)
     }
+
+    /// The token with the largest error as the token criterion judges it ([`SMALL_ROW`]).
+    pub fn worst_token_judged(&self) -> Option<(usize, f64)> {
+        worst(&self.per_token_judged)
+    }
+}
+
+/// The largest value and its index (NaN never wins).
+fn worst(v: &[f64]) -> Option<(usize, f64)> {
+    v.iter()
+        .copied()
+        .enumerate()
+        .fold(None, |best, (i, e)| match best {
+            Some((_, b)) if b >= e || e.is_nan() => best,
+            _ => Some((i, e)),
+        })
 }
 
 /// Index-set metrics of one selection hook (see the module documentation).
@@ -148,6 +167,7 @@ pub fn float_metrics(
         inf: [0, 0],
         nonfinite_mismatch: 0,
         per_token: Vec::new(),
+        per_token_judged: Vec::new(),
     };
     let (mut d2, mut b2, mut a2, mut ab, mut bmax) = (0f64, 0f64, 0f64, 0f64, 0f64);
     let mut at = 0usize;
@@ -195,6 +215,12 @@ pub fn float_metrics(
         .iter()
         .zip(&row_b2)
         .map(|(&d, &b)| ratio(d, b).sqrt())
+        .collect();
+    let small = SMALL_ROW * SMALL_ROW * b2 / rows as f64;
+    m.per_token_judged = row_d2
+        .iter()
+        .zip(&row_b2)
+        .map(|(&d, &b)| ratio(d, b.max(small)).sqrt())
         .collect();
     m
 }
@@ -281,6 +307,26 @@ mod tests {
 
     fn f(shape: Vec<usize>, v: Vec<f32>) -> HostTensor {
         HostTensor::f32(shape, v).unwrap()
+    }
+
+    #[test]
+    fn small_rows_are_judged_against_a_quarter_of_the_typical_row() {
+        // reference rows [3, 4] (norm 5) and [0.01, 0] (a cancelled sum); candidate off by 1e-3
+        // in the small row. Its own relative error is 0.1; the RMS row norm is
+        // sqrt((25 + 1e-4) / 2), a quarter of it 0.884, so it is judged at 1e-3 / 0.884.
+        let m = compare(
+            &f(vec![2, 2], vec![3.0, 4.0, 0.01, 0.0]),
+            &f(vec![2, 2], vec![3.0, 4.0, 0.011, 0.0]),
+        )
+        .unwrap();
+        let Metrics::Float(m) = m else { panic!() };
+        assert!((m.per_token[1] - 0.1).abs() < 1e-5, "{:?}", m.per_token);
+        let quarter = SMALL_ROW * ((25.0 + 1e-4) / 2f64).sqrt();
+        let (t, e) = m.worst_token_judged().unwrap();
+        assert_eq!(t, 1);
+        assert!((e - 1e-3 / quarter).abs() < 1e-6, "{e}");
+        // A row of normal size keeps its own relative error.
+        assert_eq!(m.per_token_judged[0], m.per_token[0]);
     }
 
     #[test]

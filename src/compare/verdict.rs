@@ -4,7 +4,8 @@
 //!
 //! # Rules
 //! - **replay**: a float hook fails when its relative L2 error is above its floor, when one
-//!   token's error is above `TOKEN_FACTOR` times the floor, or when the candidate has NaN/Inf
+//!   token's error is above `TOKEN_FACTOR` times the floor (a row far smaller than the tensor's
+//!   typical row is judged against `SMALL_ROW` of that typical row), or when the candidate has NaN/Inf
 //!   where the reference has a finite value (or the reverse). A selection
 //!   hook (`indexer_topk`, `moe_topk_ids`) whose sets differ is judged by the margin of each flip
 //!   ([`super::selection`]): near-tie flips are expected (status `near_tie`), a confident flip
@@ -351,10 +352,10 @@ impl Comparison {
             Metrics::Float(m)
                 if pair.mode == Mode::Replay
                     && error <= allowed
-                    && m.worst_token()
+                    && m.worst_token_judged()
                         .is_some_and(|(_, e)| e > TOKEN_FACTOR * allowed) =>
             {
-                let (t, e) = m.worst_token().unwrap_or((0, f64::NAN));
+                let (t, e) = m.worst_token_judged().unwrap_or((0, f64::NAN));
                 r.status = Status::Fail;
                 r.note = Some(format!(
                     "token {t}: error {e:.3e} above {TOKEN_FACTOR} x the floor {allowed:.3e} (the whole tensor: {error:.3e})"

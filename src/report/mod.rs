@@ -7,6 +7,7 @@ pub mod dequant_check;
 pub mod inspect;
 pub mod plot;
 pub mod progress;
+pub mod regress;
 pub mod run;
 pub mod trace;
 

@@ -45,8 +45,11 @@ pub struct Header {
     pub candidate: EngineDesc,
     /// Modes run.
     pub modes: Vec<Mode>,
-    /// Notes to show under the header (assumptions, cache use).
+    /// Notes to show under the header (assumptions, choices).
     pub notes: Vec<String>,
+    /// What the reference cache did (read, or computed and stored, and where): a note kept apart
+    /// because it changes between runs of the same inputs.
+    pub cache: Option<String>,
     /// Command that re-runs the first divergent layer, when there is one.
     pub rerun: Option<String>,
     /// Timings: (what, seconds).
@@ -162,7 +165,7 @@ pub fn render(h: &Header, c: &Comparison, text: &dyn Fn(u32) -> String, all_step
     }
     let modes: Vec<&str> = h.modes.iter().map(|m| m.as_str()).collect();
     let _ = writeln!(s, "mode: {}", modes.join(" + "));
-    for n in &h.notes {
+    for n in h.notes.iter().chain(&h.cache) {
         let _ = writeln!(s, "note: {n}");
     }
     let _ = writeln!(s);
@@ -566,7 +569,7 @@ pub fn to_json(h: &Header, c: &Comparison) -> Value {
         "first_divergence": divergence_json(c, Mode::Replay),
         "first_divergence_chained": divergence_json(c, Mode::Chained),
         "rerun": h.rerun,
-        "notes": h.notes,
+        "notes": h.notes.iter().chain(&h.cache).collect::<Vec<_>>(),
         "records": records,
         "layer_summaries": layers,
         "logits": if logits.is_empty() { Value::Null } else { Value::Object(logits) },

@@ -1,0 +1,195 @@
+//! `glmdiff regress`: every case of a suite is a `run` (the same code, the same metrics) plus its
+//! expectations; one table row and one JSONL record per case, and the changes against a baseline.
+//! Exit 0 when every case passes, 1 when one fails, 2 when one cannot run (or the suite is bad).
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use serde_json::{json, Value};
+
+use super::run::{execute, shell_word};
+use super::Outcome;
+use crate::cli::{RegressArgs, ReportArgs, RunArgs};
+use crate::regress::baseline::{diff, read_jsonl, summarize};
+use crate::regress::{expect, suite, Case, Input};
+use crate::report::regress::{case_record, progress_line, render, render_changes};
+use crate::util::atomic::{check_output_dir, write_atomic};
+use crate::util::glob;
+
+/// The `run` flags of a case.
+fn run_args(case: &Case, args: &RegressArgs) -> RunArgs {
+    let (prompt, tokens) = match &case.input {
+        Input::Prompt(p) => (Some(p.clone()), None),
+        Input::Tokens(t) => (None, Some(t.clone())),
+        Input::FromTrace => (None, None),
+    };
+    RunArgs {
+        model: case.model.clone(),
+        prompt,
+        tokens,
+        layer: None,
+        layers: case.layers.clone(),
+        against: case.against.clone(),
+        mode: case.mode.clone(),
+        report: ReportArgs {
+            hook: case.hook.clone(),
+            all_steps: false,
+            tol: case.tol.clone(),
+            precision: case.precision.clone(),
+            json: None,
+            plot: None,
+        },
+        cache_dir: args.cache_dir.clone(),
+        no_cache: args.no_cache,
+    }
+}
+
+/// The `glmdiff run` command that re-runs a case (with the tokens it ran, when known).
+fn run_command(r: &RunArgs, tokens: Option<&[u32]>) -> String {
+    let mut c = format!("glmdiff run {}", shell_word(&r.model.display().to_string()));
+    match (tokens.or(r.tokens.as_deref()), &r.prompt) {
+        (Some(t), _) => {
+            let ids: Vec<String> = t.iter().map(u32::to_string).collect();
+            c.push_str(&format!(" --tokens {}", ids.join(",")));
+        }
+        (None, Some(p)) => c.push_str(&format!(" --prompt {}", shell_word(p))),
+        _ => {}
+    }
+    if let Some(l) = &r.layers {
+        c.push_str(&format!(" --layers {}..{}", l.start, l.end));
+    }
+    c.push_str(&format!(
+        " --against {} --mode {}",
+        shell_word(&r.against),
+        r.mode
+    ));
+    for g in &r.report.hook {
+        c.push_str(&format!(" --hook {}", shell_word(g)));
+    }
+    for (g, v) in &r.report.tol {
+        c.push_str(&format!(" --tol {}", shell_word(&format!("{g}={v:e}"))));
+    }
+    for (g, d) in &r.report.precision {
+        c.push_str(&format!(" --precision {}", shell_word(&format!("{g}={d}"))));
+    }
+    c
+}
+
+/// Runs one case: its JSONL record.
+fn run_case(suite_path: &Path, index: usize, case: &Case, args: &RegressArgs) -> Value {
+    let r = run_args(case, args);
+    let t0 = Instant::now();
+    let ran = execute(&r);
+    let seconds = t0.elapsed().as_secs_f64();
+    let mut reg = json!({
+        "suite": suite_path.display().to_string(),
+        "case": case.name,
+        "index": index,
+    });
+    match ran {
+        Err(e) => {
+            reg["status"] = json!("error");
+            reg["error"] = json!(format!("{e:#}"));
+            reg["checks"] = json!([]);
+            reg["command"] = json!(run_command(&r, None));
+            case_record(None, reg, seconds)
+        }
+        Ok(ran) => {
+            let tokens: Vec<u32> = ran.header.tokens.iter().map(|(id, _)| *id).collect();
+            reg["command"] = json!(run_command(&r, Some(&tokens)));
+            match expect::check(&case.expect, &ran.comparison) {
+                Ok(checks) => {
+                    let ok = checks.iter().all(|c| c.ok);
+                    reg["status"] = json!(if ok { "pass" } else { "fail" });
+                    reg["error"] = Value::Null;
+                    reg["checks"] = json!(checks);
+                }
+                Err(why) => {
+                    reg["status"] = json!("error");
+                    reg["error"] = json!(format!(
+                        "{}: case {} {:?}: {why}",
+                        suite_path.display(),
+                        index + 1,
+                        case.name
+                    ));
+                    reg["checks"] = json!([]);
+                }
+            }
+            case_record(Some((&ran.header, &ran.comparison)), reg, seconds)
+        }
+    }
+}
+
+/// Runs `glmdiff regress`.
+pub fn run(args: &RegressArgs) -> Result<Outcome> {
+    let suite = suite::load(&args.suite)?;
+    let baseline = match &args.baseline {
+        Some(p) => Some(read_jsonl(p)?),
+        None => None,
+    };
+    if let Some(j) = &args.jsonl {
+        check_output_dir(j)?;
+    }
+    let cases: Vec<(usize, &Case)> = suite
+        .cases
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| {
+            args.case.is_empty() || args.case.iter().any(|g| glob::matches(g, &c.name))
+        })
+        .collect();
+    if cases.is_empty() {
+        let names: Vec<&str> = suite.cases.iter().map(|c| c.name.as_str()).collect();
+        bail!(
+            "regress: no case of {} matches --case {} (cases: {})",
+            args.suite.display(),
+            args.case.join(" "),
+            names.join(", ")
+        );
+    }
+
+    let mut records = Vec::with_capacity(cases.len());
+    let mut summaries = Vec::with_capacity(cases.len());
+    for (k, (i, case)) in cases.iter().enumerate() {
+        let rec = run_case(&args.suite, *i, case, args);
+        let s = summarize(&rec)?;
+        eprintln!("{}", progress_line(k, cases.len(), &s));
+        summaries.push(s);
+        records.push(rec);
+    }
+
+    print!("{}", render(&args.suite.display().to_string(), &summaries));
+    if let (Some(b), Some(path)) = (&baseline, &args.baseline) {
+        print!(
+            "{}",
+            render_changes(&path.display().to_string(), &diff(b, &summaries))
+        );
+    }
+    if let Some(j) = &args.jsonl {
+        write_atomic(j, |w| {
+            for r in &records {
+                serde_json::to_writer(&mut *w, r)?;
+                w.write_all(b"\n")?;
+            }
+            Ok(())
+        })?;
+    }
+    let errors: Vec<&str> = summaries
+        .iter()
+        .filter(|s| s.status == "error")
+        .map(|s| s.case.as_str())
+        .collect();
+    if !errors.is_empty() {
+        bail!(
+            "regress: {} case(s) could not run: {}",
+            errors.len(),
+            errors.join(", ")
+        );
+    }
+    Ok(if summaries.iter().all(|s| s.passed()) {
+        Outcome::Ok
+    } else {
+        Outcome::Differs
+    })
+}

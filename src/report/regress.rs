@@ -1,0 +1,187 @@
+//! Printing `glmdiff regress`: one line per case as it ends, the summary table (one row per
+//! case), the failures with the command that re-runs each, the changes against a baseline, and
+//! the JSONL record of a case (`docs/regress.md`): `run`'s document with the case's `regress`
+//! object. Everything here formats facts computed elsewhere.
+
+use std::fmt::Write as _;
+
+use serde_json::{json, Value};
+
+use super::run::{to_json, Header};
+use super::table;
+use crate::compare::Comparison;
+use crate::regress::{CaseSummary, Changes};
+
+/// Version of the `regress` object of a record.
+pub const REGRESS_JSON_VERSION: u32 = 1;
+
+fn e(x: f64) -> String {
+    if x.is_nan() {
+        "-".into()
+    } else if x == 0.0 {
+        "0".into()
+    } else {
+        format!("{x:.2e}")
+    }
+}
+
+/// The JSONL record of a case: `run --json`'s document (when the run got that far) without the
+/// cache note, which moves to `cache`; the case's own facts under `regress`; its wall time added
+/// to `timings` as `case`. Only `timings` and `cache` differ between runs of the same inputs.
+pub fn case_record(run: Option<(&Header, &Comparison)>, regress: Value, seconds: f64) -> Value {
+    let mut doc = match run {
+        Some((h, c)) => {
+            let stable = Header {
+                cache: None,
+                ..h.clone()
+            };
+            let mut d = to_json(&stable, c);
+            d["cache"] = json!(h.cache);
+            d
+        }
+        None => json!({"timings": []}),
+    };
+    if let Some(t) = doc.get_mut("timings").and_then(Value::as_array_mut) {
+        t.push(json!({"what": "case", "seconds": seconds}));
+    }
+    let mut reg = regress;
+    reg["version"] = json!(REGRESS_JSON_VERSION);
+    doc["regress"] = reg;
+    doc
+}
+
+fn verdict_cell(s: &CaseSummary) -> String {
+    match s.status.as_str() {
+        "pass" => "pass".into(),
+        "error" => "ERROR".into(),
+        _ if s.failed_checks.is_empty() => "FAIL".into(),
+        _ => format!("FAIL ({})", s.failed_checks.join(", ")),
+    }
+}
+
+/// The line printed (to stderr) when case `i` of `n` ends.
+pub fn progress_line(i: usize, n: usize, s: &CaseSummary) -> String {
+    format!(
+        "regress [{}/{n}] {}: {}{}",
+        i + 1,
+        s.case,
+        verdict_cell(s),
+        s.seconds.map_or(String::new(), |t| format!(" ({t:.2} s)"))
+    )
+}
+
+/// The summary table, the failures and the closing count.
+pub fn render(suite: &str, summaries: &[CaseSummary]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "glmdiff regress: {suite} ({} cases)", summaries.len());
+    let mut t = table(&[
+        "case",
+        "verdict",
+        "first divergence",
+        "worst hook (error / allowed)",
+        "KL max",
+        "top-1",
+        "time",
+    ]);
+    for c in summaries {
+        t.add_row(vec![
+            c.case.clone(),
+            verdict_cell(c),
+            c.first_divergence.clone().unwrap_or_else(|| "-".into()),
+            c.worst.as_ref().map_or("-".into(), |(h, m, err, allowed)| {
+                format!("{h} {m} {} / {}", e(*err), e(*allowed))
+            }),
+            c.max_kl.map_or("-".into(), e),
+            c.top1.map_or("-".into(), |x| format!("{x:.3}")),
+            c.seconds.map_or("-".into(), |x| format!("{x:.2} s")),
+        ]);
+    }
+    let _ = writeln!(s, "{t}");
+    for c in summaries.iter().filter(|c| !c.passed()) {
+        let _ = writeln!(s, "{} {}:", verdict_cell(c), c.case);
+        if let Some(err) = &c.error {
+            let _ = writeln!(s, "  {err}");
+        }
+        for d in &c.failed_details {
+            let _ = writeln!(s, "  {d}");
+        }
+        if let Some(cmd) = &c.command {
+            let _ = writeln!(s, "  re-run: {cmd}");
+        }
+    }
+    let count = |st: &str| summaries.iter().filter(|c| c.status == st).count();
+    let (pass, fail, err) = (count("pass"), count("fail"), count("error"));
+    let _ = writeln!(
+        s,
+        "\n{}: {} cases, {pass} pass, {fail} fail, {err} error",
+        if err > 0 {
+            "ERROR"
+        } else if fail > 0 {
+            "REGRESSION"
+        } else {
+            "OK"
+        },
+        summaries.len()
+    );
+    s
+}
+
+/// What changed against the baseline.
+pub fn render_changes(baseline: &str, ch: &Changes) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "\nagainst the baseline {baseline} ({} cases in both):",
+        ch.common
+    );
+    if ch.is_empty() {
+        let _ = writeln!(s, "  no changes");
+        return s;
+    }
+    for (c, what) in &ch.new_failures {
+        let _ = writeln!(s, "  new failure: {c} ({what})");
+    }
+    for c in &ch.fixed {
+        let _ = writeln!(s, "  fixed: {c}");
+    }
+    if !ch.still_failing.is_empty() {
+        let _ = writeln!(s, "  still failing: {}", ch.still_failing.join(", "));
+    }
+    for (c, a, b) in &ch.divergence_moved {
+        let w = |x: &Option<String>| x.clone().unwrap_or_else(|| "none".into());
+        let _ = writeln!(s, "  first divergence moved: {c}: {} -> {}", w(a), w(b));
+    }
+    for (c, a, b) in &ch.top1_changed {
+        let _ = writeln!(s, "  top-1 agreement changed: {c}: {a:.3} -> {b:.3}");
+    }
+    if !ch.moved.is_empty() {
+        let mut t = table(&["case", "metric", "before", "now", "factor"]);
+        for m in &ch.moved {
+            let f = m.factor();
+            t.add_row(vec![
+                m.case.clone(),
+                m.metric.clone(),
+                e(m.old),
+                e(m.new),
+                if f.is_finite() {
+                    format!("{f:.2}x")
+                } else {
+                    "from 0".into()
+                },
+            ]);
+        }
+        let _ = writeln!(
+            s,
+            "  metrics that moved by more than {}x ({}):\n{t}",
+            crate::regress::baseline::MOVE_FACTOR,
+            ch.moved.len()
+        );
+    }
+    for c in &ch.added {
+        let _ = writeln!(s, "  new case: {c}");
+    }
+    for c in &ch.removed {
+        let _ = writeln!(s, "  case gone: {c}");
+    }
+    s
+}
