@@ -4,8 +4,9 @@
 #   scripts/gpu-test.sh prepare   here (no GPU): release build, test build, binaries into .gpu/
 #   scripts/gpu-test.sh run       on the GPU machine, from the repository root, with .gpu carried:
 #                                 GPU tests, dequant-check on the quant fixtures and on a synthetic
-#                                 GLM-5-dimension UD-Q4_K_XL model, compute-sanitizer over the dequant
-#                                 kernels; logs in $OUT/gpu-logs.tgz (default ./gpu-out), a summary last.
+#                                 GLM-5-dimension UD-Q4_K_XL model, the regression suite against the CUDA
+#                                 engine, the dequant benchmark, compute-sanitizer over the dequant and
+#                                 forward kernels; logs in $OUT/gpu-logs.tgz (default ./gpu-out), a summary last.
 #                                 GPU_STEPS="tests bench" runs only those parts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,8 +37,8 @@ run() {
     export NVIDIA_TF32_OVERRIDE=0 CUBLAS_WORKSPACE_CONFIG=:4096:8
     export GLMDIFF_REPO=$PWD GLMDIFF_BIN=$PWD/.gpu/glmdiff GLMDIFF_CACHE_DIR=$(mktemp -d)
     local bin=.gpu/glmdiff summary=()
-    # GPU_STEPS selects parts: tests fixtures synth bench sanitizer (default: all).
-    local steps=" ${GPU_STEPS:-tests fixtures synth bench sanitizer} "
+    # GPU_STEPS selects parts: tests fixtures synth regress bench sanitizer (default: all).
+    local steps=" ${GPU_STEPS:-tests fixtures synth regress bench sanitizer} "
     want() { [[ "$steps" == *" $1 "* ]]; }
     nvidia-smi -L | tee "$logs/devices.txt"
 
@@ -65,6 +66,12 @@ run() {
     tail -n 3 "$logs/synth.txt"
     summary+=("dequant-check synth GLM-5 ($(du -h "$tmp/glm5.gguf" | cut -f1)): exit $rc, $(tail -n 1 "$logs/synth.txt" | cut -c1-200)")
     rm -rf "$tmp"
+    fi
+
+    if want regress; then
+    echo "== regress: the fixture suite against the CUDA engine"
+    "$bin" regress fixtures/regress/suite-cuda.toml --jsonl "$logs/regress-cuda.jsonl" 2>&1 | tee "$logs/regress.txt"
+    summary+=("regress suite-cuda: exit ${PIPESTATUS[0]}, $(tail -n 1 "$logs/regress.txt" | cut -c1-160)")
     fi
 
     if want bench; then
