@@ -374,3 +374,23 @@ extern "C" __global__ void f64_to_f32(const double* __restrict__ x, float* __res
          i += (u64)gridDim.x * blockDim.x)
         y[i] = (float)x[i];
 }
+
+// bf16 storage (the engine's --dtype bf16): f32 -> bf16 bits, bf16 bits -> f32, and rounding
+// f32 values to the nearest bf16 in place (round to nearest even, NaN kept; common.cuh).
+extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, u16* __restrict__ y, u64 n) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (u64)gridDim.x * blockDim.x)
+        y[i] = float_to_bf16_bits(x[i]);
+}
+
+extern "C" __global__ void bf16_to_f32(const u16* __restrict__ x, float* __restrict__ y, u64 n) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (u64)gridDim.x * blockDim.x)
+        y[i] = __uint_as_float((u32)x[i] << 16);
+}
+
+extern "C" __global__ void round_bf16(float* __restrict__ x, u64 n) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (u64)gridDim.x * blockDim.x)
+        x[i] = __uint_as_float((u32)float_to_bf16_bits(x[i]) << 16);
+}

@@ -138,6 +138,10 @@ pub struct RunArgs {
     /// Modes: both, replay (each step from the same inputs) or chained (each side on its own outputs).
     #[arg(long, default_value = "both", value_parser = ["both", "replay", "chained"])]
     pub mode: String,
+    /// The CUDA engine's precision: f32 (SGEMM without TF32: the f32 floors apply) or bf16 (weights
+    /// and activations in bf16, tensor-core GEMMs with f32 accumulation: the bf16 floors apply).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
+    pub dtype: String,
     /// What to compare and how to report it.
     #[command(flatten)]
     pub report: ReportArgs,

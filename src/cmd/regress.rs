@@ -32,6 +32,7 @@ fn run_args(case: &Case, args: &RegressArgs) -> RunArgs {
         layers: case.layers.clone(),
         against: case.against.clone(),
         mode: case.mode.clone(),
+        dtype: case.dtype.clone(),
         report: ReportArgs {
             hook: case.hook.clone(),
             all_steps: false,

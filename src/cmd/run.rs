@@ -356,6 +356,13 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
         }
     };
 
+    if args.dtype != "f32" && !matches!(against, Against::Cuda(_)) {
+        bail!(
+            "run: --dtype {} sets the CUDA engine's precision; give --against cuda",
+            args.dtype
+        );
+    }
+
     // Judge.
     let mut header_notes = Vec::new();
     let ref_prec = Precision::parse(&reference.dtype()).context("run: reference precision")?;
@@ -367,7 +374,11 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
     };
     #[cfg(feature = "cuda")]
     let cuda_engine = match &gpu {
-        Some(g) => Some(crate::engine::cuda::CudaEngine::new(g, &weights)?),
+        Some(g) => Some(crate::engine::cuda::CudaEngine::new(
+            g,
+            &weights,
+            crate::engine::cuda::GpuDtype::parse(&args.dtype)?,
+        )?),
         None => None,
     };
     let (cand_desc, cand_prec) = match (&against, &trace) {

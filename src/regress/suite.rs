@@ -19,6 +19,7 @@ pub const CASE_KEYS: &[&str] = &[
     "layer",
     "layers",
     "mode",
+    "dtype",
     "hook",
     "tol",
     "precision",
@@ -63,6 +64,8 @@ pub struct Case {
     pub layers: Option<Range<u64>>,
     /// `both`, `replay` or `chained`.
     pub mode: String,
+    /// The CUDA engine's precision, `f32` or `bf16` (`run --dtype`).
+    pub dtype: String,
     /// `--hook` globs.
     pub hook: Vec<String>,
     /// Floor overrides `(glob, value)`, the longest glob first (so the most specific wins).
@@ -364,6 +367,11 @@ fn parse_case(file: &str, dir: &Path, n: usize, t: &Table) -> Result<Case> {
         Some(m @ ("both" | "replay" | "chained")) => m.to_string(),
         Some(m) => return Err(cx.err("mode", format!("{m:?} is not one of both, replay, chained"))),
     };
+    let dtype = match cx.string(t, "dtype")? {
+        None => "f32".to_string(),
+        Some(d @ ("f32" | "bf16")) => d.to_string(),
+        Some(d) => return Err(cx.err("dtype", format!("{d:?} is not one of f32, bf16"))),
+    };
     let hook = match t.get("hook") {
         None => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
@@ -445,6 +453,7 @@ fn parse_case(file: &str, dir: &Path, n: usize, t: &Table) -> Result<Case> {
         against,
         layers,
         mode,
+        dtype,
         hook,
         tol,
         precision,

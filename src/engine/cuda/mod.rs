@@ -26,7 +26,7 @@ use anyhow::{bail, Context, Result};
 use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t, cublasSetMathMode, cublasStatus_t};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{
-    CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
 use super::{Engine, ExpertInputs, ExpertsOut, HostData, HostTensor, MlaInputs, Routing};
@@ -42,6 +42,57 @@ const SCRATCH_VALUES: usize = 64 << 20;
 
 /// Threads per block of the forward kernels (`FWD_THREADS` in `cuda/forward.cu`).
 const THREADS: u32 = 256;
+
+/// The engine's compute precision (`run --dtype`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuDtype {
+    /// f32 weights and activations, cuBLAS SGEMM in pedantic math (no TF32): must match the
+    /// reference within the f32 floors.
+    F32,
+    /// Weights and activations rounded to bf16 (every step's output, every uploaded input),
+    /// bf16 GEMMs on tensor cores with f32 accumulation and bf16 output, as serving engines run:
+    /// the bf16 floors apply.
+    Bf16,
+}
+
+impl GpuDtype {
+    /// Parses `f32` or `bf16`.
+    pub fn parse(s: &str) -> Result<GpuDtype> {
+        match s {
+            "f32" => Ok(GpuDtype::F32),
+            "bf16" => Ok(GpuDtype::Bf16),
+            other => bail!("--dtype {other:?}: expected f32 or bf16"),
+        }
+    }
+}
+
+/// Element types the engine multiplies with cuBLAS (f32, bf16), with their 1 and 0.
+trait GemmScalar: Copy {
+    const ONE: Self;
+    const ZERO: Self;
+}
+
+impl GemmScalar for f32 {
+    const ONE: f32 = 1.0;
+    const ZERO: f32 = 0.0;
+}
+
+impl GemmScalar for half::bf16 {
+    const ONE: half::bf16 = half::bf16::ONE;
+    const ZERO: half::bf16 = half::bf16::ZERO;
+}
+
+/// The extents of a per-head batched GEMM ([`CudaEngine::head_gemm`]).
+struct HeadGemm {
+    t: usize,
+    heads: usize,
+    m: usize,
+    k: usize,
+    lda: usize,
+    ldb: usize,
+    sa: usize,
+    sb: usize,
+}
 
 /// A tensor on the device: f32 or i32 values in PyTorch-order `shape`.
 pub struct GpuTensor {
@@ -121,6 +172,7 @@ macro_rules! launch {
 /// The CUDA engine over one model's weights on one GPU.
 pub struct CudaEngine<'w> {
     gpu: &'w Gpu,
+    dtype: GpuDtype,
     weights: &'w Weights<'w>,
     blas: CudaBlas,
     /// RoPE inverse frequencies `[rope/2]` (f64) on the device, and their count.
@@ -134,19 +186,26 @@ pub struct CudaEngine<'w> {
 }
 
 impl<'w> CudaEngine<'w> {
-    /// An engine running `weights` on `gpu`.
-    pub fn new(gpu: &'w Gpu, weights: &'w Weights<'w>) -> Result<CudaEngine<'w>> {
+    /// An engine running `weights` on `gpu` in precision `dtype`.
+    pub fn new(gpu: &'w Gpu, weights: &'w Weights<'w>, dtype: GpuDtype) -> Result<CudaEngine<'w>> {
         let blas = CudaBlas::new(gpu.stream().clone())
             .map_err(|e| anyhow::anyhow!("cuda: cuBLAS: {e:?} (is libcublas.so.13 installed?)"))?;
+        // f32: pedantic math (no TF32, no reduced-precision shortcuts); bf16: the default math
+        // serving engines get (tensor cores, f32 accumulation).
+        let mode = match dtype {
+            GpuDtype::F32 => cublasMath_t::CUBLAS_PEDANTIC_MATH,
+            GpuDtype::Bf16 => cublasMath_t::CUBLAS_DEFAULT_MATH,
+        };
         // SAFETY: the handle was created just above and lives as long as `blas`.
-        let st = unsafe { cublasSetMathMode(*blas.handle(), cublasMath_t::CUBLAS_PEDANTIC_MATH) };
+        let st = unsafe { cublasSetMathMode(*blas.handle(), mode) };
         if st != cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-            bail!("cuda: cuBLAS: setting pedantic math (no TF32): {st:?}");
+            bail!("cuda: cuBLAS: setting math mode {mode:?}: {st:?}");
         }
         let hp = weights.hparams();
         let freq = rope::inv_freq(&hp.rope);
         Ok(CudaEngine {
             gpu,
+            dtype,
             weights,
             blas,
             inv_freq: gpu.alloc_copy(&freq, "RoPE frequencies")?,
@@ -163,6 +222,31 @@ impl<'w> CudaEngine<'w> {
         self.vectors
             .borrow_mut()
             .retain(|k, _| !k.starts_with(prefix));
+    }
+
+    /// In bf16 mode, rounds a step's f32 output to bf16 values in place (f32 mode: as is).
+    fn finish(&self, mut y: CudaSlice<f32>) -> Result<CudaSlice<f32>> {
+        if self.dtype == GpuDtype::Bf16 {
+            let n = y.len() as u64;
+            launch!(self, "round_bf16", items(self.gpu, n), &mut y, &n);
+        }
+        Ok(y)
+    }
+
+    /// `x` as bf16 values.
+    fn to_bf16(&self, x: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<half::bf16>> {
+        let mut y = self.gpu.alloc_zeroed::<half::bf16>(n.max(1), "bf16 copy")?;
+        let nn = n as u64;
+        launch!(self, "f32_to_bf16", items(self.gpu, nn), x, &mut y, &nn);
+        Ok(y)
+    }
+
+    /// bf16 values `x` as f32.
+    fn from_bf16(&self, x: &CudaSlice<half::bf16>, n: usize) -> Result<CudaSlice<f32>> {
+        let mut y = self.zeros_f32(n, "f32 copy")?;
+        let nn = n as u64;
+        launch!(self, "bf16_to_f32", items(self.gpu, nn), x, &mut y, &nn);
+        Ok(y)
     }
 
     fn zeros_f32(&self, n: usize, what: &str) -> Result<CudaSlice<f32>> {
@@ -199,6 +283,17 @@ impl<'w> CudaEngine<'w> {
         rows: Range<usize>,
         dst: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
+        self.dequant_rows_as(name, rows, OutFormat::F32, dst)
+    }
+
+    /// The same into `format`'s values (f32, or bf16 / f16 bit patterns).
+    fn dequant_rows_as<T: DeviceRepr>(
+        &self,
+        name: &str,
+        rows: Range<usize>,
+        format: OutFormat,
+        dst: &mut CudaViewMut<'_, T>,
+    ) -> Result<()> {
         let t = self.weights.tensor(name)?;
         let ty = t.info.ty;
         let cols = t.info.ne[0] as usize;
@@ -206,7 +301,7 @@ impl<'w> CudaEngine<'w> {
         let raw = self.raw(name)?;
         let view = raw.slice(rows.start * row_bytes..rows.end * row_bytes);
         self.gpu
-            .dequant_view(ty, OutFormat::F32, &view, dst)
+            .dequant_view(ty, format, &view, dst)
             .with_context(|| format!("engine: cuda: dequantizing {name} rows {rows:?}"))
     }
 
@@ -225,7 +320,7 @@ impl<'w> CudaEngine<'w> {
 
     /// `y [t, out] (ldy) = x [t, k] (ldx) · W^T` for `W` the row-major `[out, k]` matrix `w`.
     #[allow(clippy::too_many_arguments)]
-    fn gemm_xwt<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
+    fn gemm_xwt<E: GemmScalar, A: DevicePtr<E>, B: DevicePtr<E>, C: DevicePtrMut<E>>(
         &self,
         x: &B,
         ldx: usize,
@@ -235,29 +330,84 @@ impl<'w> CudaEngine<'w> {
         t: usize,
         k: usize,
         out: usize,
-    ) -> Result<()> {
+    ) -> Result<()>
+    where
+        CudaBlas: Gemm<E>,
+    {
         let cfg = GemmConfig {
             transa: cublasOperation_t::CUBLAS_OP_T,
             transb: cublasOperation_t::CUBLAS_OP_N,
             m: i32_arg(out, "rows")?,
             n: i32_arg(t, "tokens")?,
             k: i32_arg(k, "columns")?,
-            alpha: 1.0f32,
+            alpha: E::ONE,
             lda: i32_arg(k, "columns")?,
             ldb: i32_arg(ldx, "input stride")?,
-            beta: 0.0f32,
+            beta: E::ZERO,
             ldc: i32_arg(ldy, "output stride")?,
         };
         // SAFETY: column-major view of row-major data: W (k x out, lda k) transposed times X^T
         // (k x t, ldb ldx >= k) into Y^T (out x t, ldc ldy >= out); the callers size x, w and y
         // for exactly these extents.
         unsafe { self.blas.gemm(cfg, w, x, y) }.map_err(|e| {
-            anyhow::anyhow!("engine: cuda: cuBLAS SGEMM [{t}x{k}]x[{out}x{k}]^T: {e:?}")
+            anyhow::anyhow!("engine: cuda: cuBLAS GEMM [{t}x{k}]x[{out}x{k}]^T: {e:?}")
         })
     }
 
+    /// Per head `h < g.heads`: `y[:, h, :] [t, m] = x_h [t, k] · W_h^T` with `W_h` the row-major
+    /// `[m, k]` matrix at `h * sa` of `w` and `x_h` at `h * sb` of `x` (row stride `ldb`); `y` is
+    /// `[t, heads, m]`. One strided-batched GEMM, in f32 or (bf16 mode) bf16.
+    fn head_gemm(
+        &self,
+        w: &CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        g: &HeadGemm,
+    ) -> Result<CudaSlice<f32>> {
+        let n_out = g.t * g.heads * g.m;
+        fn cfg<E: GemmScalar>(g: &HeadGemm) -> Result<StridedBatchedConfig<E>> {
+            Ok(StridedBatchedConfig {
+                gemm: GemmConfig {
+                    transa: cublasOperation_t::CUBLAS_OP_T,
+                    transb: cublasOperation_t::CUBLAS_OP_N,
+                    m: i32_arg(g.m, "rows")?,
+                    n: i32_arg(g.t, "tokens")?,
+                    k: i32_arg(g.k, "columns")?,
+                    alpha: E::ONE,
+                    lda: i32_arg(g.lda, "lda")?,
+                    ldb: i32_arg(g.ldb, "ldb")?,
+                    beta: E::ZERO,
+                    ldc: i32_arg(g.heads * g.m, "ldc")?,
+                },
+                batch_size: i32_arg(g.heads, "heads")?,
+                stride_a: g.sa as i64,
+                stride_b: g.sb as i64,
+                stride_c: g.m as i64,
+            })
+        }
+        if self.dtype == GpuDtype::Bf16 {
+            let wb = self.to_bf16(w, w.len())?;
+            let xb = self.to_bf16(x, x.len())?;
+            let mut yb = self
+                .gpu
+                .alloc_zeroed::<half::bf16>(n_out.max(1), "head GEMM output")?;
+            // SAFETY: per head h: W_h at h*sa (k x m, lda >= k) transposed, x_h at h*sb (k x t,
+            // ldb), y at h*m (m x t, ldc heads*m): the callers' buffers hold these extents.
+            unsafe {
+                self.blas
+                    .gemm_strided_batched(cfg::<half::bf16>(g)?, &wb, &xb, &mut yb)
+            }
+            .map_err(|e| anyhow::anyhow!("cuBLAS bf16 batched GEMM: {e:?}"))?;
+            return self.from_bf16(&yb, n_out);
+        }
+        let mut y = self.zeros_f32(n_out, "head GEMM output")?;
+        // SAFETY: as above, in f32.
+        unsafe { self.blas.gemm_strided_batched(cfg::<f32>(g)?, w, x, &mut y) }
+            .map_err(|e| anyhow::anyhow!("cuBLAS batched SGEMM: {e:?}"))?;
+        Ok(y)
+    }
+
     /// `x [t, k] · W^T` for the GGUF matrix (or stacked-tensor row range) `name`/`rows`:
-    /// `[t, rows.len()]`, dequantized a chunk of rows at a time.
+    /// `[t, rows.len()]`, dequantized a chunk of rows at a time (f32, or bf16 in bf16 mode).
     fn project(
         &self,
         x: &CudaSlice<f32>,
@@ -267,8 +417,33 @@ impl<'w> CudaEngine<'w> {
     ) -> Result<CudaSlice<f32>> {
         let k = self.weights.tensor(name)?.info.ne[0] as usize;
         let out = rows.len();
-        let mut y = self.zeros_f32(t * out, "projection output")?;
         let chunk = (SCRATCH_VALUES / k.max(1)).clamp(1, out.max(1));
+        if self.dtype == GpuDtype::Bf16 {
+            let xb = self.to_bf16(x, t * k)?;
+            let mut yb = self
+                .gpu
+                .alloc_zeroed::<half::bf16>((t * out).max(1), "projection output")?;
+            let mut scratch = self
+                .gpu
+                .alloc_zeroed::<half::bf16>(chunk * k, "dequant scratch")?;
+            let mut r0 = 0;
+            while r0 < out {
+                let r1 = (r0 + chunk).min(out);
+                let mut wv = scratch.slice_mut(0..(r1 - r0) * k);
+                self.dequant_rows_as(
+                    name,
+                    rows.start + r0..rows.start + r1,
+                    OutFormat::Bf16,
+                    &mut wv,
+                )?;
+                let wv = scratch.slice(0..(r1 - r0) * k);
+                let mut yv = yb.slice_mut(r0..);
+                self.gemm_xwt(&xb, k, &wv, &mut yv, out, t, k, r1 - r0)?;
+                r0 = r1;
+            }
+            return self.from_bf16(&yb, t * out);
+        }
+        let mut y = self.zeros_f32(t * out, "projection output")?;
         let mut scratch = self.zeros_f32(chunk * k, "dequant scratch")?;
         let mut r0 = 0;
         while r0 < out {
@@ -343,13 +518,20 @@ impl Engine for CudaEngine<'_> {
     }
 
     fn dtype(&self) -> String {
-        "f32 storage, f32 accumulation (cuBLAS SGEMM, pedantic math: no TF32; absorbed MLA)"
-            .to_string()
+        match self.dtype {
+            GpuDtype::F32 => {
+                "f32 storage, f32 accumulation (cuBLAS SGEMM, pedantic math: no TF32; absorbed MLA)"
+            }
+            GpuDtype::Bf16 => {
+                "bf16 storage, f32 accumulation (cuBLAS bf16 GEMM on tensor cores; absorbed MLA)"
+            }
+        }
+        .to_string()
     }
 
     fn upload(&self, t: &HostTensor) -> Result<GpuTensor> {
         let data = match &t.data {
-            HostData::F32(v) => GpuData::F32(self.gpu.alloc_copy(v, "input")?),
+            HostData::F32(v) => GpuData::F32(self.finish(self.gpu.alloc_copy(v, "input")?)?),
             HostData::I32(v) => GpuData::I32(self.gpu.alloc_copy(v, "input")?),
         };
         Ok(GpuTensor {
@@ -389,7 +571,7 @@ impl Engine for CudaEngine<'_> {
             let mut row = out.slice_mut(i * hidden..(i + 1) * hidden);
             self.dequant_rows(name, id as usize..id as usize + 1, &mut row)?;
         }
-        Ok(self.tensor_f32(vec![ids.len(), hidden], out))
+        Ok(self.tensor_f32(vec![ids.len(), hidden], self.finish(out)?))
     }
 
     fn rms_norm(
@@ -426,7 +608,7 @@ impl Engine for CudaEngine<'_> {
             &nc,
             &eps
         );
-        Ok(self.tensor_f32(vec![t, cols.len()], y))
+        Ok(self.tensor_f32(vec![t, cols.len()], self.finish(y)?))
     }
 
     fn linear(&self, x: &GpuTensor, weight: &str) -> Result<GpuTensor> {
@@ -480,7 +662,7 @@ impl Engine for CudaEngine<'_> {
         } else {
             vec![t, s.heads * rd]
         };
-        Ok(self.tensor_f32(shape, y))
+        Ok(self.tensor_f32(shape, self.finish(y)?))
     }
 
     fn indexer_scores(&self, layer: usize, a: &GpuTensor, cq: &GpuTensor) -> Result<GpuTensor> {
@@ -508,6 +690,7 @@ impl Engine for CudaEngine<'_> {
             &d,
             &INDEXER_K_NORM_EPS
         );
+        let mut k = self.finish(k)?;
         let (tt, r, one) = (t as u32, rd as u32, 1u32);
         let (nih, zero) = (ni as u32, 0u32);
         let null = 0u64;
@@ -541,6 +724,7 @@ impl Engine for CudaEngine<'_> {
             &self.attn_factor,
             &one
         );
+        let (q, k) = (self.finish(q)?, self.finish(k)?);
         let scale = 1.0 / ((ni * di) as f64).sqrt();
         let mut out = self.zeros_f32(t * t, "indexer scores")?;
         let warps = (t * t) as u64;
@@ -566,7 +750,7 @@ impl Engine for CudaEngine<'_> {
             &d,
             &scale
         );
-        Ok(self.tensor_f32(vec![t, t], out))
+        Ok(self.tensor_f32(vec![t, t], self.finish(out)?))
     }
 
     fn top_k(&self, scores: &GpuTensor, k: usize) -> Result<GpuTensor> {
@@ -630,41 +814,20 @@ impl Engine for CudaEngine<'_> {
         }
         let (wk, wv) = self.mla_weights(layer)?;
         // q_lat[t, h, :] = q_nope[t, h, :] · W_UK[h]^T (W_UK[h] is [L, nope]): one batched GEMM.
-        let mut q_lat = self.zeros_f32(t * h * l, "q_lat")?;
         let q_b = x.q_b.f32("q_b")?;
-        let batched = |m: usize,
-                       k: usize,
-                       lda: usize,
-                       ldb: usize,
-                       ldc: usize,
-                       sa: usize,
-                       sb: usize,
-                       sc: usize|
-         -> Result<StridedBatchedConfig<f32>> {
-            Ok(StridedBatchedConfig {
-                gemm: GemmConfig {
-                    transa: cublasOperation_t::CUBLAS_OP_T,
-                    transb: cublasOperation_t::CUBLAS_OP_N,
-                    m: i32_arg(m, "rows")?,
-                    n: i32_arg(t, "tokens")?,
-                    k: i32_arg(k, "columns")?,
-                    alpha: 1.0f32,
-                    lda: i32_arg(lda, "lda")?,
-                    ldb: i32_arg(ldb, "ldb")?,
-                    beta: 0.0f32,
-                    ldc: i32_arg(ldc, "ldc")?,
-                },
-                batch_size: i32_arg(h, "heads")?,
-                stride_a: sa as i64,
-                stride_b: sb as i64,
-                stride_c: sc as i64,
-            })
+        let g = HeadGemm {
+            t,
+            heads: h,
+            m: l,
+            k: nope,
+            lda: nope,
+            ldb: h * qk,
+            sa: l * nope,
+            sb: qk,
         };
-        let cfg = batched(l, nope, nope, h * qk, h * l, l * nope, qk, l)?;
-        // SAFETY: per head h: W_UK[h] at h*L*nope (L x nope, lda nope) transposed, q_nope at
-        // h*qk (nope x T, ldb H*qk), q_lat at h*L (L x T, ldc H*L): all inside the buffers.
-        unsafe { self.blas.gemm_strided_batched(cfg, &wk, q_b, &mut q_lat) }
-            .map_err(|e| anyhow::anyhow!("engine: cuda: layer {layer}: q_lat GEMM: {e:?}"))?;
+        let q_lat = self
+            .head_gemm(&wk, q_b, &g)
+            .with_context(|| format!("engine: cuda: layer {layer}: q_lat"))?;
         // The keys each query may see.
         let mut mask = self
             .gpu
@@ -739,13 +902,24 @@ impl Engine for CudaEngine<'_> {
             &scale
         );
         // out[t, h, :] = o_lat[t, h, :] · W_UV[h]^T (W_UV[h] is [v, L]).
-        let mut out = self.zeros_f32(t * h * v, "attn_heads")?;
-        let cfg = batched(v, l, l, h * l, h * v, v * l, l, v)?;
-        // SAFETY: per head h: W_UV[h] at h*v*L (L x v, lda L) transposed, o_lat at h*L (L x T,
-        // ldb H*L), out at h*v (v x T, ldc H*v): all inside the buffers.
-        unsafe { self.blas.gemm_strided_batched(cfg, &wv, &o_lat, &mut out) }
-            .map_err(|e| anyhow::anyhow!("engine: cuda: layer {layer}: W_UV GEMM: {e:?}"))?;
-        let probs = probs.map(|p| self.tensor_f32(vec![h, t, t], p));
+        let o_lat = self.finish(o_lat)?;
+        let g = HeadGemm {
+            t,
+            heads: h,
+            m: v,
+            k: l,
+            lda: l,
+            ldb: h * l,
+            sa: v * l,
+            sb: l,
+        };
+        let out = self
+            .head_gemm(&wv, &o_lat, &g)
+            .with_context(|| format!("engine: cuda: layer {layer}: W_UV"))?;
+        let probs = match probs {
+            Some(p) => Some(self.tensor_f32(vec![h, t, t], self.finish(p)?)),
+            None => None,
+        };
         Ok((self.tensor_f32(vec![t, h * v], out), probs))
     }
 
@@ -810,12 +984,12 @@ impl Engine for CudaEngine<'_> {
             &hp.expert_weights_scale
         );
         Ok(Routing {
-            probs: self.tensor_f32(vec![t, e], probs),
+            probs: self.tensor_f32(vec![t, e], self.finish(probs)?),
             ids: GpuTensor {
                 shape: vec![t, k],
                 data: GpuData::I32(ids),
             },
-            weights: self.tensor_f32(vec![t, k], w),
+            weights: self.tensor_f32(vec![t, k], self.finish(w)?),
         })
     }
 
@@ -913,6 +1087,7 @@ impl Engine for CudaEngine<'_> {
                 &mut act,
                 &nf
             );
+            let act = self.finish(act)?;
             let y = self.project(&act, n, &down_name, e * hidden..(e + 1) * hidden)?;
             launch!(
                 self,
@@ -940,7 +1115,7 @@ impl Engine for CudaEngine<'_> {
             &total
         );
         Ok(ExpertsOut {
-            routed: self.tensor_f32(vec![t, hidden], out),
+            routed: self.tensor_f32(vec![t, hidden], self.finish(out)?),
             experts: extra,
         })
     }
@@ -972,7 +1147,7 @@ impl Engine for CudaEngine<'_> {
             &mut y,
             &nn
         );
-        Ok(self.tensor_f32(a.shape.clone(), y))
+        Ok(self.tensor_f32(a.shape.clone(), self.finish(y)?))
     }
 
     fn add(&self, a: &GpuTensor, b: &GpuTensor) -> Result<GpuTensor> {
@@ -995,7 +1170,7 @@ impl Engine for CudaEngine<'_> {
             &mut y,
             &nn
         );
-        Ok(self.tensor_f32(a.shape.clone(), y))
+        Ok(self.tensor_f32(a.shape.clone(), self.finish(y)?))
     }
 
     /// A layer's quantized weights are uploaded as its steps first read them and freed when
