@@ -8,6 +8,7 @@ pub mod inspect;
 pub mod run;
 pub mod synth;
 pub mod trace;
+pub mod weights_check;
 
 /// How a command ended when it did not fail.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

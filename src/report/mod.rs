@@ -9,6 +9,7 @@ pub mod plot;
 pub mod progress;
 pub mod run;
 pub mod trace;
+pub mod weights_check;
 
 use std::io::Write;
 
