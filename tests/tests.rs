@@ -9,3 +9,4 @@ mod reference;
 mod run;
 mod synth;
 mod tokenizer;
+mod weights_check;

@@ -18,6 +18,7 @@ pub fn run(args: &WeightsCheckArgs) -> Result<Outcome> {
     let model = Model::open(&args.model)?;
     let opts = Options {
         tensors: args.tensors.clone(),
+        ..Options::default()
     };
     let bar = Bar::with_unit("chunks");
     let index_heads = crate::model::HParams::from_model(&model)

@@ -174,10 +174,21 @@ impl Report {
 }
 
 /// What to check.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct Options {
     /// Only GGUF tensors matching one of these globs (empty: all).
     pub tensors: Vec<String>,
+    /// Values per work item ([`CHUNK_VALUES`]; whole rows, at least one).
+    pub chunk_values: u64,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            tensors: vec![],
+            chunk_values: CHUNK_VALUES,
+        }
+    }
 }
 
 impl Dims {
@@ -345,7 +356,7 @@ pub fn check(
     // Work items: chunks of rows, in tensor order.
     let mut items = Vec::new();
     for (pi, (_, p)) in planned.iter().enumerate() {
-        let step = (CHUNK_VALUES / p.row_len.max(1)).max(1);
+        let step = (opts.chunk_values / p.row_len.max(1)).max(1);
         let mut r = 0;
         while r < p.rows {
             let e = (r + step).min(p.rows);
