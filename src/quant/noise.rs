@@ -27,6 +27,12 @@
 //! values beyond the last level and the importance matrix shifts error between columns: both
 //! stay inside the measured range (K-quants 0.77..1.19 of the model).
 //!
+//! **One intermediate rounding.** `llama-quantize` usually requantizes the converter's BF16 (or
+//! F16) output rather than the original checkpoint, so a GGUF tensor may carry one BF16 rounding
+//! of the original on top of its own type's (it shows alone on tensors kept in F16/F32 because no
+//! block type fits their width). [`bf16_intermediate_sq_error`] is that allowance: `ulp_bf16^2 /
+//! 12` for every original value BF16 cannot hold exactly, so it is zero against a BF16 checkpoint.
+//!
 //! The model assumes the quantizer rounds to nearest against its grid, as every ggml quantizer
 //! does (the importance-weighted ones trade error between columns, not in total by much).
 
@@ -114,6 +120,16 @@ fn e2m1_vars() -> [f64; 16] {
 /// `2^(e - bias - mant)`, or the subnormal spacing `2^(1 - bias - mant)` for `e = 0`.
 fn ulp(e: i32, bias: i32, mant: i32) -> f64 {
     2f64.powi(e.max(1) - bias - mant)
+}
+
+/// Sum over `original` of the squared error one rounding to BF16 is expected to add: `ulp^2 / 12`
+/// for each value BF16 cannot hold exactly, 0 for the others (see the module documentation).
+pub fn bf16_intermediate_sq_error(original: &[f32]) -> f64 {
+    original
+        .iter()
+        .filter(|v| v.to_bits() & 0xFFFF != 0 && v.is_finite())
+        .map(|v| uniform(ulp(((v.to_bits() >> 23) & 0xFF) as i32, 127, 7)))
+        .sum()
 }
 
 /// Sum over the elements of `src` (whole blocks of `ty`) of the expected squared rounding error
@@ -352,6 +368,10 @@ mod tests {
         let e = expected_sq_error(GgmlType::BF16, &[0x80, 0x3F]).unwrap();
         assert_eq!(e, 2f64.powi(-14) / 12.0);
         assert!(expected_sq_error(GgmlType::Q8_0, &b[..33]).is_err());
+        // 1.0 and -2.0 are BF16 values: no allowance; 1 + 2^-10 is not: ulp 2^-7 at 1.
+        assert_eq!(bf16_intermediate_sq_error(&[1.0, -2.0]), 0.0);
+        let e = bf16_intermediate_sq_error(&[1.0 + 2f32.powi(-10)]);
+        assert_eq!(e, 2f64.powi(-14) / 12.0);
     }
 
     /// The cell formula: a uniform grid gives D^2/12; IQ4_NL's innermost levels 1 and -10 have

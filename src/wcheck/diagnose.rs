@@ -159,7 +159,8 @@ fn eval(ctx: &Ctx<'_>, name: &str, g: &Gather, ranges: &[Range<u64>], row_len: u
         let mut c = Acc::default();
         c.add(r.start * row_len, &a.vals, &b.vals);
         c.expected = ctx.left.sq_error(name, r.clone())?
-            + b.var.map_or(0.0, |v| v.iter().map(|&x| f64::from(x)).sum());
+            + b.var.map_or(0.0, |v| v.iter().map(|&x| f64::from(x)).sum())
+            + crate::quant::noise::bf16_intermediate_sq_error(&b.vals);
         acc.merge(&c);
     }
     Ok(acc)

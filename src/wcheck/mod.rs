@@ -10,7 +10,8 @@
 //!    the checkpoint is read with positioned reads), so memory is a few chunks per thread,
 //!    whatever the model's size. Per chunk: sums for NMSE, cosine, max |diff| ([`stats`]) and
 //!    the squared error the GGUF's rounding is expected to add there, read from its block
-//!    scales ([`crate::quant::noise`]; a GGUF reference adds its own).
+//!    scales ([`crate::quant::noise`]; a GGUF reference adds its own), plus one BF16 rounding of
+//!    the reference values BF16 cannot hold (the converter's intermediate file).
 //! 3. Verdict: a tensor passes when `sum (gguf - ref)^2 <= ALLOWED_FACTOR * expected` (see
 //!    [`ALLOWED_FACTOR`] for the reason of the factor; never above NMSE [`MAX_ALLOWED_NMSE`]),
 //!    and has no NaN/Inf the reference lacks.
@@ -37,6 +38,7 @@ pub use stats::Acc;
 pub use store::{GgufStore, HfStore, Store};
 
 use crate::gguf::Model;
+use crate::quant::noise;
 use crate::util::glob;
 use crate::util::progress::Progress;
 
@@ -381,7 +383,8 @@ pub fn check(
             let mut acc = Acc::default();
             acc.add(it.rows.start * p.row_len, &a.vals, &b.vals);
             acc.expected = left.sq_error(&p.name, it.rows.clone())?
-                + b.var.map_or(0.0, |v| v.iter().map(|&x| f64::from(x)).sum());
+                + b.var.map_or(0.0, |v| v.iter().map(|&x| f64::from(x)).sum())
+                + noise::bf16_intermediate_sq_error(&b.vals);
             progress.inc(1);
             Ok(acc)
         })
