@@ -221,27 +221,25 @@ fn tensor_glob_selects() {
     assert!(r.reference_only.is_empty());
 }
 
-/// A checkpoint without a tensor the GGUF needs, and with one the GGUF lacks, lists both.
-#[test]
-fn unmatched_tensors_are_listed() {
-    let dir = tempfile::tempdir().unwrap();
-    let src = wc("dsv3-tiny-hf");
-    for f in std::fs::read_dir(&src).unwrap() {
-        let f = f.unwrap().path();
-        std::fs::copy(&f, dir.path().join(f.file_name().unwrap())).unwrap();
-    }
-    // Rename one tensor in the index and in its shard header (same length: offsets unchanged).
+/// A copy of fixture checkpoint `name` with tensor `old` renamed `new` (same length, so the
+/// header's offsets stay valid) in its index (if any) and its shard header.
+fn with_renamed(name: &str, old: &str, new: &str) -> tempfile::TempDir {
+    assert_eq!(old.len(), new.len());
+    let dir = copy_ckpt(name);
     let idx = dir.path().join("model.safetensors.index.json");
-    let text = std::fs::read_to_string(&idx).unwrap();
-    let old = "model.layers.0.mlp.up_proj.weight";
-    let new = "model.layers.0.mlp.up_pro.weight_";
-    let shard = text
-        .lines()
-        .find(|l| l.contains(old))
-        .and_then(|l| l.split('"').nth(3))
-        .unwrap()
-        .to_string();
-    std::fs::write(&idx, text.replace(old, new)).unwrap();
+    let shard = if idx.exists() {
+        let text = std::fs::read_to_string(&idx).unwrap();
+        let shard = text
+            .lines()
+            .find(|l| l.contains(old))
+            .and_then(|l| l.split('"').nth(3))
+            .unwrap()
+            .to_string();
+        std::fs::write(&idx, text.replace(old, new)).unwrap();
+        shard
+    } else {
+        "model.safetensors".to_string()
+    };
     let p = dir.path().join(&shard);
     let mut bytes = std::fs::read(&p).unwrap();
     let at = bytes
@@ -250,6 +248,15 @@ fn unmatched_tensors_are_listed() {
         .unwrap();
     bytes[at..at + old.len()].copy_from_slice(new.as_bytes());
     std::fs::write(&p, bytes).unwrap();
+    dir
+}
+
+/// A checkpoint without a tensor the GGUF needs, and with one the GGUF lacks, lists both.
+#[test]
+fn unmatched_tensors_are_listed() {
+    let old = "model.layers.0.mlp.up_proj.weight";
+    let new = "model.layers.0.mlp.up_pro.weight_";
+    let dir = with_renamed("dsv3-tiny-hf", old, new);
     let r = check_hf(
         &fixtures("models").join("dsv3-tiny/dsv3-tiny-f16.gguf"),
         dir.path(),
@@ -261,6 +268,33 @@ fn unmatched_tensors_are_listed() {
     assert!(r.gguf_only[0].note.contains(old), "{}", r.gguf_only[0].note);
     assert_eq!(r.reference_only.len(), 1);
     assert_eq!(r.reference_only[0].name, new);
+    assert!(!r.reference_only[0].expected);
+}
+
+/// A checkpoint's MTP layer that the GGUF has no block for (DeepSeek's converter drops it) is
+/// listed as expected, not as a failure.
+#[test]
+fn a_dropped_mtp_layer_is_expected() {
+    // Layer 1 of glm5-tiny-q becomes "layer 2", an MTP layer for num_hidden_layers = 2.
+    let old = "model.layers.1.input_layernorm.weight";
+    let dir = with_renamed(
+        "glm5-tiny-q-bf16-hf",
+        old,
+        "model.layers.2.input_layernorm.weight",
+    );
+    let cfg = dir.path().join("config.json");
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    c["num_nextn_predict_layers"] = 1.into();
+    std::fs::write(&cfg, c.to_string()).unwrap();
+    let r = check_hf(
+        &wc("glm5-tiny-q-bf16.gguf"),
+        dir.path(),
+        &Options::default(),
+    );
+    assert_eq!(r.reference_only.len(), 1);
+    let u = &r.reference_only[0];
+    assert!(u.expected && u.note.contains("MTP layer"), "{u:?}");
+    assert_eq!(r.gguf_only.len(), 1); // blk.1.attn_norm.weight lost its source
 }
 
 /// The binary: exit 0 on a clean pair, 1 on a planted bug (with the diagnosis in the JSON),
@@ -565,4 +599,192 @@ fn the_reference_is_read_in_bounded_chunks() {
     assert!(largest_tensor > 16 * chunk);
     let elements: u64 = ckpt.tensors().map(|t| t.n_elements()).sum();
     assert_eq!(counting.total.load(Ordering::Relaxed), elements);
+}
+
+/// Not a test: writes the checkpoint of the GGUF `$GLMDIFF_WCHECK_GGUF` (BF16 for block-quantized
+/// tensors, 4 GiB shards) to `$GLMDIFF_WCHECK_HF`, for the memory measurement of the README:
+/// `glmdiff synth --arch glm-dsa --dims glm5 --layers 1 --out M.gguf`, this, then
+/// `/usr/bin/time -v glmdiff weights-check M.gguf --hf DIR`.
+#[test]
+#[ignore = "writes tens of GB; run by hand (README, weights-check memory)"]
+fn write_checkpoint_of_gguf() {
+    let (Some(g), Some(out)) = (
+        std::env::var_os("GLMDIFF_WCHECK_GGUF"),
+        std::env::var_os("GLMDIFF_WCHECK_HF"),
+    ) else {
+        panic!("set GLMDIFF_WCHECK_GGUF and GLMDIFF_WCHECK_HF");
+    };
+    let model = Model::open(Path::new(&g)).unwrap();
+    hf_from_gguf::write(&model, Path::new(&out), 4 << 30).unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// More suspects, planted here by rewriting the F32 fixture GGUF byte by byte (the GGUF writer,
+// not weights-check, makes them).
+// ---------------------------------------------------------------------------------------------
+
+/// A rewritten tensor: name, `ne`, f32 values in row-major PyTorch order.
+type Tensor = (String, Vec<u64>, Vec<f32>);
+
+/// The tensors of an F32 GGUF as `Tensor`s.
+fn f32_tensors(m: &Model) -> Vec<Tensor> {
+    m.tensors()
+        .map(|t| {
+            assert_eq!(t.info.ty, glmdiff::quant::GgmlType::F32);
+            let v = m.dequantize(t).unwrap();
+            (t.info.name.clone(), t.info.ne.clone(), v)
+        })
+        .collect()
+}
+
+/// Writes `tensors` as an F32 GGUF with `m`'s metadata.
+fn write_f32(m: &Model, tensors: &[Tensor], path: &Path) {
+    let mut w = glmdiff::gguf::GgufWriter::new();
+    for (k, v) in m.metadata() {
+        w.add(k, v.clone()).unwrap();
+    }
+    for (n, ne, _) in tensors {
+        w.add_tensor(n, ne, glmdiff::quant::GgmlType::F32).unwrap();
+    }
+    let mut i = 0;
+    w.write_file(path, &mut |_, out| {
+        let bytes: Vec<u8> = tensors[i].2.iter().flat_map(|x| x.to_le_bytes()).collect();
+        i += 1;
+        Ok(out.write_all(&bytes)?)
+    })
+    .unwrap();
+}
+
+fn get<'a>(ts: &'a mut [Tensor], name: &str) -> &'a mut Tensor {
+    ts.iter_mut().find(|t| t.0 == name).unwrap()
+}
+
+/// Rows `[rows, row_len]` permuted in groups of `g` rows: group `i` takes group `perm[i]`.
+fn permute_rows(v: &[f32], row_len: usize, g: usize, perm: &[usize]) -> Vec<f32> {
+    let gl = g * row_len;
+    perm.iter()
+        .flat_map(|&p| v[p * gl..(p + 1) * gl].iter().copied())
+        .collect()
+}
+
+#[test]
+fn more_planted_bugs_are_named() {
+    let src = fixtures("models").join("glm5-tiny/glm5-tiny-f32.gguf");
+    let m = Model::open(&src).unwrap();
+    let clean = f32_tensors(&m);
+    let dir = tempfile::tempdir().unwrap();
+    let heads = [1usize, 3, 0, 2];
+    let mut ts = clean.clone();
+    // gate <-> up of the dense layer.
+    let gate = get(&mut ts, "blk.0.ffn_gate.weight").2.clone();
+    let up = std::mem::replace(&mut get(&mut ts, "blk.0.ffn_up.weight").2, gate);
+    get(&mut ts, "blk.0.ffn_gate.weight").2 = up;
+    // q_b rows: 4 heads of 48 (nope 32 + rope 16) rows of 24.
+    let q = get(&mut ts, "blk.1.attn_q_b.weight");
+    q.2 = permute_rows(&q.2, 24, 48, &heads);
+    // attn_output columns: 64 rows of 4 heads x 24 values.
+    let o = get(&mut ts, "blk.2.attn_output.weight");
+    o.2 =
+        o.2.chunks_exact(96)
+            .flat_map(|r| permute_rows(r, 1, 24, &heads))
+            .collect();
+    // The square indexer key projection [64, 64], transposed.
+    let k = get(&mut ts, "blk.2.indexer.attn_k.weight");
+    k.2 = (0..64 * 64).map(|i| k.2[(i % 64) * 64 + i / 64]).collect();
+    let p = dir.path().join("bugs.gguf");
+    write_f32(&m, &ts, &p);
+    let r = check_hf(&p, &wc("glm5-tiny-hf"), &Options::default());
+    let want: BTreeMap<String, Value> = [
+        (
+            "blk.0.ffn_gate.weight",
+            serde_json::json!({"diagnosis": "gate_up_swapped"}),
+        ),
+        (
+            "blk.0.ffn_up.weight",
+            serde_json::json!({"diagnosis": "gate_up_swapped"}),
+        ),
+        (
+            "blk.1.attn_q_b.weight",
+            serde_json::json!({"diagnosis": "head_order", "permutation": heads}),
+        ),
+        (
+            "blk.2.attn_output.weight",
+            serde_json::json!({"diagnosis": "head_order", "permutation": heads}),
+        ),
+        (
+            "blk.2.indexer.attn_k.weight",
+            serde_json::json!({"diagnosis": "transposed"}),
+        ),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    assert_diagnosed(&r, &want, "rewritten glm5-tiny-f32");
+
+    // Older files store kv_b unsplit (attn_kv_b, [H * (nope + v), kv_lora]): right, then concatenated.
+    let (h, nope, v, kvl) = (4usize, 32usize, 24usize, 40usize);
+    for concat in [false, true] {
+        let mut ts: Vec<Tensor> = Vec::new();
+        for t in &clean {
+            if t.0.ends_with("attn_v_b.weight") {
+                continue;
+            }
+            if !t.0.ends_with("attn_k_b.weight") {
+                ts.push(t.clone());
+                continue;
+            }
+            let l = t.0.split('.').nth(1).unwrap();
+            let vb = &clean
+                .iter()
+                .find(|x| x.0 == format!("blk.{l}.attn_v_b.weight"))
+                .unwrap()
+                .2;
+            let (kb, mut kv) = (&t.2, vec![0f32; h * (nope + v) * kvl]);
+            for x in 0..h {
+                for d in 0..nope {
+                    let row = if concat {
+                        x * nope + d
+                    } else {
+                        x * (nope + v) + d
+                    };
+                    for c in 0..kvl {
+                        kv[row * kvl + c] = kb[(x * kvl + c) * nope + d];
+                    }
+                }
+                for j in 0..v {
+                    let row = if concat {
+                        h * nope + x * v + j
+                    } else {
+                        x * (nope + v) + nope + j
+                    };
+                    kv[row * kvl..(row + 1) * kvl]
+                        .copy_from_slice(&vb[(x * v + j) * kvl..(x * v + j + 1) * kvl]);
+                }
+            }
+            ts.push((
+                format!("blk.{l}.attn_kv_b.weight"),
+                vec![kvl as u64, (h * (nope + v)) as u64],
+                kv,
+            ));
+        }
+        let p = dir.path().join(format!("kvb-{concat}.gguf"));
+        write_f32(&m, &ts, &p);
+        let r = check_hf(&p, &wc("glm5-tiny-hf"), &Options::default());
+        if concat {
+            let want: BTreeMap<String, Value> = (0..4)
+                .map(|l| {
+                    (
+                        format!("blk.{l}.attn_kv_b.weight"),
+                        serde_json::json!({"diagnosis": "kv_b_concatenated"}),
+                    )
+                })
+                .collect();
+            assert_diagnosed(&r, &want, "attn_kv_b concatenated");
+        } else {
+            assert_clean(&r, "attn_kv_b interleaved");
+            // and against the split GGUF it came from
+            assert_clean(&check_gguf(&p, &src), "attn_kv_b vs attn_k_b/attn_v_b");
+            assert_clean(&check_gguf(&src, &p), "attn_k_b/attn_v_b vs attn_kv_b");
+        }
+    }
 }

@@ -136,13 +136,13 @@ pub fn bf16_intermediate_sq_error(original: &[f32]) -> f64 {
 /// of storing the original values in `ty` (see the module documentation).
 pub fn expected_sq_error(ty: GgmlType, src: &[u8]) -> Result<f64> {
     let f = block_fn(ty)?;
-    Ok(blocks_of(ty, src)?.map(|b| f(b)).sum())
+    Ok(blocks_of(ty, src)?.map(f).sum())
 }
 
 /// The same per block: one value per block of `src`, the block's summed expected squared error.
 pub fn block_sq_errors(ty: GgmlType, src: &[u8]) -> Result<Vec<f64>> {
     let f = block_fn(ty)?;
-    Ok(blocks_of(ty, src)?.map(|b| f(b)).collect())
+    Ok(blocks_of(ty, src)?.map(f).collect())
 }
 
 /// Whether [`expected_sq_error`] has a model for `ty`.

@@ -292,27 +292,35 @@ fn kv_concat(ctx: &Ctx<'_>, name: &str, shape: &[u64]) -> Vec<Hyp> {
             inner: Box::new(kvb),
             rows: (0..h * v).map(|i| h * nope + i).collect(),
         },
+        // The file's rows are all K rows (head by head), then all V rows.
         KV_B if shape == [h * (nope + v), kvl] => Gather::Mapped {
             inner: Box::new(kvb),
             rows: (0..h * (nope + v))
-                .map(|i| {
-                    let (x, q) = (i / (nope + v), i % (nope + v));
-                    if q < nope {
-                        x * nope + q
+                .map(|r| {
+                    if r < h * nope {
+                        (r / nope) * (nope + v) + r % nope
                     } else {
-                        h * nope + x * v + (q - nope)
+                        let q = r - h * nope;
+                        (q / v) * (nope + v) + nope + q % v
                     }
                 })
                 .collect(),
         },
         _ => return vec![],
     };
+    let summary = if suffix == KV_B {
+        format!(
+            "K/V concatenated instead of interleaved per head: the rows are all {h}x{nope} K rows, then all {h}x{v} V rows ({desc} is [K_h | V_h] per head)"
+        )
+    } else {
+        format!(
+            "K/V concatenated instead of interleaved per head: {desc} was split as all {h}x{nope} K rows, then all {h}x{v} V rows (it is [K_h | V_h] per head)"
+        )
+    };
     vec![Hyp {
         kind: "kv_b_concatenated",
         gather,
-        summary: format!(
-            "K/V concatenated instead of interleaved per head: {desc} was split as all {h}x{nope} K rows, then all {h}x{v} V rows (it is [K_h | V_h] per head)"
-        ),
+        summary,
         permutation: None,
         layer: None,
     }]

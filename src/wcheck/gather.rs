@@ -176,7 +176,9 @@ impl Gather {
                     // [len, c1 - c0] read in row chunks, then transposed into [c1 - c0, len].
                     let w = (c1 - c0) as usize;
                     let mut block = Values::default();
-                    let step = (READ_CHUNK / w.max(1) as u64).max(1);
+                    // A GGUF store dequantizes whole rows: bound rows x full row length.
+                    let full = store.meta(name).map_or(1, |m| m.row_len());
+                    let step = (READ_CHUNK / full.max(w as u64).max(1)).max(1);
                     let mut r = 0;
                     while r < *len {
                         let re = (r + step).min(*len);
