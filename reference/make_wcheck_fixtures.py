@@ -378,8 +378,10 @@ def main() -> None:
     q = GgmlQuant(build_libggml(llama))
     rng = np.random.default_rng(SEED)
     WORK.mkdir(parents=True, exist_ok=True)
-    if OUT.exists():
-        shutil.rmtree(OUT)
+    if OUT.exists():  # README.md is written by hand and kept
+        for p in OUT.iterdir():
+            if p.name != "README.md":
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
     (OUT / "broken").mkdir(parents=True)
     manifest: dict = {"checkpoints": {}, "ggufs": {}, "broken": {}}
     models = REPO / "fixtures" / "models"
@@ -485,7 +487,7 @@ def main() -> None:
                             "numpy": np.__version__, "gguf (pip)": version("gguf"),
                             "llama.cpp": mmf.converter_provenance(llama)}
     manifest["files"] = {str(p.relative_to(OUT)): {"bytes": p.stat().st_size, "sha256": mmf.sha256(p)}
-                         for p in sorted(OUT.rglob("*")) if p.is_file() and p.name != "MANIFEST.json"}
+                         for p in sorted(OUT.rglob("*")) if p.is_file() and p.name not in ("MANIFEST.json", "README.md")}
     manifest["total_bytes"] = sum(f["bytes"] for f in manifest["files"].values())
     _ = gguf
     (OUT / "MANIFEST.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")

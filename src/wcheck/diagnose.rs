@@ -52,6 +52,8 @@ struct Hyp {
     summary: String,
     permutation: Option<Vec<u64>>,
     layer: Option<usize>,
+    /// Rows to add to the sample (the groups a permutation moves).
+    extra: Vec<Range<u64>>,
 }
 
 /// Finds which mapping bug explains GGUF tensor `name` (PyTorch `shape`).
@@ -85,7 +87,9 @@ pub fn diagnose(ctx: &Ctx<'_>, name: &str, shape: &[u64]) -> Result<Diagnosis> {
     let mut stage = 0;
     loop {
         for h in pending.drain(..) {
-            let acc = eval(ctx, name, &h.gather, &ranges, row_len)?;
+            let mut rs = ranges.clone();
+            rs.extend(h.extra.iter().cloned());
+            let acc = eval(ctx, name, &h.gather, &rs, row_len)?;
             tried.push((h.kind.to_string(), acc.nmse()));
             if acc.n > 0 && acc.within(ALLOWED_FACTOR, MAX_ALLOWED_NMSE) {
                 let mut d = found(&h, &acc);
@@ -128,19 +132,21 @@ pub fn diagnose(ctx: &Ctx<'_>, name: &str, shape: &[u64]) -> Result<Diagnosis> {
     })
 }
 
-/// Row ranges of the sample: up to [`SAMPLE_RANGES`] evenly spaced runs.
+/// Row ranges of the sample: the whole tensor when it fits [`SAMPLE_VALUES`], else
+/// [`SAMPLE_RANGES`] evenly spaced runs of rows that together do.
 fn sample(rows: u64, row_len: u64) -> Vec<Range<u64>> {
-    let per = (SAMPLE_VALUES / SAMPLE_RANGES / row_len.max(1)).max(1);
-    let n = SAMPLE_RANGES.min(rows.div_ceil(per)).max(1);
-    let mut out: Vec<Range<u64>> = Vec::new();
-    for k in 0..n {
-        let start = (rows.saturating_sub(per)) * k / (n - 1).max(1);
-        let r = start..(start + per).min(rows);
-        if out.last().is_none_or(|l| l.end <= r.start) && r.start < r.end {
-            out.push(r);
-        }
+    let budget = (SAMPLE_VALUES / row_len.max(1)).max(1);
+    if rows <= budget {
+        return vec![0..rows];
     }
-    out
+    let n = SAMPLE_RANGES.min(budget);
+    let per = (budget / n).max(1);
+    (0..n)
+        .map(|k| {
+            let start = (rows - per) * k / (n - 1).max(1);
+            start..start + per
+        })
+        .collect()
 }
 
 /// The verdict's sums for `g` on the sample.
@@ -219,6 +225,7 @@ fn transposed(ctx: &Ctx<'_>, name: &str, shape: &[u64], base: &Resolved) -> Vec<
         ),
         permutation: None,
         layer: None,
+        extra: vec![],
     }]
     .into_iter()
     .map(|mut h| {
@@ -323,6 +330,7 @@ fn kv_concat(ctx: &Ctx<'_>, name: &str, shape: &[u64]) -> Vec<Hyp> {
         summary,
         permutation: None,
         layer: None,
+        extra: vec![],
     }]
 }
 
@@ -405,6 +413,20 @@ fn find_perm(
     Ok(Some(perm))
 }
 
+/// Sample rows covering the first moved groups of a row permutation (a few rows of each, at
+/// most [`SAMPLE_VALUES`] values in all); none for column groups, which every row crosses.
+fn moved_rows(perm: &[u64], group: u64, row_len: u64, by_cols: bool) -> Vec<Range<u64>> {
+    if by_cols {
+        return vec![];
+    }
+    let moved: Vec<u64> = (0..perm.len() as u64)
+        .filter(|&i| perm[i as usize] != i)
+        .take(16)
+        .collect();
+    let per = (SAMPLE_VALUES / moved.len().max(1) as u64 / row_len.max(1)).clamp(1, group);
+    moved.iter().map(|&g| g * group..g * group + per).collect()
+}
+
 /// `i<-p` for every moved group.
 fn moved(perm: &[u64]) -> String {
     let m: Vec<String> = perm
@@ -446,6 +468,7 @@ fn experts_permuted(ctx: &Ctx<'_>, name: &str, shape: &[u64], base: &Resolved) -
             "experts permuted: GGUF expert i holds reference expert perm[i] ({})",
             moved(&perm)
         ),
+        extra: moved_rows(&perm, *per, *c, false),
         permutation: Some(perm),
         layer: None,
     }])
@@ -473,6 +496,7 @@ fn gate_up(ctx: &Ctx<'_>, name: &str, shape: &[u64]) -> Vec<Hyp> {
             summary: format!("gate/up swapped: holds {} (the {sib} source)", s.desc),
             permutation: None,
             layer: None,
+            extra: vec![],
         }],
         _ => vec![],
     }
@@ -525,6 +549,7 @@ fn head_order(ctx: &Ctx<'_>, name: &str, shape: &[u64], base: &Resolved) -> Resu
             "wrong head order: GGUF head i holds reference head perm[i] ({})",
             moved(&perm)
         ),
+        extra: moved_rows(&perm, gs, row_len, by_cols),
         permutation: Some(perm),
         layer: None,
     }])
@@ -563,6 +588,7 @@ fn layer_shift(ctx: &Ctx<'_>, name: &str, shape: &[u64]) -> Vec<Hyp> {
                     ),
                     permutation: None,
                     layer: Some(x),
+                    extra: vec![],
                 }),
                 _ => None,
             }
@@ -576,10 +602,11 @@ mod tests {
 
     #[test]
     fn samples_cover_the_tensor_without_overlap() {
-        let s = sample(1000, 64);
+        let s = sample(100_000, 64);
         assert_eq!(s.len(), 8);
-        assert_eq!(s[0].start, 0);
-        assert_eq!(s.last().unwrap().end, 1000);
+        assert_eq!(s[0], 0..512);
+        assert_eq!(s.last().unwrap().end, 100_000);
+        assert_eq!(sample(1000, 64), vec![0..1000]);
         assert!(s.windows(2).all(|w| w[0].end <= w[1].start));
         assert_eq!(sample(3, 64), vec![0..3]);
         assert_eq!(moved(&[1, 0, 2]), "2 of 3 moved: 0<-1, 1<-0");
