@@ -137,7 +137,7 @@ pub fn diagnose(ctx: &Ctx<'_>, name: &str, shape: &[u64]) -> Result<Diagnosis> {
 fn sample(rows: u64, row_len: u64) -> Vec<Range<u64>> {
     let budget = (SAMPLE_VALUES / row_len.max(1)).max(1);
     if rows <= budget {
-        return vec![0..rows];
+        return std::iter::once(0..rows).collect();
     }
     let n = SAMPLE_RANGES.min(budget);
     let per = (budget / n).max(1);
@@ -606,9 +606,9 @@ mod tests {
         assert_eq!(s.len(), 8);
         assert_eq!(s[0], 0..512);
         assert_eq!(s.last().unwrap().end, 100_000);
-        assert_eq!(sample(1000, 64), vec![0..1000]);
+        assert_eq!(sample(1000, 64), [0..1000]);
         assert!(s.windows(2).all(|w| w[0].end <= w[1].start));
-        assert_eq!(sample(3, 64), vec![0..3]);
+        assert_eq!(sample(3, 64), [0..3]);
         assert_eq!(moved(&[1, 0, 2]), "2 of 3 moved: 0<-1, 1<-0");
     }
 }
