@@ -35,6 +35,8 @@ pub enum Command {
     Regress(RegressArgs),
     /// Write a synthetic GGUF with real tensor names, shapes and a realistic type mix.
     Synth(SynthArgs),
+    /// Compare every GGUF tensor with the Hugging Face checkpoint it came from (or another GGUF).
+    WeightsCheck(WeightsCheckArgs),
     /// Benchmarks (tables of measured rates, ratios against baselines measured in the same run).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -85,6 +87,26 @@ pub struct DequantCheckArgs {
     #[arg(long, default_value_t = 0)]
     pub device: usize,
     /// Write the results as JSON. Written atomically.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+/// `glmdiff weights-check`.
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("reference").required(true).args(["hf", "gguf"])))]
+pub struct WeightsCheckArgs {
+    /// The model: a .gguf file, or any shard of a split model.
+    pub model: PathBuf,
+    /// The Hugging Face checkpoint directory it was converted from (config.json + safetensors).
+    #[arg(long, value_name = "DIR")]
+    pub hf: Option<PathBuf>,
+    /// Another GGUF of the same model to compare with (another conversion or quant mix).
+    #[arg(long, value_name = "OTHER")]
+    pub gguf: Option<PathBuf>,
+    /// Only GGUF tensors whose name matches this glob (repeatable), e.g. 'blk.3.*'.
+    #[arg(long, value_name = "GLOB")]
+    pub tensors: Vec<String>,
+    /// Write the results as JSON (docs/weights-check-json.md). Written atomically.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
 }

@@ -33,11 +33,15 @@
 //! 14. [`bench`](mod@bench): benchmarks that measure and return data; uses `synth`, `driver`,
 //!     `cuda` (the GPU dequant benchmark),
 //!     `trace`, `engine`, `model`, `gguf`, `quant`, `util`.
-//! 15. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
-//!     the layers below return; uses `compare`, `regress`, `cuda`, `bench`,
+//! 15. [`hf`]: Hugging Face checkpoints (config, shards, BF16/F16/F32/FP8 block-scaled reads).
+//!     Imports nothing from the crate.
+//! 16. [`wcheck`]: `weights-check`, a GGUF tensor by tensor against its HF checkpoint or another
+//!     GGUF (mapping, streamed comparison, diagnosis); uses `hf`, `gguf`, `quant`, `model`, `util`.
+//! 17. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
+//!     the layers below return; uses `compare`, `regress`, `cuda`, `bench`, `wcheck`,
 //!     `model`, `trace`, `util`.
-//! 16. [`cli`]: the flags. Imports nothing from the crate.
-//! 17. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
+//! 18. [`cli`]: the flags. Imports nothing from the crate.
+//! 19. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
 //!     and handing results to `report`; the only module that uses them all.
 //!
 //! In the library only `report` and `cmd` write to stdout or stderr.
@@ -51,6 +55,7 @@ pub mod cuda;
 pub mod driver;
 pub mod engine;
 pub mod gguf;
+pub mod hf;
 pub mod model;
 pub mod quant;
 pub mod regress;
@@ -60,3 +65,4 @@ pub mod tensor;
 pub mod tokenizer;
 pub mod trace;
 pub mod util;
+pub mod wcheck;

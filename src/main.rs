@@ -26,6 +26,7 @@ fn main() -> ExitCode {
         Command::Compare(a) => cmd::run::compare(a),
         Command::Regress(a) => cmd::regress::run(a),
         Command::Synth(a) => cmd::synth::run(a),
+        Command::WeightsCheck(a) => cmd::weights_check::run(a),
         Command::Bench(BenchCommand::Dequant(a)) => cmd::bench::run_dequant(a),
         Command::Bench(BenchCommand::Layer(a)) => cmd::bench::run_layer(a),
     };

@@ -10,3 +10,4 @@ mod regress;
 mod run;
 mod synth;
 mod tokenizer;
+mod weights_check;

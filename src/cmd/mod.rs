@@ -9,6 +9,7 @@ pub mod regress;
 pub mod run;
 pub mod synth;
 pub mod trace;
+pub mod weights_check;
 
 /// How a command ended when it did not fail.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -360,6 +360,26 @@ impl GgufFile {
         self.data_slice(t, t.offset + rows.start * rb, (rows.end - rows.start) * rb)
     }
 
+    /// Drops the mapped pages of rows `rows` of `t` from this process's resident set (they stay in
+    /// the page cache, and a later read maps them again), so that streaming through a file larger
+    /// than memory keeps the resident set at what is being worked on. Best effort: errors are
+    /// ignored, and an in-memory file is left alone.
+    pub fn release_rows(&self, t: &TensorInfo, rows: Range<u64>) {
+        let Backing::Mmap(m) = &self.backing else {
+            return;
+        };
+        if self.check_own(t).is_err() || rows.start >= rows.end || rows.end > t.n_rows() {
+            return;
+        }
+        const PAGE: u64 = 4096;
+        let rb = t.row_bytes();
+        let start = (self.data_start + t.offset + rows.start * rb) / PAGE * PAGE;
+        let end = (self.data_start + t.offset + rows.end * rb).min(m.len() as u64);
+        if end > start {
+            release(m, start as usize, (end - start) as usize);
+        }
+    }
+
     /// Checks that `t` is this file's info of tensor `t.name`, not one from another file.
     fn check_own(&self, t: &TensorInfo) -> Result<()> {
         match self.tensor(&t.name) {
@@ -761,3 +781,16 @@ impl<'a> Reader<'a> {
         Ok((out, offset_fields))
     }
 }
+
+/// `madvise(MADV_DONTNEED)` on a range of a read-only file map.
+#[cfg(unix)]
+fn release(m: &Mmap, offset: usize, len: usize) {
+    // SAFETY: the map is a shared, read-only mapping of a file glmdiff never writes. DONTNEED
+    // only drops this process's page-table entries; the next access faults the same file bytes
+    // back in from the page cache, so every live slice into the map keeps reading the same data.
+    let _ = unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, len) };
+}
+
+/// No page release off Unix.
+#[cfg(not(unix))]
+fn release(_: &Mmap, _: usize, _: usize) {}

@@ -273,6 +273,14 @@ impl Model {
         self.shard_of(t)?.row_data(t.info, rows)
     }
 
+    /// Drops the mapped pages of rows `rows` of `t` from the resident set (see
+    /// [`GgufFile::release_rows`]).
+    pub fn release_rows(&self, t: TensorRef<'_>, rows: Range<u64>) {
+        if let Some(s) = self.shards.get(t.shard) {
+            s.release_rows(t.info, rows);
+        }
+    }
+
     /// The shard that `t` names, or an error when the index is past this model's shards.
     pub(crate) fn shard_of(&self, t: TensorRef<'_>) -> Result<&GgufFile> {
         self.shards.get(t.shard).with_context(|| {

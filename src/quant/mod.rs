@@ -10,6 +10,7 @@ pub(crate) mod grids;
 mod iquants;
 mod kquants;
 pub(crate) mod legacy;
+pub mod noise;
 pub(crate) mod small;
 pub mod types;
 

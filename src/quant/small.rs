@@ -41,7 +41,7 @@ const fn pow2(k: i32) -> f32 {
 
 /// ggml's `ggml_e8m0_to_fp32_half`: `2^(x-128)` as f32 bits, subnormal for `x < 2`.
 #[inline(always)]
-fn e8m0_to_f32_half(x: u8) -> f32 {
+pub(crate) fn e8m0_to_f32_half(x: u8) -> f32 {
     let bits = if x < 2 {
         0x0020_0000u32 << x
     } else {

@@ -10,6 +10,7 @@ pub mod progress;
 pub mod regress;
 pub mod run;
 pub mod trace;
+pub mod weights_check;
 
 use std::io::Write;
 

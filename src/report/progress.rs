@@ -7,13 +7,19 @@ use crate::util::progress::Progress;
 /// A progress bar on stderr; hidden when stderr is not a terminal.
 pub struct Bar {
     bar: ProgressBar,
+    unit: &'static str,
 }
 
 impl Bar {
-    /// A hidden bar until [`Progress::start`].
+    /// A hidden bar until [`Progress::start`], counting layers.
     pub fn new() -> Bar {
+        Bar::with_unit("layers")
+    }
+
+    /// The same, counting `unit`s.
+    pub fn with_unit(unit: &'static str) -> Bar {
         let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
-        Bar { bar }
+        Bar { bar, unit }
     }
 }
 
@@ -28,9 +34,11 @@ impl Progress for Bar {
         self.bar.reset();
         self.bar.set_length(total);
         self.bar.set_position(0);
-        if let Ok(style) =
-            ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} layers, {elapsed}")
-        {
+        let template = format!(
+            "{{msg}} [{{bar:30}}] {{pos}}/{{len}} {}, {{elapsed}}",
+            self.unit
+        );
+        if let Ok(style) = ProgressStyle::with_template(&template) {
             self.bar.set_style(style.progress_chars("=> "));
         }
         self.bar.set_message(what.to_string());

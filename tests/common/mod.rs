@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests.
 
 pub mod gguf_bytes;
+pub mod hf_from_gguf;
 
 use std::path::{Path, PathBuf};
 

@@ -242,7 +242,7 @@ impl<'w> CudaEngine<'w> {
     }
 
     /// bf16 values `x` as f32.
-    fn from_bf16(&self, x: &CudaSlice<half::bf16>, n: usize) -> Result<CudaSlice<f32>> {
+    fn widen_bf16(&self, x: &CudaSlice<half::bf16>, n: usize) -> Result<CudaSlice<f32>> {
         let mut y = self.zeros_f32(n, "f32 copy")?;
         let nn = n as u64;
         launch!(self, "bf16_to_f32", items(self.gpu, nn), x, &mut y, &nn);
@@ -397,7 +397,7 @@ impl<'w> CudaEngine<'w> {
                     .gemm_strided_batched(cfg::<half::bf16>(g)?, &wb, &xb, &mut yb)
             }
             .map_err(|e| anyhow::anyhow!("cuBLAS bf16 batched GEMM: {e:?}"))?;
-            return self.from_bf16(&yb, n_out);
+            return self.widen_bf16(&yb, n_out);
         }
         let mut y = self.zeros_f32(n_out, "head GEMM output")?;
         // SAFETY: as above, in f32.
@@ -441,7 +441,7 @@ impl<'w> CudaEngine<'w> {
                 self.gemm_xwt(&xb, k, &wv, &mut yv, out, t, k, r1 - r0)?;
                 r0 = r1;
             }
-            return self.from_bf16(&yb, t * out);
+            return self.widen_bf16(&yb, t * out);
         }
         let mut y = self.zeros_f32(t * out, "projection output")?;
         let mut scratch = self.zeros_f32(chunk * k, "dequant scratch")?;

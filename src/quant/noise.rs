@@ -1,0 +1,388 @@
+//! The rounding error a GGML type is expected to add to a tensor, read from the tensor's own
+//! blocks: what `weights-check` compares a GGUF tensor's measured error against.
+//!
+//! # Derivation
+//! A quantizer that rounds each value to the nearest point of a grid leaves an error that lies in
+//! the cell around the chosen point. With the original value spread evenly over that cell (true
+//! when the cell is small against the spread of the weights), a cell `[-a, b]` around the point
+//! gives `E[e^2] = (a^3 + b^3) / (3 (a + b))`, which for a uniform grid of step `D` (`a = b = D/2`)
+//! is the familiar `D^2 / 12`. Every GGML block stores the scales that fix its grid, so the step
+//! of every sub-block is known exactly, and the expected squared error of a tensor is the sum of
+//! that per-element variance over its elements:
+//!
+//! | types | grid of one sub-block | per element |
+//! |---|---|---|
+//! | F32, F16, BF16 | the format's own spacing at the stored value (`ulp`) | `ulp^2 / 12` |
+//! | Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 | `d * q` (+ `m`) | `d^2 / 12` |
+//! | Q2_K, Q3_K, Q4_K, Q5_K, Q6_K | `d * sc_j * q` (- `dmin * m_j`) per 16 or 32 | `(d sc_j)^2 / 12` |
+//! | TQ1_0, TQ2_0 | `d * {-1, 0, 1}` | `d^2 / 12` |
+//! | IQ4_NL, IQ4_XS, MXFP4, NVFP4 | a scale times 16 non-uniform levels | the cell of the stored level |
+//! | IQ2_*, IQ3_*, IQ1_* | 8-value codebook entries on a lattice of step `D` per coordinate | `F * D^2 / 12` |
+//!
+//! `D` for the codebooks: IQ2 grid magnitudes are 8, 25, 43 (step 17 times the sub-block scale),
+//! IQ3_XXS magnitudes 4, 12, .., 62 (step 8), IQ3_S 1, 3, .., 15 (step 2), IQ1 values -1, 0, 1 (step 1). A codebook holds only a
+//! few of the lattice's points (IQ2_XXS: 256 of 3^8 magnitude patterns), so the nearest entry is
+//! farther than the nearest lattice point: `F` ([`codebook_factor`]) is that excess, measured on
+//! llama.cpp's own quantizer (numbers beside it). The K-quants' scale search may clip a few
+//! values beyond the last level and the importance matrix shifts error between columns: both
+//! stay inside the measured range (K-quants 0.77..1.19 of the model).
+//!
+//! **One intermediate rounding.** `llama-quantize` usually requantizes the converter's BF16 (or
+//! F16) output rather than the original checkpoint, so a GGUF tensor may carry one BF16 rounding
+//! of the original on top of its own type's (it shows alone on tensors kept in F16/F32 because no
+//! block type fits their width). [`bf16_intermediate_sq_error`] is that allowance: `ulp_bf16^2 /
+//! 12` for every original value BF16 cannot hold exactly, so it is zero against a BF16 checkpoint.
+//!
+//! The model assumes the quantizer rounds to nearest against its grid, as every ggml quantizer
+//! does (the importance-weighted ones trade error between columns, not in total by much).
+
+use anyhow::{bail, Result};
+
+use super::legacy::KVALUES_IQ4NL;
+use super::small::{e8m0_to_f32_half, KVALUES_MXFP4, UE4M3_HALF};
+use super::{f16_le, GgmlType, QK_K};
+
+/// Step of the IQ2 grids in grid units (magnitudes 8, 25, 43).
+const IQ2_STEP: f64 = 17.0;
+/// Step of the IQ3_XXS grid in grid units (magnitudes 4, 12, .., 62).
+const IQ3XXS_STEP: f64 = 8.0;
+/// Step of the IQ3_S grid in grid units (magnitudes 1, 3, .., 15).
+const IQ3S_STEP: f64 = 2.0;
+
+/// Measured excess of a codebook type's error over `D^2 / 12`, see the module documentation.
+///
+/// Measured with `python3 reference/wcheck_calibrate.py` (llama.cpp's `ggml_quantize_chunk` on
+/// 256 x 1024 tensors of Gaussian, Laplace, Student-t(4) and row-scaled Gaussian values, each
+/// without and with a log-normal importance matrix of sigma 1 and 2): the ratio of the measured
+/// error to `D^2 / 12` per type ranged IQ2_XXS 1.45..2.27, IQ2_XS 1.27..2.27, IQ2_S 1.12..1.58,
+/// IQ3_XXS 2.99..6.33, IQ3_S 1.74..2.86, IQ1_S 0.64..1.51, IQ1_M 0.63..1.40. The factor is the
+/// middle of that range, so measured / expected stays within about 0.7..1.5 for every type.
+/// (The same run gave 0.77..1.19 for every scalar type: Q*_0/1, K-quants, IQ4_NL/XS, MXFP4,
+/// F16, BF16; the ternary TQ types 0.19..0.84, their values crowd the zero cell.)
+fn codebook_factor(ty: GgmlType) -> f64 {
+    match ty {
+        GgmlType::IQ2_XXS => 1.8,
+        GgmlType::IQ2_XS => 1.7,
+        GgmlType::IQ2_S => 1.3,
+        GgmlType::IQ3_XXS => 4.3,
+        GgmlType::IQ3_S => 2.2,
+        _ => 1.0,
+    }
+}
+
+/// Per-element variance of a uniform grid of step `d`.
+#[inline(always)]
+fn uniform(d: f64) -> f64 {
+    d * d / 12.0
+}
+
+/// `E[e^2]` of a value spread evenly over the cell `[-a, b]` around its grid point.
+fn cell(a: f64, b: f64) -> f64 {
+    if a + b <= 0.0 {
+        0.0
+    } else {
+        (a * a * a + b * b * b) / (3.0 * (a + b))
+    }
+}
+
+/// Per-level cell variances of a sorted-or-not list of levels (unit scale): each level's cell
+/// runs halfway to its neighbours; the outermost cells mirror their inner half.
+fn level_variances<const N: usize>(levels: [f64; N]) -> [f64; N] {
+    let mut sorted = levels.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted.dedup();
+    std::array::from_fn(|i| {
+        let v = levels[i];
+        let k = sorted.iter().position(|&x| x == v).unwrap_or(0);
+        let below = (k > 0).then(|| (v - sorted[k - 1]) / 2.0);
+        let above = (k + 1 < sorted.len()).then(|| (sorted[k + 1] - v) / 2.0);
+        let (a, b) = match (below, above) {
+            (Some(a), Some(b)) => (a, b),
+            (Some(a), None) => (a, a),
+            (None, Some(b)) => (b, b),
+            (None, None) => (0.0, 0.0),
+        };
+        cell(a, b)
+    })
+}
+
+/// Variance per IQ4_NL level index at unit scale.
+fn iq4nl_vars() -> [f64; 16] {
+    level_variances(KVALUES_IQ4NL.map(f64::from))
+}
+
+/// Variance per E2M1 (doubled, as ggml stores it) level index at unit scale.
+fn e2m1_vars() -> [f64; 16] {
+    level_variances(KVALUES_MXFP4.map(f64::from))
+}
+
+/// Spacing of a float format at a stored value whose biased exponent field is `e`:
+/// `2^(e - bias - mant)`, or the subnormal spacing `2^(1 - bias - mant)` for `e = 0`.
+fn ulp(e: i32, bias: i32, mant: i32) -> f64 {
+    2f64.powi(e.max(1) - bias - mant)
+}
+
+/// Sum over `original` of the squared error one rounding to BF16 is expected to add: `ulp^2 / 12`
+/// for each value BF16 cannot hold exactly, 0 for the others (see the module documentation).
+pub fn bf16_intermediate_sq_error(original: &[f32]) -> f64 {
+    original
+        .iter()
+        .filter(|v| v.to_bits() & 0xFFFF != 0 && v.is_finite())
+        .map(|v| uniform(ulp(((v.to_bits() >> 23) & 0xFF) as i32, 127, 7)))
+        .sum()
+}
+
+/// Sum over the elements of `src` (whole blocks of `ty`) of the expected squared rounding error
+/// of storing the original values in `ty` (see the module documentation).
+pub fn expected_sq_error(ty: GgmlType, src: &[u8]) -> Result<f64> {
+    let f = block_fn(ty)?;
+    Ok(blocks_of(ty, src)?.map(f).sum())
+}
+
+/// The same per block: one value per block of `src`, the block's summed expected squared error.
+pub fn block_sq_errors(ty: GgmlType, src: &[u8]) -> Result<Vec<f64>> {
+    let f = block_fn(ty)?;
+    Ok(blocks_of(ty, src)?.map(f).collect())
+}
+
+/// Whether [`expected_sq_error`] has a model for `ty`.
+pub fn has_model(ty: GgmlType) -> bool {
+    block_fn(ty).is_ok()
+}
+
+/// The blocks of `src`, checked to be whole.
+fn blocks_of(ty: GgmlType, src: &[u8]) -> Result<std::slice::ChunksExact<'_, u8>> {
+    let ts = ty.type_size();
+    if ts == 0 || src.len() % ts != 0 {
+        bail!(
+            "quant: {ty}: {} bytes are not whole blocks of {ts}",
+            src.len()
+        );
+    }
+    Ok(src.chunks_exact(ts))
+}
+
+/// A block's f16 at byte `o`, as f64.
+fn b16(b: &[u8], o: usize) -> f64 {
+    f64::from(f16_le(&b[o..o + 2]))
+}
+
+/// Expected squared error of one block of `ty`.
+type BlockFn = Box<dyn Fn(&[u8]) -> f64 + Send + Sync>;
+
+/// The per-block model of `ty`.
+fn block_fn(ty: GgmlType) -> Result<BlockFn> {
+    use GgmlType as T;
+    let cb = codebook_factor(ty);
+    Ok(match ty {
+        T::F32 => Box::new(|b| {
+            let e = ((u32::from_le_bytes([b[0], b[1], b[2], b[3]]) >> 23) & 0xFF) as i32;
+            uniform(ulp(e, 127, 23))
+        }),
+        T::F16 => Box::new(|b| uniform(ulp(((b[1] >> 2) & 0x1F) as i32, 15, 10))),
+        T::BF16 => Box::new(|b| {
+            let e = ((u16::from_le_bytes([b[0], b[1]]) >> 7) & 0xFF) as i32;
+            uniform(ulp(e, 127, 7))
+        }),
+        T::Q4_0 | T::Q4_1 | T::Q5_0 | T::Q5_1 | T::Q8_0 => Box::new(|b| 32.0 * uniform(b16(b, 0))),
+        T::Q2_K => Box::new(|b| {
+            let d = b16(b, 80);
+            (0..16)
+                .map(|j| 16.0 * uniform(d * f64::from(b[j] & 0xF)))
+                .sum::<f64>()
+        }),
+        T::Q3_K => Box::new(|b| {
+            let d = b16(b, 108);
+            let s = &b[96..108];
+            (0..16)
+                .map(|j| {
+                    let lo = if j < 8 { s[j] & 0xF } else { s[j - 8] >> 4 };
+                    let hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+                    let sc = f64::from((lo | (hi << 4)) as i8 - 32);
+                    16.0 * uniform(d * sc)
+                })
+                .sum::<f64>()
+        }),
+        T::Q4_K | T::Q5_K => Box::new(|b| {
+            let d = b16(b, 0);
+            let s = &b[4..16];
+            (0..8)
+                .map(|j| {
+                    let sc = if j < 4 {
+                        s[j] & 63
+                    } else {
+                        (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4)
+                    };
+                    32.0 * uniform(d * f64::from(sc))
+                })
+                .sum::<f64>()
+        }),
+        T::Q6_K => Box::new(|b| {
+            let d = b16(b, 208);
+            (0..16)
+                .map(|j| 16.0 * uniform(d * f64::from(b[192 + j] as i8)))
+                .sum::<f64>()
+        }),
+        T::TQ1_0 => Box::new(|b| QK_K as f64 * uniform(b16(b, 52))),
+        T::TQ2_0 => Box::new(|b| QK_K as f64 * uniform(b16(b, 64))),
+        T::IQ4_NL => {
+            let v = iq4nl_vars();
+            Box::new(move |b| {
+                let d = b16(b, 0);
+                d * d * nibble_sum(&b[2..18], &v)
+            })
+        }
+        T::IQ4_XS => {
+            let v = iq4nl_vars();
+            Box::new(move |b| {
+                let d = b16(b, 0);
+                let sh = u16::from_le_bytes([b[2], b[3]]);
+                (0..8)
+                    .map(|ib| {
+                        let lo = (b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF;
+                        let hi = ((sh >> (2 * ib)) & 3) as u8;
+                        let dl = d * f64::from((lo | (hi << 4)) as i8 - 32);
+                        dl * dl * nibble_sum(&b[8 + 16 * ib..24 + 16 * ib], &v)
+                    })
+                    .sum::<f64>()
+            })
+        }
+        T::MXFP4 => {
+            let v = e2m1_vars();
+            Box::new(move |b| {
+                let d = f64::from(e8m0_to_f32_half(b[0]));
+                d * d * nibble_sum(&b[1..17], &v)
+            })
+        }
+        T::NVFP4 => {
+            let v = e2m1_vars();
+            Box::new(move |b| {
+                (0..4)
+                    .map(|s| {
+                        let d = f64::from(UE4M3_HALF[usize::from(b[s])]);
+                        d * d * nibble_sum(&b[4 + 8 * s..12 + 8 * s], &v)
+                    })
+                    .sum::<f64>()
+            })
+        }
+        T::IQ2_XXS => Box::new(move |b| {
+            let d = b16(b, 0);
+            cb * (0..8)
+                .map(|ib| {
+                    let w = &b[2 + 8 * ib + 4..2 + 8 * ib + 8];
+                    let aux = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
+                    let db = d * (0.5 + f64::from(aux >> 28)) * 0.25;
+                    32.0 * uniform(IQ2_STEP * db)
+                })
+                .sum::<f64>()
+        }),
+        T::IQ2_XS | T::IQ2_S => {
+            let off = if ty == T::IQ2_XS { 66 } else { 74 };
+            Box::new(move |b| {
+                let d = b16(b, 0);
+                cb * b[off..off + 8]
+                    .iter()
+                    .flat_map(|&sc| [sc & 0xF, sc >> 4])
+                    .map(|s| {
+                        let db = d * (0.5 + f64::from(s)) * 0.25;
+                        16.0 * uniform(IQ2_STEP * db)
+                    })
+                    .sum::<f64>()
+            })
+        }
+        T::IQ3_XXS => Box::new(move |b| {
+            let d = b16(b, 0);
+            cb * b[66..98]
+                .chunks_exact(4)
+                .map(|w| {
+                    let aux = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
+                    let db = d * (0.5 + f64::from(aux >> 28)) * 0.5;
+                    32.0 * uniform(IQ3XXS_STEP * db)
+                })
+                .sum::<f64>()
+        }),
+        T::IQ3_S => Box::new(move |b| {
+            let d = b16(b, 0);
+            cb * (0..8)
+                .map(|ib| {
+                    let sc = (b[106 + ib / 2] >> (4 * (ib % 2))) & 0xF;
+                    let db = d * f64::from(1 + 2 * u32::from(sc));
+                    32.0 * uniform(IQ3S_STEP * db)
+                })
+                .sum::<f64>()
+        }),
+        T::IQ1_S => Box::new(move |b| {
+            let d = b16(b, 0);
+            cb * b[34..50]
+                .chunks_exact(2)
+                .map(|h| {
+                    let h = u16::from_le_bytes([h[0], h[1]]);
+                    let dl = d * f64::from(2 * ((h >> 12) & 7) + 1);
+                    32.0 * uniform(dl)
+                })
+                .sum::<f64>()
+        }),
+        T::IQ1_M => Box::new(move |b| {
+            let sc: [u16; 4] =
+                std::array::from_fn(|i| u16::from_le_bytes([b[48 + 2 * i], b[49 + 2 * i]]));
+            let d_bits = (sc[0] >> 12)
+                | ((sc[1] >> 8) & 0x00f0)
+                | ((sc[2] >> 4) & 0x0f00)
+                | (sc[3] & 0xf000);
+            let d = f64::from(half::f16::from_bits(d_bits).to_f32());
+            cb * (0..8)
+                .map(|ib| {
+                    let s = sc[ib / 2] >> (6 * (ib % 2));
+                    [s & 7, (s >> 3) & 7]
+                        .iter()
+                        .map(|&k| 16.0 * uniform(d * f64::from(2 * k + 1)))
+                        .sum::<f64>()
+                })
+                .sum::<f64>()
+        }),
+        other => bail!("quant: no rounding-error model for type {other}"),
+    })
+}
+
+/// Sum of `vars[nibble]` over both nibbles of every byte.
+fn nibble_sum(q: &[u8], vars: &[f64; 16]) -> f64 {
+    q.iter()
+        .map(|&x| vars[usize::from(x & 0xF)] + vars[usize::from(x >> 4)])
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Hand values: a Q8_0 block with d = 0.5 expects 32 * 0.25 / 12; an F16 1.0 has ulp 2^-10.
+    #[test]
+    fn uniform_types_by_hand() {
+        let mut b = vec![0u8; 34];
+        b[0..2].copy_from_slice(&half::f16::from_f32(0.5).to_bits().to_le_bytes());
+        let e = expected_sq_error(GgmlType::Q8_0, &b).unwrap();
+        assert!((e - 32.0 * 0.25 / 12.0).abs() < 1e-12);
+        let one = half::f16::from_f32(1.0).to_bits().to_le_bytes();
+        let e = expected_sq_error(GgmlType::F16, &one).unwrap();
+        assert_eq!(e, 2f64.powi(-20) / 12.0);
+        let e = expected_sq_error(GgmlType::BF16, &[0x80, 0x3F]).unwrap();
+        assert_eq!(e, 2f64.powi(-14) / 12.0);
+        assert!(expected_sq_error(GgmlType::Q8_0, &b[..33]).is_err());
+        // 1.0 and -2.0 are BF16 values: no allowance; 1 + 2^-10 is not: ulp 2^-7 at 1.
+        assert_eq!(bf16_intermediate_sq_error(&[1.0, -2.0]), 0.0);
+        let e = bf16_intermediate_sq_error(&[1.0 + 2f32.powi(-10)]);
+        assert_eq!(e, 2f64.powi(-14) / 12.0);
+    }
+
+    /// The cell formula: a uniform grid gives D^2/12; IQ4_NL's innermost levels 1 and -10 have
+    /// neighbours at -10/13 and -22/1: half-gaps (5.5, 6) and (6, 5.5).
+    #[test]
+    fn level_cells_by_hand() {
+        assert!((cell(0.5, 0.5) - 1.0 / 12.0).abs() < 1e-15);
+        let v = iq4nl_vars();
+        let want = (5.5f64.powi(3) + 6f64.powi(3)) / (3.0 * 11.5);
+        assert!((v[8] - want).abs() < 1e-12 && (v[7] - want).abs() < 1e-12);
+        // the outer level -127 mirrors its inner half-gap (127-104)/2
+        assert!((v[0] - 11.5f64.powi(2) / 3.0).abs() < 1e-12);
+    }
+}
