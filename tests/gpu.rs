@@ -319,7 +319,8 @@ mod device {
 
     /// `run --against cuda` on every fixture model, both modes, every hook (per-expert and
     /// attention-probability points too): the CUDA engine (absorbed MLA, cuBLAS SGEMM on weights
-    /// dequantized per step) within the f32 floors of the CPU reference at every step, exit 0.
+    /// dequantized per step) within the f32 floors of the CPU reference at every step, and with
+    /// `--dtype bf16` within the bf16 floors; exit 0.
     #[test]
     #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
     fn gpu_run_against_cuda() {
@@ -334,7 +335,11 @@ mod device {
         let mut failed = Vec::new();
         for m in models {
             let f = fixtures(m);
-            for extra in [&[][..], &["--all-steps", "--layer", "1"][..]] {
+            for extra in [
+                &[][..],
+                &["--all-steps", "--layer", "1"][..],
+                &["--dtype", "bf16"][..],
+            ] {
                 let mut args = vec![
                     "run",
                     f.to_str().unwrap(),
