@@ -164,6 +164,10 @@ pub struct RunArgs {
     /// and activations in bf16, tensor-core GEMMs with f32 accumulation: the bf16 floors apply).
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
     pub dtype: String,
+    /// The CUDA engine over several GPUs, e.g. 0,1: layers in contiguous ranges balanced by
+    /// weight bytes, the residual stream handed from GPU to GPU (implies --against cuda).
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    pub devices: Vec<usize>,
     /// What to compare and how to report it.
     #[command(flatten)]
     pub report: ReportArgs,

@@ -96,7 +96,11 @@ mod device {
     use glmdiff::cuda::dequant::{kernel_stem, OutFormat};
     use glmdiff::cuda::Gpu;
     use glmdiff::driver::NoProgress;
+    use glmdiff::engine::cpu::CpuEngine;
+    use glmdiff::engine::cuda::{CudaEngine, GpuDtype};
+    use glmdiff::engine::{Engine, ExpertInputs, HostData, HostTensor, MlaInputs};
     use glmdiff::gguf::Model;
+    use glmdiff::model::Weights;
     use glmdiff::quant::{dequantize_par, GgmlType, TYPE_TABLE};
     use glmdiff::util::rng::SplitMix64;
 
@@ -339,6 +343,7 @@ mod device {
                 &[][..],
                 &["--all-steps", "--layer", "1"][..],
                 &["--dtype", "bf16"][..],
+                &["--devices", "0,0"][..],
             ] {
                 let mut args = vec![
                     "run",
@@ -363,6 +368,332 @@ mod device {
             }
         }
         assert!(failed.is_empty(), "run --against cuda failed on {failed:?}");
+    }
+
+    /// One case of the op table: its (CPU, CUDA) output pairs.
+    type OpCase<'a> = Box<dyn Fn() -> Vec<(HostTensor, HostTensor)> + 'a>;
+
+    /// The two engines of the op table.
+    struct Pair<'a, 'w> {
+        cpu: &'a CpuEngine<'w>,
+        gpu: &'a CudaEngine<'w>,
+    }
+
+    /// Runs the body with `$e` bound to the CPU engine, then to the CUDA engine; pairs the outputs.
+    macro_rules! on_both {
+        ($pair:expr, |$e:ident| $body:expr) => {{
+            let a = {
+                let $e = $pair.cpu;
+                let r: Vec<HostTensor> = $body;
+                r
+            };
+            let b = {
+                let $e = $pair.gpu;
+                let r: Vec<HostTensor> = $body;
+                r
+            };
+            a.into_iter().zip(b).collect::<Vec<_>>()
+        }};
+    }
+
+    fn rand_t(rng: &mut SplitMix64, shape: Vec<usize>, scale: f32) -> HostTensor {
+        let n: usize = shape.iter().product();
+        let v = (0..n)
+            .map(|_| ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale)
+            .collect();
+        HostTensor::f32(shape, v).unwrap()
+    }
+
+    fn nmse(a: &[f32], b: &[f32]) -> f64 {
+        let (mut num, mut den) = (0f64, 0f64);
+        for (&x, &y) in a.iter().zip(b) {
+            num += (f64::from(x) - f64::from(y)).powi(2);
+            den += f64::from(x).powi(2);
+        }
+        num / den.max(f64::MIN_POSITIVE)
+    }
+
+    /// Each CUDA op against the CPU step on fresh random inputs, on the tiny fixtures and on a
+    /// synthetic GLM-5-dimension layer (real shapes, UD-Q4_K_XL mix). The case name
+    /// (`op/model`) is printed and is the filter: `GLMDIFF_OP=mla` runs the cases containing it.
+    /// NaN/Inf first, then NMSE against the op's threshold. Thresholds: f32 storage with f64
+    /// reductions on both sides leaves only the GPU's f32 GEMM accumulation (relative error
+    /// about sqrt(K) * 2^-24 per value, K <= 16384: NMSE < 1e-10) and the absorbed-vs-naive MLA
+    /// regrouping (one more f32 rounding of q_lat and o_lat: the same order); 1e-9 leaves a 10x
+    /// margin; ids must be equal.
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_op_table() {
+        let filter = std::env::var("GLMDIFF_OP").unwrap_or_default();
+        let dir = tempfile::tempdir().unwrap();
+        let synth = dir.path().join("glm5-1.gguf");
+        let o = glmdiff(&[
+            "synth",
+            "--arch",
+            "glm-dsa",
+            "--dims",
+            "glm5",
+            "--layers",
+            "1",
+            "--out",
+            synth.to_str().unwrap(),
+        ]);
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let models = [
+            (
+                "glm5-tiny-q",
+                fixtures("models/glm5-tiny-q/glm5-tiny-q-mixed.gguf"),
+                1usize,
+                12usize,
+            ),
+            (
+                "dsv3-tiny-q",
+                fixtures("models/dsv3-tiny-q/dsv3-tiny-q-mixed.gguf"),
+                1,
+                12,
+            ),
+            ("glm5-dims", synth.clone(), 1, 6),
+        ];
+        let g = gpu();
+        let mut ran = 0;
+        let mut failed = Vec::new();
+        for (label, path, moe_layer, t) in models {
+            let m = Model::open(&path).unwrap();
+            let w = Weights::new(&m).unwrap();
+            let hp = w.hparams().clone();
+            let cpu = CpuEngine::new(&w);
+            let cuda = CudaEngine::new(&g, &w, GpuDtype::F32).unwrap();
+            let pair = Pair {
+                cpu: &cpu,
+                gpu: &cuda,
+            };
+            let mut rng = SplitMix64::new(5);
+            let l = 0usize;
+            let name = |s: &str| format!("blk.{l}.{s}");
+            let x = rand_t(&mut rng, vec![t, hp.hidden], 1.0);
+            let q_lora = hp.q_lora_rank.unwrap_or(hp.hidden);
+            let cq = rand_t(&mut rng, vec![t, q_lora], 1.0);
+            let qk = hp.qk_head();
+            let q_b = rand_t(&mut rng, vec![t, hp.n_head * qk], 1.0);
+            let q_pe = rand_t(&mut rng, vec![t, hp.n_head, hp.qk_rope], 1.0);
+            let kv = rand_t(&mut rng, vec![t, hp.kv_lora_rank], 1.0);
+            let k_pe = rand_t(&mut rng, vec![t, hp.qk_rope], 1.0);
+            let logits = rand_t(&mut rng, vec![t, hp.n_expert.max(1)], 2.0);
+            let a = rand_t(&mut rng, vec![t, 300], 3.0);
+            let b = rand_t(&mut rng, vec![t, 300], 3.0);
+            let rope_q = glmdiff::model::RopeSlice {
+                heads: hp.n_head,
+                stride: qk,
+                offset: hp.qk_nope,
+                keep_head_axis: true,
+            };
+            let has = |n: &str| w.has(n);
+            let mut cases: Vec<(&str, OpCase)> = vec![
+                (
+                    "embed",
+                    Box::new(|| {
+                        on_both!(pair, |e| vec![e
+                            .download(&e.embed(&[1, 5, 7, 2]).unwrap())
+                            .unwrap()])
+                    }),
+                ),
+                (
+                    "rms_norm",
+                    Box::new(|| {
+                        on_both!(pair, |e| {
+                            let u = e.upload(&x).unwrap();
+                            vec![e
+                                .download(
+                                    &e.rms_norm(&u, &name("attn_norm.weight"), hp.rms_eps, None)
+                                        .unwrap(),
+                                )
+                                .unwrap()]
+                        })
+                    }),
+                ),
+                (
+                    "linear",
+                    Box::new(|| {
+                        on_both!(pair, |e| {
+                            let u = e.upload(&x).unwrap();
+                            let wname = if has(&name("attn_q_a.weight")) {
+                                name("attn_q_a.weight")
+                            } else {
+                                name("attn_q.weight")
+                            };
+                            vec![e.download(&e.linear(&u, &wname).unwrap()).unwrap()]
+                        })
+                    }),
+                ),
+                (
+                    "logits",
+                    Box::new(|| {
+                        on_both!(pair, |e| {
+                            let u = e.upload(&x).unwrap();
+                            vec![e.download(&e.linear(&u, w.output_name()).unwrap()).unwrap()]
+                        })
+                    }),
+                ),
+                (
+                    "rope",
+                    Box::new(|| {
+                        on_both!(pair, |e| {
+                            let u = e.upload(&q_b).unwrap();
+                            vec![e.download(&e.rope(&u, &rope_q).unwrap()).unwrap()]
+                        })
+                    }),
+                ),
+                (
+                    "mla",
+                    Box::new(|| {
+                        on_both!(pair, |e| {
+                            let (a1, a2, a3, a4) = (
+                                e.upload(&q_b).unwrap(),
+                                e.upload(&q_pe).unwrap(),
+                                e.upload(&kv).unwrap(),
+                                e.upload(&k_pe).unwrap(),
+                            );
+                            let (o, p) = e
+                                .mla_attention(
+                                    l,
+                                    MlaInputs {
+                                        q_b: &a1,
+                                        q_pe: &a2,
+                                        kv_norm: &a3,
+                                        k_pe: &a4,
+                                        selection: None,
+                                    },
+                                    true,
+                                )
+                                .unwrap();
+                            vec![e.download(&o).unwrap(), e.download(&p.unwrap()).unwrap()]
+                        })
+                    }),
+                ),
+                (
+                    "swiglu",
+                    Box::new(|| {
+                        on_both!(pair, |e| {
+                            let (u, v) = (e.upload(&a).unwrap(), e.upload(&b).unwrap());
+                            vec![
+                                e.download(&e.swiglu(&u, &v).unwrap()).unwrap(),
+                                e.download(&e.add(&u, &v).unwrap()).unwrap(),
+                            ]
+                        })
+                    }),
+                ),
+            ];
+            if hp.indexer.is_some() {
+                cases.push((
+                    "indexer",
+                    Box::new(|| {
+                        on_both!(pair, |e| {
+                            let (u, v) = (e.upload(&x).unwrap(), e.upload(&cq).unwrap());
+                            let sc = e.indexer_scores(l, &u, &v).unwrap();
+                            let k = e.top_k(&sc, 4).unwrap();
+                            vec![e.download(&sc).unwrap(), e.download(&k).unwrap()]
+                        })
+                    }),
+                ));
+            }
+            if hp.n_expert > 0 {
+                cases.push((
+                    "moe",
+                    Box::new(|| {
+                        on_both!(pair, |e| {
+                            let lg = e.upload(&logits).unwrap();
+                            let r = e.moe_route(moe_layer, &lg).unwrap();
+                            let xx = e.upload(&x).unwrap();
+                            let out = e
+                                .moe_experts(
+                                    moe_layer,
+                                    ExpertInputs {
+                                        x: &xx,
+                                        ids: &r.ids,
+                                        weights: &r.weights,
+                                    },
+                                    &|_| false,
+                                )
+                                .unwrap();
+                            vec![
+                                e.download(&r.probs).unwrap(),
+                                e.download(&r.ids).unwrap(),
+                                e.download(&r.weights).unwrap(),
+                                e.download(&out.routed).unwrap(),
+                            ]
+                        })
+                    }),
+                ));
+            }
+            for (op, f) in &cases {
+                let case = format!("{op}/{label}");
+                if !case.contains(&filter) {
+                    continue;
+                }
+                let outs = f();
+                for (i, (c, gq)) in outs.iter().enumerate() {
+                    let verdict = match (&c.data, &gq.data) {
+                        (HostData::I32(x), HostData::I32(y)) => {
+                            if x == y {
+                                "ok".to_string()
+                            } else {
+                                format!(
+                                    "ids differ: {:?} vs {:?}",
+                                    &x[..x.len().min(8)],
+                                    &y[..y.len().min(8)]
+                                )
+                            }
+                        }
+                        (HostData::F32(x), HostData::F32(y)) => {
+                            let fin = |v: &[f32]| {
+                                v.iter()
+                                    .filter(|z| !z.is_finite() && **z != f32::NEG_INFINITY)
+                                    .count()
+                            };
+                            // -inf marks masked scores on both sides: compare them as equal.
+                            let (x2, y2): (Vec<f32>, Vec<f32>) = x
+                                .iter()
+                                .zip(y)
+                                .map(|(&p, &q)| {
+                                    if p == f32::NEG_INFINITY && q == f32::NEG_INFINITY {
+                                        (0.0, 0.0)
+                                    } else {
+                                        (p, q)
+                                    }
+                                })
+                                .unzip();
+                            let e = nmse(&x2, &y2);
+                            if fin(x) + fin(y) > 0 {
+                                format!("NaN/Inf: cpu {} cuda {}", fin(x), fin(y))
+                            } else if c.shape != gq.shape {
+                                format!("shapes {:?} vs {:?}", c.shape, gq.shape)
+                            } else if e > 1e-9 {
+                                format!("NMSE {e:.2e} > 1e-9")
+                            } else {
+                                format!("ok (NMSE {e:.2e})")
+                            }
+                        }
+                        _ => "dtypes differ".to_string(),
+                    };
+                    eprintln!("{case}[{i}] {:?}: {verdict}", c.shape);
+                    if !verdict.starts_with("ok") {
+                        failed.push(format!("{case}[{i}]: {verdict}"));
+                    }
+                }
+                ran += 1;
+            }
+        }
+        eprintln!("{ran} op cases");
+        assert!(failed.is_empty(), "{failed:#?}");
+        assert!(
+            filter.is_empty() || ran > 0,
+            "no op case matches GLMDIFF_OP={filter}"
+        );
     }
 
     /// A bad device ordinal lists the devices; the CLI checks the fixtures clean.

@@ -33,6 +33,7 @@ fn run_args(case: &Case, args: &RegressArgs) -> RunArgs {
         against: case.against.clone(),
         mode: case.mode.clone(),
         dtype: case.dtype.clone(),
+        devices: Vec::new(),
         report: ReportArgs {
             hook: case.hook.clone(),
             all_steps: false,

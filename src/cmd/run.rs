@@ -204,7 +204,18 @@ pub struct Ran {
 /// The work of `glmdiff run` without its outputs: opens the model, runs the reference and the
 /// candidate over the asked steps and returns the comparison (`regress` runs its cases with it).
 pub fn execute(args: &RunArgs) -> Result<Ran> {
-    let against = parse_against(&args.against)?;
+    let mut against = parse_against(&args.against)?;
+    if !args.devices.is_empty() {
+        match against {
+            None => against = Some(Against::Cuda(args.devices[0])),
+            Some(Against::Cuda(n)) if args.against == "cuda" || n == args.devices[0] => {}
+            _ => bail!(
+                "run: --devices {:?} runs the CUDA engine: give --against cuda (or leave --against out), not --against {}",
+                args.devices,
+                args.against
+            ),
+        }
+    }
     let modes = match args.mode.as_str() {
         "replay" => Modes {
             replay: true,
@@ -368,18 +379,29 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
     let ref_prec = Precision::parse(&reference.dtype()).context("run: reference precision")?;
     let second = CpuEngine::new(&weights);
     #[cfg(feature = "cuda")]
-    let gpu = match &against {
-        Against::Cuda(n) => Some(crate::cuda::Gpu::open(*n).context("run: --against cuda")?),
-        _ => None,
+    let gpus: Vec<crate::cuda::Gpu> = match &against {
+        Against::Cuda(n) => {
+            let list = if args.devices.is_empty() {
+                vec![*n]
+            } else {
+                args.devices.clone()
+            };
+            list.iter()
+                .map(|&d| crate::cuda::Gpu::open(d))
+                .collect::<Result<_>>()
+                .context("run: --against cuda")?
+        }
+        _ => Vec::new(),
     };
     #[cfg(feature = "cuda")]
-    let cuda_engine = match &gpu {
-        Some(g) => Some(crate::engine::cuda::CudaEngine::new(
-            g,
+    let cuda_engine = if gpus.is_empty() {
+        None
+    } else {
+        Some(crate::engine::cuda::multi::MultiCudaEngine::new(
+            &gpus,
             &weights,
             crate::engine::cuda::GpuDtype::parse(&args.dtype)?,
-        )?),
-        None => None,
+        )?)
     };
     let (cand_desc, cand_prec) = match (&against, &trace) {
         #[cfg(feature = "cuda")]
@@ -460,6 +482,15 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
             &mut cmp,
             progress,
         )?;
+        if args.devices.len() > 1 {
+            let (n, bytes) = e.handoffs();
+            notes.push(format!(
+                "{} devices, layers {:?}; {n} tensors ({:.1} MB) handed from GPU to GPU through the host",
+                args.devices.len(),
+                e.plan().ranges,
+                bytes as f64 / 1e6
+            ));
+        }
         true
     } else {
         false

@@ -17,6 +17,8 @@
 //! precision is `f32 storage, f32 accumulation` and `run` judges it against the f32 floors.
 //! The engine never prints; errors name the step, the tensor and the shapes.
 
+pub mod multi;
+
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ops::Range;
@@ -95,12 +97,16 @@ struct HeadGemm {
 }
 
 /// A tensor on the device: f32 or i32 values in PyTorch-order `shape`.
+#[derive(Clone)]
 pub struct GpuTensor {
     /// Shape, row-major.
     pub shape: Vec<usize>,
+    /// Which engine of a several-device run made it (0 with one device).
+    slot: usize,
     data: GpuData,
 }
 
+#[derive(Clone)]
 enum GpuData {
     F32(CudaSlice<f32>),
     I32(CudaSlice<i32>),
@@ -172,6 +178,8 @@ macro_rules! launch {
 /// The CUDA engine over one model's weights on one GPU.
 pub struct CudaEngine<'w> {
     gpu: &'w Gpu,
+    /// This engine's index among the devices of a run (tensors carry it).
+    slot: usize,
     dtype: GpuDtype,
     weights: &'w Weights<'w>,
     blas: CudaBlas,
@@ -205,6 +213,7 @@ impl<'w> CudaEngine<'w> {
         let freq = rope::inv_freq(&hp.rope);
         Ok(CudaEngine {
             gpu,
+            slot: 0,
             dtype,
             weights,
             blas,
@@ -214,6 +223,12 @@ impl<'w> CudaEngine<'w> {
             raw: RefCell::new(HashMap::new()),
             vectors: RefCell::new(HashMap::new()),
         })
+    }
+
+    /// The same engine as device `slot` of a several-device run.
+    pub fn with_slot(mut self, slot: usize) -> CudaEngine<'w> {
+        self.slot = slot;
+        self
     }
 
     /// Frees the device copies of every tensor whose name starts with `prefix` (e.g. `blk.3.`).
@@ -256,6 +271,7 @@ impl<'w> CudaEngine<'w> {
     fn tensor_f32(&self, shape: Vec<usize>, s: CudaSlice<f32>) -> GpuTensor {
         GpuTensor {
             shape,
+            slot: self.slot,
             data: GpuData::F32(s),
         }
     }
@@ -536,6 +552,7 @@ impl Engine for CudaEngine<'_> {
         };
         Ok(GpuTensor {
             shape: t.shape.clone(),
+            slot: self.slot,
             data,
         })
     }
@@ -778,6 +795,7 @@ impl Engine for CudaEngine<'_> {
         );
         Ok(GpuTensor {
             shape: vec![t, width],
+            slot: self.slot,
             data: GpuData::I32(out),
         })
     }
@@ -987,6 +1005,7 @@ impl Engine for CudaEngine<'_> {
             probs: self.tensor_f32(vec![t, e], self.finish(probs)?),
             ids: GpuTensor {
                 shape: vec![t, k],
+                slot: self.slot,
                 data: GpuData::I32(ids),
             },
             weights: self.tensor_f32(vec![t, k], self.finish(w)?),
