@@ -51,9 +51,10 @@ pub enum GpuDtype {
     /// f32 weights and activations, cuBLAS SGEMM in pedantic math (no TF32): must match the
     /// reference within the f32 floors.
     F32,
-    /// Weights and activations rounded to bf16 (every step's output, every uploaded input),
-    /// bf16 GEMMs on tensor cores with f32 accumulation and bf16 output, as serving engines run:
-    /// the bf16 floors apply.
+    /// Weights and activations rounded to bf16 (every step's output; the inputs of every GEMM
+    /// and of the attention core), bf16 GEMMs on tensor cores with f32 accumulation and bf16
+    /// output, as serving engines run; the router (its logits, probabilities and weights) in
+    /// f32, as transformers and vLLM compute it. The bf16 floors apply.
     Bf16,
 }
 
@@ -431,10 +432,22 @@ impl<'w> CudaEngine<'w> {
         name: &str,
         rows: Range<usize>,
     ) -> Result<CudaSlice<f32>> {
+        self.project_as(x, t, name, rows, self.dtype)
+    }
+
+    /// [`Self::project`] in precision `dtype` (the router stays f32 in bf16 mode).
+    fn project_as(
+        &self,
+        x: &CudaSlice<f32>,
+        t: usize,
+        name: &str,
+        rows: Range<usize>,
+        dtype: GpuDtype,
+    ) -> Result<CudaSlice<f32>> {
         let k = self.weights.tensor(name)?.info.ne[0] as usize;
         let out = rows.len();
         let chunk = (SCRATCH_VALUES / k.max(1)).clamp(1, out.max(1));
-        if self.dtype == GpuDtype::Bf16 {
+        if dtype == GpuDtype::Bf16 {
             let xb = self.to_bf16(x, t * k)?;
             let mut yb = self
                 .gpu
@@ -547,7 +560,7 @@ impl Engine for CudaEngine<'_> {
 
     fn upload(&self, t: &HostTensor) -> Result<GpuTensor> {
         let data = match &t.data {
-            HostData::F32(v) => GpuData::F32(self.finish(self.gpu.alloc_copy(v, "input")?)?),
+            HostData::F32(v) => GpuData::F32(self.gpu.alloc_copy(v, "input")?),
             HostData::I32(v) => GpuData::I32(self.gpu.alloc_copy(v, "input")?),
         };
         Ok(GpuTensor {
@@ -630,7 +643,17 @@ impl Engine for CudaEngine<'_> {
 
     fn linear(&self, x: &GpuTensor, weight: &str) -> Result<GpuTensor> {
         let (t, k) = x.dims2(weight)?;
-        let y = self.linear_slice(x.f32(weight)?, t, k, weight)?;
+        // The router's logits are computed in f32 in bf16 mode too, as transformers
+        // (`DeepseekV3TopkRouter`, GLM-5) and vLLM compute them: bf16 router logits are a bug.
+        let y = if self.dtype == GpuDtype::Bf16 && weight.ends_with(blk::FFN_GATE_INP) {
+            let (rows, cols) = self.weights.matrix_dims(weight)?;
+            if cols != k {
+                bail!("engine: cuda: linear {weight}: input has {k} columns, the weight [{rows}, {cols}] expects {cols}");
+            }
+            self.project_as(x.f32(weight)?, t, weight, 0..rows, GpuDtype::F32)?
+        } else {
+            self.linear_slice(x.f32(weight)?, t, k, weight)?
+        };
         let rows = self.weights.matrix_dims(weight)?.0;
         Ok(self.tensor_f32(vec![t, rows], y))
     }
@@ -831,6 +854,15 @@ impl Engine for CudaEngine<'_> {
             bail!("engine: cuda: layer {layer} attention: {t} tokens need {smem} bytes of shared memory for one row of scores (at most 6144 tokens)");
         }
         let (wk, wv) = self.mla_weights(layer)?;
+        // bf16 mode: the latent cache (c_kv, k_pe) and the rotated queries are bf16 values.
+        let rounded = |g: &GpuTensor, what: &str| -> Result<CudaSlice<f32>> {
+            self.finish(g.f32(what)?.clone())
+        };
+        let (q_pe_r, kv_r, k_pe_r) = (
+            rounded(x.q_pe, "q_pe")?,
+            rounded(x.kv_norm, "kv_norm")?,
+            rounded(x.k_pe, "k_pe")?,
+        );
         // q_lat[t, h, :] = q_nope[t, h, :] · W_UK[h]^T (W_UK[h] is [L, nope]): one batched GEMM.
         let q_b = x.q_b.f32("q_b")?;
         let g = HeadGemm {
@@ -907,9 +939,9 @@ impl Engine for CudaEngine<'_> {
             "mla_attend_f32",
             cfg,
             &q_lat,
-            x.q_pe.f32("q_pe")?,
-            x.kv_norm.f32("kv_norm")?,
-            x.k_pe.f32("k_pe")?,
+            &q_pe_r,
+            &kv_r,
+            &k_pe_r,
             &mask,
             &mut o_lat,
             &probs_ptr,
@@ -1002,13 +1034,13 @@ impl Engine for CudaEngine<'_> {
             &hp.expert_weights_scale
         );
         Ok(Routing {
-            probs: self.tensor_f32(vec![t, e], self.finish(probs)?),
+            probs: self.tensor_f32(vec![t, e], probs),
             ids: GpuTensor {
                 shape: vec![t, k],
                 slot: self.slot,
                 data: GpuData::I32(ids),
             },
-            weights: self.tensor_f32(vec![t, k], self.finish(w)?),
+            weights: self.tensor_f32(vec![t, k], w),
         })
     }
 
