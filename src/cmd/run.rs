@@ -464,6 +464,7 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
             p
         },
         selection_bias: selection_bias(&weights, &plan)?,
+        groups: hp.groups,
     };
     notes.append(&mut header_notes);
     let mut cmp = Comparison::new(judge, wants_with_scores(&args.report.hook), &tokens);
@@ -779,6 +780,7 @@ pub fn compare(args: &CompareArgs) -> Result<Outcome> {
             p
         },
         selection_bias: HashMap::new(),
+        groups: None,
     };
     let mut names: Vec<String> = reference.names().map(str::to_string).collect();
     names.sort_by_key(|n| order_key(n));

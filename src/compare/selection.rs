@@ -13,6 +13,10 @@
 //! - the row's tolerance is `rel_tol * rms(finite scores of the row)`, where `rel_tol` is the
 //!   relative error allowed at the score hook in that mode (its floor, or in chained mode the
 //!   larger of the floor and the error the scores really show there);
+//! - with group-limited routing (`n_group` groups of experts, the `used` best by the sum of
+//!   their two best scores, as `moe.rs` `route_token` selects), an expert also enters or leaves
+//!   with its group: for `e` and `l` in different groups the pair's gap is the smaller of their
+//!   score gap and their groups' score gap (a near-tie between two groups moves whole groups);
 //! - margin <= tolerance: a near-tie flip (expected, counted); otherwise a confident flip (a
 //!   divergence).
 
@@ -69,6 +73,8 @@ pub struct Scores<'a> {
     pub bias: Option<&'a [f32]>,
     /// Relative error allowed at the score hook.
     pub rel_tol: f64,
+    /// Group-limited routing: `(n_group, used)` (expert selections only).
+    pub groups: Option<(usize, usize)>,
 }
 
 /// Judges the rows of `candidate` against `reference` (`width` ids per row, -1 padding).
@@ -178,6 +184,34 @@ fn row_margin(s: &Scores<'_>, t: usize, entered: &[i32], left: &[i32]) -> (f64, 
             d
         }
     };
+    // Group scores: the sum of each group's two best selection scores.
+    let group_of = |i: i32, n_group: usize| (i as usize) / (s.cols / n_group).max(1);
+    let group_scores: Option<Vec<f64>> = s.groups.filter(|&(g, _)| g > 0).map(|(g, _)| {
+        let size = (s.cols / g).max(1);
+        (0..g)
+            .map(|k| {
+                let mut v: Vec<f64> = (k * size..((k + 1) * size).min(s.cols))
+                    .map(|i| score(i as i32))
+                    .collect();
+                v.sort_by(|a, b| b.total_cmp(a));
+                v.iter().take(2).sum()
+            })
+            .collect()
+    });
+    let pair_gap = |e: i32, l: i32| -> f64 {
+        let d = gap(score(e), score(l));
+        match (&group_scores, s.groups) {
+            (Some(gs), Some((g, _))) if e >= 0 && l >= 0 => {
+                let (ge, gl) = (group_of(e, g), group_of(l, g));
+                if ge != gl && ge < gs.len() && gl < gs.len() {
+                    d.min(gap(gs[ge], gs[gl]))
+                } else {
+                    d
+                }
+            }
+            _ => d,
+        }
+    };
     // Different counts (padding where the other side has a key) cannot be a tie.
     let margin = if entered.len() != left.len() {
         f64::INFINITY
@@ -186,7 +220,7 @@ fn row_margin(s: &Scores<'_>, t: usize, entered: &[i32], left: &[i32]) -> (f64, 
             .iter()
             .map(|&e| {
                 left.iter()
-                    .map(|&l| gap(score(e), score(l)))
+                    .map(|&l| pair_gap(e, l))
                     .fold(f64::INFINITY, f64::min)
             })
             .fold(0.0, f64::max)
@@ -208,6 +242,7 @@ mod tests {
             cols: 4,
             bias: None,
             rel_tol: 0.1, // tolerance 0.071937
+            groups: None,
         };
         // Candidate {0, 2}: 2 entered, 1 left: margin |0.5 - 0.9| = 0.4 > 0.072: confident.
         let st = judge_flips(&[0, 1], &[0, 2], 2, Some(&s));
@@ -233,5 +268,30 @@ mod tests {
         // Without scores every flip is confident and the stats say it was not judged.
         let st = judge_flips(&[0, 1], &[0, 2], 2, None);
         assert_eq!((st.confident, st.judged), (1, false));
+    }
+
+    #[test]
+    fn group_ties_move_whole_groups() {
+        // 8 experts in 4 groups of 2, 2 groups used. Scores per group: {0.9, 0.1}, {0.5, 0.45},
+        // {0.6, 0.3}, {0.2, 0.1}: group scores 1.0, 0.95, 0.9, 0.3: groups 0 and 1 win;
+        // top-2 of experts 0..4 -> {0, 2}. A candidate whose group 2 (0.90) beat group 1 (0.95)
+        // picks {0, 4}: expert gap |0.6 - 0.5| = 0.1, group gap 0.05.
+        let v = [0.9f32, 0.1, 0.5, 0.45, 0.6, 0.3, 0.2, 0.1];
+        let s = Scores {
+            values: &v,
+            cols: 8,
+            bias: None,
+            rel_tol: 0.1, // rms = sqrt(1.6825 / 8) = 0.45860: tolerance 0.04586
+            groups: Some((4, 2)),
+        };
+        let st = judge_flips(&[0, 2], &[0, 4], 2, Some(&s));
+        let m = st.margins.unwrap().0;
+        assert!((m - 0.05).abs() < 1e-6, "{m}");
+        assert_eq!(st.confident, 1); // 0.05 > 0.0459
+        let s = Scores { rel_tol: 0.12, ..s }; // tolerance 0.0550
+        assert_eq!(judge_flips(&[0, 2], &[0, 4], 2, Some(&s)).near_tie, 1);
+        // Without groups the same flip has the expert gap 0.1: confident.
+        let s = Scores { groups: None, ..s };
+        assert_eq!(judge_flips(&[0, 2], &[0, 4], 2, Some(&s)).confident, 1);
     }
 }

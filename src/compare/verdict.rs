@@ -137,6 +137,8 @@ pub struct Judge {
     /// Selection bias (`exp_probs_b`) per MoE layer, added to the router probabilities when
     /// judging expert flips.
     pub selection_bias: HashMap<usize, Vec<f32>>,
+    /// Group-limited routing `(n_group, used)` of the model, if any (expert flips).
+    pub groups: Option<(usize, usize)>,
 }
 
 impl Judge {
@@ -293,6 +295,11 @@ impl Comparison {
             cols,
             bias,
             rel_tol: *rel,
+            groups: if sp == "moe_probs" {
+                self.judge.groups
+            } else {
+                None
+            },
         })
     }
 
@@ -614,6 +621,7 @@ mod tests {
             tol: vec![("blk.*.q_a".into(), 1e-9)],
             precision: Vec::new(),
             selection_bias: HashMap::new(),
+            groups: None,
         }
     }
 
