@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# glmdiff at GLM-5 dimensions on the GPU machine: a synthetic GLM-5 model (real shapes, the
+# UD-Q4_K_XL type mix) of SYNTH_LAYERS blocks, `dequant-check --all` over it, and
+# `run --against cuda` over all its layers in both modes on DEVICES (default 0), with the time
+# of each part, the peak GPU memory per device (nvidia-smi, sampled every 0.5 s) and the host's
+# peak RSS. Carry .gpu (scripts/gpu-test.sh prepare). Logs and summary in $OUT (default ./scale-out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-scale-out}
+mkdir -p "$out"
+export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
+export GLMDIFF_CACHE_DIR=$(mktemp -d)
+bin=.gpu/glmdiff
+layers=${SYNTH_LAYERS:-4}
+devices=${DEVICES:-0}
+tmp=$(mktemp -d)
+summary=()
+t() { local s=$SECONDS; "$@"; local rc=$?; echo "$((SECONDS - s)) s, exit $rc"; }
+
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$out/devices.txt"
+echo "== synth: GLM-5 dimensions, $layers blocks"
+r=$(t "$bin" synth --arch glm-dsa --dims glm5 --layers "$layers" --out "$tmp/glm5.gguf" > "$out/synth.txt" 2>&1)
+summary+=("synth $layers blocks ($(du -h "$tmp/glm5.gguf" | cut -f1)): $r")
+
+echo "== dequant-check --all"
+r=$(t "$bin" dequant-check "$tmp/glm5.gguf" --all --device "${devices%%,*}" > "$out/dequant-check.txt" 2>&1)
+summary+=("dequant-check --all: $r; $(tail -n 1 "$out/dequant-check.txt" | cut -c1-220)")
+
+for mode in both; do
+    echo "== run --against cuda --devices $devices --mode $mode"
+    nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$out/gpu-mem-$mode.csv" &
+    smi=$!
+    r=$(t /usr/bin/time -v "$bin" run "$tmp/glm5.gguf" --prompt "The capital of France is" --against cuda \
+        --devices "$devices" --mode "$mode" --no-cache --json "$out/run-$mode.json" > "$out/run-$mode.txt" 2> "$out/run-$mode.err")
+    kill $smi 2>/dev/null
+    peak=$(awk -F', ' '{ if ($2 > m[$1]) m[$1] = $2 } END { for (d in m) printf "cuda:%s %d MiB; ", d, m[d] }' "$out/gpu-mem-$mode.csv")
+    rss=$(grep 'Maximum resident' "$out/run-$mode.err" | awk '{print $NF}')
+    summary+=("run --against cuda --devices $devices --mode $mode: $r; peak GPU memory $peak host RSS $((rss / 1024)) MiB; $(grep -E '^(OK|FAIL|DIFF)' "$out/run-$mode.txt" | head -n 1 | cut -c1-120)")
+    grep -E '^time|^note' "$out/run-$mode.txt" | head -n 5
+done
+rm -rf "$tmp"
+printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
