@@ -15,23 +15,25 @@ layers=${SYNTH_LAYERS:-4}
 devices=${DEVICES:-0}
 tmp=$(mktemp -d)
 summary=()
-t() { local s=$SECONDS; "$@"; local rc=$?; echo "$((SECONDS - s)) s, exit $rc"; }
+# t LOG CMD...: runs CMD with its output in LOG, prints "N s, exit RC".
+t() { local log=$1; shift; local s=$SECONDS; "$@" > "$log" 2>&1; local rc=$?; echo "$((SECONDS - s)) s, exit $rc"; }
 
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$out/devices.txt"
 echo "== synth: GLM-5 dimensions, $layers blocks"
-r=$(t "$bin" synth --arch glm-dsa --dims glm5 --layers "$layers" --out "$tmp/glm5.gguf" > "$out/synth.txt" 2>&1)
+r=$(t "$out/synth.txt" "$bin" synth --arch glm-dsa --dims glm5 --layers "$layers" --out "$tmp/glm5.gguf")
 summary+=("synth $layers blocks ($(du -h "$tmp/glm5.gguf" | cut -f1)): $r")
 
 echo "== dequant-check --all"
-r=$(t "$bin" dequant-check "$tmp/glm5.gguf" --all --device "${devices%%,*}" > "$out/dequant-check.txt" 2>&1)
+r=$(t "$out/dequant-check.txt" "$bin" dequant-check "$tmp/glm5.gguf" --all --device "${devices%%,*}")
 summary+=("dequant-check --all: $r; $(tail -n 1 "$out/dequant-check.txt" | cut -c1-220)")
 
 for mode in both; do
     echo "== run --against cuda --devices $devices --mode $mode"
     nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$out/gpu-mem-$mode.csv" &
     smi=$!
-    r=$(t /usr/bin/time -v "$bin" run "$tmp/glm5.gguf" --prompt "The capital of France is" --against cuda \
-        --devices "$devices" --mode "$mode" --no-cache --json "$out/run-$mode.json" > "$out/run-$mode.txt" 2> "$out/run-$mode.err")
+    r=$(t "$out/run-$mode.log" /usr/bin/time -v -o "$out/run-$mode.err" "$bin" run "$tmp/glm5.gguf" --prompt "The capital of France is" \
+        --against cuda --devices "$devices" --mode "$mode" --no-cache --json "$out/run-$mode.json")
+    cp "$out/run-$mode.log" "$out/run-$mode.txt"
     kill $smi 2>/dev/null
     peak=$(awk -F', ' '{ if ($2 > m[$1]) m[$1] = $2 } END { for (d in m) printf "cuda:%s %d MiB; ", d, m[d] }' "$out/gpu-mem-$mode.csv")
     rss=$(grep 'Maximum resident' "$out/run-$mode.err" | awk '{print $NF}')
