@@ -138,6 +138,21 @@ pub struct RunArgs {
     /// Modes: both, replay (each step from the same inputs) or chained (each side on its own outputs).
     #[arg(long, default_value = "both", value_parser = ["both", "replay", "chained"])]
     pub mode: String,
+    /// Inject a known bug into the candidate engine (cpu or cuda), repeatable: KIND[@LAYERS]
+    /// with LAYERS N, A..B or N,M. Kinds: kv_b_concat, rope_neox, indexer_rope_neox,
+    /// scale_latent, softmax_gating, bias_in_weights, router_bf16, expert_swap:A,B,
+    /// expert_map:A=B,.., gate_up_swap, layer_weights:L[,GLOB], q4k_scale_bits, run_mtp,
+    /// tp_shard:N, transposed:GLOB, and the harmless f32_accumulate and norm_eps:X.
+    #[arg(long, value_name = "KIND[@LAYERS]")]
+    pub inject: Vec<String>,
+    /// At the first step that fails in replay, test which known bug reproduces the candidate's
+    /// output (recomputed on the CPU from the same inputs) and rank them.
+    #[arg(long)]
+    pub explain: bool,
+    /// Write the first step that fails in replay as a self-contained case to DIR (inputs, weight
+    /// tensors, reference and candidate outputs, README); `glmdiff step DIR` re-runs it.
+    #[arg(long, value_name = "DIR")]
+    pub repro: Option<PathBuf>,
     /// What to compare and how to report it.
     #[command(flatten)]
     pub report: ReportArgs,

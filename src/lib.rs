@@ -50,6 +50,7 @@ pub mod compare;
 pub mod cuda;
 pub mod driver;
 pub mod engine;
+pub mod explain;
 pub mod gguf;
 pub mod model;
 pub mod quant;

@@ -32,6 +32,9 @@ fn run_args(case: &Case, args: &RegressArgs) -> RunArgs {
         layers: case.layers.clone(),
         against: case.against.clone(),
         mode: case.mode.clone(),
+        inject: Vec::new(),
+        explain: false,
+        repro: None,
         report: ReportArgs {
             hook: case.hook.clone(),
             all_steps: false,
