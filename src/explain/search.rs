@@ -19,8 +19,12 @@ use crate::engine::HostTensor;
 /// found).
 pub const ALL_EXPERTS_UP_TO: usize = 64;
 
-/// Passes of the one-slot-at-a-time descent.
-const PASSES: usize = 4;
+/// Passes of the local search.
+const PASSES: usize = 8;
+
+/// Largest `T * K^2 * experts^2 * hidden` for which the decoupled start is computed (about a
+/// second of work).
+const DECOUPLED_BUDGET: usize = 1 << 31;
 
 /// The routed-experts output when slot `e` is computed with expert `map[e]`'s weights:
 /// `sum_k w_k * Y[map[id_k]]`, accumulated in f64 in ascending slot order, as the reference
@@ -106,8 +110,11 @@ pub fn expert_map(
     };
     let identity: Vec<usize> = (0..hp.n_expert).collect();
     let (mut best_r, _) = eval(&identity)?;
+    // Starts: the identity, the best transposition of a routed expert with any expert, and
+    // each slot's best expert with the token's other slots explained as well as they can be.
     let mut best = identity.clone();
-    // Every transposition of a routed expert with any expert of the pool.
+    let mut starts = vec![identity.clone()];
+    let mut best_swap = (best_r, identity.clone());
     for &a in &routed {
         for &b in &pool {
             if b == a {
@@ -116,30 +123,32 @@ pub fn expert_map(
             let mut m = identity.clone();
             m.swap(a, b);
             let (r, _) = eval(&m)?;
-            if r < best_r {
-                (best_r, best) = (r, m);
+            if r < best_swap.0 {
+                best_swap = (r, m);
             }
         }
     }
-    // Then one slot at a time.
-    for _ in 0..PASSES {
-        let mut moved = false;
-        for &a in &routed {
-            for &b in &pool {
-                if best[a] == b {
-                    continue;
-                }
-                let mut m = best.clone();
-                m[a] = b;
-                let (r, _) = eval(&m)?;
-                if r < best_r {
-                    (best_r, best) = (r, m);
-                    moved = true;
-                }
-            }
-        }
-        if !moved {
-            break;
+    starts.push(best_swap.1);
+    let work = t * k * k * pool.len() * pool.len() * hidden;
+    if work <= DECOUPLED_BUDGET {
+        starts.push(decoupled(
+            &y,
+            &routed,
+            &pool,
+            idv,
+            wv,
+            cand.as_f32("candidate")?,
+            t,
+            k,
+            hidden,
+        ));
+    }
+    for start in starts {
+        let (mut r0, _) = eval(&start)?;
+        let mut m0 = start;
+        descend(&eval, &routed, &pool, &mut m0, &mut r0)?;
+        if r0 < best_r {
+            (best_r, best) = (r0, m0);
         }
     }
     // Only the slots a token uses matter.
@@ -213,6 +222,121 @@ pub fn head_map(
     }
     let out = HostTensor::f32(reference.shape.clone(), out).ok()?;
     Some((map, out))
+}
+
+/// Local search from `m` (residual `r`): one slot moved to another expert, or two slots
+/// exchanging theirs, whichever lowers the residual, until nothing does (at most [`PASSES`]
+/// passes).
+fn descend(
+    eval: &dyn Fn(&[usize]) -> Result<(f64, HostTensor)>,
+    routed: &[usize],
+    pool: &[usize],
+    m: &mut Vec<usize>,
+    r: &mut f64,
+) -> Result<()> {
+    for _ in 0..PASSES {
+        let mut moved = false;
+        for &a in routed {
+            for &b in pool {
+                if m[a] == b {
+                    continue;
+                }
+                let mut c = m.clone();
+                c[a] = b;
+                let (rc, _) = eval(&c)?;
+                if rc < *r {
+                    (*r, *m) = (rc, c);
+                    moved = true;
+                }
+            }
+        }
+        for (i, &a) in routed.iter().enumerate() {
+            for &b in &routed[i + 1..] {
+                let mut c = m.clone();
+                c.swap(a, b);
+                let (rc, _) = eval(&c)?;
+                if rc < *r {
+                    (*r, *m) = (rc, c);
+                    moved = true;
+                }
+            }
+        }
+        if !moved {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Each routed slot's expert chosen on its own: for slot `a` and expert `f`, every token routed
+/// to `a` is charged what remains of its output after `w_a * Y[f]` and after its other slots,
+/// one by one, take the expert that explains the most of the rest; the slot gets the `f` with
+/// the smallest charge (itself on a tie). A mapping whose slots share tokens (experts of one
+/// group, a cycle) is found this way where moving one slot at a time gets stuck.
+#[allow(clippy::too_many_arguments)]
+fn decoupled(
+    y: &[Option<Vec<f32>>],
+    routed: &[usize],
+    pool: &[usize],
+    ids: &[i32],
+    w: &[f32],
+    cand: &[f32],
+    t: usize,
+    k: usize,
+    hidden: usize,
+) -> Vec<usize> {
+    let mut map: Vec<usize> = (0..y.len()).collect();
+    let yv = |f: usize, tok: usize| -> Option<&[f32]> {
+        y.get(f)
+            .and_then(Option::as_ref)
+            .map(|v| &v[tok * hidden..(tok + 1) * hidden])
+    };
+    let sub = |r: &mut [f64], wt: f64, v: &[f32]| {
+        for (x, &e) in r.iter_mut().zip(v) {
+            *x -= wt * f64::from(e);
+        }
+    };
+    let norm2 = |r: &[f64]| r.iter().map(|x| x * x).sum::<f64>();
+    for &a in routed {
+        let mut best = (f64::INFINITY, a);
+        let order = std::iter::once(a).chain(pool.iter().copied().filter(|&f| f != a));
+        for f in order {
+            let mut cost = 0f64;
+            for tok in 0..t {
+                let slots = &ids[tok * k..(tok + 1) * k];
+                let Some(j) = slots.iter().position(|&e| e == a as i32) else {
+                    continue;
+                };
+                let Some(yf) = yv(f, tok) else { continue };
+                let mut r: Vec<f64> = cand[tok * hidden..(tok + 1) * hidden]
+                    .iter()
+                    .map(|&x| f64::from(x))
+                    .collect();
+                sub(&mut r, f64::from(w[tok * k + j]), yf);
+                for (jj, _) in slots.iter().enumerate().filter(|&(jj, _)| jj != j) {
+                    let wt = f64::from(w[tok * k + jj]);
+                    let pick = pool
+                        .iter()
+                        .filter_map(|&g| yv(g, tok).map(|v| (g, v)))
+                        .map(|(_, v)| {
+                            let mut rr = r.clone();
+                            sub(&mut rr, wt, v);
+                            rr
+                        })
+                        .min_by(|p, q| norm2(p).total_cmp(&norm2(q)));
+                    if let Some(rr) = pick {
+                        r = rr;
+                    }
+                }
+                cost += norm2(&r);
+            }
+            if cost < best.0 {
+                best = (cost, f);
+            }
+        }
+        map[a] = best.1;
+    }
+    map
 }
 
 /// The name of a head mapping: `head_map:g0,g1,..[@L]` (slot `h` holds head `g_h`).
