@@ -616,3 +616,200 @@ fn explain_names_the_bugs_planted_in_the_engine_dumps() {
     }
     assert!(planted >= 10, "planted dumps: {planted}");
 }
+
+/// `--repro DIR` writes the first failing step as a case; `glmdiff step DIR` re-runs it: the
+/// stored candidate differs (exit 1, the run's error), a second CPU reference passes (exit 0),
+/// `--explain` names the bug from the case alone, and the weights file holds exactly the step's
+/// tensors with the model's own bytes.
+#[test]
+fn repro_writes_a_case_that_step_reruns() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r.json");
+    let dump =
+        fixtures("engines").join("glm5-tiny/glm5-tiny.dsa.cuda-bf16.kv_b_concat.trace.safetensors");
+    let dump_against = format!("trace:{}", dump.display());
+    let e = most_routed(GLM_LONG, 1);
+    let swap = format!("expert_swap:{},{}@1", e[0].min(e[1]), e[0].max(e[1]));
+    let cases: Vec<(&str, Option<&str>, String, &str, &str)> = vec![
+        (
+            GLM,
+            Some(GLM_LONG),
+            format!("--inject={swap}"),
+            "blk.1.moe_routed",
+            "expert_swap",
+        ),
+        (
+            GLMQ,
+            Some(GLMQ_LONG),
+            "--inject=q4k_scale_bits".into(),
+            "blk.0.ffn_gate",
+            "q4k_scale_bits@0",
+        ),
+        (
+            GLM,
+            Some(GLM_LONG),
+            "--inject=run_mtp".into(),
+            "result_norm",
+            "run_mtp",
+        ),
+        (
+            DS,
+            Some(DS_LONG),
+            "--inject=rope_neox@1".into(),
+            "blk.1.q_pe_rope",
+            "rope_neox@1",
+        ),
+        (
+            GLM,
+            None,
+            dump_against.clone(),
+            "blk.1.attn_heads",
+            "kv_b_concat@1",
+        ),
+    ];
+    for (i, (m, prompt, how, hook, named)) in cases.iter().enumerate() {
+        let case = dir.path().join(format!("case{i}"));
+        let gguf = model(m);
+        let toks = prompt.map(golden_tokens);
+        let mut args = vec![
+            "run",
+            gguf.to_str().unwrap(),
+            "--repro",
+            case.to_str().unwrap(),
+        ];
+        if let Some(t) = &toks {
+            args.extend(["--tokens", t, "--against", "cpu", how]);
+        } else {
+            args.extend(["--against", how]);
+        }
+        let (rc, j, text) = run(cache.path(), &args, &json);
+        assert_eq!(rc, 1, "{how}: {text}");
+        assert_eq!(j["first_divergence"]["hook"], *hook, "{how}");
+        let run_error = j["first_divergence"]["error"].as_f64().unwrap();
+        assert!(
+            j["repro"].as_str().unwrap().contains("glmdiff step"),
+            "{how}"
+        );
+        for f in [
+            "case.json",
+            "tensors.safetensors",
+            "weights.gguf",
+            "README.md",
+        ] {
+            assert!(case.join(f).is_file(), "{how}: {f}");
+        }
+        // The weights file: exactly the step's tensors, the model's bytes.
+        let header: Value =
+            serde_json::from_str(&std::fs::read_to_string(case.join("case.json")).unwrap())
+                .unwrap();
+        assert_eq!(header["hook"], *hook);
+        let src = glmdiff::gguf::Model::open(&gguf).unwrap();
+        let cw = glmdiff::gguf::Model::open(&case.join("weights.gguf")).unwrap();
+        let listed: Vec<&str> = header["weights"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(cw.n_tensors(), listed.len(), "{how}");
+        for n in &listed {
+            let (a, b) = (src.tensor(n).unwrap(), cw.tensor(n).unwrap());
+            assert_eq!(a.info.ty, b.info.ty);
+            assert_eq!(
+                src.tensor_data(a).unwrap(),
+                cw.tensor_data(b).unwrap(),
+                "{how}: {n}"
+            );
+        }
+        let step = |extra: &[&str]| -> (i32, Value, String) {
+            let mut a = vec!["step", case.to_str().unwrap()];
+            a.extend(extra);
+            run(cache.path(), &a, &json)
+        };
+        let (rc, s, text) = step(&[]);
+        assert_eq!(rc, 1, "{how}: {text}");
+        assert_eq!(s["status"], "fail");
+        assert_eq!(s["error"].as_f64(), Some(run_error), "{how}: {text}");
+        assert!(s["notes"].as_array().unwrap().is_empty(), "{how}: {text}");
+        let (rc, s, text) = step(&["--against", "cpu"]);
+        assert_eq!((rc, &s["error"]), (0, &Value::from(0.0)), "{how}: {text}");
+        let (rc, s, text) = step(&["--explain"]);
+        assert_eq!(rc, 1, "{how}: {text}");
+        if *named == "run_mtp" {
+            // The case holds only the final norm's weight: the MTP block is not there to run,
+            // and the explanation says so instead of naming another bug.
+            let notes = s["explain"]["notes"].to_string();
+            assert!(
+                notes.contains("not testable with these weights: run_mtp"),
+                "{text}"
+            );
+            assert!(s["explanation"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|h| h["reproduces"] == false));
+            continue;
+        }
+        let best = s["explanation"][0]["kind"].as_str().unwrap();
+        assert!(best.starts_with(named), "{how}: {best}: {text}");
+        assert_eq!(s["explanation"][0]["reproduces"], true, "{how}: {text}");
+    }
+}
+
+/// Bad case directories are clear errors (exit 2); `--repro` refuses to write into a directory
+/// that holds something else.
+#[test]
+fn bad_cases_and_repro_targets_are_clear_errors() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r.json");
+    let other = dir.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    std::fs::write(other.join("keep.txt"), "mine").unwrap();
+    let gguf = model(GLM);
+    let (rc, _, text) = run(
+        cache.path(),
+        &[
+            "run",
+            gguf.to_str().unwrap(),
+            "--tokens",
+            "1,2,3",
+            "--against",
+            "cpu",
+            "--repro",
+            other.to_str().unwrap(),
+        ],
+        &json,
+    );
+    assert_eq!(rc, 2, "{text}");
+    assert!(text.contains("not overwriting it"), "{text}");
+    let (rc, _, text) = run(cache.path(), &["step", other.to_str().unwrap()], &json);
+    assert_eq!(rc, 2, "{text}");
+    assert!(text.contains("is not a glmdiff step case"), "{text}");
+    // A case whose header names inputs the step does not read.
+    let case = dir.path().join("case");
+    let (rc, _, text) = run(
+        cache.path(),
+        &[
+            "run",
+            gguf.to_str().unwrap(),
+            "--tokens",
+            &golden_tokens(GLM_LONG),
+            "--against",
+            "cpu",
+            "--inject",
+            "kv_b_concat@0",
+            "--repro",
+            case.to_str().unwrap(),
+        ],
+        &json,
+    );
+    assert_eq!(rc, 1, "{text}");
+    let p = case.join("case.json");
+    let h = std::fs::read_to_string(&p).unwrap();
+    std::fs::write(&p, h.replace("\"blk.0.q_pe_rope\"", "\"blk.0.q_b\"")).unwrap();
+    let (rc, _, text) = run(cache.path(), &["step", case.to_str().unwrap()], &json);
+    assert_eq!(rc, 2, "{text}");
+    assert!(text.contains("the case lists"), "{text}");
+}

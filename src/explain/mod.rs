@@ -195,6 +195,13 @@ impl Explanation {
 /// The faults of the catalogue that concern `step`, each applied to the step's own layer, in
 /// the order they are listed when two reproduce equally well.
 pub fn hypotheses(step: &Step, weights: &Weights<'_>) -> Vec<Fault> {
+    hypotheses_and_untestable(step, weights).0
+}
+
+/// [`hypotheses`], and the faults that concern the step but cannot be tested because the file
+/// lacks a tensor they read (a step case holds only its step's tensors: the MTP block of
+/// `run_mtp`, a neighbouring layer's weights), with the reason.
+pub fn hypotheses_and_untestable(step: &Step, weights: &Weights<'_>) -> (Vec<Fault>, Vec<String>) {
     let hp = weights.hparams();
     let layer = step.layer;
     let at = |k: FaultKind| Fault::new(k, layer.map(|l| vec![l]));
@@ -298,8 +305,21 @@ pub fn hypotheses(step: &Step, weights: &Weights<'_>) -> Vec<Fault> {
     // shapes, an MoE layer for the router kinds, ...).
     let run = layer.map_or(0..hp.n_layer, |l| l..l + 1);
     let global = layer.is_none();
-    v.retain(|f| f.check(weights, run.clone(), global).is_ok());
-    v
+    let mut untestable = Vec::new();
+    v.retain(|f| match f.check(weights, run.clone(), global) {
+        Ok(()) => true,
+        Err(e) => {
+            let why = format!("{e:#}");
+            if why.contains("the file has no") {
+                untestable.push(format!(
+                    "{f} ({})",
+                    why.trim_start_matches(&format!("--inject {f}: "))
+                ));
+            }
+            false
+        }
+    });
+    (v, untestable)
 }
 
 /// Recomputes `step` from `inputs` on `engine` and returns its output at `hook`.
@@ -365,7 +385,14 @@ pub fn explain(
             reproduces: r <= captured.allowed && r < reference_residual,
         });
     };
-    for fault in hypotheses(step, weights) {
+    let (faults, untestable) = hypotheses_and_untestable(step, weights);
+    if !untestable.is_empty() {
+        notes.push(format!(
+            "not testable with these weights: {}",
+            untestable.join("; ")
+        ));
+    }
+    for fault in faults {
         let engine = FaultEngine::new(&cpu, weights, vec![fault.clone()]);
         if let Some(l) = step.layer {
             engine.begin_layer(l, &[])?;

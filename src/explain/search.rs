@@ -19,6 +19,12 @@ use crate::engine::HostTensor;
 /// found).
 pub const ALL_EXPERTS_UP_TO: usize = 64;
 
+/// An expert mapping: `(slot, from)` pairs, slot `slot` computed with expert `from`'s weights.
+pub type ExpertMap = Vec<(usize, usize)>;
+
+/// The residual and output of a full mapping (`map[e]` for every expert slot).
+type Eval<'a> = dyn Fn(&[usize]) -> Result<(f64, HostTensor)> + 'a;
+
 /// Passes of the local search.
 const PASSES: usize = 8;
 
@@ -72,7 +78,7 @@ pub fn expert_map(
     ids: &HostTensor,
     w: &HostTensor,
     cand: &HostTensor,
-) -> Result<Option<(Vec<(usize, usize)>, HostTensor)>> {
+) -> Result<Option<(ExpertMap, HostTensor)>> {
     let hp = cpu.weights().hparams();
     let (t, hidden) = x.dims2("moe input")?;
     let (ti, k) = ids.dims2("moe_topk_ids")?;
@@ -228,7 +234,7 @@ pub fn head_map(
 /// exchanging theirs, whichever lowers the residual, until nothing does (at most [`PASSES`]
 /// passes).
 fn descend(
-    eval: &dyn Fn(&[usize]) -> Result<(f64, HostTensor)>,
+    eval: &Eval<'_>,
     routed: &[usize],
     pool: &[usize],
     m: &mut Vec<usize>,

@@ -343,6 +343,9 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
     type Tensor = E::Tensor;
 
     fn describe(&self) -> String {
+        if self.faults.is_empty() {
+            return self.inner.describe();
+        }
         let f: Vec<String> = self.faults.iter().map(Fault::to_string).collect();
         format!(
             "{} with injected fault {}",

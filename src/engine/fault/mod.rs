@@ -25,7 +25,7 @@ use anyhow::{bail, Context, Result};
 pub use engine::FaultEngine;
 
 use crate::model::names::{self, blk};
-use crate::model::steps::{self, Op};
+use crate::model::steps;
 use crate::model::Weights;
 use crate::quant::GgmlType;
 use crate::util::glob::matches as glob_match;
@@ -516,7 +516,7 @@ impl Fault {
                 }
                 if !weights.has(&names::blk(hp.n_layer, blk::ATTN_NORM)) {
                     bail!(
-                        "--inject {me}: the file has no blk.{}.attn_norm.weight (an MTP block of nextn tensors only)",
+                        "--inject {me}: the file has no blk.{}.attn_norm.weight: no MTP block to run as a layer",
                         hp.n_layer
                     );
                 }
@@ -583,20 +583,6 @@ fn parse_layers(s: &str) -> Result<Vec<usize>> {
         bail!("no layer given after @");
     }
     Ok(v)
-}
-
-/// Whether step `op` of `layer` reads a tensor a [`FaultKind::LayerWeights`] or
-/// [`FaultKind::Transposed`] glob names (used to pick the steps a hypothesis concerns).
-pub fn step_reads(op: &Op, weights: &Weights<'_>, glob: &str) -> bool {
-    let step = steps::Step {
-        op: op.clone(),
-        inputs: Vec::new(),
-        outputs: Vec::new(),
-        layer: None,
-    };
-    step.weights(weights)
-        .iter()
-        .any(|n| Fault::names_tensor(glob, n))
 }
 
 #[cfg(test)]
