@@ -598,7 +598,7 @@ mod tests {
             "expert_swap:2,5@1",
             "expert_map:4=5,5=6,6=4",
             "layer_weights:0",
-            "layer_weights:1,ffn_*_exps.weight@2",
+            "layer_weights:1,ffn_*_exps.weight@3",
             "tp_shard:2",
             "norm_eps:1e-6",
             "q4k_scale_bits",
