@@ -31,6 +31,9 @@ pub enum Command {
     Run(RunArgs),
     /// Compare two traces hook by hook (the first is the reference).
     Compare(CompareArgs),
+    /// Re-run one step written by `run --repro DIR`: the candidate against the reference, from
+    /// the stored inputs.
+    Step(StepArgs),
     /// Run a suite of `run` cases with pinned expectations (a CI regression gate).
     Regress(RegressArgs),
     /// Write a synthetic GGUF with real tensor names, shapes and a realistic type mix.
@@ -168,6 +171,21 @@ pub struct RunArgs {
     /// weight bytes, the residual stream handed from GPU to GPU (implies --against cuda).
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub devices: Vec<usize>,
+    /// Inject a known bug into the candidate engine (cpu or cuda), repeatable: KIND[@LAYERS]
+    /// with LAYERS N, A..B or N,M. Kinds: kv_b_concat, rope_neox, indexer_rope_neox,
+    /// scale_latent, softmax_gating, bias_in_weights, router_bf16, expert_swap:A,B,
+    /// expert_map:A=B,.., gate_up_swap, layer_weights:L[,GLOB], q4k_scale_bits, run_mtp,
+    /// tp_shard:N, transposed:GLOB, and the harmless f32_accumulate and norm_eps:X.
+    #[arg(long, value_name = "KIND[@LAYERS]")]
+    pub inject: Vec<String>,
+    /// At the first step that fails in replay, test which known bug reproduces the candidate's
+    /// output (recomputed on the CPU from the same inputs) and rank them.
+    #[arg(long)]
+    pub explain: bool,
+    /// Write the first step that fails in replay as a self-contained case to DIR (inputs, weight
+    /// tensors, reference and candidate outputs, README); `glmdiff step DIR` re-runs it.
+    #[arg(long, value_name = "DIR")]
+    pub repro: Option<PathBuf>,
     /// What to compare and how to report it.
     #[command(flatten)]
     pub report: ReportArgs,
@@ -215,6 +233,26 @@ pub struct CompareArgs {
     /// What to compare and how to report it.
     #[command(flatten)]
     pub report: ReportArgs,
+}
+
+/// `glmdiff step`.
+#[derive(Debug, Args)]
+pub struct StepArgs {
+    /// The case directory (`glmdiff run --repro DIR` writes one).
+    pub dir: PathBuf,
+    /// The candidate: the case's stored output (default), cpu (a second reference), or cuda /
+    /// cuda:N (the CUDA engine on device N).
+    #[arg(long, value_name = "ENGINE")]
+    pub against: Option<String>,
+    /// Replace the floor (relative L2) the candidate is judged by.
+    #[arg(long, value_name = "VALUE", value_parser = parse_nonneg)]
+    pub tol: Option<f64>,
+    /// Test which known bug reproduces the candidate's output (as `run --explain`).
+    #[arg(long)]
+    pub explain: bool,
+    /// Write the result as JSON. Written atomically.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
 }
 
 /// `glmdiff regress`.
@@ -336,6 +374,18 @@ pub fn parse_tol(s: &str) -> Result<(String, f64)> {
         bail!("--tol value {v} must be finite and not negative");
     }
     Ok((g.to_string(), v))
+}
+
+/// Parses a finite, non-negative number.
+pub fn parse_nonneg(s: &str) -> Result<f64> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .with_context(|| format!("{s:?} is not a number"))?;
+    if !v.is_finite() || v < 0.0 {
+        bail!("{v} must be finite and not negative");
+    }
+    Ok(v)
 }
 
 /// Parses `GLOB=DTYPE` with a DTYPE of f64, f32, f16, bf16 or fp8 (and their long names).

@@ -15,8 +15,9 @@
 //!    row range, raw bytes; kv_b split or legacy) that engines realise, the ordered steps and
 //!    the GGUF tensors each reads, and the facts `inspect` shows; uses `gguf`, `quant`, `util`.
 //! 6. [`engine`]: the `Engine` trait (steps and weight residency hooks), the CPU reference,
-//!    which dequantizes the descriptions and counts its own work for `bench`, and (feature
-//!    `cuda`) the CUDA engine; uses `model`, `quant`, `tensor`, `util`, and `cuda` for the GPU.
+//!    which dequantizes the descriptions and counts its own work for `bench`, the known bugs of
+//!    `engine::fault` (`FaultEngine` around any engine), and (feature `cuda`) the CUDA engine;
+//!    uses `model`, `quant`, `tensor`, `util`, and `cuda` for the GPU.
 //! 7. [`trace`]: sinks (one tensor, or reference/candidate pairs), hook selection, trace files,
 //!    the reference cache; uses `model`, `gguf`, `tensor`, `util`.
 //! 8. [`cuda`]: devices, NVRTC, the dequant and comparison kernels, `dequant-check`; uses
@@ -26,22 +27,26 @@
 //! 10. [`driver`]: walks the steps over one engine into a sink, or over a reference and a
 //!     candidate (engine or trace) into a pair sink, in replay and chained modes; uses `trace`,
 //!     `engine`, `model`.
-//! 11. [`regress`]: suites of `run` cases, their expectations and the changes against a
+//! 11. [`explain`]: `--explain` and step cases: the first failing replay step captured with
+//!     its inputs (a pair sink in front of a comparison), recomputed under each known bug and
+//!     ranked; `--repro` cases written and read; uses `driver`, `compare`, `engine`, `trace`,
+//!     `model`, `gguf`, `util`.
+//! 12. [`regress`]: suites of `run` cases, their expectations and the changes against a
 //!     baseline; uses `compare`, `trace`.
-//! 12. [`tokenizer`]: byte-level BPE from GGUF metadata; uses only `gguf`.
-//! 13. [`synth`]: synthetic GGUFs; uses `tokenizer`, `model`, `gguf`, `quant`, `util`.
-//! 14. [`bench`](mod@bench): benchmarks that measure and return data; uses `synth`, `driver`,
+//! 13. [`tokenizer`]: byte-level BPE from GGUF metadata; uses only `gguf`.
+//! 14. [`synth`]: synthetic GGUFs; uses `tokenizer`, `model`, `gguf`, `quant`, `util`.
+//! 15. [`bench`](mod@bench): benchmarks that measure and return data; uses `synth`, `driver`,
 //!     `cuda` (the GPU dequant benchmark),
 //!     `trace`, `engine`, `model`, `gguf`, `quant`, `util`.
-//! 15. [`hf`]: Hugging Face checkpoints (config, shards, BF16/F16/F32/FP8 block-scaled reads).
+//! 16. [`hf`]: Hugging Face checkpoints (config, shards, BF16/F16/F32/FP8 block-scaled reads).
 //!     Imports nothing from the crate.
-//! 16. [`wcheck`]: `weights-check`, a GGUF tensor by tensor against its HF checkpoint or another
+//! 17. [`wcheck`]: `weights-check`, a GGUF tensor by tensor against its HF checkpoint or another
 //!     GGUF (mapping, streamed comparison, diagnosis); uses `hf`, `gguf`, `quant`, `model`, `util`.
-//! 17. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
-//!     the layers below return; uses `compare`, `regress`, `cuda`, `bench`, `wcheck`,
+//! 18. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
+//!     the layers below return; uses `compare`, `explain`, `regress`, `cuda`, `bench`, `wcheck`,
 //!     `model`, `trace`, `util`.
-//! 18. [`cli`]: the flags. Imports nothing from the crate.
-//! 19. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
+//! 19. [`cli`]: the flags. Imports nothing from the crate.
+//! 20. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
 //!     and handing results to `report`; the only module that uses them all.
 //!
 //! In the library only `report` and `cmd` write to stdout or stderr.
@@ -54,6 +59,7 @@ pub mod compare;
 pub mod cuda;
 pub mod driver;
 pub mod engine;
+pub mod explain;
 pub mod gguf;
 pub mod hf;
 pub mod model;

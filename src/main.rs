@@ -24,6 +24,7 @@ fn main() -> ExitCode {
         Command::DequantCheck(a) => cmd::dequant_check::run(a),
         Command::Run(a) => cmd::run::run(a),
         Command::Compare(a) => cmd::run::compare(a),
+        Command::Step(a) => cmd::step::run(a),
         Command::Regress(a) => cmd::regress::run(a),
         Command::Synth(a) => cmd::synth::run(a),
         Command::WeightsCheck(a) => cmd::weights_check::run(a),

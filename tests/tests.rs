@@ -3,6 +3,7 @@ mod cli;
 mod common;
 mod dequant;
 mod engines;
+mod faults;
 mod gpu;
 mod malformed;
 mod reference;

@@ -7,6 +7,7 @@ pub mod dequant_check;
 pub mod inspect;
 pub mod regress;
 pub mod run;
+pub mod step;
 pub mod synth;
 pub mod trace;
 pub mod weights_check;

@@ -34,6 +34,9 @@ fn run_args(case: &Case, args: &RegressArgs) -> RunArgs {
         mode: case.mode.clone(),
         dtype: case.dtype.clone(),
         devices: Vec::new(),
+        inject: Vec::new(),
+        explain: false,
+        repro: None,
         report: ReportArgs {
             hook: case.hook.clone(),
             all_steps: false,

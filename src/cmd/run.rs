@@ -15,7 +15,10 @@ use crate::compare::{Comparison, Judge, Precision};
 use crate::driver::pair::{run_pair, Candidate, Modes};
 use crate::driver::{prefix_values, Plan, Progress};
 use crate::engine::cpu::CpuEngine;
+use crate::engine::fault::{Fault, FaultEngine};
 use crate::engine::Engine;
+use crate::explain::case::{self, CaseMeta};
+use crate::explain::{explain, Capture, Explanation};
 use crate::gguf::Model;
 use crate::model::Weights;
 use crate::report::progress::Bar;
@@ -227,6 +230,19 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
         },
         _ => Modes::BOTH,
     };
+    let faults: Vec<Fault> = args
+        .inject
+        .iter()
+        .map(|s| Fault::parse(s))
+        .collect::<Result<_>>()?;
+    if (args.explain || args.repro.is_some()) && !modes.replay {
+        bail!(
+            "run: --explain and --repro work on the first step that fails in replay; use --mode replay or both"
+        );
+    }
+    if let Some(dir) = &args.repro {
+        crate::explain::case::check_target(dir)?;
+    }
     let model = Model::open(&args.model)?;
     let weights = Weights::new(&model)?;
     let hp = weights.hparams();
@@ -268,6 +284,11 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
             }
         }
     };
+    if !faults.is_empty() && trace.is_some() {
+        bail!(
+            "run: --inject plants a bug in an engine glmdiff runs (--against cpu or cuda); a trace's bugs are its own"
+        );
+    }
     if let Some(t) = &trace {
         let tt = t.tokens()?;
         match &tokens {
@@ -303,6 +324,9 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
     }
     let layers = layers.start as usize..layers.end as usize;
     let plan = Plan::range(&weights, layers.clone(), layers.end == hp.n_layer)?;
+    for f in &faults {
+        f.check(&weights, layers.clone(), plan.tail)?;
+    }
 
     // The reference and the residual stream at the first layer.
     let reference = CpuEngine::new(&weights);
@@ -377,7 +401,8 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
     // Judge.
     let mut header_notes = Vec::new();
     let ref_prec = Precision::parse(&reference.dtype()).context("run: reference precision")?;
-    let second = CpuEngine::new(&weights);
+    let second_cpu = CpuEngine::new(&weights);
+    let second = FaultEngine::new(&second_cpu, &weights, faults.clone());
     #[cfg(feature = "cuda")]
     let gpus: Vec<crate::cuda::Gpu> = match &against {
         Against::Cuda(n) => {
@@ -394,7 +419,7 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
         _ => Vec::new(),
     };
     #[cfg(feature = "cuda")]
-    let cuda_engine = if gpus.is_empty() {
+    let cuda_inner = if gpus.is_empty() {
         None
     } else {
         Some(crate::engine::cuda::multi::MultiCudaEngine::new(
@@ -403,6 +428,10 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
             crate::engine::cuda::GpuDtype::parse(&args.dtype)?,
         )?)
     };
+    #[cfg(feature = "cuda")]
+    let cuda_engine = cuda_inner
+        .as_ref()
+        .map(|e| FaultEngine::new(e, &weights, faults.clone()));
     let (cand_desc, cand_prec) = match (&against, &trace) {
         #[cfg(feature = "cuda")]
         (Against::Cuda(n), _) => {
@@ -467,9 +496,21 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
         groups: hp.groups,
     };
     notes.append(&mut header_notes);
+    if !faults.is_empty() {
+        let f: Vec<String> = faults.iter().map(Fault::to_string).collect();
+        notes.push(format!(
+            "--inject {}: the candidate computes the steps these faults concern the faulty way (on the host, from its own inputs); every other step is the {} engine's",
+            f.join(" "),
+            cand_desc.spec
+        ));
+    }
     let mut cmp = Comparison::new(judge, wants_with_scores(&args.report.hook), &tokens);
     let t0 = Instant::now();
     let progress: &dyn Progress = &bar;
+    let capture = args.explain || args.repro.is_some();
+    // Without --explain/--repro the capture copies nothing and only passes pairs on.
+    let mut capture_sink = Capture::new(&mut cmp, capture);
+    let sink: &mut dyn PairSink = &mut capture_sink;
     #[cfg(feature = "cuda")]
     let on_gpu = if let Some(e) = &cuda_engine {
         run_pair(
@@ -480,15 +521,15 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
             &plan,
             &start,
             modes,
-            &mut cmp,
+            sink,
             progress,
         )?;
-        if args.devices.len() > 1 {
-            let (n, bytes) = e.handoffs();
+        if let (true, Some(m)) = (args.devices.len() > 1, &cuda_inner) {
+            let (n, bytes) = m.handoffs();
             notes.push(format!(
                 "{} devices, layers {:?}; {n} tensors ({:.1} MB) handed from GPU to GPU through the host",
                 args.devices.len(),
-                e.plan().ranges,
+                m.plan().ranges,
                 bytes as f64 / 1e6
             ));
         }
@@ -499,14 +540,15 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
     #[cfg(not(feature = "cuda"))]
     let on_gpu = false;
     if !on_gpu {
-        let candidate: Candidate<'_, CpuEngine<'_>> = match &trace {
+        let candidate: Candidate<'_, FaultEngine<'_, '_, CpuEngine<'_>>> = match &trace {
             Some(t) => Candidate::Trace(t),
             None => Candidate::Engine(&second),
         };
         run_pair(
-            &reference, candidate, &weights, &tokens, &plan, &start, modes, &mut cmp, progress,
+            &reference, candidate, &weights, &tokens, &plan, &start, modes, sink, progress,
         )?;
     }
+    let captured = capture_sink.captured();
     timings.push(("compared".to_string(), t0.elapsed().as_secs_f64()));
     if cmp.records().is_empty() {
         bail!(
@@ -514,6 +556,46 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
             args.report.hook.join(" ")
         );
     }
+
+    let t0 = Instant::now();
+    let explanation = if args.explain {
+        Some(match (cmp.first_divergence(Mode::Replay), &captured) {
+            (None, _) => Explanation::NothingWrong,
+            (Some(r), None) => Explanation::NotCaptured {
+                note: format!(
+                    "{} fails, but the inputs of its step were not at hand (a step replay could not run)",
+                    r.name
+                ),
+            },
+            (Some(_), Some(c)) => explain(c, &weights, &tokens)?,
+        })
+    } else {
+        None
+    };
+    if args.explain {
+        timings.push(("explained".to_string(), t0.elapsed().as_secs_f64()));
+    }
+    let repro = match (&args.repro, &captured) {
+        (Some(dir), Some(c)) => {
+            let meta = CaseMeta {
+                model: args.model.display().to_string(),
+                tokens: tokens.clone(),
+                candidate: cand_desc.spec.clone(),
+                candidate_describe: cand_desc.describe.clone(),
+                candidate_dtype: cand_desc.dtype.clone(),
+                reference_dtype: reference.dtype(),
+            };
+            case::write(dir, c, &weights, &meta)?;
+            Some(format!(
+                "--repro: the step of {} written to {}; re-run it with: glmdiff step {} [--against cpu|cuda]",
+                c.hook,
+                dir.display(),
+                shell_word(&dir.display().to_string())
+            ))
+        }
+        (Some(_), None) => Some("--repro: no step fails in replay; no case written".to_string()),
+        (None, _) => None,
+    };
 
     let tok = tokenizer.as_ref().ok();
     let mut header = Header {
@@ -539,14 +621,21 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
         cache: cache_note,
         rerun: None,
         timings,
+        explanation,
+        repro,
     };
     let first = cmp
         .first_divergence(Mode::Replay)
         .or(cmp.first_divergence(Mode::Chained));
     if let Some(l) = first.and_then(|r| r.layer) {
         let ids: Vec<String> = tokens.iter().map(u32::to_string).collect();
+        let injected: String = faults
+            .iter()
+            .filter(|f| f.layers.is_none() || f.at(Some(l)))
+            .map(|f| format!(" --inject {}", shell_word(&f.to_string())))
+            .collect();
         header.rerun = Some(format!(
-            "glmdiff run {} --tokens {} --layer {l} --against {} --mode {}{}",
+            "glmdiff run {} --tokens {} --layer {l} --against {} --mode {}{}{injected}",
             shell_word(&args.model.display().to_string()),
             ids.join(","),
             shell_word(&header.candidate.spec),
@@ -846,6 +935,8 @@ pub fn compare(args: &CompareArgs) -> Result<Outcome> {
         cache: None,
         rerun: None,
         timings: Vec::new(),
+        explanation: None,
+        repro: None,
     };
     let text = |id: u32| id.to_string();
     finish(&header, &cmp, &text, &args.report)

@@ -208,6 +208,11 @@ impl Comparison {
         &self.records
     }
 
+    /// The record of hook `name`, if it was compared.
+    pub fn get(&self, name: &str) -> Option<&HookRecord> {
+        self.index.get(name).map(|&i| &self.records[i])
+    }
+
     /// The judge.
     pub fn judge(&self) -> &Judge {
         &self.judge

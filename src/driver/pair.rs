@@ -165,6 +165,9 @@ pub fn run_pair<R: Engine, C: Engine>(
                     }
                 }
                 Ok(inputs) => {
+                    if step.op != Op::Alias && sink.wants_replay_inputs() {
+                        sink.replay_inputs(step, &inputs.values);
+                    }
                     let wants = |n: &str| sink.wants(n) || is_selection(n);
                     match &candidate {
                         Candidate::Engine(c) => {

@@ -36,6 +36,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod fault;
 
 use std::ops::Range;
 

@@ -220,6 +220,32 @@ impl<'m> Weights<'m> {
         Ok(w)
     }
 
+    /// The weights of a file that holds only some of a model's tensors, with the model's
+    /// metadata (a step case of `glmdiff step`, which keeps the tensors one step reads): the
+    /// hyperparameters come from the metadata and every tensor read is checked against them as
+    /// with [`Weights::new`], but no layer, embedding or output tensor is required. The
+    /// vocabulary size is that of `token_embd.weight` or `output.weight` when the file has one
+    /// (0 otherwise); the output projection is `output.weight` when present.
+    pub fn partial(model: &'m Model) -> Result<Weights<'m>> {
+        let hp = HParams::from_model(model)?;
+        let n_vocab = [names::TOKEN_EMBD, names::OUTPUT]
+            .iter()
+            .find_map(|n| model.find(n))
+            .and_then(|t| t.info.ne.get(1).copied())
+            .unwrap_or(0) as usize;
+        let output = if model.find(names::OUTPUT).is_some() {
+            names::OUTPUT
+        } else {
+            names::TOKEN_EMBD
+        };
+        Ok(Weights {
+            model,
+            hp,
+            n_vocab,
+            output,
+        })
+    }
+
     /// The hyperparameters.
     pub fn hparams(&self) -> &HParams {
         &self.hp

@@ -9,6 +9,7 @@ pub mod plot;
 pub mod progress;
 pub mod regress;
 pub mod run;
+pub mod step;
 pub mod trace;
 pub mod weights_check;
 

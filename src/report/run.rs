@@ -10,6 +10,7 @@ use serde_json::{json, Value};
 use super::table;
 use crate::compare::logits::LogitsReport;
 use crate::compare::{Comparison, HookRecord, Metrics, ModeResult, Status};
+use crate::explain::Explanation;
 use crate::trace::Mode;
 
 /// Version of the JSON document (`glmdiff_run` key).
@@ -54,6 +55,10 @@ pub struct Header {
     pub rerun: Option<String>,
     /// Timings: (what, seconds).
     pub timings: Vec<(String, f64)>,
+    /// What `--explain` found (`None` without it).
+    pub explanation: Option<Explanation>,
+    /// What `--repro` did (`None` without it).
+    pub repro: Option<String>,
 }
 
 fn e(x: f64) -> String {
@@ -282,6 +287,12 @@ pub fn render(h: &Header, c: &Comparison, text: &dyn Fn(u32) -> String, all_step
             }
         }
     }
+    if let Some(x) = &h.explanation {
+        s.push_str(&render_explanation(x));
+    }
+    if let Some(r) = &h.repro {
+        let _ = writeln!(s, "{r}");
+    }
     s.push_str(&render_flips(c));
     let drift: Vec<&HookRecord> = c
         .records()
@@ -337,6 +348,78 @@ pub fn render(h: &Header, c: &Comparison, text: &dyn Fn(u32) -> String, all_step
             .map(|(w, sec)| format!("{w} {sec:.2} s"))
             .collect();
         let _ = writeln!(s, "time: {}", t.join(", "));
+    }
+    s
+}
+
+/// What `--explain` found, in a few lines: the best hypothesis and whether it reproduces the
+/// candidate, the next best, and what was left out.
+pub fn render_explanation(x: &Explanation) -> String {
+    let mut s = String::new();
+    match x {
+        Explanation::NothingWrong => {
+            let _ = writeln!(
+                s,
+                "explain: nothing to explain: no step fails in replay (every compared hook is within what precision explains)"
+            );
+        }
+        Explanation::NotCaptured { note } => {
+            let _ = writeln!(s, "explain: {note}");
+        }
+        Explanation::Tested {
+            hook,
+            step,
+            allowed,
+            reference_residual,
+            hypotheses,
+            notes,
+            ..
+        } => {
+            let rest = |from: usize| -> String {
+                let v: Vec<String> = hypotheses
+                    .iter()
+                    .skip(from)
+                    .take(3)
+                    .map(|t| format!("{} ({})", t.kind, e(t.residual)))
+                    .collect();
+                if v.is_empty() {
+                    String::new()
+                } else {
+                    format!("; next best: {}", v.join(", "))
+                }
+            };
+            match hypotheses.first() {
+                None => {
+                    let _ = writeln!(
+                        s,
+                        "explain: {hook}: no known bug applies to this step ({step}); no known bug reproduces this"
+                    );
+                }
+                Some(best) if best.reproduces => {
+                    let _ = writeln!(
+                        s,
+                        "explain: {hook}: reproduced by {} (residual {}, floor {}; the reference without a fault: {}){}",
+                        best.kind,
+                        e(best.residual),
+                        e(*allowed),
+                        e(*reference_residual),
+                        rest(1)
+                    );
+                }
+                Some(_) => {
+                    let _ = writeln!(
+                        s,
+                        "explain: {hook}: no known bug reproduces this (floor {}; the reference without a fault: {}); closest: {}",
+                        e(*allowed),
+                        e(*reference_residual),
+                        rest(0).trim_start_matches("; next best: ")
+                    );
+                }
+            }
+            for n in notes {
+                let _ = writeln!(s, "explain: {n}");
+            }
+        }
     }
     s
 }
@@ -573,6 +656,15 @@ pub fn to_json(h: &Header, c: &Comparison) -> Value {
         "records": records,
         "layer_summaries": layers,
         "logits": if logits.is_empty() { Value::Null } else { Value::Object(logits) },
+        "explanation": h.explanation.as_ref().map(|x| json!(x.hypotheses())),
+        "explain": h.explanation.as_ref().map(|x| {
+            let mut v = json!(x);
+            if let Some(o) = v.as_object_mut() {
+                o.remove("hypotheses");
+            }
+            v
+        }),
+        "repro": h.repro,
         "timings": h.timings.iter().map(|(w, s)| json!({"what": w, "seconds": s})).collect::<Vec<_>>(),
     })
 }

@@ -16,7 +16,7 @@ use std::ops::Range;
 use anyhow::{bail, Result};
 
 use crate::model::names::split_blk;
-use crate::model::steps::point;
+use crate::model::steps::{point, Step};
 use crate::tensor::HostTensor;
 use crate::util::glob::matches_any;
 
@@ -88,6 +88,16 @@ pub trait PairSink {
     fn record(&mut self, pair: Pair<'_>) -> Result<()>;
     /// Hook `name` could not be compared in `mode`, and why.
     fn missing(&mut self, name: &str, mode: Mode, why: &str);
+    /// Whether the sink takes the inputs of replayed steps ([`PairSink::replay_inputs`]): asked
+    /// before each replayed step, so that nothing is copied for a sink that does not. Default: no.
+    fn wants_replay_inputs(&self) -> bool {
+        false
+    }
+    /// The host values replay fed both sides of `step` (one per `step.inputs`, in order), handed
+    /// over before the step's pairs. Default: ignored.
+    fn replay_inputs(&mut self, step: &Step, inputs: &[HostTensor]) {
+        let _ = (step, inputs);
+    }
 }
 
 /// Receives hook tensors.

@@ -8,11 +8,18 @@ use anyhow::{bail, Result};
 use rayon::prelude::*;
 
 use super::math::{dot, layer_norm, matmul_counted, rotate_pairs, softmax_in_place};
+use super::stats::WeightStats;
+use super::weights::Matrix;
 use super::CpuEngine;
-use crate::engine::HostTensor;
+use crate::engine::{HostTensor, MlaInputs};
 use crate::model::hparams::INDEXER_K_NORM_EPS;
 use crate::model::names::{self, blk};
 use crate::model::rope;
+use crate::model::HParams;
+
+/// A RoPE rotation of one head's rotated values by `cos_sin[i] = (cos, sin)` per frequency, in
+/// place ([`rotate_pairs`] is the interleaved layout every engine must use).
+pub type Rotate = fn(&mut [f32], &[(f64, f64)]);
 
 impl CpuEngine<'_> {
     /// DSA index scores `[T, T]` (see [`crate::engine::Engine::indexer_scores`]).
@@ -27,6 +34,19 @@ impl CpuEngine<'_> {
         layer: usize,
         a: &HostTensor,
         cq: &HostTensor,
+    ) -> Result<HostTensor> {
+        self.indexer_scores_with(layer, a, cq, rotate_pairs)
+    }
+
+    /// The DSA index scores with `rotate` applied to the pe parts of the indexer's q and k in
+    /// place of the interleaved RoPE [`rotate_pairs`] (what an engine with another RoPE layout
+    /// computes); [`CpuEngine::indexer_scores_cpu`] passes [`rotate_pairs`].
+    pub fn indexer_scores_with(
+        &self,
+        layer: usize,
+        a: &HostTensor,
+        cq: &HostTensor,
+        rotate: Rotate,
     ) -> Result<HostTensor> {
         let hp = self.weights.hparams();
         let Some(ix) = &hp.indexer else {
@@ -48,9 +68,9 @@ impl CpuEngine<'_> {
         for pos in 0..t {
             let cs = self.cos_sin(pos);
             for head in q[pos * ni * di..(pos + 1) * ni * di].chunks_exact_mut(di) {
-                rotate_pairs(&mut head[..rope_dim], &cs);
+                rotate(&mut head[..rope_dim], &cs);
             }
-            rotate_pairs(&mut k[pos * di..pos * di + rope_dim], &cs);
+            rotate(&mut k[pos * di..pos * di + rope_dim], &cs);
         }
         let scale = 1.0 / ((ni * di) as f64).sqrt();
         let mut out = vec![f32::NEG_INFINITY; t * t];
@@ -92,19 +112,49 @@ impl CpuEngine<'_> {
         HostTensor::i32(vec![t, width], out)
     }
 
-    /// Naive MLA (see [`crate::engine::Engine::mla_attention`]).
-    #[allow(clippy::too_many_arguments)]
+    /// Naive MLA (see [`crate::engine::Engine::mla_attention`]): [`mla_host`] with this
+    /// layer's kv_b and the model's softmax scale.
     pub(super) fn mla_cpu(
         &self,
         layer: usize,
-        q_b: &HostTensor,
-        q_pe: &HostTensor,
-        kv_norm: &HostTensor,
-        k_pe: &HostTensor,
-        selection: Option<&HostTensor>,
+        x: MlaInputs<'_, HostTensor>,
         want_probs: bool,
     ) -> Result<(HostTensor, Option<HostTensor>)> {
-        let hp = self.weights.hparams();
+        let kv_b = self.host_kv_b(layer)?;
+        let scale = rope::softmax_scale(self.weights.hparams());
+        mla_host(
+            self.weights.hparams(),
+            layer,
+            x,
+            &kv_b,
+            scale,
+            want_probs,
+            self.stats,
+        )
+    }
+}
+
+/// Naive MLA of layer `layer` on host tensors with a given kv_b (HF `kv_b_proj` layout
+/// `[H*(nope+v), kv_lora]`, per head `nope` K rows then `v` V rows) and softmax scale: what
+/// [`crate::engine::Engine::mla_attention`] computes with the layer's own kv_b and
+/// `model::rope::softmax_scale`. Counted in `stats` when given.
+pub fn mla_host(
+    hp: &HParams,
+    layer: usize,
+    x: MlaInputs<'_, HostTensor>,
+    kv_b: &Matrix,
+    scale: f64,
+    want_probs: bool,
+    stats: Option<&WeightStats>,
+) -> Result<(HostTensor, Option<HostTensor>)> {
+    let MlaInputs {
+        q_b,
+        q_pe,
+        kv_norm,
+        k_pe,
+        selection,
+    } = x;
+    {
         let (h, nope, rd, v) = (hp.n_head, hp.qk_nope, hp.qk_rope, hp.v_head);
         let qk = hp.qk_head();
         let (t, qcols) = q_b.dims2("attention q_b")?;
@@ -151,10 +201,17 @@ impl CpuEngine<'_> {
         }
 
         // kv = c · kv_b^T: per head, nope K values then v V values. [T, H*(nope+v)]
-        let kv_b = self.host_kv_b(layer)?;
-        let kv = matmul_counted(kv_norm.as_f32("kv_a_norm")?, t, &kv_b, self.stats);
+        if kv_b.rows != h * (nope + v) || kv_b.cols != hp.kv_lora_rank {
+            bail!(
+                "engine: cpu: layer {layer} attention: kv_b is [{}, {}], expected [{}, {}]",
+                kv_b.rows,
+                kv_b.cols,
+                h * (nope + v),
+                hp.kv_lora_rank
+            );
+        }
+        let kv = matmul_counted(kv_norm.as_f32("kv_a_norm")?, t, kv_b, stats);
         let kv_w = nope + v;
-        let scale = rope::softmax_scale(hp);
 
         // Per head: outputs [T, v] and probabilities [T, T].
         let per_head: Vec<(Vec<f32>, Vec<f32>)> = (0..h)

@@ -24,10 +24,10 @@ use anyhow::{bail, Context, Result};
 use super::{Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
 use crate::model::{rope, RopeSlice, Weights};
 
-pub use attention::causal_top_k;
+pub use attention::{causal_top_k, mla_host, Rotate};
 pub use moe::route_token;
 pub use stats::{ThreadTimer, WeightCounts, WeightStats};
-pub use weights::{assemble_kv_b, Matrix, RowSource};
+pub use weights::{assemble_kv_b, Matrix, RowSource, Rows};
 
 /// The CPU reference engine over one model's weights.
 pub struct CpuEngine<'w> {
@@ -66,8 +66,13 @@ impl<'w> CpuEngine<'w> {
         self.stats
     }
 
+    /// The weights the engine reads.
+    pub fn weights(&self) -> &'w Weights<'w> {
+        self.weights
+    }
+
     /// `(cos, sin)` of every rotated pair at position `pos`, times the attention factor.
-    fn cos_sin(&self, pos: usize) -> Vec<(f64, f64)> {
+    pub fn cos_sin(&self, pos: usize) -> Vec<(f64, f64)> {
         self.inv_freq
             .iter()
             .map(|&f| {
@@ -215,15 +220,7 @@ impl Engine for CpuEngine<'_> {
         x: MlaInputs<'_, HostTensor>,
         want_probs: bool,
     ) -> Result<(HostTensor, Option<HostTensor>)> {
-        self.mla_cpu(
-            layer,
-            x.q_b,
-            x.q_pe,
-            x.kv_norm,
-            x.k_pe,
-            x.selection,
-            want_probs,
-        )
+        self.mla_cpu(layer, x, want_probs)
     }
 
     fn moe_route(&self, layer: usize, logits: &HostTensor) -> Result<Routing<HostTensor>> {

@@ -9,7 +9,8 @@
 
 use anyhow::{bail, Result};
 
-use super::math::{matmul_rows, sigmoid, softmax_in_place, swiglu};
+use super::math::{sigmoid, softmax_in_place, swiglu};
+use super::weights::Rows;
 use super::CpuEngine;
 use crate::engine::{ExpertsOut, HostTensor, Routing};
 use crate::model::names::{self, blk};
@@ -65,7 +66,7 @@ pub fn route_token(
     (probs, ids, w)
 }
 
-impl CpuEngine<'_> {
+impl<'w> CpuEngine<'w> {
     /// Router of layer `layer` (see [`crate::engine::Engine::moe_route`]).
     pub(super) fn moe_route_cpu(
         &self,
@@ -118,6 +119,47 @@ impl CpuEngine<'_> {
         weights: &HostTensor,
         want_expert: &dyn Fn(usize) -> bool,
     ) -> Result<ExpertsOut<HostTensor>> {
+        self.moe_experts_with(layer, x, ids, weights, want_expert, &|e| {
+            self.expert_rows(layer, e)
+        })
+    }
+
+    /// Expert `e`'s `[gate, up, down]` rows of layer `layer` as the file holds them (from
+    /// `ffn_gate_exps`/`ffn_up_exps` or the fused `ffn_gate_up_exps`, and `ffn_down_exps`).
+    pub fn expert_rows(&self, layer: usize, e: usize) -> Result<[Rows<'w>; 3]> {
+        let (gate, up) = self.weights.expert_gate_up_desc(layer, e)?;
+        let down_name = names::blk(layer, blk::FFN_DOWN_EXPS);
+        let down = self.weights.expert_desc(&down_name, e)?;
+        Ok([
+            Rows::Source(self.row_source(gate)),
+            Rows::Source(self.row_source(up)),
+            Rows::Source(self.row_source(down)),
+        ])
+    }
+
+    /// One expert's unweighted outputs `down(silu(gate x) * up x)` for the `n` rows of `xs`
+    /// (`[n, hidden]` -> `[n, hidden]`), with its `[gate, up, down]` rows.
+    pub fn expert_output(&self, rows: &[Rows<'_>; 3], xs: &[f32], n: usize) -> Result<Vec<f32>> {
+        let g = rows[0].matmul(xs, n, self.stats)?; // [n, n_ff_exp]
+        let u = rows[1].matmul(xs, n, self.stats)?;
+        let act = swiglu(&g, &u);
+        rows[2].matmul(&act, n, self.stats) // [n, hidden]
+    }
+
+    /// The routed experts as [`CpuEngine::moe_experts_cpu`] computes them, with expert `e`'s
+    /// `[gate, up, down]` rows given by `expert(e)` (the reference passes
+    /// [`CpuEngine::expert_rows`]; another realisation of the weights, e.g. an expert mapping,
+    /// passes its own).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_experts_with(
+        &self,
+        layer: usize,
+        x: &HostTensor,
+        ids: &HostTensor,
+        weights: &HostTensor,
+        want_expert: &dyn Fn(usize) -> bool,
+        expert: &dyn Fn(usize) -> Result<[Rows<'w>; 3]>,
+    ) -> Result<ExpertsOut<HostTensor>> {
         let hp = self.weights.hparams();
         let (t, hidden) = x.dims2("moe input")?;
         let (ti, k) = ids.dims2("moe_topk_ids")?;
@@ -148,7 +190,6 @@ impl CpuEngine<'_> {
                 routed[e as usize].push((tok, wv[tok * k + j]));
             }
         }
-        let down_name = names::blk(layer, blk::FFN_DOWN_EXPS);
         let mut acc = vec![0f64; t * hidden];
         let mut extra = Vec::new();
         for (e, toks) in routed.iter().enumerate() {
@@ -160,12 +201,14 @@ impl CpuEngine<'_> {
                 .iter()
                 .flat_map(|&(tok, _)| xv[tok * hidden..(tok + 1) * hidden].iter().copied())
                 .collect(); // [n, hidden]
-            let (gate, up) = self.weights.expert_gate_up_desc(layer, e)?;
-            let g = matmul_rows(&xs, n, &self.row_source(gate))?; // [n, n_ff_exp]
-            let u = matmul_rows(&xs, n, &self.row_source(up))?;
-            let act = swiglu(&g, &u);
-            let down = self.row_source(self.weights.expert_desc(&down_name, e)?);
-            let y = matmul_rows(&act, n, &down)?; // [n, hidden]
+            let rows = expert(e)?;
+            if rows[0].cols() != hidden {
+                bail!(
+                    "engine: cpu: layer {layer}: expert {e} takes {} inputs, the hidden size is {hidden}",
+                    rows[0].cols()
+                );
+            }
+            let y = self.expert_output(&rows, &xs, n)?; // [n, hidden]
             for (i, &(tok, w)) in toks.iter().enumerate() {
                 let w = f64::from(w);
                 for (a, &v) in acc[tok * hidden..(tok + 1) * hidden]

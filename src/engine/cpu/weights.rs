@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use rayon::prelude::*;
 
 use super::stats::{ThreadTimer, WeightStats};
-use super::CpuEngine;
+use super::{math, CpuEngine};
 use crate::model::{KvB, WeightSlice};
 use crate::quant;
 
@@ -96,6 +96,36 @@ impl<'m> RowSource<'m> {
     }
 }
 
+/// Weight rows a step multiplies with: read from the file and dequantized as they are used (the
+/// reference), or a dense host matrix (another realisation of the same description, e.g. the
+/// weights a faulty loader would have built). Both multiply with the same [`math::dot`], so
+/// equal values give bit-identical products.
+pub enum Rows<'m> {
+    /// Rows of a GGUF tensor.
+    Source(RowSource<'m>),
+    /// A host matrix.
+    Dense(Matrix),
+}
+
+impl Rows<'_> {
+    /// `x · W^T`: `[t, cols]` -> `[t, rows]`, counted in `stats` when given (a [`RowSource`]
+    /// counts in its own).
+    pub fn matmul(&self, x: &[f32], t: usize, stats: Option<&WeightStats>) -> Result<Vec<f32>> {
+        match self {
+            Rows::Source(src) => math::matmul_rows(x, t, src),
+            Rows::Dense(m) => Ok(math::matmul_counted(x, t, m, stats)),
+        }
+    }
+
+    /// Values per row.
+    pub fn cols(&self) -> usize {
+        match self {
+            Rows::Source(src) => src.cols,
+            Rows::Dense(m) => m.cols,
+        }
+    }
+}
+
 /// Rebuilds HF `kv_b_proj` `[H*(nope+v), kv_lora]` from the converter's split tensors:
 /// `k_b` is PyTorch `[H, kv_lora, nope]` (`k_b[h][c][d]`), `v_b` is `[H, v, kv_lora]`.
 /// Per head h: rows `d < nope` are `k_b[h][:, d]` (transposed back), then the `v` rows of `v_b[h]`
@@ -146,7 +176,7 @@ impl<'w> CpuEngine<'w> {
     }
 
     /// The 1-D tensor `name` (norm weight, bias) in f32.
-    pub(super) fn host_vector(&self, name: &str) -> Result<Vec<f32>> {
+    pub fn host_vector(&self, name: &str) -> Result<Vec<f32>> {
         self.dequantize(&self.weights.vector_desc(name)?)
     }
 
@@ -167,7 +197,7 @@ impl<'w> CpuEngine<'w> {
     /// The kv_b projection of layer `layer` in HF `kv_b_proj` layout, `[H*(nope+v), kv_lora]`:
     /// rows per head, `nope` K rows then `v` V rows; reassembled from `attn_k_b`/`attn_v_b`
     /// ([`assemble_kv_b`]) or read from the legacy unsplit `attn_kv_b`.
-    pub(super) fn host_kv_b(&self, layer: usize) -> Result<Matrix> {
+    pub fn host_kv_b(&self, layer: usize) -> Result<Matrix> {
         match self.weights.kv_b_desc(layer)? {
             KvB::Legacy(kv_b) => Ok(Matrix {
                 rows: kv_b.n_rows(),

@@ -1,0 +1,710 @@
+//! [`FaultEngine`]: any engine with faults injected into the steps they concern.
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::ops::Range;
+
+use anyhow::{bail, Context, Result};
+
+use super::host;
+use super::{Fault, FaultKind};
+use crate::engine::cpu::{mla_host, route_token, CpuEngine, Matrix, Rows};
+use crate::engine::{Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
+use crate::model::names::{self, blk};
+use crate::model::steps::{self, Op};
+use crate::model::{rope, Gating, RopeSlice, Weights};
+use crate::quant::GgmlType;
+use crate::util::glob::matches as glob_match;
+
+/// An engine whose steps are those of `inner`, except the steps the faults concern: those are
+/// computed on the host, the faulty way (module [`host`]), from the inputs `inner` holds
+/// (downloaded) and handed back to it (uploaded). Works around any engine; with no fault it is
+/// `inner`.
+///
+/// The layer of a RoPE step (which the trait does not pass) is the one the driver began last
+/// ([`Engine::begin_layer`]); a step run outside a walk counts as every layer.
+pub struct FaultEngine<'a, 'w, E: Engine> {
+    inner: &'a E,
+    weights: &'w Weights<'w>,
+    host: CpuEngine<'w>,
+    faults: Vec<Fault>,
+    layer: Cell<Option<usize>>,
+}
+
+impl<'a, 'w, E: Engine> FaultEngine<'a, 'w, E> {
+    /// `inner` with `faults` (checked by the caller with [`Fault::check`]).
+    pub fn new(inner: &'a E, weights: &'w Weights<'w>, faults: Vec<Fault>) -> Self {
+        FaultEngine {
+            inner,
+            weights,
+            host: CpuEngine::new(weights),
+            faults,
+            layer: Cell::new(None),
+        }
+    }
+
+    /// The faults.
+    pub fn faults(&self) -> &[Fault] {
+        &self.faults
+    }
+
+    /// The first fault whose kind satisfies `pred` and that touches `layer`.
+    fn find(&self, layer: Option<usize>, pred: impl Fn(&FaultKind) -> bool) -> Option<&Fault> {
+        self.faults.iter().find(|f| pred(&f.kind) && f.at(layer))
+    }
+
+    fn to_host(&self, t: &E::Tensor) -> Result<HostTensor> {
+        self.inner.download(t)
+    }
+
+    fn to_engine(&self, t: &HostTensor) -> Result<E::Tensor> {
+        self.inner.upload(t)
+    }
+
+    /// The layer and suffix of a tensor name (`None` for global tensors).
+    fn split(name: &str) -> (Option<usize>, &str) {
+        match names::split_blk(name) {
+            Some((l, s)) => (Some(l), s),
+            None => (None, name),
+        }
+    }
+
+    /// Where a layer's tensor `name` is read from under `layer_weights` (itself otherwise).
+    fn source_name(&self, name: &str) -> String {
+        let (layer, suffix) = Self::split(name);
+        for f in &self.faults {
+            if let FaultKind::LayerWeights { src, glob } = &f.kind {
+                if layer.is_some() && f.at(layer) && glob_match(glob, suffix) {
+                    return names::blk(*src, suffix);
+                }
+            }
+        }
+        name.to_string()
+    }
+
+    /// Whether any weight fault changes matrix `name` (cheap: no values read).
+    fn touches_matrix(&self, name: &str) -> bool {
+        let (layer, suffix) = Self::split(name);
+        let q4k = |n: &str| {
+            self.weights
+                .model()
+                .find(n)
+                .is_some_and(|t| t.info.ty == GgmlType::Q4_K)
+        };
+        self.source_name(name) != name
+            || self
+                .find(layer, |k| matches!(k, FaultKind::Q4kScaleBits))
+                .is_some_and(|_| q4k(&self.source_name(name)))
+            || self
+                .find(
+                    layer,
+                    |k| matches!(k, FaultKind::Transposed { glob } if glob_match(glob, suffix)),
+                )
+                .is_some()
+            || (self
+                .find(layer, |k| matches!(k, FaultKind::TpShard(_)))
+                .is_some()
+                && (suffix == blk::ATTN_Q_B || suffix == blk::ATTN_OUTPUT))
+    }
+
+    /// Matrix `name` as the faults realise it (`[rows, cols]`), `None` when no fault changes it.
+    fn faulted_matrix(&self, name: &str) -> Result<Option<Matrix>> {
+        if !self.touches_matrix(name) {
+            return Ok(None);
+        }
+        let (layer, suffix) = Self::split(name);
+        let src = self.source_name(name);
+        let desc = self.weights.matrix_desc(&src)?;
+        let mut m = if self
+            .find(layer, |k| matches!(k, FaultKind::Q4kScaleBits))
+            .is_some()
+            && desc.ty() == GgmlType::Q4_K
+        {
+            Matrix {
+                rows: desc.n_rows(),
+                cols: desc.cols,
+                data: host::dequant_q4k_faulty(&desc)?,
+            }
+        } else {
+            host::dense(&desc)?
+        };
+        if self
+            .find(
+                layer,
+                |k| matches!(k, FaultKind::Transposed { glob } if glob_match(glob, suffix)),
+            )
+            .is_some()
+        {
+            m = host::transposed(&m);
+        }
+        if let Some(FaultKind::TpShard(n)) = self
+            .find(layer, |k| matches!(k, FaultKind::TpShard(_)))
+            .map(|f| &f.kind)
+        {
+            let hp = self.weights.hparams();
+            let from = host::shard_heads(hp.n_head, *n);
+            if suffix == blk::ATTN_Q_B {
+                m = host::map_row_blocks(&m, hp.qk_head(), &from)?;
+            } else if suffix == blk::ATTN_OUTPUT {
+                m = host::map_col_blocks(&m, hp.v_head, &from)?;
+            }
+        }
+        Ok(Some(m))
+    }
+
+    /// The layer of the step being run (RoPE): the one begun last.
+    fn current_layer(&self) -> Option<usize> {
+        self.layer.get()
+    }
+
+    /// Whether a fault concerns the RoPE step now (every layer when outside a walk).
+    fn rope_fault(&self) -> bool {
+        match self.current_layer() {
+            Some(l) => self
+                .find(Some(l), |k| matches!(k, FaultKind::RopeNeox))
+                .is_some(),
+            None => self
+                .faults
+                .iter()
+                .any(|f| matches!(f.kind, FaultKind::RopeNeox)),
+        }
+    }
+
+    /// Expert `e`'s `[gate, up, down]` rows of layer `layer` as the faults realise them.
+    fn expert_rows(&self, layer: usize, e: usize) -> Result<[Rows<'w>; 3]> {
+        let from = self
+            .find(Some(layer), |k| matches!(k, FaultKind::ExpertMap(_)))
+            .and_then(|f| match &f.kind {
+                FaultKind::ExpertMap(m) => m.iter().find(|(s, _)| *s == e).map(|&(_, f)| f),
+                _ => None,
+            })
+            .unwrap_or(e);
+        // The tensors each projection reads (a layer_weights glob may move some of them).
+        let gate_up = self.weights.expert_gate_up_names(layer);
+        let down = names::blk(layer, blk::FFN_DOWN_EXPS);
+        let src_layer =
+            |n: &str| -> usize { names::split_blk(&self.source_name(n)).map_or(layer, |(l, _)| l) };
+        let (gl, dl) = (src_layer(&gate_up[0]), src_layer(&down));
+        let gu = self.host.expert_rows(gl, from)?;
+        let dn = self.host.expert_rows(dl, from)?;
+        let [g, u, _] = gu;
+        let [_, _, d] = dn;
+        let mut rows = [g, u, d];
+        if self
+            .find(Some(layer), |k| matches!(k, FaultKind::Q4kScaleBits))
+            .is_some()
+        {
+            let descs = {
+                let (g, u) = self.weights.expert_gate_up_desc(gl, from)?;
+                let d = self
+                    .weights
+                    .expert_desc(&names::blk(dl, blk::FFN_DOWN_EXPS), from)?;
+                [g, u, d]
+            };
+            for (r, d) in rows.iter_mut().zip(&descs) {
+                if d.ty() == GgmlType::Q4_K {
+                    *r = Rows::Dense(Matrix {
+                        rows: d.n_rows(),
+                        cols: d.cols,
+                        data: host::dequant_q4k_faulty(d)?,
+                    });
+                }
+            }
+        }
+        if self
+            .find(Some(layer), |k| matches!(k, FaultKind::GateUpSwap))
+            .is_some()
+        {
+            rows.swap(0, 1);
+        }
+        Ok(rows)
+    }
+
+    /// Whether a fault concerns the routed experts of `layer`.
+    fn experts_fault(&self, layer: usize) -> bool {
+        let q4k = self.weights.expert_gate_up_names(layer).iter().any(|n| {
+            self.weights
+                .model()
+                .find(n)
+                .is_some_and(|t| t.info.ty == GgmlType::Q4_K)
+        }) || self
+            .weights
+            .model()
+            .find(&names::blk(layer, blk::FFN_DOWN_EXPS))
+            .is_some_and(|t| t.info.ty == GgmlType::Q4_K);
+        let moved = self
+            .weights
+            .expert_gate_up_names(layer)
+            .iter()
+            .chain(std::iter::once(&names::blk(layer, blk::FFN_DOWN_EXPS)))
+            .any(|n| self.source_name(n) != *n);
+        moved
+            || self
+                .find(Some(layer), |k| {
+                    matches!(k, FaultKind::ExpertMap(_) | FaultKind::GateUpSwap)
+                        || (q4k && matches!(k, FaultKind::Q4kScaleBits))
+                })
+                .is_some()
+    }
+
+    /// Runs the first MTP block as one more layer on `x` (the residual stream after the last
+    /// layer), through this engine (so other faults apply inside it), and returns its output.
+    fn mtp_layer(&self, x: &E::Tensor) -> Result<E::Tensor> {
+        let hp = self.weights.hparams();
+        let mtp = hp.n_layer;
+        let mut hp2 = hp.clone();
+        hp2.n_layer = mtp + 1;
+        if let Some(ix) = &mut hp2.indexer {
+            ix.full.resize(mtp + 1, true);
+        }
+        let steps = steps::layer_steps(&hp2, mtp);
+        let input = steps::layer_input(mtp);
+        let out_name = steps::hook(mtp, steps::point::L_OUT);
+        let names = steps::weights_of(&steps, self.weights);
+        self.inner.begin_layer(mtp, &names)?;
+        let before = self.layer.replace(Some(mtp));
+        let mut env: HashMap<String, E::Tensor> = HashMap::new();
+        let result = (|| -> Result<()> {
+            for s in &steps {
+                let inputs: Vec<&E::Tensor> = s
+                    .inputs
+                    .iter()
+                    .map(|n| {
+                        if *n == input {
+                            Ok(x)
+                        } else {
+                            env.get(n).with_context(|| {
+                                format!("fault run_mtp: step {:?} needs {n}", s.outputs)
+                            })
+                        }
+                    })
+                    .collect::<Result<_>>()?;
+                let outs = self.exec_layer_step(&s.op, &inputs)?;
+                for (n, t) in s.outputs.iter().zip(outs) {
+                    env.insert(n.clone(), t);
+                }
+            }
+            Ok(())
+        })();
+        self.layer.set(before);
+        result.with_context(|| format!("fault run_mtp: the MTP block blk.{mtp} as a layer"))?;
+        self.inner.end_layer(mtp)?;
+        env.remove(&out_name)
+            .with_context(|| format!("fault run_mtp: blk.{mtp} produced no {out_name}"))
+    }
+
+    /// One step of a layer on this engine (the MTP layer of `run_mtp`).
+    fn exec_layer_step(&self, op: &Op, i: &[&E::Tensor]) -> Result<Vec<E::Tensor>> {
+        let x = |n: usize| -> Result<&E::Tensor> {
+            i.get(n)
+                .copied()
+                .context("fault run_mtp: missing step input")
+        };
+        Ok(match op {
+            Op::RmsNorm { weight, eps, cols } => {
+                vec![self.rms_norm(x(0)?, weight, *eps, cols.clone())?]
+            }
+            Op::Linear { weight } => vec![self.linear(x(0)?, weight)?],
+            Op::Rope(s) => vec![self.rope(x(0)?, s)?],
+            Op::IndexerScores { layer } => vec![self.indexer_scores(*layer, x(0)?, x(1)?)?],
+            Op::TopK { k } => vec![self.top_k(x(0)?, *k)?],
+            Op::Attention { layer } => {
+                let inp = MlaInputs {
+                    q_b: x(0)?,
+                    q_pe: x(1)?,
+                    kv_norm: x(2)?,
+                    k_pe: x(3)?,
+                    selection: i.get(4).copied(),
+                };
+                vec![self.mla_attention(*layer, inp, false)?.0]
+            }
+            Op::MoeRoute { layer } => {
+                let r = self.moe_route(*layer, x(0)?)?;
+                vec![r.probs, r.ids, r.weights]
+            }
+            Op::MoeExperts { layer } => {
+                let inp = ExpertInputs {
+                    x: x(0)?,
+                    ids: x(1)?,
+                    weights: x(2)?,
+                };
+                vec![self.moe_experts(*layer, inp, &|_| false)?.routed]
+            }
+            Op::Mlp { gate, up, down } => vec![self.mlp(x(0)?, gate, up, down)?],
+            Op::SwiGlu => vec![self.swiglu(x(0)?, x(1)?)?],
+            Op::Add => vec![self.add(x(0)?, x(1)?)?],
+            Op::ZerosLike => vec![self.zeros_like(x(0)?)?],
+            Op::Embed | Op::Alias => bail!("fault run_mtp: unexpected step in a layer: {op:?}"),
+        })
+    }
+}
+
+impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
+    type Tensor = E::Tensor;
+
+    fn describe(&self) -> String {
+        if self.faults.is_empty() {
+            return self.inner.describe();
+        }
+        let f: Vec<String> = self.faults.iter().map(Fault::to_string).collect();
+        format!(
+            "{} with injected fault {}",
+            self.inner.describe(),
+            f.join(" + ")
+        )
+    }
+
+    fn dtype(&self) -> String {
+        let d = self.inner.dtype();
+        if self
+            .faults
+            .iter()
+            .any(|f| matches!(f.kind, FaultKind::F32Accumulate))
+        {
+            d.replace("f64 accumulation", "f32 accumulation")
+        } else {
+            d
+        }
+    }
+
+    fn begin_model(&self, weights: &[String]) -> Result<()> {
+        self.inner.begin_model(weights)
+    }
+
+    fn end_model(&self) -> Result<()> {
+        self.inner.end_model()
+    }
+
+    fn begin_layer(&self, layer: usize, weights: &[String]) -> Result<()> {
+        self.layer.set(Some(layer));
+        self.inner.begin_layer(layer, weights)
+    }
+
+    fn end_layer(&self, layer: usize) -> Result<()> {
+        self.layer.set(None);
+        self.inner.end_layer(layer)
+    }
+
+    fn upload(&self, t: &HostTensor) -> Result<E::Tensor> {
+        self.inner.upload(t)
+    }
+
+    fn download(&self, t: &E::Tensor) -> Result<HostTensor> {
+        self.inner.download(t)
+    }
+
+    fn embed(&self, ids: &[u32]) -> Result<E::Tensor> {
+        let q4k = self
+            .find(None, |k| matches!(k, FaultKind::Q4kScaleBits))
+            .is_some()
+            && self
+                .weights
+                .model()
+                .find(names::TOKEN_EMBD)
+                .is_some_and(|t| t.info.ty == GgmlType::Q4_K);
+        if !q4k {
+            return self.inner.embed(ids);
+        }
+        let hidden = self.weights.hparams().hidden;
+        let mut data = Vec::with_capacity(ids.len() * hidden);
+        for row in self.weights.embedding_rows_desc(ids)? {
+            data.extend(host::dequant_q4k_faulty(&row)?);
+        }
+        self.to_engine(&HostTensor::f32(vec![ids.len(), hidden], data)?)
+    }
+
+    fn rms_norm(
+        &self,
+        x: &E::Tensor,
+        weight: &str,
+        eps: f64,
+        cols: Option<Range<usize>>,
+    ) -> Result<E::Tensor> {
+        let (layer, _) = Self::split(weight);
+        let mtp;
+        let x = if weight == names::OUTPUT_NORM
+            && self
+                .find(None, |k| matches!(k, FaultKind::RunMtp))
+                .is_some()
+        {
+            mtp = self.mtp_layer(x)?;
+            &mtp
+        } else {
+            x
+        };
+        let eps = match self
+            .find(layer, |k| matches!(k, FaultKind::NormEps(_)))
+            .map(|f| &f.kind)
+        {
+            Some(FaultKind::NormEps(e)) => *e,
+            _ => eps,
+        };
+        let src = self.source_name(weight);
+        if src != weight {
+            let out = self.host.rms_norm(&self.to_host(x)?, &src, eps, cols)?;
+            return self.to_engine(&out);
+        }
+        self.inner.rms_norm(x, weight, eps, cols)
+    }
+
+    fn linear(&self, x: &E::Tensor, weight: &str) -> Result<E::Tensor> {
+        let (layer, suffix) = Self::split(weight);
+        let bf16 = suffix == blk::FFN_GATE_INP
+            && self
+                .find(layer, |k| matches!(k, FaultKind::RouterBf16))
+                .is_some();
+        let f32acc = self
+            .find(layer, |k| matches!(k, FaultKind::F32Accumulate))
+            .is_some();
+        let m = self.faulted_matrix(weight)?;
+        if m.is_none() && !bf16 && !f32acc {
+            return self.inner.linear(x, weight);
+        }
+        let m = match m {
+            Some(m) => m,
+            None => host::dense(&self.weights.matrix_desc(weight)?)?,
+        };
+        let hx = self.to_host(x)?;
+        let (t, k) = hx.dims2(weight)?;
+        if k != m.cols {
+            bail!(
+                "fault: linear {weight}: input has {k} columns, the weight [{}, {}] expects {}",
+                m.rows,
+                m.cols,
+                m.cols
+            );
+        }
+        let xv = hx.as_f32(weight)?;
+        let out = if bf16 {
+            host::matmul_bf16(xv, t, &m)
+        } else if f32acc {
+            host::matmul_f32_accumulate(xv, t, &m)
+        } else {
+            host::matmul(xv, t, &m)
+        };
+        self.to_engine(&HostTensor::f32(vec![t, m.rows], out)?)
+    }
+
+    fn rope(&self, x: &E::Tensor, s: &RopeSlice) -> Result<E::Tensor> {
+        if !self.rope_fault() {
+            return self.inner.rope(x, s);
+        }
+        let hx = self.to_host(x)?;
+        let (t, n) = hx.dims2("rope input")?;
+        let rd = self.weights.hparams().qk_rope;
+        if n != s.heads * s.stride || s.offset + rd > s.stride {
+            bail!(
+                "fault: rope: input [{t}, {n}] does not hold {} heads of {}",
+                s.heads,
+                s.stride
+            );
+        }
+        let xv = hx.as_f32("rope input")?;
+        let mut out = Vec::with_capacity(t * s.heads * rd);
+        for pos in 0..t {
+            let cs = self.host.cos_sin(pos);
+            for h in 0..s.heads {
+                let start = pos * n + h * s.stride + s.offset;
+                let mut v = xv[start..start + rd].to_vec();
+                host::rotate_halves(&mut v, &cs);
+                out.extend(v);
+            }
+        }
+        let shape = if s.keep_head_axis {
+            vec![t, s.heads, rd]
+        } else {
+            vec![t, s.heads * rd]
+        };
+        self.to_engine(&HostTensor::f32(shape, out)?)
+    }
+
+    fn indexer_scores(&self, layer: usize, a: &E::Tensor, cq: &E::Tensor) -> Result<E::Tensor> {
+        if self
+            .find(Some(layer), |k| matches!(k, FaultKind::IndexerRopeNeox))
+            .is_none()
+        {
+            return self.inner.indexer_scores(layer, a, cq);
+        }
+        let (a, cq) = (self.to_host(a)?, self.to_host(cq)?);
+        let out = self
+            .host
+            .indexer_scores_with(layer, &a, &cq, host::rotate_halves)?;
+        self.to_engine(&out)
+    }
+
+    fn top_k(&self, scores: &E::Tensor, k: usize) -> Result<E::Tensor> {
+        self.inner.top_k(scores, k)
+    }
+
+    fn mla_attention(
+        &self,
+        layer: usize,
+        x: MlaInputs<'_, E::Tensor>,
+        want_probs: bool,
+    ) -> Result<(E::Tensor, Option<E::Tensor>)> {
+        let l = Some(layer);
+        let concat = self
+            .find(l, |k| matches!(k, FaultKind::KvBConcat))
+            .is_some();
+        let latent = self
+            .find(l, |k| matches!(k, FaultKind::ScaleLatent))
+            .is_some();
+        let shard = match self
+            .find(l, |k| matches!(k, FaultKind::TpShard(_)))
+            .map(|f| &f.kind)
+        {
+            Some(FaultKind::TpShard(n)) => Some(*n),
+            _ => None,
+        };
+        if !concat && !latent && shard.is_none() {
+            return self.inner.mla_attention(layer, x, want_probs);
+        }
+        let hp = self.weights.hparams();
+        let mut kv_b = self.host.host_kv_b(layer)?;
+        if concat {
+            kv_b = host::kv_b_concat(&kv_b, hp.n_head, hp.qk_nope, hp.v_head);
+        }
+        if let Some(n) = shard {
+            let from = host::shard_heads(hp.n_head, n);
+            kv_b = host::map_row_blocks(&kv_b, hp.qk_nope + hp.v_head, &from)?;
+        }
+        let mut scale = rope::softmax_scale(hp);
+        if latent {
+            scale *= (hp.qk_head() as f64).sqrt() / ((hp.kv_lora_rank + hp.qk_rope) as f64).sqrt();
+        }
+        let (q_b, q_pe, kv_norm, k_pe) = (
+            self.to_host(x.q_b)?,
+            self.to_host(x.q_pe)?,
+            self.to_host(x.kv_norm)?,
+            self.to_host(x.k_pe)?,
+        );
+        let sel = x.selection.map(|s| self.to_host(s)).transpose()?;
+        let inp = MlaInputs {
+            q_b: &q_b,
+            q_pe: &q_pe,
+            kv_norm: &kv_norm,
+            k_pe: &k_pe,
+            selection: sel.as_ref(),
+        };
+        let (heads, probs) = mla_host(hp, layer, inp, &kv_b, scale, want_probs, None)?;
+        Ok((
+            self.to_engine(&heads)?,
+            probs.map(|p| self.to_engine(&p)).transpose()?,
+        ))
+    }
+
+    fn moe_route(&self, layer: usize, logits: &E::Tensor) -> Result<Routing<E::Tensor>> {
+        let l = Some(layer);
+        let softmax = self
+            .find(l, |k| matches!(k, FaultKind::SoftmaxGating))
+            .is_some();
+        let bias_w = self
+            .find(l, |k| matches!(k, FaultKind::BiasInWeights))
+            .is_some();
+        if !softmax && !bias_w {
+            return self.inner.moe_route(layer, logits);
+        }
+        let mut hp = self.weights.hparams().clone();
+        if softmax {
+            hp.gating = Gating::Softmax;
+        }
+        let bias_name = names::blk(layer, blk::EXP_PROBS_B);
+        let bias = if self.weights.has(&bias_name) {
+            Some(self.host.host_vector(&bias_name)?)
+        } else {
+            None
+        };
+        let hl = self.to_host(logits)?;
+        let (t, e) = hl.dims2("moe_logits")?;
+        if e != hp.n_expert {
+            bail!(
+                "fault: layer {layer} router: {e} logits per token for {} experts",
+                hp.n_expert
+            );
+        }
+        let k = hp.n_expert_used;
+        let (mut probs, mut ids, mut weights) = (
+            Vec::with_capacity(t * e),
+            Vec::with_capacity(t * k),
+            Vec::with_capacity(t * k),
+        );
+        for row in hl.as_f32("moe_logits")?.chunks_exact(e) {
+            let (p, i, mut w) = route_token(&hp, row, bias.as_deref());
+            if bias_w {
+                if let Some(b) = &bias {
+                    // The bias enters the weights: (p + b)[idx], then the same normalisation
+                    // and scale.
+                    w = i.iter().map(|&x| p[x] + f64::from(b[x])).collect();
+                    if hp.expert_weights_norm {
+                        let sum: f64 = w.iter().sum();
+                        w.iter_mut().for_each(|x| *x /= sum);
+                    }
+                    w.iter_mut().for_each(|x| *x *= hp.expert_weights_scale);
+                }
+            }
+            probs.extend(p.iter().map(|&x| x as f32));
+            ids.extend(i.iter().map(|&x| x as i32));
+            weights.extend(w.iter().map(|&x| x as f32));
+        }
+        Ok(Routing {
+            probs: self.to_engine(&HostTensor::f32(vec![t, e], probs)?)?,
+            ids: self.to_engine(&HostTensor::i32(vec![t, k], ids)?)?,
+            weights: self.to_engine(&HostTensor::f32(vec![t, k], weights)?)?,
+        })
+    }
+
+    fn moe_experts(
+        &self,
+        layer: usize,
+        x: ExpertInputs<'_, E::Tensor>,
+        want_expert: &dyn Fn(usize) -> bool,
+    ) -> Result<ExpertsOut<E::Tensor>> {
+        if !self.experts_fault(layer) {
+            return self.inner.moe_experts(layer, x, want_expert);
+        }
+        let (hx, ids, w) = (
+            self.to_host(x.x)?,
+            self.to_host(x.ids)?,
+            self.to_host(x.weights)?,
+        );
+        let out = self
+            .host
+            .moe_experts_with(layer, &hx, &ids, &w, want_expert, &|e| {
+                self.expert_rows(layer, e)
+            })?;
+        Ok(ExpertsOut {
+            routed: self.to_engine(&out.routed)?,
+            experts: out
+                .experts
+                .iter()
+                .map(|(e, t)| Ok((*e, self.to_engine(t)?)))
+                .collect::<Result<_>>()?,
+        })
+    }
+
+    fn mlp(&self, x: &E::Tensor, gate: &str, up: &str, down: &str) -> Result<E::Tensor> {
+        let (layer, _) = Self::split(gate);
+        let f32acc = self
+            .find(layer, |k| matches!(k, FaultKind::F32Accumulate))
+            .is_some();
+        if !f32acc && ![gate, up, down].iter().any(|w| self.touches_matrix(w)) {
+            return self.inner.mlp(x, gate, up, down);
+        }
+        let g = self.linear(x, gate)?;
+        let u = self.linear(x, up)?;
+        let act = self.inner.swiglu(&g, &u)?;
+        self.linear(&act, down)
+    }
+
+    fn swiglu(&self, a: &E::Tensor, b: &E::Tensor) -> Result<E::Tensor> {
+        self.inner.swiglu(a, b)
+    }
+
+    fn add(&self, a: &E::Tensor, b: &E::Tensor) -> Result<E::Tensor> {
+        self.inner.add(a, b)
+    }
+
+    fn zeros_like(&self, x: &E::Tensor) -> Result<E::Tensor> {
+        self.inner.zeros_like(x)
+    }
+}

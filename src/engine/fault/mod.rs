@@ -1,0 +1,640 @@
+//! Known bugs, built in: faults that real engines have shipped (`shared/spec/glm5-architecture.md`
+//! section 4, `shared/spec/quant-formats.md`), injected into a candidate engine on purpose.
+//!
+//! A [`Fault`] is a [`FaultKind`] and the layers it touches (`KIND[@LAYERS]` on the command
+//! line, [`Fault::parse`]). [`FaultEngine`] wraps any [`Engine`](super::Engine) (the CPU
+//! reference, the CUDA engine) and computes exactly the steps a fault concerns the faulty way, on
+//! the host, from the inputs the wrapped engine holds; every other step, and every step of a
+//! layer the fault does not touch, is the wrapped engine's own. The faulty arithmetic lives here
+//! ([`host`]), never in the reference: a CPU engine without a fault is the reference, bit for
+//! bit.
+//!
+//! Two uses: `glmdiff run --inject KIND` proves that a divergence is localised at the step the
+//! bug lives in (the tests plant every kind and check the first divergence), and `--explain`
+//! recomputes a failing step under each fault that applies to it and ranks the faults by how well
+//! they reproduce the candidate's output.
+
+mod engine;
+pub mod host;
+
+use std::fmt;
+use std::ops::Range;
+
+use anyhow::{bail, Context, Result};
+
+pub use engine::FaultEngine;
+
+use crate::model::names::{self, blk};
+use crate::model::steps;
+use crate::model::Weights;
+use crate::quant::GgmlType;
+use crate::util::glob::matches as glob_match;
+
+/// The projection `layer_weights` takes from another layer when no glob is given: the attention
+/// output, as in the planted dumps of `fixtures/engines/` (an off-by-one in a weight map).
+pub const DEFAULT_LAYER_WEIGHTS: &str = blk::ATTN_OUTPUT;
+
+/// What a fault does. The words are those of `--inject` (see [`Fault::parse`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum FaultKind {
+    /// `kv_b_concat`: kv_b rebuilt as all heads' K rows, then all heads' V rows, instead of per
+    /// head (a converter/loader reassembly bug; spec 3.1).
+    KvBConcat,
+    /// `rope_neox`: MLA RoPE on half-split pairs `(i, i + d/2)` instead of interleaved `(2i, 2i+1)`.
+    RopeNeox,
+    /// `indexer_rope_neox`: the same in the DSA indexer (its selection changes only once a query
+    /// sees more than `index_topk` keys).
+    IndexerRopeNeox,
+    /// `scale_latent`: the attention softmax scale taken from the latent width
+    /// (`1/sqrt(kv_lora + rope)`, the absorbed form's key width) instead of `1/sqrt(nope + rope)`.
+    ScaleLatent,
+    /// `softmax_gating`: router probabilities by softmax instead of sigmoid.
+    SoftmaxGating,
+    /// `bias_in_weights`: the selection bias `exp_probs_b` added into the expert weights too.
+    BiasInWeights,
+    /// `router_bf16`: router logits computed in bf16 (inputs and weights rounded to bf16, f32
+    /// sums, output rounded to bf16).
+    RouterBf16,
+    /// `expert_swap:A,B` (or `expert_map:A=B,...`): expert `slot` computed with the weights of
+    /// expert `from`, for each `(slot, from)`.
+    ExpertMap(Vec<(usize, usize)>),
+    /// `gate_up_swap`: every routed expert's gate and up projections exchanged.
+    GateUpSwap,
+    /// `layer_weights:L[,GLOB]`: the layer's tensors whose suffix matches `glob` (default
+    /// [`DEFAULT_LAYER_WEIGHTS`]) read from layer `src` (an off-by-one weight map).
+    LayerWeights {
+        /// The layer the weights come from.
+        src: usize,
+        /// Tensor suffix glob (`attn_output.weight`, `ffn_*_exps.weight`, ...).
+        glob: String,
+    },
+    /// `q4k_scale_bits`: Q4_K's `get_scale_min_k4` without the high bits of sub-blocks 4..7.
+    Q4kScaleBits,
+    /// `run_mtp`: the MTP block run as one more layer before the final norm.
+    RunMtp,
+    /// `tp_shard:N`: q_b, kv_b and attn_output emulated as `N` tensor-parallel shards of whole
+    /// heads, the last shard loaded one head further (its head `h` gets head `h+1`'s rows,
+    /// wrapping to head 0).
+    TpShard(usize),
+    /// `f32_accumulate`: projections accumulated in f32 (harmless: what precision explains).
+    F32Accumulate,
+    /// `norm_eps:X`: every RMSNorm's eps replaced by `X` (harmless at 1e-5 vs 1e-6: transformers
+    /// and llama.cpp differ so in two MLA norms).
+    NormEps(f64),
+    /// `transposed:GLOB`: a matrix read in the transposed element order (`W'[r][c] =
+    /// data[c*rows + r]`), for the layer's tensors matching `glob`.
+    Transposed {
+        /// Tensor suffix glob.
+        glob: String,
+    },
+}
+
+/// The `--inject` kinds with a one-line description, for help texts and errors.
+pub const CATALOG: &[(&str, &str)] = &[
+    (
+        "kv_b_concat",
+        "kv_b rebuilt as all K rows then all V rows instead of per head",
+    ),
+    ("rope_neox", "half-split (NeoX) RoPE in MLA"),
+    ("indexer_rope_neox", "half-split RoPE in the DSA indexer"),
+    (
+        "scale_latent",
+        "attention softmax scale from the latent width",
+    ),
+    ("softmax_gating", "softmax instead of sigmoid router scores"),
+    (
+        "bias_in_weights",
+        "the selection bias added into the expert weights",
+    ),
+    ("router_bf16", "router logits in bf16"),
+    (
+        "expert_swap:A,B",
+        "experts A and B loaded with each other's weights",
+    ),
+    (
+        "expert_map:A=B,..",
+        "expert A loaded with expert B's weights",
+    ),
+    ("gate_up_swap", "expert gate and up projections exchanged"),
+    (
+        "layer_weights:L[,GLOB]",
+        "a projection (default attn_output) read from layer L",
+    ),
+    (
+        "q4k_scale_bits",
+        "Q4_K scales of sub-blocks 4..7 without their high bits",
+    ),
+    ("run_mtp", "the MTP block run as one more layer"),
+    (
+        "tp_shard:N",
+        "q_b/kv_b/attn_output as N shards, the last one head off",
+    ),
+    (
+        "f32_accumulate",
+        "projections accumulated in f32 (harmless)",
+    ),
+    ("norm_eps:X", "every RMSNorm eps replaced by X (harmless)"),
+    ("transposed:GLOB", "a matrix read transposed"),
+];
+
+impl FaultKind {
+    /// Whether the fault is one precision explains (reported within the floor).
+    pub fn harmless(&self) -> bool {
+        matches!(self, FaultKind::F32Accumulate | FaultKind::NormEps(_))
+    }
+
+    /// Parses `NAME[:ARGS]`.
+    pub fn parse(s: &str) -> Result<FaultKind> {
+        let (name, arg) = match s.split_once(':') {
+            Some((n, a)) => (n.trim(), Some(a.trim())),
+            None => (s.trim(), None),
+        };
+        let no_arg = |k: FaultKind| -> Result<FaultKind> {
+            match arg {
+                None => Ok(k),
+                Some(a) => bail!("fault {name} takes no argument, got {a:?}"),
+            }
+        };
+        let need = |what: &str| -> Result<&str> {
+            arg.filter(|a| !a.is_empty()).with_context(|| {
+                format!("fault {name} needs {what}, e.g. {name}:{}", example(name))
+            })
+        };
+        let num = |v: &str, what: &str| -> Result<usize> {
+            v.trim()
+                .parse()
+                .with_context(|| format!("fault {name}: {what} {v:?} is not a number"))
+        };
+        Ok(match name {
+            "kv_b_concat" => no_arg(FaultKind::KvBConcat)?,
+            "rope_neox" => no_arg(FaultKind::RopeNeox)?,
+            "indexer_rope_neox" => no_arg(FaultKind::IndexerRopeNeox)?,
+            "scale_latent" => no_arg(FaultKind::ScaleLatent)?,
+            "softmax_gating" => no_arg(FaultKind::SoftmaxGating)?,
+            "bias_in_weights" => no_arg(FaultKind::BiasInWeights)?,
+            "router_bf16" => no_arg(FaultKind::RouterBf16)?,
+            "gate_up_swap" => no_arg(FaultKind::GateUpSwap)?,
+            "q4k_scale_bits" => no_arg(FaultKind::Q4kScaleBits)?,
+            "run_mtp" => no_arg(FaultKind::RunMtp)?,
+            "f32_accumulate" => no_arg(FaultKind::F32Accumulate)?,
+            "expert_swap" => {
+                let a = need("two expert ids")?;
+                let (x, y) = a
+                    .split_once(',')
+                    .with_context(|| format!("fault expert_swap:{a}: expected expert_swap:A,B"))?;
+                let (x, y) = (num(x, "expert")?, num(y, "expert")?);
+                if x == y {
+                    bail!("fault expert_swap:{a}: the two experts are the same");
+                }
+                FaultKind::ExpertMap(vec![(x.min(y), x.max(y)), (x.max(y), x.min(y))])
+            }
+            "expert_map" => {
+                let a = need("pairs SLOT=FROM")?;
+                let mut map = Vec::new();
+                for p in a.split(',') {
+                    let (slot, from) = p
+                        .split_once('=')
+                        .with_context(|| format!("fault expert_map:{a}: {p:?} is not SLOT=FROM"))?;
+                    let (slot, from) = (num(slot, "expert")?, num(from, "expert")?);
+                    if map.iter().any(|&(s, _)| s == slot) {
+                        bail!("fault expert_map:{a}: expert {slot} is mapped twice");
+                    }
+                    if slot != from {
+                        map.push((slot, from));
+                    }
+                }
+                if map.is_empty() {
+                    bail!("fault expert_map:{a}: maps every expert to itself");
+                }
+                map.sort_unstable();
+                FaultKind::ExpertMap(map)
+            }
+            "layer_weights" => {
+                let a = need("a layer")?;
+                let (l, glob) = match a.split_once(',') {
+                    Some((l, g)) => (l, g.trim().to_string()),
+                    None => (a, DEFAULT_LAYER_WEIGHTS.to_string()),
+                };
+                if glob.is_empty() {
+                    bail!("fault layer_weights:{a}: empty tensor glob");
+                }
+                FaultKind::LayerWeights {
+                    src: num(l, "layer")?,
+                    glob,
+                }
+            }
+            "tp_shard" => {
+                let n = num(need("a shard count")?, "shard count")?;
+                if n < 2 {
+                    bail!("fault tp_shard:{n}: needs at least 2 shards");
+                }
+                FaultKind::TpShard(n)
+            }
+            "norm_eps" => {
+                let a = need("an epsilon")?;
+                let x: f64 = a
+                    .parse()
+                    .with_context(|| format!("fault norm_eps:{a}: not a number"))?;
+                if !x.is_finite() || x < 0.0 {
+                    bail!("fault norm_eps:{a}: must be finite and not negative");
+                }
+                FaultKind::NormEps(x)
+            }
+            "transposed" => FaultKind::Transposed {
+                glob: need("a tensor glob")?.to_string(),
+            },
+            other => {
+                let kinds: Vec<&str> = CATALOG.iter().map(|(k, _)| *k).collect();
+                bail!(
+                    "unknown fault {other:?}; the kinds are {}",
+                    kinds.join(", ")
+                )
+            }
+        })
+    }
+}
+
+fn example(name: &str) -> &'static str {
+    match name {
+        "expert_swap" => "2,5",
+        "expert_map" => "4=5,5=6,6=4",
+        "layer_weights" => "0",
+        "tp_shard" => "2",
+        "norm_eps" => "1e-6",
+        "transposed" => "attn_output.weight",
+        _ => "ARG",
+    }
+}
+
+impl fmt::Display for FaultKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FaultKind::KvBConcat => f.write_str("kv_b_concat"),
+            FaultKind::RopeNeox => f.write_str("rope_neox"),
+            FaultKind::IndexerRopeNeox => f.write_str("indexer_rope_neox"),
+            FaultKind::ScaleLatent => f.write_str("scale_latent"),
+            FaultKind::SoftmaxGating => f.write_str("softmax_gating"),
+            FaultKind::BiasInWeights => f.write_str("bias_in_weights"),
+            FaultKind::RouterBf16 => f.write_str("router_bf16"),
+            FaultKind::ExpertMap(m) => {
+                let swap = m.len() == 2 && m[0].0 == m[1].1 && m[0].1 == m[1].0;
+                if swap {
+                    write!(f, "expert_swap:{},{}", m[0].0, m[0].1)
+                } else {
+                    let p: Vec<String> = m.iter().map(|(s, x)| format!("{s}={x}")).collect();
+                    write!(f, "expert_map:{}", p.join(","))
+                }
+            }
+            FaultKind::GateUpSwap => f.write_str("gate_up_swap"),
+            FaultKind::LayerWeights { src, glob } if glob == DEFAULT_LAYER_WEIGHTS => {
+                write!(f, "layer_weights:{src}")
+            }
+            FaultKind::LayerWeights { src, glob } => write!(f, "layer_weights:{src},{glob}"),
+            FaultKind::Q4kScaleBits => f.write_str("q4k_scale_bits"),
+            FaultKind::RunMtp => f.write_str("run_mtp"),
+            FaultKind::TpShard(n) => write!(f, "tp_shard:{n}"),
+            FaultKind::F32Accumulate => f.write_str("f32_accumulate"),
+            FaultKind::NormEps(x) => write!(f, "norm_eps:{x:e}"),
+            FaultKind::Transposed { glob } => write!(f, "transposed:{glob}"),
+        }
+    }
+}
+
+/// A fault and where it applies.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fault {
+    /// What it does.
+    pub kind: FaultKind,
+    /// The layers it touches (`None`: every layer, and the global steps where the kind concerns
+    /// them: the embedding and output projection for `q4k_scale_bits` and `f32_accumulate`, the
+    /// final norm for `norm_eps` and `run_mtp`).
+    pub layers: Option<Vec<usize>>,
+}
+
+impl Fault {
+    /// Parses `KIND[@LAYERS]`: `LAYERS` is `N`, `A..B` (end exclusive) or `N,M,...`.
+    /// `layer_weights:L` without layers touches layer `L+1`.
+    pub fn parse(s: &str) -> Result<Fault> {
+        let (kind, layers) = match s.rsplit_once('@') {
+            Some((k, l)) => (
+                k,
+                Some(parse_layers(l).with_context(|| format!("--inject {s}"))?),
+            ),
+            None => (s, None),
+        };
+        let kind = FaultKind::parse(kind).with_context(|| format!("--inject {s}"))?;
+        let layers = match (&kind, layers) {
+            (FaultKind::LayerWeights { src, .. }, None) => Some(vec![src + 1]),
+            (_, l) => l,
+        };
+        Ok(Fault { kind, layers })
+    }
+
+    /// The fault at `layers` (`None`: everywhere).
+    pub fn new(kind: FaultKind, layers: Option<Vec<usize>>) -> Fault {
+        Fault { kind, layers }
+    }
+
+    /// Whether the fault touches a step of `layer` (`None`: a global step).
+    pub fn at(&self, layer: Option<usize>) -> bool {
+        match (&self.layers, layer) {
+            (None, _) => true,
+            (Some(ls), Some(l)) => ls.contains(&l),
+            (Some(_), None) => false,
+        }
+    }
+
+    /// Whether a tensor `name` of `layer` (suffix) matches the kind's glob, for the kinds that
+    /// name tensors (`layer_weights`, `transposed`).
+    fn names_tensor(glob: &str, name: &str) -> bool {
+        names::split_blk(name).is_some_and(|(_, suffix)| glob_match(glob, suffix))
+    }
+
+    /// Checks that the fault applies to `weights` over the layers `run` (and the tail when
+    /// `tail`): clear errors for a kind that cannot apply (no MTP block for `run_mtp`, no Q4_K
+    /// tensor for `q4k_scale_bits`, a dense layer for the router kinds, ...).
+    pub fn check(&self, weights: &Weights<'_>, run: Range<usize>, tail: bool) -> Result<()> {
+        let hp = weights.hparams();
+        let me = self.to_string();
+        if let Some(ls) = &self.layers {
+            if let Some(&l) = ls.iter().find(|&&l| l >= hp.n_layer) {
+                bail!(
+                    "--inject {me}: layer {l} is not run: the model runs layers 0..{}",
+                    hp.n_layer
+                );
+            }
+            if !ls.iter().any(|l| run.contains(l)) {
+                bail!(
+                    "--inject {me}: the run compares layers {}..{}, none of the fault's layers {ls:?}",
+                    run.start,
+                    run.end
+                );
+            }
+        }
+        let layers: Vec<usize> = run.clone().filter(|&l| self.at(Some(l))).collect();
+        let moe: Vec<usize> = layers
+            .iter()
+            .copied()
+            .filter(|&l| !hp.is_dense(l))
+            .collect();
+        let need_moe = || -> Result<()> {
+            if moe.is_empty() {
+                bail!(
+                    "--inject {me}: no MoE layer among {layers:?} (dense layers 0..{} have no router or routed experts)",
+                    hp.n_dense
+                );
+            }
+            Ok(())
+        };
+        match &self.kind {
+            FaultKind::IndexerRopeNeox => {
+                let Some(ix) = &hp.indexer else {
+                    bail!(
+                        "--inject {me}: the model ({}) has no DSA indexer",
+                        hp.arch.as_str()
+                    );
+                };
+                if !layers
+                    .iter()
+                    .any(|&l| ix.full.get(l).copied().unwrap_or(false))
+                {
+                    bail!("--inject {me}: no layer among {layers:?} runs its own indexer");
+                }
+            }
+            FaultKind::SoftmaxGating => {
+                need_moe()?;
+                if hp.gating == crate::model::Gating::Softmax {
+                    bail!("--inject {me}: the model's router already uses softmax");
+                }
+            }
+            FaultKind::BiasInWeights => {
+                need_moe()?;
+                if !moe
+                    .iter()
+                    .any(|&l| weights.has(&names::blk(l, blk::EXP_PROBS_B)))
+                {
+                    bail!("--inject {me}: no layer among {moe:?} has a selection bias exp_probs_b");
+                }
+            }
+            FaultKind::RouterBf16 | FaultKind::GateUpSwap => need_moe()?,
+            FaultKind::ExpertMap(m) => {
+                need_moe()?;
+                if let Some(&(s, f)) = m
+                    .iter()
+                    .find(|&&(s, f)| s >= hp.n_expert || f >= hp.n_expert)
+                {
+                    bail!(
+                        "--inject {me}: expert {} is not one of the model's {} experts",
+                        s.max(f),
+                        hp.n_expert
+                    );
+                }
+            }
+            FaultKind::LayerWeights { src, glob } => {
+                if *src >= hp.n_block {
+                    bail!(
+                        "--inject {me}: layer {src} is not in the file ({} blocks)",
+                        hp.n_block
+                    );
+                }
+                let mut hit = 0;
+                for &l in &layers {
+                    if l == *src {
+                        bail!("--inject {me}: layer {l} would read its own weights");
+                    }
+                    for name in plan_layer_weights(weights, l)? {
+                        if !Fault::names_tensor(glob, &name) {
+                            continue;
+                        }
+                        let (_, suffix) = names::split_blk(&name).unwrap_or((l, ""));
+                        let other = names::blk(*src, suffix);
+                        let (a, b) = (weights.model().find(&name), weights.model().find(&other));
+                        match (a, b) {
+                            (Some(a), Some(b)) if a.info.ne == b.info.ne => hit += 1,
+                            (Some(a), Some(b)) => bail!(
+                                "--inject {me}: {name} has ne={:?}, {other} has ne={:?}",
+                                a.info.ne,
+                                b.info.ne
+                            ),
+                            _ => bail!("--inject {me}: the file has no {other} for {name}"),
+                        }
+                    }
+                }
+                if hit == 0 {
+                    bail!("--inject {me}: no tensor of layers {layers:?} matches {glob:?}");
+                }
+            }
+            FaultKind::Transposed { glob } => {
+                let hit = layers.iter().try_fold(0, |n, &l| -> Result<usize> {
+                    Ok(n + plan_layer_weights(weights, l)?
+                        .iter()
+                        .filter(|w| Fault::names_tensor(glob, w) && weights.matrix_dims(w).is_ok())
+                        .count())
+                })?;
+                if hit == 0 {
+                    bail!("--inject {me}: no matrix of layers {layers:?} matches {glob:?}");
+                }
+            }
+            FaultKind::Q4kScaleBits => {
+                let mut read: Vec<String> = Vec::new();
+                for &l in &layers {
+                    read.extend(plan_layer_weights(weights, l)?);
+                }
+                if self.layers.is_none() {
+                    if run.start == 0 {
+                        read.push(names::TOKEN_EMBD.to_string());
+                    }
+                    if tail {
+                        read.push(weights.output_name().to_string());
+                    }
+                }
+                let q4k = read.iter().any(|n| {
+                    weights
+                        .model()
+                        .find(n)
+                        .is_some_and(|t| t.info.ty == GgmlType::Q4_K)
+                });
+                if !q4k {
+                    bail!(
+                        "--inject {me}: no tensor the run reads is Q4_K ({} has none in these layers)",
+                        weights.model().file_name()
+                    );
+                }
+            }
+            FaultKind::RunMtp => {
+                if hp.n_nextn == 0 {
+                    bail!(
+                        "--inject {me}: {} has no MTP block (nextn_predict_layers = 0)",
+                        weights.model().file_name()
+                    );
+                }
+                if self.layers.is_some() {
+                    bail!("--inject {me}: run_mtp concerns the final norm; give no layers");
+                }
+                if !tail {
+                    bail!("--inject {me}: the MTP block runs before the final norm; compare every layer (no --layer/--layers)");
+                }
+                if !weights.has(&names::blk(hp.n_layer, blk::ATTN_NORM)) {
+                    bail!(
+                        "--inject {me}: the file has no blk.{}.attn_norm.weight: no MTP block to run as a layer",
+                        hp.n_layer
+                    );
+                }
+            }
+            FaultKind::TpShard(n) => {
+                if hp.n_head % n != 0 {
+                    bail!(
+                        "--inject {me}: {} heads do not split into {n} shards",
+                        hp.n_head
+                    );
+                }
+            }
+            FaultKind::KvBConcat | FaultKind::RopeNeox | FaultKind::ScaleLatent => {}
+            FaultKind::F32Accumulate | FaultKind::NormEps(_) => {}
+        }
+        if layers.is_empty() && !matches!(self.kind, FaultKind::RunMtp) && self.layers.is_some() {
+            bail!("--inject {me}: touches no layer of the run");
+        }
+        Ok(())
+    }
+}
+
+/// The tensors layer `l`'s steps read.
+fn plan_layer_weights(weights: &Weights<'_>, l: usize) -> Result<Vec<String>> {
+    let hp = weights.hparams();
+    if l >= hp.n_layer {
+        bail!("layer {l} is not run");
+    }
+    Ok(steps::weights_of(&steps::layer_steps(hp, l), weights))
+}
+
+impl fmt::Display for Fault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.kind)?;
+        match (&self.kind, &self.layers) {
+            (_, None) => Ok(()),
+            (FaultKind::LayerWeights { src, .. }, Some(ls)) if *ls == [src + 1] => Ok(()),
+            (_, Some(ls)) => {
+                let v: Vec<String> = ls.iter().map(usize::to_string).collect();
+                write!(f, "@{}", v.join(","))
+            }
+        }
+    }
+}
+
+/// Parses `N`, `A..B` (end exclusive) or `N,M,...`.
+fn parse_layers(s: &str) -> Result<Vec<usize>> {
+    let s = s.trim();
+    let num = |v: &str| -> Result<usize> {
+        v.trim()
+            .parse()
+            .with_context(|| format!("layer {v:?} is not a number (layers: N, A..B or N,M)"))
+    };
+    let v: Vec<usize> = if let Some((a, b)) = s.split_once("..") {
+        let (a, b) = (num(a)?, num(b)?);
+        if a >= b {
+            bail!("layers {a}..{b} are empty (the end is exclusive)");
+        }
+        (a..b).collect()
+    } else {
+        s.split(',').map(num).collect::<Result<_>>()?
+    };
+    if v.is_empty() {
+        bail!("no layer given after @");
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_parse_and_print_back() {
+        for s in [
+            "kv_b_concat",
+            "rope_neox@1",
+            "indexer_rope_neox@0,2",
+            "expert_swap:2,5@1",
+            "expert_map:4=5,5=6,6=4",
+            "layer_weights:0",
+            "layer_weights:1,ffn_*_exps.weight@3",
+            "tp_shard:2",
+            "norm_eps:1e-6",
+            "q4k_scale_bits",
+            "run_mtp",
+        ] {
+            let f = Fault::parse(s).unwrap();
+            assert_eq!(f.to_string(), s, "{s}");
+        }
+        assert_eq!(
+            Fault::parse("expert_swap:5,2").unwrap().to_string(),
+            "expert_swap:2,5"
+        );
+        assert_eq!(
+            Fault::parse("layer_weights:0").unwrap().layers,
+            Some(vec![1])
+        );
+        assert_eq!(
+            Fault::parse("rope_neox@1..3").unwrap().layers,
+            Some(vec![1, 2])
+        );
+    }
+
+    #[test]
+    fn bad_kinds_are_named() {
+        for (s, want) in [
+            ("nope", "unknown fault \"nope\""),
+            ("kv_b_concat:3", "takes no argument"),
+            ("expert_swap", "needs two expert ids"),
+            ("expert_swap:1,1", "the same"),
+            ("tp_shard:1", "at least 2"),
+            ("norm_eps:x", "not a number"),
+            ("rope_neox@a", "is not a number"),
+            ("rope_neox@3..1", "are empty"),
+        ] {
+            let e = format!("{:#}", Fault::parse(s).unwrap_err());
+            assert!(e.contains(want), "{s}: {e}");
+        }
+    }
+}

@@ -1,0 +1,467 @@
+//! `--explain`: which known bug reproduces the candidate's numbers at the first failing step.
+//!
+//! [`Capture`] sits between the two-engine driver and a [`Comparison`]: it keeps the inputs
+//! replay fed the step whose hook fails first ([`CapturedStep`]: the step, its inputs, the
+//! reference's and the candidate's output). [`explain`] then recomputes that step on the CPU from
+//! those same inputs under every fault of [`crate::engine::fault`] that concerns it, and under
+//! the structural searches of [`search`] (an expert permutation matched on the experts' own
+//! outputs, a head permutation), and ranks them by the relative L2 distance of their output to
+//! the candidate's (the *residual*). A hypothesis *reproduces* the candidate when its residual is
+//! within the floor the failing hook was judged by: the candidate is then that bug, up to what
+//! precision explains. Because the step is recomputed from the replay inputs, this works as well
+//! for a trace of an engine glmdiff cannot run.
+//!
+//! [`case`] writes the captured step as a self-contained case for `glmdiff step` (`--repro`).
+
+pub mod case;
+pub mod search;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+
+use crate::compare::{compare, Comparison, Status};
+use crate::driver::exec_step;
+use crate::engine::cpu::CpuEngine;
+use crate::engine::fault::{Fault, FaultEngine, FaultKind};
+use crate::engine::{Engine, HostTensor};
+use crate::model::names::{self, blk};
+use crate::model::steps::{point, Op, Step};
+use crate::model::{Gating, Weights};
+use crate::quant::GgmlType;
+use crate::trace::{Mode, Pair, PairSink};
+
+/// The step behind the first failing replay hook, with everything needed to recompute it.
+#[derive(Clone, Debug)]
+pub struct CapturedStep {
+    /// The step.
+    pub step: Step,
+    /// The failing hook (one of the step's outputs, or an optional hook it produces).
+    pub hook: String,
+    /// The inputs replay fed both sides, by hook name, in the step's order.
+    pub inputs: Vec<(String, HostTensor)>,
+    /// The reference's output at `hook` (from `inputs`).
+    pub reference: HostTensor,
+    /// The candidate's output at `hook`.
+    pub candidate: HostTensor,
+    /// The replay error of the candidate there.
+    pub error: f64,
+    /// The error allowed there (the floor).
+    pub allowed: f64,
+}
+
+/// A [`PairSink`] in front of a [`Comparison`] that keeps the first failing replay step
+/// ([`Capture::captured`]). Until it has one it copies each replayed step's inputs (one step at
+/// a time) and each replay pair's tensors; afterwards it only passes pairs on.
+pub struct Capture<'c> {
+    inner: &'c mut Comparison,
+    enabled: bool,
+    pending: Option<(Step, Vec<HostTensor>)>,
+    captured: Option<CapturedStep>,
+}
+
+impl<'c> Capture<'c> {
+    /// A capture in front of `inner`; when not `enabled` it only passes pairs on.
+    pub fn new(inner: &'c mut Comparison, enabled: bool) -> Capture<'c> {
+        Capture {
+            inner,
+            enabled,
+            pending: None,
+            captured: None,
+        }
+    }
+
+    /// The first failing replay step, if any.
+    pub fn captured(self) -> Option<CapturedStep> {
+        self.captured
+    }
+}
+
+impl PairSink for Capture<'_> {
+    fn wants(&self, name: &str) -> bool {
+        self.inner.wants(name)
+    }
+
+    fn record(&mut self, pair: Pair<'_>) -> Result<()> {
+        let keep = pair.mode == Mode::Replay && self.captured.is_none() && self.pending.is_some();
+        let kept = keep.then(|| {
+            (
+                pair.name.to_string(),
+                pair.reference.clone(),
+                pair.candidate.clone(),
+            )
+        });
+        self.inner.record(pair)?;
+        if let Some((name, reference, candidate)) = kept {
+            let failed = self
+                .inner
+                .get(&name)
+                .and_then(|r| r.replay.as_ref())
+                .filter(|r| r.status == Status::Fail);
+            if let (Some(res), Some((step, values))) = (failed, &self.pending) {
+                self.captured = Some(CapturedStep {
+                    inputs: step.inputs.iter().cloned().zip(values.clone()).collect(),
+                    step: step.clone(),
+                    hook: name,
+                    reference,
+                    candidate,
+                    error: res.error,
+                    allowed: res.allowed,
+                });
+                self.pending = None;
+            }
+        }
+        Ok(())
+    }
+
+    fn missing(&mut self, name: &str, mode: Mode, why: &str) {
+        self.inner.missing(name, mode, why);
+    }
+
+    fn wants_replay_inputs(&self) -> bool {
+        self.enabled && self.captured.is_none()
+    }
+
+    fn replay_inputs(&mut self, step: &Step, inputs: &[HostTensor]) {
+        self.pending = Some((step.clone(), inputs.to_vec()));
+    }
+}
+
+/// One hypothesis tested at the failing hook.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Tested {
+    /// The fault, in `--inject` words (`expert_swap:2,5`, `kv_b_concat@1`, `head_map:0,1,3,0`).
+    pub kind: String,
+    /// The hook it was tested at.
+    pub hook: String,
+    /// Relative L2 distance of its output to the candidate's: `|h - c| / |c|` (selections:
+    /// `1 - mean Jaccard`).
+    pub residual: f64,
+    /// Within the floor the hook was judged by (and closer than the reference): it reproduces
+    /// the candidate.
+    pub reproduces: bool,
+}
+
+/// What `--explain` found.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum Explanation {
+    /// No hook fails in replay: nothing to explain.
+    NothingWrong,
+    /// A hook fails, but its step's inputs were not at hand (a trace without them).
+    NotCaptured {
+        /// Why.
+        note: String,
+    },
+    /// The hypotheses tested at the first failing hook, best first.
+    Tested {
+        /// The failing hook.
+        hook: String,
+        /// The step kind (`linear`, `moe_experts`, ...).
+        step: String,
+        /// The candidate's replay error there and the floor.
+        error: f64,
+        /// The floor.
+        allowed: f64,
+        /// The reference's own distance to the candidate (what no fault gives).
+        reference_residual: f64,
+        /// Every hypothesis that changes the step, best first.
+        hypotheses: Vec<Tested>,
+        /// Faults that apply to the step but leave its output exactly as the reference's (an
+        /// expert swap of experts no token uses), and hypotheses that could not be computed.
+        notes: Vec<String>,
+    },
+}
+
+impl Explanation {
+    /// The hypotheses that reproduce the candidate, best first.
+    pub fn reproduced(&self) -> Vec<&Tested> {
+        match self {
+            Explanation::Tested { hypotheses, .. } => {
+                hypotheses.iter().filter(|h| h.reproduces).collect()
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// Every tested hypothesis, best first (empty unless tested).
+    pub fn hypotheses(&self) -> &[Tested] {
+        match self {
+            Explanation::Tested { hypotheses, .. } => hypotheses,
+            _ => &[],
+        }
+    }
+}
+
+/// The faults of the catalogue that concern `step`, each applied to the step's own layer, in
+/// the order they are listed when two reproduce equally well.
+pub fn hypotheses(step: &Step, weights: &Weights<'_>) -> Vec<Fault> {
+    hypotheses_and_untestable(step, weights).0
+}
+
+/// [`hypotheses`], and the faults that concern the step but cannot be tested because the file
+/// lacks a tensor they read (a step case holds only its step's tensors: the MTP block of
+/// `run_mtp`, a neighbouring layer's weights), with the reason.
+pub fn hypotheses_and_untestable(step: &Step, weights: &Weights<'_>) -> (Vec<Fault>, Vec<String>) {
+    let hp = weights.hparams();
+    let layer = step.layer;
+    let at = |k: FaultKind| Fault::new(k, layer.map(|l| vec![l]));
+    let is_q4k = |n: &str| {
+        weights
+            .model()
+            .find(n)
+            .is_some_and(|t| t.info.ty == GgmlType::Q4_K)
+    };
+    // Weights from a neighbouring layer, for the tensors matching `glob`.
+    let neighbours = |glob: &str| -> Vec<Fault> {
+        let Some(l) = layer else { return Vec::new() };
+        [l.checked_sub(1), Some(l + 1)]
+            .into_iter()
+            .flatten()
+            .map(|src| {
+                at(FaultKind::LayerWeights {
+                    src,
+                    glob: glob.to_string(),
+                })
+            })
+            .collect()
+    };
+    let shards = || -> Vec<Fault> {
+        (2..=hp.n_head)
+            .filter(|n| hp.n_head % n == 0)
+            .map(|n| at(FaultKind::TpShard(n)))
+            .collect()
+    };
+    let mut v = Vec::new();
+    match &step.op {
+        Op::Embed => {
+            if is_q4k(names::TOKEN_EMBD) {
+                v.push(Fault::new(FaultKind::Q4kScaleBits, None));
+            }
+        }
+        Op::RmsNorm { weight, eps, .. } => {
+            if weight == names::OUTPUT_NORM {
+                v.push(Fault::new(FaultKind::RunMtp, None));
+            }
+            for x in [1e-5, 1e-6] {
+                if (x - eps).abs() > 1e-3 * x {
+                    v.push(at(FaultKind::NormEps(x)));
+                }
+            }
+            if let Some((_, suffix)) = names::split_blk(weight) {
+                v.extend(neighbours(suffix));
+            }
+        }
+        Op::Linear { weight } => {
+            let suffix = names::split_blk(weight).map(|(_, s)| s);
+            if suffix == Some(blk::FFN_GATE_INP) {
+                v.push(at(FaultKind::RouterBf16));
+            }
+            if suffix == Some(blk::ATTN_Q_B) || suffix == Some(blk::ATTN_OUTPUT) {
+                v.extend(shards());
+            }
+            if let Some(s) = suffix {
+                v.extend(neighbours(s));
+                v.push(at(FaultKind::Transposed {
+                    glob: s.to_string(),
+                }));
+            }
+            if is_q4k(weight) {
+                v.push(at(FaultKind::Q4kScaleBits));
+            }
+            v.push(at(FaultKind::F32Accumulate));
+        }
+        Op::Rope(_) => v.push(at(FaultKind::RopeNeox)),
+        Op::IndexerScores { .. } => v.push(at(FaultKind::IndexerRopeNeox)),
+        Op::Attention { .. } => {
+            v.push(at(FaultKind::KvBConcat));
+            v.push(at(FaultKind::ScaleLatent));
+            v.extend(shards());
+        }
+        Op::MoeRoute { .. } => {
+            if hp.gating == Gating::Sigmoid {
+                v.push(at(FaultKind::SoftmaxGating));
+            }
+            v.push(at(FaultKind::BiasInWeights));
+        }
+        Op::MoeExperts { layer: l } => {
+            v.push(at(FaultKind::GateUpSwap));
+            let mut names = weights.expert_gate_up_names(*l);
+            names.push(names::blk(*l, blk::FFN_DOWN_EXPS));
+            if names.iter().any(|n| is_q4k(n)) {
+                v.push(at(FaultKind::Q4kScaleBits));
+            }
+            v.extend(neighbours("ffn_*_exps.weight"));
+        }
+        Op::Mlp { gate, up, down } => {
+            v.extend(neighbours("ffn_*_shexp.weight"));
+            if [gate, up, down].iter().any(|n| is_q4k(n)) {
+                v.push(at(FaultKind::Q4kScaleBits));
+            }
+            v.push(at(FaultKind::F32Accumulate));
+        }
+        Op::TopK { .. } | Op::SwiGlu | Op::Add | Op::Alias | Op::ZerosLike => {}
+    }
+    // Keep the faults that apply to this model and layer (a neighbour that exists with the same
+    // shapes, an MoE layer for the router kinds, ...).
+    let run = layer.map_or(0..hp.n_layer, |l| l..l + 1);
+    let global = layer.is_none();
+    let mut untestable = Vec::new();
+    v.retain(|f| match f.check(weights, run.clone(), global) {
+        Ok(()) => true,
+        Err(e) => {
+            let why = format!("{e:#}");
+            if why.contains("the file has no") {
+                untestable.push(format!(
+                    "{f} ({})",
+                    why.trim_start_matches(&format!("--inject {f}: "))
+                ));
+            }
+            false
+        }
+    });
+    (v, untestable)
+}
+
+/// Recomputes `step` from `inputs` on `engine` and returns its output at `hook`.
+fn output_at<E: Engine<Tensor = HostTensor>>(
+    engine: &E,
+    step: &Step,
+    inputs: &[(String, HostTensor)],
+    tokens: &[u32],
+    hook: &str,
+) -> Result<HostTensor> {
+    let refs: Vec<&HostTensor> = inputs.iter().map(|(_, t)| t).collect();
+    let wants = |n: &str| n == hook;
+    let out = exec_step(engine, step, &refs, tokens, &wants)?;
+    if let Some(i) = step.outputs.iter().position(|o| o == hook) {
+        return out
+            .outputs
+            .into_iter()
+            .nth(i)
+            .with_context(|| format!("explain: the step did not produce {hook}"));
+    }
+    out.extra
+        .into_iter()
+        .find(|(n, _)| n == hook)
+        .map(|(_, t)| t)
+        .with_context(|| format!("explain: the step did not produce {hook}"))
+}
+
+/// `|h - c| / |c|` (floats) or `1 - mean Jaccard` (selections); infinite when not comparable.
+pub fn residual(candidate: &HostTensor, hypothesis: &HostTensor) -> f64 {
+    compare(candidate, hypothesis).map_or(f64::INFINITY, |m| {
+        let e = m.error();
+        if e.is_nan() {
+            f64::INFINITY
+        } else {
+            e
+        }
+    })
+}
+
+/// Tests every hypothesis that concerns the captured step (module documentation).
+pub fn explain(
+    captured: &CapturedStep,
+    weights: &Weights<'_>,
+    tokens: &[u32],
+) -> Result<Explanation> {
+    let cpu = CpuEngine::new(weights);
+    let (step, hook) = (&captured.step, captured.hook.as_str());
+    let cand = &captured.candidate;
+    let reference_residual = residual(cand, &captured.reference);
+    let mut tested: Vec<Tested> = Vec::new();
+    let mut notes = Vec::new();
+    let mut unchanged = Vec::new();
+    let mut push = |kind: String, out: &HostTensor, notes_unchanged: &mut Vec<String>| {
+        if *out == captured.reference {
+            notes_unchanged.push(kind);
+            return;
+        }
+        let r = residual(cand, out);
+        tested.push(Tested {
+            kind,
+            hook: hook.to_string(),
+            residual: r,
+            reproduces: r <= captured.allowed && r < reference_residual,
+        });
+    };
+    let (faults, untestable) = hypotheses_and_untestable(step, weights);
+    if !untestable.is_empty() {
+        notes.push(format!(
+            "not testable with these weights: {}",
+            untestable.join("; ")
+        ));
+    }
+    for fault in faults {
+        let engine = FaultEngine::new(&cpu, weights, vec![fault.clone()]);
+        if let Some(l) = step.layer {
+            engine.begin_layer(l, &[])?;
+        }
+        match output_at(&engine, step, &captured.inputs, tokens, hook) {
+            Ok(out) => push(fault.to_string(), &out, &mut unchanged),
+            Err(e) => notes.push(format!("{fault}: not computed: {e:#}")),
+        }
+    }
+    let input = |name: &str| {
+        captured
+            .inputs
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t)
+    };
+    match &step.op {
+        Op::MoeExperts { layer } => {
+            let (x, ids, w) = (
+                input(&step.inputs[0]),
+                input(&step.inputs[1]),
+                input(&step.inputs[2]),
+            );
+            if let (Some(x), Some(ids), Some(w)) = (x, ids, w) {
+                if step.outputs.first().map(String::as_str) == Some(hook) {
+                    match search::expert_map(&cpu, *layer, x, ids, w, cand) {
+                        Ok(Some((map, out))) => {
+                            let f = Fault::new(FaultKind::ExpertMap(map), Some(vec![*layer]));
+                            push(f.to_string(), &out, &mut unchanged);
+                        }
+                        Ok(None) => {}
+                        Err(e) => notes.push(format!("expert search: {e:#}")),
+                    }
+                }
+            }
+        }
+        _ if [point::Q_B, point::Q_PE_ROPE, point::ATTN_HEADS]
+            .contains(&crate::compare::floors::point_of(hook)) =>
+        {
+            if let Some((map, out)) =
+                search::head_map(&captured.reference, cand, weights.hparams().n_head)
+            {
+                push(
+                    search::head_map_name(&map, step.layer),
+                    &out,
+                    &mut unchanged,
+                );
+            }
+        }
+        _ => {}
+    }
+    if !unchanged.is_empty() {
+        notes.insert(
+            0,
+            format!(
+                "leave this step's output exactly as the reference's: {}",
+                unchanged.join(", ")
+            ),
+        );
+    }
+    // Best first; equal residuals keep the catalogue's order (stable sort).
+    tested.sort_by(|a, b| a.residual.total_cmp(&b.residual));
+    Ok(Explanation::Tested {
+        hook: hook.to_string(),
+        step: crate::driver::op_name(&step.op).to_string(),
+        error: captured.error,
+        allowed: captured.allowed,
+        reference_residual,
+        hypotheses: tested,
+        notes,
+    })
+}
