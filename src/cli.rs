@@ -28,7 +28,7 @@ pub enum Command {
     /// Dequantize tensors on the GPU and compare them bit for bit with the CPU, on the device.
     DequantCheck(DequantCheckArgs),
     /// Run the reference and a candidate step by step and name the first step where they part.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Compare two traces hook by hook (the first is the reference).
     Compare(CompareArgs),
     /// Re-run one step written by `run --repro DIR`: the candidate against the reference, from
