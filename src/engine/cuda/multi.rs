@@ -246,10 +246,13 @@ impl Engine for MultiCudaEngine<'_> {
     }
 
     fn begin_layer(&self, layer: usize, weights: &[String]) -> Result<()> {
-        let d = *self
+        // A layer past the plan (the MTP block run as a layer, `--inject run_mtp`) runs on the
+        // last device, after the last planned layer.
+        let d = self
             .layer_dev
             .get(layer)
-            .with_context(|| format!("engine: cuda: layer {layer} is not in the device plan"))?;
+            .copied()
+            .unwrap_or(self.engines.len() - 1);
         self.current.set(d);
         self.engines[d].begin_layer(layer, weights)
     }
