@@ -43,6 +43,7 @@ fn records(p: &Path) -> Vec<Value> {
 fn stable(mut r: Value) -> String {
     let o = r.as_object_mut().unwrap();
     o.remove("timings");
+    o.remove("layer_times");
     o.remove("cache");
     serde_json::to_string(&r).unwrap()
 }

@@ -511,9 +511,10 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
     // Without --explain/--repro the capture copies nothing and only passes pairs on.
     let mut capture_sink = Capture::new(&mut cmp, capture);
     let sink: &mut dyn PairSink = &mut capture_sink;
+    let mut layer_times = Vec::new();
     #[cfg(feature = "cuda")]
     let on_gpu = if let Some(e) = &cuda_engine {
-        run_pair(
+        layer_times = run_pair(
             &reference,
             Candidate::Engine(e),
             &weights,
@@ -523,7 +524,8 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
             modes,
             sink,
             progress,
-        )?;
+        )?
+        .layer_times;
         if let (true, Some(m)) = (args.devices.len() > 1, &cuda_inner) {
             let (n, bytes) = m.handoffs();
             notes.push(format!(
@@ -544,9 +546,10 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
             Some(t) => Candidate::Trace(t),
             None => Candidate::Engine(&second),
         };
-        run_pair(
+        layer_times = run_pair(
             &reference, candidate, &weights, &tokens, &plan, &start, modes, sink, progress,
-        )?;
+        )?
+        .layer_times;
     }
     let captured = capture_sink.captured();
     timings.push(("compared".to_string(), t0.elapsed().as_secs_f64()));
@@ -621,6 +624,7 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
         cache: cache_note,
         rerun: None,
         timings,
+        layer_times,
         explanation,
         repro,
     };
@@ -935,6 +939,7 @@ pub fn compare(args: &CompareArgs) -> Result<Outcome> {
         cache: None,
         rerun: None,
         timings: Vec::new(),
+        layer_times: Vec::new(),
         explanation: None,
         repro: None,
     };

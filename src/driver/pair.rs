@@ -28,6 +28,7 @@
 //! reported to the sink as missing, not as errors.
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use anyhow::{Context, Result};
 
@@ -63,7 +64,7 @@ pub enum Candidate<'a, C: Engine> {
 }
 
 /// What a pass did.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct PairSummary {
     /// Steps run.
     pub steps: usize,
@@ -71,6 +72,38 @@ pub struct PairSummary {
     pub pairs: usize,
     /// Hooks reported missing.
     pub missing: usize,
+    /// Wall time of each side's steps per layer (global steps under `None`), in order.
+    pub layer_times: Vec<LayerTime>,
+}
+
+/// Wall time of one layer's steps on each side, seconds: a step's time includes the downloads
+/// of its wanted outputs (which wait for a GPU's work) and, in replay, the uploads of its inputs.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LayerTime {
+    /// The layer (`None`: the embedding and the tail).
+    pub layer: Option<usize>,
+    /// The reference's steps.
+    pub reference: f64,
+    /// The candidate engine's own chain (0 without one).
+    pub chained: f64,
+    /// The candidate engine's replayed steps (0 without them).
+    pub replay: f64,
+}
+
+impl PairSummary {
+    fn time(&mut self, layer: Option<usize>) -> &mut LayerTime {
+        match self.layer_times.iter().position(|t| t.layer == layer) {
+            Some(i) => &mut self.layer_times[i],
+            None => {
+                self.layer_times.push(LayerTime {
+                    layer,
+                    ..LayerTime::default()
+                });
+                let n = self.layer_times.len() - 1;
+                &mut self.layer_times[n]
+            }
+        }
+    }
 }
 
 /// Runs `plan` on `reference` and `candidate` for `tokens`, starting from `start` (the plan's
@@ -107,11 +140,14 @@ pub fn run_pair<R: Engine, C: Engine>(
         } else {
             None
         };
+        let layer = step.layer;
+        let t0 = Instant::now();
         let ref_extra = {
             let wants = |n: &str| sink.wants(n);
             refr.step(&wants)?
         };
         let ref_out: Vec<(String, HostTensor)> = wanted_outputs(&refr, step, &*sink)?;
+        summary.time(layer).reference += t0.elapsed().as_secs_f64();
         let ref_extra: Vec<(String, HostTensor)> = ref_extra
             .into_iter()
             .filter(|(n, _)| sink.wants(n))
@@ -121,6 +157,7 @@ pub fn run_pair<R: Engine, C: Engine>(
         if modes.chained {
             let cand_out: Vec<(String, Option<HostTensor>)> = match (&candidate, &mut cand) {
                 (Candidate::Engine(_), Some(c)) => {
+                    let t0 = Instant::now();
                     let extra = {
                         let wants = |n: &str| sink.wants(n);
                         c.step(&wants)?
@@ -134,6 +171,7 @@ pub fn run_pair<R: Engine, C: Engine>(
                             v.push((n, Some(c.engine().download(&t)?)));
                         }
                     }
+                    summary.time(layer).chained += t0.elapsed().as_secs_f64();
                     v
                 }
                 (Candidate::Trace(tr), _) => ref_out
@@ -184,7 +222,9 @@ pub fn run_pair<R: Engine, C: Engine>(
                                 if cand.is_none() {
                                     cand_residency.enter(*c, plan, step)?;
                                 }
+                                let t0 = Instant::now();
                                 let out = replay_step(*c, step, &inputs.values, tokens, &wants)?;
+                                summary.time(layer).replay += t0.elapsed().as_secs_f64();
                                 for (n, t) in &out {
                                     if is_selection(n) {
                                         cand_sel.insert(n.clone(), t.clone());

@@ -10,6 +10,7 @@ use serde_json::{json, Value};
 use super::table;
 use crate::compare::logits::LogitsReport;
 use crate::compare::{Comparison, HookRecord, Metrics, ModeResult, Status};
+use crate::driver::pair::LayerTime;
 use crate::explain::Explanation;
 use crate::trace::Mode;
 
@@ -55,10 +56,47 @@ pub struct Header {
     pub rerun: Option<String>,
     /// Timings: (what, seconds).
     pub timings: Vec<(String, f64)>,
+    /// Wall time of each side's steps per layer (`run` with an engine candidate).
+    pub layer_times: Vec<LayerTime>,
     /// What `--explain` found (`None` without it).
     pub explanation: Option<Explanation>,
     /// What `--repro` did (`None` without it).
     pub repro: Option<String>,
+}
+
+/// `per layer: ...`: the mean and the slowest layer of each side's step time, or `None`
+/// without layers.
+fn layer_time_line(times: &[LayerTime]) -> Option<String> {
+    let layers: Vec<&LayerTime> = times.iter().filter(|t| t.layer.is_some()).collect();
+    if layers.is_empty() {
+        return None;
+    }
+    let part = |name: &str, f: fn(&LayerTime) -> f64| -> Option<String> {
+        let total: f64 = layers.iter().map(|t| f(t)).sum();
+        if total == 0.0 {
+            return None;
+        }
+        let slow = layers.iter().max_by(|a, b| f(a).total_cmp(&f(b)))?;
+        Some(format!(
+            "{name} {:.3} s (slowest: layer {} {:.3} s)",
+            total / layers.len() as f64,
+            slow.layer.unwrap_or(0),
+            f(slow)
+        ))
+    };
+    let parts: Vec<String> = [
+        part("reference", |t| t.reference),
+        part("candidate chained", |t| t.chained),
+        part("candidate replay", |t| t.replay),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    Some(format!(
+        "per layer (mean over {}): {}",
+        layers.len(),
+        parts.join(", ")
+    ))
 }
 
 fn e(x: f64) -> String {
@@ -348,6 +386,9 @@ pub fn render(h: &Header, c: &Comparison, text: &dyn Fn(u32) -> String, all_step
             .map(|(w, sec)| format!("{w} {sec:.2} s"))
             .collect();
         let _ = writeln!(s, "time: {}", t.join(", "));
+    }
+    if let Some(line) = layer_time_line(&h.layer_times) {
+        let _ = writeln!(s, "{line}");
     }
     s
 }
@@ -666,6 +707,12 @@ pub fn to_json(h: &Header, c: &Comparison) -> Value {
         }),
         "repro": h.repro,
         "timings": h.timings.iter().map(|(w, s)| json!({"what": w, "seconds": s})).collect::<Vec<_>>(),
+        "layer_times": h.layer_times.iter().map(|t| json!({
+            "layer": t.layer,
+            "reference_s": t.reference,
+            "chained_s": t.chained,
+            "replay_s": t.replay,
+        })).collect::<Vec<_>>(),
     })
 }
 
