@@ -54,6 +54,8 @@ run() {
     summary+=("dequant-check fixtures: exit ${PIPESTATUS[0]}, $(tail -n 1 "$logs/fixtures.txt" | cut -c1-160)")
     "$bin" dequant-check fixtures/quant/split/all_types-00002-of-00003.gguf --all > "$logs/split.txt" 2>&1
     summary+=("dequant-check split: exit $?, $(tail -n 1 "$logs/split.txt" | cut -c1-120)")
+    "$bin" dequant-check fixtures/quant/all_types.gguf --all --devices 0,0 > "$logs/spread.txt" 2>&1
+    summary+=("dequant-check --devices 0,0: exit $?, $(grep -m1 -E 'devices:' "$logs/spread.txt" | cut -c1-80) $(tail -n 1 "$logs/spread.txt" | cut -c1-100)")
     fi
 
     if want synth; then

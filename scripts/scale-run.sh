@@ -23,9 +23,9 @@ echo "== synth: GLM-5 dimensions, $layers blocks"
 r=$(t "$out/synth.txt" "$bin" synth --arch glm-dsa --dims glm5 --layers "$layers" --out "$tmp/glm5.gguf")
 summary+=("synth $layers blocks ($(du -h "$tmp/glm5.gguf" | cut -f1)): $r")
 
-echo "== dequant-check --all"
-r=$(t "$out/dequant-check.txt" "$bin" dequant-check "$tmp/glm5.gguf" --all --device "${devices%%,*}")
-summary+=("dequant-check --all: $r; $(tail -n 1 "$out/dequant-check.txt" | cut -c1-220)")
+echo "== dequant-check --all --devices $devices"
+r=$(t "$out/dequant-check.txt" "$bin" dequant-check "$tmp/glm5.gguf" --all --devices "$devices")
+summary+=("dequant-check --all --devices $devices: $r; $(tail -n 1 "$out/dequant-check.txt" | cut -c1-220)")
 
 for mode in both; do
     echo "== run --against cuda --devices $devices --mode $mode"

@@ -89,6 +89,10 @@ pub struct DequantCheckArgs {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
+    /// Spread the tensors over several devices, e.g. 0,1,2,3 (largest tensors first, each
+    /// device taking the next when it is done); replaces --device.
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    pub devices: Vec<usize>,
     /// Write the results as JSON. Written atomically.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,

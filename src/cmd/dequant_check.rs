@@ -49,10 +49,8 @@ fn run_checks(args: &DequantCheckArgs, model: &Model, names: &[String]) -> Resul
     use crate::report::dequant_check::{render, to_json, Skipped};
     use crate::report::progress::Bar;
 
-    let gpu = Gpu::open(args.device)?;
-    let bar = Bar::new();
-    let mut checks = Vec::new();
     let mut skipped = Vec::new();
+    let mut todo = Vec::new();
     for n in names {
         let t = model.tensor(n)?;
         if kernel_stem(t.info.ty).is_none() {
@@ -63,11 +61,22 @@ fn run_checks(args: &DequantCheckArgs, model: &Model, names: &[String]) -> Resul
             });
             continue;
         }
-        checks.push(check_tensor(&gpu, model, t, &bar)?);
+        todo.push(t);
     }
-    print!("{}", render(&gpu.describe(), &checks, &skipped));
+    let (device_line, checks) = if args.devices.len() > 1 {
+        spread(model, &todo, &args.devices)?
+    } else {
+        let gpu = Gpu::open(args.devices.first().copied().unwrap_or(args.device))?;
+        let bar = Bar::new();
+        let checks = todo
+            .iter()
+            .map(|&t| check_tensor(&gpu, model, t, &bar))
+            .collect::<Result<Vec<_>>>()?;
+        (gpu.describe(), checks)
+    };
+    print!("{}", render(&device_line, &checks, &skipped));
     if let Some(j) = &args.json {
-        let doc = to_json(&gpu.describe(), &checks, &skipped);
+        let doc = to_json(&device_line, &checks, &skipped);
         crate::util::atomic::write_atomic(j, |w| {
             serde_json::to_writer_pretty(&mut *w, &doc)?;
             Ok(w.write_all(b"\n")?)
@@ -78,6 +87,89 @@ fn run_checks(args: &DequantCheckArgs, model: &Model, names: &[String]) -> Resul
     } else {
         Outcome::Ok
     })
+}
+
+/// The tensors `todo` checked on several devices at once: one thread per device, each taking
+/// the next tensor (largest first) when it is done; results in `todo`'s order, and a line that
+/// says which device checked how many tensors in how long.
+#[cfg(feature = "cuda")]
+fn spread(
+    model: &Model,
+    todo: &[crate::gguf::TensorRef<'_>],
+    devices: &[usize],
+) -> Result<(String, Vec<crate::cuda::check::TensorCheck>)> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    use std::time::Instant;
+
+    use crate::cuda::check::check_tensor;
+    use crate::cuda::Gpu;
+    use crate::report::progress::Bar;
+    use crate::util::progress::{NoProgress, Progress};
+
+    let gpus = devices
+        .iter()
+        .map(|&d| Gpu::open(d))
+        .collect::<Result<Vec<_>>>()?;
+    let mut order: Vec<usize> = (0..todo.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(todo[i].info.nbytes));
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<crate::cuda::check::TensorCheck>>> =
+        Mutex::new((0..todo.len()).map(|_| None).collect());
+    let bar = Bar::with_unit("tensors");
+    bar.start("dequant-check", todo.len() as u64);
+    let bar = Mutex::new(bar);
+    let per_device: Vec<Result<(usize, f64)>> = std::thread::scope(|sc| {
+        let handles: Vec<_> = gpus
+            .iter()
+            .map(|gpu| {
+                let (next, results, order, bar) = (&next, &results, &order, &bar);
+                sc.spawn(move || -> Result<(usize, f64)> {
+                    let t0 = Instant::now();
+                    let mut done = 0;
+                    loop {
+                        let k = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&i) = order.get(k) else { break };
+                        let c = check_tensor(gpu, model, todo[i], &NoProgress)?;
+                        results.lock().map_err(|_| {
+                            anyhow::anyhow!("dequant-check: a device thread panicked")
+                        })?[i] = Some(c);
+                        if let Ok(b) = bar.lock() {
+                            b.inc(1);
+                        }
+                        done += 1;
+                    }
+                    Ok((done, t0.elapsed().as_secs_f64()))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(anyhow::anyhow!("dequant-check: a device thread panicked"))
+                })
+            })
+            .collect()
+    });
+    if let Ok(b) = bar.lock() {
+        b.finish();
+    }
+    let mut parts = Vec::new();
+    for (g, r) in gpus.iter().zip(per_device) {
+        let (n, secs) = r?;
+        parts.push(format!("{} ({n} tensors, {secs:.1} s)", g.describe()));
+    }
+    let checks = results
+        .into_inner()
+        .map_err(|_| anyhow::anyhow!("dequant-check: a device thread panicked"))?
+        .into_iter()
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| anyhow::anyhow!("dequant-check: a tensor was not checked"))?;
+    Ok((
+        format!("{} devices: {}", gpus.len(), parts.join("; ")),
+        checks,
+    ))
 }
 
 #[cfg(not(feature = "cuda"))]
