@@ -27,16 +27,7 @@ fn run_json(gguf: &Path, trace: &Path, mode: &str, out: &Path) -> (i32, Value, S
         .env("GLMDIFF_CACHE_DIR", out.parent().unwrap())
         .output()
         .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let j = std::fs::read_to_string(out)
-        .ok()
-        .and_then(|s| serde_json::from_str(&s).ok())
-        .unwrap_or(Value::Null);
-    (o.status.code().unwrap_or(-1), j, text)
+    crate::common::outcome(o, out)
 }
 
 fn engine_pairs() -> Vec<(PathBuf, PathBuf)> {

@@ -24,16 +24,7 @@ fn run(cache: &Path, args: &[&str], json: &Path) -> (i32, Value, String) {
         .env("GLMDIFF_CACHE_DIR", cache)
         .output()
         .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let j = std::fs::read_to_string(json)
-        .ok()
-        .and_then(|s| serde_json::from_str(&s).ok())
-        .unwrap_or(Value::Null);
-    (o.status.code().unwrap_or(-1), j, text)
+    crate::common::outcome(o, json)
 }
 
 fn model(rel: &str) -> PathBuf {

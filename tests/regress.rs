@@ -422,21 +422,7 @@ fn doctored(
     edit: impl FnOnce(&mut BTreeMap<String, HostTensor>),
 ) {
     let t = read_trace(src).unwrap();
-    let mut tensors: BTreeMap<String, HostTensor> = t
-        .tensors
-        .iter()
-        .map(|(n, v)| {
-            let h = match &v.values {
-                TraceValues::Float(f) => {
-                    HostTensor::f32(v.shape.clone(), f.iter().map(|&x| x as f32).collect())
-                }
-                TraceValues::Int(i) => {
-                    HostTensor::i32(v.shape.clone(), i.iter().map(|&x| x as i32).collect())
-                }
-            };
-            (n.clone(), h.unwrap())
-        })
-        .collect();
+    let mut tensors: BTreeMap<String, HostTensor> = crate::common::host_tensors(&t);
     edit(&mut tensors);
     let meta = TraceMeta {
         model: t.metadata["model"].clone(),

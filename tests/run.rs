@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 
 use glmdiff::engine::HostTensor;
-use glmdiff::trace::{read_trace, write_trace, Mode, TraceMeta, TraceValues};
+use glmdiff::trace::{read_trace, write_trace, Mode, TraceMeta};
 use serde_json::Value;
 
 fn fixtures() -> PathBuf {
@@ -45,21 +45,7 @@ fn read_json(p: &Path) -> Value {
 /// A copy of a golden trace with `edit` applied to its tensors, written as F32/I32.
 fn doctored(src: &Path, dst: &Path, edit: impl FnOnce(&mut BTreeMap<String, HostTensor>)) {
     let t = read_trace(src).unwrap();
-    let mut tensors: BTreeMap<String, HostTensor> = t
-        .tensors
-        .iter()
-        .map(|(n, v)| {
-            let h = match &v.values {
-                TraceValues::Float(f) => {
-                    HostTensor::f32(v.shape.clone(), f.iter().map(|&x| x as f32).collect())
-                }
-                TraceValues::Int(i) => {
-                    HostTensor::i32(v.shape.clone(), i.iter().map(|&x| x as i32).collect())
-                }
-            };
-            (n.clone(), h.unwrap())
-        })
-        .collect();
+    let mut tensors: BTreeMap<String, HostTensor> = crate::common::host_tensors(&t);
     edit(&mut tensors);
     let meta = TraceMeta {
         model: t.metadata["model"].clone(),

@@ -58,3 +58,40 @@ pub fn trace_pairs(traces_root: &Path, models_root: &Path) -> Vec<(PathBuf, Path
     assert!(!out.is_empty(), "no traces under {}", traces_root.display());
     out
 }
+
+/// The tensors of a trace as f32/i32 host tensors (what a test edits to plant a bug).
+pub fn host_tensors(
+    t: &glmdiff::trace::Trace,
+) -> std::collections::BTreeMap<String, glmdiff::engine::HostTensor> {
+    use glmdiff::engine::HostTensor;
+    use glmdiff::trace::TraceValues;
+    t.tensors
+        .iter()
+        .map(|(n, v)| {
+            let h = match &v.values {
+                TraceValues::Float(f) => {
+                    HostTensor::f32(v.shape.clone(), f.iter().map(|&x| x as f32).collect())
+                }
+                TraceValues::Int(i) => {
+                    HostTensor::i32(v.shape.clone(), i.iter().map(|&x| x as i32).collect())
+                }
+            };
+            (n.clone(), h.expect("trace tensor"))
+        })
+        .collect()
+}
+
+/// A finished glmdiff process as (exit code, the JSON it wrote to `json` or null, its stdout
+/// and stderr).
+pub fn outcome(o: std::process::Output, json: &Path) -> (i32, serde_json::Value, String) {
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let j = std::fs::read_to_string(json)
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok())
+        .unwrap_or(serde_json::Value::Null);
+    (o.status.code().unwrap_or(-1), j, text)
+}
