@@ -5,7 +5,6 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Output;
 
 use glmdiff::engine::HostTensor;
 use glmdiff::trace::{read_trace, write_trace, Mode, TraceMeta, TraceValues};
@@ -15,21 +14,7 @@ fn suite() -> PathBuf {
     crate::common::fixtures("regress").join("suite.toml")
 }
 
-fn glmdiff(cache: &Path, args: &[&str]) -> Output {
-    std::process::Command::new(crate::common::glmdiff_bin())
-        .args(args)
-        .env("GLMDIFF_CACHE_DIR", cache)
-        .output()
-        .expect("run glmdiff")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+use crate::common::{glmdiff_in as glmdiff, output_text as text};
 
 fn records(p: &Path) -> Vec<Value> {
     std::fs::read_to_string(p)

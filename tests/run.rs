@@ -4,7 +4,6 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Output;
 
 use glmdiff::engine::HostTensor;
 use glmdiff::trace::{read_trace, write_trace, Mode, TraceMeta};
@@ -22,21 +21,7 @@ fn golden_pairs() -> Vec<(PathBuf, PathBuf)> {
 }
 
 /// Runs glmdiff with a private cache directory.
-fn glmdiff(cache: &Path, args: &[&str]) -> Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_glmdiff"))
-        .args(args)
-        .env("GLMDIFF_CACHE_DIR", cache)
-        .output()
-        .expect("run glmdiff")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+use crate::common::{glmdiff_in as glmdiff, output_text as text};
 
 fn read_json(p: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()

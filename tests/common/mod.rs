@@ -95,3 +95,21 @@ pub fn outcome(o: std::process::Output, json: &Path) -> (i32, serde_json::Value,
         .unwrap_or(serde_json::Value::Null);
     (o.status.code().unwrap_or(-1), j, text)
 }
+
+/// Runs glmdiff with `args` and its reference cache in `cache`.
+pub fn glmdiff_in(cache: &Path, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(glmdiff_bin())
+        .args(args)
+        .env("GLMDIFF_CACHE_DIR", cache)
+        .output()
+        .expect("run glmdiff")
+}
+
+/// A finished process's stdout, then its stderr.
+pub fn output_text(o: &std::process::Output) -> String {
+    format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}

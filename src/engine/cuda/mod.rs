@@ -495,11 +495,23 @@ impl<'w> CudaEngine<'w> {
         k: usize,
         name: &str,
     ) -> Result<CudaSlice<f32>> {
+        self.linear_slice_as(x, t, k, name, self.dtype)
+    }
+
+    /// [`Self::linear_slice`] in precision `dtype`.
+    fn linear_slice_as(
+        &self,
+        x: &CudaSlice<f32>,
+        t: usize,
+        k: usize,
+        name: &str,
+        dtype: GpuDtype,
+    ) -> Result<CudaSlice<f32>> {
         let (rows, cols) = self.weights.matrix_dims(name)?;
         if cols != k {
             bail!("engine: cuda: linear {name}: input has {k} columns, the weight [{rows}, {cols}] expects {cols}");
         }
-        self.project(x, t, name, 0..rows)
+        self.project_as(x, t, name, 0..rows, dtype)
     }
 
     /// The absorbed MLA weights of `layer` on the device: `wk [H, L, nope]` (`attn_k_b`) and
@@ -645,15 +657,12 @@ impl Engine for CudaEngine<'_> {
         let (t, k) = x.dims2(weight)?;
         // The router's logits are computed in f32 in bf16 mode too, as transformers
         // (`DeepseekV3TopkRouter`, GLM-5) and vLLM compute them: bf16 router logits are a bug.
-        let y = if self.dtype == GpuDtype::Bf16 && weight.ends_with(blk::FFN_GATE_INP) {
-            let (rows, cols) = self.weights.matrix_dims(weight)?;
-            if cols != k {
-                bail!("engine: cuda: linear {weight}: input has {k} columns, the weight [{rows}, {cols}] expects {cols}");
-            }
-            self.project_as(x.f32(weight)?, t, weight, 0..rows, GpuDtype::F32)?
+        let dtype = if weight.ends_with(blk::FFN_GATE_INP) {
+            GpuDtype::F32
         } else {
-            self.linear_slice(x.f32(weight)?, t, k, weight)?
+            self.dtype
         };
+        let y = self.linear_slice_as(x.f32(weight)?, t, k, weight, dtype)?;
         let rows = self.weights.matrix_dims(weight)?.0;
         Ok(self.tensor_f32(vec![t, rows], y))
     }
