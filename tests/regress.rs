@@ -41,7 +41,9 @@ fn model(rel: &str) -> String {
 }
 
 /// A suite of three cases with absolute paths: a CPU run with a pinned top-5 (transformers'
-/// float64 trace), a float64 trace candidate, a `--layer` start.
+/// float64 trace), a float64 trace candidate, a `--layer` start. The `cpu` candidates are
+/// plumbing (the same engine twice, every hook error 0): only their pins and the machinery can
+/// fail.
 fn small_suite(top5: &str, max_kl: &str) -> String {
     format!(
         r#"
