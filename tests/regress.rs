@@ -301,7 +301,13 @@ fn baseline_reports_planted_changes() {
         ],
     );
     let t = text(&o);
-    assert_eq!(o.status.code(), Some(0), "{t}");
+    // Every case passes, but metrics moved by more than 2x: drift, exit 1.
+    assert_eq!(o.status.code(), Some(1), "{t}");
+    assert!(t.contains("OK: 3 cases, 3 pass"), "{t}");
+    assert!(
+        t.contains("DRIFT: this run moved from the baseline (exit 1)"),
+        "{t}"
+    );
     assert!(t.contains("fixed: glm5-prompt"), "{t}");
     assert!(t.contains("new case: glm5-q-layer"), "{t}");
     assert!(t.contains("| dsv3-golden | max_kl"), "{t}");
