@@ -1,6 +1,7 @@
-//! `glmdiff regress` end to end: the fixture suite passes with stable JSONL records; a suite with
-//! a wrong expectation (written here) fails naming the case; `--baseline` reports changes planted
-//! here in an earlier JSONL; bad suites exit 2 naming the case and the key. Also the traces of
+//! `glmdiff regress` end to end: the fixture suite passes with stable JSONL records and matches
+//! its committed baseline; a suite with a wrong expectation (written here) fails naming the case;
+//! `--baseline` reports changes planted here in an earlier JSONL and exits 1 on drift; bad suites
+//! exit 2 naming the case and the key. Also the traces of
 //! `reference/glmdiff_hooks.py` (`fixtures/hooks/`), `not_captured`, and `compare --map` in TOML.
 
 use std::collections::BTreeMap;
@@ -381,6 +382,77 @@ fn baseline_reports_planted_changes() {
     );
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("junk.jsonl line 1"), "{}", text(&o));
+}
+
+/// The committed baseline (`fixtures/regress/baseline.jsonl`, what `.ci/run` judges the suite
+/// against) holds exactly the suite's cases and this build shows no change against it; a copy
+/// with one hook's error planted 3x away (written here) is drift, exit 1, naming the case and
+/// the hook; 1.9x is within the tolerance (2x), exit 0.
+#[test]
+fn committed_baseline_has_every_case_and_catches_drift() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let s = suite();
+    let committed = s.with_file_name("baseline.jsonl");
+    let judge = |baseline: &Path| {
+        glmdiff(
+            cache.path(),
+            &[
+                "regress",
+                s.to_str().unwrap(),
+                "--baseline",
+                baseline.to_str().unwrap(),
+            ],
+        )
+    };
+    let o = judge(&committed);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{t}");
+    let cases = glmdiff::regress::suite::load(&s).unwrap().cases;
+    assert!(
+        t.contains(&format!("({} cases in both):\n  no changes", cases.len())),
+        "refresh fixtures/regress/baseline.jsonl (docs/regress.md): {t}"
+    );
+
+    // One hook of a clean engine-dump case, its chained error scaled in a copy of the baseline.
+    let recs = records(&committed);
+    let (k, hook) = recs
+        .iter()
+        .enumerate()
+        .find_map(|(k, r)| {
+            let engine = r["regress"]["case"].as_str().unwrap() == "glm5-bf16-dump";
+            let h = r["records"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|h| h["chained"]["error"].as_f64().is_some_and(|e| e > 1e-3))?;
+            engine.then(|| (k, h["hook"].as_str().unwrap().to_string()))
+        })
+        .expect("a hook of glm5-bf16-dump with a chained error above 1e-3");
+    for (factor, rc) in [(3.0, 1), (1.0 / 3.0, 1), (1.9, 0), (1.0 / 1.9, 0)] {
+        let mut planted = recs.clone();
+        for h in planted[k]["records"].as_array_mut().unwrap() {
+            if h["hook"] == hook.as_str() {
+                let e = h["chained"]["error"].as_f64().unwrap();
+                h["chained"]["error"] = (e * factor).into();
+            }
+        }
+        let p = dir.path().join("planted.jsonl");
+        let lines: Vec<String> = planted.iter().map(|r| r.to_string()).collect();
+        std::fs::write(&p, lines.join("\n") + "\n").unwrap();
+        let o = judge(&p);
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(rc), "x{factor}: {t}");
+        let row = format!("| glm5-bf16-dump | {hook} (chained)");
+        if rc == 1 {
+            assert!(t.contains(&row) && t.contains("DRIFT: "), "x{factor}: {t}");
+        } else {
+            assert!(
+                t.contains("no changes") && !t.contains("DRIFT"),
+                "x{factor}: {t}"
+            );
+        }
+    }
 }
 
 #[test]
