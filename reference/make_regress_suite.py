@@ -8,6 +8,14 @@ log_softmax(logits) in float64, most likely first. Each pin is kept only where e
 ranks 1..6 is above MIN_GAP nats, so that an engine computing in float32 cannot reorder them by rounding; the
 smallest gap per case is recorded in MANIFEST.json with the sha256 of every source trace.
 
+Candidates: `cpu` (a second CPU reference: plumbing, every hook error is 0 by construction; only the pins and the run
+machinery can fail), the float64 transformers traces and the glmdiff_hooks.py traces (independent of glmdiff, clean
+within the f32 floors), and the transformers bf16 dumps of fixtures/engines/ (reference/engine_dumps.py): clean ones
+must pass within the bf16 floors (their `max_kl` is KL_MARGIN x KL(float64 golden || dump), computed here from the two
+traces, and their `top1_agreement` the share of positions whose float64 and bf16 top-1 agree), planted ones must
+differ with their first divergence at the hook the dump's metadata names (`expect_first_divergence`). Each case of
+suite.toml carries a comment saying which of these it is.
+
 Usage: python3 reference/make_regress_suite.py   (deterministic: the same inputs give the same bytes)
 """
 
@@ -15,6 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import struct
 import sys
 from pathlib import Path
 
@@ -25,11 +35,16 @@ from safetensors import safe_open
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "fixtures" / "regress"
 MIN_GAP = 1e-6
+#: A clean dump's `max_kl` is this times KL(float64 golden || dump) at its worst position (the f32 CPU reference is
+#: within 1e-12 of the float64 golden in KL, so the run sees the dump's own KL).
+KL_MARGIN = 2.0
 
-#: (name, model dir, GGUF, prompt: "short"/"long", how the prompt is given, candidate, extra TOML lines, pin).
+#: (name, model dir, GGUF, prompt: "short"/"long"/None, how the prompt is given, candidate, extra TOML lines, pin).
 #: candidate "golden" is the model's float64 trace of that prompt; "hooks" the committed glmdiff_hooks trace;
-#: a string starting with "trace:" is taken as is (relative to fixtures/regress/). In the CUDA suite every
-#: candidate is "cuda" and cases marked cpu_only are left out.
+#: "dump:STEM" the engine dump fixtures/engines/<dir>/STEM.trace.safetensors (a planted one, metadata `planted`, gets
+#: its `expect_divergence` from the metadata; a clean one with a prompt gets `max_kl` and `top1_agreement` from the
+#: float64 golden trace of that prompt); a string starting with "trace:" is taken as is (relative to
+#: fixtures/regress/). In the CUDA suite every candidate is "cuda" and cases marked cpu_only are left out.
 CASES = [
     dict(name="glm5-f32-prompt", dir="glm5-tiny", gguf="glm5-tiny-f32.gguf", prompt="short", given="prompt",
          against="cpu", extra=["max_kl = 1e-6", "top1_agreement = 1.0"], pin=True),
@@ -51,8 +66,19 @@ CASES = [
     dict(name="dsv3-q-hooks-f32", dir="dsv3-tiny-q", gguf="dsv3-tiny-q-mixed.gguf", prompt="short",
          given="trace", against="hooks", extra=["max_kl = 1e-6", "top1_agreement = 1.0"], pin=True),
     dict(name="glm5-planted-kv_b_concat", dir="glm5-tiny", gguf="glm5-tiny-f32.gguf", prompt=None, given="trace",
-         against="trace:../engines/glm5-tiny/glm5-tiny.dsa.cuda-bf16.kv_b_concat.trace.safetensors",
-         extra=['expect_divergence = "blk.1.attn_heads"'], pin=False, cpu_only=True),
+         against="dump:glm5-tiny.dsa.cuda-bf16.kv_b_concat", extra=[], pin=False, cpu_only=True),
+    dict(name="glm5-bf16-dump", dir="glm5-tiny", gguf="glm5-tiny-f32.gguf", prompt="long", given="trace",
+         against="dump:glm5-tiny.long.cuda-bf16", extra=[], pin=True, cpu_only=True),
+    dict(name="glm5-dsa-bf16-dump", dir="glm5-tiny", gguf="glm5-tiny-f32.gguf", prompt=None, given="trace",
+         against="dump:glm5-tiny.dsa.cuda-bf16", extra=[], pin=False, cpu_only=True),
+    dict(name="glm5-planted-layer_weight", dir="glm5-tiny", gguf="glm5-tiny-f32.gguf", prompt=None, given="trace",
+         against="dump:glm5-tiny.dsa.cuda-bf16.layer_weight", extra=[], pin=False, cpu_only=True),
+    dict(name="dsv3-bf16-dump", dir="dsv3-tiny", gguf="dsv3-tiny-f32.gguf", prompt="short", given="trace",
+         against="dump:dsv3-tiny.short.cuda-bf16", extra=[], pin=True, cpu_only=True),
+    dict(name="dsv3-q-bf16-dump-cpu", dir="dsv3-tiny-q", gguf="dsv3-tiny-q-mixed.gguf", prompt="long", given="trace",
+         against="dump:dsv3-tiny-q.long.cpu-bf16", extra=[], pin=True, cpu_only=True),
+    dict(name="dsv3-q-planted-expert_swap", dir="dsv3-tiny-q", gguf="dsv3-tiny-q-mixed.gguf", prompt=None,
+         given="trace", against="dump:dsv3-tiny-q.long.cuda-bf16.expert_swap", extra=[], pin=False, cpu_only=True),
 ]
 
 
@@ -66,6 +92,72 @@ def golden(mdir: str, prompt: str) -> Path:
 
 def hooks_trace(mdir: str, prompt: str) -> Path:
     return REPO / "fixtures" / "hooks" / mdir / f"{mdir}.{prompt}.hooks-f32.trace.safetensors"
+
+
+def dump(mdir: str, stem: str) -> Path:
+    return REPO / "fixtures" / "engines" / mdir / f"{stem}.trace.safetensors"
+
+
+def read_floats(path: Path, name: str) -> np.ndarray:
+    """One tensor of a safetensors file as float64 (F64, F32, F16 or BF16, which numpy cannot load itself)."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        info = json.loads(f.read(n))[name]
+        start, end = info["data_offsets"]
+        f.seek(8 + n + start)
+        raw = f.read(end - start)
+    kinds = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
+    if info["dtype"] == "BF16":
+        v = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+    else:
+        v = np.frombuffer(raw, dtype=kinds[info["dtype"]])
+    return v.astype(np.float64).reshape(info["shape"])
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+
+def kl_and_top1(golden_path: Path, dump_path: Path) -> tuple[float, float]:
+    """KL(golden || dump) at the worst position, and the share of positions whose top-1 ids agree."""
+    a, b = read_floats(golden_path, "logits"), read_floats(dump_path, "logits")
+    if a.shape != b.shape:
+        raise SystemExit(f"{dump_path}: logits {b.shape} vs the golden {a.shape}")
+    la, lb = log_softmax(a), log_softmax(b)
+    kl = float((np.exp(la) * (la - lb)).sum(axis=1).max())
+    top1 = float((a.argmax(axis=1) == b.argmax(axis=1)).mean())
+    return kl, top1
+
+
+def round_up(x: float, digits: int = 2) -> float:
+    """x rounded up to `digits` significant digits."""
+    e = math.floor(math.log10(x)) - digits + 1
+    return math.ceil(x / 10.0**e) * 10.0**e
+
+
+def note(c: dict, planted: bool) -> str:
+    """The comment above a case of suite.toml: what its candidate is and what can fail."""
+    a = c["against"]
+    if a == "cpu":
+        return ("# Plumbing: a second CPU reference is the same deterministic engine, every hook error is 0 by "
+                "construction;\n# what can fail is the run machinery and the pins (the reference against transformers' "
+                "float64 logits).")
+    if a == "golden":
+        return "# The float64 transformers trace (independent of glmdiff): clean within the f32 floors."
+    if a == "hooks":
+        return "# A reference/glmdiff_hooks.py trace (transformers float32, forward hooks): clean within the f32 floors."
+    if a.startswith("dump:") and planted:
+        return ("# A transformers bf16 dump with a bug planted in its weights (reference/engine_dumps.py): must differ, "
+                "first at\n# the hook its metadata names.")
+    if a.startswith("dump:") and c["prompt"]:
+        return ("# A transformers bf16 dump (reference/engine_dumps.py): a real engine's rounding, clean within the bf16 "
+                "floors;\n# max_kl and top1_agreement from its logits against the float64 golden trace.")
+    if a.startswith("dump:"):
+        return ("# A transformers bf16 dump (reference/engine_dumps.py): a real engine's rounding, clean within the bf16 "
+                "floors;\n# its prompt has no float64 trace: the verdict only (the DSA indexer prunes, bf16 flips "
+                "some selections).")
+    return "# A committed trace."
 
 
 def top5(path: Path) -> tuple[list[list[int]], float]:
@@ -103,6 +195,13 @@ def write_suite(path: Path, cuda: bool, manifest: dict) -> None:
             continue
         src = golden(c["dir"], c["prompt"]) if c["prompt"] else None
         m = meta(src) if src else None
+        cand = dump(c["dir"], c["against"][len("dump:"):]) if c["against"].startswith("dump:") else None
+        cm = meta(cand) if cand else None
+        if cm and m and json.loads(cm["tokens"]) != json.loads(m["tokens"]):
+            raise SystemExit(f"{c['name']}: {cand.name} was not run on the tokens of {src.name}")
+        planted = bool(cm and "planted" in cm)
+        if not cuda:
+            lines.append(note(c, planted))
         lines += ["[[case]]", f"name = {toml_str(c['name'])}", "model = " + toml_str("../models/" + c["dir"] + "/" + c["gguf"])]
         ids = json.loads(m["tokens"]) if m else None
         if c["given"] == "prompt":
@@ -117,14 +216,26 @@ def write_suite(path: Path, cuda: bool, manifest: dict) -> None:
             against = f"trace:../models/{c['dir']}/{src.name}"
         elif c["against"] == "hooks":
             against = f"trace:../hooks/{c['dir']}/{hooks_trace(c['dir'], c['prompt']).name}"
+        elif cand:
+            against = f"trace:../engines/{c['dir']}/{cand.name}"
         else:
             against = c["against"]
         lines.append(f"against = {toml_str(against)}")
         tables = []
-        for e in c["extra"]:
-            (tables if tables or e.startswith("[") else lines).append(e)
         entry = {"source_trace": str(src.relative_to(REPO)) if src else None,
                  "source_sha256": sha256(src) if src else None}
+        extra = list(c["extra"])
+        if cand and not cuda:
+            entry["candidate_trace"] = str(cand.relative_to(REPO))
+            entry["candidate_sha256"] = sha256(cand)
+            if planted:
+                extra.append(f"expect_divergence = {toml_str(cm['expect_first_divergence'])}")
+            elif src:
+                kl, top1 = kl_and_top1(src, cand)
+                extra += [f"max_kl = {round_up(KL_MARGIN * kl):.2g}", f"top1_agreement = {top1!r}"]
+                entry["kl_max_vs_golden"], entry["top1_vs_golden"] = kl, top1
+        for e in extra:
+            (tables if tables or e.startswith("[") else lines).append(e)
         if c["pin"]:
             pins, gap = top5(src)
             if gap <= MIN_GAP:

@@ -3,7 +3,7 @@
 #
 #   scripts/gpu-test.sh prepare   here (no GPU): release build, test build, binaries into .gpu/
 #   scripts/gpu-test.sh run       on the GPU machine, from the repository root, with .gpu carried:
-#                                 GPU tests, dequant-check on the quant fixtures and on a synthetic
+#                                 GPU tests and the ignored unit tests, dequant-check on the quant fixtures and on a synthetic
 #                                 GLM-5-dimension UD-Q4_K_XL model, the regression suite against the CUDA
 #                                 engine, the dequant benchmark, compute-sanitizer over the dequant and
 #                                 forward kernels; logs in $OUT/gpu-logs.tgz (default ./gpu-out), a summary last.
@@ -14,19 +14,27 @@ cd "$(dirname "$0")/.."
 prepare() {
     set -e
     cargo build --release
-    local tests
-    tests=$(cargo test --release --no-run --message-format=json 2>/dev/null |
+    local built tests unit
+    built=$(cargo test --release --no-run --message-format=json 2>/dev/null |
         python3 -c 'import sys, json
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == "tests" and m.get("executable"):
-        print(m["executable"])' | tail -n 1)
+    t = m.get("target", {})
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        if t.get("name") == "tests":
+            print("tests", m["executable"])
+        elif t.get("kind") == ["lib"]:
+            print("unit", m["executable"])')
+    tests=$(echo "$built" | awk '$1 == "tests" {print $2}' | tail -n 1)
+    unit=$(echo "$built" | awk '$1 == "unit" {print $2}' | tail -n 1)
     [ -n "$tests" ] || { echo "no test binary found" >&2; exit 2; }
+    [ -n "$unit" ] || { echo "no unit-test binary of the library found" >&2; exit 2; }
     mkdir -p .gpu
     cp target/release/glmdiff .gpu/glmdiff
     cp "$tests" .gpu/tests
+    cp "$unit" .gpu/unit
     grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
-    echo "ready: .gpu/glmdiff .gpu/tests; on the GPU machine run: bash scripts/gpu-test.sh run (carry .gpu)"
+    echo "ready: .gpu/glmdiff .gpu/tests .gpu/unit; on the GPU machine run: bash scripts/gpu-test.sh run (carry .gpu)"
 }
 
 run() {
@@ -46,6 +54,9 @@ run() {
     echo "== GPU tests"
     .gpu/tests gpu --include-ignored --test-threads=1 --nocapture 2>&1 | tee "$logs/tests.log"
     summary+=("GPU tests: $(grep -E '^test result' "$logs/tests.log" | tail -n 1)")
+    # The library's ignored unit tests (NVRTC compiles every kernel family).
+    .gpu/unit --ignored --test-threads=1 2>&1 | tee "$logs/unit.log"
+    summary+=("ignored unit tests: $(grep -E '^test result' "$logs/unit.log" | tail -n 1)")
     fi
 
     if want fixtures; then

@@ -267,7 +267,8 @@ pub struct RegressArgs {
     /// Write one JSON record per case (run's --json document plus the case's results). Written atomically.
     #[arg(long, value_name = "FILE")]
     pub jsonl: Option<PathBuf>,
-    /// An earlier --jsonl: print new failures, fixed cases and metrics that moved by more than 2x.
+    /// An earlier --jsonl: print new failures, fixed cases and metrics that moved by more than 2x;
+    /// a moved metric, first divergence or top-1 agreement (drift) exits 1.
     #[arg(long, value_name = "OLD.jsonl")]
     pub baseline: Option<PathBuf>,
     /// Run only the cases whose name matches one of these globs (repeatable).

@@ -1,9 +1,10 @@
 //! Known bugs, built in: every `--inject` kind planted in the candidate CPU engine on the fixture
-//! models must be named at the exact hook the bug lives in (replay), `--explain` must name the
-//! injected kind first, the harmless kinds must pass where precision explains them, a run without
-//! a fault must pass with `--explain` saying nothing is wrong, and the bugs planted in
-//! transformers' own weights by `reference/engine_dumps.py` (`fixtures/engines/`, an engine
-//! glmdiff cannot run) must be named by `--explain` as the manifest records them.
+//! models must be named at the exact hook the bug lives in (replay), `--explain` must reach the
+//! injected kind (plumbing: the same code plants and recomputes it), the harmless kinds must pass
+//! where precision explains them, a run without a fault must pass with `--explain` saying nothing
+//! is wrong, and the bugs planted in transformers' own weights by `reference/engine_dumps.py`
+//! (`fixtures/engines/`, an engine glmdiff cannot run) must be named by `--explain` as the
+//! manifest records them: the independent check of `--explain`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -242,10 +243,12 @@ fn kind_cases() -> Vec<KindCase> {
     ]
 }
 
-/// Every kind on the fixtures: the first divergence in replay is the bug's own hook, the
-/// candidate is reported as differing, and `--explain` puts the injected fault first and says it
-/// reproduces the candidate. The long prompts (21 tokens, 12 for the quantized models) are longer
-/// than the fixtures' index_topk (8), so the DSA indexer prunes.
+/// Every kind on the fixtures: the first divergence in replay is the bug's own hook and the
+/// candidate is reported as differing (the reference is the plain CPU engine, the comparison is
+/// `compare`'s: this is independent of how the fault is planted). `--explain` runs and reaches
+/// the injected kind, a plumbing check only (see [`check_kinds`]). The long prompts (21 tokens,
+/// 12 for the quantized models) are longer than the fixtures' index_topk (8), so the DSA indexer
+/// prunes.
 #[test]
 fn every_injected_kind_is_named_at_its_own_hook_and_explained() {
     check_kinds("cpu");
@@ -292,15 +295,16 @@ fn check_kinds(against: &str) {
                 .contains("with injected fault"),
             "{what}"
         );
+        // Plumbing, not evidence that `--explain` is right: the candidate's fault and the
+        // hypotheses `--explain` recomputes are the same host code (`engine::fault`), so the
+        // injected kind reproduces itself by construction (residual 0 around the CPU engine)
+        // and naming it first shows only that the search reaches and ranks every kind. That
+        // `--explain` names a bug it did not plant, with a small residual, is checked against
+        // transformers' dumps in `explain_names_the_bugs_planted_in_the_engine_dumps`.
         let best = &j["explanation"][0];
         assert_eq!(best["kind"], named.as_str(), "{what}: {text}");
         assert_eq!(best["hook"], *hook, "{what}");
         assert_eq!(best["reproduces"], true, "{what}: {text}");
-        // The injected fault is recomputed exactly as the candidate computed it (the CPU
-        // candidate bit for bit; around the CUDA engine from its own inputs).
-        if against == "cpu" {
-            assert_eq!(best["residual"].as_f64(), Some(0.0), "{what}: {text}");
-        }
         assert_eq!(j["explain"]["status"], "tested", "{what}");
         assert!(
             text.contains(&format!("explain: {hook}: reproduced by {named}")),
@@ -419,20 +423,19 @@ fn harmless_kinds_pass_where_precision_explains_them() {
         let args = with(&["--inject", &inject, "--mode", "replay", "--explain"]);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let (rc, j, text) = run(cache.path(), &args, &json);
-        if rc == 1 {
-            // Above an f32 engine's floor: named at the first norm, and explained.
-            assert_eq!(
-                j["first_divergence"]["hook"], "blk.0.attn_norm",
-                "{m}: {text}"
-            );
-            assert_eq!(
-                j["explanation"][0]["kind"],
-                format!("norm_eps:{eps}@0"),
-                "{m}: {text}"
-            );
-        } else {
-            assert_eq!(rc, 0, "{m} {inject}: {text}");
-        }
+        // Against an f32 engine's floor (4.1e-7 at the first norm) the eps confusion is 4.8e-6
+        // (f32 GGUFs) to 1.2e-5 (quantized) at `blk.0.attn_norm`: flagged there, and explained.
+        assert_eq!(rc, 1, "{m} {inject} as an f32 engine: {text}");
+        let d = &j["first_divergence"];
+        assert_eq!(d["hook"], "blk.0.attn_norm", "{m}: {text}");
+        let (err, allowed) = (d["error"].as_f64().unwrap(), d["allowed"].as_f64().unwrap());
+        assert!(
+            err > 4.0 * allowed,
+            "{m}: error {err:e} vs allowed {allowed:e}"
+        );
+        let best = &j["explanation"][0];
+        assert_eq!(best["kind"], format!("norm_eps:{eps}@0"), "{m}: {text}");
+        assert_eq!(best["reproduces"], true, "{m}: {text}");
     }
 }
 
@@ -508,8 +511,9 @@ fn inapplicable_kinds_are_clear_errors() {
     }
 }
 
-/// No fault: every fixture model against a second CPU reference and against its float64
-/// transformers traces passes, and `--explain` says nothing is wrong.
+/// No fault: every fixture model against a second CPU reference (plumbing: the same engine
+/// twice, nothing to find by construction) and against its float64 transformers traces (an
+/// independent engine) passes, and `--explain` says nothing is wrong.
 #[test]
 fn no_fault_passes_and_explain_says_nothing_is_wrong() {
     let cache = tempfile::tempdir().unwrap();
@@ -550,9 +554,10 @@ fn no_fault_passes_and_explain_says_nothing_is_wrong() {
 }
 
 /// The bf16 transformers dumps with mapping bugs planted in their weights by
-/// `reference/engine_dumps.py`: `--explain` names each as the manifest records it (the expert
-/// mapping found from the experts' own outputs), within the floor; the clean dumps have nothing
-/// to explain.
+/// `reference/engine_dumps.py` (transformers' own forward pass, independent of glmdiff's fault
+/// code): `--explain` names each first as the manifest records it (the expert mapping found from
+/// the experts' own outputs), with a residual far under the floor and under the error it
+/// explains, and far ahead of the runner-up; the clean dumps have nothing to explain.
 #[test]
 fn explain_names_the_bugs_planted_in_the_engine_dumps() {
     let cache = tempfile::tempdir().unwrap();
@@ -625,7 +630,17 @@ fn explain_names_the_bugs_planted_in_the_engine_dumps() {
             j["explain"]["allowed"].as_f64().unwrap(),
         );
         assert!(r < floor / 4.0, "{name}: residual {r} vs floor {floor}");
-        eprintln!("{name}: {want} (residual {r:.2e}, floor {floor:.2e})");
+        // Measured: the error at the hook is 91x (glm5-tiny expert_swap) to 580x the residual,
+        // and the runner-up's residual is at least 160x the best one's.
+        let err = j["first_divergence"]["error"].as_f64().unwrap();
+        assert!(r < err / 20.0, "{name}: residual {r} vs error {err}");
+        if let Some(second) = j["explanation"][1]["residual"].as_f64() {
+            assert!(second > 20.0 * r, "{name}: runner-up {second} vs best {r}");
+        }
+        eprintln!(
+            "{name}: {want} (residual {r:.2e}, floor {floor:.2e}, error {err:.2e}, runner-up {})",
+            j["explanation"][1]["residual"]
+        );
     }
     assert!(planted >= 10, "planted dumps: {planted}");
 }
@@ -745,6 +760,7 @@ fn repro_writes_a_case_that_step_reruns() {
         assert_eq!(s["status"], "fail");
         assert_eq!(s["error"].as_f64(), Some(run_error), "{how}: {text}");
         assert!(s["notes"].as_array().unwrap().is_empty(), "{how}: {text}");
+        // Plumbing: the CPU reference re-running the step against itself is 0 by construction.
         let (rc, s, text) = step(&["--against", "cpu"]);
         assert_eq!((rc, &s["error"]), (0, &Value::from(0.0)), "{how}: {text}");
         let (rc, s, text) = step(&["--explain"]);

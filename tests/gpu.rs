@@ -5,8 +5,9 @@
 //!
 //! They need a CUDA device, so they are `#[ignore]`d: `cargo test` reports them as ignored
 //! (counted, never a silent pass) and `scripts/gpu-test.sh` runs them on the GPU machine with
-//! `--ignored`; run there without a device they fail. One test below runs everywhere: without
-//! CUDA, `dequant-check` must exit 2 saying so.
+//! `--include-ignored`; run there without a device they fail. Two tests below run everywhere:
+//! `run --against cuda` with no device visible (the devices hidden from it where there are some)
+//! must exit 2 saying so, and `dequant-check` exits 2 without CUDA and 0 with it.
 
 use std::path::PathBuf;
 
@@ -21,20 +22,23 @@ fn glmdiff(args: &[&str]) -> std::process::Output {
         .expect("run glmdiff")
 }
 
-/// Without a CUDA device `run --against cuda` is a clear error (exit 2); with one, it is the
-/// GPU test below.
+/// glmdiff with every CUDA device hidden from it (`CUDA_VISIBLE_DEVICES=""`): no device, on any
+/// machine.
+fn glmdiff_without_devices(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(crate::common::glmdiff_bin())
+        .args(args)
+        .env("CUDA_VISIBLE_DEVICES", "")
+        .output()
+        .expect("run glmdiff")
+}
+
+/// Without a CUDA device `run --against cuda` is a clear error (exit 2). Where there are
+/// devices they are hidden from the command, so this runs (and can fail) everywhere; with a
+/// device, `gpu_run_against_cuda` below is the test.
 #[test]
 fn run_against_cuda_without_a_gpu_says_so() {
-    #[cfg(feature = "cuda")]
-    let has_cuda = glmdiff::cuda::DeviceInfo::list().is_ok_and(|d| !d.is_empty());
-    #[cfg(not(feature = "cuda"))]
-    let has_cuda = false;
-    if has_cuda {
-        eprintln!("skipped: a CUDA device is present (gpu_run_against_cuda covers it)");
-        return;
-    }
     let f = fixtures("models/glm5-tiny/glm5-tiny-f32.gguf");
-    let o = glmdiff(&[
+    let o = glmdiff_without_devices(&[
         "run",
         f.to_str().unwrap(),
         "--tokens",
@@ -48,7 +52,7 @@ fn run_against_cuda_without_a_gpu_says_so() {
         err.contains("--against cuda") && err.contains("cuda"),
         "{err}"
     );
-    let o = glmdiff(&[
+    let o = glmdiff_without_devices(&[
         "run",
         f.to_str().unwrap(),
         "--tokens",
@@ -92,6 +96,7 @@ fn dequant_check_without_a_gpu_says_so() {
 #[cfg(feature = "cuda")]
 mod device {
     use glmdiff::bench::random_blocks::fill_blocks;
+    use glmdiff::compare::metrics::{compare, Metrics};
     use glmdiff::cuda::check::check_tensor;
     use glmdiff::cuda::dequant::{kernel_stem, OutFormat};
     use glmdiff::cuda::Gpu;
@@ -421,15 +426,6 @@ mod device {
         HostTensor::f32(shape, v).unwrap()
     }
 
-    fn nmse(a: &[f32], b: &[f32]) -> f64 {
-        let (mut num, mut den) = (0f64, 0f64);
-        for (&x, &y) in a.iter().zip(b) {
-            num += (f64::from(x) - f64::from(y)).powi(2);
-            den += f64::from(x).powi(2);
-        }
-        num / den.max(f64::MIN_POSITIVE)
-    }
-
     /// Each CUDA op against the CPU step on fresh random inputs, on the tiny fixtures and on a
     /// synthetic GLM-5-dimension layer (real shapes, UD-Q4_K_XL mix). The case name
     /// (`op/model`) is printed and is the filter: `GLMDIFF_OP=mla` runs the cases containing it.
@@ -668,27 +664,26 @@ mod device {
                                     .filter(|z| !z.is_finite() && **z != f32::NEG_INFINITY)
                                     .count()
                             };
-                            // -inf marks masked scores on both sides: compare them as equal.
-                            let (x2, y2): (Vec<f32>, Vec<f32>) = x
-                                .iter()
-                                .zip(y)
-                                .map(|(&p, &q)| {
-                                    if p == f32::NEG_INFINITY && q == f32::NEG_INFINITY {
-                                        (0.0, 0.0)
-                                    } else {
-                                        (p, q)
-                                    }
-                                })
-                                .unzip();
-                            let e = nmse(&x2, &y2);
-                            if fin(x) + fin(y) > 0 {
-                                format!("NaN/Inf: cpu {} cuda {}", fin(x), fin(y))
-                            } else if c.shape != gq.shape {
-                                format!("shapes {:?} vs {:?}", c.shape, gq.shape)
-                            } else if e > op_threshold(op) {
-                                format!("NMSE {e:.2e} > {:.0e}", op_threshold(op))
-                            } else {
-                                format!("ok (NMSE {e:.2e})")
+                            // The metrics `run` judges by (the CPU side is the reference): -inf
+                            // on both sides is a mask and not compared; -inf on one side only is
+                            // a non-finite mismatch.
+                            let m = match compare(c, gq) {
+                                Ok(Metrics::Float(m)) => Ok(m),
+                                Ok(Metrics::Ids(_)) => Err("ids where floats were".to_string()),
+                                Err(e) => Err(e),
+                            };
+                            match m {
+                                _ if fin(x) + fin(y) > 0 => {
+                                    format!("NaN/Inf: cpu {} cuda {}", fin(x), fin(y))
+                                }
+                                Err(e) => e,
+                                Ok(m) if m.nonfinite_mismatch > 0 => {
+                                    format!("-inf masks differ at {} values", m.nonfinite_mismatch)
+                                }
+                                Ok(m) if m.nmse > op_threshold(op) => {
+                                    format!("NMSE {:.2e} > {:.0e}", m.nmse, op_threshold(op))
+                                }
+                                Ok(m) => format!("ok (NMSE {:.2e})", m.nmse),
                             }
                         }
                         _ => "dtypes differ".to_string(),

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use glmdiff::compare::{compare, Metrics};
 use glmdiff::driver::{self, Plan};
 use glmdiff::engine::cpu::CpuEngine;
+use glmdiff::engine::fault::{Fault, FaultEngine, FaultKind};
 use glmdiff::engine::{HostData, HostTensor};
 use glmdiff::gguf::Model;
 use glmdiff::model::Weights;
@@ -18,14 +19,16 @@ use glmdiff::trace::{read_trace, HookFilter, Trace, TraceSink, TraceTensor, Trac
 
 /// Largest relative L2 error `|ref - golden| / |golden|` allowed at any hook.
 ///
-/// Why 1e-5: the reference stores every weight and activation in f32 (relative rounding 2^-24 ≈
-/// 6e-8 per stored value) and accumulates in f64, so each step adds about one f32 rounding to
-/// what it receives, times the step's amplification (norms and matmuls of random-like data keep
-/// relative errors about constant; softmax and SwiGLU amplify by small factors). Across the
-/// fixtures' few layers the observed worst case is ~2e-7; depth multiplies it roughly linearly.
-/// 1e-5 leaves ~50x headroom and stays ~10x below the smallest real defect of interest (the
-/// q_a/kv_a norm eps 1e-6 vs 1e-5 confusion moves hooks by ~1e-4; layout bugs by O(1)).
-const MAX_REL_L2: f64 = 1e-5;
+/// The reference stores every weight and activation in f32 (relative rounding 2^-24 ≈ 6e-8 per
+/// stored value) and accumulates in f64, so each step adds about one f32 rounding to what it
+/// receives, times the step's amplification. Measured over every golden pair of the fixtures
+/// (whole forward pass, chained): a correct run is at most 2.4e-7 (glm5-tiny short,
+/// `blk.2.indexer_scores`); the same run with every RMSNorm's eps confused (1e-6 for 1e-5 or
+/// the reverse, [`an_eps_confusion_exceeds_the_golden_limit`]) is at least 7.8e-6 (dsv3-tiny-q
+/// short, `blk.0.ffn_out`) and at most 2.2e-5. 1.5e-6 sits between the two with a margin of 6.2x
+/// above the correct run and 5.2x below the smallest eps confusion; layout bugs move hooks by
+/// O(1).
+const MAX_REL_L2: f64 = 1.5e-6;
 
 fn fixtures_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/models")
@@ -38,13 +41,50 @@ fn golden_pairs() -> Vec<(PathBuf, PathBuf)> {
 
 /// Runs the whole forward pass of `gguf` on `tokens`, keeping the hooks `filter` wants.
 fn run_reference(gguf: &Path, tokens: &[u32], filter: HookFilter) -> BTreeMap<String, HostTensor> {
+    run_with_eps(gguf, tokens, filter, None)
+}
+
+/// [`run_reference`], with every RMSNorm's eps replaced by `eps` when given (the `norm_eps`
+/// fault of `engine::fault` around the CPU reference).
+fn run_with_eps(
+    gguf: &Path,
+    tokens: &[u32],
+    filter: HookFilter,
+    eps: Option<f64>,
+) -> BTreeMap<String, HostTensor> {
     let model = Model::open(gguf).unwrap();
     let weights = Weights::new(&model).unwrap();
     let engine = CpuEngine::new(&weights);
     let mut sink = TraceSink::new(filter);
     let plan = Plan::full(&weights).unwrap();
-    driver::run(&engine, &weights, tokens, &plan, &mut sink).unwrap();
+    match eps {
+        None => driver::run(&engine, &weights, tokens, &plan, &mut sink).unwrap(),
+        Some(e) => {
+            let faulty = FaultEngine::new(
+                &engine,
+                &weights,
+                vec![Fault::new(FaultKind::NormEps(e), None)],
+            );
+            driver::run(&faulty, &weights, tokens, &plan, &mut sink).unwrap()
+        }
+    };
     sink.into_tensors()
+}
+
+/// The largest relative L2 error over the float hooks of `mine` against `golden`, and its hook.
+fn worst_rel_l2(case: &str, mine: &BTreeMap<String, HostTensor>, golden: &Trace) -> (f64, String) {
+    let mut worst = (0.0f64, String::new());
+    for (name, g) in &golden.tensors {
+        let g = golden_host(name, g);
+        if let Metrics::Float(f) =
+            compare(&g, &mine[name]).unwrap_or_else(|e| panic!("{case}: {name}: {e}"))
+        {
+            if f.rel_l2 > worst.0 {
+                worst = (f.rel_l2, name.clone());
+            }
+        }
+    }
+    worst
 }
 
 /// A golden trace tensor as a host tensor (F64 rounded to f32, integers to i32).
@@ -145,6 +185,34 @@ fn reference_matches_golden_traces_at_every_hook() {
         overall = overall.max(check_against_golden(&trace_path, &gguf, &golden));
     }
     eprintln!("worst rel L2 over all fixtures: {overall:.3e}");
+}
+
+/// The limit is tight enough to matter: the CPU reference with every RMSNorm's eps confused
+/// (1e-6 for a model of 1e-5, and the reverse) exceeds [`MAX_REL_L2`] against every golden trace.
+#[test]
+fn an_eps_confusion_exceeds_the_golden_limit() {
+    let mut least = f64::INFINITY;
+    for (trace_path, gguf) in golden_pairs() {
+        let golden = read_trace(&trace_path).unwrap();
+        let model = Model::open(&gguf).unwrap();
+        let own = Weights::new(&model).unwrap().hparams().rms_eps;
+        let other = if own > 5e-6 { 1e-6 } else { 1e-5 };
+        let tokens = golden.tokens().unwrap();
+        let mine = run_with_eps(&gguf, &tokens, HookFilter::default(), Some(other));
+        let case = format!(
+            "{} (eps {own:e} -> {other:e}) on {}",
+            gguf.file_name().unwrap().to_string_lossy(),
+            trace_path.file_name().unwrap().to_string_lossy()
+        );
+        let (w, hook) = worst_rel_l2(&case, &mine, &golden);
+        eprintln!("{case}: worst rel L2 {w:.3e} at {hook}");
+        assert!(
+            w > MAX_REL_L2,
+            "{case}: an eps confusion stays within the limit: {w:.3e} <= {MAX_REL_L2:e} at {hook}"
+        );
+        least = least.min(w);
+    }
+    eprintln!("least worst rel L2 of an eps confusion over all fixtures: {least:.3e}");
 }
 
 /// Every hook, optional ones included, is bit-identical in a 1-thread and a 2-thread pool.

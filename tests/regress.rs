@@ -1,6 +1,7 @@
-//! `glmdiff regress` end to end: the fixture suite passes with stable JSONL records; a suite with
-//! a wrong expectation (written here) fails naming the case; `--baseline` reports changes planted
-//! here in an earlier JSONL; bad suites exit 2 naming the case and the key. Also the traces of
+//! `glmdiff regress` end to end: the fixture suite passes with stable JSONL records and matches
+//! its committed baseline; a suite with a wrong expectation (written here) fails naming the case;
+//! `--baseline` reports changes planted here in an earlier JSONL and exits 1 on drift; bad suites
+//! exit 2 naming the case and the key. Also the traces of
 //! `reference/glmdiff_hooks.py` (`fixtures/hooks/`), `not_captured`, and `compare --map` in TOML.
 
 use std::collections::BTreeMap;
@@ -41,7 +42,9 @@ fn model(rel: &str) -> String {
 }
 
 /// A suite of three cases with absolute paths: a CPU run with a pinned top-5 (transformers'
-/// float64 trace), a float64 trace candidate, a `--layer` start.
+/// float64 trace), a float64 trace candidate, a `--layer` start. The `cpu` candidates are
+/// plumbing (the same engine twice, every hook error 0): only their pins and the machinery can
+/// fail.
 fn small_suite(top5: &str, max_kl: &str) -> String {
     format!(
         r#"
@@ -175,7 +178,34 @@ fn fixture_suite_passes_with_stable_jsonl() {
         assert!(m.iter().any(|x| x.contains(want)), "{want}");
     }
     assert!(cases.iter().any(|c| c.layers.is_some()));
-    assert!(cases.iter().any(|c| c.expect.divergence.is_some()));
+    // Candidates that really differ from the reference: transformers' bf16 dumps, clean and with
+    // planted bugs. The `cpu` candidates are plumbing (the same deterministic engine twice): every
+    // hook error is 0, as the suite's notes say; every other candidate shows non-zero errors.
+    let dumps: Vec<&glmdiff::regress::Case> = cases
+        .iter()
+        .filter(|c| c.against.contains("/engines/"))
+        .collect();
+    assert!(dumps.iter().any(|c| c.expect.divergence.is_some()));
+    assert!(
+        dumps
+            .iter()
+            .filter(|c| c.expect.divergence.is_none())
+            .count()
+            >= 3
+    );
+    for (r, case) in ra.iter().zip(&cases) {
+        let worst = r["records"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|h| ["replay", "chained"].map(|m| h[m]["error"].as_f64().unwrap_or(0.0)))
+            .fold(0.0f64, f64::max);
+        if case.against == "cpu" {
+            assert_eq!(worst, 0.0, "{}: a cpu candidate is plumbing", case.name);
+        } else {
+            assert!(worst > 0.0, "{}: the candidate differs", case.name);
+        }
+    }
 }
 
 #[test]
@@ -187,10 +217,15 @@ fn the_cuda_twin_suite_has_the_same_cases_against_cuda() {
         let twin = cpu.cases.iter().find(|x| x.name == c.name).unwrap();
         assert_eq!((&twin.model, &twin.expect), (&c.model, &c.expect));
     }
+    let dumps = cpu
+        .cases
+        .iter()
+        .filter(|c| c.against.contains("/engines/"))
+        .count();
     assert_eq!(
-        cuda.cases.len() + 1,
+        cuda.cases.len() + dumps,
         cpu.cases.len(),
-        "all but the planted-bug case"
+        "all but the engine-dump cases"
     );
 }
 
@@ -299,7 +334,13 @@ fn baseline_reports_planted_changes() {
         ],
     );
     let t = text(&o);
-    assert_eq!(o.status.code(), Some(0), "{t}");
+    // Every case passes, but metrics moved by more than 2x: drift, exit 1.
+    assert_eq!(o.status.code(), Some(1), "{t}");
+    assert!(t.contains("OK: 3 cases, 3 pass"), "{t}");
+    assert!(
+        t.contains("DRIFT: this run moved from the baseline (exit 1)"),
+        "{t}"
+    );
     assert!(t.contains("fixed: glm5-prompt"), "{t}");
     assert!(t.contains("new case: glm5-q-layer"), "{t}");
     assert!(t.contains("| dsv3-golden | max_kl"), "{t}");
@@ -341,6 +382,77 @@ fn baseline_reports_planted_changes() {
     );
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("junk.jsonl line 1"), "{}", text(&o));
+}
+
+/// The committed baseline (`fixtures/regress/baseline.jsonl`, what `.ci/run` judges the suite
+/// against) holds exactly the suite's cases and this build shows no change against it; a copy
+/// with one hook's error planted 3x away (written here) is drift, exit 1, naming the case and
+/// the hook; 1.9x is within the tolerance (2x), exit 0.
+#[test]
+fn committed_baseline_has_every_case_and_catches_drift() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let s = suite();
+    let committed = s.with_file_name("baseline.jsonl");
+    let judge = |baseline: &Path| {
+        glmdiff(
+            cache.path(),
+            &[
+                "regress",
+                s.to_str().unwrap(),
+                "--baseline",
+                baseline.to_str().unwrap(),
+            ],
+        )
+    };
+    let o = judge(&committed);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{t}");
+    let cases = glmdiff::regress::suite::load(&s).unwrap().cases;
+    assert!(
+        t.contains(&format!("({} cases in both):\n  no changes", cases.len())),
+        "refresh fixtures/regress/baseline.jsonl (docs/regress.md): {t}"
+    );
+
+    // One hook of a clean engine-dump case, its chained error scaled in a copy of the baseline.
+    let recs = records(&committed);
+    let (k, hook) = recs
+        .iter()
+        .enumerate()
+        .find_map(|(k, r)| {
+            let engine = r["regress"]["case"].as_str().unwrap() == "glm5-bf16-dump";
+            let h = r["records"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|h| h["chained"]["error"].as_f64().is_some_and(|e| e > 1e-3))?;
+            engine.then(|| (k, h["hook"].as_str().unwrap().to_string()))
+        })
+        .expect("a hook of glm5-bf16-dump with a chained error above 1e-3");
+    for (factor, rc) in [(3.0, 1), (1.0 / 3.0, 1), (1.9, 0), (1.0 / 1.9, 0)] {
+        let mut planted = recs.clone();
+        for h in planted[k]["records"].as_array_mut().unwrap() {
+            if h["hook"] == hook.as_str() {
+                let e = h["chained"]["error"].as_f64().unwrap();
+                h["chained"]["error"] = (e * factor).into();
+            }
+        }
+        let p = dir.path().join("planted.jsonl");
+        let lines: Vec<String> = planted.iter().map(|r| r.to_string()).collect();
+        std::fs::write(&p, lines.join("\n") + "\n").unwrap();
+        let o = judge(&p);
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(rc), "x{factor}: {t}");
+        let row = format!("| glm5-bf16-dump | {hook} (chained)");
+        if rc == 1 {
+            assert!(t.contains(&row) && t.contains("DRIFT: "), "x{factor}: {t}");
+        } else {
+            assert!(
+                t.contains("no changes") && !t.contains("DRIFT"),
+                "x{factor}: {t}"
+            );
+        }
+    }
 }
 
 #[test]

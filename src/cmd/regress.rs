@@ -1,6 +1,7 @@
 //! `glmdiff regress`: every case of a suite is a `run` (the same code, the same metrics) plus its
 //! expectations; one table row and one JSONL record per case, and the changes against a baseline.
-//! Exit 0 when every case passes, 1 when one fails, 2 when one cannot run (or the suite is bad).
+//! Exit 0 when every case passes, 1 when one fails or the run drifted from `--baseline`, 2 when
+//! one cannot run (or the suite is bad).
 
 use std::path::Path;
 use std::time::Instant;
@@ -165,11 +166,9 @@ pub fn run(args: &RegressArgs) -> Result<Outcome> {
     }
 
     print!("{}", render(&args.suite.display().to_string(), &summaries));
-    if let (Some(b), Some(path)) = (&baseline, &args.baseline) {
-        print!(
-            "{}",
-            render_changes(&path.display().to_string(), &diff(b, &summaries))
-        );
+    let changes = baseline.as_ref().map(|b| diff(b, &summaries));
+    if let (Some(ch), Some(path)) = (&changes, &args.baseline) {
+        print!("{}", render_changes(&path.display().to_string(), ch));
     }
     if let Some(j) = &args.jsonl {
         write_atomic(j, |w| {
@@ -192,7 +191,8 @@ pub fn run(args: &RegressArgs) -> Result<Outcome> {
             errors.join(", ")
         );
     }
-    Ok(if summaries.iter().all(|s| s.passed()) {
+    let drifted = changes.as_ref().is_some_and(|c| c.drifted());
+    Ok(if summaries.iter().all(|s| s.passed()) && !drifted {
         Outcome::Ok
     } else {
         Outcome::Differs

@@ -113,14 +113,17 @@ mod tests {
     use super::*;
     use crate::cuda::{family_source, COMPARE_SOURCE, DEQUANT_SOURCE, FORWARD_SOURCE};
 
-    /// Every kernel family compiles for sm_90 and sm_120 (NVRTC needs no GPU). Skipped, and
-    /// said so, where libnvrtc is not installed.
+    /// Every kernel family compiles for sm_90 and sm_120 (NVRTC needs no GPU, only libnvrtc).
+    /// Ignored by `cargo test`, so that a machine without libnvrtc counts it as ignored, never
+    /// passed; `scripts/gpu-test.sh` runs it with `--include-ignored`, where a missing libnvrtc
+    /// fails it.
     #[test]
+    #[ignore = "needs libnvrtc (CUDA 13): scripts/gpu-test.sh runs it"]
     fn kernel_families_compile_with_nvrtc() {
-        if !available() {
-            eprintln!("skipped: libnvrtc not found (set LD_LIBRARY_PATH to a CUDA 13 NVRTC)");
-            return;
-        }
+        assert!(
+            available(),
+            "libnvrtc not found (set LD_LIBRARY_PATH to a CUDA 13 NVRTC)"
+        );
         for arch in [(9, 0), (12, 0)] {
             let opts = CompileOptions::for_capability(arch.0, arch.1);
             for (name, src) in [

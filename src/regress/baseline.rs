@@ -1,6 +1,6 @@
 //! Case summaries read back from JSONL records (this run's and an earlier one's, through the same
 //! code), and what changed between two runs of a suite: new failures, fixed cases, a moved first
-//! divergence, metrics that moved by more than [`MOVE_FACTOR`].
+//! divergence, metrics that moved by more than [`MOVE_FACTOR`] (drift, [`Changes::drifted`]).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -254,6 +254,14 @@ impl Changes {
             && self.added.is_empty()
             && self.removed.is_empty()
     }
+
+    /// Whether this run drifted from the baseline: a metric of a case in both moved by more
+    /// than [`MOVE_FACTOR`] (up or down), a first divergence moved, or a top-1 agreement
+    /// changed. `regress --baseline` exits 1 then, even when every case passes. New, removed and
+    /// fixed cases are reported but are not drift.
+    pub fn drifted(&self) -> bool {
+        !self.moved.is_empty() || !self.divergence_moved.is_empty() || !self.top1_changed.is_empty()
+    }
 }
 
 /// Whether `old -> new` is a move by more than [`MOVE_FACTOR`] above the noise.
@@ -392,6 +400,17 @@ mod tests {
         assert_eq!(ch.removed, vec!["c".to_string()]);
         let m: Vec<&str> = ch.moved.iter().map(|m| m.metric.as_str()).collect();
         assert_eq!(m, vec!["max_kl", "mean_kl"]);
+        assert!(ch.drifted());
+        // Only added, removed and fixed cases: reported, not drift.
+        let quiet = diff(&old, &[old[0].clone(), new[1].clone(), new[2].clone()]);
+        assert!(!quiet.is_empty() && quiet.moved.is_empty(), "{quiet:?}");
+        assert!(!quiet.drifted(), "{quiet:?}");
+        // A hook error 2.01x smaller is drift too.
+        let mut better = old[0].clone();
+        for e in better.errors.values_mut() {
+            *e /= 2.01;
+        }
+        assert!(diff(&old[..1], &[better]).drifted());
         assert!(!moved(1e-14, 1e-13), "noise");
         assert!(moved(0.0, 1e-9));
         assert!(!moved(1.0, 2.0));

@@ -183,5 +183,11 @@ pub fn render_changes(baseline: &str, ch: &Changes) -> String {
     for c in &ch.removed {
         let _ = writeln!(s, "  case gone: {c}");
     }
+    if ch.drifted() {
+        let _ = writeln!(
+            s,
+            "DRIFT: this run moved from the baseline (exit 1); if intended, refresh the baseline (docs/regress.md)"
+        );
+    }
     s
 }
