@@ -93,7 +93,7 @@ pub struct DequantCheckArgs {
     /// device taking the next when it is done); replaces --device.
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub devices: Vec<usize>,
-    /// Write the results as JSON. Written atomically.
+    /// Write the results as JSON (`-`: stdout, the report then on stderr). Written atomically.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
 }
@@ -113,7 +113,8 @@ pub struct WeightsCheckArgs {
     /// Only GGUF tensors whose name matches this glob (repeatable), e.g. 'blk.3.*'.
     #[arg(long, value_name = "GLOB")]
     pub tensors: Vec<String>,
-    /// Write the results as JSON (docs/weights-check-json.md). Written atomically.
+    /// Write the results as JSON (docs/weights-check-json.md; `-`: stdout, the report then on
+    /// stderr). Written atomically.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
 }
@@ -216,7 +217,8 @@ pub struct ReportArgs {
     /// The candidate's precision for matching hooks: 'GLOB=DTYPE' (f64, f32, f16, bf16, fp8), repeatable, e.g. 'blk.*.indexer_*=fp8'.
     #[arg(long, value_name = "GLOB=DTYPE", value_parser = parse_precision)]
     pub precision: Vec<(String, String)>,
-    /// Write the results as JSON (docs/run-json.md). Written atomically.
+    /// Write the results as JSON (docs/run-json.md; `-`: stdout, the report then on stderr).
+    /// Written atomically.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
     /// Write an SVG plot of the error per layer. Written atomically.
@@ -254,7 +256,7 @@ pub struct StepArgs {
     /// Test which known bug reproduces the candidate's output (as `run --explain`).
     #[arg(long)]
     pub explain: bool,
-    /// Write the result as JSON. Written atomically.
+    /// Write the result as JSON (`-`: stdout, the report then on stderr). Written atomically.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
 }
@@ -264,7 +266,8 @@ pub struct StepArgs {
 pub struct RegressArgs {
     /// The suite: a TOML file of [[case]] tables (docs/regress.md); paths are relative to it.
     pub suite: PathBuf,
-    /// Write one JSON record per case (run's --json document plus the case's results). Written atomically.
+    /// Write one JSON record per case (run's --json document plus the case's results; `-`:
+    /// stdout, the table then on stderr). Written atomically.
     #[arg(long, value_name = "FILE")]
     pub jsonl: Option<PathBuf>,
     /// An earlier --jsonl: print new failures, fixed cases and metrics that moved by more than 2x;

@@ -4,8 +4,9 @@
 //! # Layers
 //! From the bottom; each module imports only from modules listed before it (`use crate::`):
 //!
-//! 1. [`util`]: glob matching, atomic writes, array files, SplitMix64, top-k with ties, the
-//!    progress trait. Imports nothing from the crate.
+//! 1. [`util`]: glob matching, atomic writes (and the temporaries in flight an interrupt
+//!    removes), the output guard (outputs never overwrite inputs), array files, SplitMix64, top-k
+//!    with ties, the progress trait. Imports nothing from the crate.
 //! 2. [`quant`]: the GGML type table and the dequantizers. Imports nothing from the crate.
 //! 3. [`tensor`]: host tensors (shape + f32/i32 values), the currency between engines, traces
 //!    and comparisons. Imports nothing from the crate.

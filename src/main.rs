@@ -1,5 +1,6 @@
 //! The `glmdiff` binary: parse flags, run one command, print errors once, map outcomes to exit codes
-//! (0 ok, 1 a check found a difference, 2 error).
+//! (0 ok, 1 a check found a difference, 2 error). An interrupt (SIGINT, SIGTERM, SIGHUP) removes
+//! the temporary files in flight and exits with 2.
 
 use std::process::ExitCode;
 
@@ -17,6 +18,7 @@ fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
+    install_interrupt_handler();
     let result = match &cli.command {
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Dequant(a) => cmd::dequant::run(a),
@@ -38,5 +40,26 @@ fn main() -> ExitCode {
             eprintln!("error: {e:#}");
             ExitCode::from(2)
         }
+    }
+}
+
+/// On SIGINT, SIGTERM or SIGHUP: remove the temporary files and directories in flight (a
+/// half-written output never stays behind), say so in one line and exit with 2. The handler
+/// runs on its own thread (the `ctrlc` crate), not inside the signal handler.
+fn install_interrupt_handler() {
+    let r = ctrlc::set_handler(|| {
+        let removed = glmdiff::util::atomic::remove_in_flight();
+        if removed.is_empty() {
+            eprintln!("error: interrupted");
+        } else {
+            let names: Vec<String> = removed.iter().map(|p| p.display().to_string()).collect();
+            eprintln!("error: interrupted; removed {}", names.join(", "));
+        }
+        std::process::exit(2);
+    });
+    if let Err(e) = r {
+        // Without the handler an interrupt still stops the process; its temporaries are then
+        // removed by the next write of the same file.
+        eprintln!("warning: cannot install the interrupt handler: {e}");
     }
 }

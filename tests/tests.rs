@@ -6,6 +6,7 @@ mod engines;
 mod faults;
 mod gpu;
 mod malformed;
+mod outputs;
 mod reference;
 mod regress;
 mod run;

@@ -684,31 +684,26 @@ fn by_kind(layers: &[LayerRow]) -> Vec<KindRow> {
         .collect()
 }
 
-/// A directory removed (with its contents) when dropped.
-struct TempDir(PathBuf);
+/// The name of the benchmark's temporary directories: `glmdiff-bench-layer-PID-NANOS`.
+const TEMP_PREFIX: &str = "glmdiff-bench-layer-";
+
+/// A directory removed (with its contents) when dropped, or by the interrupt handler (it is
+/// registered as in flight). Those of dead processes are removed when a new one is made.
+struct TempDir(crate::util::atomic::InFlightDir);
 
 impl TempDir {
     fn create(parent: &Path) -> Result<TempDir> {
+        crate::util::atomic::remove_stale_in(parent, TEMP_PREFIX);
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos());
-        let p = parent.join(format!(
-            "glmdiff-bench-layer-{}-{nanos:09}",
-            std::process::id()
-        ));
-        std::fs::create_dir(&p)
+        let p = parent.join(format!("{TEMP_PREFIX}{}-{nanos:09}", std::process::id()));
+        let d = crate::util::atomic::InFlightDir::create(&p)
             .with_context(|| format!("bench: layer: creating {}", p.display()))?;
-        Ok(TempDir(p))
+        Ok(TempDir(d))
     }
 
     fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        // Nothing useful to do on failure; the report says whether the directory is gone.
-        let _ = std::fs::remove_dir_all(&self.0);
+        self.0.path()
     }
 }

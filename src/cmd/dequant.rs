@@ -5,10 +5,11 @@ use std::path::Path;
 
 use anyhow::{bail, Result};
 
-use super::Outcome;
+use super::{model_input, Outcome};
 use crate::cli::DequantArgs;
 use crate::gguf::Model;
-use crate::util::atomic::{check_output_dir, write_atomic};
+use crate::util::atomic::write_atomic;
+use crate::util::guard::Guard;
 use crate::util::{npy, safetensors_stream};
 
 /// Output formats, chosen by the file extension.
@@ -33,7 +34,9 @@ fn format_of(path: &Path) -> Result<Format> {
 /// Runs `glmdiff dequant`.
 pub fn run(args: &DequantArgs) -> Result<Outcome> {
     let format = format_of(&args.out)?;
-    check_output_dir(&args.out)?;
+    let mut g = Guard::new();
+    model_input(&mut g, "the input model", &args.model);
+    g.output("--out", Some(&args.out)).check()?;
     let model = Model::open(&args.model)?;
     let t = model.tensor(&args.tensor)?;
     let n_rows = t.info.n_rows();

@@ -2,15 +2,15 @@
 
 use anyhow::{bail, Result};
 
-use super::Outcome;
+use super::{model_input, Outcome};
 use crate::cli::DequantCheckArgs;
 use crate::gguf::Model;
 
 /// Runs `glmdiff dequant-check`.
 pub fn run(args: &DequantCheckArgs) -> Result<Outcome> {
-    if let Some(j) = &args.json {
-        crate::util::atomic::check_output_dir(j)?;
-    }
+    let mut g = crate::util::guard::Guard::new();
+    model_input(&mut g, "the input model", &args.model);
+    g.output_or_stdout("--json", args.json.as_deref()).check()?;
     let model = Model::open(&args.model)?;
     let mut names: Vec<String> = Vec::new();
     for n in &args.tensor {
@@ -74,13 +74,12 @@ fn run_checks(args: &DequantCheckArgs, model: &Model, names: &[String]) -> Resul
             .collect::<Result<Vec<_>>>()?;
         (gpu.describe(), checks)
     };
-    print!("{}", render(&device_line, &checks, &skipped));
+    super::print_report(
+        &render(&device_line, &checks, &skipped),
+        super::to_stdout(args.json.as_deref()),
+    );
     if let Some(j) = &args.json {
-        let doc = to_json(&device_line, &checks, &skipped);
-        crate::util::atomic::write_atomic(j, |w| {
-            serde_json::to_writer_pretty(&mut *w, &doc)?;
-            Ok(w.write_all(b"\n")?)
-        })?;
+        super::write_json("--json", j, &to_json(&device_line, &checks, &skipped))?;
     }
     Ok(if checks.iter().any(|c| c.mismatches > 0) {
         Outcome::Differs

@@ -20,3 +20,84 @@ pub enum Outcome {
     /// A check found a difference (exit 1).
     Differs,
 }
+
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+
+use crate::util::guard::{is_stdout, Guard};
+
+/// Adds the files of a model (every shard of a split model) to `g` as inputs named `what`.
+pub(crate) fn model_input(g: &mut Guard, what: &str, model: &Path) {
+    for p in crate::gguf::shard_paths(model) {
+        g.input(what, &p);
+    }
+}
+
+/// Adds the traces `run --against auto` may pick (`*.trace.safetensors` beside `model`).
+pub(crate) fn traces_beside_input(g: &mut Guard, model: &Path) {
+    let dir = crate::util::atomic::parent_dir(model);
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for p in rd.filter_map(|e| e.ok().map(|e| e.path())) {
+        if p.to_string_lossy().ends_with(".trace.safetensors") {
+            g.input(
+                "a trace beside the model",
+                p.strip_prefix(".").unwrap_or(&p),
+            );
+        }
+    }
+}
+
+/// Adds the candidate of `run --against SPEC` for `model`: a `trace:FILE`, or for `auto` the
+/// traces beside the model.
+pub(crate) fn against_input(g: &mut Guard, against: &str, model: &Path) {
+    if let Some(t) = against.strip_prefix("trace:") {
+        if !t.is_empty() {
+            g.input("the trace candidate", Path::new(t));
+        }
+    } else if against == "auto" {
+        traces_beside_input(g, model);
+    }
+}
+
+/// Whether `path` (a `--json`/`--jsonl` value) sends the document to stdout.
+pub(crate) fn to_stdout(path: Option<&Path>) -> bool {
+    path.is_some_and(is_stdout)
+}
+
+/// Prints a human report: to stdout, or to stderr when stdout carries a JSON document
+/// (`--json -`), so that stdout stays one parseable document.
+pub(crate) fn print_report(text: &str, json_on_stdout: bool) {
+    if json_on_stdout {
+        eprint!("{text}");
+    } else {
+        print!("{text}");
+    }
+}
+
+/// Writes `doc` as pretty JSON to `path` atomically, or to stdout when `path` is `-`.
+pub(crate) fn write_json<T: serde::Serialize>(flag: &str, path: &Path, doc: &T) -> Result<()> {
+    write_lines(flag, path, &mut |w| {
+        serde_json::to_writer_pretty(&mut *w, doc)?;
+        Ok(w.write_all(b"\n")?)
+    })
+}
+
+/// Writes what `fill` produces to `path` atomically, or to stdout when `path` is `-`.
+pub(crate) fn write_lines(
+    flag: &str,
+    path: &Path,
+    fill: &mut dyn FnMut(&mut dyn Write) -> Result<()>,
+) -> Result<()> {
+    if is_stdout(path) {
+        let mut out = std::io::stdout().lock();
+        fill(&mut out)
+            .and_then(|()| Ok(out.flush()?))
+            .with_context(|| format!("output: {flag} -: cannot write to stdout"))
+    } else {
+        crate::util::atomic::write_atomic(path, |w| fill(w))
+    }
+}

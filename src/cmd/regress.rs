@@ -10,13 +10,13 @@ use anyhow::{bail, Result};
 use serde_json::{json, Value};
 
 use super::run::{execute, shell_word};
-use super::Outcome;
+use super::{against_input, model_input, print_report, to_stdout, write_lines, Outcome};
 use crate::cli::{RegressArgs, ReportArgs, RunArgs};
 use crate::regress::baseline::{diff, read_jsonl, summarize};
 use crate::regress::{expect, suite, Case, Input};
 use crate::report::regress::{case_record, progress_line, render, render_changes};
-use crate::util::atomic::{check_output_dir, write_atomic};
 use crate::util::glob;
+use crate::util::guard::Guard;
 
 /// The `run` flags of a case.
 fn run_args(case: &Case, args: &RegressArgs) -> RunArgs {
@@ -130,13 +130,21 @@ fn run_case(suite_path: &Path, index: usize, case: &Case, args: &RegressArgs) ->
 /// Runs `glmdiff regress`.
 pub fn run(args: &RegressArgs) -> Result<Outcome> {
     let suite = suite::load(&args.suite)?;
+    let mut g = Guard::new();
+    g.input("the suite", &args.suite);
+    if let Some(b) = &args.baseline {
+        g.input("the --baseline", b);
+    }
+    for c in &suite.cases {
+        model_input(&mut g, &format!("the model of case {:?}", c.name), &c.model);
+        against_input(&mut g, &c.against, &c.model);
+    }
+    g.output_or_stdout("--jsonl", args.jsonl.as_deref())
+        .check()?;
     let baseline = match &args.baseline {
         Some(p) => Some(read_jsonl(p)?),
         None => None,
     };
-    if let Some(j) = &args.jsonl {
-        check_output_dir(j)?;
-    }
     let cases: Vec<(usize, &Case)> = suite
         .cases
         .iter()
@@ -165,13 +173,20 @@ pub fn run(args: &RegressArgs) -> Result<Outcome> {
         records.push(rec);
     }
 
-    print!("{}", render(&args.suite.display().to_string(), &summaries));
+    let json_on_stdout = to_stdout(args.jsonl.as_deref());
+    print_report(
+        &render(&args.suite.display().to_string(), &summaries),
+        json_on_stdout,
+    );
     let changes = baseline.as_ref().map(|b| diff(b, &summaries));
     if let (Some(ch), Some(path)) = (&changes, &args.baseline) {
-        print!("{}", render_changes(&path.display().to_string(), ch));
+        print_report(
+            &render_changes(&path.display().to_string(), ch),
+            json_on_stdout,
+        );
     }
     if let Some(j) = &args.jsonl {
-        write_atomic(j, |w| {
+        write_lines("--jsonl", j, &mut |w| {
             for r in &records {
                 serde_json::to_writer(&mut *w, r)?;
                 w.write_all(b"\n")?;

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
-use super::Outcome;
+use super::{against_input, model_input, print_report, to_stdout, write_json, Outcome};
 use crate::cli::{CompareArgs, ReportArgs, RunArgs};
 use crate::compare::floors::{hook_infos, point_of};
 use crate::compare::graph::{order_key, upstream};
@@ -26,7 +26,7 @@ use crate::report::run::{render, to_json, EngineDesc, Header};
 use crate::tokenizer::Tokenizer;
 use crate::trace::cache::{default_dir, CacheKey, RefCache};
 use crate::trace::{HookFilter, Mode, Pair, PairSink, TraceFile};
-use crate::util::atomic::{check_output_dir, write_atomic};
+use crate::util::guard::Guard;
 
 /// The candidate a run compares against.
 enum Against {
@@ -136,17 +136,18 @@ pub(crate) fn token_text(tok: Option<&Tokenizer>, id: u32) -> String {
     }
 }
 
-fn check_outputs(json: &Option<PathBuf>, plot: &Option<PathBuf>) -> Result<()> {
-    if let Some(j) = json {
-        check_output_dir(j)?;
-    }
-    if let Some(p) = plot {
+/// Checks the outputs of `run` and `compare` against each other and the inputs `g` lists,
+/// before any work.
+fn check_outputs(mut g: Guard, report: &ReportArgs, repro: Option<&Path>) -> Result<()> {
+    if let Some(p) = &report.plot {
         if p.extension().and_then(|e| e.to_str()) != Some("svg") {
             bail!("--plot {} must end in .svg", p.display());
         }
-        check_output_dir(p)?;
     }
-    Ok(())
+    g.output_or_stdout("--json", report.json.as_deref())
+        .output("--plot", report.plot.as_deref())
+        .output_dir("--repro", repro)
+        .check()
 }
 
 /// Prints the report, writes `--json` and `--plot`, and turns the verdict into the outcome.
@@ -156,7 +157,10 @@ fn finish(
     text: &dyn Fn(u32) -> String,
     report: &ReportArgs,
 ) -> Result<Outcome> {
-    print!("{}", render(h, c, text, report.all_steps));
+    print_report(
+        &render(h, c, text, report.all_steps),
+        to_stdout(report.json.as_deref()),
+    );
     write_outputs(h, c, &report.json, &report.plot)?;
     Ok(if c.differs() {
         Outcome::Differs
@@ -172,11 +176,7 @@ fn write_outputs(
     plot: &Option<PathBuf>,
 ) -> Result<()> {
     if let Some(j) = json {
-        let doc = to_json(h, c);
-        write_atomic(j, |w| {
-            serde_json::to_writer_pretty(&mut *w, &doc)?;
-            Ok(w.write_all(b"\n")?)
-        })?;
+        write_json("--json", j, &to_json(h, c))?;
     }
     if let Some(p) = plot {
         crate::report::run::write_plot(h, c, p)?;
@@ -186,7 +186,10 @@ fn write_outputs(
 
 /// Runs `glmdiff run`.
 pub fn run(args: &RunArgs) -> Result<Outcome> {
-    check_outputs(&args.report.json, &args.report.plot)?;
+    let mut g = Guard::new();
+    model_input(&mut g, "the input model", &args.model);
+    against_input(&mut g, &args.against, &args.model);
+    check_outputs(g, &args.report, args.repro.as_deref())?;
     let ran = execute(args)?;
     let tok = ran.tokenizer.as_ref();
     let text = |id: u32| token_text(tok, id);
@@ -818,7 +821,13 @@ fn read_map(path: &Path) -> Result<HashMap<String, String>> {
 
 /// Runs `glmdiff compare`.
 pub fn compare(args: &CompareArgs) -> Result<Outcome> {
-    check_outputs(&args.report.json, &args.report.plot)?;
+    let mut g = Guard::new();
+    g.input("the reference trace", &args.reference)
+        .input("the candidate trace", &args.candidate);
+    if let Some(m) = &args.map {
+        g.input("the --map file", m);
+    }
+    check_outputs(g, &args.report, None)?;
     let reference = TraceFile::open(&args.reference)?;
     let candidate = TraceFile::open(&args.candidate)?;
     let (rt, ct) = (reference.tokens(), candidate.tokens());

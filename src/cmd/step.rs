@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use anyhow::{bail, Context, Result};
 
-use super::Outcome;
+use super::{print_report, to_stdout, write_json, Outcome};
 use crate::cli::StepArgs;
 use crate::compare::floors::hook_infos;
 use crate::compare::{Comparison, Judge, Precision};
@@ -18,13 +18,17 @@ use crate::model::Weights;
 use crate::report::run::EngineDesc;
 use crate::report::step::{render, to_json, StepReport};
 use crate::trace::{Mode, Pair, PairSink};
-use crate::util::atomic::{check_output_dir, write_atomic};
+use crate::util::guard::Guard;
 
 /// Runs `glmdiff step`.
 pub fn run(args: &StepArgs) -> Result<Outcome> {
-    if let Some(j) = &args.json {
-        check_output_dir(j)?;
+    let mut g = Guard::new();
+    if let Ok(rd) = std::fs::read_dir(&args.dir) {
+        for p in rd.filter_map(|e| e.ok().map(|e| e.path())) {
+            g.input("the case file", &p);
+        }
     }
+    g.output_or_stdout("--json", args.json.as_deref()).check()?;
     let case = Case::read(&args.dir)?;
     let weights = Weights::partial(&case.model)?;
     let stored = case.captured(&weights)?;
@@ -132,13 +136,9 @@ pub fn run(args: &StepArgs) -> Result<Outcome> {
         notes,
         explanation,
     };
-    print!("{}", render(&report));
+    print_report(&render(&report), to_stdout(args.json.as_deref()));
     if let Some(j) = &args.json {
-        let doc = to_json(&report);
-        write_atomic(j, |w| {
-            serde_json::to_writer_pretty(&mut *w, &doc)?;
-            Ok(w.write_all(b"\n")?)
-        })?;
+        write_json("--json", j, &to_json(&report))?;
     }
     Ok(if differs {
         Outcome::Differs

@@ -14,6 +14,9 @@ const GIB: f64 = (1u64 << 30) as f64;
 /// Runs `glmdiff synth`.
 pub fn run(args: &SynthArgs) -> Result<Outcome> {
     let opts = SynthOptions::parse(&args.arch, &args.dims, args.layers, &args.types, args.seed)?;
+    crate::util::guard::Guard::new()
+        .output("--out", Some(&args.out))
+        .check()?;
     let t0 = Instant::now();
     let s = synth::write(&opts, &args.out)?;
     let secs = t0.elapsed().as_secs_f64();

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use anyhow::{bail, Context, Result};
 
-use super::Outcome;
+use super::{model_input, Outcome};
 use crate::cli::TraceArgs;
 use crate::driver::{self, Plan};
 use crate::engine::cpu::CpuEngine;
@@ -13,7 +13,7 @@ use crate::gguf::Model;
 use crate::model::Weights;
 use crate::tokenizer::Tokenizer;
 use crate::trace::{write_trace, HookFilter, TraceMeta, TraceSink};
-use crate::util::atomic::check_output_dir;
+use crate::util::guard::Guard;
 
 /// Runs `glmdiff trace`.
 pub fn run(args: &TraceArgs) -> Result<Outcome> {
@@ -23,7 +23,9 @@ pub fn run(args: &TraceArgs) -> Result<Outcome> {
             args.out.display()
         );
     }
-    check_output_dir(&args.out)?;
+    let mut g = Guard::new();
+    model_input(&mut g, "the input model", &args.model);
+    g.output("--out", Some(&args.out)).check()?;
     let model = Model::open(&args.model)?;
     let weights = Weights::new(&model)?;
     let hp = weights.hparams();

@@ -3,7 +3,7 @@
 
 use anyhow::Result;
 
-use super::Outcome;
+use super::{model_input, print_report, to_stdout, write_json, Outcome};
 use crate::cli::WeightsCheckArgs;
 use crate::gguf::Model;
 use crate::hf::Checkpoint;
@@ -12,9 +12,15 @@ use crate::wcheck::{self, Dims, GgufStore, HfStore, Options, RefKind, Setup};
 
 /// Runs `glmdiff weights-check`.
 pub fn run(args: &WeightsCheckArgs) -> Result<Outcome> {
-    if let Some(j) = &args.json {
-        crate::util::atomic::check_output_dir(j)?;
+    let mut g = crate::util::guard::Guard::new();
+    model_input(&mut g, "the input model", &args.model);
+    if let Some(dir) = &args.hf {
+        hf_inputs(&mut g, dir);
     }
+    if let Some(other) = &args.gguf {
+        model_input(&mut g, "the --gguf model", other);
+    }
+    g.output_or_stdout("--json", args.json.as_deref()).check()?;
     let model = Model::open(&args.model)?;
     let opts = Options {
         tensors: args.tensors.clone(),
@@ -51,17 +57,31 @@ pub fn run(args: &WeightsCheckArgs) -> Result<Outcome> {
         }
         (None, None) => anyhow::bail!("weights-check: give --hf DIR or --gguf OTHER"),
     };
-    print!("{}", crate::report::weights_check::render(&report));
+    print_report(
+        &crate::report::weights_check::render(&report),
+        to_stdout(args.json.as_deref()),
+    );
     if let Some(j) = &args.json {
-        let doc = crate::report::weights_check::to_json(&report);
-        crate::util::atomic::write_atomic(j, |w| {
-            serde_json::to_writer_pretty(&mut *w, &doc)?;
-            Ok(w.write_all(b"\n")?)
-        })?;
+        write_json("--json", j, &crate::report::weights_check::to_json(&report))?;
     }
     Ok(if report.differs() {
         Outcome::Differs
     } else {
         Outcome::Ok
     })
+}
+
+/// The files of a checkpoint directory `weights-check` reads: `config.json`, the index and every
+/// `.safetensors` file.
+fn hf_inputs(g: &mut crate::util::guard::Guard, dir: &std::path::Path) {
+    g.input("the --hf config", &dir.join("config.json"))
+        .input("the --hf index", &dir.join(crate::hf::INDEX_FILE));
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for p in rd.filter_map(|e| e.ok().map(|e| e.path())) {
+        if p.extension().is_some_and(|e| e == "safetensors") {
+            g.input("the --hf checkpoint file", &p);
+        }
+    }
 }

@@ -26,7 +26,7 @@ use crate::gguf::{GgufWriter, Model};
 use crate::model::steps::{self, Step};
 use crate::model::Weights;
 use crate::trace::{write_trace, Mode, TraceFile, TraceMeta};
-use crate::util::atomic::write_atomic;
+use crate::util::atomic::{write_atomic, InFlightDir};
 
 /// Version of the case format (`glmdiff_case` in `case.json`).
 pub const CASE_VERSION: u32 = 1;
@@ -137,11 +137,23 @@ pub fn check_target(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Writes `c` as a case in `dir` (created; files replaced atomically).
+/// Writes `c` as a case in `dir`: built in a temporary directory beside it (`.NAME.tmp-PID`,
+/// removed if the process is interrupted), then moved into place, replacing an earlier case.
 pub fn write(dir: &Path, c: &CapturedStep, weights: &Weights<'_>, meta: &CaseMeta) -> Result<()> {
     check_target(dir)?;
-    std::fs::create_dir_all(dir)
-        .with_context(|| format!("--repro: cannot create {}", dir.display()))?;
+    let tmp = InFlightDir::beside(dir).context("--repro")?;
+    write_files(tmp.path(), dir, c, weights, meta)?;
+    tmp.commit(dir).context("--repro")
+}
+
+/// The files of a case, written to `to`; `dir` is where the case will be (named in its README).
+fn write_files(
+    to: &Path,
+    dir: &Path,
+    c: &CapturedStep,
+    weights: &Weights<'_>,
+    meta: &CaseMeta,
+) -> Result<()> {
     let model = weights.model();
     let names = c.step.weights(weights);
 
@@ -162,7 +174,7 @@ pub fn write(dir: &Path, c: &CapturedStep, weights: &Weights<'_>, meta: &CaseMet
             shape: t.info.shape(),
         });
     }
-    w.write_file(&dir.join(CASE_WEIGHTS), &mut |info, out| {
+    w.write_file(&to.join(CASE_WEIGHTS), &mut |info, out| {
         let t = model.tensor(&info.name)?;
         out.write_all(model.tensor_data(t)?)?;
         Ok(())
@@ -185,7 +197,8 @@ pub fn write(dir: &Path, c: &CapturedStep, weights: &Weights<'_>, meta: &CaseMet
         mode: Mode::Replay,
         extra: BTreeMap::new(),
     };
-    write_trace(&dir.join(CASE_TENSORS), &tensors, &trace_meta)?;
+    write_trace(&to.join(CASE_TENSORS), &tensors, &trace_meta)
+        .with_context(|| format!("--repro: writing {}", dir.join(CASE_TENSORS).display()))?;
 
     let header = CaseHeader {
         glmdiff_case: CASE_VERSION,
@@ -206,12 +219,12 @@ pub fn write(dir: &Path, c: &CapturedStep, weights: &Weights<'_>, meta: &CaseMet
         error: c.error.is_finite().then_some(c.error),
         allowed: c.allowed,
     };
-    write_atomic(&dir.join(CASE_JSON), |f| {
+    write_atomic(&to.join(CASE_JSON), |f| {
         serde_json::to_writer_pretty(&mut *f, &header)?;
         Ok(f.write_all(b"\n")?)
     })?;
     let readme = readme(&header, dir);
-    write_atomic(&dir.join(CASE_README), |f| {
+    write_atomic(&to.join(CASE_README), |f| {
         Ok(f.write_all(readme.as_bytes())?)
     })?;
     Ok(())

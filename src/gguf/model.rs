@@ -58,6 +58,20 @@ pub fn split_file_name(prefix: &str, no: u32, count: u32) -> String {
     format!("{prefix}-{no:05}-of-{count:05}.gguf")
 }
 
+/// Every file of the model `path` names: all N shards when its name is
+/// `NAME-0000K-of-0000N.gguf` (whether they exist or not), else `path` alone. Nothing is opened.
+pub fn shard_paths(path: &Path) -> Vec<PathBuf> {
+    match parse_split_name(path) {
+        Some((prefix, _, count)) if count >= 1 => {
+            let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+            (1..=count)
+                .map(|k| dir.join(split_file_name(&prefix, k, count)))
+                .collect()
+        }
+        _ => vec![path.to_path_buf()],
+    }
+}
+
 fn int_key(f: &GgufFile, key: &str) -> Result<Option<i128>> {
     match f.get(key) {
         None => Ok(None),
