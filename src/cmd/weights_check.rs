@@ -21,7 +21,7 @@ pub fn run(args: &WeightsCheckArgs) -> Result<Outcome> {
         ..Options::default()
     };
     let bar = Bar::with_unit("chunks");
-    let index_heads = crate::model::HParams::from_model(&model)
+    let index_heads = crate::model::HParams::from_metadata(&model)
         .ok()
         .and_then(|hp| hp.indexer.map(|i| i.n_head as u64));
     let report = match (&args.hf, &args.gguf) {
@@ -37,7 +37,7 @@ pub fn run(args: &WeightsCheckArgs) -> Result<Outcome> {
         }
         (None, Some(other)) => {
             let other = Model::open(other)?;
-            let mtp_from = crate::model::HParams::from_model(&other)
+            let mtp_from = crate::model::HParams::from_metadata(&other)
                 .ok()
                 .filter(|hp| hp.n_nextn > 0)
                 .map(|hp| hp.n_layer);
