@@ -16,6 +16,18 @@ pub fn run(args: &WeightsCheckArgs) -> Result<Outcome> {
         crate::util::atomic::check_output_dir(j)?;
     }
     let model = Model::open(&args.model)?;
+    for g in &args.tensors {
+        if !model
+            .tensors()
+            .any(|t| crate::util::glob::matches(g, &t.info.name))
+        {
+            anyhow::bail!(
+                "weights-check: --tensors {g:?} matches no tensor of {} ({} tensors; `glmdiff inspect` lists them)",
+                model.path().display(),
+                model.n_tensors()
+            );
+        }
+    }
     let opts = Options {
         tensors: args.tensors.clone(),
         ..Options::default()
