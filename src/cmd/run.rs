@@ -735,7 +735,9 @@ fn check_globs(cmd: &str, scope: &str, hooks: &[String], report: &ReportArgs) ->
         .chain(report.precision.iter().map(|(g, _)| ("--precision", g)));
     for (flag, g) in flags {
         if !compared.iter().any(|h| crate::util::glob::matches(g, h)) {
-            bail!("{cmd}: {flag} glob {g:?} matches no hook {scope} compares; {NAMES}");
+            bail!(
+                "{cmd}: {flag} glob {g:?} matches none of the hooks compared in {scope}; {NAMES}"
+            );
         }
     }
     Ok(())

@@ -72,7 +72,7 @@ pub fn check_against_model(t: &TraceFile, weights: &Weights<'_>, tokens: &[u32])
         } else if t.holds_ints(name) != Some(want.ids) {
             other.get_or_insert_with(|| {
                 format!(
-                    "trace: {path}: hook {name} is {dtype}, but it holds {}",
+                    "trace: {path}: hook {name} is stored as {dtype}, but it must hold {}",
                     kind(want.ids)
                 )
             });
