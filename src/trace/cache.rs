@@ -154,7 +154,8 @@ fn checksum(values: &[(String, HostTensor)]) -> u64 {
 pub enum Loaded {
     /// The entry, checked: the values in the order asked.
     Hit(Vec<(String, HostTensor)>),
-    /// No entry for this key (absent, another key's file, or without a value asked for).
+    /// No entry for this key (absent, another key's file, one an earlier glmdiff wrote without
+    /// a checksum, or without a value asked for).
     Miss,
     /// An entry for this key that is damaged: why (to be recomputed and overwritten).
     Damaged(String),
@@ -202,8 +203,9 @@ impl RefCache {
         {
             return Loaded::Miss;
         }
+        // Written without a checksum (an earlier glmdiff): stale, recomputed and overwritten.
         let Some(stored) = f.metadata().get(CHECKSUM_KEY) else {
-            return Loaded::Damaged("it has no checksum of its values".into());
+            return Loaded::Miss;
         };
         let mut all: Vec<String> = f.names().map(str::to_string).collect();
         all.sort();
