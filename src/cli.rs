@@ -128,8 +128,8 @@ pub struct TraceArgs {
     /// Prompt text, tokenized with the model's own tokenizer.
     #[arg(long)]
     pub prompt: Option<String>,
-    /// Token ids, comma separated (e.g. 1,2,3).
-    #[arg(long, value_delimiter = ',')]
+    /// Token ids, comma separated (e.g. 1,2,3), each in 0..vocab.
+    #[arg(long, value_delimiter = ',', allow_hyphen_values = true, value_parser = parse_token_id)]
     pub tokens: Option<Vec<u32>>,
     /// Only layers A..B (end exclusive); the layers before A still run (their hooks are not kept).
     #[arg(long, value_name = "A..B", value_parser = parse_range)]
@@ -153,8 +153,8 @@ pub struct RunArgs {
     /// trace's tokens).
     #[arg(long)]
     pub prompt: Option<String>,
-    /// Token ids, comma separated (e.g. 1,2,3).
-    #[arg(long, value_delimiter = ',')]
+    /// Token ids, comma separated (e.g. 1,2,3), each in 0..vocab.
+    #[arg(long, value_delimiter = ',', allow_hyphen_values = true, value_parser = parse_token_id)]
     pub tokens: Option<Vec<u32>>,
     /// Only layer N, starting from the reference's residual stream at its input (cached on disk).
     #[arg(long, value_name = "N")]
@@ -384,6 +384,22 @@ pub fn parse_tol(s: &str) -> Result<(String, f64)> {
     Ok((g.to_string(), v))
 }
 
+/// Parses one token id of `--tokens`: an integer in `0..vocab` (the vocabulary is checked
+/// against the model once it is open). A negative id is refused here with that range rather
+/// than taken for a flag.
+pub fn parse_token_id(s: &str) -> Result<u32> {
+    let t = s.trim();
+    match t.parse::<i128>() {
+        Ok(v) if v < 0 => bail!("token id {v} is negative: token ids are integers in 0..vocab (the model's vocabulary size)"),
+        Ok(v) => u32::try_from(v).map_err(|_| {
+            anyhow::anyhow!(
+                "token id {v} is too large: token ids are integers in 0..vocab (the model's vocabulary size)"
+            )
+        }),
+        Err(_) => bail!("token id {t:?} is not an integer: token ids are integers in 0..vocab, comma separated (e.g. 1,2,3)"),
+    }
+}
+
 /// Parses a finite, non-negative number.
 pub fn parse_nonneg(s: &str) -> Result<f64> {
     let v: f64 = s
@@ -421,6 +437,40 @@ mod tests {
         assert!(parse_range("5..5").is_err());
         assert!(parse_range("x..5").is_err());
         assert!(parse_range("5").is_err());
+    }
+
+    #[test]
+    fn token_ids_parse_and_reject_bad_input() {
+        use clap::Parser;
+        assert_eq!(parse_token_id(" 7").unwrap(), 7);
+        for bad in ["-1", "4294967296", "x", "1.5"] {
+            let e = parse_token_id(bad).unwrap_err().to_string();
+            assert!(
+                e.contains("token ids are integers in 0..vocab"),
+                "{bad}: {e}"
+            );
+        }
+        // `--tokens -1` and `--tokens 1,-2` reach the parser instead of being taken for a flag.
+        for list in ["-1", "1,-2", "-1,2"] {
+            let e = Cli::try_parse_from(["glmdiff", "run", "m.gguf", "--tokens", list])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("is negative: token ids are integers in 0..vocab"),
+                "{list}: {e}"
+            );
+            assert!(!e.contains("-- -"), "{list}: {e}");
+        }
+        // A flag after --tokens is still a flag.
+        let c = Cli::try_parse_from(["glmdiff", "run", "m.gguf", "--tokens", "1,2", "--hook", "x"])
+            .unwrap();
+        let Command::Run(r) = c.command else {
+            panic!("not run")
+        };
+        assert_eq!(
+            (r.tokens, r.report.hook),
+            (Some(vec![1, 2]), vec!["x".to_string()])
+        );
     }
 
     #[test]

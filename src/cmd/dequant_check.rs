@@ -35,6 +35,18 @@ pub fn run(args: &DequantCheckArgs) -> Result<Outcome> {
             }
         }
     }
+    if let Some(g) = &args.tensors {
+        if !model
+            .tensors()
+            .any(|t| crate::util::glob::matches(g, &t.info.name))
+        {
+            bail!(
+                "dequant-check: --tensors {g:?} matches no tensor of {} ({} tensors; `glmdiff inspect` lists them)",
+                model.path().display(),
+                model.n_tensors()
+            );
+        }
+    }
     if names.is_empty() {
         bail!("dequant-check: give tensor names, --tensors GLOB or --all");
     }

@@ -24,7 +24,7 @@ use crate::model::Weights;
 use crate::report::progress::Bar;
 use crate::report::run::{render, to_json, EngineDesc, Header};
 use crate::tokenizer::Tokenizer;
-use crate::trace::cache::{default_dir, CacheKey, RefCache};
+use crate::trace::cache::{default_dir, CacheKey, Loaded, RefCache};
 use crate::trace::{HookFilter, Mode, Pair, PairSink, TraceFile};
 use crate::util::guard::Guard;
 
@@ -308,6 +308,9 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
     let tokens = tokens
         .context("run: give --tokens or --prompt (or a trace candidate, whose tokens are used)")?;
     crate::driver::check_tokens(&weights, &tokens).context("run")?;
+    if let Some(t) = &trace {
+        crate::trace::check::check_against_model(t, &weights, &tokens)?;
+    }
 
     // Layers.
     let layers = match (args.layer, &args.layers) {
@@ -330,6 +333,12 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
     for f in &faults {
         f.check(&weights, layers.clone(), plan.tail)?;
     }
+    check_globs(
+        "run",
+        &format!("this run (layers {}..{})", layers.start, layers.end),
+        &plan_hooks(&plan, hp),
+        &args.report,
+    )?;
 
     // The reference and the residual stream at the first layer.
     let reference = CpuEngine::new(&weights);
@@ -353,10 +362,25 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
             ))
         };
         let t0 = Instant::now();
-        match cache
-            .as_ref()
-            .and_then(|(c, k)| c.load(k, &names).map(|v| (v, c.path(k))))
-        {
+        let mut damaged = None;
+        let hit = match &cache {
+            None => None,
+            Some((c, k)) => match c.load(k, &names) {
+                Loaded::Hit(v) => Some((v, c.path(k))),
+                Loaded::Miss => None,
+                Loaded::Damaged(why) => {
+                    // Never compared against: recomputed and overwritten, and said at once.
+                    eprintln!(
+                        "note: the reference cache {} is damaged ({why}); layers 0..{} are recomputed and the entry rewritten",
+                        c.path(k).display(),
+                        layers.start
+                    );
+                    damaged = Some(why);
+                    None
+                }
+            },
+        };
+        match hit {
             Some((v, p)) => {
                 timings.push((
                     "reference prefix (cache)".to_string(),
@@ -379,9 +403,12 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
                     match c.store(k, &v) {
                         Ok(p) => {
                             cache_note = Some(format!(
-                                "layers 0..{} of the reference computed and cached in {}",
+                                "layers 0..{} of the reference computed and cached in {}{}",
                                 layers.start,
-                                p.display()
+                                p.display(),
+                                damaged.as_ref().map_or(String::new(), |why| format!(
+                                    " (the entry there was damaged: {why})"
+                                ))
                             ))
                         }
                         Err(e) => {
@@ -562,6 +589,13 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
             args.report.hook.join(" ")
         );
     }
+    if let (Some(t), false) = (&trace, compared_any(&cmp)) {
+        bail!(
+            "run: no hook of the trace {} matches the run's {} hooks (its hooks are named as `glmdiff trace` names them: blk.L.<point>, token_embd, result_norm, logits); rename them with `glmdiff compare --map` or the hook script",
+            t.path().display(),
+            cmp.records().len()
+        );
+    }
 
     let t0 = Instant::now();
     let explanation = if args.explain {
@@ -659,6 +693,57 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
         comparison: cmp,
         tokenizer: tokenizer.ok(),
     })
+}
+
+/// Whether any hook of `cmp` was compared in some mode (not only listed as missing).
+fn compared_any(cmp: &Comparison) -> bool {
+    cmp.records().iter().any(|r| {
+        [&r.replay, &r.chained].iter().any(|m| {
+            m.as_ref()
+                .is_some_and(|m| m.status != crate::compare::Status::Missing)
+        })
+    })
+}
+
+/// Every hook `plan` can produce: its steps' outputs, and the optional attention probabilities
+/// and per-expert outputs of its layers.
+fn plan_hooks(plan: &Plan, hp: &crate::model::HParams) -> Vec<String> {
+    use crate::model::steps::{expert_hook, hook, point};
+    let mut v: Vec<String> = plan.steps.iter().flat_map(|s| s.outputs.clone()).collect();
+    for l in plan.layers() {
+        v.push(hook(l, point::ATTN_PROBS));
+        if !hp.is_dense(l) {
+            v.extend((0..hp.n_expert).map(|e| expert_hook(l, e)));
+        }
+    }
+    v
+}
+
+/// Refuses a `--hook` glob that matches none of `hooks` (what the run or the reference trace
+/// has), and a `--tol` or `--precision` glob that matches none of the hooks compared, naming
+/// the flag, the glob and `scope`: a glob that silently matches nothing is a typo.
+fn check_globs(cmd: &str, scope: &str, hooks: &[String], report: &ReportArgs) -> Result<()> {
+    const NAMES: &str = "hook names are blk.L.<point>, token_embd, result_norm, logits";
+    for g in &report.hook {
+        if !hooks.iter().any(|h| crate::util::glob::matches(g, h)) {
+            bail!("{cmd}: --hook {g:?} matches no hook of {scope}; {NAMES}");
+        }
+    }
+    let wants = wants_with_scores(&report.hook);
+    let compared: Vec<&String> = hooks.iter().filter(|h| wants(h)).collect();
+    let flags = report
+        .tol
+        .iter()
+        .map(|(g, _)| ("--tol", g))
+        .chain(report.precision.iter().map(|(g, _)| ("--precision", g)));
+    for (flag, g) in flags {
+        if !compared.iter().any(|h| crate::util::glob::matches(g, h)) {
+            bail!(
+                "{cmd}: {flag} glob {g:?} matches none of the hooks compared in {scope}; {NAMES}"
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Whether `--against auto` finds a CUDA device (driver, libraries and at least one device).
@@ -886,6 +971,27 @@ pub fn compare(args: &CompareArgs) -> Result<Outcome> {
     };
     let mut names: Vec<String> = reference.names().map(str::to_string).collect();
     names.sort_by_key(|n| order_key(n));
+    check_globs(
+        "compare",
+        &format!("the reference trace {}", args.reference.display()),
+        &names,
+        &args.report,
+    )?;
+    let wanted = wants_with_scores(&args.report.hook);
+    let pairs: Vec<(String, String)> = names
+        .iter()
+        .filter(|n| wanted(n))
+        .filter_map(|n| cand_names.get(n).map(|c| (n.clone(), c.clone())))
+        .collect();
+    if pairs.is_empty() {
+        bail!(
+            "compare: no hook of {} matches {} ({} of its hooks compared, none under those names in the candidate); rename the candidate's hooks with --map FILE (a JSON object or TOML table of their names to glmdiff's)",
+            args.candidate.display(),
+            args.reference.display(),
+            names.iter().filter(|n| wanted(n)).count()
+        );
+    }
+    crate::trace::check::check_pair(&reference, &candidate, &pairs)?;
     let last_l_out = names
         .iter()
         .rev()

@@ -22,12 +22,24 @@ pub fn run(args: &WeightsCheckArgs) -> Result<Outcome> {
     }
     g.output_or_stdout("--json", args.json.as_deref()).check()?;
     let model = Model::open(&args.model)?;
+    for g in &args.tensors {
+        if !model
+            .tensors()
+            .any(|t| crate::util::glob::matches(g, &t.info.name))
+        {
+            anyhow::bail!(
+                "weights-check: --tensors {g:?} matches no tensor of {} ({} tensors; `glmdiff inspect` lists them)",
+                model.path().display(),
+                model.n_tensors()
+            );
+        }
+    }
     let opts = Options {
         tensors: args.tensors.clone(),
         ..Options::default()
     };
     let bar = Bar::with_unit("chunks");
-    let index_heads = crate::model::HParams::from_model(&model)
+    let index_heads = crate::model::HParams::from_metadata(&model)
         .ok()
         .and_then(|hp| hp.indexer.map(|i| i.n_head as u64));
     let report = match (&args.hf, &args.gguf) {
@@ -43,7 +55,7 @@ pub fn run(args: &WeightsCheckArgs) -> Result<Outcome> {
         }
         (None, Some(other)) => {
             let other = Model::open(other)?;
-            let mtp_from = crate::model::HParams::from_model(&other)
+            let mtp_from = crate::model::HParams::from_metadata(&other)
                 .ok()
                 .filter(|hp| hp.n_nextn > 0)
                 .map(|hp| hp.n_layer);

@@ -249,9 +249,41 @@ impl Keys<'_> {
     }
 }
 
+/// How much of a model's tensors the hyperparameters are checked against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TensorCheck {
+    /// A whole model: every run layer must be there, every tensor's shape must agree.
+    Complete,
+    /// Some of a model's tensors (a step case): the shapes of those present must agree.
+    Partial,
+    /// The metadata alone.
+    None,
+}
+
 impl HParams {
-    /// Reads the hyperparameters of `model`; fails for any architecture but glm-dsa and deepseek2.
+    /// Reads the hyperparameters of `model` and checks them against its tensors before anything
+    /// is sized from them: `block_count` against the layers the file holds (every run layer
+    /// there, no tensor of a block past the count), `vocab_size` against `token_embd.weight`,
+    /// and every tensor the forward pass reads against the shape the hyperparameters give it.
+    /// An error names the key, its value, and the tensor and shape it disagrees with. Fails for
+    /// any architecture but glm-dsa and deepseek2.
     pub fn from_model(model: &Model) -> Result<HParams> {
+        Self::derive(model, TensorCheck::Complete)
+    }
+
+    /// [`HParams::from_model`] for a file that holds only some of a model's tensors with its
+    /// metadata (a step case): the tensors present are checked, none is required.
+    pub fn from_partial_model(model: &Model) -> Result<HParams> {
+        Self::derive(model, TensorCheck::Partial)
+    }
+
+    /// The hyperparameters from the metadata alone, not checked against the tensors (for
+    /// `weights-check`, which diagnoses the tensors' shapes itself).
+    pub fn from_metadata(model: &Model) -> Result<HParams> {
+        Self::derive(model, TensorCheck::None)
+    }
+
+    fn derive(model: &Model, check: TensorCheck) -> Result<HParams> {
         let arch_str = model.architecture().with_context(|| {
             format!(
                 "model: {}: metadata key general.architecture is missing",
@@ -280,6 +312,10 @@ impl HParams {
             );
         }
         let n_layer = n_block - n_nextn;
+        // Before anything is sized by the block count (the indexer's per-layer types).
+        if check != TensorCheck::None {
+            check_blocks(&k, n_block, n_nextn, check == TensorCheck::Complete)?;
+        }
         let n_head = k.usize(keys::ATTN_HEAD_COUNT)?;
         if n_head == 0 {
             bail!(
@@ -431,7 +467,7 @@ impl HParams {
             }
         };
 
-        Ok(HParams {
+        let hp = HParams {
             arch,
             hidden: k.usize(keys::EMBEDDING_LENGTH)?,
             n_block,
@@ -457,7 +493,11 @@ impl HParams {
             gating,
             rope,
             indexer,
-        })
+        };
+        if check != TensorCheck::None {
+            check_shapes(&k, &hp)?;
+        }
+        Ok(hp)
     }
 
     /// Query/key head width: `qk_nope + qk_rope`.
@@ -468,6 +508,127 @@ impl HParams {
     /// Whether layer `l` uses the dense MLP (else MoE).
     pub fn is_dense(&self, l: usize) -> bool {
         l < self.n_dense
+    }
+}
+
+/// `block_count` against the blocks the file holds: no tensor of a block at or past the count,
+/// and (`complete`) every run layer's `attn_norm`, so a count no tensor backs is refused before
+/// anything is sized by it.
+fn check_blocks(k: &Keys<'_>, n_block: usize, n_nextn: usize, complete: bool) -> Result<()> {
+    let path = k.model.path().display();
+    if let Some((l, name)) = k
+        .model
+        .tensors()
+        .filter_map(|t| names::split_blk(&t.info.name).map(|(l, _)| (l, t.info.name.clone())))
+        .find(|(l, _)| *l >= n_block)
+    {
+        bail!(
+            "model: {path}: metadata {} = {n_block} disagrees with tensor {name}: the file holds block {l}",
+            k.key(keys::BLOCK_COUNT)
+        );
+    }
+    if complete {
+        // Stops at the first missing layer: at most one more lookup than the file has tensors.
+        for l in 0..n_block - n_nextn {
+            let norm = names::blk(l, names::blk::ATTN_NORM);
+            if k.model.find(&norm).is_none() {
+                bail!(
+                    "model: {path}: {} = {n_block} with nextn_predict_layers = {n_nextn} runs layers 0..{}, but the file has no {norm} \
+                     (a file with only the NextN/MTP block, as the converter's --mtp writes, cannot run the model)",
+                    k.key(keys::BLOCK_COUNT),
+                    n_block - n_nextn
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every tensor the forward pass reads against the shape `hp` gives it, and `vocab_size` (when
+/// present) against the rows of `token_embd.weight`.
+fn check_shapes(k: &Keys<'_>, hp: &HParams) -> Result<()> {
+    let model = k.model;
+    let path = model.path().display();
+    let rows = |name: &str| {
+        model
+            .find(name)
+            .filter(|t| t.info.ne.len() == 2)
+            .map(|t| t.info.ne[1])
+    };
+    let n_vocab = rows(names::TOKEN_EMBD).or_else(|| rows(names::OUTPUT));
+    if let (Some(v), Some(n)) = (k.opt_usize(keys::VOCAB_SIZE)?, rows(names::TOKEN_EMBD)) {
+        if v as u64 != n {
+            bail!(
+                "model: {path}: metadata {} = {v} disagrees with tensor {}: it has {n} rows (ne[1])",
+                k.key(keys::VOCAB_SIZE),
+                names::TOKEN_EMBD
+            );
+        }
+    }
+    let n_vocab = n_vocab.unwrap_or(0) as usize;
+    for t in model.tensors() {
+        let name = &t.info.name;
+        let Some(want) = names::expected_dims(hp, n_vocab, name) else {
+            continue;
+        };
+        let ne = &t.info.ne;
+        let torch = |ne: &[u64]| ne.iter().rev().copied().collect::<Vec<_>>();
+        let want_ne: Vec<u64> = want.iter().map(|d| d.size).collect();
+        if ne.len() != want.len() {
+            bail!(
+                "model: {path}: tensor {name} has ne={ne:?} (PyTorch {:?}), but the {} metadata gives it ne={want_ne:?} (PyTorch {:?})",
+                torch(ne),
+                hp.arch.as_str(),
+                torch(&want_ne)
+            );
+        }
+        let Some(i) = (0..ne.len()).find(|&i| ne[i] != want[i].size) else {
+            continue;
+        };
+        let d = want[i];
+        if d.keys.is_empty() {
+            bail!(
+                "model: {path}: tensor {name} has ne={ne:?} (PyTorch {:?}): its ne[{i}] = {} is not the vocabulary of {} ({})",
+                torch(ne),
+                ne[i],
+                names::TOKEN_EMBD,
+                d.size
+            );
+        }
+        let shown: Vec<String> = d.keys.iter().map(|s| key_and_value(k, s)).collect();
+        let (what, verb) = if shown.len() == 1 {
+            (shown[0].clone(), "disagrees")
+        } else {
+            (
+                format!("{} (giving {})", shown.join(", "), d.size),
+                "disagree",
+            )
+        };
+        bail!(
+            "model: {path}: metadata {what} {verb} with tensor {name}: its ne[{i}] is {}, not {} (ne={ne:?}, PyTorch {:?}; the metadata gives ne={want_ne:?})",
+            ne[i],
+            d.size,
+            torch(ne)
+        );
+    }
+    Ok(())
+}
+
+/// `{arch}.{suffix} = value` as the file holds it; a head width read from the legacy
+/// `key_length`/`value_length` when the `_mla` key is absent.
+fn key_and_value(k: &Keys<'_>, suffix: &str) -> String {
+    let legacy = match suffix {
+        keys::ATTN_KEY_LENGTH_MLA => Some(keys::ATTN_KEY_LENGTH),
+        keys::ATTN_VALUE_LENGTH_MLA => Some(keys::ATTN_VALUE_LENGTH),
+        _ => None,
+    };
+    let suffix = match legacy {
+        Some(l) if k.get(suffix).is_none() && k.get(l).is_some() => l,
+        _ => suffix,
+    };
+    match k.get(suffix) {
+        Some(v) => format!("{} = {}", k.key(suffix), v.summary(4)),
+        None => format!("{} (absent)", k.key(suffix)),
     }
 }
 
@@ -528,12 +689,12 @@ fn read_yarn(k: &Keys<'_>) -> Result<Option<Yarn>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::testutil::{build, metadata, tiny_hparams};
+    use crate::model::testutil::{build, metadata, tensor_names, tiny_hparams};
 
     fn parse(hp: &HParams, edit: impl FnOnce(&mut Vec<(String, Value)>)) -> Result<HParams> {
         let mut meta = metadata(hp);
         edit(&mut meta);
-        HParams::from_model(&build(hp, &meta, &[], 32))
+        HParams::from_metadata(&build(hp, &meta, &[], 32))
     }
 
     fn remove(meta: &mut Vec<(String, Value)>, key: &str) {
@@ -581,19 +742,19 @@ mod tests {
         remove(&mut meta, "deepseek2.expert_gating_func");
         let with_bias = build(&hp, &meta, &["blk.1.exp_probs_b.bias".to_string()], 32);
         assert_eq!(
-            HParams::from_model(&with_bias).unwrap().gating,
+            HParams::from_metadata(&with_bias).unwrap().gating,
             Gating::Sigmoid
         );
         let without = build(&hp, &meta, &["blk.1.ffn_gate_inp.weight".to_string()], 32);
         assert_eq!(
-            HParams::from_model(&without).unwrap().gating,
+            HParams::from_metadata(&without).unwrap().gating,
             Gating::Softmax
         );
         // An explicit key wins over the inference.
         meta.push(("deepseek2.expert_gating_func".into(), Value::U32(1)));
         let explicit = build(&hp, &meta, &["blk.1.exp_probs_b.bias".to_string()], 32);
         assert_eq!(
-            HParams::from_model(&explicit).unwrap().gating,
+            HParams::from_metadata(&explicit).unwrap().gating,
             Gating::Softmax
         );
     }
@@ -714,5 +875,117 @@ mod tests {
         }
         let got = parse(&hp, |_| {}).unwrap();
         assert_eq!(got.indexer.unwrap().full, vec![true, false]);
+    }
+
+    /// The model of `hp`'s tensors with `hp`'s metadata edited by `edit`, through `from_model`.
+    fn checked(hp: &HParams, edit: impl FnOnce(&mut Vec<(String, Value)>)) -> String {
+        let mut meta = metadata(hp);
+        edit(&mut meta);
+        match HParams::from_model(&build(hp, &meta, &tensor_names(hp), 32)) {
+            Ok(_) => panic!("accepted"),
+            Err(e) => format!("{e:#}"),
+        }
+    }
+
+    fn set(meta: &mut [(String, Value)], key: &str, v: u32) {
+        let slot = meta.iter_mut().find(|(k, _)| k == key).unwrap();
+        slot.1 = Value::U32(v);
+    }
+
+    /// Regression: an `expert_count` of 4000000000 was accepted, and `run` grew its memory
+    /// without end; every key that sizes a tensor is now checked against the tensors, naming the
+    /// key, its value, the tensor and its shape.
+    #[test]
+    fn hyperparameters_disagreeing_with_tensor_shapes_are_named() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        assert!(HParams::from_model(&build(&hp, &metadata(&hp), &tensor_names(&hp), 32)).is_ok());
+        for (key, value, want) in [
+            (
+                "glm-dsa.expert_count",
+                4_000_000_000,
+                "metadata glm-dsa.expert_count = 4000000000 disagrees with tensor blk.1.ffn_gate_inp.weight: its ne[1] is 4, not 4000000000",
+            ),
+            (
+                "glm-dsa.embedding_length",
+                17,
+                "metadata glm-dsa.embedding_length = 17 disagrees with tensor token_embd.weight: its ne[0] is 16, not 17",
+            ),
+            (
+                "glm-dsa.attention.kv_lora_rank",
+                9,
+                "metadata glm-dsa.attention.kv_lora_rank = 9, glm-dsa.rope.dimension_count = 4 (giving 13) disagree with tensor blk.0.attn_kv_a_mqa.weight: its ne[1] is 12, not 13",
+            ),
+            (
+                "glm-dsa.attention.head_count",
+                3,
+                "metadata glm-dsa.attention.head_count = 3 disagrees with tensor blk.0.attn_k_b.weight: its ne[2] is 2, not 3",
+            ),
+            (
+                "glm-dsa.feed_forward_length",
+                25,
+                "metadata glm-dsa.feed_forward_length = 25 disagrees with tensor blk.0.ffn_gate.weight",
+            ),
+            (
+                "glm-dsa.expert_feed_forward_length",
+                7,
+                "glm-dsa.expert_feed_forward_length = 7",
+            ),
+            (
+                "glm-dsa.attention.indexer.head_count",
+                5,
+                "glm-dsa.attention.indexer.head_count = 5",
+            ),
+            (
+                "glm-dsa.vocab_size",
+                33,
+                "metadata glm-dsa.vocab_size = 33 disagrees with tensor token_embd.weight: it has 32 rows",
+            ),
+        ] {
+            let msg = checked(&hp, |m| {
+                if key.ends_with("vocab_size") {
+                    m.push((key.into(), Value::U32(value)));
+                } else {
+                    set(m, key, value);
+                }
+            });
+            assert!(msg.contains(want), "{key}: {msg}");
+            assert!(msg.starts_with("model: tiny.gguf: "), "{msg}");
+        }
+    }
+
+    /// A block count no tensor backs is refused before anything is sized by it (the indexer's
+    /// per-layer types would be a vector of that many entries), and one below the blocks the
+    /// file holds names the first tensor past it.
+    #[test]
+    fn block_count_is_checked_against_the_blocks_held() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let t0 = std::time::Instant::now();
+        let msg = checked(&hp, |m| set(m, "glm-dsa.block_count", u32::MAX));
+        assert!(t0.elapsed().as_secs() < 5);
+        assert!(
+            msg.contains("glm-dsa.block_count = 4294967295 with nextn_predict_layers = 0 runs layers 0..4294967295, but the file has no blk.2.attn_norm.weight"),
+            "{msg}"
+        );
+        let msg = checked(&hp, |m| set(m, "glm-dsa.block_count", 1));
+        assert!(
+            msg.contains("metadata glm-dsa.block_count = 1 disagrees with tensor blk.1.")
+                && msg.contains("the file holds block 1"),
+            "{msg}"
+        );
+        // A step case holds one layer's tensors: nothing is required, what is there is checked.
+        let names: Vec<String> = tensor_names(&hp)
+            .into_iter()
+            .filter(|n| n.starts_with("blk.1."))
+            .collect();
+        let part = build(&hp, &metadata(&hp), &names, 32);
+        assert!(HParams::from_model(&part).is_err());
+        assert_eq!(HParams::from_partial_model(&part).unwrap().n_layer, 2);
+        let mut meta = metadata(&hp);
+        set(&mut meta, "glm-dsa.expert_count", 5);
+        let e = HParams::from_partial_model(&build(&hp, &meta, &names, 32)).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("glm-dsa.expert_count = 5"),
+            "{e:#}"
+        );
     }
 }

@@ -5,8 +5,9 @@
 //! ([`rope`]) and the ordered list of forward-pass steps ([`steps`]). No activation arithmetic
 //! happens here; engines do that. [`inspect`] gathers the facts `glmdiff inspect` shows about a
 //! GGUF of any architecture. [`keys`] spells the `{arch}.*` metadata keys once, for readers and
-//! writers alike.
+//! writers alike. [`hook_shape`] gives the shape of each hook for a model and a prompt length.
 
+pub mod hook_shape;
 pub mod hparams;
 pub mod inspect;
 pub mod keys;

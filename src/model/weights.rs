@@ -227,7 +227,7 @@ impl<'m> Weights<'m> {
     /// vocabulary size is that of `token_embd.weight` or `output.weight` when the file has one
     /// (0 otherwise); the output projection is `output.weight` when present.
     pub fn partial(model: &'m Model) -> Result<Weights<'m>> {
-        let hp = HParams::from_model(model)?;
+        let hp = HParams::from_partial_model(model)?;
         let n_vocab = [names::TOKEN_EMBD, names::OUTPUT]
             .iter()
             .find_map(|n| model.find(n))
@@ -520,14 +520,24 @@ mod tests {
         wrong.q_lora_rank = Some(10); // attn_q_a written [16, 10], expected [16, 12]
         let names = tensor_names(&hp);
         let model = build_with(&wrong, &metadata(&hp), &names, 32, &HashMap::new());
-        let w = Weights::new(&model).unwrap();
-        let e = w.matrix_desc("blk.0.attn_q_a.weight").unwrap_err();
-        let msg = format!("{e:#}");
+        // Refused when the weights are opened, before any step: the key, its value, the tensor
+        // and its shape.
+        let msg = match Weights::new(&model) {
+            Ok(_) => panic!("accepted"),
+            Err(e) => format!("{e:#}"),
+        };
         assert!(
-            msg.contains("blk.0.attn_q_a.weight has ne=[16, 10]")
-                && msg.contains("expected ne=[16, 12]"),
+            msg.contains("metadata glm-dsa.attention.q_lora_rank = 12 disagrees with tensor blk.0.attn_q_a.weight")
+                && msg.contains("its ne[1] is 10, not 12")
+                && msg.contains("ne=[16, 10]"),
             "{msg}"
         );
+        // A step case's weights (only some tensors) are checked the same way.
+        let msg = match Weights::partial(&model) {
+            Ok(_) => panic!("accepted"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(msg.contains("blk.0.attn_q_a.weight"), "{msg}");
     }
 
     /// The converter writes `attn_kv_a_mqa.bias` (and `attn_q_a.bias`, `attn_output.bias`) for a

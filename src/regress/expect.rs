@@ -98,6 +98,15 @@ pub fn check(expect: &Expect, c: &Comparison) -> Result<Vec<Check>, String> {
             .iter()
             .map(|p| p.reference.top.iter().take(5).map(|t| t.0).collect())
             .collect();
+        // A suite error, not a failure: the pins cannot be of this prompt (a prompt's or a
+        // trace's token count is known only when the case runs).
+        if pins.len() != actual.len() {
+            return Err(format!(
+                "key \"expect_top5\": pins {} positions, but the run has {} (one row of ids per prompt position)",
+                pins.len(),
+                actual.len()
+            ));
+        }
         let mut bad = Vec::new();
         for (i, pin) in pins.iter().enumerate() {
             match actual.get(i) {

@@ -436,6 +436,18 @@ fn parse_case(file: &str, dir: &Path, n: usize, t: &Table) -> Result<Case> {
             return Err(cx.wrong_type("expect_top5", "an array of id arrays, one per position", v))
         }
     };
+    if let (Input::Tokens(ids), Some(rows)) = (&input, &top5) {
+        if rows.len() != ids.len() {
+            return Err(cx.err(
+                "expect_top5",
+                format!(
+                    "pins {} positions, but the case has {} tokens: one row of ids per position",
+                    rows.len(),
+                    ids.len()
+                ),
+            ));
+        }
+    }
     let divergence = cx.string(t, "expect_divergence")?.map(str::to_string);
     if divergence.as_deref().is_some_and(|d| d.trim().is_empty()) {
         return Err(cx.err("expect_divergence", "an empty hook name"));

@@ -8,6 +8,10 @@
 //! (canonical path, size and modification time of every shard, a hash of every shard's header:
 //! metadata and tensor infos), the tokens, the layer and glmdiff's version; an entry whose stored
 //! key differs from the asked one (a hash collision, a stale file) is ignored and overwritten.
+//! Each entry also stores an FNV-1a hash of every tensor's name, shape and values
+//! (`cache_checksum`): an entry whose values do not hash to it (a damaged or edited file), or that
+//! cannot be read, is reported as [`Loaded::Damaged`] so that the caller recomputes it and says
+//! so, never compares against it.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -117,6 +121,46 @@ pub fn default_dir() -> Result<PathBuf> {
     bail!("cache: no cache directory: set GLMDIFF_CACHE_DIR (or XDG_CACHE_HOME or HOME)")
 }
 
+/// The metadata key holding the checksum of an entry's values.
+const CHECKSUM_KEY: &str = "cache_checksum";
+
+/// FNV-1a over each tensor's name, shape and little-endian values, in the order given.
+fn checksum(values: &[(String, HostTensor)]) -> u64 {
+    let mut bytes = Vec::new();
+    for (name, t) in values {
+        bytes.extend_from_slice(name.as_bytes());
+        bytes.push(0);
+        for d in &t.shape {
+            bytes.extend_from_slice(&(*d as u64).to_le_bytes());
+        }
+        match &t.data {
+            crate::tensor::HostData::F32(v) => {
+                bytes.push(b'f');
+                v.iter()
+                    .for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
+            }
+            crate::tensor::HostData::I32(v) => {
+                bytes.push(b'i');
+                v.iter()
+                    .for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
+            }
+        }
+    }
+    fnv1a64(&bytes)
+}
+
+/// What [`RefCache::load`] found.
+#[derive(Debug, PartialEq)]
+pub enum Loaded {
+    /// The entry, checked: the values in the order asked.
+    Hit(Vec<(String, HostTensor)>),
+    /// No entry for this key (absent, another key's file, one an earlier glmdiff wrote without
+    /// a checksum, or without a value asked for).
+    Miss,
+    /// An entry for this key that is damaged: why (to be recomputed and overwritten).
+    Damaged(String),
+}
+
 /// A cache directory.
 pub struct RefCache {
     dir: PathBuf,
@@ -140,21 +184,53 @@ impl RefCache {
         self.dir.join(key.file_name())
     }
 
-    /// The values stored under `key`, when an entry with exactly this key and every name in
-    /// `names` exists. A damaged entry is treated as absent (it will be overwritten).
-    pub fn load(&self, key: &CacheKey, names: &[String]) -> Option<Vec<(String, HostTensor)>> {
+    /// The values stored under `key`: a [`Loaded::Hit`] when an entry with exactly this key
+    /// holds every name in `names` and its values hash to its stored checksum;
+    /// [`Loaded::Damaged`] when the entry is there but cannot be read or its values do not match
+    /// its checksum (a truncated, edited or corrupted file).
+    pub fn load(&self, key: &CacheKey, names: &[String]) -> Loaded {
         let p = self.path(key);
-        let f = TraceFile::open(&p).ok()?;
+        if !p.exists() {
+            return Loaded::Miss;
+        }
+        let f = match TraceFile::open(&p) {
+            Ok(f) => f,
+            Err(e) => return Loaded::Damaged(format!("{e:#}")),
+        };
         let want = key.metadata();
         if want.iter().any(|(k, v)| f.metadata().get(k) != Some(v))
-            || f.tokens().ok()? != key.tokens
+            || f.tokens().ok().as_ref() != Some(&key.tokens)
         {
-            return None;
+            return Loaded::Miss;
         }
-        names
-            .iter()
-            .map(|n| f.get(n).ok().flatten().map(|t| (n.clone(), t)))
-            .collect()
+        // Written without a checksum (an earlier glmdiff): stale, recomputed and overwritten.
+        let Some(stored) = f.metadata().get(CHECKSUM_KEY) else {
+            return Loaded::Miss;
+        };
+        let mut all: Vec<String> = f.names().map(str::to_string).collect();
+        all.sort();
+        let mut values = Vec::with_capacity(all.len());
+        for n in &all {
+            match f.get(n) {
+                Ok(Some(t)) => values.push((n.clone(), t)),
+                Ok(None) => return Loaded::Miss,
+                Err(e) => return Loaded::Damaged(format!("{e:#}")),
+            }
+        }
+        let sum = format!("{:016x}", checksum(&values));
+        if *stored != sum {
+            return Loaded::Damaged(format!(
+                "its values hash to {sum}, not to the stored checksum {stored}"
+            ));
+        }
+        let mut out = Vec::with_capacity(names.len());
+        for n in names {
+            match values.iter().find(|(v, _)| v == n) {
+                Some(v) => out.push(v.clone()),
+                None => return Loaded::Miss,
+            }
+        }
+        Loaded::Hit(out)
     }
 
     /// Stores `values` under `key` (atomically).
@@ -163,6 +239,9 @@ impl RefCache {
             .with_context(|| format!("cache: cannot create {}", self.dir.display()))?;
         let p = self.path(key);
         let tensors: BTreeMap<String, HostTensor> = values.iter().cloned().collect();
+        let sorted: Vec<(String, HostTensor)> = tensors.clone().into_iter().collect();
+        let mut extra = key.metadata();
+        extra.insert(CHECKSUM_KEY.into(), format!("{:016x}", checksum(&sorted)));
         let meta = TraceMeta {
             model: key.model_identity.lines().next().unwrap_or("").to_string(),
             architecture: String::new(),
@@ -170,7 +249,7 @@ impl RefCache {
             engine: "cpu".into(),
             dtype: "f32 storage, f64 accumulation".into(),
             mode: Mode::Chained,
-            extra: key.metadata(),
+            extra,
         };
         write_trace(&p, &tensors, &meta)
             .with_context(|| format!("cache: cannot write {}", p.display()))?;
@@ -204,15 +283,52 @@ mod tests {
             "blk.2.l_out".to_string(),
             HostTensor::f32(vec![2, 2], vec![1.0, 2.0, 3.0, 4.0]).unwrap(),
         )];
-        assert!(c.load(&key, &["blk.2.l_out".into()]).is_none());
+        assert_eq!(c.load(&key, &["blk.2.l_out".into()]), Loaded::Miss);
         c.store(&key, &v).unwrap();
-        assert_eq!(c.load(&key, &["blk.2.l_out".into()]).unwrap(), v);
-        assert!(c.load(&key, &["blk.1.l_out".into()]).is_none());
+        assert_eq!(
+            c.load(&key, &["blk.2.l_out".into()]),
+            Loaded::Hit(v.clone())
+        );
+        assert_eq!(c.load(&key, &["blk.1.l_out".into()]), Loaded::Miss);
         let mut other = key.clone();
         other.tokens = vec![1, 3];
-        assert!(c.load(&other, &["blk.2.l_out".into()]).is_none());
+        assert_eq!(c.load(&other, &["blk.2.l_out".into()]), Loaded::Miss);
         // A file under the right name whose stored key differs is not used.
         std::fs::copy(c.path(&key), c.path(&other)).unwrap();
-        assert!(c.load(&other, &["blk.2.l_out".into()]).is_none());
+        assert_eq!(c.load(&other, &["blk.2.l_out".into()]), Loaded::Miss);
+    }
+
+    /// A value changed in place (the file otherwise intact) or a file cut short is damaged,
+    /// never a hit.
+    #[test]
+    fn damaged_entries_are_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = RefCache::new(dir.path());
+        let key = CacheKey {
+            model_identity: "/m.gguf size=1 mtime_ns=2 header_fnv=3\n".into(),
+            tokens: vec![1, 2],
+            layer: 1,
+            version: "x".into(),
+        };
+        let v = vec![(
+            "blk.0.l_out".to_string(),
+            HostTensor::f32(vec![1, 2], vec![1.5, -2.0]).unwrap(),
+        )];
+        let p = c.store(&key, &v).unwrap();
+        let names = ["blk.0.l_out".to_string()];
+        let good = std::fs::read(&p).unwrap();
+        let mut bad = good.clone();
+        let n = bad.len();
+        bad[n - 4..].copy_from_slice(&f32::NAN.to_le_bytes());
+        std::fs::write(&p, &bad).unwrap();
+        match c.load(&key, &names) {
+            Loaded::Damaged(why) => assert!(why.contains("stored checksum"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        std::fs::write(&p, &good[..n - 2]).unwrap();
+        match c.load(&key, &names) {
+            Loaded::Damaged(why) => assert!(why.contains("truncated"), "{why}"),
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -200,10 +200,68 @@ fn decode(dtype: Dtype, b: &[u8]) -> Result<TraceValues> {
     })
 }
 
+/// Refuses a safetensors file cut short, with the sizes: shorter than its 8-byte header length,
+/// than the header that length announces, or than the end of the data the header lays out.
+/// Anything else wrong with the header is left to the safetensors parser.
+pub fn check_not_truncated(path: &Path, bytes: &[u8]) -> Result<()> {
+    let len = bytes.len() as u64;
+    let Some(head) = bytes.get(..8) else {
+        bail!(
+            "trace: {} is truncated: {len} bytes, not even the 8-byte header length of a safetensors file",
+            path.display()
+        );
+    };
+    let mut n = [0u8; 8];
+    n.copy_from_slice(head);
+    let header_len = u64::from_le_bytes(n);
+    let header_end = header_len.saturating_add(8);
+    if header_end > len {
+        // A length beyond any real header is a different file, not a cut one.
+        if header_len > 100_000_000 {
+            bail!(
+                "trace: {} is not a safetensors file: its first 8 bytes give a header of {header_len} bytes",
+                path.display()
+            );
+        }
+        bail!(
+            "trace: {} is truncated: its header says it is {header_len} bytes (ending at byte {header_end}), the file has {len} bytes",
+            path.display()
+        );
+    }
+    let Ok(header) = serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(
+        &bytes[8..header_end as usize],
+    ) else {
+        return Ok(());
+    };
+    let data_end = header
+        .iter()
+        .filter(|(k, _)| k.as_str() != "__metadata__")
+        .filter_map(|(_, v)| v.get("data_offsets")?.get(1)?.as_u64())
+        .max()
+        .unwrap_or(0);
+    let end = header_end.saturating_add(data_end);
+    if end > len {
+        bail!(
+            "trace: {} is truncated: its header says the data ends at byte {end}, the file has {len} bytes",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// Whether the reader decodes `dtype` as integers ([`TraceValues::Int`]).
+fn is_int(dtype: Dtype) -> bool {
+    matches!(
+        dtype,
+        Dtype::I64 | Dtype::I32 | Dtype::I16 | Dtype::I8 | Dtype::U8 | Dtype::BOOL
+    )
+}
+
 /// Reads a trace (any safetensors file: glmdiff's, a golden trace, an external dump).
 pub fn read_trace(path: &Path) -> Result<Trace> {
     let bytes =
         std::fs::read(path).with_context(|| format!("trace: cannot read {}", path.display()))?;
+    check_not_truncated(path, &bytes)?;
     let (_, meta) = SafeTensors::read_metadata(&bytes)
         .with_context(|| format!("trace: {} is not a safetensors file", path.display()))?;
     let st = SafeTensors::deserialize(&bytes)
@@ -249,6 +307,7 @@ impl TraceFile {
         // truncation by another process is the usual caveat of mapped inputs.
         let map = unsafe { memmap2::Mmap::map(&file) }
             .with_context(|| format!("trace: cannot map {}", path.display()))?;
+        check_not_truncated(path, &map)?;
         let (header_len, meta) = SafeTensors::read_metadata(&map)
             .with_context(|| format!("trace: {} is not a safetensors file", path.display()))?;
         let base = 8 + header_len;
@@ -292,6 +351,18 @@ impl TraceFile {
     /// Whether the trace has hook `name`.
     pub fn has(&self, name: &str) -> bool {
         self.index.contains_key(name)
+    }
+
+    /// Hook `name`'s stored shape and dtype name (`F32`, `I64`, ...), read from the header.
+    pub fn hook_header(&self, name: &str) -> Option<(&[usize], String)> {
+        self.index
+            .get(name)
+            .map(|(d, shape, _)| (shape.as_slice(), format!("{d:?}")))
+    }
+
+    /// Whether hook `name` holds integers (ids), as the reader decodes its dtype.
+    pub fn holds_ints(&self, name: &str) -> Option<bool> {
+        self.index.get(name).map(|(d, _, _)| is_int(*d))
     }
 
     /// The `tokens` metadata parsed as a JSON list of ids.

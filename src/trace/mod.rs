@@ -5,9 +5,11 @@
 //! [`HookFilter`] is the selection behind `--layers` and `--hook`; [`TraceSink`] keeps what the
 //! filter wants and writes a safetensors trace ([`file`](mod@file)). A [`PairSink`] receives
 //! (reference, candidate) pairs from the two-engine driver, in a [`Mode`]. [`cache`] keeps the
-//! reference's residual stream on disk so that a run can start at any layer.
+//! reference's residual stream on disk so that a run can start at any layer. [`check`] refuses a
+//! trace that does not fit the model (or the other trace) it is compared with.
 
 pub mod cache;
+pub mod check;
 pub mod file;
 
 use std::collections::BTreeMap;

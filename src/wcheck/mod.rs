@@ -213,7 +213,7 @@ impl Dims {
 
     /// From a GGUF's metadata, when it parses.
     pub fn from_gguf(m: &Model) -> Option<Dims> {
-        let hp = crate::model::HParams::from_model(m).ok()?;
+        let hp = crate::model::HParams::from_metadata(m).ok()?;
         Some(Dims {
             n_head: hp.n_head as u64,
             nope: hp.qk_nope as u64,

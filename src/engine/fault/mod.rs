@@ -356,6 +356,25 @@ impl Fault {
     pub fn check(&self, weights: &Weights<'_>, run: Range<usize>, tail: bool) -> Result<()> {
         let hp = weights.hparams();
         let me = self.to_string();
+        if let FaultKind::LayerWeights { src, .. } = &self.kind {
+            // The layers of the fault are those reading layer `src`'s weights (`src + 1` by
+            // default): name the source first, with the layers it can be for this run.
+            let targets = self.layers.as_deref().unwrap_or(&[]);
+            if *src >= hp.n_block || targets.iter().any(|&l| l >= hp.n_layer) {
+                bail!(
+                    "--inject {me}: reads layer {src}'s weights into layer{} {}, but the model has blocks 0..{} and runs layers 0..{} (layer_weights:L reads layer L into layer L+1, so L in 0..{}; layer_weights:L@N reads it into layer N)",
+                    if targets.len() == 1 { "" } else { "s" },
+                    targets
+                        .iter()
+                        .map(usize::to_string)
+                        .collect::<Vec<_>>()
+                        .join(","),
+                    hp.n_block,
+                    hp.n_layer,
+                    hp.n_layer.saturating_sub(1)
+                );
+            }
+        }
         if let Some(ls) = &self.layers {
             if let Some(&l) = ls.iter().find(|&&l| l >= hp.n_layer) {
                 bail!(

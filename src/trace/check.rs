@@ -1,0 +1,182 @@
+//! Checks of a trace against what it is compared with, before anything runs: a trace of another
+//! architecture, of another model's dimensions, of another prompt length than its `tokens`
+//! metadata says, or with a hook of the wrong kind (floats where ids belong) is an input error
+//! naming the trace, the hook or key and both values, never a row of differences.
+
+use std::path::Path;
+
+use anyhow::{bail, Result};
+
+use super::file::TraceFile;
+use crate::model::hook_shape::hook_shape;
+use crate::model::names::split_blk;
+use crate::model::steps::point;
+use crate::model::Weights;
+
+/// The dtypes a hook of each kind may be stored in.
+fn kind(ids: bool) -> &'static str {
+    if ids {
+        "integer ids (I32 or I64)"
+    } else {
+        "floats (F32, F64, F16 or BF16)"
+    }
+}
+
+/// Checks trace `t` against the model of `weights` for a run over `tokens`: its `architecture`
+/// metadata (when present) is the model's, every hook of the model's forward pass it holds is
+/// of a run layer and has the shape and kind the model gives it for that many tokens. The
+/// first hook whose only difference is its number of rows is reported as a disagreement with
+/// the `tokens` metadata.
+pub fn check_against_model(t: &TraceFile, weights: &Weights<'_>, tokens: &[u32]) -> Result<()> {
+    let hp = weights.hparams();
+    let path = t.path().display();
+    let model = weights.model().path().display();
+    if let Some(a) = t.metadata().get("architecture").filter(|a| !a.is_empty()) {
+        if a != hp.arch.as_str() {
+            bail!(
+                "trace: {path}: this trace is of architecture {a} (metadata architecture), the model {model} is {}",
+                hp.arch.as_str()
+            );
+        }
+    }
+    let n = tokens.len();
+    let mut other = None;
+    for name in t.names() {
+        let Some(want) = hook_shape(hp, weights.n_vocab(), n, name) else {
+            continue;
+        };
+        let Some((shape, dtype)) = t.hook_header(name) else {
+            continue;
+        };
+        if let Some((l, _)) = split_blk(name).filter(|(l, _)| *l >= hp.n_layer) {
+            bail!(
+                "trace: {path}: hook {name} is of layer {l}, but the model {model} runs layers 0..{} ({} blocks, {} MTP not run): this trace is of another model",
+                hp.n_layer,
+                hp.n_block,
+                hp.n_nextn
+            );
+        }
+        if !want.fits(shape, n) {
+            if want.fits_but_tokens(shape) {
+                bail!(
+                    "trace: {path}: its tokens metadata lists {n} tokens, but hook {name} has shape {shape:?} (the model gives {} for {n} tokens)",
+                    want.show(n)
+                );
+            }
+            other.get_or_insert_with(|| {
+                format!(
+                    "trace: {path}: hook {name} has shape {shape:?} ({dtype}), but the model {model} gives it {} for {n} tokens: this trace is of another model's dimensions",
+                    want.show(n)
+                )
+            });
+        } else if t.holds_ints(name) != Some(want.ids) {
+            other.get_or_insert_with(|| {
+                format!(
+                    "trace: {path}: hook {name} is stored as {dtype}, but it must hold {}",
+                    kind(want.ids)
+                )
+            });
+        }
+    }
+    match other {
+        Some(msg) => bail!("{msg}"),
+        None => Ok(()),
+    }
+}
+
+/// Whether the first dimension of hook `name` is the token count (every standard hook but the
+/// attention probabilities and the per-expert outputs).
+fn rows_are_tokens(name: &str) -> bool {
+    const PER_TOKEN: &[&str] = &[
+        point::ATTN_NORM,
+        point::Q_A,
+        point::Q_A_NORM,
+        point::Q_B,
+        point::Q_PE_ROPE,
+        point::KV_A,
+        point::KV_A_NORM,
+        point::K_PE_ROPE,
+        point::INDEXER_SCORES,
+        point::INDEXER_TOPK,
+        point::ATTN_HEADS,
+        point::ATTN_OUT,
+        point::FFN_INP,
+        point::FFN_NORM,
+        point::FFN_GATE,
+        point::FFN_UP,
+        point::FFN_ACT,
+        point::MOE_LOGITS,
+        point::MOE_PROBS,
+        point::MOE_TOPK_IDS,
+        point::MOE_WEIGHTS,
+        point::MOE_ROUTED,
+        point::FFN_SHEXP,
+        point::FFN_OUT,
+        point::L_OUT,
+    ];
+    match split_blk(name) {
+        Some((_, p)) => PER_TOKEN.contains(&p),
+        None => [point::TOKEN_EMBD, point::RESULT_NORM, point::LOGITS].contains(&name),
+    }
+}
+
+/// Checks that two traces can be compared hook by hook (`glmdiff compare`): the same
+/// `architecture` metadata when both have one, each trace's per-token hooks with as many rows as
+/// its `tokens` metadata lists, and each pair of hooks `(reference name, candidate name)` of
+/// one shape and one kind.
+pub fn check_pair(
+    reference: &TraceFile,
+    candidate: &TraceFile,
+    pairs: &[(String, String)],
+) -> Result<()> {
+    let (rp, cp) = (reference.path(), candidate.path());
+    let arch = |t: &TraceFile| {
+        t.metadata()
+            .get("architecture")
+            .filter(|a| !a.is_empty())
+            .cloned()
+    };
+    if let (Some(a), Some(b)) = (arch(reference), arch(candidate)) {
+        if a != b {
+            bail!(
+                "compare: the traces are of different architectures: {} is {a}, {} is {b} (metadata architecture)",
+                rp.display(),
+                cp.display()
+            );
+        }
+    }
+    let rows = |t: &TraceFile, p: &Path, name: &str| -> Result<()> {
+        let (Ok(tokens), Some((shape, _))) = (t.tokens(), t.hook_header(name)) else {
+            return Ok(());
+        };
+        if rows_are_tokens(name) && shape.first() != Some(&tokens.len()) {
+            bail!(
+                "trace: {}: its tokens metadata lists {} tokens, but hook {name} has shape {shape:?}",
+                p.display(),
+                tokens.len()
+            );
+        }
+        Ok(())
+    };
+    for (r, c) in pairs {
+        rows(reference, rp, r)?;
+        rows(candidate, cp, c)?;
+        let (Some((rs, rd)), Some((cs, cd))) = (reference.hook_header(r), candidate.hook_header(c))
+        else {
+            continue;
+        };
+        let named = if r == c {
+            format!("hook {r}")
+        } else {
+            format!("hook {r} (the candidate's {c})")
+        };
+        if rs != cs || reference.holds_ints(r) != candidate.holds_ints(c) {
+            bail!(
+                "compare: {named} is {rs:?} {rd} in {}, but {cs:?} {cd} in {}",
+                rp.display(),
+                cp.display()
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,770 @@
+//! Bad or mismatched inputs through the binary: each test makes its bad input itself in a
+//! temporary directory (a fixture copied and patched byte by byte, a trace rewritten by the
+//! small safetensors reader and writer below, a suite written as text) and checks that
+//! glmdiff exits 2 at once with one line naming the file and the problem, its key words and
+//! numbers, and leaves every input byte-identical. Nothing here is produced by glmdiff's own
+//! writers; the numbers asserted are worked out from the fixtures' shapes.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Map, Value};
+
+use crate::common::{fixtures, glmdiff_bin};
+
+/// The longest any command here may take before it counts as a hang.
+const LIMIT: Duration = Duration::from_secs(10);
+
+/// Runs glmdiff with `args` (its cache in `cache`), killing it and failing the test when it
+/// does not return within [`LIMIT`].
+fn glmdiff(cache: &Path, args: &[&str]) -> Output {
+    let out_dir = tempfile::tempdir().unwrap();
+    let (so, se) = (out_dir.path().join("out"), out_dir.path().join("err"));
+    let mut child = Command::new(glmdiff_bin())
+        .args(args)
+        .env("GLMDIFF_CACHE_DIR", cache)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&so).unwrap())
+        .stderr(std::fs::File::create(&se).unwrap())
+        .spawn()
+        .expect("start glmdiff");
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t0.elapsed() > LIMIT {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("glmdiff {args:?} did not return within {LIMIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Output {
+        status,
+        stdout: std::fs::read(&so).unwrap(),
+        stderr: std::fs::read(&se).unwrap(),
+    }
+}
+
+/// Stdout then stderr.
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Asserts exit 2 with one error line on stderr containing every one of `parts`; returns it.
+fn input_error(o: &Output, parts: &[&str]) -> String {
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(2), "{}", text(o));
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "not one line: {err}");
+    assert!(lines[0].starts_with("error: "), "{err}");
+    for p in parts {
+        assert!(lines[0].contains(p), "missing {p:?} in: {}", lines[0]);
+    }
+    lines[0].to_string()
+}
+
+/// Copies fixture `rel` (under `fixtures/models`) into `dir`.
+fn copy(dir: &Path, rel: &str) -> PathBuf {
+    let src = fixtures("models").join(rel);
+    let dst = dir.join(src.file_name().unwrap());
+    std::fs::copy(&src, &dst).unwrap();
+    dst
+}
+
+/// The bytes of `paths`, to check afterwards that nothing wrote to them.
+fn snapshot(paths: &[&Path]) -> Vec<Vec<u8>> {
+    paths.iter().map(|p| std::fs::read(p).unwrap()).collect()
+}
+
+fn unchanged(paths: &[&Path], before: &[Vec<u8>]) {
+    for (p, b) in paths.iter().zip(before) {
+        assert!(std::fs::read(p).unwrap() == *b, "{} changed", p.display());
+    }
+}
+
+/// Rewrites the u32 value of metadata key `key` in a GGUF file (little-endian, GGUF v3:
+/// u64 key length, key bytes, u32 value type 4 = UINT32, the value; ggml `docs/gguf.md`).
+fn patch_u32(path: &Path, key: &str, value: u32) {
+    let mut b = std::fs::read(path).unwrap();
+    let mut pat = (key.len() as u64).to_le_bytes().to_vec();
+    pat.extend_from_slice(key.as_bytes());
+    let at = b
+        .windows(pat.len())
+        .position(|w| w == pat)
+        .unwrap_or_else(|| panic!("no key {key}"));
+    let ty = at + pat.len();
+    assert_eq!(b[ty..ty + 4], 4u32.to_le_bytes(), "{key} is not a UINT32");
+    b[ty + 4..ty + 8].copy_from_slice(&value.to_le_bytes());
+    std::fs::write(path, b).unwrap();
+}
+
+/// One tensor of a safetensors file: name, dtype, shape, data.
+type Entry = (String, String, Vec<usize>, Vec<u8>);
+
+/// A safetensors file as bytes: its `__metadata__` and its tensors in file order. Layout
+/// (huggingface/safetensors): u64 header length, JSON header, data.
+struct St {
+    meta: Map<String, Value>,
+    tensors: Vec<Entry>,
+}
+
+impl St {
+    fn read(path: &Path) -> St {
+        let b = std::fs::read(path).unwrap();
+        let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+        let mut header: Map<String, Value> = serde_json::from_slice(&b[8..8 + n]).unwrap();
+        let meta = match header.remove("__metadata__") {
+            Some(Value::Object(m)) => m,
+            _ => Map::new(),
+        };
+        let mut tensors: Vec<(u64, Entry)> = header
+            .into_iter()
+            .map(|(name, v)| {
+                let off: Vec<u64> = serde_json::from_value(v["data_offsets"].clone()).unwrap();
+                let shape: Vec<usize> = serde_json::from_value(v["shape"].clone()).unwrap();
+                let data = b[8 + n + off[0] as usize..8 + n + off[1] as usize].to_vec();
+                let dtype = v["dtype"].as_str().unwrap().to_string();
+                (off[0], (name, dtype, shape, data))
+            })
+            .collect();
+        tensors.sort_by_key(|t| t.0);
+        St {
+            meta,
+            tensors: tensors.into_iter().map(|(_, e)| e).collect(),
+        }
+    }
+
+    fn write(&self, path: &Path) {
+        let mut header = Map::new();
+        header.insert("__metadata__".into(), Value::Object(self.meta.clone()));
+        let mut off = 0;
+        for (name, dtype, shape, data) in &self.tensors {
+            header.insert(
+                name.clone(),
+                json!({"dtype": dtype, "shape": shape, "data_offsets": [off, off + data.len()]}),
+            );
+            off += data.len();
+        }
+        let mut h = serde_json::to_vec(&header).unwrap();
+        while h.len() % 8 != 0 {
+            h.push(b' ');
+        }
+        let mut out = (h.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(&h);
+        for (_, _, _, data) in &self.tensors {
+            out.extend_from_slice(data);
+        }
+        std::fs::write(path, out).unwrap();
+    }
+
+    fn tensor(&mut self, name: &str) -> &mut Entry {
+        self.tensors.iter_mut().find(|t| t.0 == name).unwrap()
+    }
+}
+
+const GLM5: &str = "glm5-tiny/glm5-tiny-f32.gguf";
+const GLM5_TRACE: &str = "glm5-tiny/glm5-tiny.short.trace.safetensors";
+const GLM5_Q: &str = "glm5-tiny-q/glm5-tiny-q-mixed.gguf";
+
+/// Regression: `glm-dsa.expert_count` patched to 4000000000 made `run` grow its memory at
+/// ~70 MB/s until killed. Every command that reads the hyperparameters now returns at once,
+/// naming the key, its value and the tensor it disagrees with; the same for a block count no
+/// tensor backs, a width, and `vocab_size`.
+#[test]
+fn hyperparameters_patched_past_the_tensors_fail_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let out = dir.path().join("t.safetensors");
+    // glm5-tiny-q: hidden 256, 8 experts, 2 layers (layer 1 MoE), vocabulary 464.
+    let cases: [(&str, u32, &[&str]); 4] = [
+        (
+            "glm-dsa.expert_count",
+            4_000_000_000,
+            &[
+                "metadata glm-dsa.expert_count = 4000000000 disagrees with tensor blk.1.",
+                "is 8, not 4000000000",
+            ],
+        ),
+        (
+            "glm-dsa.block_count",
+            4_000_000_000,
+            &[
+                "glm-dsa.block_count = 4000000000",
+                "runs layers 0..4000000000, but the file has no blk.2.attn_norm.weight",
+            ],
+        ),
+        (
+            "glm-dsa.embedding_length",
+            255,
+            &[
+                "metadata glm-dsa.embedding_length = 255 disagrees with tensor",
+                "its ne[0] is 256, not 255",
+            ],
+        ),
+        (
+            "glm-dsa.vocab_size",
+            465,
+            &["metadata glm-dsa.vocab_size = 465 disagrees with tensor token_embd.weight: it has 464 rows"],
+        ),
+    ];
+    for (key, value, want) in cases {
+        let m = copy(dir.path(), GLM5_Q);
+        patch_u32(&m, key, value);
+        let before = snapshot(&[&m]);
+        let ms = m.to_str().unwrap();
+        for args in [
+            vec!["run", ms, "--against", "cpu", "--tokens", "1,2,3"],
+            vec![
+                "trace",
+                ms,
+                "--tokens",
+                "1,2,3",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+        ] {
+            let o = glmdiff(cache.path(), &args);
+            let line = input_error(&o, want);
+            assert!(line.contains("glm5-tiny-q-mixed.gguf"), "{line}");
+        }
+        // inspect shows any GGUF, and says why this one cannot run.
+        let o = glmdiff(cache.path(), &["inspect", ms]);
+        assert!(text(&o).contains(want[0]), "{key}: {}", text(&o));
+        unchanged(&[&m], &before);
+        assert!(!out.exists());
+    }
+}
+
+/// A trace of another architecture, a trace whose `architecture` key was edited, and a trace
+/// of another model's dimensions (glm5-tiny-q's, hidden 256, against glm5-tiny, 4 heads of
+/// v 24) are refused before the run, naming the trace, the key or hook
+/// and both values.
+#[test]
+fn traces_of_other_models_are_refused_before_running() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let m = copy(dir.path(), GLM5);
+    let ms = m.to_str().unwrap();
+    let dsv3 = copy(dir.path(), "dsv3-tiny/dsv3-tiny.short.trace.safetensors");
+    // The GLM-5 trace with its architecture key edited.
+    let edited = dir.path().join("edited.trace.safetensors");
+    let mut st = St::read(&fixtures("models").join(GLM5_TRACE));
+    st.meta.insert("architecture".into(), "deepseek2".into());
+    st.write(&edited);
+    // The quantized GLM-5 fixture's trace: 2 layers of hidden 256, the f32 model has hidden 64.
+    let other_dims = copy(
+        dir.path(),
+        "glm5-tiny-q/glm5-tiny-q.short.trace.safetensors",
+    );
+    let before = snapshot(&[&m, &dsv3, &edited, &other_dims]);
+    for (t, want) in [
+        (
+            &dsv3,
+            vec![
+                "dsv3-tiny.short.trace.safetensors",
+                "this trace is of architecture deepseek2",
+                "is glm-dsa",
+            ],
+        ),
+        (
+            &edited,
+            vec![
+                "edited.trace.safetensors",
+                "this trace is of architecture deepseek2",
+                "is glm-dsa",
+            ],
+        ),
+        (
+            &other_dims,
+            vec![
+                "glm5-tiny-q.short.trace.safetensors",
+                // glm5-tiny: 4 heads of v 24; glm5-tiny-q: hidden 256.
+                "hook blk.0.attn_heads has shape [5, 256]",
+                "gives it [5, 96] for 5 tokens",
+                "another model's dimensions",
+            ],
+        ),
+    ] {
+        let against = format!("trace:{}", t.display());
+        let o = glmdiff(cache.path(), &["run", ms, "--against", &against]);
+        input_error(&o, &want);
+    }
+    // The same traces side by side with the GLM-5 one: compare refuses them too.
+    let glm5 = copy(dir.path(), GLM5_TRACE);
+    let o = glmdiff(
+        cache.path(),
+        &["compare", glm5.to_str().unwrap(), dsv3.to_str().unwrap()],
+    );
+    input_error(
+        &o,
+        &[
+            "the traces are of different architectures",
+            "is glm-dsa",
+            "is deepseek2",
+        ],
+    );
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "compare",
+            glm5.to_str().unwrap(),
+            other_dims.to_str().unwrap(),
+        ],
+    );
+    input_error(
+        &o,
+        &[
+            "compare: hook token_embd is [5, 64] F64 in",
+            "but [5, 256] F64 in",
+            "glm5-tiny-q.short",
+        ],
+    );
+    unchanged(&[&m, &dsv3, &edited, &other_dims], &before);
+}
+
+/// A hook of the wrong shape or kind is named as the trace's problem (file, hook, expected
+/// and found), not as a GGUF weight's; a `tokens` key that disagrees with the hooks' rows is
+/// one error, not a failure of every hook.
+#[test]
+fn wrong_hooks_and_tokens_are_the_traces_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let m = copy(dir.path(), GLM5);
+    let ms = m.to_str().unwrap();
+    let src = fixtures("models").join(GLM5_TRACE);
+    let run = |t: &Path| {
+        let against = format!("trace:{}", t.display());
+        glmdiff(cache.path(), &["run", ms, "--against", &against])
+    };
+
+    // q_b [5, 192] stored as [5, 4, 48]: the same bytes, the wrong shape.
+    let shape = dir.path().join("shape.trace.safetensors");
+    let mut st = St::read(&src);
+    st.tensor("blk.0.q_b").2 = vec![5, 4, 48];
+    st.write(&shape);
+    // moe_topk_ids (I32 [5, 2]) stored as F32 of the same ids.
+    let kind = dir.path().join("kind.trace.safetensors");
+    let mut st = St::read(&src);
+    let t = st.tensor("blk.1.moe_topk_ids");
+    t.1 = "F32".into();
+    t.3 =
+        t.3.chunks(4)
+            .flat_map(|c| (i32::from_le_bytes(c.try_into().unwrap()) as f32).to_le_bytes())
+            .collect();
+    st.write(&kind);
+    // The tokens key lists 3 of the 5 tokens every hook has rows for.
+    let tokens = dir.path().join("tokens.trace.safetensors");
+    let mut st = St::read(&src);
+    st.meta.insert("tokens".into(), "[393, 322, 270]".into());
+    st.write(&tokens);
+
+    let before = snapshot(&[&m, &shape, &kind, &tokens]);
+    input_error(
+        &run(&shape),
+        &[
+            "shape.trace.safetensors",
+            "hook blk.0.q_b has shape [5, 4, 48] (F64)",
+            "gives it [5, 192]",
+        ],
+    );
+    input_error(
+        &run(&kind),
+        &[
+            "kind.trace.safetensors",
+            "hook blk.1.moe_topk_ids is stored as F32, but it must hold integer ids",
+        ],
+    );
+    input_error(
+        &run(&tokens),
+        &[
+            "tokens.trace.safetensors",
+            "its tokens metadata lists 3 tokens, but hook",
+            "has shape [5,",
+        ],
+    );
+    unchanged(&[&m, &shape, &kind, &tokens], &before);
+}
+
+/// A trace cut short says "truncated", with the end its header announces and the file's size:
+/// cut in the data and cut in the header.
+#[test]
+fn truncated_traces_say_so_with_the_sizes() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let m = copy(dir.path(), GLM5);
+    let whole = std::fs::read(fixtures("models").join(GLM5_TRACE)).unwrap();
+    let header = u64::from_le_bytes(whole[..8].try_into().unwrap()) as usize;
+    let cut_data = dir.path().join("data.trace.safetensors");
+    std::fs::write(&cut_data, &whole[..whole.len() / 2]).unwrap();
+    let cut_header = dir.path().join("header.trace.safetensors");
+    std::fs::write(&cut_header, &whole[..header / 2]).unwrap();
+    let full = copy(dir.path(), GLM5_TRACE);
+    let before = snapshot(&[&m, &cut_data, &cut_header, &full]);
+    let data_msg = format!(
+        "is truncated: its header says the data ends at byte {}, the file has {} bytes",
+        whole.len(),
+        whole.len() / 2
+    );
+    let header_msg = format!(
+        "is truncated: its header says it is {header} bytes (ending at byte {}), the file has {} bytes",
+        header + 8,
+        header / 2
+    );
+    let against = format!("trace:{}", cut_data.display());
+    let o = glmdiff(
+        cache.path(),
+        &["run", m.to_str().unwrap(), "--against", &against],
+    );
+    input_error(&o, &["data.trace.safetensors", &data_msg]);
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "compare",
+            cut_header.to_str().unwrap(),
+            full.to_str().unwrap(),
+        ],
+    );
+    input_error(&o, &["header.trace.safetensors", &header_msg]);
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "compare",
+            full.to_str().unwrap(),
+            cut_data.to_str().unwrap(),
+        ],
+    );
+    input_error(&o, &[&data_msg]);
+    unchanged(&[&m, &cut_data, &cut_header, &full], &before);
+}
+
+/// Regression: `compare REF OTHER` with no hook of OTHER under glmdiff's names printed OK with
+/// every hook missing. Now exit 2, pointing at --map; the same for `run --against trace:`.
+#[test]
+fn no_matching_hook_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let reference = copy(dir.path(), GLM5_TRACE);
+    let m = copy(dir.path(), GLM5);
+    let other = dir.path().join("other.trace.safetensors");
+    let mut st = St::read(&reference);
+    for t in &mut st.tensors {
+        t.0 = format!("model.{}", t.0);
+    }
+    st.write(&other);
+    let before = snapshot(&[&reference, &m, &other]);
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "compare",
+            reference.to_str().unwrap(),
+            other.to_str().unwrap(),
+        ],
+    );
+    input_error(
+        &o,
+        &["no hook of", "other.trace.safetensors matches", "--map"],
+    );
+    let against = format!("trace:{}", other.display());
+    let o = glmdiff(
+        cache.path(),
+        &["run", m.to_str().unwrap(), "--against", &against],
+    );
+    input_error(&o, &["no hook of the trace", "other.trace.safetensors"]);
+    unchanged(&[&reference, &m, &other], &before);
+}
+
+/// `--hook`, `--tol` and `--precision` globs that match no hook of the run are errors, in
+/// `run`, `compare` and `regress` alike (a `--hook` that matches nothing always was one).
+#[test]
+fn globs_that_match_nothing_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let m = copy(dir.path(), GLM5);
+    let ms = m.to_str().unwrap();
+    let t = copy(dir.path(), GLM5_TRACE);
+    let ts = t.to_str().unwrap();
+    let before = snapshot(&[&m, &t]);
+    let run = ["run", ms, "--against", "cpu", "--tokens", "1,2,3"];
+    for (flag, value, want) in [
+        (
+            "--tol",
+            "zzz*=0.1",
+            "run: --tol glob \"zzz*\" matches none of the hooks compared in this run (layers 0..3)",
+        ),
+        (
+            "--precision",
+            "zzz*=bf16",
+            "run: --precision glob \"zzz*\" matches none of the hooks compared",
+        ),
+        (
+            "--hook",
+            "zzz*",
+            "run: --hook \"zzz*\" matches no hook of this run (layers 0..3)",
+        ),
+    ] {
+        let mut args = run.to_vec();
+        args.extend([flag, value]);
+        input_error(&glmdiff(cache.path(), &args), &[want]);
+    }
+    // Layer 1 only: the embedding's tolerance matches nothing of it.
+    let mut args = run.to_vec();
+    args.extend(["--layer", "1", "--tol", "token_embd=0.1"]);
+    input_error(
+        &glmdiff(cache.path(), &args),
+        &["--tol glob \"token_embd\" matches none of the hooks compared in this run (layers 1..2)"],
+    );
+    // A glob over hooks --hook leaves out.
+    let mut args = run.to_vec();
+    args.extend(["--hook", "blk.0.*", "--tol", "blk.1.*=0.1"]);
+    input_error(&glmdiff(cache.path(), &args), &["--tol glob \"blk.1.*\""]);
+    let o = glmdiff(cache.path(), &["compare", ts, ts, "--tol", "zzz*=0.1"]);
+    input_error(
+        &o,
+        &["compare: --tol glob \"zzz*\" matches none of the hooks compared in the reference trace", "glm5-tiny.short.trace.safetensors"],
+    );
+    let suite = dir.path().join("s.toml");
+    std::fs::write(
+        &suite,
+        format!("[[case]]\nname = \"a\"\nmodel = \"{ms}\"\ntokens = [1, 2]\nagainst = \"cpu\"\n[case.tol]\n\"zzz*\" = 0.1\n"),
+    )
+    .unwrap();
+    let o = glmdiff(cache.path(), &["regress", suite.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        text(&o).contains("--tol glob \"zzz*\" matches none"),
+        "{}",
+        text(&o)
+    );
+    // The same flags on hooks that exist are fine.
+    let mut args = run.to_vec();
+    args.extend(["--tol", "blk.*.moe_*=0.1", "--precision", "logits=bf16"]);
+    assert_eq!(glmdiff(cache.path(), &args).status.code(), Some(0));
+    unchanged(&[&m, &t], &before);
+}
+
+/// `weights-check --tensors 'zzz*'` said OK on 0 tensors; now exit 2 naming the file.
+#[test]
+fn weights_check_tensors_glob_matching_nothing_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let m = copy(dir.path(), GLM5);
+    let other = copy(dir.path(), "glm5-tiny/glm5-tiny-f16.gguf");
+    let before = snapshot(&[&m, &other]);
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "weights-check",
+            m.to_str().unwrap(),
+            "--gguf",
+            other.to_str().unwrap(),
+            "--tensors",
+            "zzz*",
+        ],
+    );
+    input_error(
+        &o,
+        &[
+            "weights-check: --tensors \"zzz*\" matches no tensor of",
+            "glm5-tiny-f32.gguf",
+        ],
+    );
+    unchanged(&[&m, &other], &before);
+}
+
+/// `--tokens -1` suggested `-- -1`, which fails too; negative ids and ids past the vocabulary
+/// now say that token ids are integers in 0..vocab (464 for the fixture).
+#[test]
+fn token_ids_outside_the_vocabulary_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let m = copy(dir.path(), GLM5);
+    let ms = m.to_str().unwrap();
+    let out = dir.path().join("t.safetensors");
+    let before = snapshot(&[&m]);
+    for (cmd, ids, want) in [
+        (
+            "run",
+            "-1",
+            "token id -1 is negative: token ids are integers in 0..vocab",
+        ),
+        (
+            "run",
+            "1,-2",
+            "token id -2 is negative: token ids are integers in 0..vocab",
+        ),
+        (
+            "trace",
+            "-1,2",
+            "token id -1 is negative: token ids are integers in 0..vocab",
+        ),
+    ] {
+        let mut args = vec![cmd, ms, "--tokens", ids, "--against", "cpu"];
+        if cmd == "trace" {
+            args.truncate(4);
+            args.extend(["--out", out.to_str().unwrap()]);
+        }
+        let o = glmdiff(cache.path(), &args);
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        // clap adds a pointer to --help under its one error line.
+        let first = err.lines().next().unwrap_or("");
+        assert!(
+            first.starts_with("error: ") && first.contains(want),
+            "{err}"
+        );
+        assert!(!err.contains("-- -"), "{err}");
+    }
+    let o = glmdiff(
+        cache.path(),
+        &["run", ms, "--tokens", "1,464", "--against", "cpu"],
+    );
+    input_error(
+        &o,
+        &[
+            "token 1 has id 464, outside the vocabulary 0..464",
+            "glm5-tiny-f32.gguf",
+        ],
+    );
+    unchanged(&[&m], &before);
+    assert!(!out.exists());
+}
+
+/// `--inject layer_weights:99` said "layer 100 is not run"; it names layer 99, the layer it
+/// would go to and the run's range (the fixture: blocks 0..4, layers 0..3).
+#[test]
+fn inject_layer_weights_out_of_range_names_the_layers() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let m = copy(dir.path(), GLM5);
+    let before = snapshot(&[&m]);
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "run",
+            m.to_str().unwrap(),
+            "--tokens",
+            "1,2",
+            "--against",
+            "cpu",
+            "--inject",
+            "layer_weights:99",
+        ],
+    );
+    let line = input_error(
+        &o,
+        &[
+            "--inject layer_weights:99: reads layer 99's weights into layer 100",
+            "has blocks 0..4 and runs layers 0..3",
+            "L in 0..2",
+        ],
+    );
+    assert!(!line.contains("layer 100 is not run"), "{line}");
+    unchanged(&[&m], &before);
+}
+
+/// A reference cache entry of NaNs (the file otherwise intact), or cut short, is detected by
+/// its checksum, recomputed with a one-line note on stderr and rewritten; the verdict is the
+/// same as with a sound entry, never a NaN difference.
+#[test]
+fn damaged_reference_cache_is_recomputed_with_a_note() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let m = copy(dir.path(), GLM5);
+    let args = [
+        "run",
+        m.to_str().unwrap(),
+        "--tokens",
+        "1,2,3",
+        "--against",
+        "cpu",
+        "--layer",
+        "2",
+    ];
+    let o = glmdiff(cache.path(), &args);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let entries: Vec<PathBuf> = std::fs::read_dir(cache.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    let entry = &entries[0];
+    let sound = std::fs::read(entry).unwrap();
+    let o = glmdiff(cache.path(), &args);
+    assert!(text(&o).contains("read from the cache"), "{}", text(&o));
+
+    let mut nans = St::read(entry);
+    for t in &mut nans.tensors {
+        if t.1 == "F32" {
+            t.3 = t.3.chunks(4).flat_map(|_| f32::NAN.to_le_bytes()).collect();
+        }
+    }
+    for damage in ["nan", "cut"] {
+        match damage {
+            "nan" => nans.write(entry),
+            _ => std::fs::write(entry, &sound[..sound.len() - 100]).unwrap(),
+        }
+        let before = snapshot(&[&m]);
+        let o = glmdiff(cache.path(), &args);
+        assert_eq!(o.status.code(), Some(0), "{damage}: {}", text(&o));
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        let notes: Vec<&str> = err.lines().filter(|l| l.contains("damaged")).collect();
+        assert_eq!(notes.len(), 1, "{damage}: {err}");
+        assert!(
+            notes[0].starts_with("note: the reference cache ")
+                && notes[0].contains(&entry.display().to_string())
+                && notes[0].contains("layers 0..2 are recomputed"),
+            "{damage}: {err}"
+        );
+        assert!(!text(&o).contains("NaN"), "{damage}: {}", text(&o));
+        // Rewritten: the next run reads it.
+        let o = glmdiff(cache.path(), &args);
+        assert!(text(&o).contains("read from the cache"), "{}", text(&o));
+        unchanged(&[&m], &before);
+    }
+}
+
+/// An `expect_top5` with another number of rows than the case's tokens is a bad suite (exit 2
+/// naming the file, the case and the key) when the suite is read; for a prompt, whose length is
+/// known only once it is tokenized, the case is an error, not a FAIL.
+#[test]
+fn regress_expect_top5_of_the_wrong_length_is_a_bad_suite() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let m = copy(dir.path(), GLM5);
+    let ms = m.to_str().unwrap();
+    let suite = dir.path().join("s.toml");
+    std::fs::write(
+        &suite,
+        format!("[[case]]\nname = \"a\"\nmodel = \"{ms}\"\ntokens = [1, 2]\nagainst = \"cpu\"\nexpect_top5 = [[1, 2, 3, 4, 5]]\n"),
+    )
+    .unwrap();
+    let before = snapshot(&[&m, &suite]);
+    let o = glmdiff(cache.path(), &["regress", suite.to_str().unwrap()]);
+    input_error(
+        &o,
+        &["s.toml: case 1 \"a\": key \"expect_top5\": pins 1 positions, but the case has 2 tokens"],
+    );
+    unchanged(&[&m, &suite], &before);
+
+    let prompt = dir.path().join("p.toml");
+    std::fs::write(
+        &prompt,
+        format!("[[case]]\nname = \"p\"\nmodel = \"{ms}\"\nprompt = \"the fox and the dog\"\nagainst = \"cpu\"\nexpect_top5 = [[1, 2, 3, 4, 5]]\n"),
+    )
+    .unwrap();
+    let o = glmdiff(cache.path(), &["regress", prompt.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        text(&o).contains("key \"expect_top5\": pins 1 positions, but the run has 5"),
+        "{}",
+        text(&o)
+    );
+    assert!(!text(&o).contains("FAIL"), "{}", text(&o));
+}
