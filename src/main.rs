@@ -13,12 +13,23 @@ fn main() -> ExitCode {
         Ok(c) => c,
         Err(e) => {
             // --help and --version are not errors.
-            let code = if e.use_stderr() { 2 } else { 0 };
-            let _ = e.print();
-            return ExitCode::from(code);
+            if !e.use_stderr() {
+                let _ = e.print();
+                return ExitCode::SUCCESS;
+            }
+            // One error line where clap has one: its pointer to --help is dropped (the error
+            // already names the flag and the value).
+            let text = e.render().to_string();
+            let text = text
+                .trim_end()
+                .trim_end_matches("For more information, try '--help'.")
+                .trim_end();
+            eprintln!("{text}");
+            return ExitCode::from(2);
         }
     };
     install_interrupt_handler();
+    restore_default_sigpipe();
     let result = match &cli.command {
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Dequant(a) => cmd::dequant::run(a),
@@ -61,5 +72,17 @@ fn install_interrupt_handler() {
         // Without the handler an interrupt still stops the process; its temporaries are then
         // removed by the next write of the same file.
         eprintln!("warning: cannot install the interrupt handler: {e}");
+    }
+}
+
+/// `glmdiff ... | head` ends quietly when the reader goes away, as other Unix tools do, instead
+/// of a panic in `println!` (Rust ignores SIGPIPE by default). Reports go to stdout only after
+/// every output file was written, so no temporary file is in flight then.
+fn restore_default_sigpipe() {
+    #[cfg(unix)]
+    // SAFETY: setting a signal's disposition to its default, before any other thread of this
+    // process writes to stdout; `signal` has no other precondition.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }

@@ -386,3 +386,33 @@ fn trace_without_input_names_both_prompt_and_tokens() {
         &["--prompt", "--tokens", "cannot be used with"],
     );
 }
+
+/// A reader that goes away (`glmdiff inspect M | head -1`) ends glmdiff quietly: no panic from
+/// `println!` on a closed pipe, no error text.
+#[test]
+fn a_closed_stdout_pipe_ends_quietly() {
+    use std::process::Stdio;
+    let mut child = bin()
+        .args(["inspect", fixture("all_types.gguf").to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Close the read end before glmdiff writes its table.
+    drop(child.stdout.take());
+    let o = child.wait_with_output().unwrap();
+    let err = stderr(&o);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_ne!(o.status.code(), Some(101), "{err}");
+    assert!(err.is_empty(), "{err}");
+}
+
+/// A flag's bad value is one error line: clap's pointer to --help is dropped.
+#[test]
+fn a_bad_flag_value_is_one_line() {
+    let o = run(&["dequant", "x.gguf", "t", "--rows", "5..2", "--out", "o.npy"]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = stderr(&o);
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(err.starts_with("error: "), "{err}");
+}
