@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checks reference/glmdiff_hooks.py on the fixture models with transformers, through glmdiff itself.
+"""Checks the glmdiff_hooks package (python/) on the fixture models with transformers, through glmdiff itself.
 
 For every fixture GGUF of engine_dumps.MODELS: the transformers model holding exactly the GGUF's weights
 (engine_dumps.model_from_gguf: gguf-py dequantization, the inverse of llama.cpp's converter layout) runs the
@@ -34,6 +34,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO / "python"))  # the glmdiff_hooks package of this checkout, installed or not
 
 import engine_dumps as ed  # noqa: E402
 import glmdiff_hooks  # noqa: E402
@@ -146,7 +147,7 @@ def main() -> None:
 
         manifest = {
             "script": "reference/hook_traces.py", "command": " ".join(["python3", "reference/hook_traces.py"] + sys.argv[1:]),
-            "hook_module": f"reference/glmdiff_hooks.py {glmdiff_hooks.__version__}",
+            "hook_module": f"python/glmdiff_hooks {glmdiff_hooks.__version__}",
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "transformers": transformers.__version__, "safetensors": safetensors.__version__},
             "seeds": {"torch.manual_seed": 0},
