@@ -549,7 +549,7 @@ fn hook_script_traces_pass_run_and_not_captured_is_shown() {
     assert!(pairs.len() >= 2);
     for (trace, gguf) in &pairs {
         let t = read_trace(trace).unwrap();
-        assert!(t.metadata["hook_script"].starts_with("glmdiff_hooks.py"));
+        assert!(t.metadata["hook_script"].starts_with("glmdiff_hooks"));
         assert_eq!(t.metadata["not_captured"], "{}");
         let json = dir.path().join("r.json");
         let o = glmdiff(
