@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bf16 engine dumps of the tiny fixture models on the GPU machine (reference/engine_dumps.py).
+# bf16 engine dumps of the tiny fixture models on the GPU machine (reference/fixtures/engine_dumps.py).
 # Runs from the repository root; needs .whl/gguf-*.whl (gguf-py, pure Python) beside it and writes
 #   $OUT/engines.tar  (engines/<model-dir>/*.trace.safetensors, engines/MANIFEST.json, engines/README.md)
 #   $OUT/dumps.log
@@ -28,7 +28,7 @@ start=$(date +%s)
 set +e
 devargs=()
 for d in ${DEVICES:-cuda cpu}; do devargs+=(--device "$d"); done
-"$PY" reference/engine_dumps.py "${devargs[@]}" --out "$work/engines" \
+"$PY" reference/fixtures/engine_dumps.py "${devargs[@]}" --out "$work/engines" \
     --made-on "scripts/engine-dumps.sh on $(hostname)" "$@" > "$OUT/dumps.log" 2>&1
 rc=$?
 set -e

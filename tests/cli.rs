@@ -1,6 +1,6 @@
 //! The `glmdiff` binary end to end: `inspect` and `dequant` on the gguf-py fixtures, exit codes,
 //! error messages, atomic outputs. Expected values come from the fixture MANIFEST written by
-//! `reference/make_quant_fixtures.py` (gguf-py) and from gguf-py's dequantized values.
+//! `reference/fixtures/make_quant_fixtures.py` (gguf-py) and from gguf-py's dequantized values.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -312,7 +312,7 @@ fn help_and_version_exit_0() {
 #[test]
 fn inspect_shows_the_forward_pass_glmdiff_will_run() {
     // dsv3-tiny was made from a transformers config with n_group 4, topk_group 2, sigmoid
-    // scoring, 3 layers of which 1 dense, YaRN factor 40 (reference/tiny_models.py).
+    // scoring, 3 layers of which 1 dense, YaRN factor 40 (reference/fixtures/tiny_models.py).
     let p =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/models/dsv3-tiny/dsv3-tiny-f32.gguf");
     let o = run(&["inspect", p.to_str().unwrap(), "--json"]);

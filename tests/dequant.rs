@@ -1,6 +1,6 @@
 //! GGUF reading and dequantization checked bit for bit against gguf-py.
 //!
-//! The fixtures in `fixtures/quant/` are written by `reference/make_quant_fixtures.py` with
+//! The fixtures in `fixtures/quant/` are written by `reference/fixtures/make_quant_fixtures.py` with
 //! gguf-py's `GGUFWriter`; the expected values in `all_types.expected.safetensors` are
 //! `gguf.quants.dequantize` of the same bytes. Nothing here is derived from glmdiff's own output.
 //! Each type has its own test (`dequant_q4_k_matches_gguf_py`), so one broken dequantizer shows
@@ -322,7 +322,7 @@ fn dequant_fixture_holds_every_type_in_order() {
 // ---------------------------------------------------------------------------------------------
 // Metadata
 
-/// Token `i` of the fixture vocabulary, as `token()` in reference/make_quant_fixtures.py makes it.
+/// Token `i` of the fixture vocabulary, as `token()` in reference/fixtures/make_quant_fixtures.py makes it.
 fn fixture_token(i: usize, n: usize) -> String {
     const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
     match i {

@@ -1,5 +1,5 @@
 //! Real low-precision engines against the reference: transformers in bf16 on an H200 and on the
-//! CPU (and with an FP8 DSA indexer), dumped by `reference/engine_dumps.py` into
+//! CPU (and with an FP8 DSA indexer), dumped by `reference/fixtures/engine_dumps.py` into
 //! `fixtures/engines/` from the fixture GGUFs. A correct engine must come out clean (its
 //! near-tie flips reported, its chained drift explained); the same engine with a mapping bug
 //! planted in its weights (by the script, never by glmdiff) must be named at the bug's own hook.

@@ -2,7 +2,7 @@
 //! models must be named at the exact hook the bug lives in (replay), `--explain` must reach the
 //! injected kind (plumbing: the same code plants and recomputes it), the harmless kinds must pass
 //! where precision explains them, a run without a fault must pass with `--explain` saying nothing
-//! is wrong, and the bugs planted in transformers' own weights by `reference/engine_dumps.py`
+//! is wrong, and the bugs planted in transformers' own weights by `reference/fixtures/engine_dumps.py`
 //! (`fixtures/engines/`, an engine glmdiff cannot run) must be named by `--explain` as the
 //! manifest records them: the independent check of `--explain`.
 
@@ -554,7 +554,7 @@ fn no_fault_passes_and_explain_says_nothing_is_wrong() {
 }
 
 /// The bf16 transformers dumps with mapping bugs planted in their weights by
-/// `reference/engine_dumps.py` (transformers' own forward pass, independent of glmdiff's fault
+/// `reference/fixtures/engine_dumps.py` (transformers' own forward pass, independent of glmdiff's fault
 /// code): `--explain` names each first as the manifest records it (the expert mapping found from
 /// the experts' own outputs), with a residual far under the floor and under the error it
 /// explains, and far ahead of the runner-up; the clean dumps have nothing to explain.

@@ -1,5 +1,5 @@
 //! The CPU reference against the float64 golden traces of `fixtures/models/` (made by
-//! `reference/make_model_fixtures.py` from transformers, cross-checked there against a numpy
+//! `reference/fixtures/make_model_fixtures.py` from transformers, cross-checked there against a numpy
 //! forward of the spec), and its determinism across thread counts.
 //!
 //! Every `*.trace.safetensors` lists in its metadata the GGUFs it applies to (`models`) and the

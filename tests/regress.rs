@@ -2,7 +2,7 @@
 //! its committed baseline; a suite with a wrong expectation (written here) fails naming the case;
 //! `--baseline` reports changes planted here in an earlier JSONL and exits 1 on drift; bad suites
 //! exit 2 naming the case and the key. Also the traces of
-//! `reference/glmdiff_hooks.py` (`fixtures/hooks/`), `not_captured`, and `compare --map` in TOML.
+//! the hook script `python/glmdiff_hooks` (`fixtures/hooks/`), `not_captured`, and `compare --map` in TOML.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -536,7 +536,7 @@ fn doctored(
     write_trace(dst, &tensors, &meta).unwrap();
 }
 
-/// The traces of `reference/glmdiff_hooks.py` (transformers float32, forward hooks only) pass
+/// The traces of the hook script `python/glmdiff_hooks` (transformers float32, forward hooks only) pass
 /// `run` in both modes; a hook the engine lists in `not_captured` is named and not compared.
 #[test]
 fn hook_script_traces_pass_run_and_not_captured_is_shown() {
@@ -549,7 +549,7 @@ fn hook_script_traces_pass_run_and_not_captured_is_shown() {
     assert!(pairs.len() >= 2);
     for (trace, gguf) in &pairs {
         let t = read_trace(trace).unwrap();
-        assert!(t.metadata["hook_script"].starts_with("glmdiff_hooks.py"));
+        assert!(t.metadata["hook_script"].starts_with("glmdiff_hooks"));
         assert_eq!(t.metadata["not_captured"], "{}");
         let json = dir.path().join("r.json");
         let o = glmdiff(

@@ -5,6 +5,7 @@ mod dequant;
 mod engines;
 mod faults;
 mod gpu;
+mod hook_script;
 mod inputs;
 mod malformed;
 mod outputs;

@@ -358,7 +358,7 @@ fn ignore_merges_vocab() -> Vec<String> {
 ///   whole piece is the entry "Ġabc": [259].
 /// - "Ġab": (Ġ,a) 2, (a,b) 1: [Ġ, ab]; (Ġ,ab) is no merge: [32, 257]; "Ġab" is no entry.
 ///
-/// The same ids come from Hugging Face tokenizers 0.23.3 (`reference/ignore_merges_ids.py`,
+/// The same ids come from Hugging Face tokenizers 0.23.3 (`reference/oracles/ignore_merges_ids.py`,
 /// `models.BPE(..., ignore_merges=<llama3 only>)`), which also gives [97, 256, 259, 32, 257]
 /// for the glm4 regex with `ignore_merges=True`.
 #[test]

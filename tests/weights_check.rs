@@ -1,4 +1,4 @@
-//! `weights-check` against the fixtures of `reference/make_wcheck_fixtures.py` (fixtures/wcheck/):
+//! `weights-check` against the fixtures of `reference/fixtures/make_wcheck_fixtures.py` (fixtures/wcheck/):
 //! tiny HF checkpoints (F16, sharded F16, sharded BF16, FP8 with block scales), the GGUFs llama.cpp
 //! converted and quantized from them, and copies with planted mapping bugs whose expected
 //! diagnosis the fixture manifest records. Also: GGUF against GGUF, malformed checkpoints, and

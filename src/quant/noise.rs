@@ -51,7 +51,7 @@ const IQ3S_STEP: f64 = 2.0;
 
 /// Measured excess of a codebook type's error over `D^2 / 12`, see the module documentation.
 ///
-/// Measured with `python3 reference/wcheck_calibrate.py` (llama.cpp's `ggml_quantize_chunk` on
+/// Measured with `python3 reference/checks/wcheck_calibrate.py` (llama.cpp's `ggml_quantize_chunk` on
 /// 256 x 1024 tensors of Gaussian, Laplace, Student-t(4) and row-scaled Gaussian values, each
 /// without and with a log-normal importance matrix of sigma 1 and 2): the ratio of the measured
 /// error to `D^2 / 12` per type ranged IQ2_XXS 1.45..2.27, IQ2_XS 1.27..2.27, IQ2_S 1.12..1.58,

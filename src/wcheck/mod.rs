@@ -48,7 +48,7 @@ pub const CHUNK_VALUES: u64 = 1 << 20;
 /// A tensor passes when its summed squared error is at most this multiple of the expected one.
 ///
 /// Why 4: the expected error is a model (`quant::noise`); against llama.cpp's own quantizers
-/// (`reference/wcheck_calibrate.py`: Gaussian, Laplace, Student-t and row-scaled weights, with
+/// (`reference/checks/wcheck_calibrate.py`: Gaussian, Laplace, Student-t and row-scaled weights, with
 /// and without importance matrices) measured / expected stayed within 0.6..1.5 for every type
 /// used in GLM-5 and DeepSeek-V3 GGUFs (F16, BF16, Q*_0/1, K-quants, IQ1..IQ4, MXFP4), and the
 /// sum over a tensor of n values scatters only by about `sqrt(2/n)` around it. 4x leaves 2.6x
@@ -60,7 +60,7 @@ pub const CHUNK_VALUES: u64 = 1 << 20;
 /// On the fixtures (`tests/weights_check.rs`, `clean_pairs_pass`): the worst clean tensor is
 /// 1.06x expected on `glm5-tiny-q-bf16.gguf` (11 types) and 1.26x on `dsv3-tiny-q-fp8.gguf`
 /// (19 types, IQ1_S..MXFP4); 36 pairs made by llama.cpp's converter and `llama-quantize`
-/// (`reference/wcheck_llama_quantize.py`) peak at 1.26x. The planted bugs of fixtures/wcheck
+/// (`reference/checks/wcheck_llama_quantize.py`) peak at 1.26x. The planted bugs of fixtures/wcheck
 /// measure at least 15x expected (permuted IQ2_XS experts, whose own rounding is large; 4000x and
 /// more elsewhere).
 pub const ALLOWED_FACTOR: f64 = 4.0;

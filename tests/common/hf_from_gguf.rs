@@ -5,7 +5,7 @@
 //! headers first, then the data in chunks, so a synthetic model of GLM-5 dimensions never sits in
 //! memory. Used to give `weights-check` a checkpoint of any size for memory tests; it reuses
 //! glmdiff's own dequantization and name tables, so it says nothing about their correctness (the
-//! fixtures of `reference/make_wcheck_fixtures.py` do that).
+//! fixtures of `reference/fixtures/make_wcheck_fixtures.py` do that).
 
 use std::collections::BTreeMap;
 use std::fs::File;

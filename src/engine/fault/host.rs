@@ -16,7 +16,7 @@ const Q4_K_SCALES: usize = 4;
 /// read back as the per-head layout attention expects. In: HF `kv_b_proj` `[H*(nope+v),
 /// kv_lora]` (per head `nope` K rows, then `v` V rows). Out: same shape, rows `K[0], K[1], ..,
 /// K[H-1], V[0], .., V[H-1]` (`torch.cat([kv[:, :nope].reshape(H*nope, -1), kv[:,
-/// nope:].reshape(H*v, -1)])`, the plant of `reference/engine_dumps.py`).
+/// nope:].reshape(H*v, -1)])`, the plant of `reference/fixtures/engine_dumps.py`).
 pub fn kv_b_concat(kv: &Matrix, heads: usize, nope: usize, v: usize) -> Matrix {
     let per = nope + v;
     let mut data = Vec::with_capacity(kv.data.len());

@@ -4,13 +4,13 @@ block scales) predicts the real error of llama.cpp's quantizers.
 
 For every type, tensors of several distributions (Gaussian, Laplace, Student-t(4), Gaussian with a
 log-normal scale per row, each with and without a log-normal importance matrix of sigma 1 or 2) are quantized
-with ggml's own `ggml_quantize_chunk` (reference/ggml_quant.py) and written twice with gguf-py: as
+with ggml's own `ggml_quantize_chunk` (reference/oracles/ggml_quant.py) and written twice with gguf-py: as
 F32 (`ref.gguf`) and quantized (`q.gguf`). Then
 `glmdiff weights-check q.gguf --gguf ref.gguf --json out.json` measures NMSE / expected per tensor,
 and this script prints the ratio per type (min, max). Not part of CI; the numbers are quoted in
 src/quant/noise.rs.
 
-Usage: python3 reference/wcheck_calibrate.py [--llama-cpp DIR] [--glmdiff BIN] [--rows R --cols C]
+Usage: python3 reference/checks/wcheck_calibrate.py [--llama-cpp DIR] [--glmdiff BIN] [--rows R --cols C]
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from gguf import GGMLQuantizationType as Q, GGUFWriter
 from gguf import quants as gq
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+WORK = HERE.parent / "work"
+sys.path.insert(0, str(HERE.parent / "oracles"))  # ggml_quant
 from ggml_quant import GgmlQuant, build_libggml  # noqa: E402
 
 TYPES = [Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
@@ -51,11 +52,11 @@ def data(kind: str, rows: int, cols: int, rng) -> np.ndarray:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--llama-cpp", default=str(HERE / "work" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"))
+    ap.add_argument("--llama-cpp", default=str(WORK / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"))
     ap.add_argument("--glmdiff", default="target/release/glmdiff")
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--cols", type=int, default=1024)
-    ap.add_argument("--out", default=str(HERE / "work" / "calib"))
+    ap.add_argument("--out", default=str(WORK / "calib"))
     args = ap.parse_args()
     q = GgmlQuant(build_libggml(Path(args.llama_cpp)))
     out = Path(args.out)

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Optional cross-check of the model fixtures against llama.cpp itself (CPU, F32 KV cache).
 
-  python3 reference/llama_check.py prepare [--sdist PATH]   # source subset + command files
-  bash reference/llama_check.sh                               # build libllama + llama_check.c, run
-  python3 reference/llama_check.py compare OUTDIR [--record]  # compare; --record: into MANIFEST.json
+  python3 reference/checks/llama_check.py prepare [--sdist PATH]      # source subset + command files
+  bash reference/checks/llama_check.sh                                # build libllama + llama_check.c, run
+  python3 reference/checks/llama_check.py compare OUTDIR [--record]   # compare; --record: into MANIFEST.json
 
 `prepare` unpacks the llama.cpp sources needed for libllama from the llama-cpp-python sdist into
 reference/work/llamacpp-src and writes one command file per GGUF into reference/work/llama_check/
@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-WORK = HERE / "work"
+REPO = HERE.parent.parent
+WORK = REPO / "reference" / "work"
 FIX = REPO / "fixtures" / "models"
 SRC = WORK / "llamacpp-src"
 CMDS = WORK / "llama_check"
@@ -120,7 +120,7 @@ def main() -> None:
             mpath = FIX / "MANIFEST.json"
             manifest = json.loads(mpath.read_text())
             manifest["llama_cpp_cpu_check"] = {
-                "what": "reference/llama_check.{py,sh,c}: libllama from the same llama.cpp source, CPU backend, "
+                "what": "reference/checks/llama_check.{py,sh,c}: libllama from the same llama.cpp source, CPU backend, "
                         "F32 KV cache, no repacked weight buffers; logits of both prompts vs the float64 traces, "
                         "llama_tokenize(add_special=false) vs the transformers ids",
                 "results": record,

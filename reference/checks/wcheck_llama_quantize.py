@@ -5,7 +5,7 @@ per-tensor type choices and fallbacks apply) on the tiny checkpoints of make_wch
 Every pair must pass. Not part of CI (needs llama.cpp built: cmake --build ... --target
 llama-quantize); the results are quoted in the README.
 
-Usage: python3 reference/wcheck_llama_quantize.py [--llama-cpp DIR] [--glmdiff BIN]
+Usage: python3 reference/checks/wcheck_llama_quantize.py [--llama-cpp DIR] [--glmdiff BIN]
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "fixtures"))  # make_model_fixtures
 import make_model_fixtures as mmf  # noqa: E402
 
-WORK = HERE / "work" / "wcheck"
-FIX = HERE.parent / "fixtures" / "wcheck"
+WORK = HERE.parent / "work" / "wcheck"
+FIX = HERE.parent.parent / "fixtures" / "wcheck"
 #: (converter work dir made by make_wcheck_fixtures.py, the fixture checkpoint, tokenizer pre)
 SOURCES = [
     ("glm5-tiny", "glm5-tiny-hf", "glm4"),
@@ -34,7 +34,7 @@ FTYPES = ["Q4_K_M", "Q5_K_S", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_XS", "Q4_0", "Q5_1"
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--llama-cpp", default=str(HERE / "work" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"))
+    ap.add_argument("--llama-cpp", default=str(WORK.parent / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"))
     ap.add_argument("--glmdiff", default="target/release/glmdiff")
     args = ap.parse_args()
     llama = Path(args.llama_cpp)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Token ids for the `ignore_merges` test of tests/tokenizer.rs, from Hugging Face `tokenizers`.
 
-  python3 reference/ignore_merges_ids.py      # needs only `pip install tokenizers` (0.23.3 used)
+  python3 reference/oracles/ignore_merges_ids.py     # needs only `pip install tokenizers` (0.23.3 used)
 
 The vocabulary is the one `ignore_merges_vocab()` in tests/tokenizer.rs builds: the 256 GPT-2
 byte characters in byte order (id = byte), then the merge results "bc" 256, "ab" 257, "Ġa" 258

@@ -11,7 +11,7 @@ GGUFWriter (--split: a 3-shard model), runs
 for every tensor, and compares the f32 bits with gguf.quants.dequantize. Prints one table row per
 tensor; exits 0 when all match, 1 on any mismatch or failed command, 2 on a setup error.
 
-Block generation is shared with make_quant_fixtures.py (same directory).
+Block generation is shared with reference/fixtures/make_quant_fixtures.py.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fixtures"))  # make_quant_fixtures
 import make_quant_fixtures as mk  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf import GGUFValueType as V  # noqa: E402

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checks reference/glmdiff_hooks.py on the fixture models with transformers, through glmdiff itself.
+"""Checks the glmdiff_hooks package (python/) on the fixture models with transformers, through glmdiff itself.
 
 For every fixture GGUF of engine_dumps.MODELS: the transformers model holding exactly the GGUF's weights
 (engine_dumps.model_from_gguf: gguf-py dequantization, the inverse of llama.cpp's converter layout) runs the
@@ -15,7 +15,7 @@ names the q_a_norm / kv_a_norm step in float32 and float64: a real spec deviatio
 with a MANIFEST.json into DIR (fixtures/hooks): CI then checks the hook script's format and `not_captured`
 handling without Python.
 
-Usage: python3 reference/hook_traces.py [--glmdiff target/release/glmdiff] [--dtype float32 ...] [--commit fixtures/hooks]
+Usage: python3 reference/checks/hook_traces.py [--glmdiff target/release/glmdiff] [--dtype float32 ...] [--commit fixtures/hooks]
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
+REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE.parent / "fixtures"))  # engine_dumps
+sys.path.insert(0, str(REPO / "python"))  # the glmdiff_hooks package of this checkout, installed or not
 
 import engine_dumps as ed  # noqa: E402
 import glmdiff_hooks  # noqa: E402
@@ -145,13 +146,13 @@ def main() -> None:
         import transformers
 
         manifest = {
-            "script": "reference/hook_traces.py", "command": " ".join(["python3", "reference/hook_traces.py"] + sys.argv[1:]),
-            "hook_module": f"reference/glmdiff_hooks.py {glmdiff_hooks.__version__}",
+            "script": "reference/checks/hook_traces.py", "command": " ".join(["python3", "reference/checks/hook_traces.py"] + sys.argv[1:]),
+            "hook_module": f"python/glmdiff_hooks {glmdiff_hooks.__version__}",
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "transformers": transformers.__version__, "safetensors": safetensors.__version__},
             "seeds": {"torch.manual_seed": 0},
             "notes": [
-                "transformers runs the fixture GGUF's weights (reference/engine_dumps.py model_from_gguf) in float32 "
+                "transformers runs the fixture GGUF's weights (reference/fixtures/engine_dumps.py model_from_gguf) in float32 "
                 "as it builds the model (eager attention and experts), only q_a/kv_a RMSNorm eps set to the GGUF's "
                 "rms_norm_eps; glmdiff_hooks records every hook with forward hooks (no patched arithmetic)",
                 "glmdiff_run: `glmdiff run GGUF --against trace:FILE --mode both` when the trace was made",

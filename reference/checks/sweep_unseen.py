@@ -30,7 +30,7 @@ reaction to the converted file is noted); ORACLE / LAYOUT (the GGUF could not be
 the transformers weights / the f32 GGUF is not the transformers weights). "hook convention" notes
 are hook-set differences that are explained and checked (no shared expert; shared DSA layers).
 
-Usage: python3 reference/sweep_unseen.py [--n 6] [--seed 1] [--only ds|glm|default|special]
+Usage: python3 reference/checks/sweep_unseen.py [--n 6] [--seed 1] [--only ds|glm|default|special]
         [--configs 3,7] [--glmdiff target/release/glmdiff] [--llama-cpp DIR] [--keep]
 Outputs (git-ignored): reference/work/sweep/ (models, traces, results.json, converter.log).
 """
@@ -52,8 +52,8 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-WORK = HERE / "work" / "sweep"
+REPO = HERE.parent.parent
+WORK = REPO / "reference" / "work" / "sweep"
 
 #: Largest accepted relative L2 error at any hook (tests/reference.rs MAX_REL_L2).
 MAX_REL_L2 = 1e-5
@@ -897,7 +897,7 @@ def main() -> None:
         converter_worker(args.converter_worker)
         return
 
-    sys.path.insert(0, str(HERE))
+    sys.path[:0] = [str(HERE.parent / "fixtures"), str(HERE.parent / "oracles")]
     import make_model_fixtures as mmf
     import tiny_models as tm
 

@@ -1,0 +1,5 @@
+"""`python -m glmdiff_hooks ...`: the `glmdiff-hooks` command."""
+
+from .cli import run
+
+run()
