@@ -17,6 +17,7 @@ fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
+    glmdiff::report::layout::set_width(glmdiff::report::layout::detect(cli.wide));
     let result = match &cli.command {
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Dequant(a) => cmd::dequant::run(a),

@@ -28,7 +28,7 @@ pub fn run_dequant(args: &BenchDequantArgs) -> Result<Outcome> {
     if args.json {
         crate::report::print_json(&report)?;
     } else {
-        print!("{}", crate::report::bench::render_dequant(&report));
+        crate::report::emit(&crate::report::bench::render_dequant(&report));
     }
     Ok(Outcome::Ok)
 }
@@ -40,7 +40,7 @@ fn run_dequant_gpu(device: usize, types: &[GgmlType], json: bool) -> Result<Outc
     if json {
         crate::report::print_json(&report)?;
     } else {
-        print!("{}", crate::report::bench::render_gpu_dequant(&report));
+        crate::report::emit(&crate::report::bench::render_gpu_dequant(&report));
     }
     Ok(Outcome::Ok)
 }
@@ -59,11 +59,11 @@ pub fn run_layer(args: &BenchLayerArgs) -> Result<Outcome> {
         );
     }
     let opts = BenchLayerOptions::new(args.model.clone(), args.tokens.clone())?;
-    let report = layer::run_with_progress(&opts, &mut |msg| eprintln!("{msg}"))?;
+    let report = layer::run_with_progress(&opts, &mut |msg| crate::report::emit_err(msg))?;
     if args.json {
         crate::report::print_json(&report)?;
     } else {
-        print!("{}", crate::report::bench::render_layer(&report));
+        crate::report::emit(&crate::report::bench::render_layer(&report));
     }
     Ok(Outcome::Ok)
 }

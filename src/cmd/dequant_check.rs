@@ -74,7 +74,7 @@ fn run_checks(args: &DequantCheckArgs, model: &Model, names: &[String]) -> Resul
             .collect::<Result<Vec<_>>>()?;
         (gpu.describe(), checks)
     };
-    print!("{}", render(&device_line, &checks, &skipped));
+    crate::report::emit(&render(&device_line, &checks, &skipped));
     if let Some(j) = &args.json {
         let doc = to_json(&device_line, &checks, &skipped);
         crate::util::atomic::write_atomic(j, |w| {

@@ -159,17 +159,17 @@ pub fn run(args: &RegressArgs) -> Result<Outcome> {
     for (k, (i, case)) in cases.iter().enumerate() {
         let rec = run_case(&args.suite, *i, case, args);
         let s = summarize(&rec)?;
-        eprintln!("{}", progress_line(k, cases.len(), &s));
+        crate::report::emit_err(&progress_line(k, cases.len(), &s));
         summaries.push(s);
         records.push(rec);
     }
 
-    print!("{}", render(&args.suite.display().to_string(), &summaries));
+    crate::report::emit(&render(&args.suite.display().to_string(), &summaries));
     if let (Some(b), Some(path)) = (&baseline, &args.baseline) {
-        print!(
-            "{}",
-            render_changes(&path.display().to_string(), &diff(b, &summaries))
-        );
+        crate::report::emit(&render_changes(
+            &path.display().to_string(),
+            &diff(b, &summaries),
+        ));
     }
     if let Some(j) = &args.jsonl {
         write_atomic(j, |w| {

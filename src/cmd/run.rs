@@ -156,7 +156,7 @@ fn finish(
     text: &dyn Fn(u32) -> String,
     report: &ReportArgs,
 ) -> Result<Outcome> {
-    print!("{}", render(h, c, text, report.all_steps));
+    crate::report::emit(&render(h, c, text, report.all_steps));
     write_outputs(h, c, &report.json, &report.plot)?;
     Ok(if c.differs() {
         Outcome::Differs

@@ -132,7 +132,7 @@ pub fn run(args: &StepArgs) -> Result<Outcome> {
         notes,
         explanation,
     };
-    print!("{}", render(&report));
+    crate::report::emit(&render(&report));
     if let Some(j) = &args.json {
         let doc = to_json(&report);
         write_atomic(j, |w| {

@@ -110,7 +110,7 @@ pub fn run(args: &TraceArgs) -> Result<Outcome> {
     if let Some(logits) = sink.tensors().get("logits") {
         print_next_tokens(logits, tokenizer.as_ref().ok())?;
     }
-    eprintln!(
+    crate::report::emit_err(&format!(
         "wrote {} ({} hooks, {} tokens, {} of {} layers{})",
         args.out.display(),
         summary.hooks_recorded,
@@ -118,7 +118,7 @@ pub fn run(args: &TraceArgs) -> Result<Outcome> {
         summary.n_layers,
         hp.n_layer,
         if summary.tail { ", logits" } else { "" }
-    );
+    ));
     Ok(Outcome::Ok)
 }
 
@@ -141,7 +141,7 @@ fn print_next_tokens(logits: &crate::engine::HostTensor, tok: Option<&Tokenizer>
             logprob,
         })
         .collect();
-    print!("{}", render_next(t - 1, &next));
+    crate::report::emit(&render_next(t - 1, &next));
     Ok(())
 }
 

@@ -51,7 +51,7 @@ pub fn run(args: &WeightsCheckArgs) -> Result<Outcome> {
         }
         (None, None) => anyhow::bail!("weights-check: give --hf DIR or --gguf OTHER"),
     };
-    print!("{}", crate::report::weights_check::render(&report));
+    crate::report::emit(&crate::report::weights_check::render(&report));
     if let Some(j) = &args.json {
         let doc = crate::report::weights_check::to_json(&report);
         crate::util::atomic::write_atomic(j, |w| {

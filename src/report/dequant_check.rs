@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use super::table;
+use super::Grid;
 use crate::cuda::check::TensorCheck;
 
 /// A tensor that was not checked, and why.
@@ -24,15 +24,15 @@ pub struct Skipped {
 pub fn render(device: &str, checks: &[TensorCheck], skipped: &[Skipped]) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "device: {device}");
-    let mut t = table(&[
-        "tensor",
-        "type",
-        "shape",
-        "elements",
-        "mismatches",
-        "max |diff|",
-        "kernel GB/s",
-        "verdict",
+    let mut t = Grid::new(&[
+        ("tensor", 0),
+        ("type", 0),
+        ("shape", 3),
+        ("elements", 4),
+        ("mismatches", 0),
+        ("max |diff|", 2),
+        ("kernel GB/s", 1),
+        ("verdict", 0),
     ]);
     for c in checks {
         t.add_row(vec![
@@ -58,6 +58,13 @@ pub fn render(device: &str, checks: &[TensorCheck], skipped: &[Skipped]) -> Stri
     let _ = writeln!(s, "{t}");
     for c in checks {
         if let Some(f) = &c.first {
+            // Four bytes to a group, so a long block wraps between groups.
+            let raw: Vec<String> = f
+                .raw
+                .as_bytes()
+                .chunks(8)
+                .map(|g| String::from_utf8_lossy(g).into_owned())
+                .collect();
             let _ = writeln!(
                 s,
                 "{}: first difference at element {} (row {}, column {}, block {}): cpu {:e} ({:#010x}), gpu {:e} ({:#010x}); block bytes {}",
@@ -70,7 +77,7 @@ pub fn render(device: &str, checks: &[TensorCheck], skipped: &[Skipped]) -> Stri
                 f.cpu.to_bits(),
                 f.gpu,
                 f.gpu.to_bits(),
-                f.raw
+                raw.join(" ")
             );
         }
     }
