@@ -284,6 +284,11 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
             }
         }
     };
+    // Missing CUDA libraries are said before any work, in the words of every GPU command.
+    #[cfg(feature = "cuda")]
+    if matches!(against, Against::Cuda(_)) {
+        crate::cuda::probe_libraries()?;
+    }
     if !faults.is_empty() && trace.is_some() {
         bail!(
             "run: --inject plants a bug in an engine glmdiff runs (--against cpu or cuda); a trace's bugs are its own"

@@ -161,6 +161,7 @@ fn cuda_candidate(
             format!("step: --against {spec}: expected cuda or cuda:N with N a device index")
         })?,
     };
+    crate::cuda::probe_libraries()?;
     let gpu = crate::cuda::Gpu::open(n).context("step: --against cuda")?;
     let e =
         crate::engine::cuda::CudaEngine::new(&gpu, weights, crate::engine::cuda::GpuDtype::F32)?;
