@@ -43,9 +43,13 @@ pub fn choose(wide: bool, columns: Option<&str>, terminal: Option<usize>) -> Opt
 /// [`choose`] with this process's `COLUMNS` and stdout.
 pub fn detect(wide: bool) -> Option<usize> {
     use std::io::IsTerminal;
-    let terminal = std::io::stdout()
-        .is_terminal()
-        .then(|| Table::new().width().map_or(PIPE_WIDTH, usize::from));
+    let terminal = std::io::stdout().is_terminal().then(|| {
+        Table::new()
+            .width()
+            .map(usize::from)
+            .filter(|&w| w > 0)
+            .unwrap_or(PIPE_WIDTH)
+    });
     choose(wide, std::env::var("COLUMNS").ok().as_deref(), terminal)
 }
 

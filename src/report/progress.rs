@@ -10,6 +10,9 @@ pub struct Bar {
     unit: &'static str,
 }
 
+/// The unit of [`Bar::bytes`], counted as binary multiples.
+const BYTES: &str = "bytes";
+
 impl Bar {
     /// A hidden bar until [`Progress::start`], counting layers.
     pub fn new() -> Bar {
@@ -20,6 +23,11 @@ impl Bar {
     pub fn with_unit(unit: &'static str) -> Bar {
         let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
         Bar { bar, unit }
+    }
+
+    /// The same, counting bytes (shown as KiB, MiB, GiB).
+    pub fn bytes() -> Bar {
+        Bar::with_unit(BYTES)
     }
 }
 
@@ -34,13 +42,21 @@ impl Progress for Bar {
         self.bar.reset();
         self.bar.set_length(total);
         self.bar.set_position(0);
-        let template = format!(
-            "{{msg}} [{{bar:30}}] {{pos}}/{{len}} {}, {{elapsed}}",
-            self.unit
-        );
+        let template = if self.unit == BYTES {
+            "{msg} [{bar:30}] {binary_bytes}/{binary_total_bytes}, {elapsed}".to_string()
+        } else {
+            format!(
+                "{{msg}} [{{bar:30}}] {{pos}}/{{len}} {}, {{elapsed}}",
+                self.unit
+            )
+        };
         if let Ok(style) = ProgressStyle::with_template(&template) {
             self.bar.set_style(style.progress_chars("=> "));
         }
+        self.bar.set_message(what.to_string());
+    }
+
+    fn phase(&self, what: &str) {
         self.bar.set_message(what.to_string());
     }
 
