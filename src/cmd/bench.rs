@@ -24,7 +24,8 @@ pub fn run_dequant(args: &BenchDequantArgs) -> Result<Outcome> {
         types,
         ..BenchDequantOptions::default()
     };
-    let report = dequant::run(&opts)?;
+    let report =
+        dequant::run_with_progress(&opts, &crate::report::progress::Bar::with_unit("types"))?;
     if args.json {
         crate::report::print_json(&report)?;
     } else {
@@ -59,7 +60,11 @@ pub fn run_layer(args: &BenchLayerArgs) -> Result<Outcome> {
         );
     }
     let opts = BenchLayerOptions::new(args.model.clone(), args.tokens.clone())?;
-    let report = layer::run_with_progress(&opts, &mut |msg| crate::report::emit_err(msg))?;
+    let report = layer::run_with_progress(
+        &opts,
+        &mut |msg| crate::report::emit_err(msg),
+        &crate::report::progress::Bar::bytes(),
+    )?;
     if args.json {
         crate::report::print_json(&report)?;
     } else {

@@ -575,7 +575,7 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
                     r.name
                 ),
             },
-            (Some(_), Some(c)) => explain(c, &weights, &tokens)?,
+            (Some(_), Some(c)) => explain(c, &weights, &tokens, &Bar::with_unit("hypotheses"))?,
         })
     } else {
         None

@@ -115,7 +115,12 @@ pub fn run(args: &StepArgs) -> Result<Outcome> {
             ..stored
         };
         Some(if differs {
-            explain(&here, &weights, &tokens)?
+            explain(
+                &here,
+                &weights,
+                &tokens,
+                &crate::report::progress::Bar::with_unit("hypotheses"),
+            )?
         } else {
             crate::explain::Explanation::NothingWrong
         })

@@ -15,7 +15,7 @@ const GIB: f64 = (1u64 << 30) as f64;
 pub fn run(args: &SynthArgs) -> Result<Outcome> {
     let opts = SynthOptions::parse(&args.arch, &args.dims, args.layers, &args.types, args.seed)?;
     let t0 = Instant::now();
-    let s = synth::write(&opts, &args.out)?;
+    let s = synth::write_with_progress(&opts, &args.out, &crate::report::progress::Bar::bytes())?;
     let secs = t0.elapsed().as_secs_f64();
     let mut text = format!(
         "wrote {}: {} ({} dims), {} blocks, {} tensors, {} bytes ({:.2} GiB) in {secs:.1} s ({:.0} MiB/s)\n",

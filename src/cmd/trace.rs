@@ -82,7 +82,8 @@ pub fn run(args: &TraceArgs) -> Result<Outcome> {
     let mut sink = TraceSink::new(filter);
     let plan = Plan::for_sink(&weights, &sink)?;
     let engine = CpuEngine::new(&weights);
-    let summary = driver::run(&engine, &weights, &tokens, &plan, &mut sink)?;
+    let bar = crate::report::progress::Bar::new();
+    let summary = driver::run_from(&engine, &weights, &tokens, &plan, &[], &mut sink, &bar)?;
     if summary.hooks_recorded == 0 {
         let layers = args
             .layers
