@@ -127,12 +127,15 @@ impl Grid {
             return (kept, None);
         };
         // A header wraps at its spaces: its longest word counts.
-        let need = |c: usize| -> usize {
-            let header = self.header[c]
+        let word = |c: usize| -> usize {
+            self.header[c]
                 .split(' ')
                 .map(|w| w.chars().count())
                 .max()
-                .unwrap_or(0);
+                .unwrap_or(0)
+        };
+        let need = |c: usize| -> usize {
+            let header = word(c);
             self.rows
                 .iter()
                 .filter_map(|r| r.get(c))
@@ -156,7 +159,21 @@ impl Grid {
                 .filter(|(_, &c)| self.rank[c] > 0)
                 .max_by_key(|(pos, &c)| (self.rank[c], *pos))
             else {
-                return (kept, None);
+                // Still too wide: the widest columns give way first, down to a common width
+                // (never under their header's longest word); the narrow ones stay whole.
+                let room = width.saturating_sub(3 * kept.len() + 1);
+                let fit = |level: usize| -> usize {
+                    kept.iter().map(|&c| needs[c].min(level.max(word(c)))).sum()
+                };
+                let top = kept.iter().map(|&c| needs[c]).max().unwrap_or(0);
+                let Some(level) = (1..=top).rev().find(|&l| fit(l) <= room) else {
+                    return (kept, None);
+                };
+                let mins = kept
+                    .iter()
+                    .map(|&c| needs[c].min(level.max(word(c))))
+                    .collect();
+                return (kept, Some(mins));
             };
             kept.remove(pos);
         }
@@ -436,6 +453,16 @@ mod tests {
             !narrower.contains('z') && narrower.contains(": a, b;"),
             "{narrower}"
         );
+    }
+
+    #[test]
+    fn the_widest_columns_give_way_first() {
+        let mut g = Grid::new(&[("a", 0), ("b", 0), ("c", 0)]);
+        g.add_row(vec!["x".repeat(10), "y y".repeat(10), "z z".repeat(10)]);
+        // 10 + 30 + 30 + 10 = 80 > 60: b and c wrap to 20 each, a stays whole.
+        let t = g.render(Some(60));
+        assert!(widest(&t) <= 60, "{t}");
+        assert!(t.contains(&"x".repeat(10)), "{t}");
     }
 
     #[test]
