@@ -890,7 +890,10 @@ pub fn compare(args: &CompareArgs) -> Result<Outcome> {
         .unwrap_or_default();
     let present = |n: &str| reference.has(n);
     let mut cmp = Comparison::new(judge, wants_with_scores(&args.report.hook), &tokens);
+    let bar = Bar::with_unit("hooks");
+    bar.start("compare", names.len() as u64);
     for n in &names {
+        bar.inc(1);
         if !cmp.wants(n) {
             continue;
         }
@@ -911,6 +914,7 @@ pub fn compare(args: &CompareArgs) -> Result<Outcome> {
             }
         }
     }
+    bar.finish();
     if cmp.records().is_empty() {
         bail!("compare: no hook of {} matched", args.reference.display());
     }

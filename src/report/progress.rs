@@ -73,3 +73,11 @@ impl Progress for Bar {
         self.bar.set_draw_target(ProgressDrawTarget::hidden());
     }
 }
+
+impl Drop for Bar {
+    /// A phase cut short by an error leaves no bar behind the error message.
+    fn drop(&mut self) {
+        self.bar.disable_steady_tick();
+        self.bar.finish_and_clear();
+    }
+}
