@@ -278,4 +278,31 @@ mod tests {
         let table = render_dequant(&r);
         assert!(table.contains("Q4_K") && table.contains("1720"));
     }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn gpu_table_fits_100_columns() {
+        use crate::bench::gpu_dequant::{Report, Row};
+        let r = Report {
+            device: "cuda:0 NVIDIA H200 sm_90 (139.8 GiB, 132 SMs) | NVRTC 13.0 (arch sm_90 \
+                     fmad=false ftz=false prec-div=true prec-sqrt=true) | driver CUDA 13.0"
+                .into(),
+            copy_gbps: 4225.0,
+            rows: ["Q4_K", "IQ2_XXS", "MXFP4"]
+                .iter()
+                .map(|t| Row {
+                    ty: t.to_string(),
+                    ms: 0.512,
+                    gbps: 3650.0,
+                    of_copy: 0.86,
+                    gelems: 524.3,
+                })
+                .collect(),
+        };
+        let text = crate::report::layout::fit_text(&render_gpu_dequant(&r), Some(100));
+        for l in text.lines() {
+            assert!(l.chars().count() <= 100, "{l}\n{text}");
+        }
+        assert!(text.contains("| IQ2_XXS") && text.contains("86%"), "{text}");
+    }
 }
