@@ -390,11 +390,49 @@ pub fn shell_lines(lead: &str, cmd: &str, width: Option<usize>) -> String {
         if !fresh {
             cur.push(' ');
         }
-        cur.push_str(u);
+        // A word too long for a line is continued inside itself: a backslash at the end of a
+        // line and the rest from the first column (the shell joins them). Not inside quotes,
+        // where a backslash is kept as it is.
+        let room = width.saturating_sub(cur.chars().count() + 1);
+        if n + 2 > width.saturating_sub(cur.chars().count()) && !u.contains('\'') && room > 0 {
+            let pieces = split_word(u, room, width - 1);
+            let last = pieces.len() - 1;
+            for (k, piece) in pieces.into_iter().enumerate() {
+                cur.push_str(&piece);
+                if k < last {
+                    lines.push(format!("{cur}\\"));
+                    cur = String::new();
+                }
+            }
+        } else {
+            cur.push_str(u);
+        }
         fresh = false;
     }
     lines.push(cur);
     lines.join("\n")
+}
+
+/// `word` cut into pieces of at most `first` characters, then at most `rest`, each cut after a
+/// `,` or `/` where one is near enough the end (else at the limit).
+fn split_word(word: &str, first: usize, rest: usize) -> Vec<String> {
+    let chars: Vec<char> = word.chars().collect();
+    let mut pieces = Vec::new();
+    let mut start = 0;
+    let mut room = first.max(1);
+    while chars.len() - start > room {
+        let limit = start + room;
+        // The last `,` or `/` in the back half of the room, else the limit.
+        let cut = (start + room / 2..limit)
+            .rev()
+            .find(|&i| matches!(chars[i], ',' | '/'))
+            .map_or(limit, |i| i + 1);
+        pieces.push(chars[start..cut].iter().collect());
+        start = cut;
+        room = rest.max(1);
+    }
+    pieces.push(chars[start..].iter().collect());
+    pieces
 }
 
 #[cfg(test)]
@@ -531,5 +569,30 @@ mod tests {
         assert!(!shell_lines("re-run:", cmd, None).contains('\n'));
         // Lines after a continuation are left alone by fit_text.
         assert_eq!(fit_text(&s, Some(60)), s);
+    }
+
+    #[test]
+    fn a_word_longer_than_a_line_continues_inside_itself() {
+        let ids: Vec<String> = (0..40).map(|i| (154_000 + i).to_string()).collect();
+        let cmd = format!(
+            "glmdiff run m.gguf --tokens {} --layer 3 --against cuda:0",
+            ids.join(",")
+        );
+        let s = shell_lines("re-run that layer:", &cmd, Some(60));
+        assert!(widest(&s) <= 60, "{s}");
+        // Joined as a shell joins lines (backslash-newline removed): the same words.
+        let joined = s.replace("\\\n", "");
+        let again = format!("re-run that layer: {cmd}");
+        assert_eq!(
+            joined.split_whitespace().collect::<Vec<_>>(),
+            again.split_whitespace().collect::<Vec<_>>(),
+            "{s}"
+        );
+        // Cut after commas.
+        assert!(s.lines().filter(|l| l.ends_with(",\\")).count() >= 4, "{s}");
+        // A quoted word cannot be cut: it stays whole, the one line that may be longer.
+        let quoted = format!("glmdiff run '{}' --layer 1", "a b".repeat(30));
+        let q = shell_lines("re-run:", &quoted, Some(60));
+        assert!(q.contains(&format!("'{}'", "a b".repeat(30))), "{q}");
     }
 }
