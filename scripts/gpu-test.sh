@@ -61,11 +61,11 @@ run() {
 
     if want fixtures; then
     echo "== dequant-check: quant fixtures (every type), and the 3-shard split"
-    "$bin" dequant-check fixtures/quant/all_types.gguf --all --json "$logs/fixtures.json" 2>&1 | tee "$logs/fixtures.txt"
+    "$bin" --wide dequant-check fixtures/quant/all_types.gguf --all --json "$logs/fixtures.json" 2>&1 | tee "$logs/fixtures.txt"
     summary+=("dequant-check fixtures: exit ${PIPESTATUS[0]}, $(tail -n 1 "$logs/fixtures.txt" | cut -c1-160)")
-    "$bin" dequant-check fixtures/quant/split/all_types-00002-of-00003.gguf --all > "$logs/split.txt" 2>&1
+    "$bin" --wide dequant-check fixtures/quant/split/all_types-00002-of-00003.gguf --all > "$logs/split.txt" 2>&1
     summary+=("dequant-check split: exit $?, $(tail -n 1 "$logs/split.txt" | cut -c1-120)")
-    "$bin" dequant-check fixtures/quant/all_types.gguf --all --devices 0,0 > "$logs/spread.txt" 2>&1
+    "$bin" --wide dequant-check fixtures/quant/all_types.gguf --all --devices 0,0 > "$logs/spread.txt" 2>&1
     summary+=("dequant-check --devices 0,0: exit $?, $(grep -m1 -E 'devices:' "$logs/spread.txt" | cut -c1-80) $(tail -n 1 "$logs/spread.txt" | cut -c1-100)")
     fi
 
@@ -74,7 +74,7 @@ run() {
     local tmp; tmp=$(mktemp -d)
     "$bin" synth --arch glm-dsa --dims glm5 --layers ${SYNTH_LAYERS:-4} --out "$tmp/glm5.gguf" 2>&1 | tail -n 2
     ls -la "$tmp/glm5.gguf"
-    "$bin" dequant-check "$tmp/glm5.gguf" --all --json "$logs/synth.json" > "$logs/synth.txt" 2>&1
+    "$bin" --wide dequant-check "$tmp/glm5.gguf" --all --json "$logs/synth.json" > "$logs/synth.txt" 2>&1
     local rc=$?
     tail -n 3 "$logs/synth.txt"
     summary+=("dequant-check synth GLM-5 ($(du -h "$tmp/glm5.gguf" | cut -f1)): exit $rc, $(tail -n 1 "$logs/synth.txt" | cut -c1-200)")
@@ -83,7 +83,7 @@ run() {
 
     if want regress; then
     echo "== regress: the fixture suite against the CUDA engine"
-    "$bin" regress fixtures/regress/suite-cuda.toml --jsonl "$logs/regress-cuda.jsonl" 2>&1 | tee "$logs/regress.txt"
+    "$bin" --wide regress fixtures/regress/suite-cuda.toml --jsonl "$logs/regress-cuda.jsonl" 2>&1 | tee "$logs/regress.txt"
     summary+=("regress suite-cuda: exit ${PIPESTATUS[0]}, $(tail -n 1 "$logs/regress.txt" | cut -c1-160)")
     fi
 

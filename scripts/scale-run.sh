@@ -24,14 +24,14 @@ r=$(t "$out/synth.txt" "$bin" synth --arch glm-dsa --dims glm5 --layers "$layers
 summary+=("synth $layers blocks ($(du -h "$tmp/glm5.gguf" | cut -f1)): $r")
 
 echo "== dequant-check --all --devices $devices"
-r=$(t "$out/dequant-check.txt" "$bin" dequant-check "$tmp/glm5.gguf" --all --devices "$devices")
+r=$(t "$out/dequant-check.txt" "$bin" --wide dequant-check "$tmp/glm5.gguf" --all --devices "$devices")
 summary+=("dequant-check --all --devices $devices: $r; $(tail -n 1 "$out/dequant-check.txt" | cut -c1-220)")
 
 for mode in both; do
     echo "== run --against cuda --devices $devices --mode $mode"
     nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$out/gpu-mem-$mode.csv" &
     smi=$!
-    r=$(t "$out/run-$mode.log" /usr/bin/time -v -o "$out/run-$mode.err" "$bin" run "$tmp/glm5.gguf" --prompt "The capital of France is" \
+    r=$(t "$out/run-$mode.log" /usr/bin/time -v -o "$out/run-$mode.err" "$bin" --wide run "$tmp/glm5.gguf" --prompt "The capital of France is" \
         --against cuda --devices "$devices" --mode "$mode" --no-cache --json "$out/run-$mode.json")
     cp "$out/run-$mode.log" "$out/run-$mode.txt"
     kill $smi 2>/dev/null

@@ -11,6 +11,10 @@ use clap::{ArgGroup, Args, Parser, Subcommand};
 #[command(name = "glmdiff", version, about, long_about = None)]
 #[command(after_help = "Exit codes: 0 ok, 1 a check found a difference, 2 error.")]
 pub struct Cli {
+    /// Print tables and text at their full width: no column left out, nothing wrapped (by
+    /// default output fits the terminal, or 100 columns when stdout is not a terminal).
+    #[arg(long, global = true)]
+    pub wide: bool,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,

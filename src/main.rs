@@ -30,6 +30,7 @@ fn main() -> ExitCode {
     };
     install_interrupt_handler();
     restore_default_sigpipe();
+    glmdiff::report::layout::set_width(glmdiff::report::layout::detect(cli.wide));
     let result = match &cli.command {
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Dequant(a) => cmd::dequant::run(a),

@@ -531,6 +531,7 @@ fn writer_fixture_passes_run() {
     let o = glmdiff_in(
         cache.path(),
         &[
+            "--wide",
             "run",
             gguf.to_str().unwrap(),
             "--against",

@@ -235,7 +235,7 @@ fn hyperparameters_patched_past_the_tensors_fail_at_once() {
             assert!(line.contains("glm5-tiny-q-mixed.gguf"), "{line}");
         }
         // inspect shows any GGUF, and says why this one cannot run.
-        let o = glmdiff(cache.path(), &["inspect", ms]);
+        let o = glmdiff(cache.path(), &["--wide", "inspect", ms]);
         assert!(text(&o).contains(want[0]), "{key}: {}", text(&o));
         unchanged(&[&m], &before);
         assert!(!out.exists());

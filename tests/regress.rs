@@ -594,6 +594,7 @@ fn hook_script_traces_pass_run_and_not_captured_is_shown() {
     let o = glmdiff(
         cache.path(),
         &[
+            "--wide",
             "run",
             gguf.to_str().unwrap(),
             "--against",

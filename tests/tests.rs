@@ -13,5 +13,6 @@ mod reference;
 mod regress;
 mod run;
 mod synth;
+mod terminal;
 mod tokenizer;
 mod weights_check;

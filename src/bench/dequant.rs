@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use super::random_blocks::fill_blocks;
 use crate::quant::{self, GgmlType, TYPE_TABLE};
+use crate::util::progress::{NoProgress, Progress};
 use crate::util::rng::SplitMix64;
 
 /// Default elements per type: 16 Mi values, 64 MiB of f32 output (larger than most L3 caches).
@@ -158,11 +159,21 @@ fn median_seconds(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64>
 /// Runs the benchmark. Types without a dequantizer are left out; a missing or broken Python
 /// only fills the gguf-py columns with `skipped: <reason>`.
 pub fn run(opts: &BenchDequantOptions) -> Result<Report> {
+    run_with_progress(opts, &NoProgress)
+}
+
+/// [`run`], reporting the types measured to `progress`.
+pub fn run_with_progress(opts: &BenchDequantOptions, progress: &dyn Progress) -> Result<Report> {
     let types: Vec<GgmlType> = if opts.types.is_empty() {
         TYPE_TABLE.iter().map(|r| r.ty).collect()
     } else {
         opts.types.clone()
     };
+    let types: Vec<GgmlType> = types
+        .into_iter()
+        .filter(|&ty| quant::dequant_fn(ty).is_some())
+        .collect();
+    progress.start("bench dequant", types.len() as u64);
     let mut rows = Vec::new();
     let py = if opts.with_python {
         probe_python(&opts.python)
@@ -173,9 +184,7 @@ pub fn run(opts: &BenchDequantOptions) -> Result<Report> {
     let mut src: Vec<u8> = Vec::new();
     let mut dst: Vec<f32> = Vec::new();
     for ty in types {
-        if quant::dequant_fn(ty).is_none() {
-            continue;
-        }
+        progress.phase(&format!("bench dequant: {ty}"));
         let (bs, ts) = (ty.block_size(), ty.type_size());
         let n = (opts.elements / bs).max(1) * bs;
         src.resize(n / bs * ts, 0);
@@ -219,7 +228,9 @@ pub fn run(opts: &BenchDequantOptions) -> Result<Report> {
             gguf_py_anchor_melem_s: anchor(GGUF_PY_ANCHORS, ty),
             gguf_py_note,
         });
+        progress.inc(1);
     }
+    progress.finish();
     Ok(Report {
         cpu: cpu_model(),
         threads: rayon::current_num_threads(),

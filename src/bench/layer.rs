@@ -60,6 +60,7 @@ use crate::model::steps::point;
 use crate::model::{Arch, Weights};
 use crate::synth::{self, Dims, SynthOptions, TypeMix};
 use crate::trace::Sink;
+use crate::util::progress::{NoProgress, Progress};
 use crate::util::rng::{SplitMix64, GAMMA};
 
 /// Seed of the random prompt token ids.
@@ -305,13 +306,15 @@ pub struct Report {
 
 /// Runs the benchmark (see the module documentation).
 pub fn run(opts: &BenchLayerOptions) -> Result<Report> {
-    run_with_progress(opts, &mut |_| {})
+    run_with_progress(opts, &mut |_| {}, &NoProgress)
 }
 
-/// [`run`], telling `progress` what it is doing (writing the model, each run).
+/// [`run`], telling `progress` what it is doing (writing the model, each run) and `written`
+/// the bytes of the synthetic model written.
 pub fn run_with_progress(
     opts: &BenchLayerOptions,
     progress: &mut dyn FnMut(&str),
+    written: &dyn Progress,
 ) -> Result<Report> {
     if opts.tokens.is_empty() || opts.tokens.contains(&0) {
         bail!(
@@ -342,7 +345,7 @@ pub fn run_with_progress(
             path.display()
         ));
         let t0 = Instant::now();
-        let summary = synth::write(s, &path)?;
+        let summary = synth::write_with_progress(s, &path, written)?;
         let write_s = t0.elapsed().as_secs_f64();
         let result = measure(&path, opts, progress);
         let dir_path = dir.path().to_path_buf();

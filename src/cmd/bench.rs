@@ -24,11 +24,12 @@ pub fn run_dequant(args: &BenchDequantArgs) -> Result<Outcome> {
         types,
         ..BenchDequantOptions::default()
     };
-    let report = dequant::run(&opts)?;
+    let report =
+        dequant::run_with_progress(&opts, &crate::report::progress::Bar::with_unit("types"))?;
     if args.json {
         crate::report::print_json(&report)?;
     } else {
-        print!("{}", crate::report::bench::render_dequant(&report));
+        crate::report::emit(&crate::report::bench::render_dequant(&report));
     }
     Ok(Outcome::Ok)
 }
@@ -40,7 +41,7 @@ fn run_dequant_gpu(device: usize, types: &[GgmlType], json: bool) -> Result<Outc
     if json {
         crate::report::print_json(&report)?;
     } else {
-        print!("{}", crate::report::bench::render_gpu_dequant(&report));
+        crate::report::emit(&crate::report::bench::render_gpu_dequant(&report));
     }
     Ok(Outcome::Ok)
 }
@@ -59,11 +60,15 @@ pub fn run_layer(args: &BenchLayerArgs) -> Result<Outcome> {
         );
     }
     let opts = BenchLayerOptions::new(args.model.clone(), args.tokens.clone())?;
-    let report = layer::run_with_progress(&opts, &mut |msg| eprintln!("{msg}"))?;
+    let report = layer::run_with_progress(
+        &opts,
+        &mut |msg| crate::report::emit_err(msg),
+        &crate::report::progress::Bar::bytes(),
+    )?;
     if args.json {
         crate::report::print_json(&report)?;
     } else {
-        print!("{}", crate::report::bench::render_layer(&report));
+        crate::report::emit(&crate::report::bench::render_layer(&report));
     }
     Ok(Outcome::Ok)
 }

@@ -73,7 +73,7 @@ pub fn run(args: &DequantArgs) -> Result<Outcome> {
             })?;
         }
     }
-    eprintln!(
+    crate::report::emit_err(&format!(
         "wrote {} ({} {}, shape {:?}, rows {}..{} of {})",
         args.out.display(),
         t.info.name,
@@ -82,6 +82,6 @@ pub fn run(args: &DequantArgs) -> Result<Outcome> {
         rows.start,
         rows.end,
         n_rows
-    );
+    ));
     Ok(Outcome::Ok)
 }

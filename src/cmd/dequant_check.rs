@@ -79,7 +79,7 @@ fn run_checks(args: &DequantCheckArgs, model: &Model, names: &[String]) -> Resul
         spread(model, &todo, &args.devices)?
     } else {
         let gpu = Gpu::open(args.devices.first().copied().unwrap_or(args.device))?;
-        let bar = Bar::new();
+        let bar = Bar::with_unit("chunks");
         let checks = todo
             .iter()
             .map(|&t| check_tensor(&gpu, model, t, &bar))

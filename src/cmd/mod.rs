@@ -71,10 +71,11 @@ pub(crate) fn to_stdout(path: Option<&Path>) -> bool {
 /// Prints a human report: to stdout, or to stderr when stdout carries a JSON document
 /// (`--json -`), so that stdout stays one parseable document.
 pub(crate) fn print_report(text: &str, json_on_stdout: bool) {
+    let fitted = crate::report::layout::fit_text(text, crate::report::layout::width());
     if json_on_stdout {
-        eprint!("{text}");
+        eprint!("{fitted}");
     } else {
-        print!("{text}");
+        print!("{fitted}");
     }
 }
 

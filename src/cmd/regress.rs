@@ -168,7 +168,7 @@ pub fn run(args: &RegressArgs) -> Result<Outcome> {
     for (k, (i, case)) in cases.iter().enumerate() {
         let rec = run_case(&args.suite, *i, case, args);
         let s = summarize(&rec)?;
-        eprintln!("{}", progress_line(k, cases.len(), &s));
+        crate::report::emit_err(&progress_line(k, cases.len(), &s));
         summaries.push(s);
         records.push(rec);
     }

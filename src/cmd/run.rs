@@ -287,6 +287,11 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
             }
         }
     };
+    // Missing CUDA libraries are said before any work, in the words of every GPU command.
+    #[cfg(feature = "cuda")]
+    if matches!(against, Against::Cuda(_)) {
+        crate::cuda::probe_libraries()?;
+    }
     if !faults.is_empty() && trace.is_some() {
         bail!(
             "run: --inject plants a bug in an engine glmdiff runs (--against cpu or cuda); a trace's bugs are its own"
@@ -607,7 +612,7 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
                     r.name
                 ),
             },
-            (Some(_), Some(c)) => explain(c, &weights, &tokens)?,
+            (Some(_), Some(c)) => explain(c, &weights, &tokens, &Bar::with_unit("hypotheses"))?,
         })
     } else {
         None
@@ -1000,7 +1005,10 @@ pub fn compare(args: &CompareArgs) -> Result<Outcome> {
         .unwrap_or_default();
     let present = |n: &str| reference.has(n);
     let mut cmp = Comparison::new(judge, wants_with_scores(&args.report.hook), &tokens);
+    let bar = Bar::with_unit("hooks");
+    bar.start("compare", names.len() as u64);
     for n in &names {
+        bar.inc(1);
         if !cmp.wants(n) {
             continue;
         }
@@ -1021,6 +1029,7 @@ pub fn compare(args: &CompareArgs) -> Result<Outcome> {
             }
         }
     }
+    bar.finish();
     if cmp.records().is_empty() {
         bail!("compare: no hook of {} matched", args.reference.display());
     }

@@ -119,7 +119,12 @@ pub fn run(args: &StepArgs) -> Result<Outcome> {
             ..stored
         };
         Some(if differs {
-            explain(&here, &weights, &tokens)?
+            explain(
+                &here,
+                &weights,
+                &tokens,
+                &crate::report::progress::Bar::with_unit("hypotheses"),
+            )?
         } else {
             crate::explain::Explanation::NothingWrong
         })
@@ -161,6 +166,7 @@ fn cuda_candidate(
             format!("step: --against {spec}: expected cuda or cuda:N with N a device index")
         })?,
     };
+    crate::cuda::probe_libraries()?;
     let gpu = crate::cuda::Gpu::open(n).context("step: --against cuda")?;
     let e =
         crate::engine::cuda::CudaEngine::new(&gpu, weights, crate::engine::cuda::GpuDtype::F32)?;

@@ -18,10 +18,10 @@ pub fn run(args: &SynthArgs) -> Result<Outcome> {
         .output("--out", Some(&args.out))
         .check()?;
     let t0 = Instant::now();
-    let s = synth::write(&opts, &args.out)?;
+    let s = synth::write_with_progress(&opts, &args.out, &crate::report::progress::Bar::bytes())?;
     let secs = t0.elapsed().as_secs_f64();
-    println!(
-        "wrote {}: {} ({} dims), {} blocks, {} tensors, {} bytes ({:.2} GiB) in {secs:.1} s ({:.0} MiB/s)",
+    let mut text = format!(
+        "wrote {}: {} ({} dims), {} blocks, {} tensors, {} bytes ({:.2} GiB) in {secs:.1} s ({:.0} MiB/s)\n",
         args.out.display(),
         opts.arch.as_str(),
         opts.dims.name,
@@ -32,11 +32,12 @@ pub fn run(args: &SynthArgs) -> Result<Outcome> {
         s.file_bytes as f64 / (1u64 << 20) as f64 / secs.max(1e-9)
     );
     for (ty, (n, bytes)) in &s.types {
-        println!(
-            "  {:<8} {n:>5} tensors {:>10.3} GiB",
+        text.push_str(&format!(
+            "  {:<8} {n:>5} tensors {:>10.3} GiB\n",
             ty.name(),
             *bytes as f64 / GIB
-        );
+        ));
     }
+    crate::report::emit(&text);
     Ok(Outcome::Ok)
 }

@@ -84,7 +84,8 @@ pub fn run(args: &TraceArgs) -> Result<Outcome> {
     let mut sink = TraceSink::new(filter);
     let plan = Plan::for_sink(&weights, &sink)?;
     let engine = CpuEngine::new(&weights);
-    let summary = driver::run(&engine, &weights, &tokens, &plan, &mut sink)?;
+    let bar = crate::report::progress::Bar::new();
+    let summary = driver::run_from(&engine, &weights, &tokens, &plan, &[], &mut sink, &bar)?;
     if summary.hooks_recorded == 0 {
         let layers = args
             .layers
@@ -112,7 +113,7 @@ pub fn run(args: &TraceArgs) -> Result<Outcome> {
     if let Some(logits) = sink.tensors().get("logits") {
         print_next_tokens(logits, tokenizer.as_ref().ok())?;
     }
-    eprintln!(
+    crate::report::emit_err(&format!(
         "wrote {} ({} hooks, {} tokens, {} of {} layers{})",
         args.out.display(),
         summary.hooks_recorded,
@@ -120,7 +121,7 @@ pub fn run(args: &TraceArgs) -> Result<Outcome> {
         summary.n_layers,
         hp.n_layer,
         if summary.tail { ", logits" } else { "" }
-    );
+    ));
     Ok(Outcome::Ok)
 }
 
@@ -143,7 +144,7 @@ fn print_next_tokens(logits: &crate::engine::HostTensor, tok: Option<&Tokenizer>
             logprob,
         })
         .collect();
-    print!("{}", render_next(t - 1, &next));
+    crate::report::emit(&render_next(t - 1, &next));
     Ok(())
 }
 

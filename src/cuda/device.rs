@@ -16,30 +16,129 @@ use super::{family_source, nvrtc, CompileOptions};
 /// Where the CUDA libraries usually are, for error messages.
 pub(crate) const LIB_HINT: &str = "install the NVIDIA driver (libcuda.so.1) and CUDA 13 (libnvrtc.so.13, libcublas.so.13), or put their directories on LD_LIBRARY_PATH";
 
-/// Checks that libcuda and libnvrtc can be opened; the error names each missing library and the
-/// file names tried.
+/// Checks that libcuda and libnvrtc can be opened; the error says what is missing on its first
+/// line and the file names tried on a second ([`missing_libraries`]).
 pub fn probe_libraries() -> Result<()> {
     let mut missing = Vec::new();
     // SAFETY: only dlopen + symbol lookup; no CUDA call is made.
     if !unsafe { drv::is_culib_present() } {
-        missing.push(format!(
-            "the NVIDIA driver library (tried {})",
-            cudarc::get_lib_name_candidates("cuda").join(", ")
-        ));
+        missing.push(("cuda", "NVIDIA driver"));
     }
     if !nvrtc::available() {
-        missing.push(format!(
-            "NVRTC (tried {})",
-            cudarc::get_lib_name_candidates("nvrtc").join(", ")
-        ));
+        missing.push(("nvrtc", "CUDA 13"));
     }
     if !missing.is_empty() {
         bail!(
-            "cuda: no CUDA on this machine: missing {}; {LIB_HINT}",
-            missing.join(" and ")
+            "{}",
+            missing_libraries(&missing, &cudarc::get_lib_name_candidates)
         );
     }
     Ok(())
+}
+
+/// The message for missing libraries `(stem, what)` (`("cuda", "NVIDIA driver")`): what is
+/// missing on one line, and on a second the file names `candidates` gives for each stem (the
+/// names tried, deduplicated), the stems' common endings written once:
+/// `lib{cuda,nvrtc}{.so, .so.{1,9..13}, 64.so, ...}`.
+pub(crate) fn missing_libraries(
+    missing: &[(&str, &str)],
+    candidates: &dyn Fn(&str) -> Vec<String>,
+) -> String {
+    let what: Vec<String> = missing
+        .iter()
+        .map(|(stem, what)| format!("lib{stem} ({what})"))
+        .collect();
+    // The endings tried for each stem, in a short form.
+    let endings: Vec<(String, String)> = missing
+        .iter()
+        .map(|(stem, _)| {
+            let prefix = format!("lib{stem}");
+            let mut ends: Vec<String> = Vec::new();
+            for n in candidates(stem) {
+                let e = n.strip_prefix(&prefix).unwrap_or(&n).to_string();
+                if !ends.contains(&e) {
+                    ends.push(e);
+                }
+            }
+            (stem.to_string(), compact_endings(&ends))
+        })
+        .collect();
+    let same = endings.windows(2).all(|w| w[0].1 == w[1].1);
+    let searched = match (same, endings.as_slice()) {
+        (_, [(stem, e)]) => format!("lib{stem}{{{e}}}"),
+        (true, [(_, e), ..]) => {
+            let stems: Vec<&str> = endings.iter().map(|(s, _)| s.as_str()).collect();
+            format!("lib{{{}}}{{{e}}}", stems.join(","))
+        }
+        _ => endings
+            .iter()
+            .map(|(stem, e)| format!("lib{stem}{{{e}}}"))
+            .collect::<Vec<_>>()
+            .join(" "),
+    };
+    format!(
+        "cuda: no CUDA: {} not found; see LD_LIBRARY_PATH\n  tried {searched}",
+        what.join(", ")
+    )
+}
+
+/// Endings such as `.so.12`, `.so.13`, `64_9.so` written shortly: those that differ only in
+/// their last number share one entry with the numbers listed, runs of three or more as `A..B`
+/// (`.so.{1,9..13}`), in the order their forms first appear.
+fn compact_endings(ends: &[String]) -> String {
+    // (form with the last number replaced by `#`, numbers)
+    let mut forms: Vec<(String, Vec<u64>)> = Vec::new();
+    for e in ends {
+        let (form, num) = match e.rfind(|c: char| c.is_ascii_digit()) {
+            Some(last) => {
+                let start = e[..=last]
+                    .rfind(|c: char| !c.is_ascii_digit())
+                    .map_or(0, |i| i + 1);
+                // A number right after the stem (`64.so`) is part of the name, not a version.
+                match e[start..=last].parse::<u64>() {
+                    Ok(n) if start > 0 && e[..start].ends_with(['.', '_']) => {
+                        (format!("{}#{}", &e[..start], &e[last + 1..]), Some(n))
+                    }
+                    _ => (e.clone(), None),
+                }
+            }
+            None => (e.clone(), None),
+        };
+        match forms.iter_mut().find(|(f, _)| *f == form) {
+            Some((_, nums)) => nums.extend(num),
+            None => forms.push((form, num.into_iter().collect())),
+        }
+    }
+    forms
+        .into_iter()
+        .map(|(form, mut nums)| {
+            nums.sort_unstable();
+            nums.dedup();
+            let list = match nums.len() {
+                0 => return form,
+                1 => nums[0].to_string(),
+                _ => {
+                    let mut parts = Vec::new();
+                    let mut i = 0;
+                    while i < nums.len() {
+                        let mut j = i;
+                        while j + 1 < nums.len() && nums[j + 1] == nums[j] + 1 {
+                            j += 1;
+                        }
+                        if j - i >= 2 {
+                            parts.push(format!("{}..{}", nums[i], nums[j]));
+                        } else {
+                            parts.extend(nums[i..=j].iter().map(u64::to_string));
+                        }
+                        i = j + 1;
+                    }
+                    format!("{{{}}}", parts.join(","))
+                }
+            };
+            form.replacen('#', &list, 1)
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// What the driver says about one device.
@@ -234,5 +333,71 @@ impl Gpu {
     pub fn memory(&self) -> Result<(u64, u64)> {
         let (free, total) = self.ctx.mem_get_info().context("cuda: cuMemGetInfo")?;
         Ok((free as u64, total as u64))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The names cudarc 0.19 tries for a library, written out by hand.
+    fn names(stem: &str) -> Vec<String> {
+        [
+            ".so",
+            "64.so",
+            "64_13.so",
+            "64_130.so",
+            "64_130_0.so",
+            "64_130_0.so",
+            "64_10.so",
+            "64_11.so",
+            "64_12.so",
+            "64_130_0.so",
+            "64_9.so",
+            ".so.13",
+            ".so.12",
+            ".so.11",
+            ".so.10",
+            ".so.9",
+            ".so.1",
+        ]
+        .iter()
+        .map(|e| format!("lib{stem}{e}"))
+        .collect()
+    }
+
+    #[test]
+    fn missing_libraries_fit_two_short_lines() {
+        let m = missing_libraries(&[("cuda", "NVIDIA driver"), ("nvrtc", "CUDA 13")], &names);
+        let lines: Vec<&str> = m.lines().collect();
+        assert_eq!(lines.len(), 2, "{m}");
+        assert_eq!(
+            lines[0],
+            "cuda: no CUDA: libcuda (NVIDIA driver), libnvrtc (CUDA 13) not found; see LD_LIBRARY_PATH"
+        );
+        assert_eq!(
+            lines[1],
+            "  tried lib{cuda,nvrtc}{.so, 64.so, 64_{9..13,130}.so, 64_130_0.so, .so.{1,9..13}}"
+        );
+        // With main's `error: `, both lines fit 100 columns.
+        assert!(lines.iter().all(|l| l.len() + "error: ".len() < 100), "{m}");
+        let one = missing_libraries(&[("nvrtc", "CUDA 13")], &names);
+        assert!(
+            one.ends_with(
+                "tried libnvrtc{.so, 64.so, 64_{9..13,130}.so, 64_130_0.so, .so.{1,9..13}}"
+            ),
+            "{one}"
+        );
+    }
+
+    #[test]
+    fn endings_list_each_name_once() {
+        let e: Vec<String> = [".so.3", ".so.1", ".so.2", ".so.5", "x.so", ".so.2"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        assert_eq!(compact_endings(&e), ".so.{1..3,5}, x.so");
+        let two: Vec<String> = [".so.7", ".so.8"].iter().map(|s| s.to_string()).collect();
+        assert_eq!(compact_endings(&two), ".so.{7,8}");
     }
 }

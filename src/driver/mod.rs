@@ -476,9 +476,9 @@ pub fn run_from<E: Engine>(
         tail: plan.tail,
         hooks_recorded: 0,
     };
-    let n_layers = plan.layers().len();
-    progress.start("layers", n_layers as u64);
+    let mut steps = StepProgress::start(progress, plan);
     while let Some(s) = runner.peek() {
+        steps.before(s);
         let extra = {
             let wants = |n: &str| sink.wants(n);
             runner.step(&wants)?
@@ -496,12 +496,10 @@ pub fn run_from<E: Engine>(
                 summary.hooks_recorded += 1;
             }
         }
-        if is_layer_end(s) {
-            progress.inc(1);
-        }
+        steps.after(s);
     }
     runner.finish()?;
-    progress.finish();
+    steps.finish();
     Ok(summary)
 }
 
@@ -541,6 +539,49 @@ pub fn prefix_values<E: Engine>(
 }
 
 /// Whether `s` is the last step of a layer (it produces `l_out`).
+/// Progress over a plan's steps: one unit per layer, and one for the output layer (the final
+/// norm, the output projection and what is done with the logits) when the plan has it.
+pub(crate) struct StepProgress<'p> {
+    progress: &'p dyn Progress,
+    tail: bool,
+    in_tail: bool,
+}
+
+impl<'p> StepProgress<'p> {
+    /// Starts the phase for `plan`.
+    pub(crate) fn start(progress: &'p dyn Progress, plan: &Plan) -> StepProgress<'p> {
+        progress.start("layers", plan.layers().len() as u64 + u64::from(plan.tail));
+        StepProgress {
+            progress,
+            tail: plan.tail,
+            in_tail: false,
+        }
+    }
+
+    /// Step `s` is about to run.
+    pub(crate) fn before(&mut self, s: &Step) {
+        if self.tail && !self.in_tail && s.layer.is_none() && s.op != Op::Embed {
+            self.in_tail = true;
+            self.progress.phase("output layer and logits");
+        }
+    }
+
+    /// Step `s` has run.
+    pub(crate) fn after(&self, s: &Step) {
+        if is_layer_end(s) {
+            self.progress.inc(1);
+        }
+    }
+
+    /// Every step has run.
+    pub(crate) fn finish(self) {
+        if self.in_tail {
+            self.progress.inc(1);
+        }
+        self.progress.finish();
+    }
+}
+
 pub(crate) fn is_layer_end(s: &Step) -> bool {
     s.layer
         .is_some_and(|l| s.outputs.iter().any(|o| *o == hook(l, point::L_OUT)))

@@ -32,7 +32,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 
-use super::{check_tokens, exec_step, is_layer_end, Plan, Progress, Residency, Runner};
+use super::{check_tokens, exec_step, Plan, Progress, Residency, Runner, StepProgress};
 use crate::engine::{Engine, HostTensor};
 use crate::model::steps::{expert_hook, hook, point, Op, Step};
 use crate::model::Weights;
@@ -131,8 +131,9 @@ pub fn run_pair<R: Engine, C: Engine>(
     let mut cand_residency = Residency::default();
     // The candidate's replayed selections (engine candidates), by hook name.
     let mut cand_sel: HashMap<String, HostTensor> = HashMap::new();
-    progress.start("layers", plan.layers().len() as u64);
+    let mut steps = StepProgress::start(progress, plan);
     while let Some(step) = refr.peek() {
+        steps.before(step);
         // Replay inputs are taken before the reference moves on (its step may drop them), and
         // only for steps with a wanted hook: nothing else leaves the reference.
         let replay_inputs = if modes.replay && step_wanted(step, &*sink, weights) {
@@ -283,9 +284,7 @@ pub fn run_pair<R: Engine, C: Engine>(
             }
         }
         summary.steps += 1;
-        if is_layer_end(step) {
-            progress.inc(1);
-        }
+        steps.after(step);
     }
     refr.finish()?;
     if let Some(c) = &mut cand {
@@ -294,7 +293,7 @@ pub fn run_pair<R: Engine, C: Engine>(
     if let Candidate::Engine(c) = &candidate {
         cand_residency.finish(*c)?;
     }
-    progress.finish();
+    steps.finish();
     Ok(summary)
 }
 

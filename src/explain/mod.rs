@@ -29,6 +29,7 @@ use crate::model::steps::{point, Op, Step};
 use crate::model::{Gating, Weights};
 use crate::quant::GgmlType;
 use crate::trace::{Mode, Pair, PairSink};
+use crate::util::progress::Progress;
 
 /// The step behind the first failing replay hook, with everything needed to recompute it.
 #[derive(Clone, Debug)]
@@ -359,11 +360,13 @@ pub fn residual(candidate: &HostTensor, hypothesis: &HostTensor) -> f64 {
     })
 }
 
-/// Tests every hypothesis that concerns the captured step (module documentation).
+/// Tests every hypothesis that concerns the captured step (module documentation), reporting
+/// each one tested to `progress`.
 pub fn explain(
     captured: &CapturedStep,
     weights: &Weights<'_>,
     tokens: &[u32],
+    progress: &dyn Progress,
 ) -> Result<Explanation> {
     let cpu = CpuEngine::new(weights);
     let (step, hook) = (&captured.step, captured.hook.as_str());
@@ -392,6 +395,8 @@ pub fn explain(
             untestable.join("; ")
         ));
     }
+    // The known bugs, then a search for the expert or head map.
+    progress.start("explain: hypotheses", faults.len() as u64 + 1);
     for fault in faults {
         let engine = FaultEngine::new(&cpu, weights, vec![fault.clone()]);
         if let Some(l) = step.layer {
@@ -401,7 +406,9 @@ pub fn explain(
             Ok(out) => push(fault.to_string(), &out, &mut unchanged),
             Err(e) => notes.push(format!("{fault}: not computed: {e:#}")),
         }
+        progress.inc(1);
     }
+    progress.phase("explain: expert and head maps");
     let input = |name: &str| {
         captured
             .inputs
@@ -444,6 +451,7 @@ pub fn explain(
         }
         _ => {}
     }
+    progress.finish();
     if !unchanged.is_empty() {
         notes.insert(
             0,

@@ -1,9 +1,7 @@
 //! Text rendering of `glmdiff bench dequant` and `glmdiff bench layer`: the tables and the notes
 //! under them. [`crate::bench`] measures and returns the reports; this module only formats them.
 
-use comfy_table::{presets::UTF8_FULL_CONDENSED, Cell, CellAlignment, Table};
-
-use super::{human_bytes, table};
+use super::{human_bytes, table, Grid};
 use crate::bench::{dequant, layer};
 
 fn fmt_opt(v: Option<f64>, digits: usize) -> String {
@@ -12,39 +10,34 @@ fn fmt_opt(v: Option<f64>, digits: usize) -> String {
 
 /// Renders a `bench dequant` report as a table, followed by the run's settings and any gguf-py notes.
 pub fn render_dequant(r: &dequant::Report) -> String {
-    let mut t = Table::new();
-    t.load_preset(UTF8_FULL_CONDENSED);
-    t.set_header(vec![
-        "type",
-        "1T Melem/s",
-        "1T GB/s",
-        &format!("{}T Melem/s", r.threads),
-        &format!("{}T GB/s", r.threads),
-        "C 1T (ref)",
-        "1T / C",
-        "gguf-py Melem/s",
-        "1T / gguf-py",
-        "gguf-py (ref)",
+    let multi_melem = format!("{}T Melem/s", r.threads);
+    let multi_gb = format!("{}T GB/s", r.threads);
+    // Narrow: the figures measured outside this run go first, then the GB/s columns.
+    let mut t = Grid::new(&[
+        ("type", 0),
+        ("1T Melem/s", 0),
+        ("1T GB/s", 2),
+        (&multi_melem, 0),
+        (&multi_gb, 1),
+        ("C 1T (ref)", 3),
+        ("1T / C", 0),
+        ("gguf-py Melem/s", 0),
+        ("1T / gguf-py", 0),
+        ("gguf-py (ref)", 4),
     ]);
     for row in &r.rows {
-        let cells = vec![
-            Cell::new(&row.ty),
-            Cell::new(format!("{:.0}", row.single_melem_s)),
-            Cell::new(format!("{:.2}", row.single_gb_s)),
-            Cell::new(format!("{:.0}", row.multi_melem_s)),
-            Cell::new(format!("{:.2}", row.multi_gb_s)),
-            Cell::new(fmt_opt(row.c_anchor_melem_s, 0)),
-            Cell::new(fmt_opt(row.ratio_single_vs_c, 2)),
-            Cell::new(fmt_opt(row.gguf_py_melem_s, 1)),
-            Cell::new(fmt_opt(row.ratio_single_vs_gguf_py, 0)),
-            Cell::new(fmt_opt(row.gguf_py_anchor_melem_s, 0)),
-        ];
-        t.add_row(cells);
-    }
-    for i in 1..10 {
-        if let Some(c) = t.column_mut(i) {
-            c.set_cell_alignment(CellAlignment::Right);
-        }
+        t.add_row(vec![
+            row.ty.clone(),
+            format!("{:.0}", row.single_melem_s),
+            format!("{:.2}", row.single_gb_s),
+            format!("{:.0}", row.multi_melem_s),
+            format!("{:.2}", row.multi_gb_s),
+            fmt_opt(row.c_anchor_melem_s, 0),
+            fmt_opt(row.ratio_single_vs_c, 2),
+            fmt_opt(row.gguf_py_melem_s, 1),
+            fmt_opt(row.ratio_single_vs_gguf_py, 0),
+            fmt_opt(row.gguf_py_anchor_melem_s, 0),
+        ]);
     }
     let mut s = t.to_string();
     s.push_str(&format!(
@@ -103,21 +96,21 @@ pub fn render_layer(r: &layer::Report) -> String {
         r.cpu, r.threads, r.load_before, r.load_after
     ));
 
-    let mut t = table(&[
-        "tokens",
-        "layer",
-        "wall ms",
-        "CPU ms",
-        "dequant thr-ms",
-        "matmul thr-ms",
-        "other thr-ms",
-        "dq share",
-        "quant MiB read",
-        "f32 MiB out",
-        "experts",
-        "floor ms",
-        "wall/floor",
-        "peak anon MiB",
+    let mut t = Grid::new(&[
+        ("tokens", 0),
+        ("layer", 0),
+        ("wall ms", 0),
+        ("CPU ms", 3),
+        ("dequant thr-ms", 0),
+        ("matmul thr-ms", 0),
+        ("other thr-ms", 4),
+        ("dq share", 0),
+        ("quant MiB read", 5),
+        ("f32 MiB out", 6),
+        ("experts", 2),
+        ("floor ms", 1),
+        ("wall/floor", 0),
+        ("peak anon MiB", 7),
     ]);
     for run in &r.runs {
         for k in &run.kinds {
@@ -167,16 +160,16 @@ pub fn render_layer(r: &layer::Report) -> String {
     s.push_str(&t.to_string());
     s.push_str("\n\n");
 
-    let mut m = table(&[
-        "tokens",
-        "run s",
-        "VmHWM MiB",
-        "peak RssAnon MiB",
-        "peak RssFile MiB",
-        "RssAnon before",
-        "RssFile before",
-        "quant MiB read",
-        "model MiB",
+    let mut m = Grid::new(&[
+        ("tokens", 0),
+        ("run s", 0),
+        ("VmHWM MiB", 2),
+        ("peak RssAnon MiB", 0),
+        ("peak RssFile MiB", 0),
+        ("RssAnon before", 3),
+        ("RssFile before", 4),
+        ("quant MiB read", 1),
+        ("model MiB", 5),
     ]);
     for run in &r.runs {
         let read: u64 =
@@ -284,5 +277,32 @@ mod tests {
         let r = dequant::run(&opts).unwrap();
         let table = render_dequant(&r);
         assert!(table.contains("Q4_K") && table.contains("1720"));
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn gpu_table_fits_100_columns() {
+        use crate::bench::gpu_dequant::{Report, Row};
+        let r = Report {
+            device: "cuda:0 NVIDIA H200 sm_90 (139.8 GiB, 132 SMs) | NVRTC 13.0 (arch sm_90 \
+                     fmad=false ftz=false prec-div=true prec-sqrt=true) | driver CUDA 13.0"
+                .into(),
+            copy_gbps: 4225.0,
+            rows: ["Q4_K", "IQ2_XXS", "MXFP4"]
+                .iter()
+                .map(|t| Row {
+                    ty: t.to_string(),
+                    ms: 0.512,
+                    gbps: 3650.0,
+                    of_copy: 0.86,
+                    gelems: 524.3,
+                })
+                .collect(),
+        };
+        let text = crate::report::layout::fit_text(&render_gpu_dequant(&r), Some(100));
+        for l in text.lines() {
+            assert!(l.chars().count() <= 100, "{l}\n{text}");
+        }
+        assert!(text.contains("| IQ2_XXS") && text.contains("86%"), "{text}");
     }
 }

@@ -3,7 +3,10 @@
 
 use std::fmt::Write as _;
 
-use super::{human_bytes, table};
+use super::{human_bytes, layout, table};
+
+/// With a width, metadata values are cut to this many characters (`--json` has them whole).
+const VALUE_MAX: usize = 240;
 use crate::model::inspect::InspectReport;
 
 /// Renders the report as text.
@@ -70,7 +73,11 @@ pub fn render(r: &InspectReport) -> String {
         let _ = writeln!(s, "\nother metadata:");
         let mut h = table(&["key", "value"]);
         for (k, v) in &r.other_metadata {
-            h.add_row(vec![k.clone(), v.clone()]);
+            let v = match layout::width() {
+                Some(_) => layout::shorten(v, VALUE_MAX),
+                None => v.clone(),
+            };
+            h.add_row(vec![k.clone(), v]);
         }
         let _ = writeln!(s, "{h}");
     }
@@ -113,7 +120,7 @@ pub fn render(r: &InspectReport) -> String {
 
 /// Prints the report to stdout.
 pub fn print(r: &InspectReport) {
-    print!("{}", render(r));
+    super::emit(&render(r));
 }
 
 /// A JSON value on one line, long arrays cut.

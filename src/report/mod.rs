@@ -1,10 +1,13 @@
 //! Everything glmdiff prints to stdout: tables (comfy-table) and JSON, plus the SVG plot of
-//! `run --plot` ([`plot`]). Other modules compute; this one formats.
+//! `run --plot` ([`plot`]). Other modules compute; this one formats. Text fits the width of
+//! [`layout`] (the terminal's, at most 100 columns when stdout is not a terminal, none with
+//! `--wide`).
 
 pub mod bench;
 #[cfg(feature = "cuda")]
 pub mod dequant_check;
 pub mod inspect;
+pub mod layout;
 pub mod plot;
 pub mod progress;
 pub mod regress;
@@ -16,8 +19,10 @@ pub mod weights_check;
 use std::io::Write;
 
 use anyhow::Result;
-use comfy_table::{presets, ContentArrangement, Table};
+use comfy_table::Table;
 use serde::Serialize;
+
+pub use layout::Grid;
 
 /// Prints `value` as pretty JSON on stdout.
 pub fn print_json<T: Serialize>(value: &T) -> Result<()> {
@@ -27,13 +32,20 @@ pub fn print_json<T: Serialize>(value: &T) -> Result<()> {
     Ok(())
 }
 
-/// A table in glmdiff's style: plain ASCII borders, no wrapping (stable to grep and diff).
+/// A table in glmdiff's style: plain ASCII borders, cells wrapped to fit [`layout::width`]
+/// (nothing wrapped with `--wide`, stable to grep and diff).
 pub fn table(header: &[&str]) -> Table {
-    let mut t = Table::new();
-    t.load_preset(presets::ASCII_MARKDOWN)
-        .set_content_arrangement(ContentArrangement::Disabled)
-        .set_header(header.iter().copied());
-    t
+    layout::table_at(header, layout::width())
+}
+
+/// Prints `text` on stdout, its long lines fitted to [`layout::width`].
+pub fn emit(text: &str) {
+    print!("{}", layout::fit_text(text, layout::width()));
+}
+
+/// Prints the line `text` on stderr, fitted to [`layout::width`] as [`emit`] does.
+pub fn emit_err(text: &str) {
+    eprintln!("{}", layout::fit_text(text, layout::width()));
 }
 
 /// Human-readable byte count (binary units).

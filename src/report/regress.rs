@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use serde_json::{json, Value};
 
 use super::run::{to_json, Header};
-use super::table;
+use super::{layout, table, Grid};
 use crate::compare::Comparison;
 use crate::regress::{CaseSummary, Changes};
 
@@ -70,33 +70,40 @@ pub fn progress_line(i: usize, n: usize, s: &CaseSummary) -> String {
     )
 }
 
-/// The summary table, the failures and the closing count.
+/// The summary table, the failures and the closing count, fitted to [`layout::width`].
 pub fn render(suite: &str, summaries: &[CaseSummary]) -> String {
+    render_at(suite, summaries, layout::width())
+}
+
+/// [`render`] fitted to `width` (`None`: every column, nothing wrapped).
+pub fn render_at(suite: &str, summaries: &[CaseSummary], width: Option<usize>) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "glmdiff regress: {suite} ({} cases)", summaries.len());
-    let mut t = table(&[
-        "case",
-        "verdict",
-        "first divergence",
-        "worst hook (error / allowed)",
-        "KL max",
-        "top-1",
-        "time",
+    let mut t = Grid::new(&[
+        ("case", 0),
+        ("verdict", 0),
+        ("first divergence", 0),
+        ("worst hook (error / allowed)", 1),
+        ("KL max", 0),
+        ("top-1", 2),
+        ("time", 3),
     ]);
+    // With a width the worst hook's name and its numbers are two lines of the cell.
+    let sep = if width.is_some() { "\n" } else { " " };
     for c in summaries {
         t.add_row(vec![
             c.case.clone(),
             verdict_cell(c),
             c.first_divergence.clone().unwrap_or_else(|| "-".into()),
             c.worst.as_ref().map_or("-".into(), |(h, m, err, allowed)| {
-                format!("{h} {m} {} / {}", e(*err), e(*allowed))
+                format!("{h}{sep}{m} {} / {}", e(*err), e(*allowed))
             }),
             c.max_kl.map_or("-".into(), e),
             c.top1.map_or("-".into(), |x| format!("{x:.3}")),
             c.seconds.map_or("-".into(), |x| format!("{x:.2} s")),
         ]);
     }
-    let _ = writeln!(s, "{t}");
+    let _ = writeln!(s, "{}", t.render(width));
     for c in summaries.iter().filter(|c| !c.passed()) {
         let _ = writeln!(s, "{} {}:", verdict_cell(c), c.case);
         if let Some(err) = &c.error {
@@ -106,7 +113,7 @@ pub fn render(suite: &str, summaries: &[CaseSummary]) -> String {
             let _ = writeln!(s, "  {d}");
         }
         if let Some(cmd) = &c.command {
-            let _ = writeln!(s, "  re-run: {cmd}");
+            let _ = writeln!(s, "{}", layout::shell_lines("  re-run:", cmd, width));
         }
     }
     let count = |st: &str| summaries.iter().filter(|c| c.status == st).count();

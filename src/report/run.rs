@@ -7,7 +7,8 @@ use std::fmt::Write as _;
 
 use serde_json::{json, Value};
 
-use super::table;
+use super::layout::{self, shell_lines, wrap_items};
+use super::Grid;
 use crate::compare::logits::LogitsReport;
 use crate::compare::{Comparison, HookRecord, Metrics, ModeResult, Status};
 use crate::driver::pair::LayerTime;
@@ -66,7 +67,7 @@ pub struct Header {
 
 /// `per layer: ...`: the mean and the slowest layer of each side's step time, or `None`
 /// without layers.
-fn layer_time_line(times: &[LayerTime]) -> Option<String> {
+fn layer_time_line(times: &[LayerTime], width: Option<usize>) -> Option<String> {
     let layers: Vec<&LayerTime> = times.iter().filter(|t| t.layer.is_some()).collect();
     if layers.is_empty() {
         return None;
@@ -92,10 +93,11 @@ fn layer_time_line(times: &[LayerTime]) -> Option<String> {
     .into_iter()
     .flatten()
     .collect();
-    Some(format!(
-        "per layer (mean over {}): {}",
-        layers.len(),
-        parts.join(", ")
+    Some(wrap_items(
+        &format!("per layer (mean over {}): ", layers.len()),
+        &parts,
+        ", ",
+        width,
     ))
 }
 
@@ -194,15 +196,39 @@ fn hook_row(rec: &HookRecord) -> Vec<String> {
     ]
 }
 
-/// Renders the whole text report.
+/// Renders the whole text report, fitted to [`layout::width`].
 pub fn render(h: &Header, c: &Comparison, text: &dyn Fn(u32) -> String, all_steps: bool) -> String {
+    render_at(h, c, text, all_steps, layout::width())
+}
+
+/// [`render`] fitted to `width` (`None`: every column, nothing wrapped).
+pub fn render_at(
+    h: &Header,
+    c: &Comparison,
+    text: &dyn Fn(u32) -> String,
+    all_steps: bool,
+    width: Option<usize>,
+) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "glmdiff {}: {} ({})", h.command, h.model, h.architecture);
     if let Some((a, b, n)) = h.layers {
         let _ = writeln!(s, "layers: {a}..{b} of {n}");
     }
-    let toks: Vec<String> = h.tokens.iter().map(|(id, t)| format!("{id} {t}")).collect();
-    let _ = writeln!(s, "tokens ({}): {}", h.tokens.len(), toks.join(" | "));
+    let toks: Vec<String> = h
+        .tokens
+        .iter()
+        .map(|(id, t)| format!("{id} {t}").trim_end().to_string())
+        .collect();
+    let _ = writeln!(
+        s,
+        "{}",
+        wrap_items(
+            &format!("tokens ({}): ", h.tokens.len()),
+            &toks,
+            " | ",
+            width
+        )
+    );
     for (what, d) in [("reference", &h.reference), ("candidate", &h.candidate)] {
         let _ = writeln!(s, "{what}: {} = {} [{}]", d.spec, d.describe, d.dtype);
     }
@@ -213,16 +239,17 @@ pub fn render(h: &Header, c: &Comparison, text: &dyn Fn(u32) -> String, all_step
     }
     let _ = writeln!(s);
 
-    let mut t = table(&[
-        "hook",
-        "shape",
-        "max |diff| @",
-        "NMSE",
-        "cosine",
-        "replay",
-        "chained",
-        "floor",
-        "verdict",
+    // Narrow: the hook, both modes' errors, the floor and the verdict stay.
+    let mut t = Grid::new(&[
+        ("hook", 0),
+        ("shape", 5),
+        ("max |diff| @", 3),
+        ("NMSE", 4),
+        ("cosine", 6),
+        ("replay", 0),
+        ("chained", 0),
+        ("floor", 0),
+        ("verdict", 0),
     ]);
     let layers = c.layers();
     let first_bad = layers.iter().position(|g| g.failed > 0);
@@ -272,7 +299,7 @@ pub fn render(h: &Header, c: &Comparison, text: &dyn Fn(u32) -> String, all_step
             v,
         ]);
     }
-    let _ = writeln!(s, "{t}");
+    let _ = writeln!(s, "{}", t.render(width));
 
     let missing: Vec<&HookRecord> = c
         .records()
@@ -329,9 +356,18 @@ pub fn render(h: &Header, c: &Comparison, text: &dyn Fn(u32) -> String, all_step
         s.push_str(&render_explanation(x));
     }
     if let Some(r) = &h.repro {
-        let _ = writeln!(s, "{r}");
+        // The command on a line of its own when the line is too long.
+        match r.split_once("; re-run it with: ") {
+            Some((what, cmd)) if width.is_some_and(|w| r.chars().count() > w) => {
+                let _ = writeln!(s, "{what};");
+                let _ = writeln!(s, "{}", shell_lines("  re-run it with:", cmd, width));
+            }
+            _ => {
+                let _ = writeln!(s, "{r}");
+            }
+        }
     }
-    s.push_str(&render_flips(c));
+    s.push_str(&render_flips(c, width));
     let drift: Vec<&HookRecord> = c
         .records()
         .iter()
@@ -357,7 +393,7 @@ pub fn render(h: &Header, c: &Comparison, text: &dyn Fn(u32) -> String, all_step
         );
     }
     if let Some(cmd) = &h.rerun {
-        let _ = writeln!(s, "re-run that layer: {cmd}");
+        let _ = writeln!(s, "{}", shell_lines("re-run that layer:", cmd, width));
     }
     let mode = if h.modes.contains(&Mode::Chained) {
         Mode::Chained
@@ -371,7 +407,7 @@ pub fn render(h: &Header, c: &Comparison, text: &dyn Fn(u32) -> String, all_step
         .or(c.logits().first())
     {
         let _ = writeln!(s);
-        s.push_str(&render_logits(*m, l, text));
+        s.push_str(&render_logits(*m, l, text, width));
     }
     let verdict = if c.differs() {
         "DIFFERS: a step diverges beyond what precision explains"
@@ -387,7 +423,7 @@ pub fn render(h: &Header, c: &Comparison, text: &dyn Fn(u32) -> String, all_step
             .collect();
         let _ = writeln!(s, "time: {}", t.join(", "));
     }
-    if let Some(line) = layer_time_line(&h.layer_times) {
+    if let Some(line) = layer_time_line(&h.layer_times, width) {
         let _ = writeln!(s, "{line}");
     }
     s
@@ -467,15 +503,15 @@ pub fn render_explanation(x: &Explanation) -> String {
 
 /// The selections whose sets differ, one row per hook and mode: how many rows, near-tie or
 /// confident, and the margins against their tolerance.
-fn render_flips(c: &Comparison) -> String {
-    let mut t = table(&[
-        "selection",
-        "mode",
-        "rows differing",
-        "near-tie",
-        "confident",
-        "margin min..max",
-        "first flip (token: in / out, margin vs tolerance)",
+fn render_flips(c: &Comparison, width: Option<usize>) -> String {
+    let mut t = Grid::new(&[
+        ("selection", 0),
+        ("mode", 0),
+        ("rows differing", 0),
+        ("near-tie", 0),
+        ("confident", 0),
+        ("margin min..max", 2),
+        ("first flip (token: in / out, margin vs tolerance)", 1),
     ]);
     let mut any = false;
     for r in c.records() {
@@ -507,7 +543,10 @@ fn render_flips(c: &Comparison) -> String {
         }
     }
     if any {
-        format!("selections that differ (a flip within its tolerance is a near tie):\n{t}\n")
+        format!(
+            "selections that differ (a flip within its tolerance is a near tie):\n{}\n",
+            t.render(width)
+        )
     } else {
         String::new()
     }
@@ -517,8 +556,14 @@ fn tok(text: &dyn Fn(u32) -> String, id: u32) -> String {
     format!("{id}:{}", text(id))
 }
 
-/// Renders the output-distribution section.
-pub fn render_logits(mode: Mode, l: &LogitsReport, text: &dyn Fn(u32) -> String) -> String {
+/// Renders the output-distribution section fitted to `width` (`None`: every column, nothing
+/// wrapped; with a width each top-5 entry has a line of its own).
+pub fn render_logits(
+    mode: Mode,
+    l: &LogitsReport,
+    text: &dyn Fn(u32) -> String,
+    width: Option<usize>,
+) -> String {
     let mut s = String::new();
     let n = l.positions.len();
     let agree = l.positions.iter().filter(|p| p.top1_agree).count();
@@ -531,11 +576,12 @@ pub fn render_logits(mode: Mode, l: &LogitsReport, text: &dyn Fn(u32) -> String)
     let lp = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}"));
     let _ = writeln!(
         s,
-        "mean entropy (nats): reference {:.3}, candidate {:.3} (uniform over {} tokens: {:.3}); mean logprob of the prompt's next tokens: reference {}, candidate {}",
-        l.mean_entropy[0],
-        l.mean_entropy[1],
-        l.vocab,
-        l.uniform_entropy,
+        "mean entropy (nats): reference {:.3}, candidate {:.3} (uniform over {} tokens: {:.3})",
+        l.mean_entropy[0], l.mean_entropy[1], l.vocab, l.uniform_entropy,
+    );
+    let _ = writeln!(
+        s,
+        "mean logprob of the prompt's next tokens: reference {}, candidate {}",
         lp(l.mean_next_logprob[0]),
         lp(l.mean_next_logprob[1])
     );
@@ -556,21 +602,21 @@ pub fn render_logits(mode: Mode, l: &LogitsReport, text: &dyn Fn(u32) -> String)
     shown.extend(by_kl.into_iter().take(8));
     shown.sort_unstable();
     shown.dedup();
-    let mut t = table(&[
-        "pos",
-        "next",
-        "reference top-5 (logprob)",
-        "candidate top-5 (logprob)",
-        "H ref",
-        "H cand",
-        "KL",
-        "logprob(next) ref / cand",
+    let mut t = Grid::new(&[
+        ("pos", 0),
+        ("next", 0),
+        ("reference top-5 (logprob)", 0),
+        ("candidate top-5 (logprob)", 0),
+        ("entropy ref / cand", 2),
+        ("KL", 0),
+        ("logprob(next) ref / cand", 1),
     ]);
+    let sep = if width.is_some() { "\n" } else { ", " };
     let tops = |v: &[(u32, f64)]| {
         v.iter()
             .map(|(id, lp)| format!("{} {lp:.2}", tok(text, *id)))
             .collect::<Vec<_>>()
-            .join(", ")
+            .join(sep)
     };
     for &i in &shown {
         let p = &l.positions[i];
@@ -579,8 +625,7 @@ pub fn render_logits(mode: Mode, l: &LogitsReport, text: &dyn Fn(u32) -> String)
             p.next_token.map_or("-".into(), |id| tok(text, id)),
             tops(&p.reference.top),
             tops(&p.candidate.top),
-            format!("{:.3}", p.reference.entropy),
-            format!("{:.3}", p.candidate.entropy),
+            format!("{:.3} / {:.3}", p.reference.entropy, p.candidate.entropy),
             e(p.kl),
             format!(
                 "{} / {}",
@@ -589,7 +634,7 @@ pub fn render_logits(mode: Mode, l: &LogitsReport, text: &dyn Fn(u32) -> String)
             ),
         ]);
     }
-    let _ = writeln!(s, "{t}");
+    let _ = writeln!(s, "{}", t.render(width));
     if shown.len() < n {
         let _ = writeln!(
             s,

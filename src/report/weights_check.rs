@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 
 use serde_json::{json, Value};
 
-use super::table;
+use super::{table, Grid};
 use crate::wcheck::{Report, Status, TensorResult};
 
 /// Above this many tensors the table keeps failing tensors and one summary row per layer.
@@ -93,16 +93,17 @@ pub fn render(r: &Report) -> String {
             d.n_head, d.nope, d.v, d.kv_lora
         );
     }
-    let mut t = table(&[
-        "tensor",
-        "type",
-        "shape",
-        "reference [dtype]",
-        "NMSE",
-        "expected",
-        "max |diff| @",
-        "cosine",
-        "verdict",
+    // Narrow: the tensor, its type, NMSE against the expected and the verdict stay.
+    let mut t = Grid::new(&[
+        ("tensor", 0),
+        ("type", 0),
+        ("shape", 4),
+        ("reference [dtype]", 3),
+        ("NMSE", 0),
+        ("expected", 2),
+        ("max |diff| @", 5),
+        ("cosine", 6),
+        ("verdict", 0),
     ]);
     if r.tensors.len() <= FULL_TABLE_MAX {
         for x in &r.tensors {

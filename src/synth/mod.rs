@@ -26,6 +26,7 @@ pub use vocab::Vocab;
 use crate::gguf::GgufWriter;
 use crate::model::Arch;
 use crate::quant::GgmlType;
+use crate::util::progress::{NoProgress, Progress};
 use crate::util::rng::{mix64, SplitMix64, GAMMA};
 
 /// Target bytes of one generated chunk (rounded down to whole blocks).
@@ -124,13 +125,26 @@ pub fn prepare(opts: &SynthOptions) -> Result<(GgufWriter, Vec<TensorPlan>)> {
 
 /// Writes the synthetic model to `path` (atomically).
 pub fn write(opts: &SynthOptions, path: &Path) -> Result<SynthSummary> {
+    write_with_progress(opts, path, &NoProgress)
+}
+
+/// [`write`], reporting the tensor bytes written to `progress`.
+pub fn write_with_progress(
+    opts: &SynthOptions,
+    path: &Path,
+    progress: &dyn Progress,
+) -> Result<SynthSummary> {
     let (w, tensors) = prepare(opts)?;
+    progress.start(
+        "synth: tensors",
+        w.layout().iter().map(|t| t.nbytes).sum::<u64>(),
+    );
     let gens = tensors
         .iter()
         .map(|t| BlockGen::new(t.ty, t.init).with_context(|| format!("synth: tensor {}", t.name)))
         .collect::<Result<Vec<_>>>()?;
     let mut next = 0usize;
-    let file_bytes = w.write_file(path, &mut |info, out| {
+    let written = w.write_file(path, &mut |info, out| {
         let (t, g) = (&tensors[next], &gens[next]);
         next += 1;
         if t.name != info.name {
@@ -161,11 +175,14 @@ pub fn write(opts: &SynthOptions, path: &Path) -> Result<SynthSummary> {
                 .collect();
             for b in &bufs {
                 out.write_all(b)?;
+                progress.inc(b.len() as u64);
             }
             first = last;
         }
         Ok(())
-    })?;
+    });
+    progress.finish();
+    let file_bytes = written?;
     let mut types: BTreeMap<GgmlType, (usize, u64)> = BTreeMap::new();
     for t in w.layout() {
         let e = types.entry(t.ty).or_default();

@@ -5,6 +5,10 @@
 pub trait Progress {
     /// A phase of `total` units begins.
     fn start(&self, what: &str, total: u64);
+    /// The phase's work is now `what` (the output layer after the layers); the count goes on.
+    fn phase(&self, what: &str) {
+        let _ = what;
+    }
     /// `n` more units are done.
     fn inc(&self, n: u64);
     /// The phase ended.
