@@ -33,7 +33,8 @@ pub fn render(device: &str, checks: &[TensorCheck], skipped: &[Skipped]) -> Stri
         ("max |diff|", 2),
         ("kernel GB/s", 1),
         ("verdict", 0),
-    ]);
+    ])
+    .whole(&[0]);
     for c in checks {
         t.add_row(vec![
             c.name.clone(),

@@ -96,6 +96,8 @@ pub fn table_at(header: &[&str], width: Option<usize>) -> Table {
 pub struct Grid {
     header: Vec<String>,
     rank: Vec<u8>,
+    /// Columns whose cells never wrap (names a user searches for, such as hook names).
+    whole: Vec<bool>,
     rows: Vec<Vec<String>>,
 }
 
@@ -105,8 +107,20 @@ impl Grid {
         Grid {
             header: columns.iter().map(|(h, _)| h.to_string()).collect(),
             rank: columns.iter().map(|(_, r)| *r).collect(),
+            whole: vec![false; columns.len()],
             rows: Vec::new(),
         }
+    }
+
+    /// Marks columns whose cells are never wrapped or shortened (identifiers such as hook
+    /// names): when the table is too wide, the other columns give way.
+    pub fn whole(mut self, columns: &[usize]) -> Grid {
+        for &c in columns {
+            if let Some(w) = self.whole.get_mut(c) {
+                *w = true;
+            }
+        }
+        self
     }
 
     /// Adds a row (one cell per column; missing cells are empty).
@@ -142,7 +156,7 @@ impl Grid {
                 .map(|s| chars(s))
                 .max()
                 .unwrap_or(0)
-                .min(WRAP_AT)
+                .min(if self.whole[c] { usize::MAX } else { WRAP_AT })
                 .max(header)
         };
         let needs: Vec<usize> = (0..self.header.len()).map(need).collect();
@@ -162,8 +176,17 @@ impl Grid {
                 // Still too wide: the widest columns give way first, down to a common width
                 // (never under their header's longest word); the narrow ones stay whole.
                 let room = width.saturating_sub(3 * kept.len() + 1);
+                let floor = |c: usize| -> usize {
+                    if self.whole[c] {
+                        needs[c]
+                    } else {
+                        word(c)
+                    }
+                };
                 let fit = |level: usize| -> usize {
-                    kept.iter().map(|&c| needs[c].min(level.max(word(c)))).sum()
+                    kept.iter()
+                        .map(|&c| needs[c].min(level.max(floor(c))))
+                        .sum()
                 };
                 let top = kept.iter().map(|&c| needs[c]).max().unwrap_or(0);
                 let Some(level) = (1..=top).rev().find(|&l| fit(l) <= room) else {
@@ -171,7 +194,7 @@ impl Grid {
                 };
                 let mins = kept
                     .iter()
-                    .map(|&c| needs[c].min(level.max(word(c))))
+                    .map(|&c| needs[c].min(level.max(floor(c))))
                     .collect();
                 return (kept, Some(mins));
             };
@@ -457,6 +480,19 @@ mod tests {
         assert_eq!(choose(false, Some("x"), None), Some(100));
         assert_eq!(choose(false, Some("0"), Some(150)), Some(150));
         assert_eq!(choose(false, Some("10"), None), Some(MIN_WIDTH));
+    }
+
+    #[test]
+    fn whole_columns_never_wrap_the_others_give_way() {
+        let mut g = Grid::new(&[("hook", 0), ("error", 0), ("verdict", 0)]).whole(&[0]);
+        g.add_row(vec![
+            "blk.12.indexer_scores".into(),
+            "1.27e0 (attn_heads)".into(),
+            "r FAIL, c drift, near-tie flips: 3 rows, margins 1.2e-5..1.9e-2".into(),
+        ]);
+        let s = g.render(Some(48));
+        assert!(s.contains("blk.12.indexer_scores"), "{s}");
+        assert!(s.lines().all(|l| l.chars().count() <= 48), "{s}");
     }
 
     #[test]

@@ -87,7 +87,8 @@ pub fn render_at(suite: &str, summaries: &[CaseSummary], width: Option<usize>) -
         ("KL max", 0),
         ("top-1", 2),
         ("time", 3),
-    ]);
+    ])
+    .whole(&[0]);
     // With a width the worst hook's name and its numbers are two lines of the cell.
     let sep = if width.is_some() { "\n" } else { " " };
     for c in summaries {

@@ -250,7 +250,8 @@ pub fn render_at(
         ("chained", 0),
         ("floor", 0),
         ("verdict", 0),
-    ]);
+    ])
+    .whole(&[0]);
     let layers = c.layers();
     let first_bad = layers.iter().position(|g| g.failed > 0);
     for (gi, g) in layers.iter().enumerate() {
@@ -512,7 +513,8 @@ fn render_flips(c: &Comparison, width: Option<usize>) -> String {
         ("confident", 0),
         ("margin min..max", 2),
         ("first flip (token: in / out, margin vs tolerance)", 1),
-    ]);
+    ])
+    .whole(&[0]);
     let mut any = false;
     for r in c.records() {
         for (mode, res) in [(Mode::Replay, &r.replay), (Mode::Chained, &r.chained)] {

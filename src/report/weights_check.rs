@@ -104,7 +104,8 @@ pub fn render(r: &Report) -> String {
         ("max |diff| @", 5),
         ("cosine", 6),
         ("verdict", 0),
-    ]);
+    ])
+    .whole(&[0]);
     if r.tensors.len() <= FULL_TABLE_MAX {
         for x in &r.tensors {
             t.add_row(row(x));
