@@ -166,7 +166,7 @@ pub struct RunArgs {
     /// Only layers A..B (end exclusive), starting from the cached residual stream at layer A.
     #[arg(long, value_name = "A..B", value_parser = parse_range)]
     pub layers: Option<Range<u64>>,
-    /// The candidate: auto, cpu, cuda or cuda:N, or trace:FILE (a trace of shared/spec/hooks.md).
+    /// The candidate: auto, cpu, cuda or cuda:N, or trace:FILE (a trace of docs/hooks.md).
     #[arg(long, default_value = "auto", value_name = "ENGINE")]
     pub against: String,
     /// Modes: both, replay (each step from the same inputs) or chained (each side on its own outputs).

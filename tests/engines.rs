@@ -3,7 +3,7 @@
 //! `fixtures/engines/` from the fixture GGUFs. A correct engine must come out clean (its
 //! near-tie flips reported, its chained drift explained); the same engine with a mapping bug
 //! planted in its weights (by the script, never by glmdiff) must be named at the bug's own hook.
-//! The test also prints the separation table of the README: per hook kind, how far the clean
+//! The test also prints the separation table of docs/comparing.md: per hook kind, how far the clean
 //! dumps stay under their floors and how far each planted bug rises above.
 
 use std::collections::BTreeMap;

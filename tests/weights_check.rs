@@ -602,11 +602,11 @@ fn the_reference_is_read_in_bounded_chunks() {
 }
 
 /// Not a test: writes the checkpoint of the GGUF `$GLMDIFF_WCHECK_GGUF` (BF16 for block-quantized
-/// tensors, 4 GiB shards) to `$GLMDIFF_WCHECK_HF`, for the memory measurement of the README:
+/// tensors, 4 GiB shards) to `$GLMDIFF_WCHECK_HF`, for the memory measurement in docs/weights-check.md:
 /// `glmdiff synth --arch glm-dsa --dims glm5 --layers 1 --out M.gguf`, this, then
 /// `/usr/bin/time -v glmdiff weights-check M.gguf --hf DIR`.
 #[test]
-#[ignore = "writes tens of GB; run by hand (README, weights-check memory)"]
+#[ignore = "writes tens of GB; run by hand (docs/weights-check.md, memory)"]
 fn write_checkpoint_of_gguf() {
     let (Some(g), Some(out)) = (
         std::env::var_os("GLMDIFF_WCHECK_GGUF"),

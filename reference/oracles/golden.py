@@ -1,4 +1,4 @@
-"""Float64 golden traces of every hook point (shared/spec/hooks.md) from transformers.
+"""Float64 golden traces of every hook point (docs/hooks.md) from transformers.
 
 The model runs as transformers builds it (`model.double()`, eager attention, eager experts), with
 forward hooks recording the hook points. transformers computes a few parts in float32 even in a

@@ -85,7 +85,7 @@ def sigmoid(x):
 
 
 def forward(meta: dict, W: dict[str, np.ndarray], ids: list[int]) -> dict[str, np.ndarray]:
-    """Every hook point of shared/spec/hooks.md, computed from the GGUF in float64."""
+    """Every hook point of docs/hooks.md, computed from the GGUF in float64."""
     arch = meta["general.architecture"]
     g = lambda k, d=None: meta.get(f"{arch}.{k}", d)  # noqa: E731
     n_layer = int(g("block_count")) - int(g("nextn_predict_layers", 0))

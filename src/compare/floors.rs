@@ -24,7 +24,7 @@
 //!   `fixtures/engines/`), the replay error per unit roundoff is at most about 1.0 `u` for
 //!   norms, projections and the embedding, 1.3 `u` for attention, 1.4 `u` for the index
 //!   scores and 2.4 `u` for the experts (three projections and a SwiGLU): each floor sits 7-15x
-//!   above that (the README's separation table; `tests/engines.rs` prints it).
+//!   above that (the separation table of docs/comparing.md; `tests/engines.rs` prints it).
 //! - `u_acc * sqrt(K)`: accumulation of `K` products in the accumulator precision (f32 for every
 //!   low-precision engine, f64 for the reference): recursive summation of random-sign terms
 //!   grows the relative error like `u * sqrt(K)` (blocked and pairwise sums, as cuBLAS does, are

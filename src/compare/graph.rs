@@ -4,7 +4,7 @@
 
 use crate::model::names::split_blk;
 
-/// Points of a layer in forward-pass order (`shared/spec/hooks.md`), optional ones after the
+/// Points of a layer in forward-pass order (`docs/hooks.md`), optional ones after the
 /// hook they detail.
 pub const POINT_ORDER: &[&str] = &[
     "attn_norm",

@@ -59,7 +59,7 @@ impl Modes {
 pub enum Candidate<'a, C: Engine> {
     /// An engine glmdiff runs.
     Engine(&'a C),
-    /// A trace dumped by another engine (hooks of `shared/spec/hooks.md`).
+    /// A trace dumped by another engine (hooks of `docs/hooks.md`).
     Trace(&'a TraceFile),
 }
 

@@ -25,7 +25,7 @@
 //!   end. A walk that fails stops without the end calls (an engine frees what it holds when
 //!   dropped); an engine used by two walks at once (the same engine as reference and candidate)
 //!   sees both walks' calls interleaved. The defaults do nothing.
-//! - Every method takes inputs in the hook shapes of `shared/spec/hooks.md` and returns its
+//! - Every method takes inputs in the hook shapes of `docs/hooks.md` and returns its
 //!   outputs in those shapes; element order is the GGUF's own (RoPE pairs rotated in place).
 //! - Positions are `0..T` (one prompt, no KV cache); the causal mask is part of the step.
 //! - Engines never print and never compare; they return errors that name the step and shapes.

@@ -5,7 +5,7 @@
 //! - `case.json`: the header ([`CaseHeader`]): which step (named by its first output hook), the
 //!   failing hook, the inputs, the weight tensors, both sides' precisions, the error and floor
 //!   the run found, the source model and prompt;
-//! - `tensors.safetensors` (the trace format of `shared/spec/hooks.md`, F32/I32): every input
+//! - `tensors.safetensors` (the trace format of `docs/hooks.md`, F32/I32): every input
 //!   as `input.<hook>`, the reference's and the candidate's output at the failing hook as
 //!   `reference.<hook>` and `candidate.<hook>`;
 //! - `weights.gguf`: the GGUF tensors the step reads, whole and as the model holds them (raw

@@ -1,4 +1,4 @@
-//! The shape and kind (floats or integer ids) of each hook of `shared/spec/hooks.md` for one
+//! The shape and kind (floats or integer ids) of each hook of `docs/hooks.md` for one
 //! model and one prompt length: what a trace made for the model must hold, so that a trace of
 //! another architecture, another model's dimensions or another prompt is refused before a run
 //! rather than compared. The shapes are those the step list ([`super::steps`]) documents for

@@ -1,5 +1,5 @@
 //! The ordered list of steps of a forward pass. Each step names its inputs and outputs by hook
-//! name (`shared/spec/hooks.md`), so a driver can run them over any engine, chained (inputs from
+//! name (`docs/hooks.md`), so a driver can run them over any engine, chained (inputs from
 //! the same engine) or replay (inputs taken from a reference run), and hand every output to a
 //! trace sink. No arithmetic happens here; the step kinds are defined by the `Engine` trait.
 //!

@@ -1,5 +1,5 @@
 //! Trace files: safetensors with one tensor per hook (F32, I32 for ids) and `__metadata__`
-//! (`shared/spec/hooks.md`). Written atomically; readable with the `safetensors` package alone.
+//! (`docs/hooks.md`). Written atomically; readable with the `safetensors` package alone.
 //! The reader also accepts F64/F16/BF16 floats and other integer widths, so golden traces made by
 //! transformers in float64 and external dumps read the same way.
 
