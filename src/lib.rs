@@ -5,8 +5,9 @@
 //! From the bottom; each module imports only from modules listed before it (`use crate::`):
 //!
 //! 1. [`util`]: glob matching, atomic writes (and the temporaries in flight an interrupt
-//!    removes), the output guard (outputs never overwrite inputs), array files, SplitMix64, top-k
-//!    with ties, the progress trait. Imports nothing from the crate.
+//!    removes), the output guard (outputs never overwrite inputs), array files, the cache
+//!    directory and the FNV-1a hash, SplitMix64, top-k with ties, the progress trait. Imports
+//!    nothing from the crate.
 //! 2. [`quant`]: the GGML type table and the dequantizers. Imports nothing from the crate.
 //! 3. [`tensor`]: host tensors (shape + f32/i32 values), the currency between engines, traces
 //!    and comparisons. Imports nothing from the crate.
@@ -22,7 +23,7 @@
 //! 7. [`trace`]: sinks (one tensor, or reference/candidate pairs), hook selection, trace files,
 //!    the reference cache; uses `model`, `gguf`, `tensor`, `util`.
 //! 8. [`cuda`]: devices, NVRTC, the dequant and comparison kernels, `dequant-check`; uses
-//!    `trace` (the cache directory and its hash), `gguf`, `quant`, `util`.
+//!    `gguf`, `quant`, `util` (the cache directory and its hash).
 //! 9. [`compare`]: metrics, tolerance floors, verdicts, first divergence, output distributions;
 //!    uses `trace` (it is a pair sink), `model`, `tensor`, `util`.
 //! 10. [`driver`]: walks the steps over one engine into a sink, or over a reference and a

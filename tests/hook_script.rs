@@ -394,7 +394,7 @@ fn a_planted_disagreement_with_the_docs_is_named() {
 
 /// FNV-1a 64 as glmdiff computes it (the hash the writer fixture's manifest records).
 fn fnv(bytes: &[u8]) -> String {
-    format!("{:016x}", glmdiff::trace::cache::fnv1a64(bytes))
+    format!("{:016x}", glmdiff::util::hash::fnv1a64(bytes))
 }
 
 fn writer_fixture() -> (PathBuf, Value) {

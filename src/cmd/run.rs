@@ -24,8 +24,9 @@ use crate::model::Weights;
 use crate::report::progress::Bar;
 use crate::report::run::{render, to_json, EngineDesc, Header};
 use crate::tokenizer::Tokenizer;
-use crate::trace::cache::{default_dir, CacheKey, Loaded, RefCache};
+use crate::trace::cache::{CacheKey, Loaded, RefCache};
 use crate::trace::{HookFilter, Mode, Pair, PairSink, TraceFile};
+use crate::util::cache_dir::default_dir;
 use crate::util::guard::Guard;
 
 /// The candidate a run compares against.

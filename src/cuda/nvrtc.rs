@@ -79,7 +79,7 @@ pub fn compile_cubin(source: &str, name: &str, opts: &CompileOptions) -> Result<
 
 /// Where compiled modules are cached: `<glmdiff cache>/cubin`.
 fn cache_dir() -> Option<PathBuf> {
-    crate::trace::cache::default_dir()
+    crate::util::cache_dir::default_dir()
         .ok()
         .map(|d| d.join("cubin"))
 }
@@ -88,7 +88,7 @@ fn cache_dir() -> Option<PathBuf> {
 /// NVRTC version). A cache that cannot be read or written is skipped, never an error.
 pub fn compile_cached(source: &str, name: &str, opts: &CompileOptions) -> Result<Vec<u8>> {
     let (a, b) = version()?;
-    let key = crate::trace::cache::fnv1a64(
+    let key = crate::util::hash::fnv1a64(
         format!("{source}\n{}\nnvrtc {a}.{b}", opts.args().join(" ")).as_bytes(),
     );
     let path = cache_dir().map(|d| d.join(format!("{name}-{}-{key:016x}.cubin", opts.arch)));

@@ -3,7 +3,7 @@
 //! recompute layers `0..A` every time.
 //!
 //! Where: `$GLMDIFF_CACHE_DIR`, else `$XDG_CACHE_HOME/glmdiff`, else `$HOME/.cache/glmdiff`
-//! ([`default_dir`]). One safetensors file per entry (the trace format; metadata holds the key),
+//! ([`default_dir`](crate::util::cache_dir::default_dir)). One safetensors file per entry (the trace format; metadata holds the key),
 //! named by a 64-bit FNV-1a hash of the key, written atomically. The key is the model's identity
 //! (canonical path, size and modification time of every shard, a hash of every shard's header:
 //! metadata and tensor infos), the tokens, the layer and glmdiff's version; an entry whose stored
@@ -17,12 +17,13 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::UNIX_EPOCH;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 
 use super::file::{write_trace, TraceFile, TraceMeta};
 use super::Mode;
 use crate::gguf::Model;
 use crate::tensor::HostTensor;
+use crate::util::hash::fnv1a64;
 
 /// Identity of one cache entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -90,35 +91,6 @@ impl CacheKey {
             fnv1a64(all.as_bytes())
         )
     }
-}
-
-/// 64-bit FNV-1a (Fowler, Noll, Vo): a stable hash for file names and cheap identity checks.
-pub fn fnv1a64(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
-
-/// The cache directory: `$GLMDIFF_CACHE_DIR`, `$XDG_CACHE_HOME/glmdiff` or `$HOME/.cache/glmdiff`.
-pub fn default_dir() -> Result<PathBuf> {
-    let env = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    if let Some(d) = env("GLMDIFF_CACHE_DIR") {
-        return Ok(d);
-    }
-    if let Some(d) = env("XDG_CACHE_HOME") {
-        return Ok(d.join("glmdiff"));
-    }
-    if let Some(h) = env("HOME") {
-        return Ok(h.join(".cache").join("glmdiff"));
-    }
-    bail!("cache: no cache directory: set GLMDIFF_CACHE_DIR (or XDG_CACHE_HOME or HOME)")
 }
 
 /// The metadata key holding the checksum of an entry's values.
@@ -260,14 +232,6 @@ impl RefCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn fnv1a64_matches_published_vectors() {
-        // Test vectors of the FNV reference (isthe.com/chongo/tech/comp/fnv): "" and "a".
-        assert_eq!(fnv1a64(b""), 0xcbf2_9ce4_8422_2325);
-        assert_eq!(fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
-        assert_eq!(fnv1a64(b"foobar"), 0x8594_4171_f739_67e8);
-    }
 
     #[test]
     fn entries_round_trip_and_other_keys_miss() {
