@@ -453,4 +453,72 @@ mod tests {
             assert_eq!((t.block_size(), t.type_size()), (b, s), "{t}");
         }
     }
+
+    /// Every row is complete and its per-type facts agree with its sizes: a dequantizable type
+    /// has a dequantizer and a CUDA kernel (and only those do), a noise model unless it is an
+    /// integer type or F64, and a bench draw whose fields lie inside the block; the models and
+    /// draws fit the block layout.
+    #[test]
+    fn every_row_is_complete_and_consistent() {
+        use super::super::draw::Codes;
+        // The only dequantizable non-integer type without a rounding-error model.
+        const NO_NOISE_MODEL: &[GgmlType] = &[T::F64];
+        for r in TYPE_TABLE {
+            let (name, bs, ts) = (r.name, r.block_size, r.type_size);
+            let dequant = matches!(r.status, S::Dequant | S::Integer);
+            assert_eq!(
+                r.dequant.is_some(),
+                dequant,
+                "{name}: dequantizer vs status"
+            );
+            assert_eq!(r.kernel.is_some(), dequant, "{name}: kernel vs status");
+            assert!(bs > 0 && ts > 0, "{name}: sizes");
+            if let Some(k) = r.kernel {
+                assert_eq!(k, name.to_lowercase(), "{name}: kernel stem");
+            }
+            let wants_noise = r.status == S::Dequant && !NO_NOISE_MODEL.contains(&r.ty);
+            assert_eq!(r.noise.is_some(), wants_noise, "{name}: noise model");
+            match r.noise {
+                Some(N::Float {
+                    exp_bits,
+                    mant_bits,
+                }) => {
+                    assert_eq!(bs, 1, "{name}");
+                    assert_eq!(8 * ts as u32, 1 + exp_bits + mant_bits, "{name}");
+                }
+                Some(N::OneScale { d_at }) => assert!(d_at + 2 <= ts, "{name}"),
+                Some(N::Iq2Scales { scales_at, .. }) => assert!(scales_at + 8 <= ts, "{name}"),
+                Some(_) | None => {}
+            }
+            if let Some(d) = r.synth {
+                assert_eq!(
+                    r.status,
+                    S::Dequant,
+                    "{name}: synth draws a dequantizable type"
+                );
+                match d {
+                    D::Float(_) => assert_eq!(bs, 1, "{name}"),
+                    D::Scale(Codes::Levels(l)) | D::Iq4Xs { levels: l, .. } => {
+                        assert_eq!(l.len(), 16, "{name}")
+                    }
+                    D::Q4K { levels, .. } => assert!(levels == 16 || levels == 32, "{name}"),
+                    _ => assert!(bs > 1, "{name}"),
+                }
+            }
+            match r.random {
+                R::Float16 { exp, mant_bits } => {
+                    assert_eq!(ts, 2, "{name}");
+                    assert!(exp.0 <= exp.1 && mant_bits < 15, "{name}");
+                }
+                R::UniformF32 => assert_eq!(ts, 4, "{name}"),
+                R::UniformF64 => assert_eq!(ts, 8, "{name}"),
+                R::Scaled(f) => {
+                    assert!(f.f16.iter().all(|&o| o + 2 <= ts), "{name}: f16 scale");
+                    assert!(f.e8m0.iter().all(|&o| o < ts), "{name}: e8m0 scale");
+                    assert!(f.ue4m3.iter().all(|&o| o < ts), "{name}: ue4m3 scale");
+                    assert!(f.clear.iter().all(|&(o, _)| o < ts), "{name}: cleared bits");
+                }
+            }
+        }
+    }
 }
