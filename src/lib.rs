@@ -8,7 +8,9 @@
 //!    removes), the output guard (outputs never overwrite inputs), array files, the cache
 //!    directory and the FNV-1a hash, SplitMix64, top-k with ties, the progress trait. Imports
 //!    nothing from the crate.
-//! 2. [`quant`]: the GGML type table and the dequantizers. Imports nothing from the crate.
+//! 2. [`quant`]: the GGML type table and the dequantizers. Imports nothing from the crate;
+//!    per-type facts of higher layers (CUDA kernel stems, how `synth` and `bench` draw blocks)
+//!    live in its rows as plain data that those layers interpret.
 //! 3. [`tensor`]: host tensors (shape + f32/i32 values), the currency between engines, traces
 //!    and comparisons. Imports nothing from the crate.
 //! 4. [`gguf`]: the file format (reader, split shards, streaming writer); uses `quant` for tensor

@@ -7,6 +7,7 @@
 //! random data; gguf-py `tests/test_quants.py` uses random bytes).
 //! Field offsets follow the block structs of ggml `ggml/src/ggml-common.h`.
 
+use crate::quant::draw::RandomDraw;
 use crate::quant::GgmlType;
 use crate::util::rng::SplitMix64;
 
@@ -26,75 +27,43 @@ fn range(rng: &mut SplitMix64, lo: u32, hi: u32) -> u32 {
     lo + (rng.next_u64() % u64::from(hi - lo + 1)) as u32
 }
 
-/// A sane f16 as little-endian bytes: `±(1 + m/1024) * 2^k`, `k` in -10..=0.
-fn f16_bytes(rng: &mut SplitMix64) -> [u8; 2] {
+/// A 16-bit float as little-endian bytes: random sign, biased exponent in `exp.0..=exp.1`,
+/// random mantissa of `mant_bits` (drawn in that order).
+fn float16_bytes(rng: &mut SplitMix64, exp: (u32, u32), mant_bits: u32) -> [u8; 2] {
     let sign = range(rng, 0, 1) << 15;
-    let exp = range(rng, 5, 15) << 10; // biased exponent 5..=15 -> 2^-10..=2^0
-    let man = range(rng, 0, 1023);
-    ((sign | exp | man) as u16).to_le_bytes()
+    let e = range(rng, exp.0, exp.1) << mant_bits;
+    let man = range(rng, 0, (1 << mant_bits) - 1);
+    ((sign | e | man) as u16).to_le_bytes()
 }
 
-/// Where a block keeps its scales: offsets of f16 fields, and the special one-byte scales.
-struct ScaleFields {
-    /// Byte offsets of f16 scales (`d`, `dmin`, `m`) inside the block.
-    f16: &'static [usize],
-    /// Byte offsets of E8M0 exponents (MXFP4 `e`).
-    e8m0: &'static [usize],
-    /// Byte offsets of UE4M3 scales (NVFP4 `d[4]`).
-    ue4m3: &'static [usize],
+/// A sane f16 as little-endian bytes: `±(1 + m/1024) * 2^k`, `k` in -10..=0 (biased exponent
+/// 5..=15).
+fn f16_bytes(rng: &mut SplitMix64) -> [u8; 2] {
+    float16_bytes(rng, (5, 15), 10)
 }
 
-/// The scale fields of `ty` (ggml `src/ggml-common.h` block structs).
-fn scale_fields(ty: GgmlType) -> ScaleFields {
-    use GgmlType as T;
-    let f16: &'static [usize] = match ty {
-        T::Q4_0 | T::Q5_0 | T::Q8_0 | T::IQ4_NL | T::IQ4_XS => &[0],
-        T::Q4_1 | T::Q5_1 | T::Q4_K | T::Q5_K => &[0, 2],
-        T::IQ2_XXS | T::IQ2_XS | T::IQ2_S | T::IQ3_XXS | T::IQ3_S | T::IQ1_S => &[0],
-        T::Q2_K => &[80, 82],
-        T::Q3_K => &[108],
-        T::Q6_K => &[208],
-        T::TQ1_0 => &[52],
-        T::TQ2_0 => &[64],
-        _ => &[],
-    };
-    let e8m0: &'static [usize] = if ty == T::MXFP4 { &[0] } else { &[] };
-    let ue4m3: &'static [usize] = if ty == T::NVFP4 { &[0, 1, 2, 3] } else { &[] };
-    ScaleFields { f16, e8m0, ue4m3 }
-}
-
-/// IQ1_M assembles its f16 scale from the top nibbles of four u16 sub-scales at bytes 48..56;
-/// bit 14 of the f16 (the exponent's top bit) is bit 6 of byte 55. Clearing it keeps |d| < 2.
-const IQ1_M_SCALE_EXP_TOP_BYTE: usize = 55;
-const IQ1_M_SCALE_EXP_TOP_MASK: u8 = 0x40;
-
-/// Fills `out` (whole blocks of `ty`) with random valid blocks.
+/// Fills `out` (whole blocks of `ty`) with random valid blocks, drawn as `ty`'s row of the type
+/// table says ([`RandomDraw`]).
 pub fn fill_blocks(ty: GgmlType, rng: &mut SplitMix64, out: &mut [u8]) {
-    use GgmlType as T;
     fill_bytes(rng, out);
     let ts = ty.type_size();
     if ts == 0 {
         return;
     }
-    match ty {
-        T::F16 => out
+    match ty.info().random {
+        // F16 `±(1 + m/1024) * 2^k`, BF16 `±(1 + m/128) * 2^k`, k in -10..=0.
+        RandomDraw::Float16 { exp, mant_bits } => out
             .chunks_exact_mut(2)
-            .for_each(|c| c.copy_from_slice(&f16_bytes(rng))),
-        T::BF16 => out.chunks_exact_mut(2).for_each(|c| {
-            // bf16 `±(1 + m/128) * 2^k`, k in -10..=0: biased exponent 117..=127.
-            let bits = (range(rng, 0, 1) << 15) | (range(rng, 117, 127) << 7) | range(rng, 0, 127);
-            c.copy_from_slice(&(bits as u16).to_le_bytes());
-        }),
-        T::F32 => out.chunks_exact_mut(4).for_each(|c| {
+            .for_each(|c| c.copy_from_slice(&float16_bytes(rng, exp, mant_bits))),
+        RandomDraw::UniformF32 => out.chunks_exact_mut(4).for_each(|c| {
             let v = (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
             c.copy_from_slice(&v.to_le_bytes());
         }),
-        T::F64 => out.chunks_exact_mut(8).for_each(|c| {
+        RandomDraw::UniformF64 => out.chunks_exact_mut(8).for_each(|c| {
             let v = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
             c.copy_from_slice(&v.to_le_bytes());
         }),
-        _ => {
-            let fields = scale_fields(ty);
+        RandomDraw::Scaled(fields) => {
             for b in out.chunks_exact_mut(ts) {
                 for &o in fields.f16 {
                     b[o..o + 2].copy_from_slice(&f16_bytes(rng));
@@ -105,8 +74,8 @@ pub fn fill_blocks(ty: GgmlType, rng: &mut SplitMix64, out: &mut [u8]) {
                 for &o in fields.ue4m3 {
                     b[o] = range(rng, 0, 0x7E) as u8;
                 }
-                if ty == T::IQ1_M {
-                    b[IQ1_M_SCALE_EXP_TOP_BYTE] &= !IQ1_M_SCALE_EXP_TOP_MASK;
+                for &(o, mask) in fields.clear {
+                    b[o] &= !mask;
                 }
             }
         }

@@ -8,44 +8,10 @@ use cudarc::driver::{
 use super::{Gpu, COMPARE_SOURCE, DEQUANT_SOURCE};
 use crate::quant::GgmlType;
 
-/// The kernel-name stem of `ty` (`dequant_<stem>_f32`), `None` for types without a kernel (the
-/// same ones the CPU cannot dequantize).
+/// The kernel-name stem of `ty` (`dequant_<stem>_f32`) from its row of the type table, `None`
+/// for types without a kernel (the same ones the CPU cannot dequantize).
 pub fn kernel_stem(ty: GgmlType) -> Option<&'static str> {
-    use GgmlType as T;
-    Some(match ty {
-        T::F32 => "f32",
-        T::F16 => "f16",
-        T::BF16 => "bf16",
-        T::F64 => "f64",
-        T::I8 => "i8",
-        T::I16 => "i16",
-        T::I32 => "i32",
-        T::I64 => "i64",
-        T::Q4_0 => "q4_0",
-        T::Q4_1 => "q4_1",
-        T::Q5_0 => "q5_0",
-        T::Q5_1 => "q5_1",
-        T::Q8_0 => "q8_0",
-        T::IQ4_NL => "iq4_nl",
-        T::Q2_K => "q2_k",
-        T::Q3_K => "q3_k",
-        T::Q4_K => "q4_k",
-        T::Q5_K => "q5_k",
-        T::Q6_K => "q6_k",
-        T::IQ4_XS => "iq4_xs",
-        T::IQ2_XXS => "iq2_xxs",
-        T::IQ2_XS => "iq2_xs",
-        T::IQ2_S => "iq2_s",
-        T::IQ3_XXS => "iq3_xxs",
-        T::IQ3_S => "iq3_s",
-        T::IQ1_S => "iq1_s",
-        T::IQ1_M => "iq1_m",
-        T::TQ1_0 => "tq1_0",
-        T::TQ2_0 => "tq2_0",
-        T::MXFP4 => "mxfp4",
-        T::NVFP4 => "nvfp4",
-        _ => return None,
-    })
+    ty.info().kernel
 }
 
 /// Output format of a dequant kernel.

@@ -41,3 +41,22 @@ scalar!(dequant_i8, 1, |a: [u8; 1]| a[0] as i8 as f32);
 scalar!(dequant_i16, 2, |a| i16::from_le_bytes(a) as f32);
 scalar!(dequant_i32, 4, |a| i32::from_le_bytes(a) as f32);
 scalar!(dequant_i64, 8, |a| i64::from_le_bytes(a) as f32);
+
+/// Signature of a float encoder: `v` rounded to nearest into one little-endian value in `out`
+/// (exactly the type's size).
+pub type EncodeFn = fn(v: f32, out: &mut [u8]);
+
+/// Writes `v` as a little-endian f32.
+pub fn encode_f32(v: f32, out: &mut [u8]) {
+    out.copy_from_slice(&v.to_le_bytes());
+}
+
+/// Writes `v` rounded to nearest even as a little-endian IEEE half.
+pub fn encode_f16(v: f32, out: &mut [u8]) {
+    out.copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+}
+
+/// Writes `v` rounded to nearest even as a little-endian bfloat16.
+pub fn encode_bf16(v: f32, out: &mut [u8]) {
+    out.copy_from_slice(&half::bf16::from_f32(v).to_le_bytes());
+}

@@ -5,6 +5,7 @@
 //! file. Each block dequantizes independently, so the parallel path (rayon over fixed chunks of
 //! blocks) gives exactly the single-thread result for any thread count.
 
+pub mod draw;
 mod float;
 pub(crate) mod grids;
 mod iquants;
@@ -17,6 +18,8 @@ pub mod types;
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
+pub use float::EncodeFn;
+pub use noise::NoiseModel;
 pub use types::{GgmlType, TypeInfo, TypeStatus, TYPE_TABLE};
 
 /// Number of elements in a K-quant / IQ super-block.
@@ -25,43 +28,10 @@ pub const QK_K: usize = 256;
 /// Signature of a block dequantizer: `src` holds exactly `dst.len() / block_size` blocks.
 pub type DequantFn = fn(src: &[u8], dst: &mut [f32]);
 
-/// The dequantizer of `ty`, or `None` when glmdiff has none (activation-only, removed, Q1_0).
+/// The dequantizer of `ty` (its row of [`TYPE_TABLE`]), or `None` when glmdiff has none
+/// (activation-only, removed, Q1_0).
 pub fn dequant_fn(ty: GgmlType) -> Option<DequantFn> {
-    use GgmlType as T;
-    Some(match ty {
-        T::F32 => float::dequant_f32,
-        T::F16 => float::dequant_f16,
-        T::BF16 => float::dequant_bf16,
-        T::F64 => float::dequant_f64,
-        T::I8 => float::dequant_i8,
-        T::I16 => float::dequant_i16,
-        T::I32 => float::dequant_i32,
-        T::I64 => float::dequant_i64,
-        T::Q4_0 => legacy::dequant_q4_0,
-        T::Q4_1 => legacy::dequant_q4_1,
-        T::Q5_0 => legacy::dequant_q5_0,
-        T::Q5_1 => legacy::dequant_q5_1,
-        T::Q8_0 => legacy::dequant_q8_0,
-        T::IQ4_NL => legacy::dequant_iq4_nl,
-        T::Q2_K => kquants::dequant_q2_k,
-        T::Q3_K => kquants::dequant_q3_k,
-        T::Q4_K => kquants::dequant_q4_k,
-        T::Q5_K => kquants::dequant_q5_k,
-        T::Q6_K => kquants::dequant_q6_k,
-        T::IQ4_XS => kquants::dequant_iq4_xs,
-        T::IQ2_XXS => iquants::dequant_iq2_xxs,
-        T::IQ2_XS => iquants::dequant_iq2_xs,
-        T::IQ2_S => iquants::dequant_iq2_s,
-        T::IQ3_XXS => iquants::dequant_iq3_xxs,
-        T::IQ3_S => iquants::dequant_iq3_s,
-        T::IQ1_S => iquants::dequant_iq1_s,
-        T::IQ1_M => iquants::dequant_iq1_m,
-        T::TQ1_0 => small::dequant_tq1_0,
-        T::TQ2_0 => small::dequant_tq2_0,
-        T::MXFP4 => small::dequant_mxfp4,
-        T::NVFP4 => small::dequant_nvfp4,
-        _ => return None,
-    })
+    ty.info().dequant
 }
 
 /// Checks that `src` and `dst` hold the same whole number of blocks of `ty`.

@@ -22,8 +22,9 @@
 //! `D` for the codebooks: IQ2 grid magnitudes are 8, 25, 43 (step 17 times the sub-block scale),
 //! IQ3_XXS magnitudes 4, 12, .., 62 (step 8), IQ3_S 1, 3, .., 15 (step 2), IQ1 values -1, 0, 1 (step 1). A codebook holds only a
 //! few of the lattice's points (IQ2_XXS: 256 of 3^8 magnitude patterns), so the nearest entry is
-//! farther than the nearest lattice point: `F` ([`codebook_factor`]) is that excess, measured on
-//! llama.cpp's own quantizer (numbers beside it). The K-quants' scale search may clip a few
+//! farther than the nearest lattice point: `F` (the `factor` of the type's [`NoiseModel`] in
+//! [`crate::quant::TYPE_TABLE`]) is that excess, measured on llama.cpp's own quantizer (numbers
+//! beside the table). The K-quants' scale search may clip a few
 //! values beyond the last level and the importance matrix shifts error between columns: both
 //! stay inside the measured range (K-quants 0.77..1.19 of the model).
 //!
@@ -40,7 +41,7 @@ use anyhow::{bail, Result};
 
 use super::legacy::KVALUES_IQ4NL;
 use super::small::{e8m0_to_f32_half, KVALUES_MXFP4, UE4M3_HALF};
-use super::{f16_le, GgmlType, QK_K};
+use super::{f16_le, GgmlType};
 
 /// Step of the IQ2 grids in grid units (magnitudes 8, 25, 43).
 const IQ2_STEP: f64 = 17.0;
@@ -49,25 +50,72 @@ const IQ3XXS_STEP: f64 = 8.0;
 /// Step of the IQ3_S grid in grid units (magnitudes 1, 3, .., 15).
 const IQ3S_STEP: f64 = 2.0;
 
-/// Measured excess of a codebook type's error over `D^2 / 12`, see the module documentation.
-///
-/// Measured with `python3 reference/checks/wcheck_calibrate.py` (llama.cpp's `ggml_quantize_chunk` on
-/// 256 x 1024 tensors of Gaussian, Laplace, Student-t(4) and row-scaled Gaussian values, each
-/// without and with a log-normal importance matrix of sigma 1 and 2): the ratio of the measured
-/// error to `D^2 / 12` per type ranged IQ2_XXS 1.45..2.27, IQ2_XS 1.27..2.27, IQ2_S 1.12..1.58,
-/// IQ3_XXS 2.99..6.33, IQ3_S 1.74..2.86, IQ1_S 0.64..1.51, IQ1_M 0.63..1.40. The factor is the
-/// middle of that range, so measured / expected stays within about 0.7..1.5 for every type.
-/// (The same run gave 0.77..1.19 for every scalar type: Q*_0/1, K-quants, IQ4_NL/XS, MXFP4,
-/// F16, BF16; the ternary TQ types 0.19..0.84, their values crowd the zero cell.)
-fn codebook_factor(ty: GgmlType) -> f64 {
-    match ty {
-        GgmlType::IQ2_XXS => 1.8,
-        GgmlType::IQ2_XS => 1.7,
-        GgmlType::IQ2_S => 1.3,
-        GgmlType::IQ3_XXS => 4.3,
-        GgmlType::IQ3_S => 2.2,
-        _ => 1.0,
-    }
+/// The rounding-error model of a type: which of the block layouts below it has, and its
+/// parameters. Each type's row of [`crate::quant::TYPE_TABLE`] names its model.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum NoiseModel {
+    /// A float format (`exp_bits` exponent, `mant_bits` mantissa bits, bias `2^(exp_bits-1) - 1`)
+    /// of one little-endian value per block: `ulp^2 / 12` at the stored value.
+    Float {
+        /// Exponent bits.
+        exp_bits: u32,
+        /// Mantissa bits.
+        mant_bits: u32,
+    },
+    /// One f16 scale `d` at byte `d_at` for the whole block (Q4_0..Q8_0, TQ1_0, TQ2_0):
+    /// `block_size * d^2 / 12`.
+    OneScale {
+        /// Byte offset of `d`.
+        d_at: usize,
+    },
+    /// Q2_K: `d` at 80, 4-bit scales in the low nibbles of bytes 0..16.
+    Q2K,
+    /// Q3_K: `d` at 108, 6-bit scales (stored + 32) packed in bytes 96..108.
+    Q3K,
+    /// Q4_K and Q5_K: `d` at 0, `get_scale_min_k4` scales in bytes 4..16.
+    Q4K,
+    /// Q6_K: `d` at 208, i8 scales in bytes 192..208.
+    Q6K,
+    /// IQ4_NL: `d` at 0, the cells of the 16 `kvalues_iq4nl` levels.
+    Iq4Nl,
+    /// IQ4_XS: `d` at 0, 6-bit sub-scales, the cells of the IQ4_NL levels.
+    Iq4Xs,
+    /// MXFP4: an E8M0 scale at 0, the cells of the E2M1 levels.
+    Mxfp4,
+    /// NVFP4: four UE4M3 scales at 0..4, the cells of the E2M1 levels.
+    Nvfp4,
+    /// IQ2_XXS: `d` at 0, 4-bit scales in the top of every second u32: `factor * D^2 / 12`.
+    Iq2Xxs {
+        /// Measured codebook excess `F`.
+        factor: f64,
+    },
+    /// IQ2_XS / IQ2_S: `d` at 0, 4-bit scales in the 8 bytes at `scales_at`.
+    Iq2Scales {
+        /// Byte offset of the scales.
+        scales_at: usize,
+        /// Measured codebook excess `F`.
+        factor: f64,
+    },
+    /// IQ3_XXS: `d` at 0, 4-bit scales in the top of the u32s at 66..98.
+    Iq3Xxs {
+        /// Measured codebook excess `F`.
+        factor: f64,
+    },
+    /// IQ3_S: `d` at 0, 4-bit scales at 106..110.
+    Iq3S {
+        /// Measured codebook excess `F`.
+        factor: f64,
+    },
+    /// IQ1_S: `d` at 0, 3-bit scales in the u16s at 34..50.
+    Iq1S {
+        /// Measured codebook excess `F`.
+        factor: f64,
+    },
+    /// IQ1_M: `d` assembled from the u16 scales at 48..56, 3-bit sub-scales.
+    Iq1M {
+        /// Measured codebook excess `F`.
+        factor: f64,
+    },
 }
 
 /// Per-element variance of a uniform grid of step `d`.
@@ -170,28 +218,37 @@ fn b16(b: &[u8], o: usize) -> f64 {
 /// Expected squared error of one block of `ty`.
 type BlockFn = Box<dyn Fn(&[u8]) -> f64 + Send + Sync>;
 
-/// The per-block model of `ty`.
+/// The per-block model of `ty`, built from its row's [`NoiseModel`].
 fn block_fn(ty: GgmlType) -> Result<BlockFn> {
-    use GgmlType as T;
-    let cb = codebook_factor(ty);
-    Ok(match ty {
-        T::F32 => Box::new(|b| {
-            let e = ((u32::from_le_bytes([b[0], b[1], b[2], b[3]]) >> 23) & 0xFF) as i32;
-            uniform(ulp(e, 127, 23))
-        }),
-        T::F16 => Box::new(|b| uniform(ulp(((b[1] >> 2) & 0x1F) as i32, 15, 10))),
-        T::BF16 => Box::new(|b| {
-            let e = ((u16::from_le_bytes([b[0], b[1]]) >> 7) & 0xFF) as i32;
-            uniform(ulp(e, 127, 7))
-        }),
-        T::Q4_0 | T::Q4_1 | T::Q5_0 | T::Q5_1 | T::Q8_0 => Box::new(|b| 32.0 * uniform(b16(b, 0))),
-        T::Q2_K => Box::new(|b| {
+    use NoiseModel as M;
+    let Some(model) = ty.info().noise else {
+        bail!("quant: no rounding-error model for type {ty}");
+    };
+    Ok(match model {
+        M::Float {
+            exp_bits,
+            mant_bits,
+        } => {
+            let bias = (1i32 << (exp_bits - 1)) - 1;
+            let mask = (1u64 << exp_bits) - 1;
+            Box::new(move |b| {
+                let mut a = [0u8; 8];
+                a[..b.len()].copy_from_slice(b);
+                let e = ((u64::from_le_bytes(a) >> mant_bits) & mask) as i32;
+                uniform(ulp(e, bias, mant_bits as i32))
+            })
+        }
+        M::OneScale { d_at } => {
+            let n = ty.block_size() as f64;
+            Box::new(move |b| n * uniform(b16(b, d_at)))
+        }
+        M::Q2K => Box::new(|b| {
             let d = b16(b, 80);
             (0..16)
                 .map(|j| 16.0 * uniform(d * f64::from(b[j] & 0xF)))
                 .sum::<f64>()
         }),
-        T::Q3_K => Box::new(|b| {
+        M::Q3K => Box::new(|b| {
             let d = b16(b, 108);
             let s = &b[96..108];
             (0..16)
@@ -203,7 +260,7 @@ fn block_fn(ty: GgmlType) -> Result<BlockFn> {
                 })
                 .sum::<f64>()
         }),
-        T::Q4_K | T::Q5_K => Box::new(|b| {
+        M::Q4K => Box::new(|b| {
             let d = b16(b, 0);
             let s = &b[4..16];
             (0..8)
@@ -217,22 +274,20 @@ fn block_fn(ty: GgmlType) -> Result<BlockFn> {
                 })
                 .sum::<f64>()
         }),
-        T::Q6_K => Box::new(|b| {
+        M::Q6K => Box::new(|b| {
             let d = b16(b, 208);
             (0..16)
                 .map(|j| 16.0 * uniform(d * f64::from(b[192 + j] as i8)))
                 .sum::<f64>()
         }),
-        T::TQ1_0 => Box::new(|b| QK_K as f64 * uniform(b16(b, 52))),
-        T::TQ2_0 => Box::new(|b| QK_K as f64 * uniform(b16(b, 64))),
-        T::IQ4_NL => {
+        M::Iq4Nl => {
             let v = iq4nl_vars();
             Box::new(move |b| {
                 let d = b16(b, 0);
                 d * d * nibble_sum(&b[2..18], &v)
             })
         }
-        T::IQ4_XS => {
+        M::Iq4Xs => {
             let v = iq4nl_vars();
             Box::new(move |b| {
                 let d = b16(b, 0);
@@ -247,14 +302,14 @@ fn block_fn(ty: GgmlType) -> Result<BlockFn> {
                     .sum::<f64>()
             })
         }
-        T::MXFP4 => {
+        M::Mxfp4 => {
             let v = e2m1_vars();
             Box::new(move |b| {
                 let d = f64::from(e8m0_to_f32_half(b[0]));
                 d * d * nibble_sum(&b[1..17], &v)
             })
         }
-        T::NVFP4 => {
+        M::Nvfp4 => {
             let v = e2m1_vars();
             Box::new(move |b| {
                 (0..4)
@@ -265,7 +320,7 @@ fn block_fn(ty: GgmlType) -> Result<BlockFn> {
                     .sum::<f64>()
             })
         }
-        T::IQ2_XXS => Box::new(move |b| {
+        M::Iq2Xxs { factor: cb } => Box::new(move |b| {
             let d = b16(b, 0);
             cb * (0..8)
                 .map(|ib| {
@@ -276,21 +331,21 @@ fn block_fn(ty: GgmlType) -> Result<BlockFn> {
                 })
                 .sum::<f64>()
         }),
-        T::IQ2_XS | T::IQ2_S => {
-            let off = if ty == T::IQ2_XS { 66 } else { 74 };
-            Box::new(move |b| {
-                let d = b16(b, 0);
-                cb * b[off..off + 8]
-                    .iter()
-                    .flat_map(|&sc| [sc & 0xF, sc >> 4])
-                    .map(|s| {
-                        let db = d * (0.5 + f64::from(s)) * 0.25;
-                        16.0 * uniform(IQ2_STEP * db)
-                    })
-                    .sum::<f64>()
-            })
-        }
-        T::IQ3_XXS => Box::new(move |b| {
+        M::Iq2Scales {
+            scales_at: off,
+            factor: cb,
+        } => Box::new(move |b| {
+            let d = b16(b, 0);
+            cb * b[off..off + 8]
+                .iter()
+                .flat_map(|&sc| [sc & 0xF, sc >> 4])
+                .map(|s| {
+                    let db = d * (0.5 + f64::from(s)) * 0.25;
+                    16.0 * uniform(IQ2_STEP * db)
+                })
+                .sum::<f64>()
+        }),
+        M::Iq3Xxs { factor: cb } => Box::new(move |b| {
             let d = b16(b, 0);
             cb * b[66..98]
                 .chunks_exact(4)
@@ -301,7 +356,7 @@ fn block_fn(ty: GgmlType) -> Result<BlockFn> {
                 })
                 .sum::<f64>()
         }),
-        T::IQ3_S => Box::new(move |b| {
+        M::Iq3S { factor: cb } => Box::new(move |b| {
             let d = b16(b, 0);
             cb * (0..8)
                 .map(|ib| {
@@ -311,7 +366,7 @@ fn block_fn(ty: GgmlType) -> Result<BlockFn> {
                 })
                 .sum::<f64>()
         }),
-        T::IQ1_S => Box::new(move |b| {
+        M::Iq1S { factor: cb } => Box::new(move |b| {
             let d = b16(b, 0);
             cb * b[34..50]
                 .chunks_exact(2)
@@ -322,7 +377,7 @@ fn block_fn(ty: GgmlType) -> Result<BlockFn> {
                 })
                 .sum::<f64>()
         }),
-        T::IQ1_M => Box::new(move |b| {
+        M::Iq1M { factor: cb } => Box::new(move |b| {
             let sc: [u16; 4] =
                 std::array::from_fn(|i| u16::from_le_bytes([b[48 + 2 * i], b[49 + 2 * i]]));
             let d_bits = (sc[0] >> 12)
@@ -340,7 +395,6 @@ fn block_fn(ty: GgmlType) -> Result<BlockFn> {
                 })
                 .sum::<f64>()
         }),
-        other => bail!("quant: no rounding-error model for type {other}"),
     })
 }
 

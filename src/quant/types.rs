@@ -1,4 +1,6 @@
-//! The table of GGML tensor types: id, name, block size and bytes per block.
+//! The table of GGML tensor types: id, name, block size, bytes per block, and every per-type
+//! fact the rest of glmdiff needs (the dequantizer, the CUDA kernel, the rounding-error model,
+//! how random blocks are drawn), so that adding a type is one row plus its dequantizer.
 //!
 //! One row per id in ggml's `include/ggml.h` (`enum ggml_type`), including the ids that ggml
 //! removed (so a file carrying one gets an error that says "removed", not "unknown") and the
@@ -6,6 +8,10 @@
 //! `src/ggml-common.h` (static_asserts on every block struct) and gguf-py's `GGML_QUANT_SIZES`.
 
 use std::fmt;
+
+use super::draw::{Codes, RandomDraw, ScaleFields, SynthDraw};
+use super::noise::NoiseModel;
+use super::{float, iquants, kquants, legacy, small, DequantFn};
 
 /// What glmdiff can do with tensors of a type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,57 +88,227 @@ pub struct TypeInfo {
     pub type_size: usize,
     /// What glmdiff can do with it.
     pub status: TypeStatus,
+    /// The CPU dequantizer (`None` where glmdiff has none: activation-only, removed, Q1_0).
+    pub dequant: Option<DequantFn>,
+    /// The stem of the CUDA dequant kernels `dequant_<stem>_<format>` in `cuda/dequant.cu`
+    /// (`None` where there is no kernel); `cuda` builds the name.
+    pub kernel: Option<&'static str>,
+    /// The expected rounding error of the type ([`crate::quant::noise`]); `None`: no model.
+    pub noise: Option<NoiseModel>,
+    /// How `synth` draws blocks of a chosen spread; `None`: `synth` cannot write the type.
+    pub synth: Option<SynthDraw>,
+    /// How `bench` draws random blocks with sane scales.
+    pub random: RandomDraw,
 }
 
 use GgmlType as T;
+use NoiseModel as N;
+use RandomDraw as R;
+use SynthDraw as D;
 use TypeStatus as S;
 
+/// IQ4_NL / IQ4_XS code levels.
+const IQ4NL: &[i8] = &legacy::KVALUES_IQ4NL;
+
 /// Every GGML type id, in id order. Removed ids carry their historical block sizes where known.
+///
+/// The codebook factors of the IQ2/IQ3 noise models are the measured excess of their error over
+/// `D^2 / 12` (see [`crate::quant::noise`]): measured with `python3
+/// reference/checks/wcheck_calibrate.py` (llama.cpp's `ggml_quantize_chunk` on 256 x 1024
+/// tensors of Gaussian, Laplace, Student-t(4) and row-scaled Gaussian values, each without and
+/// with a log-normal importance matrix of sigma 1 and 2): the ratio of the measured error to
+/// `D^2 / 12` per type ranged IQ2_XXS 1.45..2.27, IQ2_XS 1.27..2.27, IQ2_S 1.12..1.58, IQ3_XXS
+/// 2.99..6.33, IQ3_S 1.74..2.86, IQ1_S 0.64..1.51, IQ1_M 0.63..1.40. The factor is the middle of
+/// that range (1 for IQ1_*), so measured / expected stays within about 0.7..1.5 for every type.
+/// (The same run gave 0.77..1.19 for every scalar type: Q*_0/1, K-quants, IQ4_NL/XS, MXFP4, F16,
+/// BF16; the ternary TQ types 0.19..0.84, their values crowd the zero cell.)
 pub const TYPE_TABLE: &[TypeInfo] = &[
-    row(T::F32, "F32", 1, 4, S::Dequant),
-    row(T::F16, "F16", 1, 2, S::Dequant),
-    row(T::Q4_0, "Q4_0", 32, 18, S::Dequant),
-    row(T::Q4_1, "Q4_1", 32, 20, S::Dequant),
+    row(T::F32, "F32", 1, 4, S::Dequant)
+        .dequant(float::dequant_f32, "f32")
+        .noise(N::Float {
+            exp_bits: 8,
+            mant_bits: 23,
+        })
+        .synth(D::Float(float::encode_f32))
+        .random(R::UniformF32),
+    row(T::F16, "F16", 1, 2, S::Dequant)
+        .dequant(float::dequant_f16, "f16")
+        .noise(N::Float {
+            exp_bits: 5,
+            mant_bits: 10,
+        })
+        .synth(D::Float(float::encode_f16))
+        .random(R::Float16 {
+            exp: (5, 15),
+            mant_bits: 10,
+        }),
+    row(T::Q4_0, "Q4_0", 32, 18, S::Dequant)
+        .dequant(legacy::dequant_q4_0, "q4_0")
+        .noise(N::OneScale { d_at: 0 })
+        .synth(D::Scale(Codes::Ints(-8, 7)))
+        .random(R::Scaled(ScaleFields::f16(&[0]))),
+    row(T::Q4_1, "Q4_1", 32, 20, S::Dequant)
+        .dequant(legacy::dequant_q4_1, "q4_1")
+        .noise(N::OneScale { d_at: 0 })
+        .synth(D::ScaleMin { levels: 16 })
+        .random(R::Scaled(ScaleFields::f16(&[0, 2]))),
     row(T::Q4_2, "Q4_2", 16, 10, S::Removed),
     row(T::Q4_3, "Q4_3", 16, 12, S::Removed),
-    row(T::Q5_0, "Q5_0", 32, 22, S::Dequant),
-    row(T::Q5_1, "Q5_1", 32, 24, S::Dequant),
-    row(T::Q8_0, "Q8_0", 32, 34, S::Dequant),
+    row(T::Q5_0, "Q5_0", 32, 22, S::Dequant)
+        .dequant(legacy::dequant_q5_0, "q5_0")
+        .noise(N::OneScale { d_at: 0 })
+        .synth(D::Scale(Codes::Ints(-16, 15)))
+        .random(R::Scaled(ScaleFields::f16(&[0]))),
+    row(T::Q5_1, "Q5_1", 32, 24, S::Dequant)
+        .dequant(legacy::dequant_q5_1, "q5_1")
+        .noise(N::OneScale { d_at: 0 })
+        .synth(D::ScaleMin { levels: 32 })
+        .random(R::Scaled(ScaleFields::f16(&[0, 2]))),
+    row(T::Q8_0, "Q8_0", 32, 34, S::Dequant)
+        .dequant(legacy::dequant_q8_0, "q8_0")
+        .noise(N::OneScale { d_at: 0 })
+        .synth(D::Int8 { lim: 127 })
+        .random(R::Scaled(ScaleFields::f16(&[0]))),
     row(T::Q8_1, "Q8_1", 32, 36, S::NoDequant),
-    row(T::Q2_K, "Q2_K", 256, 84, S::Dequant),
-    row(T::Q3_K, "Q3_K", 256, 110, S::Dequant),
-    row(T::Q4_K, "Q4_K", 256, 144, S::Dequant),
-    row(T::Q5_K, "Q5_K", 256, 176, S::Dequant),
-    row(T::Q6_K, "Q6_K", 256, 210, S::Dequant),
+    row(T::Q2_K, "Q2_K", 256, 84, S::Dequant)
+        .dequant(kquants::dequant_q2_k, "q2_k")
+        .noise(N::Q2K)
+        .synth(D::Q2K { sc: (8, 15) })
+        .random(R::Scaled(ScaleFields::f16(&[80, 82]))),
+    row(T::Q3_K, "Q3_K", 256, 110, S::Dequant)
+        .dequant(kquants::dequant_q3_k, "q3_k")
+        .noise(N::Q3K)
+        .synth(D::Q3K { sc: (48, 63) })
+        .random(R::Scaled(ScaleFields::f16(&[108]))),
+    row(T::Q4_K, "Q4_K", 256, 144, S::Dequant)
+        .dequant(kquants::dequant_q4_k, "q4_k")
+        .noise(N::Q4K)
+        .synth(D::Q4K {
+            levels: 16,
+            sc: (32, 63),
+        })
+        .random(R::Scaled(ScaleFields::f16(&[0, 2]))),
+    row(T::Q5_K, "Q5_K", 256, 176, S::Dequant)
+        .dequant(kquants::dequant_q5_k, "q5_k")
+        .noise(N::Q4K)
+        .synth(D::Q4K {
+            levels: 32,
+            sc: (32, 63),
+        })
+        .random(R::Scaled(ScaleFields::f16(&[0, 2]))),
+    row(T::Q6_K, "Q6_K", 256, 210, S::Dequant)
+        .dequant(kquants::dequant_q6_k, "q6_k")
+        .noise(N::Q6K)
+        .synth(D::Q6K { sc: (16, 63) })
+        .random(R::Scaled(ScaleFields::f16(&[208]))),
     row(T::Q8_K, "Q8_K", 256, 292, S::NoDequant),
-    row(T::IQ2_XXS, "IQ2_XXS", 256, 66, S::Dequant),
-    row(T::IQ2_XS, "IQ2_XS", 256, 74, S::Dequant),
-    row(T::IQ3_XXS, "IQ3_XXS", 256, 98, S::Dequant),
-    row(T::IQ1_S, "IQ1_S", 256, 50, S::Dequant),
-    row(T::IQ4_NL, "IQ4_NL", 32, 18, S::Dequant),
-    row(T::IQ3_S, "IQ3_S", 256, 110, S::Dequant),
-    row(T::IQ2_S, "IQ2_S", 256, 82, S::Dequant),
-    row(T::IQ4_XS, "IQ4_XS", 256, 136, S::Dequant),
-    row(T::I8, "I8", 1, 1, S::Integer),
-    row(T::I16, "I16", 1, 2, S::Integer),
-    row(T::I32, "I32", 1, 4, S::Integer),
-    row(T::I64, "I64", 1, 8, S::Integer),
-    row(T::F64, "F64", 1, 8, S::Dequant),
-    row(T::IQ1_M, "IQ1_M", 256, 56, S::Dequant),
-    row(T::BF16, "BF16", 1, 2, S::Dequant),
+    row(T::IQ2_XXS, "IQ2_XXS", 256, 66, S::Dequant)
+        .dequant(iquants::dequant_iq2_xxs, "iq2_xxs")
+        .noise(N::Iq2Xxs { factor: 1.8 })
+        .synth(D::Grid)
+        .random(R::Scaled(ScaleFields::f16(&[0]))),
+    row(T::IQ2_XS, "IQ2_XS", 256, 74, S::Dequant)
+        .dequant(iquants::dequant_iq2_xs, "iq2_xs")
+        .noise(N::Iq2Scales {
+            scales_at: 66,
+            factor: 1.7,
+        })
+        .synth(D::Grid)
+        .random(R::Scaled(ScaleFields::f16(&[0]))),
+    row(T::IQ3_XXS, "IQ3_XXS", 256, 98, S::Dequant)
+        .dequant(iquants::dequant_iq3_xxs, "iq3_xxs")
+        .noise(N::Iq3Xxs { factor: 4.3 })
+        .synth(D::Grid)
+        .random(R::Scaled(ScaleFields::f16(&[0]))),
+    row(T::IQ1_S, "IQ1_S", 256, 50, S::Dequant)
+        .dequant(iquants::dequant_iq1_s, "iq1_s")
+        .noise(N::Iq1S { factor: 1.0 })
+        .synth(D::Grid)
+        .random(R::Scaled(ScaleFields::f16(&[0]))),
+    row(T::IQ4_NL, "IQ4_NL", 32, 18, S::Dequant)
+        .dequant(legacy::dequant_iq4_nl, "iq4_nl")
+        .noise(N::Iq4Nl)
+        .synth(D::Scale(Codes::Levels(IQ4NL)))
+        .random(R::Scaled(ScaleFields::f16(&[0]))),
+    row(T::IQ3_S, "IQ3_S", 256, 110, S::Dequant)
+        .dequant(iquants::dequant_iq3_s, "iq3_s")
+        .noise(N::Iq3S { factor: 2.2 })
+        .synth(D::Grid)
+        .random(R::Scaled(ScaleFields::f16(&[0]))),
+    row(T::IQ2_S, "IQ2_S", 256, 82, S::Dequant)
+        .dequant(iquants::dequant_iq2_s, "iq2_s")
+        .noise(N::Iq2Scales {
+            scales_at: 74,
+            factor: 1.3,
+        })
+        .synth(D::Grid)
+        .random(R::Scaled(ScaleFields::f16(&[0]))),
+    row(T::IQ4_XS, "IQ4_XS", 256, 136, S::Dequant)
+        .dequant(kquants::dequant_iq4_xs, "iq4_xs")
+        .noise(N::Iq4Xs)
+        .synth(D::Iq4Xs {
+            sc: (48, 63),
+            levels: IQ4NL,
+        })
+        .random(R::Scaled(ScaleFields::f16(&[0]))),
+    row(T::I8, "I8", 1, 1, S::Integer).dequant(float::dequant_i8, "i8"),
+    row(T::I16, "I16", 1, 2, S::Integer).dequant(float::dequant_i16, "i16"),
+    row(T::I32, "I32", 1, 4, S::Integer).dequant(float::dequant_i32, "i32"),
+    row(T::I64, "I64", 1, 8, S::Integer).dequant(float::dequant_i64, "i64"),
+    row(T::F64, "F64", 1, 8, S::Dequant)
+        .dequant(float::dequant_f64, "f64")
+        .random(R::UniformF64),
+    row(T::IQ1_M, "IQ1_M", 256, 56, S::Dequant)
+        .dequant(iquants::dequant_iq1_m, "iq1_m")
+        .noise(N::Iq1M { factor: 1.0 })
+        .random(R::Scaled(ScaleFields {
+            clear: &[(55, 0x40)],
+            ..ScaleFields::NONE
+        })),
+    row(T::BF16, "BF16", 1, 2, S::Dequant)
+        .dequant(float::dequant_bf16, "bf16")
+        .noise(N::Float {
+            exp_bits: 8,
+            mant_bits: 7,
+        })
+        .synth(D::Float(float::encode_bf16))
+        .random(R::Float16 {
+            exp: (117, 127),
+            mant_bits: 7,
+        }),
     row(T::Q4_0_4_4, "Q4_0_4_4", 32, 18, S::Removed),
     row(T::Q4_0_4_8, "Q4_0_4_8", 32, 18, S::Removed),
     row(T::Q4_0_8_8, "Q4_0_8_8", 32, 18, S::Removed),
-    row(T::TQ1_0, "TQ1_0", 256, 54, S::Dequant),
-    row(T::TQ2_0, "TQ2_0", 256, 66, S::Dequant),
+    row(T::TQ1_0, "TQ1_0", 256, 54, S::Dequant)
+        .dequant(small::dequant_tq1_0, "tq1_0")
+        .noise(N::OneScale { d_at: 52 })
+        .random(R::Scaled(ScaleFields::f16(&[52]))),
+    row(T::TQ2_0, "TQ2_0", 256, 66, S::Dequant)
+        .dequant(small::dequant_tq2_0, "tq2_0")
+        .noise(N::OneScale { d_at: 64 })
+        .random(R::Scaled(ScaleFields::f16(&[64]))),
     row(T::IQ4_NL_4_4, "IQ4_NL_4_4", 32, 18, S::Removed),
     row(T::IQ4_NL_4_8, "IQ4_NL_4_8", 32, 18, S::Removed),
     row(T::IQ4_NL_8_8, "IQ4_NL_8_8", 32, 18, S::Removed),
-    row(T::MXFP4, "MXFP4", 32, 17, S::Dequant),
-    row(T::NVFP4, "NVFP4", 64, 36, S::Dequant),
+    row(T::MXFP4, "MXFP4", 32, 17, S::Dequant)
+        .dequant(small::dequant_mxfp4, "mxfp4")
+        .noise(N::Mxfp4)
+        .random(R::Scaled(ScaleFields {
+            e8m0: &[0],
+            ..ScaleFields::NONE
+        })),
+    row(T::NVFP4, "NVFP4", 64, 36, S::Dequant)
+        .dequant(small::dequant_nvfp4, "nvfp4")
+        .noise(N::Nvfp4)
+        .random(R::Scaled(ScaleFields {
+            ue4m3: &[0, 1, 2, 3],
+            ..ScaleFields::NONE
+        })),
     row(T::Q1_0, "Q1_0", 128, 18, S::NoDequant),
 ];
 
+/// A row with only the sizes and status: no dequantizer, kernel, noise model or synth draw;
+/// bench draws random bytes.
 const fn row(
     ty: GgmlType,
     name: &'static str,
@@ -146,6 +322,39 @@ const fn row(
         block_size,
         type_size,
         status,
+        dequant: None,
+        kernel: None,
+        noise: None,
+        synth: None,
+        random: R::Scaled(ScaleFields::NONE),
+    }
+}
+
+impl TypeInfo {
+    const fn dequant(self, f: DequantFn, kernel: &'static str) -> TypeInfo {
+        TypeInfo {
+            dequant: Some(f),
+            kernel: Some(kernel),
+            ..self
+        }
+    }
+
+    const fn noise(self, n: NoiseModel) -> TypeInfo {
+        TypeInfo {
+            noise: Some(n),
+            ..self
+        }
+    }
+
+    const fn synth(self, d: SynthDraw) -> TypeInfo {
+        TypeInfo {
+            synth: Some(d),
+            ..self
+        }
+    }
+
+    const fn random(self, r: RandomDraw) -> TypeInfo {
+        TypeInfo { random: r, ..self }
     }
 }
 
@@ -242,6 +451,74 @@ mod tests {
         ];
         for (t, b, s) in expect {
             assert_eq!((t.block_size(), t.type_size()), (b, s), "{t}");
+        }
+    }
+
+    /// Every row is complete and its per-type facts agree with its sizes: a dequantizable type
+    /// has a dequantizer and a CUDA kernel (and only those do), a noise model unless it is an
+    /// integer type or F64, and a bench draw whose fields lie inside the block; the models and
+    /// draws fit the block layout.
+    #[test]
+    fn every_row_is_complete_and_consistent() {
+        use super::super::draw::Codes;
+        // The only dequantizable non-integer type without a rounding-error model.
+        const NO_NOISE_MODEL: &[GgmlType] = &[T::F64];
+        for r in TYPE_TABLE {
+            let (name, bs, ts) = (r.name, r.block_size, r.type_size);
+            let dequant = matches!(r.status, S::Dequant | S::Integer);
+            assert_eq!(
+                r.dequant.is_some(),
+                dequant,
+                "{name}: dequantizer vs status"
+            );
+            assert_eq!(r.kernel.is_some(), dequant, "{name}: kernel vs status");
+            assert!(bs > 0 && ts > 0, "{name}: sizes");
+            if let Some(k) = r.kernel {
+                assert_eq!(k, name.to_lowercase(), "{name}: kernel stem");
+            }
+            let wants_noise = r.status == S::Dequant && !NO_NOISE_MODEL.contains(&r.ty);
+            assert_eq!(r.noise.is_some(), wants_noise, "{name}: noise model");
+            match r.noise {
+                Some(N::Float {
+                    exp_bits,
+                    mant_bits,
+                }) => {
+                    assert_eq!(bs, 1, "{name}");
+                    assert_eq!(8 * ts as u32, 1 + exp_bits + mant_bits, "{name}");
+                }
+                Some(N::OneScale { d_at }) => assert!(d_at + 2 <= ts, "{name}"),
+                Some(N::Iq2Scales { scales_at, .. }) => assert!(scales_at + 8 <= ts, "{name}"),
+                Some(_) | None => {}
+            }
+            if let Some(d) = r.synth {
+                assert_eq!(
+                    r.status,
+                    S::Dequant,
+                    "{name}: synth draws a dequantizable type"
+                );
+                match d {
+                    D::Float(_) => assert_eq!(bs, 1, "{name}"),
+                    D::Scale(Codes::Levels(l)) | D::Iq4Xs { levels: l, .. } => {
+                        assert_eq!(l.len(), 16, "{name}")
+                    }
+                    D::Q4K { levels, .. } => assert!(levels == 16 || levels == 32, "{name}"),
+                    _ => assert!(bs > 1, "{name}"),
+                }
+            }
+            match r.random {
+                R::Float16 { exp, mant_bits } => {
+                    assert_eq!(ts, 2, "{name}");
+                    assert!(exp.0 <= exp.1 && mant_bits < 15, "{name}");
+                }
+                R::UniformF32 => assert_eq!(ts, 4, "{name}"),
+                R::UniformF64 => assert_eq!(ts, 8, "{name}"),
+                R::Scaled(f) => {
+                    assert!(f.f16.iter().all(|&o| o + 2 <= ts), "{name}: f16 scale");
+                    assert!(f.e8m0.iter().all(|&o| o < ts), "{name}: e8m0 scale");
+                    assert!(f.ue4m3.iter().all(|&o| o < ts), "{name}: ue4m3 scale");
+                    assert!(f.clear.iter().all(|&(o, _)| o < ts), "{name}: cleared bits");
+                }
+            }
         }
     }
 }

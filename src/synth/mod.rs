@@ -18,7 +18,7 @@ use std::path::Path;
 use anyhow::{anyhow, Context, Result};
 use rayon::prelude::*;
 
-pub use blocks::{BlockGen, Init, SUPPORTED};
+pub use blocks::{is_supported, supported, BlockGen, Init};
 pub use dims::{Dims, IndexerDims, Yarn};
 pub use plan::{plan, shape_fallback, TensorPlan, TypeMix};
 pub use vocab::Vocab;

@@ -4,7 +4,7 @@
 
 use anyhow::{bail, Result};
 
-use super::blocks::{Init, SUPPORTED};
+use super::blocks::{is_supported, supported, Init};
 use super::dims::Dims;
 use crate::model::Arch;
 use crate::quant::{GgmlType, QK_K};
@@ -26,10 +26,9 @@ impl TypeMix {
             return Ok(TypeMix::UdQ4KXl);
         }
         match GgmlType::from_name(s) {
-            Some(t) if SUPPORTED.contains(&t) => Ok(TypeMix::Single(t)),
+            Some(t) if is_supported(t) => Ok(TypeMix::Single(t)),
             _ => {
-                let names: Vec<String> =
-                    SUPPORTED.iter().map(|t| t.name().to_lowercase()).collect();
+                let names: Vec<String> = supported().map(|t| t.name().to_lowercase()).collect();
                 bail!(
                     "synth: unknown --types {s:?} (expected ud-q4_k_xl or one of {})",
                     names.join(", ")
