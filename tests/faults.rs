@@ -511,6 +511,50 @@ fn inapplicable_kinds_are_clear_errors() {
     }
 }
 
+/// A full GGUF name as `inspect` lists it (`transposed:blk.1.attn_q_a.weight`) picks its layer:
+/// it is the same fault as `transposed:attn_q_a.weight@1`, first diverging at `blk.1.q_a`
+/// (layer 0 untouched); a full name whose layer disagrees with `@` is refused naming both.
+#[test]
+fn transposed_accepts_the_full_tensor_name() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r.json");
+    let gguf = model(GLM);
+    let args = |inject: &'static str| {
+        vec![
+            "run".to_string(),
+            gguf.to_str().unwrap().to_string(),
+            "--tokens".into(),
+            "1,2,3".into(),
+            "--against".into(),
+            "cpu".into(),
+            "--inject".into(),
+            inject.into(),
+        ]
+    };
+    let mut hooks = Vec::new();
+    for inject in [
+        "transposed:blk.1.attn_q_a.weight",
+        "transposed:attn_q_a.weight@1",
+    ] {
+        let a = args(inject);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let (rc, j, text) = run(cache.path(), &a, &json);
+        assert_eq!(rc, 1, "{inject}: {text}");
+        hooks.push(j["first_divergence"]["hook"].clone());
+    }
+    assert_eq!(hooks[0], "blk.1.q_a");
+    assert_eq!(hooks[0], hooks[1]);
+    let a = args("transposed:blk.1.attn_q_a.weight@0");
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let (rc, _, text) = run(cache.path(), &a, &json);
+    assert_eq!(rc, 2, "{text}");
+    assert!(
+        text.contains("the tensor name picks layer 1, but @ picks layers [0]"),
+        "{text}"
+    );
+}
+
 /// No fault: every fixture model against a second CPU reference (plumbing: the same engine
 /// twice, nothing to find by construction) and against its float64 transformers traces (an
 /// independent engine) passes, and `--explain` says nothing is wrong.

@@ -164,6 +164,10 @@ impl St {
         std::fs::write(path, out).unwrap();
     }
 
+    fn clone_entry(&self, name: &str) -> Entry {
+        self.tensors.iter().find(|t| t.0 == name).unwrap().clone()
+    }
+
     fn tensor(&mut self, name: &str) -> &mut Entry {
         self.tensors.iter_mut().find(|t| t.0 == name).unwrap()
     }
@@ -172,6 +176,54 @@ impl St {
 const GLM5: &str = "glm5-tiny/glm5-tiny-f32.gguf";
 const GLM5_TRACE: &str = "glm5-tiny/glm5-tiny.short.trace.safetensors";
 const GLM5_Q: &str = "glm5-tiny-q/glm5-tiny-q-mixed.gguf";
+
+/// A trace of the model whose one hook `blk.0.q_a` was rewritten with another shape (the same
+/// bytes as [10, 12], or reread as F32 [5, 48]) is refused naming that hook, its shape and the
+/// model's [5, 24] (glm5-tiny: q_lora_rank 24, 5 tokens), never as a trace of another model.
+#[test]
+fn one_hook_of_a_wrong_shape_is_named_not_another_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let m = copy(dir.path(), GLM5);
+    let ms = m.to_str().unwrap();
+    let sound = St::read(&fixtures("models").join(GLM5_TRACE));
+    assert_eq!(sound.clone_entry("blk.0.q_a").2, vec![5, 24]);
+    let t = dir.path().join("t.safetensors");
+    for (dtype, shape, shown) in [
+        (
+            None,
+            vec![10, 12],
+            "hook blk.0.q_a has shape [10, 12] (F64)",
+        ),
+        (
+            Some("F32"),
+            vec![5, 48],
+            "hook blk.0.q_a has shape [5, 48] (F32)",
+        ),
+    ] {
+        let mut st = St::read(&fixtures("models").join(GLM5_TRACE));
+        let e = st.tensor("blk.0.q_a");
+        e.2 = shape;
+        if let Some(d) = dtype {
+            e.1 = d.to_string();
+        }
+        st.write(&t);
+        let before = snapshot(&[&m, &t]);
+        let against = format!("trace:{}", t.display());
+        let o = glmdiff(cache.path(), &["run", ms, "--against", &against]);
+        let line = input_error(
+            &o,
+            &[
+                "t.safetensors",
+                shown,
+                "gives it [5, 24] for 5 tokens",
+                "hooks match the model",
+            ],
+        );
+        assert!(!line.contains("another model"), "{line}");
+        unchanged(&[&m, &t], &before);
+    }
+}
 
 /// Regression: `glm-dsa.expert_count` patched to 4000000000 made `run` grow its memory at
 /// ~70 MB/s until killed. Every command that reads the hyperparameters now returns at once,
@@ -670,7 +722,8 @@ fn inject_layer_weights_out_of_range_names_the_layers() {
 }
 
 /// A reference cache entry of NaNs (the file otherwise intact), or cut short, is detected by
-/// its checksum, recomputed with a one-line note on stderr and rewritten; the verdict is the
+/// its checksum; one of NaNs whose checksum was recomputed to match is detected because a
+/// residual stream is finite; each is recomputed with a one-line note on stderr and rewritten; the verdict is the
 /// same as with a sound entry, never a NaN difference.
 #[test]
 fn damaged_reference_cache_is_recomputed_with_a_note() {
@@ -705,9 +758,18 @@ fn damaged_reference_cache_is_recomputed_with_a_note() {
             t.3 = t.3.chunks(4).flat_map(|_| f32::NAN.to_le_bytes()).collect();
         }
     }
-    for damage in ["nan", "cut"] {
+    let mut resummed = St {
+        meta: nans.meta.clone(),
+        tensors: nans.tensors.clone(),
+    };
+    resummed.meta.insert(
+        "cache_checksum".into(),
+        json!(format!("{:016x}", cache_checksum(&resummed))),
+    );
+    for damage in ["nan", "cut", "nan-resummed"] {
         match damage {
             "nan" => nans.write(entry),
+            "nan-resummed" => resummed.write(entry),
             _ => std::fs::write(entry, &sound[..sound.len() - 100]).unwrap(),
         }
         let before = snapshot(&[&m]);
@@ -728,6 +790,30 @@ fn damaged_reference_cache_is_recomputed_with_a_note() {
         assert!(text(&o).contains("read from the cache"), "{}", text(&o));
         unchanged(&[&m], &before);
     }
+}
+
+/// The reference cache's checksum of a trace's tensors as documented in `trace::cache`:
+/// 64-bit FNV-1a over each tensor in name order: its name, a zero byte, its shape as u64s, `f`
+/// or `i` and its little-endian values.
+fn cache_checksum(st: &St) -> u64 {
+    let mut t: Vec<&Entry> = st.tensors.iter().collect();
+    t.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut bytes = Vec::new();
+    for (name, dtype, shape, data) in t {
+        bytes.extend_from_slice(name.as_bytes());
+        bytes.push(0);
+        for d in shape {
+            bytes.extend_from_slice(&(*d as u64).to_le_bytes());
+        }
+        bytes.push(if dtype == "F32" { b'f' } else { b'i' });
+        bytes.extend_from_slice(data);
+    }
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
 }
 
 /// An `expect_top5` with another number of rows than the case's tokens is a bad suite (exit 2

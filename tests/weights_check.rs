@@ -342,6 +342,103 @@ fn command_exit_codes_and_json() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("is not a directory"));
 }
 
+/// Inputs that are not one model are refused before any tensor is compared (exit 2, one line
+/// naming both files, the key and both values), never reported as every tensor FAIL: a
+/// DeepSeek-V3 GGUF against a GLM-5 checkpoint or GGUF, a GGUF against a GGUF or a checkpoint
+/// of other dimensions (glm5-tiny: hidden 64; glm5-tiny-q: 256), and a checkpoint whose
+/// config.json was edited to another hidden size.
+#[test]
+fn inputs_of_different_models_are_refused_before_comparing() {
+    let models = fixtures("models");
+    let dsv3 = models.join("dsv3-tiny/dsv3-tiny-f16.gguf");
+    let glm5 = models.join("glm5-tiny/glm5-tiny-f32.gguf");
+    let glm5_q = wc("glm5-tiny-q-bf16.gguf");
+    let edited = copy_ckpt("glm5-tiny-hf");
+    let cfg = edited.path().join("config.json");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    assert!(text.contains("\"hidden_size\": 64,"));
+    std::fs::write(
+        &cfg,
+        text.replace("\"hidden_size\": 64,", "\"hidden_size\": 96,"),
+    )
+    .unwrap();
+    let hf = |d: &Path| vec!["--hf".to_string(), d.display().to_string()];
+    let gg = |g: &Path| vec!["--gguf".to_string(), g.display().to_string()];
+    let glm5_hf = wc("glm5-tiny-hf");
+    let cases: Vec<(&Path, Vec<String>, Vec<String>)> = vec![
+        (
+            &dsv3,
+            hf(&glm5_hf),
+            vec![
+                format!(
+                    "the checkpoint {} is glm_moe_dsa (config.json model_type)",
+                    glm5_hf.display()
+                ),
+                format!("the GGUF {} is deepseek2", dsv3.display()),
+            ],
+        ),
+        (
+            &glm5,
+            gg(&dsv3),
+            vec![format!(
+                "the GGUF {} is glm-dsa, the --gguf {} is deepseek2",
+                glm5.display(),
+                dsv3.display()
+            )],
+        ),
+        (
+            &glm5,
+            gg(&glm5_q),
+            vec![format!(
+                "embedding_length 64 in {}, 256 in {}",
+                glm5.display(),
+                glm5_q.display()
+            )],
+        ),
+        (
+            &glm5_q,
+            hf(&glm5_hf),
+            vec!["hidden_size 64 in config.json, embedding_length 256 in the GGUF".into()],
+        ),
+        (
+            &glm5,
+            hf(edited.path()),
+            vec![
+                format!("the checkpoint {}", edited.path().display()),
+                "hidden_size 96 in config.json, embedding_length 64 in the GGUF".into(),
+            ],
+        ),
+    ];
+    for (model, reference, want) in cases {
+        let out = Command::new(glmdiff_bin())
+            .arg("weights-check")
+            .arg(model)
+            .args(&reference)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        let what = format!("{} {reference:?}", model.display());
+        assert_eq!(out.status.code(), Some(2), "{what}: {err}");
+        assert!(
+            out.stdout.is_empty(),
+            "{what}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(lines.len(), 1, "{what}: {err}");
+        assert!(
+            lines[0].starts_with("error: weights-check: "),
+            "{what}: {err}"
+        );
+        for w in &want {
+            assert!(
+                lines[0].contains(w.as_str()),
+                "{what}: missing {w:?} in {err}"
+            );
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Malformed checkpoints: each error names the file and the tensor.
 // ---------------------------------------------------------------------------------------------

@@ -8,9 +8,14 @@ use anyhow::{bail, Result};
 use super::{model_input, Outcome};
 use crate::cli::DequantArgs;
 use crate::gguf::Model;
+use crate::report::progress::Bar;
 use crate::util::atomic::write_atomic;
 use crate::util::guard::Guard;
+use crate::util::progress::{Progress, ProgressWriter};
 use crate::util::{npy, safetensors_stream};
+
+/// The f32 bytes dequantized between two progress steps.
+const CHUNK_BYTES: u64 = 64 << 20;
 
 /// Output formats, chosen by the file extension.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,15 +58,39 @@ pub fn run(args: &DequantArgs) -> Result<Outcome> {
             t.info.row_len()
         );
     }
-    let data = model.dequantize_rows(t, rows.clone())?;
+    // In chunks of rows (about 64 MiB of f32 each), so that a large tensor shows progress;
+    // rows are whole blocks, so the values are those of one call over the whole range.
+    let row_len = t.info.row_len().max(1);
+    let chunk = ((CHUNK_BYTES / 4) / row_len).max(1);
+    let bar = Bar::with_unit("rows");
+    bar.start(
+        &format!("dequantizing {}", t.info.name),
+        rows.end - rows.start,
+    );
+    let mut data = Vec::with_capacity(((rows.end - rows.start) * row_len) as usize);
+    let mut r = rows.start;
+    while r < rows.end {
+        let end = (r + chunk).min(rows.end);
+        data.extend(model.dequantize_rows(t, r..end)?);
+        bar.inc(end - r);
+        r = end;
+    }
+    bar.finish();
     // PyTorch shape: the whole tensor keeps its shape; a row range is [rows, ne0].
     let shape: Vec<u64> = if args.rows.is_none() {
         t.info.shape()
     } else {
         vec![rows.end - rows.start, t.info.row_len()]
     };
+    let bar = Bar::bytes();
+    bar.start(
+        &format!("writing {}", args.out.display()),
+        std::mem::size_of_val(data.as_slice()) as u64,
+    );
     match format {
-        Format::Npy => write_atomic(&args.out, |w| npy::write_f32(w, &shape, &data))?,
+        Format::Npy => write_atomic(&args.out, |w| {
+            npy::write_f32(&mut ProgressWriter::new(w, &bar), &shape, &data)
+        })?,
         Format::Safetensors => {
             let meta = HashMap::from([
                 ("source".to_string(), model.file_name()),
@@ -69,10 +98,17 @@ pub fn run(args: &DequantArgs) -> Result<Outcome> {
                 ("rows".to_string(), format!("{}..{}", rows.start, rows.end)),
             ]);
             write_atomic(&args.out, |w| {
-                safetensors_stream::write_f32(w, &t.info.name, &shape, &data, &meta)
+                safetensors_stream::write_f32(
+                    &mut ProgressWriter::new(w, &bar),
+                    &t.info.name,
+                    &shape,
+                    &data,
+                    &meta,
+                )
             })?;
         }
     }
+    bar.finish();
     crate::report::emit_err(&format!(
         "wrote {} ({} {}, shape {:?}, rows {}..{} of {})",
         args.out.display(),

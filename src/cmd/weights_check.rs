@@ -45,6 +45,7 @@ pub fn run(args: &WeightsCheckArgs) -> Result<Outcome> {
     let report = match (&args.hf, &args.gguf) {
         (Some(dir), _) => {
             let ckpt = Checkpoint::open(dir)?;
+            wcheck::same_model_hf(&model, dir, &ckpt.config)?;
             let setup = Setup {
                 kind: RefKind::Hf,
                 dims: Dims::from_hf(&ckpt.config).or_else(|| Dims::from_gguf(&model)),
@@ -55,6 +56,7 @@ pub fn run(args: &WeightsCheckArgs) -> Result<Outcome> {
         }
         (None, Some(other)) => {
             let other = Model::open(other)?;
+            wcheck::same_model_gguf(&model, &other)?;
             let mtp_from = crate::model::HParams::from_metadata(&other)
                 .ok()
                 .filter(|hp| hp.n_nextn > 0)

@@ -21,6 +21,10 @@ pub struct HfConfig {
     pub n_layers: usize,
     /// `num_nextn_predict_layers` (absent: 0): MTP layers `model.layers.N ..`.
     pub n_nextn: usize,
+    /// `hidden_size`.
+    pub hidden: Option<usize>,
+    /// `q_lora_rank` (null or absent: a plain `q_proj`).
+    pub q_lora_rank: Option<usize>,
     /// `num_attention_heads`.
     pub n_head: Option<usize>,
     /// `qk_nope_head_dim`.
@@ -88,6 +92,8 @@ impl HfConfig {
                 .to_string(),
             n_layers,
             n_nextn: opt("num_nextn_predict_layers")?.unwrap_or(0),
+            hidden: opt("hidden_size")?,
+            q_lora_rank: opt("q_lora_rank")?,
             n_head: opt("num_attention_heads")?,
             qk_nope: opt("qk_nope_head_dim")?,
             v_head: opt("v_head_dim")?,

@@ -331,7 +331,22 @@ impl HParams {
             );
         }
         let kv_lora_rank = k.usize(keys::ATTN_KV_LORA_RANK)?;
-        let q_lora_rank = k.opt_usize(keys::ATTN_Q_LORA_RANK)?.filter(|&r| r > 0);
+        let q_lora_raw = k.opt_usize(keys::ATTN_Q_LORA_RANK)?;
+        let q_lora_rank = q_lora_raw.filter(|&r| r > 0);
+        // Present but 0 (plain `attn_q`) while the file holds the low-rank query: the key is
+        // wrong, said with its value and the tensor it disagrees with.
+        let q_a = model
+            .tensors()
+            .find(|t| t.info.name.starts_with("blk.") && t.info.name.ends_with(".attn_q_a.weight"));
+        if let (Some(0), Some(t)) = (q_lora_raw, q_a) {
+            bail!(
+                "model: {path}: metadata {} = 0 (a plain attn_q) disagrees with tensor {}: a low-rank query of rank {} (ne={:?})",
+                k.key(keys::ATTN_Q_LORA_RANK),
+                t.info.name,
+                t.info.ne.get(1).copied().unwrap_or(0),
+                t.info.ne
+            );
+        }
         let qk_rope = k.usize(keys::ROPE_DIMENSION_COUNT)?;
         if qk_rope % 2 != 0 {
             bail!(
@@ -460,8 +475,14 @@ impl HParams {
                 if p.head_dim < qk_rope || p.top_k == 0 || p.n_head == 0 {
                     bail!("model: {path}: indexer head width {} (rope {qk_rope}), top_k {} and {} heads are inconsistent", p.head_dim, p.top_k, p.n_head);
                 }
-                if q_lora_rank.is_none() {
-                    return Err(k.missing(keys::ATTN_Q_LORA_RANK));
+                match q_lora_raw {
+                    None => return Err(k.missing(keys::ATTN_Q_LORA_RANK)),
+                    Some(0) => bail!(
+                        "model: {path}: metadata {} = 0 (a plain attn_q), but the DSA indexer of {} reads the low-rank query (attn_q_a); no blk.L.attn_q_a.weight is in the file either",
+                        k.key(keys::ATTN_Q_LORA_RANK),
+                        arch.as_str()
+                    ),
+                    Some(_) => {}
                 }
                 Some(p)
             }
@@ -786,6 +807,17 @@ mod tests {
             format!("{e:#}").contains("glm-dsa.attention.q_lora_rank"),
             "{e:#}"
         );
+        // Present with value 0 is not missing: the value is said, and why it is wrong.
+        let e = parse(&tiny_hparams(Arch::GlmDsa), |m| {
+            set(m, "glm-dsa.attention.q_lora_rank", 0)
+        })
+        .unwrap_err();
+        let msg = format!("{e:#}");
+        assert!(
+            msg.contains("glm-dsa.attention.q_lora_rank = 0 (a plain attn_q), but the DSA indexer of glm-dsa reads the low-rank query")
+                && !msg.contains("missing"),
+            "{msg}"
+        );
         let mut hp = tiny_hparams(Arch::Deepseek2);
         hp.q_lora_rank = None; // DeepSeek-V2-Lite: plain attn_q
         assert_eq!(parse(&hp, |_| {}).unwrap().q_lora_rank, None);
@@ -934,6 +966,11 @@ mod tests {
                 "glm-dsa.attention.indexer.head_count",
                 5,
                 "glm-dsa.attention.indexer.head_count = 5",
+            ),
+            (
+                "glm-dsa.attention.q_lora_rank",
+                0,
+                "metadata glm-dsa.attention.q_lora_rank = 0 (a plain attn_q) disagrees with tensor blk.0.attn_q_a.weight: a low-rank query of rank 12 (ne=[16, 12])",
             ),
             (
                 "glm-dsa.vocab_size",

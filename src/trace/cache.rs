@@ -11,7 +11,10 @@
 //! Each entry also stores an FNV-1a hash of every tensor's name, shape and values
 //! (`cache_checksum`): an entry whose values do not hash to it (a damaged or edited file), or that
 //! cannot be read, is reported as [`Loaded::Damaged`] so that the caller recomputes it and says
-//! so, never compares against it.
+//! so, never compares against it. The cached values are the reference's residual stream (and
+//! selected positions), always finite: an entry holding a NaN or an infinity is damaged too, even
+//! when its checksum matches (an edited file whose checksum was recomputed), and values that are
+//! not finite are never stored.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -22,7 +25,7 @@ use anyhow::{Context, Result};
 use super::file::{write_trace, TraceFile, TraceMeta};
 use super::Mode;
 use crate::gguf::Model;
-use crate::tensor::HostTensor;
+use crate::tensor::{HostData, HostTensor};
 use crate::util::hash::fnv1a64;
 
 /// Identity of one cache entry.
@@ -121,6 +124,22 @@ fn checksum(values: &[(String, HostTensor)]) -> u64 {
     fnv1a64(&bytes)
 }
 
+/// The first f32 tensor among `values` holding a NaN or an infinity, said as `NAME holds N
+/// non-finite values of M (the first at index I)`; `None` when every value is finite.
+fn non_finite(values: &[(String, HostTensor)]) -> Option<String> {
+    values.iter().find_map(|(name, t)| match &t.data {
+        HostData::F32(v) => {
+            let first = v.iter().position(|x| !x.is_finite())?;
+            let n = v.iter().filter(|x| !x.is_finite()).count();
+            Some(format!(
+                "{name} holds {n} non-finite values of {} (the first at index {first}); a residual stream is finite",
+                v.len()
+            ))
+        }
+        HostData::I32(_) => None,
+    })
+}
+
 /// What [`RefCache::load`] found.
 #[derive(Debug, PartialEq)]
 pub enum Loaded {
@@ -195,6 +214,9 @@ impl RefCache {
                 "its values hash to {sum}, not to the stored checksum {stored}"
             ));
         }
+        if let Some(why) = non_finite(&values) {
+            return Loaded::Damaged(why);
+        }
         let mut out = Vec::with_capacity(names.len());
         for n in names {
             match values.iter().find(|(v, _)| v == n) {
@@ -210,6 +232,9 @@ impl RefCache {
         std::fs::create_dir_all(&self.dir)
             .with_context(|| format!("cache: cannot create {}", self.dir.display()))?;
         let p = self.path(key);
+        if let Some(why) = non_finite(values) {
+            anyhow::bail!("cache: not written to {}: {why}", p.display());
+        }
         let tensors: BTreeMap<String, HostTensor> = values.iter().cloned().collect();
         let sorted: Vec<(String, HostTensor)> = tensors.clone().into_iter().collect();
         let mut extra = key.metadata();

@@ -26,7 +26,9 @@ fn kind(ids: bool) -> &'static str {
 /// metadata (when present) is the model's, every hook of the model's forward pass it holds is
 /// of a run layer and has the shape and kind the model gives it for that many tokens. The
 /// first hook whose only difference is its number of rows is reported as a disagreement with
-/// the `tokens` metadata.
+/// the `tokens` metadata. The trace is said to be of another model's dimensions only when
+/// `token_embd` disagrees or at least as many hooks disagree as match; otherwise the error
+/// names the hook (or the few hooks) of the wrong shape, with both shapes.
 pub fn check_against_model(t: &TraceFile, weights: &Weights<'_>, tokens: &[u32]) -> Result<()> {
     let hp = weights.hparams();
     let path = t.path().display();
@@ -40,7 +42,11 @@ pub fn check_against_model(t: &TraceFile, weights: &Weights<'_>, tokens: &[u32])
         }
     }
     let n = tokens.len();
-    let mut other = None;
+    // Hooks whose shape the model does not give them: (name, shape, dtype, wanted).
+    let mut bad: Vec<(String, String)> = Vec::new();
+    let mut embd_bad = false;
+    let mut matched = 0usize;
+    let mut kind_bad = None;
     for name in t.names() {
         let Some(want) = hook_shape(hp, weights.n_vocab(), n, name) else {
             continue;
@@ -63,22 +69,53 @@ pub fn check_against_model(t: &TraceFile, weights: &Weights<'_>, tokens: &[u32])
                     want.show(n)
                 );
             }
-            other.get_or_insert_with(|| {
+            embd_bad |= name == point::TOKEN_EMBD;
+            bad.push((
+                name.to_string(),
                 format!(
-                    "trace: {path}: hook {name} has shape {shape:?} ({dtype}), but the model {model} gives it {} for {n} tokens: this trace is of another model's dimensions",
+                    "hook {name} has shape {shape:?} ({dtype}), but the model {model} gives it {} for {n} tokens",
                     want.show(n)
-                )
-            });
-        } else if t.holds_ints(name) != Some(want.ids) {
-            other.get_or_insert_with(|| {
-                format!(
-                    "trace: {path}: hook {name} is stored as {dtype}, but it must hold {}",
-                    kind(want.ids)
-                )
-            });
+                ),
+            ));
+        } else {
+            matched += 1;
+            if t.holds_ints(name) != Some(want.ids) {
+                kind_bad.get_or_insert_with(|| {
+                    format!(
+                        "trace: {path}: hook {name} is stored as {dtype}, but it must hold {}",
+                        kind(want.ids)
+                    )
+                });
+            }
         }
     }
-    match other {
+    if let Some((_, first)) = bad.first() {
+        // Another model only when its core dimensions differ: the embedding width, or many
+        // hooks at once; one or two hooks of odd shapes among matching ones are those hooks.
+        if embd_bad || (bad.len() > 1 && bad.len() >= matched) {
+            bail!(
+                "trace: {path}: {first}: this trace is of another model's dimensions ({} of its {} hooks disagree)",
+                bad.len(),
+                bad.len() + matched
+            );
+        }
+        let more = match bad.len() {
+            1 => String::new(),
+            k => format!(
+                "; {} more hooks disagree too ({})",
+                k - 1,
+                bad[1..]
+                    .iter()
+                    .map(|(name, _)| name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        };
+        bail!(
+            "trace: {path}: {first}{more}; the trace's other {matched} hooks match the model (this hook was written with a wrong shape)"
+        );
+    }
+    match kind_bad {
         Some(msg) => bail!("{msg}"),
         None => Ok(()),
     }

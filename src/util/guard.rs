@@ -310,6 +310,20 @@ fn check_shape(o: &Output) -> Result<()> {
         bail!("output: {p}: only --json and --jsonl write to stdout; give a file path");
     }
     if o.path.file_name().is_none() {
+        if o.kind == Kind::Dir {
+            // `.`, `./`, `..`, `/`: a directory output is replaced whole, so it must be one of
+            // its own, never the directory the command runs in or one above it.
+            let which = match o.path.components().next_back() {
+                Some(std::path::Component::CurDir) => "the current directory",
+                Some(std::path::Component::ParentDir) => "a parent directory",
+                _ => "the root directory",
+            };
+            bail!(
+                "output: {p} is {which}; {} replaces its directory whole, so give a new directory (e.g. {} ./case)",
+                o.flag,
+                o.flag
+            );
+        }
         bail!("output: {p} is not a file path");
     }
     let dir = atomic::parent_dir(&o.path);
@@ -440,6 +454,27 @@ mod tests {
         g.output_or_stdout("--json", Some(Path::new("-")))
             .output_or_stdout("--jsonl", Some(Path::new("-")));
         g.check().unwrap();
+    }
+
+    /// `.`, `./`, `..` and `/` as a directory output say which directory that is and why it
+    /// is refused (it would be replaced whole), not that it is no file path.
+    #[test]
+    fn a_directory_output_of_dot_or_dot_dot_is_refused_with_the_reason() {
+        for (p, which) in [
+            (".", "the current directory"),
+            ("./", "the current directory"),
+            ("..", "a parent directory"),
+            ("../..", "a parent directory"),
+            ("/", "the root directory"),
+        ] {
+            let mut g = Guard::new();
+            g.output_dir("--repro", Some(Path::new(p)));
+            let e = err(&g);
+            assert!(
+                e.starts_with(&format!("output: --repro {p} is {which}; --repro replaces its directory whole, so give a new directory")),
+                "{p}: {e}"
+            );
+        }
     }
 
     #[test]

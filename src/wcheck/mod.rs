@@ -38,6 +38,7 @@ pub use stats::Acc;
 pub use store::{GgufStore, HfStore, Store};
 
 use crate::gguf::Model;
+use crate::model::Arch;
 use crate::quant::noise;
 use crate::util::glob;
 use crate::util::progress::Progress;
@@ -221,6 +222,145 @@ impl Dims {
             kv_lora: hp.kv_lora_rank as u64,
         })
     }
+}
+
+/// The `config.json` `model_type`s of a GGUF architecture.
+fn hf_model_types(arch: crate::model::Arch) -> &'static [&'static str] {
+    match arch {
+        crate::model::Arch::GlmDsa => &["glm_moe_dsa"],
+        crate::model::Arch::Deepseek2 => &["deepseek_v3", "deepseek_v2", "deepseek_v32"],
+    }
+}
+
+/// The dimensions both sides state, as `(config.json key, its value, GGUF key, its value)`.
+fn hf_dims(
+    hp: &crate::model::HParams,
+    c: &crate::hf::HfConfig,
+) -> Vec<(&'static str, Option<usize>, &'static str, usize)> {
+    use crate::model::keys;
+    vec![
+        ("hidden_size", c.hidden, keys::EMBEDDING_LENGTH, hp.hidden),
+        (
+            "num_hidden_layers",
+            Some(c.n_layers),
+            "block_count - nextn_predict_layers",
+            hp.n_layer,
+        ),
+        (
+            "num_attention_heads",
+            c.n_head,
+            keys::ATTN_HEAD_COUNT,
+            hp.n_head,
+        ),
+        (
+            "kv_lora_rank",
+            c.kv_lora_rank,
+            keys::ATTN_KV_LORA_RANK,
+            hp.kv_lora_rank,
+        ),
+        (
+            "q_lora_rank",
+            c.q_lora_rank,
+            keys::ATTN_Q_LORA_RANK,
+            hp.q_lora_rank.unwrap_or(0),
+        ),
+        (
+            "qk_nope_head_dim",
+            c.qk_nope,
+            "key_length_mla - rope.dimension_count",
+            hp.qk_nope,
+        ),
+        (
+            "v_head_dim",
+            c.v_head,
+            keys::ATTN_VALUE_LENGTH_MLA,
+            hp.v_head,
+        ),
+        (
+            "n_routed_experts",
+            c.n_expert,
+            keys::EXPERT_COUNT,
+            hp.n_expert,
+        ),
+        (
+            "moe_intermediate_size",
+            c.n_ff_exp,
+            keys::EXPERT_FEED_FORWARD_LENGTH,
+            hp.n_ff_exp,
+        ),
+    ]
+}
+
+/// Checks, before any tensor is compared, that the checkpoint in `dir` (its `config`) is of the
+/// GGUF `gguf`'s model: the architecture (`model_type`) and every dimension both state. An
+/// error names both files, the keys and both values. A GGUF whose metadata does not parse, or a
+/// `model_type` glmdiff does not know, is not refused here (the comparison says what it finds).
+pub fn same_model_hf(gguf: &Model, dir: &std::path::Path, c: &crate::hf::HfConfig) -> Result<()> {
+    let Ok(hp) = crate::model::HParams::from_metadata(gguf) else {
+        return Ok(());
+    };
+    let (d, m) = (dir.display(), gguf.path().display());
+    let known = [Arch::GlmDsa, Arch::Deepseek2]
+        .iter()
+        .any(|a| hf_model_types(*a).contains(&c.model_type.as_str()));
+    if known && !hf_model_types(hp.arch).contains(&c.model_type.as_str()) {
+        anyhow::bail!(
+            "weights-check: the checkpoint {d} is {} (config.json model_type), the GGUF {m} is {}: not one model",
+            c.model_type,
+            hp.arch.as_str()
+        );
+    }
+    for (hk, hv, gk, gv) in hf_dims(&hp, c) {
+        if let Some(hv) = hv.filter(|&v| v != gv) {
+            anyhow::bail!(
+                "weights-check: the checkpoint {d} and the GGUF {m} are not one model: {hk} {hv} in config.json, {gk} {gv} in the GGUF"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Checks, before any tensor is compared, that the GGUF `other` is of `gguf`'s model: the same
+/// architecture and hyperparameters that size tensors. An error names both files, the key and
+/// both values. A GGUF whose metadata does not parse is not refused here.
+pub fn same_model_gguf(gguf: &Model, other: &Model) -> Result<()> {
+    use crate::model::keys;
+    let (Ok(a), Ok(b)) = (
+        crate::model::HParams::from_metadata(gguf),
+        crate::model::HParams::from_metadata(other),
+    ) else {
+        return Ok(());
+    };
+    let (m, o) = (gguf.path().display(), other.path().display());
+    if a.arch != b.arch {
+        anyhow::bail!(
+            "weights-check: the GGUF {m} is {}, the --gguf {o} is {} (general.architecture): not one model",
+            a.arch.as_str(),
+            b.arch.as_str()
+        );
+    }
+    let dims = |h: &crate::model::HParams| {
+        [
+            (keys::EMBEDDING_LENGTH, h.hidden),
+            ("block_count - nextn_predict_layers", h.n_layer),
+            (keys::ATTN_HEAD_COUNT, h.n_head),
+            (keys::ATTN_KV_LORA_RANK, h.kv_lora_rank),
+            (keys::ATTN_Q_LORA_RANK, h.q_lora_rank.unwrap_or(0)),
+            (keys::ROPE_DIMENSION_COUNT, h.qk_rope),
+            (keys::ATTN_VALUE_LENGTH_MLA, h.v_head),
+            (keys::FEED_FORWARD_LENGTH, h.n_ff),
+            (keys::EXPERT_COUNT, h.n_expert),
+            (keys::EXPERT_FEED_FORWARD_LENGTH, h.n_ff_exp),
+        ]
+    };
+    for ((k, x), (_, y)) in dims(&a).into_iter().zip(dims(&b)) {
+        if x != y {
+            anyhow::bail!(
+                "weights-check: the GGUF {m} and the --gguf {o} are not one model: {k} {x} in {m}, {y} in {o}"
+            );
+        }
+    }
+    Ok(())
 }
 
 /// One unit of work: rows of one tensor.

@@ -322,10 +322,27 @@ impl Fault {
             ),
             None => (s, None),
         };
-        let kind = FaultKind::parse(kind).with_context(|| format!("--inject {s}"))?;
-        let layers = match (&kind, layers) {
-            (FaultKind::LayerWeights { src, .. }, None) => Some(vec![src + 1]),
-            (_, l) => l,
+        let mut kind = FaultKind::parse(kind).with_context(|| format!("--inject {s}"))?;
+        // A full GGUF name (`blk.1.attn_q_a.weight`, as `inspect` lists it) selects its layer:
+        // the glob is matched without `blk.L.`, and `L` becomes the fault's layer.
+        let mut named = None;
+        if let FaultKind::Transposed { glob } | FaultKind::LayerWeights { glob, .. } = &mut kind {
+            if let Some((l, suffix)) = names::split_blk(glob) {
+                let suffix = suffix.to_string();
+                if suffix.is_empty() {
+                    bail!("--inject {s}: {glob:?} names no tensor of layer {l}");
+                }
+                *glob = suffix;
+                named = Some(l);
+            }
+        }
+        let layers = match (named, layers, &kind) {
+            (Some(l), Some(ls), _) if ls != [l] => bail!(
+                "--inject {s}: the tensor name picks layer {l}, but @ picks layers {ls:?}; give one (names match with or without blk.L., @L picks the layer)"
+            ),
+            (Some(l), _, _) => Some(vec![l]),
+            (None, None, FaultKind::LayerWeights { src, .. }) => Some(vec![src + 1]),
+            (None, l, _) => l,
         };
         Ok(Fault { kind, layers })
     }
@@ -480,7 +497,7 @@ impl Fault {
                     }
                 }
                 if hit == 0 {
-                    bail!("--inject {me}: no tensor of layers {layers:?} matches {glob:?}");
+                    bail!("--inject {me}: no tensor of layers {layers:?} matches {glob:?} (matched against the name without blk.L., e.g. attn_q_a.weight; @L or a full name blk.L.NAME picks the layer)");
                 }
             }
             FaultKind::Transposed { glob } => {
@@ -491,7 +508,7 @@ impl Fault {
                         .count())
                 })?;
                 if hit == 0 {
-                    bail!("--inject {me}: no matrix of layers {layers:?} matches {glob:?}");
+                    bail!("--inject {me}: no matrix of layers {layers:?} matches {glob:?} (matched against the name without blk.L., e.g. attn_q_a.weight; @L or a full name blk.L.NAME picks the layer)");
                 }
             }
             FaultKind::Q4kScaleBits => {
@@ -634,6 +651,15 @@ mod tests {
             Fault::parse("layer_weights:0").unwrap().layers,
             Some(vec![1])
         );
+        // A full GGUF name picks its layer; the glob is matched without `blk.L.`.
+        let f = Fault::parse("transposed:blk.1.attn_q_a.weight").unwrap();
+        assert_eq!(f.to_string(), "transposed:attn_q_a.weight@1");
+        assert_eq!(
+            Fault::parse("layer_weights:0,blk.2.attn_q_a.weight")
+                .unwrap()
+                .layers,
+            Some(vec![2])
+        );
         assert_eq!(
             Fault::parse("rope_neox@1..3").unwrap().layers,
             Some(vec![1, 2])
@@ -651,6 +677,10 @@ mod tests {
             ("norm_eps:x", "not a number"),
             ("rope_neox@a", "is not a number"),
             ("rope_neox@3..1", "are empty"),
+            (
+                "transposed:blk.1.attn_q_a.weight@0,1",
+                "the tensor name picks layer 1, but @ picks layers [0, 1]",
+            ),
         ] {
             let e = format!("{:#}", Fault::parse(s).unwrap_err());
             assert!(e.contains(want), "{s}: {e}");
