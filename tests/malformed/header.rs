@@ -103,7 +103,10 @@ fn truncated_file_fails_the_count_bound() {
     b.truncate(HEADER + 12);
     expect_err(
         b,
-        &["metadata count at offset 16: count 1 cannot fit: 12 bytes left hold at most 0 entries of 13+ bytes"],
+        &[&format!(
+            "metadata count at offset 16: truncated: count 1 cannot fit: the 12 bytes left in the {}-byte file hold at most 0 entries of 13+ bytes",
+            HEADER + 12
+        )],
     );
 }
 
@@ -123,7 +126,7 @@ fn truncated_in_key() {
             )
         } else {
             format!(
-                "gguf: {NAME}: metadata key #1 at offset {at}: string length {} exceeds the {} bytes left in the file",
+                "gguf: {NAME}: metadata key #1 at offset {at}: truncated: string length {} exceeds the {} bytes left in the {cut}-byte file",
                 key.len(),
                 cut - at - 8
             )
