@@ -388,7 +388,7 @@ pub fn parse_layer(s: &str) -> Result<u64> {
     unsigned(
         s,
         "layer",
-        "a layer is an integer in 0..N (N: the model's layer count)",
+        "a layer is an integer in 0..N, N the model's layer count",
     )
 }
 

@@ -200,13 +200,13 @@ fn truncated_in_value_of_every_type() {
                 ),
                 (Val::Str(s), None) if left >= 8 => assert_eq!(
                     msg,
-                    format!("gguf: {NAME}: metadata value \"k\" at offset {at}: string length {} exceeds the {} bytes left in the file", s.len(), left - 8),
+                    format!("gguf: {NAME}: metadata value \"k\" at offset {at}: truncated: string length {} exceeds the {} bytes left in the {cut}-byte file", s.len(), left - 8),
                     "{ctx}"
                 ),
                 (Val::Arr(vt::U16, items), None) if left >= 12 => assert_eq!(
                     msg,
                     format!(
-                        "gguf: {NAME}: metadata value \"k\" at offset {}: count {} cannot fit: {} bytes left hold at most {} entries of 2+ bytes",
+                        "gguf: {NAME}: metadata value \"k\" at offset {}: truncated: count {} cannot fit: the {} bytes left in the {cut}-byte file hold at most {} entries of 2+ bytes",
                         at + 4,
                         items.len(),
                         left - 12,
@@ -236,10 +236,11 @@ fn huge_tensor_count_u64_max() {
     let mut g = padded();
     g.n_tensors = Some(u64::MAX);
     let rest = g.bytes().len() - 16;
+    let len = g.bytes().len();
     expect_err(
         g.bytes(),
         &[&format!(
-            "tensor count at offset 8: count {} cannot fit: {rest} bytes left hold at most {} entries of 32+ bytes",
+            "tensor count at offset 8: truncated: count {} cannot fit: the {rest} bytes left in the {len}-byte file hold at most {} entries of 32+ bytes",
             u64::MAX,
             rest / 32
         )],
@@ -252,7 +253,7 @@ fn huge_tensor_count_2_pow_40() {
     g.n_tensors = Some(1 << 40);
     expect_err(
         g.bytes(),
-        &["tensor count at offset 8: count 1099511627776 cannot fit"],
+        &["tensor count at offset 8: truncated: count 1099511627776 cannot fit"],
     );
 }
 
@@ -261,10 +262,11 @@ fn huge_kv_count_u64_max() {
     let mut g = padded();
     g.n_kv = Some(u64::MAX);
     let rest = g.bytes().len() - HEADER;
+    let len = g.bytes().len();
     expect_err(
         g.bytes(),
         &[&format!(
-            "metadata count at offset 16: count 18446744073709551615 cannot fit: {rest} bytes left hold at most {} entries of 13+ bytes",
+            "metadata count at offset 16: truncated: count 18446744073709551615 cannot fit: the {rest} bytes left in the {len}-byte file hold at most {} entries of 13+ bytes",
             rest / 13
         )],
     );
@@ -276,6 +278,6 @@ fn huge_kv_count_2_pow_40() {
     g.n_kv = Some(1 << 40);
     expect_err(
         g.bytes(),
-        &["metadata count at offset 16: count 1099511627776 cannot fit"],
+        &["metadata count at offset 16: truncated: count 1099511627776 cannot fit"],
     );
 }
