@@ -1,4 +1,5 @@
-//! The `glmdiff` binary: parse flags, run one command, print errors once, map outcomes to exit codes
+//! The `glmdiff` binary: choose the width, parse flags, run one command, print errors once (fitted
+//! to the width), map outcomes to exit codes
 //! (0 ok, 1 a check found a difference, 2 error). An interrupt (SIGINT, SIGTERM, SIGHUP) removes
 //! the temporary files in flight and exits with 2.
 
