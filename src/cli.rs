@@ -64,13 +64,14 @@ pub struct InspectArgs {
 
 /// `glmdiff dequant`.
 #[derive(Debug, Args)]
+#[command(allow_negative_numbers = true)]
 pub struct DequantArgs {
     /// The model: a .gguf file, or any shard of a split model.
     pub model: PathBuf,
     /// GGUF tensor name, e.g. blk.3.ffn_down_exps.weight.
     pub tensor: String,
     /// Only rows A..B (rows of `ne[0]` elements over all other dimensions; end exclusive).
-    #[arg(long, value_name = "A..B", value_parser = parse_range)]
+    #[arg(long, value_name = "A..B", allow_hyphen_values = true, value_parser = parse_range)]
     pub rows: Option<Range<u64>>,
     /// Output file: .npy or .safetensors (f32, PyTorch shape order). Written atomically.
     #[arg(long, value_name = "FILE")]
@@ -79,6 +80,7 @@ pub struct DequantArgs {
 
 /// `glmdiff dequant-check`.
 #[derive(Debug, Args)]
+#[command(allow_negative_numbers = true)]
 pub struct DequantCheckArgs {
     /// The model: a .gguf file, or any shard of a split model.
     pub model: PathBuf,
@@ -91,11 +93,11 @@ pub struct DequantCheckArgs {
     #[arg(long, value_name = "GLOB")]
     pub tensors: Option<String>,
     /// CUDA device ordinal.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = parse_device)]
     pub device: usize,
     /// Spread the tensors over several devices, e.g. 0,1,2,3 (largest tensors first, each
     /// device taking the next when it is done); replaces --device.
-    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    #[arg(long, value_name = "LIST", value_delimiter = ',', allow_hyphen_values = true, value_parser = parse_device)]
     pub devices: Vec<usize>,
     /// Write the results as JSON (`-`: stdout, the report then on stderr). Written atomically.
     #[arg(long, value_name = "FILE")]
@@ -125,6 +127,7 @@ pub struct WeightsCheckArgs {
 
 /// `glmdiff trace`.
 #[derive(Debug, Args)]
+#[command(allow_negative_numbers = true)]
 #[command(group(ArgGroup::new("input").required(true).args(["prompt", "tokens"])))]
 pub struct TraceArgs {
     /// The model: a .gguf file, or any shard of a split model.
@@ -136,7 +139,7 @@ pub struct TraceArgs {
     #[arg(long, value_delimiter = ',', allow_hyphen_values = true, value_parser = parse_token_id)]
     pub tokens: Option<Vec<u32>>,
     /// Only layers A..B (end exclusive); the layers before A still run (their hooks are not kept).
-    #[arg(long, value_name = "A..B", value_parser = parse_range)]
+    #[arg(long, value_name = "A..B", allow_hyphen_values = true, value_parser = parse_range)]
     pub layers: Option<Range<u64>>,
     /// Keep only hooks whose name matches one of these globs (repeatable), e.g. 'blk.*.attn_out'.
     #[arg(long, value_name = "GLOB")]
@@ -148,6 +151,7 @@ pub struct TraceArgs {
 
 /// `glmdiff run`.
 #[derive(Debug, Args)]
+#[command(allow_negative_numbers = true)]
 #[command(group(ArgGroup::new("input").args(["prompt", "tokens"])))]
 #[command(group(ArgGroup::new("range").args(["layer", "layers"])))]
 pub struct RunArgs {
@@ -161,10 +165,10 @@ pub struct RunArgs {
     #[arg(long, value_delimiter = ',', allow_hyphen_values = true, value_parser = parse_token_id)]
     pub tokens: Option<Vec<u32>>,
     /// Only layer N, starting from the reference's residual stream at its input (cached on disk).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = parse_layer)]
     pub layer: Option<u64>,
     /// Only layers A..B (end exclusive), starting from the cached residual stream at layer A.
-    #[arg(long, value_name = "A..B", value_parser = parse_range)]
+    #[arg(long, value_name = "A..B", allow_hyphen_values = true, value_parser = parse_range)]
     pub layers: Option<Range<u64>>,
     /// The candidate: auto, cpu, cuda or cuda:N, or trace:FILE (a trace of docs/hooks.md).
     #[arg(long, default_value = "auto", value_name = "ENGINE")]
@@ -178,7 +182,7 @@ pub struct RunArgs {
     pub dtype: String,
     /// The CUDA engine over several GPUs, e.g. 0,1: layers in contiguous ranges balanced by
     /// weight bytes, the residual stream handed from GPU to GPU (implies --against cuda).
-    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    #[arg(long, value_name = "LIST", value_delimiter = ',', allow_hyphen_values = true, value_parser = parse_device)]
     pub devices: Vec<usize>,
     /// Inject a known bug into the candidate engine (cpu or cuda), repeatable: KIND[@LAYERS]
     /// with LAYERS N, A..B or N,M. Kinds: kv_b_concat, rope_neox, indexer_rope_neox,
@@ -247,6 +251,7 @@ pub struct CompareArgs {
 
 /// `glmdiff step`.
 #[derive(Debug, Args)]
+#[command(allow_negative_numbers = true)]
 pub struct StepArgs {
     /// The case directory (`glmdiff run --repro DIR` writes one).
     pub dir: PathBuf,
@@ -291,6 +296,7 @@ pub struct RegressArgs {
 
 /// `glmdiff synth`.
 #[derive(Debug, Args)]
+#[command(allow_negative_numbers = true)]
 pub struct SynthArgs {
     /// Architecture: glm-dsa or deepseek2.
     #[arg(long)]
@@ -299,13 +305,13 @@ pub struct SynthArgs {
     #[arg(long, default_value = "tiny")]
     pub dims: String,
     /// Number of layers to write (default: all of the chosen dimensions).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_layer_count)]
     pub layers: Option<u32>,
     /// Type mix: ud-q4_k_xl, or one GGML type name such as q8_0 or f32.
     #[arg(long, default_value = "ud-q4_k_xl")]
     pub types: String,
     /// Random seed.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = parse_seed)]
     pub seed: u64,
     /// Output GGUF. Written atomically.
     #[arg(long, value_name = "FILE")]
@@ -323,13 +329,14 @@ pub enum BenchCommand {
 
 /// `glmdiff bench dequant`.
 #[derive(Debug, Args)]
+#[command(allow_negative_numbers = true)]
 pub struct BenchDequantArgs {
     /// Only these types (comma separated names, e.g. q4_k,q8_0).
     #[arg(long, value_delimiter = ',')]
     pub types: Vec<String>,
     /// Benchmark the CUDA kernels of this device instead (bytes moved per second against a
     /// device-to-device copy measured in the same run).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = parse_device)]
     pub device: Option<usize>,
     /// Print JSON instead of a table.
     #[arg(long)]
@@ -338,12 +345,13 @@ pub struct BenchDequantArgs {
 
 /// `glmdiff bench layer`.
 #[derive(Debug, Args)]
+#[command(allow_negative_numbers = true)]
 pub struct BenchLayerArgs {
     /// A model to run (default: a synthetic GLM-5-dimension model written to a temporary file).
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Token counts to time (comma separated).
-    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16", allow_hyphen_values = true, value_parser = parse_token_count)]
     pub tokens: Vec<usize>,
     /// Print JSON instead of a table.
     #[arg(long)]
@@ -355,18 +363,59 @@ pub fn parse_range(s: &str) -> Result<Range<u64>> {
     let (a, b) = s
         .split_once("..")
         .with_context(|| format!("expected a range A..B, got {s:?}"))?;
-    let a: u64 = a
-        .trim()
-        .parse()
-        .with_context(|| format!("range start {a:?} is not a number"))?;
-    let b: u64 = b
-        .trim()
-        .parse()
-        .with_context(|| format!("range end {b:?} is not a number"))?;
+    let a: u64 = unsigned(a, "range start", "A..B takes integers from 0")?;
+    let b: u64 = unsigned(b, "range end", "A..B takes integers from 0")?;
     if a >= b {
         bail!("range {a}..{b} is empty (the end is exclusive)");
     }
     Ok(a..b)
+}
+
+/// Parses an integer of type `T` that cannot be negative; the error names `what` the value is,
+/// whether it was negative, too large or not an integer, and `rule` (the values allowed).
+fn unsigned<T: TryFrom<i128>>(s: &str, what: &str, rule: &str) -> Result<T> {
+    let t = s.trim();
+    match t.parse::<i128>() {
+        Ok(v) if v < 0 => bail!("{what} {v} is negative: {rule}"),
+        Ok(v) => T::try_from(v).map_err(|_| anyhow::anyhow!("{what} {v} is too large: {rule}")),
+        Err(_) => bail!("{what} {t:?} is not an integer: {rule}"),
+    }
+}
+
+/// Parses a layer index (`run --layer`): an integer from 0 (the model's layer count is checked
+/// once it is open).
+pub fn parse_layer(s: &str) -> Result<u64> {
+    unsigned(
+        s,
+        "layer",
+        "a layer is an integer in 0..N, N the model's layer count",
+    )
+}
+
+/// Parses a layer count (`synth --layers`): an integer from 1 (0 and counts over the chosen
+/// dimensions' are refused by `synth`, which names them).
+pub fn parse_layer_count(s: &str) -> Result<u32> {
+    unsigned(s, "layer count", "the layer count is an integer from 1")
+}
+
+/// Parses a CUDA device ordinal: an integer from 0 (the first GPU).
+pub fn parse_device(s: &str) -> Result<usize> {
+    unsigned(
+        s,
+        "device",
+        "a CUDA device ordinal is an integer from 0 (the first GPU)",
+    )
+}
+
+/// Parses a random seed: an integer in 0..2^64.
+pub fn parse_seed(s: &str) -> Result<u64> {
+    unsigned(s, "seed", "a seed is an integer in 0..2^64")
+}
+
+/// Parses one token count of `bench layer --tokens` (0 is refused by the command, which names
+/// the whole list).
+pub fn parse_token_count(s: &str) -> Result<usize> {
+    unsigned(s, "token count", "token counts are integers from 1")
 }
 
 /// Parses `GLOB=VALUE` with a finite, non-negative VALUE.
@@ -475,6 +524,52 @@ mod tests {
             (r.tokens, r.report.hook),
             (Some(vec![1, 2]), vec!["x".to_string()])
         );
+    }
+
+    #[test]
+    fn numeric_flags_take_negative_values_to_their_parsers() {
+        use clap::Parser;
+        let e = Cli::try_parse_from(["glmdiff", "run", "m.gguf", "--layer", "-1"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("layer -1 is negative"), "{e}");
+        let e = Cli::try_parse_from([
+            "glmdiff",
+            "synth",
+            "--arch",
+            "x",
+            "--seed",
+            "99999999999999999999",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("seed 99999999999999999999 is too large"), "{e}");
+        // Values that are fine still parse, and the flag after them is still a flag.
+        let c = Cli::try_parse_from([
+            "glmdiff",
+            "run",
+            "m.gguf",
+            "--layer",
+            "2",
+            "--hook",
+            "x",
+            "--devices",
+            "0,1",
+        ])
+        .unwrap();
+        let Command::Run(r) = c.command else {
+            panic!("not run")
+        };
+        assert_eq!((r.layer, r.devices), (Some(2), vec![0, 1]));
+        assert_eq!(r.report.hook, vec!["x".to_string()]);
+        let c = Cli::try_parse_from([
+            "glmdiff", "dequant", "m.gguf", "t", "--rows", "0..2", "--out", "x.npy",
+        ])
+        .unwrap();
+        let Command::Dequant(d) = c.command else {
+            panic!("not dequant")
+        };
+        assert_eq!(d.rows, Some(0..2));
     }
 
     #[test]

@@ -1,15 +1,28 @@
-//! The `glmdiff` binary: parse flags, run one command, print errors once, map outcomes to exit codes
+//! The `glmdiff` binary: choose the width, parse flags, run one command, print errors once (fitted
+//! to the width), map outcomes to exit codes
 //! (0 ok, 1 a check found a difference, 2 error). An interrupt (SIGINT, SIGTERM, SIGHUP) removes
 //! the temporary files in flight and exits with 2.
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use glmdiff::cli::{BenchCommand, Cli, Command};
 use glmdiff::cmd::{self, Outcome};
+use glmdiff::report::layout;
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    // The width is chosen before the flags are parsed, so that help and every error, clap's
+    // included, fit it: `--wide` is looked for among the words before a `--`.
+    let wide = std::env::args_os()
+        .take_while(|a| a != "--")
+        .any(|a| a == "--wide");
+    let width = layout::detect(wide);
+    layout::set_width(width);
+    let parsed = Cli::command()
+        .term_width(width.unwrap_or(0))
+        .try_get_matches()
+        .and_then(|m| Cli::from_arg_matches(&m));
+    let cli = match parsed {
         Ok(c) => c,
         Err(e) => {
             // --help and --version are not errors.
@@ -17,20 +30,19 @@ fn main() -> ExitCode {
                 let _ = e.print();
                 return ExitCode::SUCCESS;
             }
-            // One error line where clap has one: its pointer to --help is dropped (the error
+            // One error where clap has one: its pointer to --help is dropped (the error
             // already names the flag and the value).
             let text = e.render().to_string();
             let text = text
                 .trim_end()
                 .trim_end_matches("For more information, try '--help'.")
                 .trim_end();
-            eprintln!("{text}");
+            glmdiff::report::emit_err(text);
             return ExitCode::from(2);
         }
     };
     install_interrupt_handler();
     restore_default_sigpipe();
-    glmdiff::report::layout::set_width(glmdiff::report::layout::detect(cli.wide));
     let result = match &cli.command {
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Dequant(a) => cmd::dequant::run(a),
@@ -49,7 +61,7 @@ fn main() -> ExitCode {
         Ok(Outcome::Ok) => ExitCode::SUCCESS,
         Ok(Outcome::Differs) => ExitCode::from(1),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            glmdiff::report::emit_err(&format!("error: {e:#}"));
             ExitCode::from(2)
         }
     }
@@ -62,17 +74,19 @@ fn install_interrupt_handler() {
     let r = ctrlc::set_handler(|| {
         let removed = glmdiff::util::atomic::remove_in_flight();
         if removed.is_empty() {
-            eprintln!("error: interrupted");
+            glmdiff::report::emit_err("error: interrupted");
         } else {
             let names: Vec<String> = removed.iter().map(|p| p.display().to_string()).collect();
-            eprintln!("error: interrupted; removed {}", names.join(", "));
+            glmdiff::report::emit_err(&format!("error: interrupted; removed {}", names.join(", ")));
         }
         std::process::exit(2);
     });
     if let Err(e) = r {
         // Without the handler an interrupt still stops the process; its temporaries are then
         // removed by the next write of the same file.
-        eprintln!("warning: cannot install the interrupt handler: {e}");
+        glmdiff::report::emit_err(&format!(
+            "warning: cannot install the interrupt handler: {e}"
+        ));
     }
 }
 

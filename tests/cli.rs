@@ -416,3 +416,94 @@ fn a_bad_flag_value_is_one_line() {
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
     assert!(err.starts_with("error: "), "{err}");
 }
+
+#[test]
+fn negative_numbers_reach_the_flag_and_get_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = fixture("all_types.gguf");
+    let m = model.to_str().unwrap();
+    let out = |n: &str| d.join(n).to_str().unwrap().to_string();
+    let (npy, gguf) = (out("x.npy"), out("x.gguf"));
+    let case = out("case");
+    let cases: Vec<(Vec<&str>, &[&str])> = vec![
+        (
+            vec!["step", &case, "--tol", "-1"],
+            &["'--tol <VALUE>'", "-1 must be finite and not negative"],
+        ),
+        (
+            vec!["run", m, "--layer", "-1"],
+            &[
+                "'--layer <N>'",
+                "layer -1 is negative: a layer is an integer in 0..N",
+            ],
+        ),
+        (
+            vec!["run", m, "--layers", "-2..3"],
+            &["'--layers <A..B>'", "range start -2 is negative"],
+        ),
+        (
+            vec!["run", m, "--devices", "0,-1"],
+            &["'--devices <LIST>'", "device -1 is negative"],
+        ),
+        (
+            vec![
+                "dequant",
+                m,
+                "q4_k.weight",
+                "--rows",
+                "-1..2",
+                "--out",
+                &npy,
+            ],
+            &[
+                "'--rows <A..B>'",
+                "range start -1 is negative: A..B takes integers from 0",
+            ],
+        ),
+        (
+            vec!["dequant-check", m, "--device", "-1"],
+            &[
+                "'--device <DEVICE>'",
+                "device -1 is negative: a CUDA device ordinal",
+            ],
+        ),
+        (
+            vec!["synth", "--arch", "glm-dsa", "--seed", "-1", "--out", &gguf],
+            &[
+                "'--seed <SEED>'",
+                "seed -1 is negative: a seed is an integer in 0..2^64",
+            ],
+        ),
+        (
+            vec![
+                "synth", "--arch", "glm-dsa", "--layers", "-3", "--out", &gguf,
+            ],
+            &["'--layers <LAYERS>'", "layer count -3 is negative"],
+        ),
+        (
+            vec!["bench", "dequant", "--device", "-1"],
+            &["'--device <N>'", "device -1 is negative"],
+        ),
+        (
+            vec!["bench", "layer", "--tokens", "-4"],
+            &["'--tokens <TOKENS>'", "token count -4 is negative"],
+        ),
+    ];
+    for (args, needles) in &cases {
+        let o = run(args);
+        // One message: a line, continued (if at all) on lines indented two spaces.
+        let e = stderr(&o).replace("\n  ", " ");
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {e}");
+        assert_eq!(e.lines().count(), 1, "{args:?}: {e}");
+        assert!(e.starts_with("error: invalid value '-"), "{args:?}: {e}");
+        assert!(
+            !e.contains("unexpected argument") && !e.contains("-- -"),
+            "{e}"
+        );
+        for n in *needles {
+            assert!(e.contains(n), "{args:?}: expected {n:?} in: {e}");
+        }
+    }
+    assert!(!Path::new(&npy).exists() && !Path::new(&gguf).exists());
+}

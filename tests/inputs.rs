@@ -59,7 +59,7 @@ fn text(o: &Output) -> String {
 
 /// Asserts exit 2 with one error line on stderr containing every one of `parts`; returns it.
 fn input_error(o: &Output, parts: &[&str]) -> String {
-    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    let err = crate::common::stderr_joined(o);
     assert_eq!(o.status.code(), Some(2), "{}", text(o));
     let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
     assert_eq!(lines.len(), 1, "not one line: {err}");
@@ -663,7 +663,7 @@ fn token_ids_outside_the_vocabulary_are_named() {
             args.extend(["--out", out.to_str().unwrap()]);
         }
         let o = glmdiff(cache.path(), &args);
-        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        let err = crate::common::stderr_joined(&o);
         assert_eq!(o.status.code(), Some(2), "{err}");
         // clap adds a pointer to --help under its one error line.
         let first = err.lines().next().unwrap_or("");
@@ -775,7 +775,7 @@ fn damaged_reference_cache_is_recomputed_with_a_note() {
         let before = snapshot(&[&m]);
         let o = glmdiff(cache.path(), &args);
         assert_eq!(o.status.code(), Some(0), "{damage}: {}", text(&o));
-        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        let err = crate::common::stderr_joined(&o);
         let notes: Vec<&str> = err.lines().filter(|l| l.contains("damaged")).collect();
         assert_eq!(notes.len(), 1, "{damage}: {err}");
         assert!(

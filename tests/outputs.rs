@@ -48,7 +48,7 @@ fn refused(dir: &Path, args: &[&str], out: &str, input: &str, keep: &[&str]) -> 
     let before: Vec<u64> = keep.iter().map(|k| digest(&dir.join(k))).collect();
     let t0 = Instant::now();
     let o = glmdiff(dir, args);
-    let e = stderr(&o);
+    let e = crate::common::joined(&stderr(&o));
     assert_eq!(o.status.code(), Some(2), "{args:?}: {e}");
     assert_eq!(e.lines().count(), 1, "{args:?}: {e}");
     assert!(

@@ -540,3 +540,249 @@ fn synth_reports_every_byte_it_writes() {
     let file = std::fs::metadata(&path).unwrap().len();
     assert!(total <= file && file - total < 1 << 20, "{total} of {file}");
 }
+
+/// Asserts that `o` exited with one of `codes` and that no line of its stderr is over `width`
+/// characters; an error stays one message: its first line starts with `error: ` and the lines
+/// after it continue it, indented two spaces. Returns stderr.
+fn assert_err_fits(what: &str, o: &Output, width: usize, codes: &[i32]) -> String {
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    let code = o.status.code().unwrap_or(-1);
+    assert!(codes.contains(&code), "{what}: exit {code}\n{err}");
+    let long = too_long(&err, width);
+    assert!(
+        long.is_empty(),
+        "{what}: stderr lines over {width} characters:\n{}\n--- whole stderr:\n{err}",
+        long.join("\n")
+    );
+    if code == 2 && !err.contains("\nUsage:") {
+        let lines: Vec<&str> = err.lines().collect();
+        let at = lines
+            .iter()
+            .position(|l| l.starts_with("error: "))
+            .unwrap_or_else(|| panic!("{what}: no error line:\n{err}"));
+        assert!(
+            lines[at + 1..].iter().all(|l| l.starts_with("  ")),
+            "{what}: the error is not one message:\n{err}"
+        );
+    }
+    err
+}
+
+#[test]
+fn errors_and_notes_fit_100_columns_when_piped() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let cache = d.join("cache");
+    let q = copy(d, &["models/glm5-tiny-q/glm5-tiny-q-mixed.gguf"])[0].clone();
+    let q = q.to_str().unwrap();
+    let suite = fixtures("regress/suite.toml");
+    let suite = suite.to_str().unwrap();
+    let cuda_suite = fixtures("regress/suite-cuda.toml");
+    let cuda_suite = cuda_suite.to_str().unwrap();
+    let afile = d.join("afile");
+    std::fs::write(&afile, b"not a directory").unwrap();
+    let afile = afile.to_str().unwrap();
+    let runs: Vec<(&str, Vec<&str>, &[i32])> = vec![
+        (
+            "regress --case matching nothing",
+            vec!["regress", suite, "--case", "zzz*"],
+            &[2],
+        ),
+        (
+            "run --inject of an unknown kind",
+            vec![
+                "run",
+                q,
+                "--against",
+                "cpu",
+                "--tokens",
+                "1,2",
+                "--inject",
+                "frob",
+            ],
+            &[2],
+        ),
+        (
+            "run --hook matching nothing",
+            vec![
+                "run",
+                q,
+                "--against",
+                "cpu",
+                "--tokens",
+                "1,2",
+                "--hook",
+                "nothing.*",
+            ],
+            &[2],
+        ),
+        (
+            "a flag clap refuses",
+            vec!["run", q, "--mode", "frob"],
+            &[2],
+        ),
+        (
+            "an unknown flag",
+            vec!["run", q, "--frobnicate-everything-now"],
+            &[2],
+        ),
+        (
+            "a missing flag",
+            vec!["dequant", q, "blk.0.attn_q_a.weight"],
+            &[2],
+        ),
+        // Without CUDA every case errors and the closing error lists them all.
+        (
+            "regress of the CUDA suite",
+            vec!["regress", cuda_suite],
+            &[0, 1, 2],
+        ),
+        (
+            "regress with a --cache-dir that is a file",
+            vec![
+                "regress",
+                suite,
+                "--case",
+                "dsv3-f32-layers",
+                "--cache-dir",
+                afile,
+            ],
+            &[0],
+        ),
+        (
+            "run with a --cache-dir that is a file",
+            vec![
+                "run",
+                q,
+                "--against",
+                "cpu",
+                "--tokens",
+                "1,2",
+                "--layer",
+                "1",
+                "--cache-dir",
+                afile,
+            ],
+            &[0],
+        ),
+    ];
+    for (what, args, codes) in &runs {
+        let err = assert_err_fits(what, &piped(&cache, Some("100"), args), 100, codes);
+        // regress says what run says when the cache cannot be written (run in its report).
+        if what.starts_with("regress with a --cache-dir") {
+            let one = err.replace("\n  ", " ");
+            assert!(
+                one.contains("note: case dsv3-f32-layers: the reference cache was not written: "),
+                "{err}"
+            );
+        }
+    }
+
+    // The note of a damaged cache entry: fill the cache, cut its entry, run again.
+    let layer = [
+        "run",
+        q,
+        "--against",
+        "cpu",
+        "--tokens",
+        "1,2",
+        "--layer",
+        "1",
+    ];
+    assert_eq!(piped(&cache, Some("100"), &layer).status.code(), Some(0));
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .collect();
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    let entry = entries.remove(0);
+    let bytes = std::fs::read(&entry).unwrap();
+    std::fs::write(&entry, &bytes[..bytes.len() / 2]).unwrap();
+    let err = assert_err_fits(
+        "a damaged cache",
+        &piped(&cache, Some("100"), &layer),
+        100,
+        &[0],
+    );
+    assert!(err.contains("is damaged"), "{err}");
+    let o = piped(&cache, Some("100"), &layer);
+    assert!(
+        o.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[test]
+fn help_fits_100_columns_when_piped() {
+    let dir = tempfile::tempdir().unwrap();
+    let commands: &[&[&str]] = &[
+        &[],
+        &["inspect"],
+        &["dequant"],
+        &["trace"],
+        &["dequant-check"],
+        &["run"],
+        &["compare"],
+        &["step"],
+        &["regress"],
+        &["synth"],
+        &["weights-check"],
+        &["bench"],
+        &["bench", "dequant"],
+        &["bench", "layer"],
+    ];
+    for c in commands {
+        for flag in ["--help", "-h"] {
+            let mut args = c.to_vec();
+            args.push(flag);
+            let o = piped(dir.path(), Some("100"), &args);
+            assert_eq!(o.status.code(), Some(0), "{args:?}");
+            let out = String::from_utf8_lossy(&o.stdout);
+            assert!(out.contains("Usage:"), "{args:?}: {out}");
+            let long = too_long(&out, 100);
+            assert!(
+                long.is_empty(),
+                "{args:?}: lines over 100:\n{}",
+                long.join("\n")
+            );
+        }
+    }
+    // --wide keeps every description on one line; COLUMNS narrows it.
+    let o = piped(dir.path(), Some("100"), &["run", "--help", "--wide"]);
+    assert!(!too_long(&String::from_utf8_lossy(&o.stdout), 100).is_empty());
+    let o = piped(dir.path(), Some("72"), &["run", "--help"]);
+    assert!(too_long(&String::from_utf8_lossy(&o.stdout), 72).is_empty());
+}
+
+#[test]
+fn progress_lines_stay_off_a_stderr_that_is_not_a_terminal() {
+    let dir = tempfile::tempdir().unwrap();
+    let q = fixtures("models/glm5-tiny-q/glm5-tiny-q-mixed.gguf");
+    let suite = fixtures("regress/suite.toml");
+    for (args, piece) in [
+        (
+            vec!["regress", suite.to_str().unwrap(), "--case", "glm5-f32-*"],
+            "regress [",
+        ),
+        (
+            vec![
+                "bench",
+                "layer",
+                "--model",
+                q.to_str().unwrap(),
+                "--tokens",
+                "1",
+            ],
+            "timed run",
+        ),
+    ] {
+        let o = piped(dir.path(), Some("100"), &args);
+        assert_eq!(o.status.code(), Some(0), "{args:?}: {o:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!err.contains(piece), "{args:?}: {err}");
+        assert!(err.trim().is_empty(), "{args:?}: {err}");
+        assert!(!o.stdout.is_empty(), "{args:?}");
+    }
+}

@@ -51,7 +51,7 @@ fn run_dequant_gpu(_: usize, _: &[GgmlType], _: bool) -> Result<Outcome> {
     bail!("bench: --device: this glmdiff was built without the `cuda` feature")
 }
 
-/// Runs `glmdiff bench layer`: progress on stderr, the table (or JSON) on stdout.
+/// Runs `glmdiff bench layer`: progress on stderr (when it is a terminal), the table (or JSON) on stdout.
 pub fn run_layer(args: &BenchLayerArgs) -> Result<Outcome> {
     if args.tokens.is_empty() || args.tokens.contains(&0) {
         bail!(
@@ -62,7 +62,7 @@ pub fn run_layer(args: &BenchLayerArgs) -> Result<Outcome> {
     let opts = BenchLayerOptions::new(args.model.clone(), args.tokens.clone())?;
     let report = layer::run_with_progress(
         &opts,
-        &mut |msg| crate::report::emit_err(msg),
+        &mut |msg| crate::report::progress::line(msg),
         &crate::report::progress::Bar::bytes(),
     )?;
     if args.json {

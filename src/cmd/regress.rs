@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use serde_json::{json, Value};
 
-use super::run::{execute, shell_word};
+use super::run::{execute, shell_word, CACHE_NOT_WRITTEN};
 use super::{against_input, model_input, print_report, to_stdout, write_lines, Outcome};
 use crate::cli::{RegressArgs, ReportArgs, RunArgs};
 use crate::regress::baseline::{diff, read_jsonl, summarize};
@@ -102,6 +102,15 @@ fn run_case(suite_path: &Path, index: usize, case: &Case, args: &RegressArgs) ->
             case_record(None, reg, seconds)
         }
         Ok(ran) => {
+            // Said at once, as `run` says it in its report: the case ran, the cache stays cold.
+            if let Some(n) = ran
+                .header
+                .cache
+                .as_deref()
+                .filter(|n| n.starts_with(CACHE_NOT_WRITTEN))
+            {
+                crate::report::emit_err(&format!("note: case {}: {n}", case.name));
+            }
             let tokens: Vec<u32> = ran.header.tokens.iter().map(|(id, _)| *id).collect();
             reg["command"] = json!(run_command(&r, Some(&tokens)));
             match expect::check(&case.expect, &ran.comparison) {
@@ -168,7 +177,7 @@ pub fn run(args: &RegressArgs) -> Result<Outcome> {
     for (k, (i, case)) in cases.iter().enumerate() {
         let rec = run_case(&args.suite, *i, case, args);
         let s = summarize(&rec)?;
-        crate::report::emit_err(&progress_line(k, cases.len(), &s));
+        crate::report::progress::line(&progress_line(k, cases.len(), &s));
         summaries.push(s);
         records.push(rec);
     }

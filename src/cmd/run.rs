@@ -208,6 +208,10 @@ pub struct Ran {
     pub tokenizer: Option<Tokenizer>,
 }
 
+/// The start of the cache note when the reference cache could not be written (`regress` repeats
+/// that note on stderr, having no run report to carry it).
+pub(crate) const CACHE_NOT_WRITTEN: &str = "the reference cache was not written";
+
 /// The work of `glmdiff run` without its outputs: opens the model, runs the reference and the
 /// candidate over the asked steps and returns the comparison (`regress` runs its cases with it).
 pub fn execute(args: &RunArgs) -> Result<Ran> {
@@ -376,11 +380,11 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
                 Loaded::Miss => None,
                 Loaded::Damaged(why) => {
                     // Never compared against: recomputed and overwritten, and said at once.
-                    eprintln!(
+                    crate::report::emit_err(&format!(
                         "note: the reference cache {} is damaged ({why}); layers 0..{} are recomputed and the entry rewritten",
                         c.path(k).display(),
                         layers.start
-                    );
+                    ));
                     damaged = Some(why);
                     None
                 }
@@ -417,9 +421,7 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
                                 ))
                             ))
                         }
-                        Err(e) => {
-                            cache_note = Some(format!("the reference cache was not written: {e:#}"))
-                        }
+                        Err(e) => cache_note = Some(format!("{CACHE_NOT_WRITTEN}: {e:#}")),
                     }
                 }
                 v

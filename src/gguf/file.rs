@@ -520,8 +520,9 @@ impl<'a> Reader<'a> {
             return Err(self.fail(
                 what,
                 format!(
-                    "count {n} cannot fit: {} bytes left hold at most {fits} entries of {min_size}+ bytes",
-                    self.left() - 8
+                    "truncated: count {n} cannot fit: the {} bytes left in the {}-byte file hold at most {fits} entries of {min_size}+ bytes",
+                    self.left() - 8,
+                    self.buf.len()
                 ),
             ));
         }
@@ -543,8 +544,9 @@ impl<'a> Reader<'a> {
             return Err(self.fail(
                 what,
                 format!(
-                    "string length {len} exceeds the {} bytes left in the file",
-                    self.left() - 8
+                    "truncated: string length {len} exceeds the {} bytes left in the {}-byte file",
+                    self.left() - 8,
+                    self.buf.len()
                 ),
             ));
         }

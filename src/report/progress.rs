@@ -1,4 +1,5 @@
-//! Progress bars (indicatif) for long phases, drawn on stderr only when it is a terminal.
+//! Progress bars (indicatif) for long phases and progress lines, shown on stderr only when it is
+//! a terminal.
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -79,5 +80,14 @@ impl Drop for Bar {
     fn drop(&mut self) {
         self.bar.disable_steady_tick();
         self.bar.finish_and_clear();
+    }
+}
+
+/// Prints the progress line `text` on stderr (fitted to the width) when stderr is a terminal;
+/// nothing otherwise, so that a log or a pipe gets only the results, notes and errors.
+pub fn line(text: &str) {
+    use std::io::IsTerminal;
+    if std::io::stderr().is_terminal() {
+        super::emit_err(text);
     }
 }

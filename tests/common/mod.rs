@@ -81,13 +81,24 @@ pub fn host_tensors(
         .collect()
 }
 
+/// `text` with each line continued by the width (a line wrapped with a two-space indent, as
+/// errors and notes on stderr are) joined back to the line it continues: one message, one line.
+pub fn joined(text: &str) -> String {
+    text.replace("\n  ", " ")
+}
+
+/// A finished process's stderr, its wrapped messages [`joined`].
+pub fn stderr_joined(o: &std::process::Output) -> String {
+    joined(&String::from_utf8_lossy(&o.stderr))
+}
+
 /// A finished glmdiff process as (exit code, the JSON it wrote to `json` or null, its stdout
-/// and stderr).
+/// and stderr, its messages [`joined`]).
 pub fn outcome(o: std::process::Output, json: &Path) -> (i32, serde_json::Value, String) {
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
+        stderr_joined(&o)
     );
     let j = std::fs::read_to_string(json)
         .ok()
@@ -105,11 +116,11 @@ pub fn glmdiff_in(cache: &Path, args: &[&str]) -> std::process::Output {
         .expect("run glmdiff")
 }
 
-/// A finished process's stdout, then its stderr.
+/// A finished process's stdout, then its stderr (its messages [`joined`]).
 pub fn output_text(o: &std::process::Output) -> String {
     format!(
         "{}\n{}",
         String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
+        stderr_joined(o)
     )
 }

@@ -103,7 +103,10 @@ fn truncated_file_fails_the_count_bound() {
     b.truncate(HEADER + 12);
     expect_err(
         b,
-        &["metadata count at offset 16: count 1 cannot fit: 12 bytes left hold at most 0 entries of 13+ bytes"],
+        &[&format!(
+            "metadata count at offset 16: truncated: count 1 cannot fit: the 12 bytes left in the {}-byte file hold at most 0 entries of 13+ bytes",
+            HEADER + 12
+        )],
     );
 }
 
@@ -123,7 +126,7 @@ fn truncated_in_key() {
             )
         } else {
             format!(
-                "gguf: {NAME}: metadata key #1 at offset {at}: string length {} exceeds the {} bytes left in the file",
+                "gguf: {NAME}: metadata key #1 at offset {at}: truncated: string length {} exceeds the {} bytes left in the {cut}-byte file",
                 key.len(),
                 cut - at - 8
             )
@@ -197,13 +200,13 @@ fn truncated_in_value_of_every_type() {
                 ),
                 (Val::Str(s), None) if left >= 8 => assert_eq!(
                     msg,
-                    format!("gguf: {NAME}: metadata value \"k\" at offset {at}: string length {} exceeds the {} bytes left in the file", s.len(), left - 8),
+                    format!("gguf: {NAME}: metadata value \"k\" at offset {at}: truncated: string length {} exceeds the {} bytes left in the {cut}-byte file", s.len(), left - 8),
                     "{ctx}"
                 ),
                 (Val::Arr(vt::U16, items), None) if left >= 12 => assert_eq!(
                     msg,
                     format!(
-                        "gguf: {NAME}: metadata value \"k\" at offset {}: count {} cannot fit: {} bytes left hold at most {} entries of 2+ bytes",
+                        "gguf: {NAME}: metadata value \"k\" at offset {}: truncated: count {} cannot fit: the {} bytes left in the {cut}-byte file hold at most {} entries of 2+ bytes",
                         at + 4,
                         items.len(),
                         left - 12,
@@ -233,10 +236,11 @@ fn huge_tensor_count_u64_max() {
     let mut g = padded();
     g.n_tensors = Some(u64::MAX);
     let rest = g.bytes().len() - 16;
+    let len = g.bytes().len();
     expect_err(
         g.bytes(),
         &[&format!(
-            "tensor count at offset 8: count {} cannot fit: {rest} bytes left hold at most {} entries of 32+ bytes",
+            "tensor count at offset 8: truncated: count {} cannot fit: the {rest} bytes left in the {len}-byte file hold at most {} entries of 32+ bytes",
             u64::MAX,
             rest / 32
         )],
@@ -249,7 +253,7 @@ fn huge_tensor_count_2_pow_40() {
     g.n_tensors = Some(1 << 40);
     expect_err(
         g.bytes(),
-        &["tensor count at offset 8: count 1099511627776 cannot fit"],
+        &["tensor count at offset 8: truncated: count 1099511627776 cannot fit"],
     );
 }
 
@@ -258,10 +262,11 @@ fn huge_kv_count_u64_max() {
     let mut g = padded();
     g.n_kv = Some(u64::MAX);
     let rest = g.bytes().len() - HEADER;
+    let len = g.bytes().len();
     expect_err(
         g.bytes(),
         &[&format!(
-            "metadata count at offset 16: count 18446744073709551615 cannot fit: {rest} bytes left hold at most {} entries of 13+ bytes",
+            "metadata count at offset 16: truncated: count 18446744073709551615 cannot fit: the {rest} bytes left in the {len}-byte file hold at most {} entries of 13+ bytes",
             rest / 13
         )],
     );
@@ -273,6 +278,6 @@ fn huge_kv_count_2_pow_40() {
     g.n_kv = Some(1 << 40);
     expect_err(
         g.bytes(),
-        &["metadata count at offset 16: count 1099511627776 cannot fit"],
+        &["metadata count at offset 16: truncated: count 1099511627776 cannot fit"],
     );
 }

@@ -29,10 +29,11 @@ fn huge_string_length() {
         )
         .build();
     let at = built.value_at[1];
+    let len = built.bytes.len();
     expect_err(
         built.bytes,
         &[&format!(
-            "metadata value \"k\" at offset {at}: string length 1099511627776 exceeds the 3 bytes left in the file"
+            "metadata value \"k\" at offset {at}: truncated: string length 1099511627776 exceeds the 3 bytes left in the {len}-byte file"
         )],
     );
 
@@ -124,10 +125,11 @@ fn nested_array_bomb_huge_counts() {
     let body = W::new(false).u32(vt::ARRAY).u64(1 << 40).buf.clone();
     let built = padded().kv("k", Val::Raw(vt::ARRAY, body)).build();
     let at = built.value_at[1] + 4;
+    let len = built.bytes.len();
     expect_err(
         built.bytes,
         &[&format!(
-            "metadata value \"k\" at offset {at}: count 1099511627776 cannot fit: 0 bytes left hold at most 0 entries of 12+ bytes"
+            "metadata value \"k\" at offset {at}: truncated: count 1099511627776 cannot fit: the 0 bytes left in the {len}-byte file hold at most 0 entries of 12+ bytes"
         )],
     );
 
@@ -139,10 +141,11 @@ fn nested_array_bomb_huge_counts() {
     }
     let built = padded().kv("k", Val::Raw(vt::ARRAY, w.buf)).build();
     let at = built.value_at[1] + 12 + 4;
+    let len = built.bytes.len();
     expect_err(
         built.bytes,
         &[&format!(
-            "metadata value \"k\" at offset {at}: count 18446744073709551615 cannot fit: 24 bytes left hold at most 3 entries of 8+ bytes"
+            "metadata value \"k\" at offset {at}: truncated: count 18446744073709551615 cannot fit: the 24 bytes left in the {len}-byte file hold at most 3 entries of 8+ bytes"
         )],
     );
 

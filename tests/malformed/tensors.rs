@@ -22,7 +22,7 @@ fn truncated_in_tensor_info() {
             // The name's bytes are missing.
             assert_eq!(
                 msg,
-                format!("gguf: {NAME}: name of tensor info #0 at offset {info}: string length 1 exceeds the 0 bytes left in the file")
+                format!("gguf: {NAME}: name of tensor info #0 at offset {info}: truncated: string length 1 exceeds the 0 bytes left in the {cut}-byte file")
             );
             continue;
         }

@@ -159,7 +159,7 @@ fn big_endian_file_truncated_or_corrupt() {
     g.n_kv = Some(1 << 40);
     expect_err(
         g.bytes(),
-        &["metadata count at offset 16: count 1099511627776 cannot fit"],
+        &["metadata count at offset 16: truncated: count 1099511627776 cannot fit"],
     );
     let built = {
         let mut g = one_tensor();
