@@ -341,14 +341,49 @@ fn wide_prints_every_column_on_one_line() {
 }
 
 #[test]
-fn without_cuda_every_gpu_command_says_so_in_two_short_lines() {
-    if !cfg!(feature = "cuda") || has_cuda() {
-        eprintln!("skipped: CUDA is here (or not built in): the message is not shown");
+fn gpu_commands_fit_100_columns_or_say_in_two_short_lines_what_is_missing() {
+    // Where CUDA is here (the GPU machine) the message cannot be shown: the same commands are
+    // then checked to run and to fit 100 columns, so the test asserts on every machine and
+    // never passes without checking something.
+    if has_cuda() {
+        let dir = tempfile::tempdir().unwrap();
+        let q = fixtures("models/glm5-tiny-q/glm5-tiny-q-mixed.gguf");
+        let q = q.to_str().unwrap();
+        for args in [
+            vec!["dequant-check", q, "--all"],
+            vec!["run", q, "--against", "cuda", "--tokens", "1,2,3"],
+            vec![
+                "run",
+                q,
+                "--against",
+                "cuda",
+                "--dtype",
+                "bf16",
+                "--layer",
+                "1",
+                "--all-steps",
+                "--tokens",
+                "1,2,3",
+            ],
+        ] {
+            let o = piped(dir.path(), Some("100"), &args);
+            assert_fits(&args.join(" "), &o, 100, &[0]);
+        }
         return;
     }
     #[cfg(feature = "cuda")]
     if glmdiff::cuda::probe_libraries().is_ok() {
-        eprintln!("skipped: the CUDA libraries are here, only a device is missing");
+        // The libraries are here but no device: one message that says so.
+        let dir = tempfile::tempdir().unwrap();
+        let q = fixtures("models/glm5-tiny-q/glm5-tiny-q-mixed.gguf");
+        let o = piped(
+            dir.path(),
+            Some("100"),
+            &["dequant-check", q.to_str().unwrap()],
+        );
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(err.contains("device"), "{err}");
+        assert_fits("dequant-check without a device", &o, 100, &[2]);
         return;
     }
     let dir = tempfile::tempdir().unwrap();

@@ -19,7 +19,7 @@ use glmdiff::wcheck::{
 };
 use serde_json::Value;
 
-use crate::common::{fixtures, glmdiff_bin, hf_from_gguf};
+use crate::common::{fixtures, glmdiff_bin, hf_from_gguf, stderr_joined};
 
 fn wc(sub: &str) -> PathBuf {
     fixtures("wcheck").join(sub)
@@ -416,7 +416,8 @@ fn inputs_of_different_models_are_refused_before_comparing() {
             .args(&reference)
             .output()
             .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
+        // A long error wraps at the width; its continuation lines are joined back.
+        let err = stderr_joined(&out);
         let what = format!("{} {reference:?}", model.display());
         assert_eq!(out.status.code(), Some(2), "{what}: {err}");
         assert!(
