@@ -133,37 +133,16 @@ fn package_hook_list_is_glmdiffs_on_every_fixture_model() {
 #[test]
 fn package_points_are_glmdiffs_point_names() {
     let spec = hooks_json();
-    let consts = [
-        point::ATTN_NORM,
-        point::Q_A,
-        point::Q_A_NORM,
-        point::Q_B,
-        point::Q_PE_ROPE,
-        point::KV_A,
-        point::KV_A_NORM,
-        point::K_PE_ROPE,
-        point::INDEXER_SCORES,
-        point::INDEXER_TOPK,
-        point::ATTN_HEADS,
-        point::ATTN_OUT,
-        point::FFN_INP,
-        point::FFN_NORM,
-        point::FFN_GATE,
-        point::FFN_UP,
-        point::FFN_ACT,
-        point::MOE_LOGITS,
-        point::MOE_PROBS,
-        point::MOE_TOPK_IDS,
-        point::MOE_WEIGHTS,
-        point::MOE_ROUTED,
-        point::FFN_SHEXP,
-        point::FFN_OUT,
-        point::L_OUT,
-        point::ATTN_PROBS,
-        point::TOKEN_EMBD,
-        point::RESULT_NORM,
-        point::LOGITS,
-    ];
+    let consts: Vec<&str> = point::LAYER
+        .iter()
+        .copied()
+        .chain([
+            point::ATTN_PROBS,
+            point::TOKEN_EMBD,
+            point::RESULT_NORM,
+            point::LOGITS,
+        ])
+        .collect();
     let layer = points(&spec["layer_points"]);
     let optional = points(&spec["optional_layer_points"]);
     let global: Vec<Point> = points(&spec["global_first"])

@@ -72,6 +72,36 @@ pub mod point {
     pub const RESULT_NORM: &str = "result_norm";
     /// Global: logits, `[T, vocab]`.
     pub const LOGITS: &str = "logits";
+
+    /// The standard points of a layer in forward-pass order: every one is `[T, ...]` (the
+    /// optional [`ATTN_PROBS`] and per-expert outputs are not listed).
+    pub const LAYER: &[&str] = &[
+        ATTN_NORM,
+        Q_A,
+        Q_A_NORM,
+        Q_B,
+        Q_PE_ROPE,
+        KV_A,
+        KV_A_NORM,
+        K_PE_ROPE,
+        INDEXER_SCORES,
+        INDEXER_TOPK,
+        ATTN_HEADS,
+        ATTN_OUT,
+        FFN_INP,
+        FFN_NORM,
+        FFN_GATE,
+        FFN_UP,
+        FFN_ACT,
+        MOE_LOGITS,
+        MOE_PROBS,
+        MOE_TOPK_IDS,
+        MOE_WEIGHTS,
+        MOE_ROUTED,
+        FFN_SHEXP,
+        FFN_OUT,
+        L_OUT,
+    ];
 }
 
 /// `blk.{layer}.{point}`.

@@ -124,35 +124,8 @@ pub fn check_against_model(t: &TraceFile, weights: &Weights<'_>, tokens: &[u32])
 /// Whether the first dimension of hook `name` is the token count (every standard hook but the
 /// attention probabilities and the per-expert outputs).
 fn rows_are_tokens(name: &str) -> bool {
-    const PER_TOKEN: &[&str] = &[
-        point::ATTN_NORM,
-        point::Q_A,
-        point::Q_A_NORM,
-        point::Q_B,
-        point::Q_PE_ROPE,
-        point::KV_A,
-        point::KV_A_NORM,
-        point::K_PE_ROPE,
-        point::INDEXER_SCORES,
-        point::INDEXER_TOPK,
-        point::ATTN_HEADS,
-        point::ATTN_OUT,
-        point::FFN_INP,
-        point::FFN_NORM,
-        point::FFN_GATE,
-        point::FFN_UP,
-        point::FFN_ACT,
-        point::MOE_LOGITS,
-        point::MOE_PROBS,
-        point::MOE_TOPK_IDS,
-        point::MOE_WEIGHTS,
-        point::MOE_ROUTED,
-        point::FFN_SHEXP,
-        point::FFN_OUT,
-        point::L_OUT,
-    ];
     match split_blk(name) {
-        Some((_, p)) => PER_TOKEN.contains(&p),
+        Some((_, p)) => point::LAYER.contains(&p),
         None => [point::TOKEN_EMBD, point::RESULT_NORM, point::LOGITS].contains(&name),
     }
 }
