@@ -309,14 +309,10 @@ fn dequant_trace_and_dequant_check_refuse_any_shard_of_their_model() {
     assert!(e.contains("through a hard link"), "{e}");
 }
 
-/// `step` refuses to write over the files of its case; `run --repro DIR` refuses a directory
-/// that holds its model, or another of its outputs (the directory is replaced whole).
-#[test]
-fn step_and_repro_refuse_to_write_over_a_case() {
-    let d = tempfile::tempdir().unwrap();
-    let dir = d.path();
-    copy_in(dir, GLM, "m.gguf");
-    let o = glmdiff(
+/// `run --inject kv_b_concat@1 --repro case` in `dir` (a copy of the GLM-5 fixture as `m.gguf`):
+/// a case to write over, or to leave half-written.
+fn repro_case(dir: &Path) -> Output {
+    glmdiff(
         dir,
         &[
             "run",
@@ -330,7 +326,17 @@ fn step_and_repro_refuse_to_write_over_a_case() {
             "--repro",
             "case",
         ],
-    );
+    )
+}
+
+/// `step` refuses to write over the files of its case; `run --repro DIR` refuses a directory
+/// that holds its model, or another of its outputs (the directory is replaced whole).
+#[test]
+fn step_and_repro_refuse_to_write_over_a_case() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    copy_in(dir, GLM, "m.gguf");
+    let o = repro_case(dir);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     no_temporaries(dir);
     let keep = [
@@ -718,21 +724,7 @@ fn stale_temporaries_of_dead_processes_are_removed_by_the_next_write() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(!stale.exists(), "the dead process's temporary is left");
     assert!(live.exists(), "a live process's temporary was removed");
-    let o = glmdiff(
-        dir,
-        &[
-            "run",
-            "m.gguf",
-            "--against",
-            "cpu",
-            "--tokens",
-            "1,2,3",
-            "--inject",
-            "kv_b_concat@1",
-            "--repro",
-            "case",
-        ],
-    );
+    let o = repro_case(dir);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(!stale_case.exists(), "the dead process's case is left");
     assert!(dir.join("case/case.json").is_file());

@@ -345,10 +345,10 @@ fn gpu_commands_fit_100_columns_or_say_in_two_short_lines_what_is_missing() {
     // Where CUDA is here (the GPU machine) the message cannot be shown: the same commands are
     // then checked to run and to fit 100 columns, so the test asserts on every machine and
     // never passes without checking something.
+    let dir = tempfile::tempdir().unwrap();
+    let q = fixtures("models/glm5-tiny-q/glm5-tiny-q-mixed.gguf");
+    let q = q.to_str().unwrap();
     if has_cuda() {
-        let dir = tempfile::tempdir().unwrap();
-        let q = fixtures("models/glm5-tiny-q/glm5-tiny-q-mixed.gguf");
-        let q = q.to_str().unwrap();
         for args in [
             vec!["dequant-check", q, "--all"],
             vec!["run", q, "--against", "cuda", "--tokens", "1,2,3"],
@@ -374,21 +374,12 @@ fn gpu_commands_fit_100_columns_or_say_in_two_short_lines_what_is_missing() {
     #[cfg(feature = "cuda")]
     if glmdiff::cuda::probe_libraries().is_ok() {
         // The libraries are here but no device: one message that says so.
-        let dir = tempfile::tempdir().unwrap();
-        let q = fixtures("models/glm5-tiny-q/glm5-tiny-q-mixed.gguf");
-        let o = piped(
-            dir.path(),
-            Some("100"),
-            &["dequant-check", q.to_str().unwrap()],
-        );
+        let o = piped(dir.path(), Some("100"), &["dequant-check", q]);
         let err = String::from_utf8_lossy(&o.stderr).into_owned();
         assert!(err.contains("device"), "{err}");
         assert_fits("dequant-check without a device", &o, 100, &[2]);
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let q = fixtures("models/glm5-tiny-q/glm5-tiny-q-mixed.gguf");
-    let q = q.to_str().unwrap();
     let mut messages = Vec::new();
     for args in [
         vec!["dequant-check", q, "--all"],
