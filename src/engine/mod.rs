@@ -43,6 +43,7 @@ use std::ops::Range;
 use anyhow::Result;
 
 use crate::model::RopeSlice;
+use crate::precision::Precision;
 pub use crate::tensor::{HostData, HostTensor};
 
 /// Inputs of the attention step (hooks of one layer).
@@ -94,8 +95,9 @@ pub trait Engine {
 
     /// Describes the engine for trace metadata, e.g. `cpu` or `cuda:0 NVIDIA H200 sm_90`.
     fn describe(&self) -> String;
-    /// Compute precision for trace metadata, e.g. `f32 storage, f64 accumulation`.
-    fn dtype(&self) -> String;
+    /// Compute precision: it decides the tolerance floors, and its prose is the `dtype` of
+    /// trace metadata and reports (e.g. `f32 storage, f64 accumulation`).
+    fn precision(&self) -> Precision;
 
     /// Before the engine's first step of a walk: the GGUF tensors the plan's global steps read
     /// (`token_embd.weight`, `output_norm.weight`, `output.weight`, as far as the plan runs the

@@ -23,6 +23,7 @@ use anyhow::{bail, Context, Result};
 
 use super::{Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
 use crate::model::{rope, RopeSlice, Weights};
+use crate::precision::Precision;
 
 pub use attention::{causal_top_k, mla_host, Rotate};
 pub use moe::route_token;
@@ -116,8 +117,8 @@ impl Engine for CpuEngine<'_> {
         "cpu".to_string()
     }
 
-    fn dtype(&self) -> String {
-        "f32 storage, f64 accumulation".to_string()
+    fn precision(&self) -> Precision {
+        Precision::REFERENCE
     }
 
     fn upload(&self, t: &HostTensor) -> Result<HostTensor> {

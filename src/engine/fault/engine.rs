@@ -13,6 +13,7 @@ use crate::engine::{Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Rou
 use crate::model::names::{self, blk};
 use crate::model::steps::{self, Op};
 use crate::model::{rope, Gating, RopeSlice, Weights};
+use crate::precision::{Dtype, Precision};
 use crate::quant::GgmlType;
 use crate::util::glob::matches as glob_match;
 
@@ -354,17 +355,18 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
         )
     }
 
-    fn dtype(&self) -> String {
-        let d = self.inner.dtype();
-        if self
-            .faults
-            .iter()
-            .any(|f| matches!(f.kind, FaultKind::F32Accumulate))
+    /// `inner`'s, with f32 sums where it accumulates in f64 under `f32_accumulate`.
+    fn precision(&self) -> Precision {
+        let mut p = self.inner.precision();
+        if p.accumulate == Dtype::F64
+            && self
+                .faults
+                .iter()
+                .any(|f| matches!(f.kind, FaultKind::F32Accumulate))
         {
-            d.replace("f64 accumulation", "f32 accumulation")
-        } else {
-            d
+            p.accumulate = Dtype::F32;
         }
+        p
     }
 
     fn begin_model(&self, weights: &[String]) -> Result<()> {
