@@ -219,15 +219,20 @@ pub fn hook_infos(steps: &[Step], weights: &Weights<'_>) -> HashMap<String, Hook
             .find(name)
             .is_some_and(|t| t.info.ty.block_size() > 1)
     };
+    // A projection: its reduction length and quant type are its matrix's.
+    let linear = |info: &mut HookInfo, weight: &str| {
+        info.kind = Kind::Linear;
+        info.k = weights.matrix_dims(weight).ok().map(|(_, c)| c);
+        info.quantized = quantized(weight);
+    };
     let mut out = HashMap::new();
     for s in steps {
         for o in &s.outputs {
             let mut info = HookInfo::from_point(point_of(o));
             match &s.op {
-                Op::Linear { weight } => {
-                    info.kind = Kind::Linear;
-                    info.k = weights.matrix_dims(weight).ok().map(|(_, c)| c);
-                    info.quantized = quantized(weight);
+                Op::Linear { weight } => linear(&mut info, weight),
+                Op::RouterLogits { layer } => {
+                    linear(&mut info, &names::blk(*layer, names::blk::FFN_GATE_INP));
                 }
                 Op::RmsNorm { cols, .. } => {
                     info.k = Some(cols.as_ref().map_or(hp.hidden, |c| c.len()));
@@ -301,6 +306,38 @@ mod tests {
         let f32p = Precision::parse("f32").unwrap();
         let want_f = 4.0 * (3f64.sqrt() + 64.0) * 2f64.powi(-24);
         assert!((floor(&q, cpu, f32p) - want_f).abs() < 1e-20);
+    }
+
+    /// The router-logits step gets a projection's floor inputs: those of a plain projection
+    /// by the same matrix (kind, reduction length over the hidden size, the matrix's quant type).
+    #[test]
+    fn router_logits_floor_is_its_matrix_projections() {
+        use crate::model::steps::layer_steps;
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        for f in [
+            "fixtures/models/glm5-tiny-q/glm5-tiny-q-mixed.gguf",
+            "fixtures/models/dsv3-tiny/dsv3-tiny-f32.gguf",
+        ] {
+            let m = crate::gguf::Model::open(&root.join(f)).unwrap();
+            let w = Weights::new(&m).unwrap();
+            let hp = w.hparams();
+            let l = (0..hp.n_layer).find(|&l| !hp.is_dense(l)).unwrap();
+            let steps = layer_steps(hp, l);
+            let router = steps
+                .iter()
+                .find(|s| s.op == Op::RouterLogits { layer: l })
+                .unwrap();
+            let as_linear = Step {
+                op: Op::Linear {
+                    weight: names::blk(l, names::blk::FFN_GATE_INP),
+                },
+                ..router.clone()
+            };
+            let hook = &router.outputs[0];
+            let got = hook_infos(std::slice::from_ref(router), &w)[hook];
+            assert_eq!(got, hook_infos(&[as_linear], &w)[hook], "{f}");
+            assert_eq!((got.kind, got.k), (Kind::Linear, Some(hp.hidden)), "{f}");
+        }
     }
 
     #[test]

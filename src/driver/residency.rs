@@ -190,6 +190,10 @@ mod tests {
             self.uses(weight)?;
             self.cpu.linear(x, weight)
         }
+        fn router_logits(&self, layer: usize, x: &HostTensor) -> Result<HostTensor> {
+            self.in_layer(layer, &[names::blk(layer, blk::FFN_GATE_INP)])?;
+            self.cpu.router_logits(layer, x)
+        }
         fn rope(&self, x: &HostTensor, s: &RopeSlice) -> Result<HostTensor> {
             self.cpu.rope(x, s)
         }

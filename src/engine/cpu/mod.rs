@@ -22,6 +22,7 @@ use std::ops::Range;
 use anyhow::{bail, Context, Result};
 
 use super::{Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
+use crate::model::names::{self, blk};
 use crate::model::{rope, RopeSlice, Weights};
 use crate::precision::Precision;
 
@@ -175,6 +176,11 @@ impl Engine for CpuEngine<'_> {
             .with_context(|| format!("engine: cpu: linear {weight}"))?;
         let rows = out.len() / t.max(1);
         HostTensor::f32(vec![t, rows], out)
+    }
+
+    /// Like any projection: f32 values and f64 sums already keep the trait's f32 rule.
+    fn router_logits(&self, layer: usize, x: &HostTensor) -> Result<HostTensor> {
+        self.linear(x, &names::blk(layer, blk::FFN_GATE_INP))
     }
 
     fn rope(&self, x: &HostTensor, s: &RopeSlice) -> Result<HostTensor> {

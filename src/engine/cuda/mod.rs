@@ -236,17 +236,12 @@ impl Engine for CudaEngine<'_> {
     }
 
     fn linear(&self, x: &GpuTensor, weight: &str) -> Result<GpuTensor> {
-        let (t, k) = x.dims2(weight)?;
-        // The router's logits are computed in f32 in bf16 mode too, as transformers
-        // (`DeepseekV3TopkRouter`, GLM-5) and vLLM compute them: bf16 router logits are a bug.
-        let dtype = if weight.ends_with(blk::FFN_GATE_INP) {
-            GpuDtype::F32
-        } else {
-            self.dtype
-        };
-        let y = self.linear_slice_as(x.f32(weight)?, t, k, weight, dtype)?;
-        let rows = self.weights.matrix_dims(weight)?.0;
-        Ok(self.tensor_f32(vec![t, rows], y))
+        self.linear_as(x, weight, self.dtype)
+    }
+
+    /// In f32 in bf16 mode too (the trait's precision rule).
+    fn router_logits(&self, layer: usize, x: &GpuTensor) -> Result<GpuTensor> {
+        self.linear_as(x, &names::blk(layer, blk::FFN_GATE_INP), GpuDtype::F32)
     }
 
     fn rope(&self, x: &GpuTensor, s: &RopeSlice) -> Result<GpuTensor> {

@@ -280,6 +280,10 @@ impl Engine for MultiCudaEngine<'_> {
         self.cur().linear(&*self.here(x)?, weight)
     }
 
+    fn router_logits(&self, layer: usize, x: &GpuTensor) -> Result<GpuTensor> {
+        self.cur().router_logits(layer, &*self.here(x)?)
+    }
+
     fn rope(&self, x: &GpuTensor, s: &RopeSlice) -> Result<GpuTensor> {
         self.cur().rope(&*self.here(x)?, s)
     }
