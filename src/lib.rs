@@ -12,7 +12,9 @@
 //!    per-type facts of higher layers (CUDA kernel stems, how `synth` and `bench` draw blocks)
 //!    live in its rows as plain data that those layers interpret.
 //! 3. [`tensor`]: host tensors (shape + f32/i32 values), the currency between engines, traces
-//!    and comparisons. Imports nothing from the crate.
+//!    and comparisons; and [`precision`]: number formats and compute precisions (storage,
+//!    accumulation), which engines declare and the floors of `compare` read. Neither imports
+//!    anything from the crate.
 //! 4. [`gguf`]: the file format (reader, split shards, streaming writer); uses `quant` for tensor
 //!    types and `util`.
 //! 5. [`model`]: hyperparameters, metadata keys, tensor names, weight descriptions (tensor,
@@ -21,13 +23,13 @@
 //! 6. [`engine`]: the `Engine` trait (steps and weight residency hooks), the CPU reference,
 //!    which dequantizes the descriptions and counts its own work for `bench`, the known bugs of
 //!    `engine::fault` (`FaultEngine` around any engine), and (feature `cuda`) the CUDA engine;
-//!    uses `model`, `quant`, `tensor`, `util`, and `cuda` for the GPU.
+//!    uses `model`, `quant`, `tensor`, `precision`, `util`, and `cuda` for the GPU.
 //! 7. [`trace`]: sinks (one tensor, or reference/candidate pairs), hook selection, trace files,
-//!    the reference cache; uses `model`, `gguf`, `tensor`, `util`.
+//!    the reference cache; uses `model`, `gguf`, `tensor`, `precision`, `util`.
 //! 8. [`cuda`]: devices, NVRTC, the dequant and comparison kernels, `dequant-check`; uses
 //!    `gguf`, `quant`, `util` (the cache directory and its hash).
 //! 9. [`compare`]: metrics, tolerance floors, verdicts, first divergence, output distributions;
-//!    uses `trace` (it is a pair sink), `model`, `tensor`, `util`.
+//!    uses `trace` (it is a pair sink), `model`, `tensor`, `precision`, `util`.
 //! 10. [`driver`]: walks the steps over one engine into a sink, or over a reference and a
 //!     candidate (engine or trace) into a pair sink, in replay and chained modes; uses `trace`,
 //!     `engine`, `model`.
@@ -67,6 +69,7 @@ pub mod explain;
 pub mod gguf;
 pub mod hf;
 pub mod model;
+pub mod precision;
 pub mod quant;
 pub mod regress;
 pub mod report;

@@ -438,7 +438,7 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
 
     // Judge.
     let mut header_notes = Vec::new();
-    let ref_prec = Precision::parse(&reference.dtype()).context("run: reference precision")?;
+    let ref_prec = reference.precision();
     let second_cpu = CpuEngine::new(&weights);
     let second = FaultEngine::new(&second_cpu, &weights, faults.clone());
     #[cfg(feature = "cuda")]
@@ -474,14 +474,13 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
         #[cfg(feature = "cuda")]
         (Against::Cuda(n), _) => {
             let e = cuda_engine.as_ref().context("run: the CUDA engine")?;
-            let dtype = e.dtype();
             (
                 EngineDesc {
                     spec: format!("cuda:{n}"),
                     describe: e.describe(),
-                    dtype: dtype.clone(),
+                    dtype: e.precision().to_string(),
                 },
-                Precision::parse(&dtype).context("run: CUDA engine precision")?,
+                e.precision(),
             )
         }
         (Against::Trace(p), Some(t)) => {
@@ -512,7 +511,7 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
             EngineDesc {
                 spec: "cpu".into(),
                 describe: second.describe(),
-                dtype: second.dtype(),
+                dtype: second.precision().to_string(),
             },
             ref_prec,
         ),
@@ -631,7 +630,7 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
                 candidate: cand_desc.spec.clone(),
                 candidate_describe: cand_desc.describe.clone(),
                 candidate_dtype: cand_desc.dtype.clone(),
-                reference_dtype: reference.dtype(),
+                reference_dtype: reference.precision().to_string(),
             };
             case::write(dir, c, &weights, &meta)?;
             Some(format!(
@@ -655,7 +654,7 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
         reference: EngineDesc {
             spec: "cpu".into(),
             describe: reference.describe(),
-            dtype: reference.dtype(),
+            dtype: reference.precision().to_string(),
         },
         candidate: cand_desc,
         modes: [Mode::Replay, Mode::Chained]

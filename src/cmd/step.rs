@@ -45,8 +45,9 @@ pub fn run(args: &StepArgs) -> Result<Outcome> {
         ));
     }
 
-    // The candidate.
-    let (desc, candidate) = match args.against.as_deref() {
+    // The candidate, and its precision when an engine here computes it (the stored one's is
+    // read from the case).
+    let (desc, candidate, engine_prec) = match args.against.as_deref() {
         None => (
             EngineDesc {
                 spec: format!("stored ({})", case.header.candidate),
@@ -54,6 +55,7 @@ pub fn run(args: &StepArgs) -> Result<Outcome> {
                 dtype: case.header.candidate_dtype.clone(),
             },
             stored.candidate.clone(),
+            None,
         ),
         Some("cpu") => {
             let second = CpuEngine::new(&weights);
@@ -61,20 +63,22 @@ pub fn run(args: &StepArgs) -> Result<Outcome> {
                 EngineDesc {
                     spec: "cpu".into(),
                     describe: second.describe(),
-                    dtype: second.dtype(),
+                    dtype: second.precision().to_string(),
                 },
                 output_on(&second, &weights, &stored, &tokens)?,
+                Some(second.precision()),
             )
         }
         Some(c) if c == "cuda" || c.starts_with("cuda:") => {
-            cuda_candidate(c, &weights, &stored, &tokens)?
+            let (desc, prec, out) = cuda_candidate(c, &weights, &stored, &tokens)?;
+            (desc, out, Some(prec))
         }
         Some(other) => bail!("step: --against {other:?}: expected cpu, cuda or cuda:N"),
     };
 
     // The verdict, by run's judge.
-    let ref_prec = Precision::parse(&cpu.dtype()).context("step: reference precision")?;
-    let cand_prec = match Precision::parse(&desc.dtype) {
+    let ref_prec = cpu.precision();
+    let cand_prec = match engine_prec.or_else(|| Precision::parse(&desc.dtype)) {
         Some(p) => p,
         None => {
             notes.push(format!(
@@ -135,7 +139,7 @@ pub fn run(args: &StepArgs) -> Result<Outcome> {
         dir: case.dir.display().to_string(),
         header: case.header.clone(),
         candidate: desc,
-        reference_dtype: cpu.dtype(),
+        reference_dtype: cpu.precision().to_string(),
         record,
         differs,
         notes,
@@ -152,14 +156,14 @@ pub fn run(args: &StepArgs) -> Result<Outcome> {
     })
 }
 
-/// The CUDA engine's output of the case's step.
+/// The CUDA engine's output of the case's step, with the engine and its precision.
 #[cfg(feature = "cuda")]
 fn cuda_candidate(
     spec: &str,
     weights: &Weights<'_>,
     c: &CapturedStep,
     tokens: &[u32],
-) -> Result<(EngineDesc, crate::engine::HostTensor)> {
+) -> Result<(EngineDesc, Precision, crate::engine::HostTensor)> {
     let n: usize = match spec.strip_prefix("cuda:") {
         None => 0,
         Some(n) => n.parse().with_context(|| {
@@ -175,8 +179,9 @@ fn cuda_candidate(
         EngineDesc {
             spec: format!("cuda:{n}"),
             describe: e.describe(),
-            dtype: e.dtype(),
+            dtype: e.precision().to_string(),
         },
+        e.precision(),
         out,
     ))
 }
@@ -188,6 +193,6 @@ fn cuda_candidate(
     _weights: &Weights<'_>,
     _c: &CapturedStep,
     _tokens: &[u32],
-) -> Result<(EngineDesc, crate::engine::HostTensor)> {
+) -> Result<(EngineDesc, Precision, crate::engine::HostTensor)> {
     bail!("step: --against {spec}: this glmdiff was built without the `cuda` feature")
 }

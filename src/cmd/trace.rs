@@ -105,7 +105,7 @@ pub fn run(args: &TraceArgs) -> Result<Outcome> {
         architecture: hp.arch.as_str().to_string(),
         tokens: tokens.clone(),
         engine: engine.describe(),
-        dtype: engine.dtype(),
+        dtype: engine.precision().to_string(),
         mode: crate::trace::Mode::Chained,
         extra: BTreeMap::new(),
     };

@@ -48,6 +48,7 @@ use serde::Serialize;
 
 use crate::model::steps::{Op, Step};
 use crate::model::{names, Weights};
+pub use crate::precision::{Dtype, Precision};
 
 /// In replay a hook also fails when one token's relative error is above `TOKEN_FACTOR` times
 /// the floor: a bug that touches few tokens (two swapped experts of 256 are used by a few
@@ -70,99 +71,6 @@ pub const U_Q8_ACTIVATIONS: f64 = 5.7e-3;
 /// K used when a hook's reduction length is unknown (a trace compared without its model):
 /// GLM-5's hidden size, rounded up.
 pub const DEFAULT_K: usize = 8192;
-
-/// A number format.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Dtype {
-    /// IEEE binary64.
-    F64,
-    /// IEEE binary32.
-    F32,
-    /// IEEE binary16.
-    F16,
-    /// bfloat16.
-    Bf16,
-    /// FP8 E4M3.
-    Fp8,
-}
-
-impl Dtype {
-    /// Unit roundoff (half an ulp relative to 1): `2^-(mantissa bits + 1)`.
-    pub fn unit_roundoff(self) -> f64 {
-        match self {
-            Dtype::F64 => 2f64.powi(-53),
-            Dtype::F32 => 2f64.powi(-24),
-            Dtype::F16 => 2f64.powi(-11),
-            Dtype::Bf16 => 2f64.powi(-8),
-            Dtype::Fp8 => 2f64.powi(-4),
-        }
-    }
-
-    /// Parses a dtype word (`f32`, `float32`, `bf16`, `bfloat16`, `fp8`, `float8_e4m3fn`, ...).
-    pub fn parse(word: &str) -> Option<Dtype> {
-        let w = word
-            .trim()
-            .trim_start_matches("torch.")
-            .to_ascii_lowercase();
-        Some(match w.as_str() {
-            "f64" | "float64" | "fp64" | "double" => Dtype::F64,
-            "f32" | "float32" | "fp32" | "float" | "tf32" => Dtype::F32,
-            "f16" | "float16" | "fp16" | "half" => Dtype::F16,
-            "bf16" | "bfloat16" => Dtype::Bf16,
-            "fp8" | "f8" | "e4m3" | "float8" | "float8_e4m3fn" | "fp8_e4m3" => Dtype::Fp8,
-            _ => return None,
-        })
-    }
-
-    /// The word used in reports.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Dtype::F64 => "f64",
-            Dtype::F32 => "f32",
-            Dtype::F16 => "f16",
-            Dtype::Bf16 => "bf16",
-            Dtype::Fp8 => "fp8",
-        }
-    }
-}
-
-/// An engine's compute precision: storage of values and accumulation of sums.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub struct Precision {
-    /// Storage of activations and weights.
-    pub storage: Dtype,
-    /// Accumulators (f32 for every low-precision engine; f64 where said).
-    pub accumulate: Dtype,
-    /// Activations are quantized to 8 bits when multiplied with a block-quantized weight.
-    pub q8_activations: bool,
-}
-
-impl Precision {
-    /// From an engine's `dtype` string (trace metadata): its first word is the storage precision;
-    /// `f64 accumulation` anywhere in it makes sums f64 (the CPU reference says `f32 storage,
-    /// f64 accumulation`). `None` when the first word is not a known dtype.
-    pub fn parse(dtype: &str) -> Option<Precision> {
-        let first = dtype
-            .split(|c: char| c.is_whitespace() || c == ',')
-            .find(|w| !w.is_empty())?;
-        let storage = Dtype::parse(first)?;
-        let lower = dtype.to_ascii_lowercase();
-        let accumulate = if storage == Dtype::F64
-            || lower.contains("f64 accumulation")
-            || lower.contains("float64 accumulation")
-        {
-            Dtype::F64
-        } else {
-            Dtype::F32
-        };
-        Some(Precision {
-            storage,
-            accumulate,
-            q8_activations: lower.contains("q8"),
-        })
-    }
-}
 
 /// What kind of step produced a hook (it decides the floor's shape).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -311,15 +219,20 @@ pub fn hook_infos(steps: &[Step], weights: &Weights<'_>) -> HashMap<String, Hook
             .find(name)
             .is_some_and(|t| t.info.ty.block_size() > 1)
     };
+    // A projection: its reduction length and quant type are its matrix's.
+    let linear = |info: &mut HookInfo, weight: &str| {
+        info.kind = Kind::Linear;
+        info.k = weights.matrix_dims(weight).ok().map(|(_, c)| c);
+        info.quantized = quantized(weight);
+    };
     let mut out = HashMap::new();
     for s in steps {
         for o in &s.outputs {
             let mut info = HookInfo::from_point(point_of(o));
             match &s.op {
-                Op::Linear { weight } => {
-                    info.kind = Kind::Linear;
-                    info.k = weights.matrix_dims(weight).ok().map(|(_, c)| c);
-                    info.quantized = quantized(weight);
+                Op::Linear { weight } => linear(&mut info, weight),
+                Op::RouterLogits { layer } => {
+                    linear(&mut info, &names::blk(*layer, names::blk::FFN_GATE_INP));
                 }
                 Op::RmsNorm { cols, .. } => {
                     info.k = Some(cols.as_ref().map_or(hp.hidden, |c| c.len()));
@@ -367,22 +280,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn precisions_parse_from_engine_dtype_strings() {
-        let cpu = Precision::parse("f32 storage, f64 accumulation").unwrap();
-        assert_eq!((cpu.storage, cpu.accumulate), (Dtype::F32, Dtype::F64));
-        let hf = Precision::parse("float64").unwrap();
-        assert_eq!((hf.storage, hf.accumulate), (Dtype::F64, Dtype::F64));
-        let bf = Precision::parse("bf16 weights and activations, f32 accumulation").unwrap();
-        assert_eq!((bf.storage, bf.accumulate), (Dtype::Bf16, Dtype::F32));
-        assert_eq!(
-            Precision::parse("torch.bfloat16").unwrap().storage,
-            Dtype::Bf16
-        );
-        assert!(Precision::parse("int4").is_none());
-        assert!(Precision::parse("").is_none());
-    }
-
-    #[test]
     fn floor_by_hand() {
         // A bf16 projection of K = 4096 against the f32/f64 reference, unquantized weight:
         // 4 * (sqrt(3) * 1 * 2^-8 + 2^-24 * 64) = 4 * (6.766e-3 + 3.815e-6) = 2.708e-2.
@@ -409,6 +306,38 @@ mod tests {
         let f32p = Precision::parse("f32").unwrap();
         let want_f = 4.0 * (3f64.sqrt() + 64.0) * 2f64.powi(-24);
         assert!((floor(&q, cpu, f32p) - want_f).abs() < 1e-20);
+    }
+
+    /// The router-logits step gets a projection's floor inputs: those of a plain projection
+    /// by the same matrix (kind, reduction length over the hidden size, the matrix's quant type).
+    #[test]
+    fn router_logits_floor_is_its_matrix_projections() {
+        use crate::model::steps::layer_steps;
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        for f in [
+            "fixtures/models/glm5-tiny-q/glm5-tiny-q-mixed.gguf",
+            "fixtures/models/dsv3-tiny/dsv3-tiny-f32.gguf",
+        ] {
+            let m = crate::gguf::Model::open(&root.join(f)).unwrap();
+            let w = Weights::new(&m).unwrap();
+            let hp = w.hparams();
+            let l = (0..hp.n_layer).find(|&l| !hp.is_dense(l)).unwrap();
+            let steps = layer_steps(hp, l);
+            let router = steps
+                .iter()
+                .find(|s| s.op == Op::RouterLogits { layer: l })
+                .unwrap();
+            let as_linear = Step {
+                op: Op::Linear {
+                    weight: names::blk(l, names::blk::FFN_GATE_INP),
+                },
+                ..router.clone()
+            };
+            let hook = &router.outputs[0];
+            let got = hook_infos(std::slice::from_ref(router), &w)[hook];
+            assert_eq!(got, hook_infos(&[as_linear], &w)[hook], "{f}");
+            assert_eq!((got.kind, got.k), (Kind::Linear, Some(hp.hidden)), "{f}");
+        }
     }
 
     #[test]

@@ -246,6 +246,7 @@ pub fn exec_step<E: Engine>(
             one(engine.rms_norm(x(0), weight, *eps, cols.clone())?)
         }
         Op::Linear { weight } => one(engine.linear(x(0), weight)?),
+        Op::RouterLogits { layer } => one(engine.router_logits(*layer, x(0))?),
         Op::Rope(s) => one(engine.rope(x(0), s)?),
         Op::IndexerScores { layer } => one(engine.indexer_scores(*layer, x(0), x(1))?),
         Op::TopK { k } => one(engine.top_k(x(0), *k)?),
@@ -587,12 +588,13 @@ pub(crate) fn is_layer_end(s: &Step) -> bool {
         .is_some_and(|l| s.outputs.iter().any(|o| *o == hook(l, point::L_OUT)))
 }
 
-/// A short name of a step kind for error messages.
+/// A short name of a step kind for error messages and step cases. The router logits are a
+/// projection: `linear`, the name step cases have always given them.
 pub fn op_name(op: &Op) -> &'static str {
     match op {
         Op::Embed => "embed",
         Op::RmsNorm { .. } => "rms_norm",
-        Op::Linear { .. } => "linear",
+        Op::Linear { .. } | Op::RouterLogits { .. } => "linear",
         Op::Rope(_) => "rope",
         Op::IndexerScores { .. } => "indexer_scores",
         Op::TopK { .. } => "top_k",
@@ -609,6 +611,7 @@ pub fn op_name(op: &Op) -> &'static str {
 
 #[cfg(test)]
 mod tests {
+    use std::cell::RefCell;
     use std::collections::{BTreeMap, HashMap};
 
     use super::*;
@@ -691,6 +694,134 @@ mod tests {
         );
         assert!(ta.contains_key("logits") && ta.contains_key("blk.1.moe_routed"));
         assert_eq!(ta, tb);
+    }
+
+    /// The CPU engine, recording the weights its projections are asked for and the layers of
+    /// its router-logits calls.
+    struct RouterProbe<'w> {
+        cpu: CpuEngine<'w>,
+        linears: RefCell<Vec<String>>,
+        routers: RefCell<Vec<usize>>,
+    }
+
+    impl Engine for RouterProbe<'_> {
+        type Tensor = HostTensor;
+        fn describe(&self) -> String {
+            self.cpu.describe()
+        }
+        fn precision(&self) -> crate::precision::Precision {
+            self.cpu.precision()
+        }
+        fn upload(&self, t: &HostTensor) -> Result<HostTensor> {
+            self.cpu.upload(t)
+        }
+        fn download(&self, t: &HostTensor) -> Result<HostTensor> {
+            self.cpu.download(t)
+        }
+        fn embed(&self, ids: &[u32]) -> Result<HostTensor> {
+            self.cpu.embed(ids)
+        }
+        fn rms_norm(
+            &self,
+            x: &HostTensor,
+            weight: &str,
+            eps: f64,
+            cols: Option<std::ops::Range<usize>>,
+        ) -> Result<HostTensor> {
+            self.cpu.rms_norm(x, weight, eps, cols)
+        }
+        fn linear(&self, x: &HostTensor, weight: &str) -> Result<HostTensor> {
+            self.linears.borrow_mut().push(weight.to_string());
+            self.cpu.linear(x, weight)
+        }
+        fn router_logits(&self, layer: usize, x: &HostTensor) -> Result<HostTensor> {
+            self.routers.borrow_mut().push(layer);
+            self.cpu.router_logits(layer, x)
+        }
+        fn rope(&self, x: &HostTensor, s: &crate::model::RopeSlice) -> Result<HostTensor> {
+            self.cpu.rope(x, s)
+        }
+        fn indexer_scores(
+            &self,
+            layer: usize,
+            a: &HostTensor,
+            cq: &HostTensor,
+        ) -> Result<HostTensor> {
+            self.cpu.indexer_scores(layer, a, cq)
+        }
+        fn top_k(&self, scores: &HostTensor, k: usize) -> Result<HostTensor> {
+            self.cpu.top_k(scores, k)
+        }
+        fn mla_attention(
+            &self,
+            layer: usize,
+            x: MlaInputs<'_, HostTensor>,
+            want_probs: bool,
+        ) -> Result<(HostTensor, Option<HostTensor>)> {
+            self.cpu.mla_attention(layer, x, want_probs)
+        }
+        fn moe_route(
+            &self,
+            layer: usize,
+            logits: &HostTensor,
+        ) -> Result<crate::engine::Routing<HostTensor>> {
+            self.cpu.moe_route(layer, logits)
+        }
+        fn moe_experts(
+            &self,
+            layer: usize,
+            x: ExpertInputs<'_, HostTensor>,
+            want_expert: &dyn Fn(usize) -> bool,
+        ) -> Result<crate::engine::ExpertsOut<HostTensor>> {
+            self.cpu.moe_experts(layer, x, want_expert)
+        }
+        fn mlp(&self, x: &HostTensor, gate: &str, up: &str, down: &str) -> Result<HostTensor> {
+            self.cpu.mlp(x, gate, up, down)
+        }
+        fn swiglu(&self, a: &HostTensor, b: &HostTensor) -> Result<HostTensor> {
+            self.cpu.swiglu(a, b)
+        }
+        fn add(&self, a: &HostTensor, b: &HostTensor) -> Result<HostTensor> {
+            self.cpu.add(a, b)
+        }
+    }
+
+    /// The driver hands the router logits of every MoE layer, and nothing else, to
+    /// `Engine::router_logits`, never to `linear`: an engine learns which projection is the
+    /// router from the step, not from a tensor name. The CPU engine computes them as the
+    /// projection of `ffn_norm` by `ffn_gate_inp`.
+    #[test]
+    fn router_logits_reach_their_engine_method() {
+        for arch in [Arch::GlmDsa, Arch::Deepseek2] {
+            let hp = tiny_hparams(arch);
+            let model = tiny_model(&hp);
+            let w = Weights::new(&model).unwrap();
+            let probe = RouterProbe {
+                cpu: CpuEngine::new(&w),
+                linears: RefCell::default(),
+                routers: RefCell::default(),
+            };
+            let mut sink = TraceSink::new(HookFilter::default());
+            run(&probe, &w, &TOKENS, &Plan::full(&w).unwrap(), &mut sink).unwrap();
+            let moe: Vec<usize> = (0..hp.n_layer).filter(|&l| !hp.is_dense(l)).collect();
+            assert!(!moe.is_empty());
+            assert_eq!(*probe.routers.borrow(), moe, "{arch:?}");
+            let linears = probe.linears.borrow();
+            assert!(!linears.is_empty());
+            assert!(
+                linears.iter().all(|n| !n.ends_with(blk::FFN_GATE_INP)),
+                "{arch:?}: {linears:?}"
+            );
+            let t = sink.into_tensors();
+            for l in moe {
+                let x = &t[&hook(l, point::FFN_NORM)];
+                let want = probe
+                    .cpu
+                    .linear(x, &names::blk(l, blk::FFN_GATE_INP))
+                    .unwrap();
+                assert_eq!(t[&hook(l, point::MOE_LOGITS)], want, "{arch:?} layer {l}");
+            }
+        }
     }
 
     #[test]

@@ -70,6 +70,7 @@ mod tests {
     use crate::model::names::{self, blk};
     use crate::model::testutil::{tensor_names, tiny_hparams, tiny_model};
     use crate::model::{Arch, RopeSlice, Weights};
+    use crate::precision::Precision;
     use crate::trace::{HookFilter, Mode, Pair, PairSink, TraceSink};
 
     const TOKENS: [u32; 5] = [3, 1, 4, 1, 5];
@@ -127,8 +128,8 @@ mod tests {
         fn describe(&self) -> String {
             self.cpu.describe()
         }
-        fn dtype(&self) -> String {
-            self.cpu.dtype()
+        fn precision(&self) -> Precision {
+            self.cpu.precision()
         }
         fn begin_model(&self, weights: &[String]) -> Result<()> {
             if self.global.borrow().is_some() {
@@ -188,6 +189,10 @@ mod tests {
         fn linear(&self, x: &HostTensor, weight: &str) -> Result<HostTensor> {
             self.uses(weight)?;
             self.cpu.linear(x, weight)
+        }
+        fn router_logits(&self, layer: usize, x: &HostTensor) -> Result<HostTensor> {
+            self.in_layer(layer, &[names::blk(layer, blk::FFN_GATE_INP)])?;
+            self.cpu.router_logits(layer, x)
         }
         fn rope(&self, x: &HostTensor, s: &RopeSlice) -> Result<HostTensor> {
             self.cpu.rope(x, s)

@@ -43,6 +43,7 @@ use std::ops::Range;
 use anyhow::Result;
 
 use crate::model::RopeSlice;
+use crate::precision::Precision;
 pub use crate::tensor::{HostData, HostTensor};
 
 /// Inputs of the attention step (hooks of one layer).
@@ -94,8 +95,9 @@ pub trait Engine {
 
     /// Describes the engine for trace metadata, e.g. `cpu` or `cuda:0 NVIDIA H200 sm_90`.
     fn describe(&self) -> String;
-    /// Compute precision for trace metadata, e.g. `f32 storage, f64 accumulation`.
-    fn dtype(&self) -> String;
+    /// Compute precision: it decides the tolerance floors, and its prose is the `dtype` of
+    /// trace metadata and reports (e.g. `f32 storage, f64 accumulation`).
+    fn precision(&self) -> Precision;
 
     /// Before the engine's first step of a walk: the GGUF tensors the plan's global steps read
     /// (`token_embd.weight`, `output_norm.weight`, `output.weight`, as far as the plan runs the
@@ -140,7 +142,8 @@ pub trait Engine {
         eps: f64,
         cols: Option<Range<usize>>,
     ) -> Result<Self::Tensor>;
-    /// `x · W^T` for the GGUF matrix `weight` (`[out, in]`): `[T, in]` -> `[T, out]`.
+    /// `x · W^T` for the GGUF matrix `weight` (`[out, in]`): `[T, in]` -> `[T, out]`, in the
+    /// engine's precision (the router's projection is [`Engine::router_logits`]).
     fn linear(&self, x: &Self::Tensor, weight: &str) -> Result<Self::Tensor>;
     /// Interleaved RoPE (pairs `2i, 2i+1`) at positions `0..T` on the slice `s` of every head of
     /// `x` (`[T, heads*stride]`), with the model's frequencies and cos/sin factor
@@ -167,6 +170,14 @@ pub trait Engine {
         x: MlaInputs<'_, Self::Tensor>,
         want_probs: bool,
     ) -> Result<(Self::Tensor, Option<Self::Tensor>)>;
+    /// Router logits of MoE layer `layer`: `x · W^T` with its router matrix `ffn_gate_inp`
+    /// (`[E, hidden]`), `[T, hidden]` -> `[T, E]`.
+    ///
+    /// Precision rule: the logits are computed in f32 (f32 inputs, f32 weights, at least f32
+    /// accumulation) whatever the engine's storage precision, as transformers
+    /// (`DeepseekV3TopkRouter`, GLM-5) and vLLM compute them; an engine with bf16 storage
+    /// keeps this step in f32 (bf16 router logits are the known bug `router_bf16`).
+    fn router_logits(&self, layer: usize, x: &Self::Tensor) -> Result<Self::Tensor>;
     /// Router of layer `layer` from its logits `[T, E]`: gating (sigmoid/softmax), selection on
     /// probs + `exp_probs_b` (bias for selection only), group-limited top-k, normalisation and
     /// scaling.

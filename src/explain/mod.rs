@@ -232,6 +232,22 @@ pub fn hypotheses_and_untestable(step: &Step, weights: &Weights<'_>) -> (Vec<Fau
             .map(|n| at(FaultKind::TpShard(n)))
             .collect()
     };
+    // Any projection's: its matrix from a neighbouring layer or transposed, Q4_K scale bits,
+    // f32 sums.
+    let projection = |weight: &str| -> Vec<Fault> {
+        let mut v = Vec::new();
+        if let Some((_, s)) = names::split_blk(weight) {
+            v.extend(neighbours(s));
+            v.push(at(FaultKind::Transposed {
+                glob: s.to_string(),
+            }));
+        }
+        if is_q4k(weight) {
+            v.push(at(FaultKind::Q4kScaleBits));
+        }
+        v.push(at(FaultKind::F32Accumulate));
+        v
+    };
     let mut v = Vec::new();
     match &step.op {
         Op::Embed => {
@@ -254,22 +270,14 @@ pub fn hypotheses_and_untestable(step: &Step, weights: &Weights<'_>) -> (Vec<Fau
         }
         Op::Linear { weight } => {
             let suffix = names::split_blk(weight).map(|(_, s)| s);
-            if suffix == Some(blk::FFN_GATE_INP) {
-                v.push(at(FaultKind::RouterBf16));
-            }
             if suffix == Some(blk::ATTN_Q_B) || suffix == Some(blk::ATTN_OUTPUT) {
                 v.extend(shards());
             }
-            if let Some(s) = suffix {
-                v.extend(neighbours(s));
-                v.push(at(FaultKind::Transposed {
-                    glob: s.to_string(),
-                }));
-            }
-            if is_q4k(weight) {
-                v.push(at(FaultKind::Q4kScaleBits));
-            }
-            v.push(at(FaultKind::F32Accumulate));
+            v.extend(projection(weight));
+        }
+        Op::RouterLogits { layer: l } => {
+            v.push(at(FaultKind::RouterBf16));
+            v.extend(projection(&names::blk(*l, blk::FFN_GATE_INP)));
         }
         Op::Rope(_) => v.push(at(FaultKind::RopeNeox)),
         Op::IndexerScores { .. } => v.push(at(FaultKind::IndexerRopeNeox)),

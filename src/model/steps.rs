@@ -166,6 +166,13 @@ pub enum Op {
         /// Layer index (selects kv_b).
         layer: usize,
     },
+    /// Router logits of MoE layer `layer`: `x · W^T` with its router matrix `ffn_gate_inp`,
+    /// always in f32 (the precision rule of `Engine::router_logits`). In: x `[T, hidden]`.
+    /// Out: `[T, E]`.
+    RouterLogits {
+        /// Layer index (selects `ffn_gate_inp`).
+        layer: usize,
+    },
     /// Router of layer `layer`. In: logits `[T, E]`. Out: probs `[T, E]`, ids `[T, K]` i32, weights `[T, K]`.
     MoeRoute {
         /// Layer index (selects `exp_probs_b`).
@@ -218,8 +225,8 @@ impl Step {
     ///   weight and bias;
     /// - attention: kv_b as the file holds it, `attn_k_b` + `attn_v_b` or the legacy
     ///   `attn_kv_b` ([`Weights::kv_b_names`]);
-    /// - router: the selection bias `exp_probs_b.bias` when the file has one (the logits come
-    ///   from the `ffn_gate_inp` linear before it);
+    /// - router logits: the router matrix `ffn_gate_inp`;
+    /// - router: the selection bias `exp_probs_b.bias` when the file has one;
     /// - routed experts: the stacked `ffn_gate_exps` + `ffn_up_exps` (or the fused
     ///   `ffn_gate_up_exps`) and `ffn_down_exps`, whole tensors, of which an engine reads only
     ///   the selected experts' rows ([`Weights::expert_desc`]).
@@ -243,6 +250,7 @@ impl Step {
             .map(|s| names::blk(*layer, s))
             .collect(),
             Op::Attention { layer } => w.kv_b_names(*layer),
+            Op::RouterLogits { layer } => vec![names::blk(*layer, blk::FFN_GATE_INP)],
             Op::MoeRoute { layer } => {
                 let bias = names::blk(*layer, blk::EXP_PROBS_B);
                 if w.has(&bias) {
@@ -471,7 +479,7 @@ pub fn layer_steps(hp: &HParams, l: usize) -> Vec<Step> {
         ];
         v.push(step(
             lay,
-            lin(w(blk::FFN_GATE_INP)),
+            Op::RouterLogits { layer: l },
             &[&f],
             &[&h(point::MOE_LOGITS)],
         ));
@@ -583,6 +591,44 @@ mod tests {
             "steps read tensors the file lacks: {missing:?}"
         );
         file.difference(&read).cloned().collect()
+    }
+
+    /// Only the model knows which projection is the router: every MoE layer of both
+    /// architectures has one router-logits step, `ffn_norm` -> `moe_logits` reading
+    /// `ffn_gate_inp`, right before the router; no plain projection reads `ffn_gate_inp`, and
+    /// dense layers have no router step.
+    #[test]
+    fn router_logits_are_their_own_step() {
+        for arch in [Arch::GlmDsa, Arch::Deepseek2] {
+            let hp = tiny_hparams(arch);
+            let model = crate::model::testutil::tiny_model(&hp);
+            let w = Weights::new(&model).unwrap();
+            let mut moe = 0;
+            for l in 0..hp.n_layer {
+                let steps = layer_steps(&hp, l);
+                let routers: Vec<usize> = (0..steps.len())
+                    .filter(|&i| matches!(steps[i].op, Op::RouterLogits { .. }))
+                    .collect();
+                assert!(steps.iter().all(|s| match &s.op {
+                    Op::Linear { weight } => !weight.contains("ffn_gate_inp"),
+                    _ => true,
+                }));
+                if hp.is_dense(l) {
+                    assert!(routers.is_empty(), "{arch:?} layer {l}");
+                    continue;
+                }
+                assert_eq!(routers.len(), 1, "{arch:?} layer {l}");
+                let (s, next) = (&steps[routers[0]], &steps[routers[0] + 1]);
+                assert_eq!(s.op, Op::RouterLogits { layer: l });
+                assert_eq!(s.inputs, [hook(l, point::FFN_NORM)]);
+                assert_eq!(s.outputs, [hook(l, point::MOE_LOGITS)]);
+                assert_eq!(s.weights(&w), [format!("blk.{l}.ffn_gate_inp.weight")]);
+                assert_eq!(next.op, Op::MoeRoute { layer: l });
+                assert_eq!(next.inputs, s.outputs);
+                moe += 1;
+            }
+            assert!(moe > 0, "{arch:?}: no MoE layer");
+        }
     }
 
     /// Both fixture architectures, plain and quantized: every tensor of every run layer and

@@ -25,6 +25,7 @@ use anyhow::{Context, Result};
 use super::file::{write_trace, TraceFile, TraceMeta};
 use super::Mode;
 use crate::gguf::Model;
+use crate::precision::Precision;
 use crate::tensor::{HostData, HostTensor};
 use crate::util::hash::fnv1a64;
 
@@ -244,7 +245,7 @@ impl RefCache {
             architecture: String::new(),
             tokens: key.tokens.clone(),
             engine: "cpu".into(),
-            dtype: "f32 storage, f64 accumulation".into(),
+            dtype: Precision::REFERENCE.to_string(),
             mode: Mode::Chained,
             extra,
         };

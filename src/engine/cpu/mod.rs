@@ -22,7 +22,9 @@ use std::ops::Range;
 use anyhow::{bail, Context, Result};
 
 use super::{Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
+use crate::model::names::{self, blk};
 use crate::model::{rope, RopeSlice, Weights};
+use crate::precision::Precision;
 
 pub use attention::{causal_top_k, mla_host, Rotate};
 pub use moe::route_token;
@@ -116,8 +118,8 @@ impl Engine for CpuEngine<'_> {
         "cpu".to_string()
     }
 
-    fn dtype(&self) -> String {
-        "f32 storage, f64 accumulation".to_string()
+    fn precision(&self) -> Precision {
+        Precision::REFERENCE
     }
 
     fn upload(&self, t: &HostTensor) -> Result<HostTensor> {
@@ -174,6 +176,11 @@ impl Engine for CpuEngine<'_> {
             .with_context(|| format!("engine: cpu: linear {weight}"))?;
         let rows = out.len() / t.max(1);
         HostTensor::f32(vec![t, rows], out)
+    }
+
+    /// Like any projection: f32 values and f64 sums already keep the trait's f32 rule.
+    fn router_logits(&self, layer: usize, x: &HostTensor) -> Result<HostTensor> {
+        self.linear(x, &names::blk(layer, blk::FFN_GATE_INP))
     }
 
     fn rope(&self, x: &HostTensor, s: &RopeSlice) -> Result<HostTensor> {

@@ -11,7 +11,7 @@ use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 
 use super::tensor::i32_arg;
-use super::{CudaEngine, GpuDtype};
+use super::{CudaEngine, GpuDtype, GpuTensor};
 use crate::cuda::dequant::OutFormat;
 
 /// Most f32 values one projection dequantizes at once (256 MiB of scratch); bigger matrices
@@ -230,6 +230,19 @@ impl CudaEngine<'_> {
         name: &str,
     ) -> Result<CudaSlice<f32>> {
         self.linear_slice_as(x, t, k, name, self.dtype)
+    }
+
+    /// `x · W^T` for the GGUF matrix `name` in precision `dtype`: `[T, in]` -> `[T, out]`.
+    pub(super) fn linear_as(
+        &self,
+        x: &GpuTensor,
+        name: &str,
+        dtype: GpuDtype,
+    ) -> Result<GpuTensor> {
+        let (t, k) = x.dims2(name)?;
+        let y = self.linear_slice_as(x.f32(name)?, t, k, name, dtype)?;
+        let rows = self.weights.matrix_dims(name)?.0;
+        Ok(self.tensor_f32(vec![t, rows], y))
     }
 
     /// [`Self::linear_slice`] in precision `dtype`.

@@ -44,6 +44,7 @@ use super::{Engine, ExpertInputs, ExpertsOut, HostData, HostTensor, MlaInputs, R
 use crate::cuda::Gpu;
 use crate::model::names::{self, blk};
 use crate::model::{rope, RopeSlice, Weights};
+use crate::precision::{Dtype, Precision};
 use tensor::{items, launch, rows_cfg, GpuData};
 
 pub use tensor::GpuTensor;
@@ -62,6 +63,17 @@ pub enum GpuDtype {
 }
 
 impl GpuDtype {
+    /// The engine's precision in this mode: the floors read its storage and accumulation; its
+    /// note says how the GEMMs and attention run.
+    pub fn precision(self) -> Precision {
+        match self {
+            GpuDtype::F32 => Precision::new(Dtype::F32, Dtype::F32)
+                .with_note("cuBLAS SGEMM, pedantic math: no TF32; absorbed MLA"),
+            GpuDtype::Bf16 => Precision::new(Dtype::Bf16, Dtype::F32)
+                .with_note("cuBLAS bf16 GEMM on tensor cores; absorbed MLA"),
+        }
+    }
+
     /// Parses `f32` or `bf16`.
     pub fn parse(s: &str) -> Result<GpuDtype> {
         match s {
@@ -136,16 +148,8 @@ impl Engine for CudaEngine<'_> {
         format!("cuda:{} {}", self.gpu.info.ordinal, self.gpu.describe())
     }
 
-    fn dtype(&self) -> String {
-        match self.dtype {
-            GpuDtype::F32 => {
-                "f32 storage, f32 accumulation (cuBLAS SGEMM, pedantic math: no TF32; absorbed MLA)"
-            }
-            GpuDtype::Bf16 => {
-                "bf16 storage, f32 accumulation (cuBLAS bf16 GEMM on tensor cores; absorbed MLA)"
-            }
-        }
-        .to_string()
+    fn precision(&self) -> Precision {
+        self.dtype.precision()
     }
 
     fn upload(&self, t: &HostTensor) -> Result<GpuTensor> {
@@ -232,17 +236,12 @@ impl Engine for CudaEngine<'_> {
     }
 
     fn linear(&self, x: &GpuTensor, weight: &str) -> Result<GpuTensor> {
-        let (t, k) = x.dims2(weight)?;
-        // The router's logits are computed in f32 in bf16 mode too, as transformers
-        // (`DeepseekV3TopkRouter`, GLM-5) and vLLM compute them: bf16 router logits are a bug.
-        let dtype = if weight.ends_with(blk::FFN_GATE_INP) {
-            GpuDtype::F32
-        } else {
-            self.dtype
-        };
-        let y = self.linear_slice_as(x.f32(weight)?, t, k, weight, dtype)?;
-        let rows = self.weights.matrix_dims(weight)?.0;
-        Ok(self.tensor_f32(vec![t, rows], y))
+        self.linear_as(x, weight, self.dtype)
+    }
+
+    /// In f32 in bf16 mode too (the trait's precision rule).
+    fn router_logits(&self, layer: usize, x: &GpuTensor) -> Result<GpuTensor> {
+        self.linear_as(x, &names::blk(layer, blk::FFN_GATE_INP), GpuDtype::F32)
     }
 
     fn rope(&self, x: &GpuTensor, s: &RopeSlice) -> Result<GpuTensor> {
@@ -323,5 +322,30 @@ impl Engine for CudaEngine<'_> {
     fn zeros_like(&self, x: &GpuTensor) -> Result<GpuTensor> {
         let n: usize = x.shape.iter().product();
         Ok(self.tensor_f32(x.shape.clone(), self.zeros_f32(n, "zeros")?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GpuDtype;
+    use crate::precision::Dtype;
+
+    /// Both modes' precisions: what the floors read, and the prose that trace metadata and
+    /// reports have always carried (no GPU needed).
+    #[test]
+    fn gpu_precisions_and_their_prose() {
+        let f32p = GpuDtype::F32.precision();
+        assert_eq!((f32p.storage, f32p.accumulate), (Dtype::F32, Dtype::F32));
+        assert_eq!(
+            f32p.to_string(),
+            "f32 storage, f32 accumulation (cuBLAS SGEMM, pedantic math: no TF32; absorbed MLA)"
+        );
+        let bf16 = GpuDtype::Bf16.precision();
+        assert_eq!((bf16.storage, bf16.accumulate), (Dtype::Bf16, Dtype::F32));
+        assert!(!f32p.q8_activations && !bf16.q8_activations);
+        assert_eq!(
+            bf16.to_string(),
+            "bf16 storage, f32 accumulation (cuBLAS bf16 GEMM on tensor cores; absorbed MLA)"
+        );
     }
 }

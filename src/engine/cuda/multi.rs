@@ -19,6 +19,7 @@ use crate::cuda::Gpu;
 use crate::engine::{Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
 use crate::model::steps::{embed_steps, layer_steps, tail_steps, weights_of};
 use crate::model::{RopeSlice, Weights};
+use crate::precision::Precision;
 
 /// Scratch a device needs beyond the weights it holds: dequantized matrices (at most 256 MiB
 /// a projection), activations and cuBLAS workspace. A round allowance, not a measurement.
@@ -216,8 +217,8 @@ impl Engine for MultiCudaEngine<'_> {
         format!("{} GPUs: {}", self.engines.len(), parts.join("; "))
     }
 
-    fn dtype(&self) -> String {
-        self.engines[0].dtype()
+    fn precision(&self) -> Precision {
+        self.engines[0].precision()
     }
 
     fn upload(&self, t: &HostTensor) -> Result<GpuTensor> {
@@ -277,6 +278,10 @@ impl Engine for MultiCudaEngine<'_> {
 
     fn linear(&self, x: &GpuTensor, weight: &str) -> Result<GpuTensor> {
         self.cur().linear(&*self.here(x)?, weight)
+    }
+
+    fn router_logits(&self, layer: usize, x: &GpuTensor) -> Result<GpuTensor> {
+        self.cur().router_logits(layer, &*self.here(x)?)
     }
 
     fn rope(&self, x: &GpuTensor, s: &RopeSlice) -> Result<GpuTensor> {

@@ -13,6 +13,7 @@ use crate::engine::{Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Rou
 use crate::model::names::{self, blk};
 use crate::model::steps::{self, Op};
 use crate::model::{rope, Gating, RopeSlice, Weights};
+use crate::precision::{Dtype, Precision};
 use crate::quant::GgmlType;
 use crate::util::glob::matches as glob_match;
 
@@ -150,6 +151,45 @@ impl<'a, 'w, E: Engine> FaultEngine<'a, 'w, E> {
             }
         }
         Ok(Some(m))
+    }
+
+    /// `x · W^T` for matrix `weight` on the host, the faulty way, when a fault concerns it: the
+    /// matrix as the weight faults realise it, multiplied with inputs and weights rounded to
+    /// bf16 (`bf16`), or with f32 sums (`f32_accumulate`), or as the reference multiplies.
+    /// `None` when no fault concerns it (the caller runs `inner`'s step).
+    fn faulted_linear(&self, x: &E::Tensor, weight: &str, bf16: bool) -> Result<Option<E::Tensor>> {
+        let (layer, _) = Self::split(weight);
+        let f32acc = self
+            .find(layer, |k| matches!(k, FaultKind::F32Accumulate))
+            .is_some();
+        let m = self.faulted_matrix(weight)?;
+        if m.is_none() && !bf16 && !f32acc {
+            return Ok(None);
+        }
+        let m = match m {
+            Some(m) => m,
+            None => host::dense(&self.weights.matrix_desc(weight)?)?,
+        };
+        let hx = self.to_host(x)?;
+        let (t, k) = hx.dims2(weight)?;
+        if k != m.cols {
+            bail!(
+                "fault: linear {weight}: input has {k} columns, the weight [{}, {}] expects {}",
+                m.rows,
+                m.cols,
+                m.cols
+            );
+        }
+        let xv = hx.as_f32(weight)?;
+        let out = if bf16 {
+            host::matmul_bf16(xv, t, &m)
+        } else if f32acc {
+            host::matmul_f32_accumulate(xv, t, &m)
+        } else {
+            host::matmul(xv, t, &m)
+        };
+        self.to_engine(&HostTensor::f32(vec![t, m.rows], out)?)
+            .map(Some)
     }
 
     /// The layer of the step being run (RoPE): the one begun last.
@@ -305,6 +345,7 @@ impl<'a, 'w, E: Engine> FaultEngine<'a, 'w, E> {
                 vec![self.rms_norm(x(0)?, weight, *eps, cols.clone())?]
             }
             Op::Linear { weight } => vec![self.linear(x(0)?, weight)?],
+            Op::RouterLogits { layer } => vec![self.router_logits(*layer, x(0)?)?],
             Op::Rope(s) => vec![self.rope(x(0)?, s)?],
             Op::IndexerScores { layer } => vec![self.indexer_scores(*layer, x(0)?, x(1)?)?],
             Op::TopK { k } => vec![self.top_k(x(0)?, *k)?],
@@ -354,17 +395,18 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
         )
     }
 
-    fn dtype(&self) -> String {
-        let d = self.inner.dtype();
-        if self
-            .faults
-            .iter()
-            .any(|f| matches!(f.kind, FaultKind::F32Accumulate))
+    /// `inner`'s, with f32 sums where it accumulates in f64 under `f32_accumulate`.
+    fn precision(&self) -> Precision {
+        let mut p = self.inner.precision();
+        if p.accumulate == Dtype::F64
+            && self
+                .faults
+                .iter()
+                .any(|f| matches!(f.kind, FaultKind::F32Accumulate))
         {
-            d.replace("f64 accumulation", "f32 accumulation")
-        } else {
-            d
+            p.accumulate = Dtype::F32;
         }
+        p
     }
 
     fn begin_model(&self, weights: &[String]) -> Result<()> {
@@ -448,41 +490,22 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
     }
 
     fn linear(&self, x: &E::Tensor, weight: &str) -> Result<E::Tensor> {
-        let (layer, suffix) = Self::split(weight);
-        let bf16 = suffix == blk::FFN_GATE_INP
-            && self
-                .find(layer, |k| matches!(k, FaultKind::RouterBf16))
-                .is_some();
-        let f32acc = self
-            .find(layer, |k| matches!(k, FaultKind::F32Accumulate))
+        match self.faulted_linear(x, weight, false)? {
+            Some(y) => Ok(y),
+            None => self.inner.linear(x, weight),
+        }
+    }
+
+    /// `router_bf16` computes the logits in bf16, against the trait's precision rule.
+    fn router_logits(&self, layer: usize, x: &E::Tensor) -> Result<E::Tensor> {
+        let weight = names::blk(layer, blk::FFN_GATE_INP);
+        let bf16 = self
+            .find(Some(layer), |k| matches!(k, FaultKind::RouterBf16))
             .is_some();
-        let m = self.faulted_matrix(weight)?;
-        if m.is_none() && !bf16 && !f32acc {
-            return self.inner.linear(x, weight);
+        match self.faulted_linear(x, &weight, bf16)? {
+            Some(y) => Ok(y),
+            None => self.inner.router_logits(layer, x),
         }
-        let m = match m {
-            Some(m) => m,
-            None => host::dense(&self.weights.matrix_desc(weight)?)?,
-        };
-        let hx = self.to_host(x)?;
-        let (t, k) = hx.dims2(weight)?;
-        if k != m.cols {
-            bail!(
-                "fault: linear {weight}: input has {k} columns, the weight [{}, {}] expects {}",
-                m.rows,
-                m.cols,
-                m.cols
-            );
-        }
-        let xv = hx.as_f32(weight)?;
-        let out = if bf16 {
-            host::matmul_bf16(xv, t, &m)
-        } else if f32acc {
-            host::matmul_f32_accumulate(xv, t, &m)
-        } else {
-            host::matmul(xv, t, &m)
-        };
-        self.to_engine(&HostTensor::f32(vec![t, m.rows], out)?)
     }
 
     fn rope(&self, x: &E::Tensor, s: &RopeSlice) -> Result<E::Tensor> {
