@@ -1,10 +1,13 @@
-//! Command-line definitions (clap) and their conversion into checked values. No work happens here.
+//! Command-line definitions (clap) and their conversion into checked values (the typed choices
+//! of `run` are [`crate::session`]'s). No work happens here.
 
 use std::ops::Range;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::{ArgGroup, Args, Parser, Subcommand};
+
+use crate::session::{Against, CudaDtype, ModeChoice};
 
 /// glmdiff: find the first step where a GPU forward pass of a quantized MoE GGUF diverges from a CPU reference.
 #[derive(Debug, Parser)]
@@ -171,15 +174,15 @@ pub struct RunArgs {
     #[arg(long, value_name = "A..B", allow_hyphen_values = true, value_parser = parse_range)]
     pub layers: Option<Range<u64>>,
     /// The candidate: auto, cpu, cuda or cuda:N, or trace:FILE (a trace of docs/hooks.md).
-    #[arg(long, default_value = "auto", value_name = "ENGINE")]
-    pub against: String,
+    #[arg(long, default_value = "auto", value_name = "ENGINE", value_parser = Against::parse)]
+    pub against: Against,
     /// Modes: both, replay (each step from the same inputs) or chained (each side on its own outputs).
-    #[arg(long, default_value = "both", value_parser = ["both", "replay", "chained"])]
-    pub mode: String,
+    #[arg(long, value_enum, default_value = "both")]
+    pub mode: ModeChoice,
     /// The CUDA engine's precision: f32 (SGEMM without TF32: the f32 floors apply) or bf16 (weights
     /// and activations in bf16, tensor-core GEMMs with f32 accumulation: the bf16 floors apply).
-    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
-    pub dtype: String,
+    #[arg(long, value_enum, default_value = "f32")]
+    pub dtype: CudaDtype,
     /// The CUDA engine over several GPUs, e.g. 0,1: layers in contiguous ranges balanced by
     /// weight bytes, the residual stream handed from GPU to GPU (implies --against cuda).
     #[arg(long, value_name = "LIST", value_delimiter = ',', allow_hyphen_values = true, value_parser = parse_device)]

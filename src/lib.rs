@@ -51,8 +51,13 @@
 //! 18. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
 //!     the layers below return; uses `compare`, `explain`, `regress`, `cuda`, `bench`, `wcheck`,
 //!     `model`, `trace`, `util`.
-//! 19. [`cli`]: the flags. Imports nothing from the crate.
-//! 20. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
+//! 19. [`session`]: the pipelines of `run`, `compare`, `step` and `trace`: plain values checked
+//!     into a configuration before any work, then one run that returns data (what must be said
+//!     at once goes through a callback); uses `driver`, `explain`, `compare`, `engine`, `trace`,
+//!     `cuda`, `tokenizer`, `model`, `gguf`, `tensor`, `util`, and the data types `report` prints
+//!     (`Header`, `EngineDesc`, `StepReport`).
+//! 20. [`cli`]: the flags; uses `session` (the typed choices of `run`) and `compare` (dtype words).
+//! 21. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
 //!     and handing results to `report`; the only module that uses them all.
 //!
 //! In the library only `report` and `cmd` write to stdout or stderr.
@@ -73,6 +78,7 @@ pub mod precision;
 pub mod quant;
 pub mod regress;
 pub mod report;
+pub mod session;
 pub mod synth;
 pub mod tensor;
 pub mod tokenizer;

@@ -12,6 +12,7 @@ mod outputs;
 mod reference;
 mod regress;
 mod run;
+mod run_checks;
 mod synth;
 mod terminal;
 mod tokenizer;

@@ -26,6 +26,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 
+use crate::session::Against;
 use crate::util::guard::{is_stdout, Guard};
 
 /// Adds the files of a model (every shard of a split model) to `g` as inputs named `what`.
@@ -53,13 +54,13 @@ pub(crate) fn traces_beside_input(g: &mut Guard, model: &Path) {
 
 /// Adds the candidate of `run --against SPEC` for `model`: a `trace:FILE`, or for `auto` the
 /// traces beside the model.
-pub(crate) fn against_input(g: &mut Guard, against: &str, model: &Path) {
-    if let Some(t) = against.strip_prefix("trace:") {
-        if !t.is_empty() {
-            g.input("the trace candidate", Path::new(t));
+pub(crate) fn against_input(g: &mut Guard, against: &Against, model: &Path) {
+    match against {
+        Against::Trace(t) => {
+            g.input("the trace candidate", t);
         }
-    } else if against == "auto" {
-        traces_beside_input(g, model);
+        Against::Auto => traces_beside_input(g, model),
+        Against::Cpu | Against::Cuda(_) => {}
     }
 }
 

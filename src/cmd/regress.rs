@@ -6,77 +6,100 @@
 use std::path::Path;
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
+use clap::ValueEnum;
 use serde_json::{json, Value};
 
-use super::run::{execute, shell_word, CACHE_NOT_WRITTEN};
 use super::{against_input, model_input, print_report, to_stdout, write_lines, Outcome};
-use crate::cli::{RegressArgs, ReportArgs, RunArgs};
+use crate::cli::RegressArgs;
 use crate::regress::baseline::{diff, read_jsonl, summarize};
-use crate::regress::{expect, suite, Case, Input};
+use crate::regress::{expect, suite, Case, CaseSummary, Input, Suite};
+use crate::report::progress::Bar;
 use crate::report::regress::{case_record, progress_line, render, render_changes};
+use crate::session::{
+    self, Against, CudaDtype, HookOptions, ModeChoice, Ran, RunConfig, RunRequest, Watch,
+    CACHE_NOT_WRITTEN,
+};
 use crate::util::glob;
 use crate::util::guard::Guard;
+use crate::util::shell::shell_word;
 
-/// The `run` flags of a case.
-fn run_args(case: &Case, args: &RegressArgs) -> RunArgs {
+/// The run a case asks for, as plain values (the suite's words are checked when it is read).
+fn request(case: &Case, args: &RegressArgs) -> Result<RunRequest> {
     let (prompt, tokens) = match &case.input {
         Input::Prompt(p) => (Some(p.clone()), None),
         Input::Tokens(t) => (None, Some(t.clone())),
         Input::FromTrace => (None, None),
     };
-    RunArgs {
+    Ok(RunRequest {
         model: case.model.clone(),
         prompt,
         tokens,
-        layer: None,
         layers: case.layers.clone(),
-        against: case.against.clone(),
-        mode: case.mode.clone(),
-        dtype: case.dtype.clone(),
+        against: Against::parse(&case.against)
+            .with_context(|| format!("regress: against {:?}", case.against))?,
         devices: Vec::new(),
+        mode: ModeChoice::from_str(&case.mode, false).map_err(|e| anyhow!("regress: mode {e}"))?,
+        dtype: CudaDtype::from_str(&case.dtype, false)
+            .map_err(|e| anyhow!("regress: dtype {e}"))?,
         inject: Vec::new(),
         explain: false,
         repro: None,
-        report: ReportArgs {
+        hooks: HookOptions {
             hook: case.hook.clone(),
-            all_steps: false,
             tol: case.tol.clone(),
             precision: case.precision.clone(),
-            json: None,
-            plot: None,
         },
         cache_dir: args.cache_dir.clone(),
         no_cache: args.no_cache,
-    }
+    })
+}
+
+/// Runs a case as `glmdiff run` would.
+fn run_run(case: &Case, args: &RegressArgs) -> Result<Ran> {
+    let cfg = RunConfig::check(request(case, args)?)?;
+    let (layers, hypotheses) = (Bar::new(), Bar::with_unit("hypotheses"));
+    let watch = Watch {
+        layers: &layers,
+        hypotheses: &hypotheses,
+        say: &|s| crate::report::emit_err(s),
+    };
+    session::run(&cfg, &watch)
 }
 
 /// The `glmdiff run` command that re-runs a case (with the tokens it ran, when known).
-fn run_command(r: &RunArgs, tokens: Option<&[u32]>) -> String {
-    let mut c = format!("glmdiff run {}", shell_word(&r.model.display().to_string()));
-    match (tokens.or(r.tokens.as_deref()), &r.prompt) {
+fn run_command(case: &Case, tokens: Option<&[u32]>) -> String {
+    let mut c = format!(
+        "glmdiff run {}",
+        shell_word(&case.model.display().to_string())
+    );
+    let asked = match &case.input {
+        Input::Tokens(t) => Some(t.as_slice()),
+        _ => None,
+    };
+    match (tokens.or(asked), &case.input) {
         (Some(t), _) => {
             let ids: Vec<String> = t.iter().map(u32::to_string).collect();
             c.push_str(&format!(" --tokens {}", ids.join(",")));
         }
-        (None, Some(p)) => c.push_str(&format!(" --prompt {}", shell_word(p))),
+        (None, Input::Prompt(p)) => c.push_str(&format!(" --prompt {}", shell_word(p))),
         _ => {}
     }
-    if let Some(l) = &r.layers {
+    if let Some(l) = &case.layers {
         c.push_str(&format!(" --layers {}..{}", l.start, l.end));
     }
     c.push_str(&format!(
         " --against {} --mode {}",
-        shell_word(&r.against),
-        r.mode
+        shell_word(&case.against),
+        case.mode
     ));
-    for g in &r.report.hook {
+    for g in &case.hook {
         c.push_str(&format!(" --hook {}", shell_word(g)));
     }
-    for (g, v) in &r.report.tol {
+    for (g, v) in &case.tol {
         c.push_str(&format!(" --tol {}", shell_word(&format!("{g}={v:e}"))));
     }
-    for (g, d) in &r.report.precision {
+    for (g, d) in &case.precision {
         c.push_str(&format!(" --precision {}", shell_word(&format!("{g}={d}"))));
     }
     c
@@ -84,9 +107,8 @@ fn run_command(r: &RunArgs, tokens: Option<&[u32]>) -> String {
 
 /// Runs one case: its JSONL record.
 fn run_case(suite_path: &Path, index: usize, case: &Case, args: &RegressArgs) -> Value {
-    let r = run_args(case, args);
     let t0 = Instant::now();
-    let ran = execute(&r);
+    let ran = run_run(case, args);
     let seconds = t0.elapsed().as_secs_f64();
     let mut reg = json!({
         "suite": suite_path.display().to_string(),
@@ -98,7 +120,7 @@ fn run_case(suite_path: &Path, index: usize, case: &Case, args: &RegressArgs) ->
             reg["status"] = json!("error");
             reg["error"] = json!(format!("{e:#}"));
             reg["checks"] = json!([]);
-            reg["command"] = json!(run_command(&r, None));
+            reg["command"] = json!(run_command(case, None));
             case_record(None, reg, seconds)
         }
         Ok(ran) => {
@@ -112,7 +134,7 @@ fn run_case(suite_path: &Path, index: usize, case: &Case, args: &RegressArgs) ->
                 crate::report::emit_err(&format!("note: case {}: {n}", case.name));
             }
             let tokens: Vec<u32> = ran.header.tokens.iter().map(|(id, _)| *id).collect();
-            reg["command"] = json!(run_command(&r, Some(&tokens)));
+            reg["command"] = json!(run_command(case, Some(&tokens)));
             match expect::check(&case.expect, &ran.comparison) {
                 Ok(checks) => {
                     let ok = checks.iter().all(|c| c.ok);
@@ -139,39 +161,12 @@ fn run_case(suite_path: &Path, index: usize, case: &Case, args: &RegressArgs) ->
 /// Runs `glmdiff regress`.
 pub fn run(args: &RegressArgs) -> Result<Outcome> {
     let suite = suite::load(&args.suite)?;
-    let mut g = Guard::new();
-    g.input("the suite", &args.suite);
-    if let Some(b) = &args.baseline {
-        g.input("the --baseline", b);
-    }
-    for c in &suite.cases {
-        model_input(&mut g, &format!("the model of case {:?}", c.name), &c.model);
-        against_input(&mut g, &c.against, &c.model);
-    }
-    g.output_or_stdout("--jsonl", args.jsonl.as_deref())
-        .check()?;
+    check_files(args, &suite)?;
     let baseline = match &args.baseline {
         Some(p) => Some(read_jsonl(p)?),
         None => None,
     };
-    let cases: Vec<(usize, &Case)> = suite
-        .cases
-        .iter()
-        .enumerate()
-        .filter(|(_, c)| {
-            args.case.is_empty() || args.case.iter().any(|g| glob::matches(g, &c.name))
-        })
-        .collect();
-    if cases.is_empty() {
-        let names: Vec<&str> = suite.cases.iter().map(|c| c.name.as_str()).collect();
-        bail!(
-            "regress: no case of {} matches --case {} (cases: {})",
-            args.suite.display(),
-            args.case.join(" "),
-            names.join(", ")
-        );
-    }
-
+    let cases = selected(args, &suite)?;
     let mut records = Vec::with_capacity(cases.len());
     let mut summaries = Vec::with_capacity(cases.len());
     for (k, (i, case)) in cases.iter().enumerate() {
@@ -203,6 +198,51 @@ pub fn run(args: &RegressArgs) -> Result<Outcome> {
             Ok(())
         })?;
     }
+    let drifted = changes.as_ref().is_some_and(|c| c.drifted());
+    outcome(&summaries, drifted)
+}
+
+/// Checks the outputs against the inputs: the suite, the baseline, every case's model and
+/// candidate trace.
+fn check_files(args: &RegressArgs, suite: &Suite) -> Result<()> {
+    let mut g = Guard::new();
+    g.input("the suite", &args.suite);
+    if let Some(b) = &args.baseline {
+        g.input("the --baseline", b);
+    }
+    for c in &suite.cases {
+        model_input(&mut g, &format!("the model of case {:?}", c.name), &c.model);
+        if let Ok(a) = Against::parse(&c.against) {
+            against_input(&mut g, &a, &c.model);
+        }
+    }
+    g.output_or_stdout("--jsonl", args.jsonl.as_deref()).check()
+}
+
+/// The cases `--case` selects (all without it), with their index in the suite.
+fn selected<'s>(args: &RegressArgs, suite: &'s Suite) -> Result<Vec<(usize, &'s Case)>> {
+    let cases: Vec<(usize, &Case)> = suite
+        .cases
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| {
+            args.case.is_empty() || args.case.iter().any(|g| glob::matches(g, &c.name))
+        })
+        .collect();
+    if cases.is_empty() {
+        let names: Vec<&str> = suite.cases.iter().map(|c| c.name.as_str()).collect();
+        bail!(
+            "regress: no case of {} matches --case {} (cases: {})",
+            args.suite.display(),
+            args.case.join(" "),
+            names.join(", ")
+        );
+    }
+    Ok(cases)
+}
+
+/// Exit 2 when a case could not run, 1 when one failed or the run drifted, else 0.
+fn outcome(summaries: &[CaseSummary], drifted: bool) -> Result<Outcome> {
     let errors: Vec<&str> = summaries
         .iter()
         .filter(|s| s.status == "error")
@@ -215,7 +255,6 @@ pub fn run(args: &RegressArgs) -> Result<Outcome> {
             errors.join(", ")
         );
     }
-    let drifted = changes.as_ref().is_some_and(|c| c.drifted());
     Ok(if summaries.iter().all(|s| s.passed()) && !drifted {
         Outcome::Ok
     } else {

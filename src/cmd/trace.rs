@@ -1,18 +1,12 @@
 //! `glmdiff trace`: run the CPU reference forward pass and write the hooks to a safetensors trace.
 
-use std::collections::BTreeMap;
-
 use anyhow::{bail, Context, Result};
 
 use super::{model_input, Outcome};
 use crate::cli::TraceArgs;
-use crate::driver::{self, Plan};
-use crate::engine::cpu::CpuEngine;
-use crate::engine::Engine;
-use crate::gguf::Model;
-use crate::model::Weights;
+use crate::report::progress::Bar;
+use crate::session::{self, TraceRequest};
 use crate::tokenizer::Tokenizer;
-use crate::trace::{write_trace, HookFilter, TraceMeta, TraceSink};
 use crate::util::guard::Guard;
 
 /// Runs `glmdiff trace`.
@@ -26,101 +20,26 @@ pub fn run(args: &TraceArgs) -> Result<Outcome> {
     let mut g = Guard::new();
     model_input(&mut g, "the input model", &args.model);
     g.output("--out", Some(&args.out)).check()?;
-    let model = Model::open(&args.model)?;
-    let weights = Weights::new(&model)?;
-    let hp = weights.hparams();
-
-    // The tokenizer is needed for --prompt, and only nice to have for printing tokens.
-    let tokenizer = Tokenizer::from_model(&model);
-    let tokens = match (&args.tokens, &args.prompt) {
-        (Some(t), _) => t.clone(),
-        (None, Some(p)) => {
-            let tok = tokenizer
-                .as_ref()
-                .map_err(|e| anyhow::anyhow!("{e:#}"))
-                .context(
-                    "trace: --prompt needs the model's tokenizer; pass ids with --tokens instead",
-                )?;
-            let mut ids = Vec::new();
-            if tok.add_bos() {
-                ids.extend(tok.bos_id());
-            }
-            ids.extend(tok.encode(p)?);
-            ids
-        }
-        (None, None) => bail!("trace: give --tokens or --prompt"),
+    let req = TraceRequest {
+        model: args.model.clone(),
+        prompt: args.prompt.clone(),
+        tokens: args.tokens.clone(),
+        layers: args.layers.clone(),
+        hook: args.hook.clone(),
+        out: args.out.clone(),
     };
-    if tokens.is_empty() {
-        bail!("trace: the prompt has no tokens");
-    }
-    if let Some(&bad) = tokens.iter().find(|&&id| id as usize >= weights.n_vocab()) {
-        bail!(
-            "trace: token id {bad} is outside the vocabulary 0..{} of {}",
-            weights.n_vocab(),
-            model.file_name()
-        );
-    }
-
-    let layers = match &args.layers {
-        None => None,
-        Some(r) => {
-            if r.end > hp.n_layer as u64 {
-                bail!(
-                    "trace: --layers {}..{} is out of range: the model runs layers 0..{} ({} blocks, {} MTP not run)",
-                    r.start,
-                    r.end,
-                    hp.n_layer,
-                    hp.n_block,
-                    hp.n_nextn
-                );
-            }
-            Some(r.start as usize..r.end as usize)
-        }
-    };
-    let filter = HookFilter {
-        layers,
-        globs: args.hook.clone(),
-    };
-    let mut sink = TraceSink::new(filter);
-    let plan = Plan::for_sink(&weights, &sink)?;
-    let engine = CpuEngine::new(&weights);
-    let bar = crate::report::progress::Bar::new();
-    let summary = driver::run_from(&engine, &weights, &tokens, &plan, &[], &mut sink, &bar)?;
-    if summary.hooks_recorded == 0 {
-        let layers = args
-            .layers
-            .as_ref()
-            .map_or("all".to_string(), |r| format!("{}..{}", r.start, r.end));
-        let hooks = if args.hook.is_empty() {
-            "(all)".to_string()
-        } else {
-            args.hook.join(" ")
-        };
-        bail!(
-            "trace: no hook matched --layers {layers} --hook {hooks}; hook names are blk.L.<point>, token_embd, result_norm, logits"
-        );
-    }
-    let meta = TraceMeta {
-        model: model.file_name(),
-        architecture: hp.arch.as_str().to_string(),
-        tokens: tokens.clone(),
-        engine: engine.describe(),
-        dtype: engine.precision().to_string(),
-        mode: crate::trace::Mode::Chained,
-        extra: BTreeMap::new(),
-    };
-    write_trace(&args.out, sink.tensors(), &meta)?;
-    if let Some(logits) = sink.tensors().get("logits") {
-        print_next_tokens(logits, tokenizer.as_ref().ok())?;
+    let t = session::trace(&req, &Bar::new())?;
+    if let Some(logits) = &t.logits {
+        print_next_tokens(logits, t.tokenizer.as_ref())?;
     }
     crate::report::emit_err(&format!(
         "wrote {} ({} hooks, {} tokens, {} of {} layers{})",
         args.out.display(),
-        summary.hooks_recorded,
-        tokens.len(),
-        summary.n_layers,
-        hp.n_layer,
-        if summary.tail { ", logits" } else { "" }
+        t.hooks,
+        t.tokens,
+        t.layers.0,
+        t.layers.1,
+        if t.tail { ", logits" } else { "" }
     ));
     Ok(Outcome::Ok)
 }

@@ -1,12 +1,15 @@
 //! The GGUF file format: header, metadata values, tensor infos, split shards, bounds checks,
-//! and a writer for synthetic models and fixtures. Knows nothing of any model architecture.
+//! a writer for synthetic models and fixtures, and one tensor dequantized to `.npy` or
+//! `.safetensors` ([`export_rows`]). Knows nothing of any model architecture.
 
 mod dequant;
+mod export;
 mod file;
 mod model;
 mod value;
 mod writer;
 
+pub use export::{export_rows, ExportFormat, Exported};
 pub use file::{GgufFile, TensorInfo, DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_DIMS};
 pub use model::{
     parse_split_name, shard_paths, split_file_name, Model, TensorRef, KEY_SPLIT_COUNT,

@@ -1,7 +1,7 @@
 //! Small shared helpers at the bottom of the crate (they import nothing from it): glob matching,
 //! atomic file writes and the temporaries in flight, the output guard (outputs never overwrite
 //! inputs), array file formats, the cache directory ([`cache_dir`]), the FNV-1a hash ([`hash`]),
-//! the SplitMix64 generator ([`rng`]) and top-k with ties ([`topk`]).
+//! the SplitMix64 generator ([`rng`]), top-k with ties ([`topk`]) and shell quoting ([`shell`]).
 
 pub mod atomic;
 pub mod cache_dir;
@@ -12,4 +12,5 @@ pub mod npy;
 pub mod progress;
 pub mod rng;
 pub mod safetensors_stream;
+pub mod shell;
 pub mod topk;

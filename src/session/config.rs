@@ -1,0 +1,691 @@
+//! A run's choices (`--against`, `--mode`, `--dtype`), the plain values it is asked with
+//! ([`RunRequest`]: `cmd` maps `run`'s flags to them, `regress` its cases) and the checked
+//! [`RunConfig`] that [`RunConfig::check`] builds from them, every check done before any work:
+//! the model opened and its hyperparameters read, the candidate chosen (`auto` included) and
+//! opened, the tokens, the layers, the faults, the globs and the reference cache's key.
+
+use std::fmt;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::builder::PossibleValue;
+use clap::ValueEnum;
+
+use super::judge::{precision_overrides, wants_with_scores};
+use super::tokens::prompt_tokens;
+use crate::compare::Precision;
+use crate::driver::pair::Modes;
+use crate::driver::Plan;
+use crate::engine::fault::Fault;
+use crate::gguf::Model;
+use crate::model::{HParams, Weights};
+use crate::tokenizer::Tokenizer;
+use crate::trace::cache::{CacheKey, RefCache};
+use crate::trace::{Mode, TraceFile};
+use crate::util::cache_dir::default_dir;
+
+/// The candidate asked for (`run --against`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Against {
+    /// `auto`: the CUDA engine when a device is present, else a trace made for the model beside it.
+    Auto,
+    /// `cpu`: a second CPU reference (the faulty one with `--inject`).
+    Cpu,
+    /// `cuda` (`None`) or `cuda:N`: the CUDA engine.
+    Cuda(Option<usize>),
+    /// `trace:FILE`: a trace another engine wrote (hooks of docs/hooks.md).
+    Trace(PathBuf),
+}
+
+impl Against {
+    /// Parses `auto`, `cpu`, `cuda`, `cuda:N` or `trace:FILE` (whether this glmdiff has the CUDA
+    /// engine is checked with the rest of the run). Errors say what is expected; the caller
+    /// names the flag and the value (clap does).
+    pub fn parse(s: &str) -> Result<Against> {
+        Ok(match s {
+            "auto" => Against::Auto,
+            "cpu" => Against::Cpu,
+            "cuda" => Against::Cuda(None),
+            c if c.starts_with("cuda:") => {
+                let n = c["cuda:".len()..]
+                    .parse()
+                    .context("expected cuda or cuda:N with N a device index")?;
+                Against::Cuda(Some(n))
+            }
+            t if t.starts_with("trace:") => {
+                let p = PathBuf::from(&t["trace:".len()..]);
+                if p.as_os_str().is_empty() {
+                    bail!("trace: needs a file, e.g. --against trace:dump.safetensors");
+                }
+                Against::Trace(p)
+            }
+            _ => bail!("expected auto, cpu, cuda[:N] or trace:FILE"),
+        })
+    }
+}
+
+impl fmt::Display for Against {
+    /// As `--against` takes it.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Against::Auto => f.write_str("auto"),
+            Against::Cpu => f.write_str("cpu"),
+            Against::Cuda(None) => f.write_str("cuda"),
+            Against::Cuda(Some(n)) => write!(f, "cuda:{n}"),
+            Against::Trace(p) => write!(f, "trace:{}", p.display()),
+        }
+    }
+}
+
+/// The modes asked for (`run --mode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ModeChoice {
+    /// Replay and chained in one pass.
+    #[default]
+    Both,
+    /// Each step from the same inputs.
+    Replay,
+    /// Each side on its own outputs.
+    Chained,
+}
+
+impl ModeChoice {
+    /// The modes a pass runs.
+    pub fn modes(self) -> Modes {
+        match self {
+            ModeChoice::Both => Modes::BOTH,
+            ModeChoice::Replay => Modes {
+                replay: true,
+                chained: false,
+            },
+            ModeChoice::Chained => Modes {
+                replay: false,
+                chained: true,
+            },
+        }
+    }
+
+    /// The modes run, in the order reports list them.
+    pub fn list(self) -> Vec<Mode> {
+        let m = self.modes();
+        [Mode::Replay, Mode::Chained]
+            .into_iter()
+            .filter(|x| match x {
+                Mode::Replay => m.replay,
+                Mode::Chained => m.chained,
+            })
+            .collect()
+    }
+
+    /// The word `--mode` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModeChoice::Both => "both",
+            ModeChoice::Replay => "replay",
+            ModeChoice::Chained => "chained",
+        }
+    }
+}
+
+/// The words of `--mode` (written out rather than derived, so that `--help` lists the values on
+/// one line as the flag's own text explains them).
+impl ValueEnum for ModeChoice {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[ModeChoice::Both, ModeChoice::Replay, ModeChoice::Chained]
+    }
+
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        Some(PossibleValue::new(self.as_str()))
+    }
+}
+
+impl fmt::Display for ModeChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The CUDA engine's precision asked for (`run --dtype`); the engine's own type is chosen from
+/// it where the engine is built.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CudaDtype {
+    /// f32 weights and activations, SGEMM without TF32: the f32 floors apply.
+    #[default]
+    F32,
+    /// bf16 weights and activations, tensor-core GEMMs with f32 accumulation: the bf16 floors.
+    Bf16,
+}
+
+impl CudaDtype {
+    /// The word `--dtype` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CudaDtype::F32 => "f32",
+            CudaDtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// The words of `--dtype`.
+impl ValueEnum for CudaDtype {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[CudaDtype::F32, CudaDtype::Bf16]
+    }
+
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        Some(PossibleValue::new(self.as_str()))
+    }
+}
+
+impl fmt::Display for CudaDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Which hooks a comparison keeps and how it judges them (`--hook`, `--tol`, `--precision`;
+/// `run` and `compare` share them).
+#[derive(Clone, Debug, Default)]
+pub struct HookOptions {
+    /// Hook globs (all standard hooks when empty).
+    pub hook: Vec<String>,
+    /// Floor overrides `(glob, relative L2)`.
+    pub tol: Vec<(String, f64)>,
+    /// Candidate precision overrides `(glob, dtype word)`.
+    pub precision: Vec<(String, String)>,
+}
+
+/// What a run is asked to do, as plain values (unchecked).
+#[derive(Clone, Debug)]
+pub struct RunRequest {
+    /// The model (any shard of a split model).
+    pub model: PathBuf,
+    /// Prompt text.
+    pub prompt: Option<String>,
+    /// Token ids.
+    pub tokens: Option<Vec<u32>>,
+    /// Layers `A..B` to run (`--layer N` is `N..N+1`); all when `None`.
+    pub layers: Option<Range<u64>>,
+    /// The candidate.
+    pub against: Against,
+    /// `--devices`: the CUDA engine over these devices.
+    pub devices: Vec<usize>,
+    /// The modes.
+    pub mode: ModeChoice,
+    /// The CUDA engine's precision.
+    pub dtype: CudaDtype,
+    /// `--inject` faults, as written.
+    pub inject: Vec<String>,
+    /// `--explain`.
+    pub explain: bool,
+    /// `--repro DIR`.
+    pub repro: Option<PathBuf>,
+    /// Hooks, floors and precisions.
+    pub hooks: HookOptions,
+    /// `--cache-dir` (default: [`default_dir`]).
+    pub cache_dir: Option<PathBuf>,
+    /// `--no-cache`.
+    pub no_cache: bool,
+}
+
+/// The candidate a checked run compares against.
+pub(super) enum Chosen {
+    /// A second CPU reference.
+    Cpu,
+    /// The CUDA engine: `device` as asked (its spec `cuda:N`), run over `devices`.
+    Cuda { device: usize, devices: Vec<usize> },
+    /// A trace file, open.
+    Trace { path: PathBuf, file: TraceFile },
+}
+
+/// A run checked and ready: the model open, the candidate chosen, the tokens, layers, plan,
+/// faults and overrides known good.
+pub struct RunConfig {
+    pub(super) model_path: PathBuf,
+    pub(super) model: Model,
+    pub(super) tokenizer: Option<Tokenizer>,
+    pub(super) tokens: Vec<u32>,
+    pub(super) candidate: Chosen,
+    /// Notes of the choices made (`--against auto`), first under the header.
+    pub(super) notes: Vec<String>,
+    pub(super) mode: ModeChoice,
+    /// Read only where the CUDA engine is built.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) dtype: CudaDtype,
+    pub(super) layers: Range<usize>,
+    pub(super) plan: Plan,
+    pub(super) faults: Vec<Fault>,
+    pub(super) explain: bool,
+    pub(super) repro: Option<PathBuf>,
+    pub(super) hook: Vec<String>,
+    pub(super) tol: Vec<(String, f64)>,
+    pub(super) precision: Vec<(String, Precision)>,
+    /// The reference cache and this run's entry (a run from layer 0 or `--no-cache`: none).
+    pub(super) cache: Option<(RefCache, CacheKey)>,
+}
+
+impl RunConfig {
+    /// Checks everything `req` asks before any work: the flags against each other, the `--repro`
+    /// target, the model, the candidate (the `auto` choice included; a trace is opened and
+    /// checked against the model and the tokens), the tokens, the layers, the faults, the
+    /// globs, the precisions and the reference cache's key.
+    pub fn check(req: RunRequest) -> Result<RunConfig> {
+        let against = against_with_devices(&req)?;
+        let faults: Vec<Fault> = req
+            .inject
+            .iter()
+            .map(|s| Fault::parse(s))
+            .collect::<Result<_>>()?;
+        if (req.explain || req.repro.is_some()) && !req.mode.modes().replay {
+            bail!(
+                "run: --explain and --repro work on the first step that fails in replay; use --mode replay or both"
+            );
+        }
+        if let Some(dir) = &req.repro {
+            crate::explain::case::check_target(dir)?;
+        }
+        let model = Model::open(&req.model)?;
+        let weights = Weights::new(&model)?;
+        let hp = weights.hparams();
+        let tokenizer = Tokenizer::from_model(&model);
+        let asked = prompt_tokens(&req.tokens, &req.prompt, &tokenizer, "run")?;
+        let mut notes = Vec::new();
+        let candidate = choose(against, &req, asked.as_ref(), &mut notes)?;
+        check_candidate(&candidate, &req, &faults)?;
+        let tokens = run_tokens(asked, &candidate)?;
+        crate::driver::check_tokens(&weights, &tokens).context("run")?;
+        if let Chosen::Trace { file, .. } = &candidate {
+            crate::trace::check::check_against_model(file, &weights, &tokens)?;
+        }
+        let layers = layer_range(req.layers.clone(), hp)?;
+        let plan = Plan::range(&weights, layers.clone(), layers.end == hp.n_layer)?;
+        for f in &faults {
+            f.check(&weights, layers.clone(), plan.tail)?;
+        }
+        check_globs(
+            "run",
+            &format!("this run (layers {}..{})", layers.start, layers.end),
+            &plan_hooks(&plan, hp),
+            &req.hooks,
+        )?;
+        let precision = precision_overrides(&req.hooks.precision)?;
+        let cache = reference_cache(&req, &model, &tokens, &plan)?;
+        drop(weights);
+        Ok(RunConfig {
+            model_path: req.model,
+            model,
+            tokenizer: tokenizer.ok(),
+            tokens,
+            candidate,
+            notes,
+            mode: req.mode,
+            dtype: req.dtype,
+            layers,
+            plan,
+            faults,
+            explain: req.explain,
+            repro: req.repro,
+            hook: req.hooks.hook,
+            tol: req.hooks.tol,
+            precision,
+            cache,
+        })
+    }
+
+    /// The model's tokenizer, when it has one.
+    pub fn tokenizer(&self) -> Option<&Tokenizer> {
+        self.tokenizer.as_ref()
+    }
+
+    /// The prompt tokens the run compares.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The model's weight descriptions (read again from the open model: metadata only, checked
+    /// once already).
+    pub(super) fn weights(&self) -> Result<Weights<'_>> {
+        Weights::new(&self.model)
+    }
+}
+
+/// `--against` with `--devices`: the devices imply the CUDA engine (on the first of them), and
+/// only `cuda` or `cuda:N` with N the first device may be said beside them.
+fn against_with_devices(req: &RunRequest) -> Result<Against> {
+    if !cfg!(feature = "cuda") {
+        if let Against::Cuda(_) = req.against {
+            bail!(
+                "run: --against {}: this glmdiff was built without the `cuda` feature",
+                req.against
+            );
+        }
+        if !req.devices.is_empty() {
+            bail!(
+                "run: --devices {:?}: this glmdiff was built without the `cuda` feature",
+                req.devices
+            );
+        }
+    }
+    let Some(&first) = req.devices.first() else {
+        return Ok(req.against.clone());
+    };
+    match req.against {
+        Against::Auto => Ok(Against::Cuda(Some(first))),
+        Against::Cuda(None) => Ok(Against::Cuda(None)),
+        Against::Cuda(Some(n)) if n == first => Ok(Against::Cuda(Some(n))),
+        _ => bail!(
+            "run: --devices {:?} runs the CUDA engine: give --against cuda (or leave --against out), not --against {}",
+            req.devices,
+            req.against
+        ),
+    }
+}
+
+/// The candidate `against` names, opened (the CUDA engine over `--devices`, else over its one
+/// device); `auto` picks the CUDA engine on device 0 when a device is present, else the first
+/// trace beside the model made for it (and for `tokens`, when given), and says so in `notes`.
+fn choose(
+    against: Against,
+    req: &RunRequest,
+    tokens: Option<&Vec<u32>>,
+    notes: &mut Vec<String>,
+) -> Result<Chosen> {
+    let cuda = |device: usize| Chosen::Cuda {
+        device,
+        devices: if req.devices.is_empty() {
+            vec![device]
+        } else {
+            req.devices.clone()
+        },
+    };
+    let model = &req.model;
+    Ok(match against {
+        Against::Cpu => Chosen::Cpu,
+        Against::Cuda(n) => cuda(n.unwrap_or(0)),
+        Against::Trace(path) => {
+            let file = TraceFile::open(&path)?;
+            Chosen::Trace { path, file }
+        }
+        Against::Auto if cuda_device_present() => {
+            notes.push("--against auto: a CUDA device is present; comparing with the CUDA engine on device 0".to_string());
+            cuda(0)
+        }
+        Against::Auto => {
+            let found = traces_beside(model)
+                .into_iter()
+                .find(|(_, t)| tokens.is_none_or(|want| t.tokens().ok().as_ref() == Some(want)));
+            let Some((path, file)) = found else {
+                bail!(
+                    "run: --against auto: no CUDA device, and no trace beside {} made for this model{}; give --against cpu or --against trace:FILE",
+                    model.display(),
+                    if tokens.is_some() { " and these tokens" } else { "" }
+                );
+            };
+            notes.push(format!(
+                "--against auto: no CUDA device; using the trace {} shipped beside the model",
+                path.display()
+            ));
+            Chosen::Trace { path, file }
+        }
+    })
+}
+
+/// The checks of the candidate against the other flags: the CUDA libraries (said before any
+/// work, in the words of every GPU command), `--inject` only into an engine, `--dtype` only
+/// for the CUDA engine.
+fn check_candidate(candidate: &Chosen, req: &RunRequest, faults: &[Fault]) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Chosen::Cuda { .. } = candidate {
+        crate::cuda::probe_libraries()?;
+    }
+    if !faults.is_empty() && matches!(candidate, Chosen::Trace { .. }) {
+        bail!(
+            "run: --inject plants a bug in an engine glmdiff runs (--against cpu or cuda); a trace's bugs are its own"
+        );
+    }
+    if req.dtype != CudaDtype::F32 && !matches!(candidate, Chosen::Cuda { .. }) {
+        bail!(
+            "run: --dtype {} sets the CUDA engine's precision; give --against cuda",
+            req.dtype
+        );
+    }
+    Ok(())
+}
+
+/// The tokens compared: those asked, or a trace candidate's own (which must then be the same).
+fn run_tokens(asked: Option<Vec<u32>>, candidate: &Chosen) -> Result<Vec<u32>> {
+    let mut tokens = asked;
+    if let Chosen::Trace { file, .. } = candidate {
+        let tt = file.tokens()?;
+        match &tokens {
+            None => tokens = Some(tt),
+            Some(mine) if *mine != tt => bail!(
+                "run: the trace {} was made for tokens {:?}, not {:?}",
+                file.path().display(),
+                tt,
+                mine
+            ),
+            _ => {}
+        }
+    }
+    tokens.context("run: give --tokens or --prompt (or a trace candidate, whose tokens are used)")
+}
+
+/// The layers run: those asked (within the model's), or all.
+fn layer_range(asked: Option<Range<u64>>, hp: &HParams) -> Result<Range<usize>> {
+    let layers = asked.unwrap_or(0..hp.n_layer as u64);
+    if layers.end > hp.n_layer as u64 {
+        bail!(
+            "run: layers {}..{} are out of range: the model runs layers 0..{} ({} blocks, {} MTP not run)",
+            layers.start,
+            layers.end,
+            hp.n_layer,
+            hp.n_block,
+            hp.n_nextn
+        );
+    }
+    Ok(layers.start as usize..layers.end as usize)
+}
+
+/// The reference cache and the key of this run's entry, when the plan starts past layer 0 and
+/// the cache is not turned off.
+fn reference_cache(
+    req: &RunRequest,
+    model: &Model,
+    tokens: &[u32],
+    plan: &Plan,
+) -> Result<Option<(RefCache, CacheKey)>> {
+    if req.no_cache || plan.free_inputs().is_empty() {
+        return Ok(None);
+    }
+    let dir = match &req.cache_dir {
+        Some(d) => d.clone(),
+        None => default_dir()?,
+    };
+    Ok(Some((
+        RefCache::new(&dir),
+        CacheKey::new(model, tokens, plan.first_layer)?,
+    )))
+}
+
+/// Traces beside `model` made for it (metadata `models` or `model` names its file), sorted.
+fn traces_beside(model: &Path) -> Vec<(PathBuf, TraceFile)> {
+    let Some(dir) = model.parent() else {
+        return Vec::new();
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let file = model
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.to_string_lossy().ends_with(".trace.safetensors"))
+                .collect()
+        })
+        .unwrap_or_default();
+    paths.sort();
+    paths
+        .into_iter()
+        .filter_map(|p| {
+            let t = TraceFile::open(&p).ok()?;
+            let m = t.metadata();
+            let listed: Vec<String> = m
+                .get("models")
+                .and_then(|v| serde_json::from_str(v).ok())
+                .unwrap_or_else(|| m.get("model").cloned().into_iter().collect());
+            listed.contains(&file).then_some((p, t))
+        })
+        .collect()
+}
+
+/// Whether `--against auto` finds a CUDA device (driver, libraries and at least one device).
+fn cuda_device_present() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        crate::cuda::DeviceInfo::list().is_ok_and(|d| !d.is_empty())
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
+}
+
+/// Every hook `plan` can produce: its steps' outputs, and the optional attention probabilities
+/// and per-expert outputs of its layers.
+fn plan_hooks(plan: &Plan, hp: &HParams) -> Vec<String> {
+    use crate::model::steps::{expert_hook, hook, point};
+    let mut v: Vec<String> = plan.steps.iter().flat_map(|s| s.outputs.clone()).collect();
+    for l in plan.layers() {
+        v.push(hook(l, point::ATTN_PROBS));
+        if !hp.is_dense(l) {
+            v.extend((0..hp.n_expert).map(|e| expert_hook(l, e)));
+        }
+    }
+    v
+}
+
+/// Refuses a `--hook` glob that matches none of `hooks` (what the run or the reference trace
+/// has), and a `--tol` or `--precision` glob that matches none of the hooks compared, naming
+/// the flag, the glob and `scope`: a glob that silently matches nothing is a typo.
+pub(super) fn check_globs(
+    cmd: &str,
+    scope: &str,
+    hooks: &[String],
+    opts: &HookOptions,
+) -> Result<()> {
+    const NAMES: &str = "hook names are blk.L.<point>, token_embd, result_norm, logits";
+    for g in &opts.hook {
+        if !hooks.iter().any(|h| crate::util::glob::matches(g, h)) {
+            bail!("{cmd}: --hook {g:?} matches no hook of {scope}; {NAMES}");
+        }
+    }
+    let wants = wants_with_scores(&opts.hook);
+    let compared: Vec<&String> = hooks.iter().filter(|h| wants(h)).collect();
+    let flags = opts
+        .tol
+        .iter()
+        .map(|(g, _)| ("--tol", g))
+        .chain(opts.precision.iter().map(|(g, _)| ("--precision", g)));
+    for (flag, g) in flags {
+        if !compared.iter().any(|h| crate::util::glob::matches(g, h)) {
+            bail!(
+                "{cmd}: {flag} glob {g:?} matches none of the hooks compared in {scope}; {NAMES}"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn against_parses_every_form_and_says_it_back() {
+        for s in ["auto", "cpu", "cuda", "cuda:3", "trace:a/b.safetensors"] {
+            assert_eq!(Against::parse(s).unwrap().to_string(), s);
+        }
+        assert_eq!(Against::parse("cuda").unwrap(), Against::Cuda(None));
+        assert_eq!(Against::parse("cuda:0").unwrap(), Against::Cuda(Some(0)));
+        for (bad, needle) in [
+            ("cuda:x", "cuda:N with N a device index"),
+            ("cuda:-1", "cuda:N with N a device index"),
+            ("trace:", "needs a file"),
+            ("gpu", "expected auto, cpu, cuda[:N] or trace:FILE"),
+        ] {
+            let e = format!("{:#}", Against::parse(bad).unwrap_err());
+            assert!(e.contains(needle), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn devices_imply_the_cuda_engine_on_the_first_device() {
+        let req = |against: &str, devices: Vec<usize>| RunRequest {
+            model: PathBuf::from("m.gguf"),
+            prompt: None,
+            tokens: None,
+            layers: None,
+            against: Against::parse(against).unwrap(),
+            devices,
+            mode: ModeChoice::Both,
+            dtype: CudaDtype::F32,
+            inject: Vec::new(),
+            explain: false,
+            repro: None,
+            hooks: HookOptions::default(),
+            cache_dir: None,
+            no_cache: false,
+        };
+        if !cfg!(feature = "cuda") {
+            let e = against_with_devices(&req("auto", vec![1])).unwrap_err();
+            assert!(e.to_string().contains("without the `cuda` feature"), "{e}");
+            return;
+        }
+        assert_eq!(
+            against_with_devices(&req("auto", vec![1, 2])).unwrap(),
+            Against::Cuda(Some(1))
+        );
+        assert_eq!(
+            against_with_devices(&req("cuda", vec![1, 2])).unwrap(),
+            Against::Cuda(None)
+        );
+        assert_eq!(
+            against_with_devices(&req("cuda:1", vec![1, 2])).unwrap(),
+            Against::Cuda(Some(1))
+        );
+        assert_eq!(
+            against_with_devices(&req("cpu", vec![])).unwrap(),
+            Against::Cpu
+        );
+        for bad in ["cpu", "cuda:2", "trace:t.safetensors"] {
+            let e = against_with_devices(&req(bad, vec![1, 2])).unwrap_err();
+            assert!(
+                e.to_string().contains(&format!(
+                    "give --against cuda (or leave --against out), not --against {bad}"
+                )),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn modes_and_dtypes_read_their_words() {
+        for m in [ModeChoice::Both, ModeChoice::Replay, ModeChoice::Chained] {
+            assert_eq!(ModeChoice::from_str(m.as_str(), false).unwrap(), m);
+        }
+        let replay = ModeChoice::Replay.modes();
+        assert!(replay.replay && !replay.chained);
+        assert_eq!(ModeChoice::Both.modes(), Modes::BOTH);
+        for d in [CudaDtype::F32, CudaDtype::Bf16] {
+            assert_eq!(CudaDtype::from_str(d.as_str(), false).unwrap(), d);
+        }
+        assert!(CudaDtype::from_str("f16", false).is_err());
+    }
+}

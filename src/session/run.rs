@@ -1,0 +1,273 @@
+//! One run: the reference's prefix, the one pass over the reference and the candidate,
+//! `--explain` and `--repro` at the first step that fails in replay, the header, and the command
+//! that re-runs the first divergent layer.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+
+use super::candidate::compare_candidate;
+use super::config::{Chosen, RunConfig};
+use super::judge::{run_judge, wants_with_scores};
+use super::prefix::prefix;
+use super::tokens::token_text;
+use super::{Ran, Watch};
+use crate::compare::{Comparison, Precision, Status};
+use crate::driver::pair::{run_pair, Candidate, LayerTime};
+use crate::engine::cpu::CpuEngine;
+use crate::engine::fault::Fault;
+use crate::engine::Engine;
+use crate::explain::case::{self, CaseMeta};
+use crate::explain::{explain, Capture, CapturedStep, Explanation};
+use crate::model::Weights;
+use crate::report::run::{EngineDesc, Header};
+use crate::tensor::HostTensor;
+use crate::trace::Mode;
+use crate::util::progress::Progress;
+use crate::util::shell::shell_word;
+
+/// Runs a checked run: the reference (from its prefix, see [`super::prefix`]) and the candidate
+/// over the configured steps, then `--explain` and `--repro`; returns the comparison and the
+/// facts for its header.
+pub fn run(cfg: &RunConfig, watch: &Watch<'_>) -> Result<Ran> {
+    let weights = cfg.weights()?;
+    let reference = CpuEngine::new(&weights);
+    let start = prefix(cfg, &weights, &reference, watch)?;
+    let pass = Pass {
+        cfg,
+        weights: &weights,
+        reference: &reference,
+        ref_precision: reference.precision(),
+        start: &start.values,
+        progress: watch.layers,
+    };
+    let passed = compare_candidate(&pass)?;
+    let mut timings: Vec<(String, f64)> = start.timing.into_iter().collect();
+    timings.push(("compared".to_string(), passed.seconds));
+    let cmp = passed.comparison;
+    if cmp.records().is_empty() {
+        bail!(
+            "run: no hook matched --hook {}; hook names are blk.L.<point>, token_embd, result_norm, logits",
+            cfg.hook.join(" ")
+        );
+    }
+    if let (Chosen::Trace { file, .. }, false) = (&cfg.candidate, compared_any(&cmp)) {
+        bail!(
+            "run: no hook of the trace {} matches the run's {} hooks (its hooks are named as `glmdiff trace` names them: blk.L.<point>, token_embd, result_norm, logits); rename them with `glmdiff compare --map` or the hook script",
+            file.path().display(),
+            cmp.records().len()
+        );
+    }
+    let t0 = Instant::now();
+    let explanation = explanation(cfg, &weights, &cmp, &passed.captured, watch)?;
+    if explanation.is_some() {
+        timings.push(("explained".to_string(), t0.elapsed().as_secs_f64()));
+    }
+    let meta = CaseMeta {
+        model: cfg.model_path.display().to_string(),
+        tokens: cfg.tokens.clone(),
+        candidate: passed.candidate.spec.clone(),
+        candidate_describe: passed.candidate.describe.clone(),
+        candidate_dtype: passed.candidate.dtype.clone(),
+        reference_dtype: reference.precision().to_string(),
+    };
+    let repro = repro(cfg, &weights, &passed.captured, &meta)?;
+    let mut notes = cfg.notes.clone();
+    notes.extend(passed.notes);
+    let header = Header {
+        command: "run".into(),
+        model: cfg.model_path.display().to_string(),
+        architecture: weights.hparams().arch.as_str().to_string(),
+        layers: Some((cfg.layers.start, cfg.layers.end, weights.hparams().n_layer)),
+        tokens: (cfg.tokens.iter())
+            .map(|&id| (id, token_text(cfg.tokenizer(), id)))
+            .collect(),
+        reference: EngineDesc {
+            spec: "cpu".into(),
+            describe: reference.describe(),
+            dtype: reference.precision().to_string(),
+        },
+        rerun: rerun(cfg, &cmp, &passed.candidate.spec),
+        candidate: passed.candidate,
+        modes: cfg.mode.list(),
+        notes,
+        cache: start.note,
+        timings,
+        layer_times: passed.layer_times,
+        explanation,
+        repro,
+    };
+    Ok(Ran {
+        header,
+        comparison: cmp,
+    })
+}
+
+/// Everything a pass needs but the candidate.
+pub(super) struct Pass<'a, 'w> {
+    /// The run.
+    pub cfg: &'a RunConfig,
+    /// The model's weights.
+    pub weights: &'a Weights<'w>,
+    /// The reference engine.
+    pub reference: &'a CpuEngine<'w>,
+    /// The reference's precision.
+    pub ref_precision: Precision,
+    /// The plan's free inputs (the reference's, given to both sides).
+    pub start: &'a [(String, HostTensor)],
+    /// Progress of the layers.
+    pub progress: &'a dyn Progress,
+}
+
+/// What a pass computed.
+pub(super) struct Passed {
+    /// Every hook's metrics and verdicts.
+    pub comparison: Comparison,
+    /// The first step that failed in replay, with its inputs (with `--explain`/`--repro`).
+    pub captured: Option<CapturedStep>,
+    /// Each side's time per layer.
+    pub layer_times: Vec<LayerTime>,
+    /// The candidate.
+    pub candidate: EngineDesc,
+    /// Notes about the candidate and how it is judged, in order.
+    pub notes: Vec<String>,
+    /// Seconds the comparison took.
+    pub seconds: f64,
+}
+
+impl Pass<'_, '_> {
+    /// The run's one pass: the reference and `candidate` (described by `desc`, judged by
+    /// `precision`; `notes` so far about it) over the plan into a comparison, capturing the
+    /// first step that fails in replay when `--explain` or `--repro` asks.
+    pub(super) fn compare<C: Engine>(
+        &self,
+        candidate: Candidate<'_, C>,
+        desc: EngineDesc,
+        precision: Precision,
+        mut notes: Vec<String>,
+    ) -> Result<Passed> {
+        let cfg = self.cfg;
+        let trace = match &candidate {
+            Candidate::Trace(t) => Some(*t),
+            Candidate::Engine(_) => None,
+        };
+        let judge = run_judge(
+            cfg,
+            self.weights,
+            self.ref_precision,
+            precision,
+            trace,
+            &mut notes,
+        )?;
+        if !cfg.faults.is_empty() {
+            let f: Vec<String> = cfg.faults.iter().map(Fault::to_string).collect();
+            notes.push(format!(
+                "--inject {}: the candidate computes the steps these faults concern the faulty way (on the host, from its own inputs); every other step is the {} engine's",
+                f.join(" "),
+                desc.spec
+            ));
+        }
+        let mut cmp = Comparison::new(judge, wants_with_scores(&cfg.hook), &cfg.tokens);
+        let t0 = Instant::now();
+        // Without --explain/--repro the capture copies nothing and only passes pairs on.
+        let mut sink = Capture::new(&mut cmp, cfg.explain || cfg.repro.is_some());
+        let summary = run_pair(
+            self.reference,
+            candidate,
+            self.weights,
+            &cfg.tokens,
+            &cfg.plan,
+            self.start,
+            cfg.mode.modes(),
+            &mut sink,
+            self.progress,
+        )?;
+        let captured = sink.captured();
+        Ok(Passed {
+            comparison: cmp,
+            captured,
+            layer_times: summary.layer_times,
+            candidate: desc,
+            notes,
+            seconds: t0.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+/// Whether any hook of `cmp` was compared in some mode (not only listed as missing).
+fn compared_any(cmp: &Comparison) -> bool {
+    cmp.records().iter().any(|r| {
+        [&r.replay, &r.chained]
+            .iter()
+            .any(|m| m.as_ref().is_some_and(|m| m.status != Status::Missing))
+    })
+}
+
+/// What `--explain` found at the first step that fails in replay (`None` without it).
+fn explanation(
+    cfg: &RunConfig,
+    weights: &Weights<'_>,
+    cmp: &Comparison,
+    captured: &Option<CapturedStep>,
+    watch: &Watch<'_>,
+) -> Result<Option<Explanation>> {
+    if !cfg.explain {
+        return Ok(None);
+    }
+    Ok(Some(match (cmp.first_divergence(Mode::Replay), captured) {
+        (None, _) => Explanation::NothingWrong,
+        (Some(r), None) => Explanation::NotCaptured {
+            note: format!(
+                "{} fails, but the inputs of its step were not at hand (a step replay could not run)",
+                r.name
+            ),
+        },
+        (Some(_), Some(c)) => explain(c, weights, &cfg.tokens, watch.hypotheses)?,
+    }))
+}
+
+/// Writes the captured step as a case for `glmdiff step` (`--repro`); what was done.
+fn repro(
+    cfg: &RunConfig,
+    weights: &Weights<'_>,
+    captured: &Option<CapturedStep>,
+    meta: &CaseMeta,
+) -> Result<Option<String>> {
+    Ok(match (&cfg.repro, captured) {
+        (Some(dir), Some(c)) => {
+            case::write(dir, c, weights, meta)?;
+            Some(format!(
+                "--repro: the step of {} written to {}; re-run it with: glmdiff step {} [--against cpu|cuda]",
+                c.hook,
+                dir.display(),
+                shell_word(&dir.display().to_string())
+            ))
+        }
+        (Some(_), None) => Some("--repro: no step fails in replay; no case written".to_string()),
+        (None, _) => None,
+    })
+}
+
+/// The command that re-runs the layer of the first divergence (replay, else chained), with
+/// the faults that touch it, when there is one.
+fn rerun(cfg: &RunConfig, cmp: &Comparison, spec: &str) -> Option<String> {
+    let first = cmp
+        .first_divergence(Mode::Replay)
+        .or(cmp.first_divergence(Mode::Chained));
+    let l = first.and_then(|r| r.layer)?;
+    let ids: Vec<String> = cfg.tokens.iter().map(u32::to_string).collect();
+    let injected: String = (cfg.faults.iter())
+        .filter(|f| f.layers.is_none() || f.at(Some(l)))
+        .map(|f| format!(" --inject {}", shell_word(&f.to_string())))
+        .collect();
+    let hooks: String = (cfg.hook.iter())
+        .map(|g| format!(" --hook {}", shell_word(g)))
+        .collect();
+    Some(format!(
+        "glmdiff run {} --tokens {} --layer {l} --against {} --mode {}{hooks}{injected}",
+        shell_word(&cfg.model_path.display().to_string()),
+        ids.join(","),
+        shell_word(spec),
+        cfg.mode,
+    ))
+}

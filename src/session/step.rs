@@ -1,0 +1,190 @@
+//! `glmdiff step DIR`: the step of a case written by `run --repro`, re-run from its stored
+//! inputs, and a candidate (the stored output, a second CPU reference, or the CUDA engine)
+//! judged against the reference by the floors of `run`.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+
+use super::judge::declared_precision;
+use crate::compare::floors::hook_infos;
+use crate::compare::{Comparison, Judge, Precision};
+use crate::engine::cpu::CpuEngine;
+use crate::engine::{Engine, HostTensor};
+use crate::explain::case::{output_on, Case};
+use crate::explain::{explain, residual, CapturedStep, Explanation};
+use crate::model::Weights;
+use crate::report::run::EngineDesc;
+use crate::report::step::StepReport;
+use crate::trace::{Mode, Pair, PairSink};
+use crate::util::progress::Progress;
+
+/// What `step` is asked, as plain values.
+#[derive(Clone, Debug)]
+pub struct StepRequest {
+    /// The case directory.
+    pub dir: PathBuf,
+    /// The candidate: `None` for the stored output, `cpu`, `cuda` or `cuda:N`.
+    pub against: Option<String>,
+    /// A floor (relative L2) replacing the one the candidate is judged by.
+    pub tol: Option<f64>,
+    /// Test which known bug reproduces the candidate's output.
+    pub explain: bool,
+}
+
+/// Re-runs the case's step: the reference recomputed from the stored inputs, the candidate
+/// judged against it, and (`explain`) the known bugs tested; `hypotheses` shows their progress.
+pub fn step(req: &StepRequest, hypotheses: &dyn Progress) -> Result<StepReport> {
+    let case = Case::read(&req.dir)?;
+    let weights = Weights::partial(&case.model)?;
+    let stored = case.captured(&weights)?;
+    let tokens = case.header.tokens.clone();
+
+    // The reference, recomputed here from the stored inputs.
+    let cpu = CpuEngine::new(&weights);
+    let reference = output_on(&cpu, &weights, &stored, &tokens).context("step: the reference")?;
+    let mut notes = Vec::new();
+    if reference != stored.reference {
+        notes.push(format!(
+            "the reference recomputed here differs from the one stored in the case (relative L2 {:.3e}): the case was written by another glmdiff version or its files were changed",
+            residual(&stored.reference, &reference)
+        ));
+    }
+    // The candidate, and its precision when an engine here computes it (a stored one's is read
+    // from the case).
+    let (desc, candidate, engine_prec) = candidate(req, &case, &weights, &stored, &tokens)?;
+    let cand_prec = match engine_prec {
+        Some(p) => p,
+        None => declared_precision(&desc.dtype, "candidate", "the floor assumes", &mut notes)?,
+    };
+
+    // The verdict, by run's judge.
+    let judge = Judge {
+        reference: cpu.precision(),
+        candidate: cand_prec,
+        infos: hook_infos(std::slice::from_ref(&stored.step), &weights),
+        tol: req.tol.map(|v| ("*".to_string(), v)).into_iter().collect(),
+        precision: Vec::new(),
+        selection_bias: HashMap::new(),
+        groups: weights.hparams().groups,
+    };
+    let hook = stored.hook.clone();
+    let mut cmp = Comparison::new(judge, Box::new(|_| true), &tokens);
+    cmp.record(Pair {
+        name: &hook,
+        mode: Mode::Replay,
+        inputs: &stored.step.inputs,
+        reference: reference.clone(),
+        candidate: candidate.clone(),
+        note: None,
+    })?;
+    let record = cmp
+        .get(&hook)
+        .cloned()
+        .context("step: the comparison lost its hook")?;
+    let differs = cmp.differs();
+    let explanation = match (req.explain, differs) {
+        (false, _) => None,
+        (true, false) => Some(Explanation::NothingWrong),
+        (true, true) => {
+            let here = CapturedStep {
+                reference,
+                candidate,
+                error: record.replay.as_ref().map_or(f64::NAN, |r| r.error),
+                allowed: record.replay.as_ref().map_or(stored.allowed, |r| r.allowed),
+                ..stored
+            };
+            Some(explain(&here, &weights, &tokens, hypotheses)?)
+        }
+    };
+    Ok(StepReport {
+        dir: case.dir.display().to_string(),
+        header: case.header.clone(),
+        candidate: desc,
+        reference_dtype: cpu.precision().to_string(),
+        record,
+        differs,
+        notes,
+        explanation,
+    })
+}
+
+/// The candidate asked and its output of the case's step.
+fn candidate(
+    req: &StepRequest,
+    case: &Case,
+    weights: &Weights<'_>,
+    stored: &CapturedStep,
+    tokens: &[u32],
+) -> Result<(EngineDesc, HostTensor, Option<Precision>)> {
+    Ok(match req.against.as_deref() {
+        None => (
+            EngineDesc {
+                spec: format!("stored ({})", case.header.candidate),
+                describe: case.header.candidate_describe.clone(),
+                dtype: case.header.candidate_dtype.clone(),
+            },
+            stored.candidate.clone(),
+            None,
+        ),
+        Some("cpu") => {
+            let second = CpuEngine::new(weights);
+            (
+                EngineDesc {
+                    spec: "cpu".into(),
+                    describe: second.describe(),
+                    dtype: second.precision().to_string(),
+                },
+                output_on(&second, weights, stored, tokens)?,
+                Some(second.precision()),
+            )
+        }
+        Some(c) if c == "cuda" || c.starts_with("cuda:") => {
+            let (desc, prec, out) = cuda_candidate(c, weights, stored, tokens)?;
+            (desc, out, Some(prec))
+        }
+        Some(other) => bail!("step: --against {other:?}: expected cpu, cuda or cuda:N"),
+    })
+}
+
+/// The CUDA engine's output of the case's step.
+#[cfg(feature = "cuda")]
+fn cuda_candidate(
+    spec: &str,
+    weights: &Weights<'_>,
+    c: &CapturedStep,
+    tokens: &[u32],
+) -> Result<(EngineDesc, Precision, HostTensor)> {
+    let n: usize = match spec.strip_prefix("cuda:") {
+        None => 0,
+        Some(n) => n.parse().with_context(|| {
+            format!("step: --against {spec}: expected cuda or cuda:N with N a device index")
+        })?,
+    };
+    crate::cuda::probe_libraries()?;
+    let gpu = crate::cuda::Gpu::open(n).context("step: --against cuda")?;
+    let e =
+        crate::engine::cuda::CudaEngine::new(&gpu, weights, crate::engine::cuda::GpuDtype::F32)?;
+    let out = output_on(&e, weights, c, tokens)?;
+    Ok((
+        EngineDesc {
+            spec: format!("cuda:{n}"),
+            describe: e.describe(),
+            dtype: e.precision().to_string(),
+        },
+        e.precision(),
+        out,
+    ))
+}
+
+/// Without the `cuda` feature there is no CUDA engine.
+#[cfg(not(feature = "cuda"))]
+fn cuda_candidate(
+    spec: &str,
+    _weights: &Weights<'_>,
+    _c: &CapturedStep,
+    _tokens: &[u32],
+) -> Result<(EngineDesc, Precision, HostTensor)> {
+    bail!("step: --against {spec}: this glmdiff was built without the `cuda` feature")
+}
