@@ -19,7 +19,7 @@
 //!    row range, raw bytes; kv_b split or legacy) that engines realise, the ordered steps and
 //!    the GGUF tensors each reads, and the facts `inspect` shows; uses `gguf`, `quant`, `util`.
 //! 6. [`engine`]: the `Engine` trait (steps and weight residency hooks), the CPU reference,
-//!    which dequantizes the descriptions and counts its own work for `bench`, the known bugs of
+//!    which dequantizes the descriptions (and measures nothing), the known bugs of
 //!    `explain::fault` (`FaultEngine` around any engine), and (feature `cuda`) the CUDA engine;
 //!    uses `model`, `quant`, `tensor`, `util`, and `cuda` for the GPU.
 //! 7. [`trace`]: sinks (one tensor, or reference/candidate pairs), hook selection, trace files,

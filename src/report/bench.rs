@@ -216,7 +216,8 @@ pub fn render_layer(r: &layer::Report) -> String {
     ));
     s.push_str(&format!(
         "Time columns are per layer. thr-ms: thread CPU milliseconds summed over threads (dequant and\n\
-         matmul interleave in the same tasks, so they have no separate wall time). other = CPU -\n\
+         matmul interleave in the same tasks, so they have no separate wall time: after each run the\n\
+         layer's weight reads are redone in those tasks, a timer on each half). other = CPU -\n\
          dequant - matmul (norms, RoPE, attention, routing, copies, scheduling). dq share =\n\
          dequant / CPU, the share of wall time spent dequantizing. floor: quant::dequantize_par\n\
          over the same slices + math::matmul of the f32 rows with the same tokens, wall time,\n\
