@@ -61,6 +61,8 @@ pub mod cli;
 pub mod cmd;
 pub mod compare;
 pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod dcheck;
 pub mod driver;
 pub mod engine;
 pub mod explain;

@@ -99,9 +99,9 @@ fn dequant_check_without_a_gpu_says_so() {
 mod device {
     use glmdiff::bench::random_blocks::fill_blocks;
     use glmdiff::compare::metrics::{compare, Metrics};
-    use glmdiff::cuda::check::check_tensor;
     use glmdiff::cuda::dequant::{kernel_stem, OutFormat};
     use glmdiff::cuda::Gpu;
+    use glmdiff::dcheck::check_tensor;
     use glmdiff::driver::NoProgress;
     use glmdiff::engine::cpu::CpuEngine;
     use glmdiff::engine::cuda::{CudaEngine, GpuDtype};
