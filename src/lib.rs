@@ -18,39 +18,44 @@
 //! 5. [`model`]: hyperparameters, metadata keys, tensor names, weight descriptions (tensor,
 //!    row range, raw bytes; kv_b split or legacy) that engines realise, the ordered steps and
 //!    the GGUF tensors each reads, and the facts `inspect` shows; uses `gguf`, `quant`, `util`.
-//! 6. [`engine`]: the `Engine` trait (steps and weight residency hooks), the CPU reference,
-//!    which dequantizes the descriptions (and measures nothing), the known bugs of
-//!    `explain::fault` (`FaultEngine` around any engine), and (feature `cuda`) the CUDA engine;
-//!    uses `model`, `quant`, `tensor`, `util`, and `cuda` for the GPU.
-//! 7. [`trace`]: sinks (one tensor, or reference/candidate pairs), hook selection, trace files,
+//! 6. [`cuda`]: the device layer: devices, NVRTC, the tables generated from `quant` as CUDA
+//!    source, the dequant and comparison kernels; uses `quant`, `util` (the cache directory and
+//!    its hash).
+//! 7. [`engine`]: the `Engine` trait (steps and weight residency hooks), the CPU reference,
+//!    which dequantizes the descriptions (and measures nothing), and (feature `cuda`) the CUDA
+//!    engine; uses `model`, `quant`, `tensor`, `util`, and `cuda` for the GPU.
+//! 8. [`trace`]: sinks (one tensor, or reference/candidate pairs), hook selection, trace files,
 //!    the reference cache; uses `model`, `gguf`, `tensor`, `util`.
-//! 8. [`cuda`]: devices, NVRTC, the dequant and comparison kernels, `dequant-check`; uses
-//!    `gguf`, `quant`, `util` (the cache directory and its hash).
 //! 9. [`compare`]: metrics, tolerance floors, verdicts, first divergence, output distributions;
 //!    uses `trace` (it is a pair sink), `model`, `tensor`, `util`.
 //! 10. [`driver`]: walks the steps over one engine into a sink, or over a reference and a
 //!     candidate (engine or trace) into a pair sink, in replay and chained modes; uses `trace`,
-//!     `engine`, `model`.
-//! 11. [`explain`]: `--explain` and step cases: the first failing replay step captured with
-//!     its inputs (a pair sink in front of a comparison), recomputed under each known bug and
-//!     ranked; `--repro` cases written and read; uses `driver`, `compare`, `engine`, `trace`,
-//!     `model`, `gguf`, `util`.
+//!     `engine`, `model`, `gguf`, `util`.
+//! 11. [`explain`]: the known bugs of [`explain::fault`] (the `--inject` kinds, `FaultEngine`
+//!     around any engine; that room uses only `engine`, `model`, `quant`, `util`), and
+//!     `--explain` and step cases: the first failing replay step captured with its inputs (a
+//!     pair sink in front of a comparison), recomputed under each known bug and ranked;
+//!     `--repro` cases written and read; uses `driver`, `compare`, `engine`, `trace`, `model`,
+//!     `gguf`, `quant`, `util`.
 //! 12. [`regress`]: suites of `run` cases, their expectations and the changes against a
 //!     baseline; uses `compare`, `trace`.
 //! 13. [`tokenizer`]: byte-level BPE from GGUF metadata; uses only `gguf`.
 //! 14. [`synth`]: synthetic GGUFs; uses `tokenizer`, `model`, `gguf`, `quant`, `util`.
-//! 15. [`bench`](mod@bench): benchmarks that measure and return data; uses `synth`, `driver`,
-//!     `cuda` (the GPU dequant benchmark),
-//!     `trace`, `engine`, `model`, `gguf`, `quant`, `util`.
+//! 15. [`bench`](mod@bench): benchmarks that measure and return data (the layer benchmark
+//!     wraps the CPU reference in its own counting decorator); uses `synth`, `driver`, `cuda`
+//!     (the GPU dequant benchmark), `trace`, `engine`, `model`, `gguf`, `quant`, `util`.
 //! 16. [`hf`]: Hugging Face checkpoints (config, shards, BF16/F16/F32/FP8 block-scaled reads).
 //!     Imports nothing from the crate.
 //! 17. [`wcheck`]: `weights-check`, a GGUF tensor by tensor against its HF checkpoint or another
 //!     GGUF (mapping, streamed comparison, diagnosis); uses `hf`, `gguf`, `quant`, `model`, `util`.
-//! 18. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
-//!     the layers below return; uses `compare`, `explain`, `regress`, `cuda`, `bench`, `wcheck`,
-//!     `model`, `trace`, `util`.
-//! 19. [`cli`]: the flags. Imports nothing from the crate.
-//! 20. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
+//! 18. `dcheck` (feature `cuda`): `dequant-check`, a tensor's raw blocks dequantized on the
+//!     device and compared there with the CPU's, streamed in chunks; uses `cuda`, `gguf`,
+//!     `quant`, `util`.
+//! 19. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
+//!     the layers below return; uses `compare`, `explain`, `regress`, `dcheck`, `bench`,
+//!     `wcheck`, `driver` (layer timings), `model`, `trace`, `util`.
+//! 20. [`cli`]: the flags; uses only `compare` (the `--precision` dtypes).
+//! 21. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
 //!     and handing results to `report`; the only module that uses them all.
 //!
 //! In the library only `report` and `cmd` write to stdout or stderr.

@@ -16,7 +16,7 @@
 //! The CPU engine dequantizes a few weight rows per rayon task and uses them at once, so the two
 //! kinds of work interleave on every thread and have no separate wall-clock time. After each
 //! timed run the logged reads of each layer are redone in the reference's tasks with a timer
-//! around each half ([`work`]), adding up *thread CPU time* (time a thread ran, not time it sat
+//! around each half (`work`), adding up *thread CPU time* (time a thread ran, not time it sat
 //! preempted on a loaded machine): `dequant` inside the dequantizer, `matmul` in the dot
 //! products against weights, summed over threads. `CPU` is the time all threads of the process
 //! were on a CPU over the layer in the timed run (`/proc/self/task/*/schedstat`); `other` =

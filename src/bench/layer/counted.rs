@@ -25,7 +25,7 @@ use crate::model::{RopeSlice, Weights};
 
 /// Work on weights over a span of a run: the quantized bytes read, the f32 values they
 /// dequantize to, the multiply-adds of those values with the step's tokens, and the CPU
-/// reference's tasks (counted from the shapes, see [`Read::tasks`]); the thread CPU time of the
+/// reference's tasks (counted from the shapes, see `Read::tasks`); the thread CPU time of the
 /// dequantization and of the dot products, measured by redoing the span's reads in the
 /// reference's tasks (`work::time`), 0 until measured.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
