@@ -9,8 +9,9 @@
 //!    directory and the FNV-1a hash, SplitMix64, top-k with ties, the progress trait. Imports
 //!    nothing from the crate.
 //! 2. [`quant`]: the GGML type table and the dequantizers. Imports nothing from the crate;
-//!    per-type facts of higher layers (CUDA kernel stems, how `synth` and `bench` draw blocks)
-//!    live in its rows as plain data that those layers interpret.
+//!    per-type facts of higher layers (CUDA kernel stems, how `synth` and `bench` draw blocks,
+//!    `synth`'s fallback type for rows that are not whole blocks) live in its rows as plain data
+//!    that those layers interpret.
 //! 3. [`tensor`]: host tensors (shape + f32/i32 values), the currency between engines, traces
 //!    and comparisons. Imports nothing from the crate.
 //! 4. [`gguf`]: the file format (reader, split shards, streaming writer); uses `quant` for tensor
