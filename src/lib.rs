@@ -19,12 +19,12 @@
 //! 5. [`model`]: hyperparameters, metadata keys, tensor names, weight descriptions (tensor,
 //!    row range, raw bytes; kv_b split or legacy) that engines realise, the ordered steps and
 //!    the GGUF tensors each reads, and the facts `inspect` shows; uses `gguf`, `quant`, `util`.
-//! 6. [`cuda`]: the device layer: devices, NVRTC, the tables generated from `quant` as CUDA
+//! 6. [`gpu`]: the device layer: devices, NVRTC, the tables generated from `quant` as CUDA
 //!    source, the dequant and comparison kernels; uses `quant`, `util` (the cache directory and
 //!    its hash).
 //! 7. [`engine`]: the `Engine` trait (steps and weight residency hooks), the CPU reference,
 //!    which dequantizes the descriptions (and measures nothing), and (feature `cuda`) the CUDA
-//!    engine; uses `model`, `quant`, `tensor`, `util`, and `cuda` for the GPU.
+//!    engine; uses `model`, `quant`, `tensor`, `util`, and `gpu` for the GPU.
 //! 8. [`trace`]: sinks (one tensor, or reference/candidate pairs), hook selection, trace files,
 //!    the reference cache; uses `model`, `gguf`, `tensor`, `util`.
 //! 9. [`compare`]: metrics, tolerance floors, verdicts, first divergence, output distributions;
@@ -43,14 +43,14 @@
 //! 13. [`tokenizer`]: byte-level BPE from GGUF metadata; uses only `gguf`.
 //! 14. [`synth`]: synthetic GGUFs; uses `tokenizer`, `model`, `gguf`, `quant`, `util`.
 //! 15. [`bench`](mod@bench): benchmarks that measure and return data (the layer benchmark
-//!     wraps the CPU reference in its own counting decorator); uses `synth`, `driver`, `cuda`
+//!     wraps the CPU reference in its own counting decorator); uses `synth`, `driver`, `gpu`
 //!     (the GPU dequant benchmark), `trace`, `engine`, `model`, `gguf`, `quant`, `util`.
 //! 16. [`hf`]: Hugging Face checkpoints (config, shards, BF16/F16/F32/FP8 block-scaled reads).
 //!     Imports nothing from the crate.
 //! 17. [`wcheck`]: `weights-check`, a GGUF tensor by tensor against its HF checkpoint or another
 //!     GGUF (mapping, streamed comparison, diagnosis); uses `hf`, `gguf`, `quant`, `model`, `util`.
 //! 18. `dcheck` (feature `cuda`): `dequant-check`, a tensor's raw blocks dequantized on the
-//!     device and compared there with the CPU's, streamed in chunks; uses `cuda`, `gguf`,
+//!     device and compared there with the CPU's, streamed in chunks; uses `gpu`, `gguf`,
 //!     `quant`, `util`.
 //! 19. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
 //!     the layers below return; uses `compare`, `explain`, `regress`, `dcheck`, `bench`,
@@ -66,13 +66,13 @@ pub mod bench;
 pub mod cli;
 pub mod cmd;
 pub mod compare;
-pub mod cuda;
 #[cfg(feature = "cuda")]
 pub mod dcheck;
 pub mod driver;
 pub mod engine;
 pub mod explain;
 pub mod gguf;
+pub mod gpu;
 pub mod hf;
 pub mod model;
 pub mod quant;

@@ -55,9 +55,9 @@ pub fn run(args: &DequantCheckArgs) -> Result<Outcome> {
 
 #[cfg(feature = "cuda")]
 fn run_checks(args: &DequantCheckArgs, model: &Model, names: &[String]) -> Result<Outcome> {
-    use crate::cuda::dequant::kernel_stem;
-    use crate::cuda::Gpu;
     use crate::dcheck::check_tensor;
+    use crate::gpu::dequant::kernel_stem;
+    use crate::gpu::Gpu;
     use crate::report::dequant_check::{render, to_json, Skipped};
     use crate::report::progress::Bar;
 
@@ -113,8 +113,8 @@ fn spread(
     use std::sync::Mutex;
     use std::time::Instant;
 
-    use crate::cuda::Gpu;
     use crate::dcheck::check_tensor;
+    use crate::gpu::Gpu;
     use crate::report::progress::Bar;
     use crate::util::progress::{NoProgress, Progress};
 

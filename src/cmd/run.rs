@@ -295,7 +295,7 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
     // Missing CUDA libraries are said before any work, in the words of every GPU command.
     #[cfg(feature = "cuda")]
     if matches!(against, Against::Cuda(_)) {
-        crate::cuda::probe_libraries()?;
+        crate::gpu::probe_libraries()?;
     }
     if !faults.is_empty() && trace.is_some() {
         bail!(
@@ -442,7 +442,7 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
     let second_cpu = CpuEngine::new(&weights);
     let second = FaultEngine::new(&second_cpu, &weights, faults.clone());
     #[cfg(feature = "cuda")]
-    let gpus: Vec<crate::cuda::Gpu> = match &against {
+    let gpus: Vec<crate::gpu::Gpu> = match &against {
         Against::Cuda(n) => {
             let list = if args.devices.is_empty() {
                 vec![*n]
@@ -450,7 +450,7 @@ pub fn execute(args: &RunArgs) -> Result<Ran> {
                 args.devices.clone()
             };
             list.iter()
-                .map(|&d| crate::cuda::Gpu::open(d))
+                .map(|&d| crate::gpu::Gpu::open(d))
                 .collect::<Result<_>>()
                 .context("run: --against cuda")?
         }
@@ -758,7 +758,7 @@ fn check_globs(cmd: &str, scope: &str, hooks: &[String], report: &ReportArgs) ->
 fn cuda_device_present() -> bool {
     #[cfg(feature = "cuda")]
     {
-        crate::cuda::DeviceInfo::list().is_ok_and(|d| !d.is_empty())
+        crate::gpu::DeviceInfo::list().is_ok_and(|d| !d.is_empty())
     }
     #[cfg(not(feature = "cuda"))]
     {
