@@ -1,7 +1,7 @@
-// Shared device helpers for glmdiff's kernels. Compiled by NVRTC at run time (src/cuda/nvrtc.rs)
+// Shared device helpers for glmdiff's kernels. Compiled by NVRTC at run time (src/gpu/nvrtc.rs)
 // with fixed options: --fmad=false (no contraction of a*b+c into an FMA: the CPU reference never
 // fuses), --ftz=false, --prec-div=true, --prec-sqrt=true. Sources are concatenated in this order:
-// this file, the tables generated from the CPU code (src/cuda/tables.rs), the kernel family.
+// this file, the tables generated from the CPU code (src/gpu/tables.rs), the kernel family.
 
 typedef unsigned char u8;
 typedef signed char i8;

@@ -46,7 +46,7 @@ extern "C" __global__ void compare_u16(const u16* __restrict__ gpu, const u16* _
 }
 
 // hash_f32(v, n, base, out): *out += sum over i of mix64(canon(bits(v[i])) ^ (base + i) * GAMMA),
-// wrapping. The sum commutes, so any thread order gives the same hash; src/cuda/check.rs computes
+// wrapping. The sum commutes, so any thread order gives the same hash; src/dcheck/mod.rs computes
 // the same on the CPU (`hash_f32_host`) and compares the two, so that equal chunks need no copy of
 // the CPU's values. Every NaN hashes as 0x7FC00000 (NaN equals NaN, as in compare_f32).
 __device__ __forceinline__ u64 mix64(u64 z) {

@@ -9,55 +9,61 @@
 //!    directory and the FNV-1a hash, SplitMix64, top-k with ties, the progress trait. Imports
 //!    nothing from the crate.
 //! 2. [`quant`]: the GGML type table and the dequantizers. Imports nothing from the crate;
-//!    per-type facts of higher layers (CUDA kernel stems, how `synth` and `bench` draw blocks)
-//!    live in its rows as plain data that those layers interpret.
+//!    per-type facts of higher layers (CUDA kernel stems, how `synth` and `bench` draw blocks,
+//!    `synth`'s fallback type for rows that are not whole blocks) live in its rows as plain data
+//!    that those layers interpret.
 //! 3. [`tensor`]: host tensors (shape + f32/i32 values), the currency between engines, traces
-//!    and comparisons; and [`precision`]: number formats and compute precisions (storage,
-//!    accumulation), which engines declare and the floors of `compare` read. Neither imports
-//!    anything from the crate.
-//! 4. [`gguf`]: the file format (reader, split shards, streaming writer); uses `quant` for tensor
+//!    and comparisons. Imports nothing from the crate.
+//! 4. [`precision`]: number formats and compute precisions (storage, accumulation), which
+//!    engines declare and the floors of `compare` read. Imports nothing from the crate.
+//! 5. [`gguf`]: the file format (reader, split shards, streaming writer); uses `quant` for tensor
 //!    types and `util`.
-//! 5. [`model`]: hyperparameters, metadata keys, tensor names, weight descriptions (tensor,
+//! 6. [`model`]: hyperparameters, metadata keys, tensor names, weight descriptions (tensor,
 //!    row range, raw bytes; kv_b split or legacy) that engines realise, the ordered steps and
 //!    the GGUF tensors each reads, and the facts `inspect` shows; uses `gguf`, `quant`, `util`.
-//! 6. [`engine`]: the `Engine` trait (steps and weight residency hooks), the CPU reference,
-//!    which dequantizes the descriptions and counts its own work for `bench`, the known bugs of
-//!    `engine::fault` (`FaultEngine` around any engine), and (feature `cuda`) the CUDA engine;
-//!    uses `model`, `quant`, `tensor`, `precision`, `util`, and `cuda` for the GPU.
-//! 7. [`trace`]: sinks (one tensor, or reference/candidate pairs), hook selection, trace files,
+//! 7. [`gpu`]: the device layer: devices, NVRTC, the tables generated from `quant` as CUDA
+//!    source, the dequant and comparison kernels; uses `quant`, `util` (the cache directory and
+//!    its hash).
+//! 8. [`engine`]: the `Engine` trait (steps and weight residency hooks), the CPU reference,
+//!    which dequantizes the descriptions (and measures nothing), and (feature `cuda`) the CUDA
+//!    engine; uses `model`, `quant`, `tensor`, `precision`, `util`, and `gpu` for the GPU.
+//! 9. [`trace`]: sinks (one tensor, or reference/candidate pairs), hook selection, trace files,
 //!    the reference cache; uses `model`, `gguf`, `tensor`, `precision`, `util`.
-//! 8. [`cuda`]: devices, NVRTC, the dequant and comparison kernels, `dequant-check`; uses
-//!    `gguf`, `quant`, `util` (the cache directory and its hash).
-//! 9. [`compare`]: metrics, tolerance floors, verdicts, first divergence, output distributions;
-//!    uses `trace` (it is a pair sink), `model`, `tensor`, `precision`, `util`.
-//! 10. [`driver`]: walks the steps over one engine into a sink, or over a reference and a
+//! 10. [`compare`]: metrics, tolerance floors, verdicts, first divergence, output distributions;
+//!     uses `trace` (it is a pair sink), `model`, `tensor`, `precision`, `util`.
+//! 11. [`driver`]: walks the steps over one engine into a sink, or over a reference and a
 //!     candidate (engine or trace) into a pair sink, in replay and chained modes; uses `trace`,
-//!     `engine`, `model`.
-//! 11. [`explain`]: `--explain` and step cases: the first failing replay step captured with
-//!     its inputs (a pair sink in front of a comparison), recomputed under each known bug and
-//!     ranked; `--repro` cases written and read; uses `driver`, `compare`, `engine`, `trace`,
-//!     `model`, `gguf`, `util`.
-//! 12. [`regress`]: suites of `run` cases, their expectations and the changes against a
+//!     `engine`, `model`, `gguf`, `util`.
+//! 12. [`explain`]: the known bugs of [`explain::fault`] (the `--inject` kinds, `FaultEngine`
+//!     around any engine; that room uses only `engine`, `model`, `quant`, `util`), and
+//!     `--explain` and step cases: the first failing replay step captured with its inputs (a
+//!     pair sink in front of a comparison), recomputed under each known bug and ranked;
+//!     `--repro` cases written and read; uses `driver`, `compare`, `engine`, `trace`, `model`,
+//!     `gguf`, `quant`, `util`.
+//! 13. [`regress`]: suites of `run` cases, their expectations and the changes against a
 //!     baseline; uses `compare`, `trace`.
-//! 13. [`tokenizer`]: byte-level BPE from GGUF metadata; uses only `gguf`.
-//! 14. [`synth`]: synthetic GGUFs; uses `tokenizer`, `model`, `gguf`, `quant`, `util`.
-//! 15. [`bench`](mod@bench): benchmarks that measure and return data; uses `synth`, `driver`,
-//!     `cuda` (the GPU dequant benchmark),
-//!     `trace`, `engine`, `model`, `gguf`, `quant`, `util`.
-//! 16. [`hf`]: Hugging Face checkpoints (config, shards, BF16/F16/F32/FP8 block-scaled reads).
+//! 14. [`tokenizer`]: byte-level BPE from GGUF metadata; uses only `gguf`.
+//! 15. [`synth`]: synthetic GGUFs; uses `tokenizer`, `model`, `gguf`, `quant`, `util`.
+//! 16. [`bench`](mod@bench): benchmarks that measure and return data (the layer benchmark
+//!     wraps the CPU reference in its own counting decorator); uses `synth`, `driver`, `gpu`
+//!     (the GPU dequant benchmark), `trace`, `engine`, `model`, `gguf`, `quant`, `util`.
+//! 17. [`hf`]: Hugging Face checkpoints (config, shards, BF16/F16/F32/FP8 block-scaled reads).
 //!     Imports nothing from the crate.
-//! 17. [`wcheck`]: `weights-check`, a GGUF tensor by tensor against its HF checkpoint or another
+//! 18. [`wcheck`]: `weights-check`, a GGUF tensor by tensor against its HF checkpoint or another
 //!     GGUF (mapping, streamed comparison, diagnosis); uses `hf`, `gguf`, `quant`, `model`, `util`.
-//! 18. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
-//!     the layers below return; uses `compare`, `explain`, `regress`, `cuda`, `bench`, `wcheck`,
-//!     `model`, `trace`, `util`.
-//! 19. [`session`]: the pipelines of `run`, `compare`, `step` and `trace`: plain values checked
+//! 19. `dcheck` (feature `cuda`): `dequant-check`, a tensor's raw blocks dequantized on the
+//!     device and compared there with the CPU's, streamed in chunks; uses `gpu`, `gguf`,
+//!     `quant`, `util`.
+//! 20. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
+//!     the layers below return; uses `compare`, `explain`, `regress`, `dcheck`, `bench`,
+//!     `wcheck`, `driver` (layer timings), `model`, `trace`, `util`.
+//! 21. [`session`]: the pipelines of `run`, `compare`, `step` and `trace`: plain values checked
 //!     into a configuration before any work, then one run that returns data (what must be said
 //!     at once goes through a callback); uses `driver`, `explain`, `compare`, `engine`, `trace`,
-//!     `cuda`, `tokenizer`, `model`, `gguf`, `tensor`, `util`, and the data types `report` prints
+//!     `gpu`, `tokenizer`, `model`, `gguf`, `tensor`, `util`, and the data types `report` prints
 //!     (`Header`, `EngineDesc`, `StepReport`).
-//! 20. [`cli`]: the flags; uses `session` (the typed choices of `run`) and `compare` (dtype words).
-//! 21. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
+//! 22. [`cli`]: the flags; uses `session` (the typed choices of `run`) and `compare` (dtype words).
+//! 23. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
 //!     and handing results to `report`; the only module that uses them all.
 //!
 //! In the library only `report` and `cmd` write to stdout or stderr.
@@ -67,11 +73,13 @@ pub mod bench;
 pub mod cli;
 pub mod cmd;
 pub mod compare;
-pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod dcheck;
 pub mod driver;
 pub mod engine;
 pub mod explain;
 pub mod gguf;
+pub mod gpu;
 pub mod hf;
 pub mod model;
 pub mod precision;

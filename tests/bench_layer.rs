@@ -164,8 +164,10 @@ fn synthetic_model_is_written_to_a_temporary_directory_and_removed() {
 
 #[test]
 fn counting_weights_give_bit_identical_hooks() {
+    use glmdiff::bench::layer::Counted;
     use glmdiff::driver::{self, Plan};
-    use glmdiff::engine::cpu::{CpuEngine, WeightStats};
+    use glmdiff::engine::cpu::CpuEngine;
+    use glmdiff::engine::Engine;
     use glmdiff::model::Weights;
     use glmdiff::trace::{HookFilter, TraceSink};
 
@@ -173,18 +175,51 @@ fn counting_weights_give_bit_identical_hooks() {
     let path = dir.path().join("tiny.gguf");
     synth::write(&tiny(), &path).unwrap();
     let model = Model::open(&path).unwrap();
-    let stats = WeightStats::default();
     let w = Weights::new(&model).unwrap();
-    let trace = |engine: &CpuEngine<'_>| {
+    fn trace<E: Engine>(
+        engine: &E,
+        w: &Weights<'_>,
+    ) -> std::collections::BTreeMap<String, glmdiff::engine::HostTensor> {
         let mut sink = TraceSink::new(HookFilter::default());
-        let plan = Plan::full(&w).unwrap();
-        driver::run(engine, &w, &[5, 9, 2, 7], &plan, &mut sink).unwrap();
+        let plan = Plan::full(w).unwrap();
+        driver::run(engine, w, &[5, 9, 2, 7], &plan, &mut sink).unwrap();
         sink.into_tensors()
-    };
-    let plain = trace(&CpuEngine::new(&w));
-    let counted = trace(&CpuEngine::with_stats(&w, &stats));
+    }
+    let plain = trace(&CpuEngine::new(&w), &w);
+    let engine = Counted::new(CpuEngine::new(&w), &w);
+    let counted = trace(&engine, &w);
     assert!(plain.contains_key("logits") && plain.contains_key("blk.1.moe_routed"));
     assert_eq!(plain, counted);
-    let c = stats.snapshot();
-    assert!(c.bytes_in > 0 && c.madds > 0 && c.dequant_ns > 0 && c.matmul_ns > 0);
+    let c = engine.counts();
+    assert!(c.bytes_in > 0 && c.madds > 0 && c.dequant_calls > 0 && c.values_out > 0);
+}
+
+/// Dequantization tasks are counted as the CPU reference splits its work: whole rows, at most
+/// 65536 values a task (one task for a row longer than that), per tensor or per touched expert,
+/// and one per embedding row. Computed here by hand from each tensor's dimensions.
+#[test]
+fn dequant_calls_are_tasks_of_whole_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    synth::write(&tiny(), &path).unwrap();
+    let mut opts = options(Some(&path), dir.path(), vec![3]);
+    opts.reps = 1;
+    opts.baseline = false;
+    let r = layer::run(&opts).unwrap();
+    let model = Model::open(&path).unwrap();
+    let tasks = |rows: u64, cols: u64| rows.div_ceil((65536 / cols).max(1));
+    let run = &r.runs[0];
+    assert_eq!(run.embed.dequant_calls, 3);
+    for row in &run.layers {
+        let mut want = 0;
+        for (suffix, ne, _, _) in layer_tensors(&model, row.layer) {
+            let rows: u64 = ne[1..].iter().product();
+            if is_stacked_expert(&suffix) {
+                want += row.experts.len() as u64 * tasks(ne[1], ne[0]);
+            } else {
+                want += tasks(rows, ne[0]);
+            }
+        }
+        assert_eq!(row.counts.dequant_calls, want, "layer {}", row.layer);
+    }
 }

@@ -296,7 +296,7 @@ fn check_kinds(against: &str) {
             "{what}"
         );
         // Plumbing, not evidence that `--explain` is right: the candidate's fault and the
-        // hypotheses `--explain` recomputes are the same host code (`engine::fault`), so the
+        // hypotheses `--explain` recomputes are the same host code (`explain::fault`), so the
         // injected kind reproduces itself by construction (residual 0 around the CPU engine)
         // and naming it first shows only that the search reaches and ranks every kind. That
         // `--explain` names a bug it did not plant, with a small residual, is checked against

@@ -74,7 +74,7 @@ fn dequant_check_without_a_gpu_says_so() {
     let o = glmdiff(&["dequant-check", f.to_str().unwrap(), "--all"]);
     let err = String::from_utf8_lossy(&o.stderr).into_owned();
     #[cfg(feature = "cuda")]
-    let has_cuda = glmdiff::cuda::DeviceInfo::list().is_ok_and(|d| !d.is_empty());
+    let has_cuda = glmdiff::gpu::DeviceInfo::list().is_ok_and(|d| !d.is_empty());
     #[cfg(not(feature = "cuda"))]
     let has_cuda = false;
     if has_cuda {
@@ -99,14 +99,14 @@ fn dequant_check_without_a_gpu_says_so() {
 mod device {
     use glmdiff::bench::random_blocks::fill_blocks;
     use glmdiff::compare::metrics::{compare, Metrics};
-    use glmdiff::cuda::check::check_tensor;
-    use glmdiff::cuda::dequant::{kernel_stem, OutFormat};
-    use glmdiff::cuda::Gpu;
+    use glmdiff::dcheck::check_tensor;
     use glmdiff::driver::NoProgress;
     use glmdiff::engine::cpu::CpuEngine;
     use glmdiff::engine::cuda::{CudaEngine, GpuDtype};
     use glmdiff::engine::{Engine, ExpertInputs, HostData, HostTensor, MlaInputs};
     use glmdiff::gguf::Model;
+    use glmdiff::gpu::dequant::{kernel_stem, OutFormat};
+    use glmdiff::gpu::Gpu;
     use glmdiff::model::Weights;
     use glmdiff::quant::{dequantize_par, GgmlType, TYPE_TABLE};
     use glmdiff::util::rng::SplitMix64;
@@ -298,7 +298,7 @@ mod device {
     #[test]
     #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
     fn gpu_compare_and_hash_find_a_planted_difference() {
-        use glmdiff::cuda::dequant::hash_f32_host;
+        use glmdiff::gpu::dequant::hash_f32_host;
         let g = gpu();
         let mut rng = SplitMix64::new(5);
         let a: Vec<f32> = (0..1_000_003).map(|_| rng.normal()).collect();

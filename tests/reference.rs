@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use glmdiff::compare::{compare, Metrics};
 use glmdiff::driver::{self, Plan};
 use glmdiff::engine::cpu::CpuEngine;
-use glmdiff::engine::fault::{Fault, FaultEngine, FaultKind};
 use glmdiff::engine::{HostData, HostTensor};
+use glmdiff::explain::fault::{Fault, FaultEngine, FaultKind};
 use glmdiff::gguf::Model;
 use glmdiff::model::Weights;
 use glmdiff::trace::{read_trace, HookFilter, Trace, TraceSink, TraceTensor, TraceValues};
@@ -45,7 +45,7 @@ fn run_reference(gguf: &Path, tokens: &[u32], filter: HookFilter) -> BTreeMap<St
 }
 
 /// [`run_reference`], with every RMSNorm's eps replaced by `eps` when given (the `norm_eps`
-/// fault of `engine::fault` around the CPU reference).
+/// fault of `explain::fault` around the CPU reference).
 fn run_with_eps(
     gguf: &Path,
     tokens: &[u32],

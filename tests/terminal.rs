@@ -67,7 +67,7 @@ fn copy(dir: &Path, files: &[&str]) -> Vec<PathBuf> {
 fn has_cuda() -> bool {
     #[cfg(feature = "cuda")]
     {
-        glmdiff::cuda::DeviceInfo::list().is_ok_and(|d| !d.is_empty())
+        glmdiff::gpu::DeviceInfo::list().is_ok_and(|d| !d.is_empty())
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -372,7 +372,7 @@ fn gpu_commands_fit_100_columns_or_say_in_two_short_lines_what_is_missing() {
         return;
     }
     #[cfg(feature = "cuda")]
-    if glmdiff::cuda::probe_libraries().is_ok() {
+    if glmdiff::gpu::probe_libraries().is_ok() {
         // The libraries are here but no device: one message that says so.
         let o = piped(dir.path(), Some("100"), &["dequant-check", q]);
         let err = String::from_utf8_lossy(&o.stderr).into_owned();

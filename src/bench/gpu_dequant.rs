@@ -8,8 +8,8 @@ use cudarc::driver::sys::CUevent_flags;
 use serde::Serialize;
 
 use super::random_blocks::fill_blocks;
-use crate::cuda::dequant::kernel_stem;
-use crate::cuda::Gpu;
+use crate::gpu::dequant::kernel_stem;
+use crate::gpu::Gpu;
 use crate::quant::{GgmlType, TYPE_TABLE};
 use crate::util::rng::SplitMix64;
 

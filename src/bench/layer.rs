@@ -8,16 +8,20 @@
 //! token ids (fixed seed), once untimed to fault the mapped pages in and once timed, with a sink
 //! that keeps nothing but layer boundaries and routing.
 //!
-//! # What the split means
+//! # What is counted, and what the split means
+//! The engine runs inside [`Counted`], a decorator over the [`Engine`](crate::engine::Engine)
+//! trait owned by this benchmark: it delegates every step and logs the weight slices the step
+//! reads, from the step's arguments and the model's step table, so bytes, values, multiply-adds
+//! and tasks ([`WeightCounts`]) come from the shapes; the reference itself measures nothing.
 //! The CPU engine dequantizes a few weight rows per rayon task and uses them at once, so the two
-//! kinds of work interleave on every thread and have no separate wall-clock time. The counters
-//! of [`WeightStats`] (counted by the engine itself, [`CpuEngine::with_stats`]) add up *thread
-//! CPU time* ([`ThreadTimer`](crate::engine::cpu::ThreadTimer): time a thread ran, not time it
-//! sat preempted on a loaded machine): `dequant` inside the dequantizers, `matmul` in the dot
+//! kinds of work interleave on every thread and have no separate wall-clock time. After each
+//! timed run the logged reads of each layer are redone in the reference's tasks with a timer
+//! around each half (`work`), adding up *thread CPU time* (time a thread ran, not time it sat
+//! preempted on a loaded machine): `dequant` inside the dequantizer, `matmul` in the dot
 //! products against weights, summed over threads. `CPU` is the time all threads of the process
-//! were on a CPU over the layer (`/proc/self/task/*/schedstat`); `other` = CPU - dequant -
-//! matmul (norms, RoPE, attention scores, routing, copies, rayon's scheduling and spinning).
-//! `dq share` = dequant / CPU: the share of the layer's wall time attributable to
+//! were on a CPU over the layer in the timed run (`/proc/self/task/*/schedstat`); `other` =
+//! CPU - dequant - matmul (norms, RoPE, attention scores, routing, copies, rayon's scheduling
+//! and spinning). `dq share` = dequant / CPU: the share of the layer's wall time attributable to
 //! dequantization. With N cores free, CPU approaches N x wall.
 //!
 //! # Baseline
@@ -36,8 +40,10 @@
 //! can drop at any time). The claim to check: the anonymous peak stays near one layer's scratch,
 //! and the file-backed part equals the bytes the run read, never the model's size.
 
+mod counted;
 mod procfs;
 mod reads;
+mod work;
 
 use super::cpu_model;
 use std::collections::BTreeMap;
@@ -47,12 +53,13 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
+pub use counted::{Counted, WeightCounts};
 pub use procfs::{parse_status, Rss};
 
 use reads::{floor, layer_reads, Read};
 
 use crate::driver::{self, Plan};
-use crate::engine::cpu::{CpuEngine, WeightCounts, WeightStats};
+use crate::engine::cpu::CpuEngine;
 use crate::engine::HostTensor;
 use crate::gguf::Model;
 use crate::model::names;
@@ -379,19 +386,18 @@ fn measure(
     let mut info = None;
     for &t in &opts.tokens {
         let model = Model::open(path)?;
-        let stats = WeightStats::default();
         let weights = Weights::new(&model)?;
         let hp = weights.hparams();
         let n_layers = (hp.n_dense + 1).min(hp.n_layer);
         let plan = Plan::new(&weights, n_layers, false)?;
-        let engine = CpuEngine::with_stats(&weights, &stats);
+        let engine = Counted::new(CpuEngine::new(&weights), &weights);
         let ids = token_ids(opts.seed, t, weights.n_vocab());
         let rss_before = procfs::rss().unwrap_or_default();
         if opts.warmup {
             progress(&format!(
                 "bench: {t} tokens: warm-up run of {n_layers} layers"
             ));
-            timed_run(&engine, &weights, &ids, &plan, opts.sample_interval)?;
+            timed_run(&engine, &weights, &ids, &plan, opts.sample_interval, false)?;
         }
         let mut best: Option<Run> = None;
         for rep in 1..=opts.reps.max(1) {
@@ -405,7 +411,7 @@ fn measure(
                 }
             ));
             let hwm_reset = procfs::reset_peak();
-            let mut run = timed_run(&engine, &weights, &ids, &plan, opts.sample_interval)?;
+            let mut run = timed_run(&engine, &weights, &ids, &plan, opts.sample_interval, true)?;
             run.hwm_reset = hwm_reset;
             if opts.baseline {
                 for row in &mut run.layers {
@@ -472,10 +478,11 @@ fn token_ids(seed: u64, t: usize, n_vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-/// A point in a run: time, counters, CPU time and the `RssAnon` peak since the previous mark.
+/// A point in a run: time, position in the engine's log of reads, CPU time and the `RssAnon`
+/// peak since the previous mark.
 struct Mark {
     at: Instant,
-    counts: WeightCounts,
+    reads: usize,
     cpu_ns: Option<u64>,
     span_anon: u64,
 }
@@ -483,26 +490,26 @@ struct Mark {
 /// The sink of a timed run: keeps no hook values, only marks at the embedding and at every
 /// layer's `l_out` (the driver records a wanted hook right after the step that made it) and the
 /// routing of every MoE layer (`moe_topk_ids`, for the experts touched).
-struct Clock<'a> {
-    stats: &'a WeightStats,
+struct Clock<'a, 'm> {
+    engine: &'a Counted<'m, CpuEngine<'m>>,
     sampler: &'a procfs::Sampler,
     marks: Vec<Mark>,
     topk: BTreeMap<usize, Vec<i32>>,
 }
 
-impl Clock<'_> {
+impl Clock<'_, '_> {
     fn mark(&mut self) {
         let at = Instant::now();
         self.marks.push(Mark {
             at,
-            counts: self.stats.snapshot(),
+            reads: self.engine.position(),
             cpu_ns: procfs::cpu_ns(),
             span_anon: self.sampler.take_span_anon(),
         });
     }
 }
 
-impl Sink for Clock<'_> {
+impl Sink for Clock<'_, '_> {
     fn wants(&self, name: &str) -> bool {
         name == point::TOKEN_EMBD
             || names::split_blk(name)
@@ -520,22 +527,22 @@ impl Sink for Clock<'_> {
     }
 }
 
-/// One driver run of `plan` on `ids`, with marks; floors and kinds are left empty.
-fn timed_run(
-    engine: &CpuEngine<'_>,
-    weights: &Weights<'_>,
+/// One driver run of `plan` on `ids`, with marks; floors and kinds are left empty, and so are
+/// the times of the counts unless `time_work` ([`work::time`], after the run).
+fn timed_run<'m>(
+    engine: &Counted<'m, CpuEngine<'m>>,
+    weights: &Weights<'m>,
     ids: &[u32],
     plan: &Plan,
     interval: Duration,
+    time_work: bool,
 ) -> Result<Run> {
-    let stats = engine
-        .stats()
-        .context("bench: layer: the engine has no counters")?;
+    engine.clear();
     let sampler = procfs::Sampler::default();
     let (clock, wall) = std::thread::scope(|s| {
         s.spawn(|| sampler.watch(interval));
         let mut clock = Clock {
-            stats,
+            engine,
             sampler: &sampler,
             marks: Vec::with_capacity(plan.n_layers + 2),
             topk: BTreeMap::new(),
@@ -560,10 +567,19 @@ fn timed_run(
     }
     let hp = weights.hparams();
     let t = ids.len();
+    // The counts of the reads between two marks, timed when asked.
+    let counts = |a: &Mark, b: &Mark| -> Result<WeightCounts> {
+        let reads = engine.reads(a.reads..b.reads);
+        let mut c = WeightCounts::of(&reads);
+        if time_work {
+            (c.dequant_ns, c.matmul_ns) = work::time(weights.model(), &reads)?;
+        }
+        Ok(c)
+    };
     let mut layers = Vec::with_capacity(plan.n_layers);
     for l in 0..plan.n_layers {
         let (a, b) = (&m[l + 1], &m[l + 2]);
-        let counts = b.counts.since(&a.counts);
+        let counts = counts(a, b)?;
         let experts = clock
             .topk
             .get(&l)
@@ -596,7 +612,7 @@ fn timed_run(
     Ok(Run {
         tokens: t,
         wall_s: wall.as_secs_f64(),
-        embed: m[1].counts.since(&m[0].counts),
+        embed: counts(&m[0], &m[1])?,
         layers,
         kinds: Vec::new(),
         rss_before: Rss::default(),

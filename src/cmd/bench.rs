@@ -36,7 +36,7 @@ pub fn run_dequant(args: &BenchDequantArgs) -> Result<Outcome> {
 
 #[cfg(feature = "cuda")]
 fn run_dequant_gpu(device: usize, types: &[GgmlType], json: bool) -> Result<Outcome> {
-    let gpu = crate::cuda::Gpu::open(device)?;
+    let gpu = crate::gpu::Gpu::open(device)?;
     let report = crate::bench::gpu_dequant::run(&gpu, types)?;
     if json {
         crate::report::print_json(&report)?;

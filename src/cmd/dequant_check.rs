@@ -55,9 +55,9 @@ pub fn run(args: &DequantCheckArgs) -> Result<Outcome> {
 
 #[cfg(feature = "cuda")]
 fn run_checks(args: &DequantCheckArgs, model: &Model, names: &[String]) -> Result<Outcome> {
-    use crate::cuda::check::check_tensor;
-    use crate::cuda::dequant::kernel_stem;
-    use crate::cuda::Gpu;
+    use crate::dcheck::check_tensor;
+    use crate::gpu::dequant::kernel_stem;
+    use crate::gpu::Gpu;
     use crate::report::dequant_check::{render, to_json, Skipped};
     use crate::report::progress::Bar;
 
@@ -108,13 +108,13 @@ fn spread(
     model: &Model,
     todo: &[crate::gguf::TensorRef<'_>],
     devices: &[usize],
-) -> Result<(String, Vec<crate::cuda::check::TensorCheck>)> {
+) -> Result<(String, Vec<crate::dcheck::TensorCheck>)> {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Mutex;
     use std::time::Instant;
 
-    use crate::cuda::check::check_tensor;
-    use crate::cuda::Gpu;
+    use crate::dcheck::check_tensor;
+    use crate::gpu::Gpu;
     use crate::report::progress::Bar;
     use crate::util::progress::{NoProgress, Progress};
 
@@ -125,7 +125,7 @@ fn spread(
     let mut order: Vec<usize> = (0..todo.len()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(todo[i].info.nbytes));
     let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<crate::cuda::check::TensorCheck>>> =
+    let results: Mutex<Vec<Option<crate::dcheck::TensorCheck>>> =
         Mutex::new((0..todo.len()).map(|_| None).collect());
     let bar = Bar::with_unit("tensors");
     bar.start("dequant-check", todo.len() as u64);

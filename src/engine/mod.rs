@@ -36,7 +36,6 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod fault;
 
 use std::ops::Range;
 

@@ -3,7 +3,7 @@
 //! [`Capture`] sits between the two-engine driver and a [`Comparison`]: it keeps the inputs
 //! replay fed the step whose hook fails first ([`CapturedStep`]: the step, its inputs, the
 //! reference's and the candidate's output). [`explain`] then recomputes that step on the CPU from
-//! those same inputs under every fault of [`crate::engine::fault`] that concerns it, and under
+//! those same inputs under every fault of [`fault`] that concerns it, and under
 //! the structural searches of [`search`] (an expert permutation matched on the experts' own
 //! outputs, a head permutation), and ranks them by the relative L2 distance of their output to
 //! the candidate's (the *residual*). A hypothesis *reproduces* the candidate when its residual is
@@ -14,15 +14,16 @@
 //! [`case`] writes the captured step as a self-contained case for `glmdiff step` (`--repro`).
 
 pub mod case;
+pub mod fault;
 pub mod search;
 
 use anyhow::{Context, Result};
 use serde::Serialize;
 
+use self::fault::{Fault, FaultEngine, FaultKind};
 use crate::compare::{compare, Comparison, Status};
 use crate::driver::exec_step;
 use crate::engine::cpu::CpuEngine;
-use crate::engine::fault::{Fault, FaultEngine, FaultKind};
 use crate::engine::{Engine, HostTensor};
 use crate::model::names::{self, blk};
 use crate::model::steps::{point, Op, Step};

@@ -6,7 +6,7 @@ use std::ops::Range;
 use anyhow::{bail, Context, Result};
 
 use super::model::{Model, TensorRef};
-use crate::quant::{self, GgmlType};
+use crate::quant::{self, TypeStatus};
 
 impl Model {
     /// Dequantizes rows `rows` of tensor `t` to f32 (row = `ne[0]` elements; rows run over all
@@ -30,34 +30,29 @@ impl Model {
         self.dequantize(self.tensor(name)?)
     }
 
-    /// Reads an integer tensor (I8, I16, I32 or I64) as i64 values.
+    /// Reads an integer tensor (I8, I16, I32 or I64: the types of status
+    /// [`TypeStatus::Integer`], little-endian two's complement of the type's size) as i64 values.
     pub fn read_ints(&self, t: TensorRef<'_>) -> Result<Vec<i64>> {
         self.check_endian(t)?;
         let b = self.tensor_data(t)?;
-        Ok(match t.info.ty {
-            GgmlType::I8 => b.iter().map(|&x| i64::from(x as i8)).collect(),
-            GgmlType::I16 => b
-                .chunks_exact(2)
-                .map(|c| i64::from(i16::from_le_bytes([c[0], c[1]])))
-                .collect(),
-            GgmlType::I32 => b
-                .chunks_exact(4)
-                .map(|c| i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
-                .collect(),
-            GgmlType::I64 => b
-                .chunks_exact(8)
-                .map(|c| {
-                    let mut a = [0u8; 8];
-                    a.copy_from_slice(c);
-                    i64::from_le_bytes(a)
-                })
-                .collect(),
-            other => bail!(
-                "gguf: {}: tensor {:?} has type {other}, not an integer type",
+        let ty = t.info.ty;
+        let width = ty.type_size();
+        if ty.status() != TypeStatus::Integer || !(1..=8).contains(&width) {
+            bail!(
+                "gguf: {}: tensor {:?} has type {ty}, not an integer type",
                 self.path().display(),
                 t.info.name
-            ),
-        })
+            );
+        }
+        Ok(b.chunks_exact(width)
+            .map(|c| {
+                // Sign-extend: the bytes above the value repeat its sign bit.
+                let fill = if c[width - 1] & 0x80 != 0 { 0xFF } else { 0 };
+                let mut a = [fill; 8];
+                a[..width].copy_from_slice(c);
+                i64::from_le_bytes(a)
+            })
+            .collect())
     }
 
     fn check_endian(&self, t: TensorRef<'_>) -> Result<()> {
@@ -71,5 +66,67 @@ impl Model {
             );
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::GgufWriter;
+    use crate::quant::GgmlType;
+
+    /// Integer tensors read back as the values written, negative ones included (each width's
+    /// little-endian two's complement written by hand); a float tensor is refused.
+    #[test]
+    fn integer_tensors_read_with_their_sign() {
+        let data: [(&str, GgmlType, Vec<u8>); 5] = [
+            ("i8", GgmlType::I8, vec![0x7F, 0x80, 0xFF]),
+            (
+                "i16",
+                GgmlType::I16,
+                vec![0xFF, 0x7F, 0x00, 0x80, 0xFE, 0xFF],
+            ),
+            (
+                "i32",
+                GgmlType::I32,
+                vec![1, 0, 0, 0, 0, 0, 0, 0x80, 0xFF, 0xFF, 0xFF, 0xFF],
+            ),
+            (
+                "i64",
+                GgmlType::I64,
+                [
+                    [0xFF; 8],
+                    [0, 0, 0, 0, 0, 0, 0, 0x80],
+                    [2, 0, 0, 0, 0, 0, 0, 0],
+                ]
+                .concat(),
+            ),
+            (
+                "f32",
+                GgmlType::F32,
+                vec![0, 0, 0x80, 0x3F, 0, 0, 0, 0, 0, 0, 0, 0],
+            ),
+        ];
+        let mut w = GgufWriter::new();
+        for (name, ty, _) in &data {
+            w.add_tensor(name, &[3], *ty).unwrap();
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ints.gguf");
+        let mut i = 0;
+        w.write_file(&path, &mut |_, out| {
+            out.write_all(&data[i].2)?;
+            i += 1;
+            Ok(())
+        })
+        .unwrap();
+        let m = Model::open(&path).unwrap();
+        let read = |name: &str| m.read_ints(m.tensor(name).unwrap());
+        assert_eq!(read("i8").unwrap(), [127, -128, -1]);
+        assert_eq!(read("i16").unwrap(), [32767, -32768, -2]);
+        assert_eq!(read("i32").unwrap(), [1, i64::from(i32::MIN), -1]);
+        assert_eq!(read("i64").unwrap(), [-1, i64::MIN, 2]);
+        let e = read("f32").unwrap_err().to_string();
+        assert!(e.contains("has type F32, not an integer type"), "{e}");
     }
 }

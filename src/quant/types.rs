@@ -99,6 +99,11 @@ pub struct TypeInfo {
     pub synth: Option<SynthDraw>,
     /// How `bench` draws random blocks with sane scales.
     pub random: RandomDraw,
+    /// The type a quantizer writes instead when a tensor's rows (`ne[0]`) are not whole blocks
+    /// of this one (llama.cpp `src/llama-quant.cpp`, `llama_tensor_get_type`'s
+    /// `nx % QK_K != 0` fallbacks), as `synth` follows it; `None` (every type with blocks
+    /// shorter than `QK_K`): F16.
+    pub fallback: Option<GgmlType>,
 }
 
 use GgmlType as T;
@@ -174,12 +179,14 @@ pub const TYPE_TABLE: &[TypeInfo] = &[
         .dequant(kquants::dequant_q2_k, "q2_k")
         .noise(N::Q2K)
         .synth(D::Q2K { sc: (8, 15) })
-        .random(R::Scaled(ScaleFields::f16(&[80, 82]))),
+        .random(R::Scaled(ScaleFields::f16(&[80, 82])))
+        .fallback(T::Q4_0),
     row(T::Q3_K, "Q3_K", 256, 110, S::Dequant)
         .dequant(kquants::dequant_q3_k, "q3_k")
         .noise(N::Q3K)
         .synth(D::Q3K { sc: (48, 63) })
-        .random(R::Scaled(ScaleFields::f16(&[108]))),
+        .random(R::Scaled(ScaleFields::f16(&[108])))
+        .fallback(T::Q4_0),
     row(T::Q4_K, "Q4_K", 256, 144, S::Dequant)
         .dequant(kquants::dequant_q4_k, "q4_k")
         .noise(N::Q4K)
@@ -187,7 +194,8 @@ pub const TYPE_TABLE: &[TypeInfo] = &[
             levels: 16,
             sc: (32, 63),
         })
-        .random(R::Scaled(ScaleFields::f16(&[0, 2]))),
+        .random(R::Scaled(ScaleFields::f16(&[0, 2])))
+        .fallback(T::Q5_0),
     row(T::Q5_K, "Q5_K", 256, 176, S::Dequant)
         .dequant(kquants::dequant_q5_k, "q5_k")
         .noise(N::Q4K)
@@ -195,18 +203,21 @@ pub const TYPE_TABLE: &[TypeInfo] = &[
             levels: 32,
             sc: (32, 63),
         })
-        .random(R::Scaled(ScaleFields::f16(&[0, 2]))),
+        .random(R::Scaled(ScaleFields::f16(&[0, 2])))
+        .fallback(T::Q5_1),
     row(T::Q6_K, "Q6_K", 256, 210, S::Dequant)
         .dequant(kquants::dequant_q6_k, "q6_k")
         .noise(N::Q6K)
         .synth(D::Q6K { sc: (16, 63) })
-        .random(R::Scaled(ScaleFields::f16(&[208]))),
-    row(T::Q8_K, "Q8_K", 256, 292, S::NoDequant),
+        .random(R::Scaled(ScaleFields::f16(&[208])))
+        .fallback(T::Q8_0),
+    row(T::Q8_K, "Q8_K", 256, 292, S::NoDequant).fallback(T::IQ4_NL),
     row(T::IQ2_XXS, "IQ2_XXS", 256, 66, S::Dequant)
         .dequant(iquants::dequant_iq2_xxs, "iq2_xxs")
         .noise(N::Iq2Xxs { factor: 1.8 })
         .synth(D::Grid)
-        .random(R::Scaled(ScaleFields::f16(&[0]))),
+        .random(R::Scaled(ScaleFields::f16(&[0])))
+        .fallback(T::IQ4_NL),
     row(T::IQ2_XS, "IQ2_XS", 256, 74, S::Dequant)
         .dequant(iquants::dequant_iq2_xs, "iq2_xs")
         .noise(N::Iq2Scales {
@@ -214,17 +225,20 @@ pub const TYPE_TABLE: &[TypeInfo] = &[
             factor: 1.7,
         })
         .synth(D::Grid)
-        .random(R::Scaled(ScaleFields::f16(&[0]))),
+        .random(R::Scaled(ScaleFields::f16(&[0])))
+        .fallback(T::IQ4_NL),
     row(T::IQ3_XXS, "IQ3_XXS", 256, 98, S::Dequant)
         .dequant(iquants::dequant_iq3_xxs, "iq3_xxs")
         .noise(N::Iq3Xxs { factor: 4.3 })
         .synth(D::Grid)
-        .random(R::Scaled(ScaleFields::f16(&[0]))),
+        .random(R::Scaled(ScaleFields::f16(&[0])))
+        .fallback(T::IQ4_NL),
     row(T::IQ1_S, "IQ1_S", 256, 50, S::Dequant)
         .dequant(iquants::dequant_iq1_s, "iq1_s")
         .noise(N::Iq1S { factor: 1.0 })
         .synth(D::Grid)
-        .random(R::Scaled(ScaleFields::f16(&[0]))),
+        .random(R::Scaled(ScaleFields::f16(&[0])))
+        .fallback(T::IQ4_NL),
     row(T::IQ4_NL, "IQ4_NL", 32, 18, S::Dequant)
         .dequant(legacy::dequant_iq4_nl, "iq4_nl")
         .noise(N::Iq4Nl)
@@ -234,7 +248,8 @@ pub const TYPE_TABLE: &[TypeInfo] = &[
         .dequant(iquants::dequant_iq3_s, "iq3_s")
         .noise(N::Iq3S { factor: 2.2 })
         .synth(D::Grid)
-        .random(R::Scaled(ScaleFields::f16(&[0]))),
+        .random(R::Scaled(ScaleFields::f16(&[0])))
+        .fallback(T::IQ4_NL),
     row(T::IQ2_S, "IQ2_S", 256, 82, S::Dequant)
         .dequant(iquants::dequant_iq2_s, "iq2_s")
         .noise(N::Iq2Scales {
@@ -242,7 +257,8 @@ pub const TYPE_TABLE: &[TypeInfo] = &[
             factor: 1.3,
         })
         .synth(D::Grid)
-        .random(R::Scaled(ScaleFields::f16(&[0]))),
+        .random(R::Scaled(ScaleFields::f16(&[0])))
+        .fallback(T::IQ4_NL),
     row(T::IQ4_XS, "IQ4_XS", 256, 136, S::Dequant)
         .dequant(kquants::dequant_iq4_xs, "iq4_xs")
         .noise(N::Iq4Xs)
@@ -250,7 +266,8 @@ pub const TYPE_TABLE: &[TypeInfo] = &[
             sc: (48, 63),
             levels: IQ4NL,
         })
-        .random(R::Scaled(ScaleFields::f16(&[0]))),
+        .random(R::Scaled(ScaleFields::f16(&[0])))
+        .fallback(T::IQ4_NL),
     row(T::I8, "I8", 1, 1, S::Integer).dequant(float::dequant_i8, "i8"),
     row(T::I16, "I16", 1, 2, S::Integer).dequant(float::dequant_i16, "i16"),
     row(T::I32, "I32", 1, 4, S::Integer).dequant(float::dequant_i32, "i32"),
@@ -264,7 +281,8 @@ pub const TYPE_TABLE: &[TypeInfo] = &[
         .random(R::Scaled(ScaleFields {
             clear: &[(55, 0x40)],
             ..ScaleFields::NONE
-        })),
+        }))
+        .fallback(T::IQ4_NL),
     row(T::BF16, "BF16", 1, 2, S::Dequant)
         .dequant(float::dequant_bf16, "bf16")
         .noise(N::Float {
@@ -282,11 +300,13 @@ pub const TYPE_TABLE: &[TypeInfo] = &[
     row(T::TQ1_0, "TQ1_0", 256, 54, S::Dequant)
         .dequant(small::dequant_tq1_0, "tq1_0")
         .noise(N::OneScale { d_at: 52 })
-        .random(R::Scaled(ScaleFields::f16(&[52]))),
+        .random(R::Scaled(ScaleFields::f16(&[52])))
+        .fallback(T::IQ4_NL),
     row(T::TQ2_0, "TQ2_0", 256, 66, S::Dequant)
         .dequant(small::dequant_tq2_0, "tq2_0")
         .noise(N::OneScale { d_at: 64 })
-        .random(R::Scaled(ScaleFields::f16(&[64]))),
+        .random(R::Scaled(ScaleFields::f16(&[64])))
+        .fallback(T::IQ4_NL),
     row(T::IQ4_NL_4_4, "IQ4_NL_4_4", 32, 18, S::Removed),
     row(T::IQ4_NL_4_8, "IQ4_NL_4_8", 32, 18, S::Removed),
     row(T::IQ4_NL_8_8, "IQ4_NL_8_8", 32, 18, S::Removed),
@@ -327,6 +347,7 @@ const fn row(
         noise: None,
         synth: None,
         random: R::Scaled(ScaleFields::NONE),
+        fallback: None,
     }
 }
 
@@ -355,6 +376,13 @@ impl TypeInfo {
 
     const fn random(self, r: RandomDraw) -> TypeInfo {
         TypeInfo { random: r, ..self }
+    }
+
+    const fn fallback(self, t: GgmlType) -> TypeInfo {
+        TypeInfo {
+            fallback: Some(t),
+            ..self
+        }
     }
 }
 
@@ -458,6 +486,24 @@ mod tests {
     /// has a dequantizer and a CUDA kernel (and only those do), a noise model unless it is an
     /// integer type or F64, and a bench draw whose fields lie inside the block; the models and
     /// draws fit the block layout.
+    /// Every type of super-blocks names the type that replaces it for rows that are not whole
+    /// super-blocks, a dequantizable type of shorter blocks; no other type names one.
+    #[test]
+    fn fallbacks_are_shorter_blocks() {
+        for r in TYPE_TABLE {
+            assert_eq!(
+                r.fallback.is_some(),
+                r.block_size == super::super::QK_K,
+                "{}",
+                r.name
+            );
+            if let Some(f) = r.fallback {
+                assert!(f.block_size() < r.block_size, "{}", r.name);
+                assert_eq!(f.status(), S::Dequant, "{}", r.name);
+            }
+        }
+    }
+
     #[test]
     fn every_row_is_complete_and_consistent() {
         use super::super::draw::Codes;

@@ -1,7 +1,9 @@
 //! Text rendering of `glmdiff bench dequant` and `glmdiff bench layer`: the tables and the notes
 //! under them. [`crate::bench`] measures and returns the reports; this module only formats them.
 
-use super::{human_bytes, table, Grid};
+#[cfg(feature = "cuda")]
+use super::table;
+use super::{human_bytes, Grid};
 use crate::bench::{dequant, layer};
 
 fn fmt_opt(v: Option<f64>, digits: usize) -> String {
@@ -216,7 +218,8 @@ pub fn render_layer(r: &layer::Report) -> String {
     ));
     s.push_str(&format!(
         "Time columns are per layer. thr-ms: thread CPU milliseconds summed over threads (dequant and\n\
-         matmul interleave in the same tasks, so they have no separate wall time). other = CPU -\n\
+         matmul interleave in the same tasks, so they have no separate wall time: after each run the\n\
+         layer's weight reads are redone in those tasks, a timer on each half). other = CPU -\n\
          dequant - matmul (norms, RoPE, attention, routing, copies, scheduling). dq share =\n\
          dequant / CPU, the share of wall time spent dequantizing. floor: quant::dequantize_par\n\
          over the same slices + math::matmul of the f32 rows with the same tokens, wall time,\n\

@@ -7,7 +7,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::Grid;
-use crate::cuda::check::TensorCheck;
+use crate::dcheck::TensorCheck;
 
 /// A tensor that was not checked, and why.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -119,7 +119,7 @@ pub fn to_json(device: &str, checks: &[TensorCheck], skipped: &[Skipped]) -> Val
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::check::FirstMismatch;
+    use crate::dcheck::FirstMismatch;
 
     fn check(name: &str, mismatches: u64) -> TensorCheck {
         TensorCheck {

@@ -13,8 +13,8 @@ use super::run::{Pass, Passed};
 use crate::compare::Precision;
 use crate::driver::pair::Candidate;
 use crate::engine::cpu::CpuEngine;
-use crate::engine::fault::FaultEngine;
 use crate::engine::Engine;
+use crate::explain::fault::FaultEngine;
 use crate::report::run::EngineDesc;
 use crate::trace::TraceFile;
 
@@ -98,9 +98,9 @@ fn cuda(p: &Pass<'_, '_>, device: usize, devices: &[usize]) -> Result<Passed> {
     use crate::engine::cuda::multi::MultiCudaEngine;
     use crate::engine::cuda::GpuDtype;
 
-    let gpus: Vec<crate::cuda::Gpu> = devices
+    let gpus: Vec<crate::gpu::Gpu> = devices
         .iter()
-        .map(|&d| crate::cuda::Gpu::open(d))
+        .map(|&d| crate::gpu::Gpu::open(d))
         .collect::<Result<_>>()
         .context("run: --against cuda")?;
     let dtype = match p.cfg.dtype {

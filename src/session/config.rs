@@ -17,7 +17,7 @@ use super::tokens::prompt_tokens;
 use crate::compare::Precision;
 use crate::driver::pair::Modes;
 use crate::driver::Plan;
-use crate::engine::fault::Fault;
+use crate::explain::fault::Fault;
 use crate::gguf::Model;
 use crate::model::{HParams, Weights};
 use crate::tokenizer::Tokenizer;
@@ -437,7 +437,7 @@ fn choose(
 fn check_candidate(candidate: &Chosen, req: &RunRequest, faults: &[Fault]) -> Result<()> {
     #[cfg(feature = "cuda")]
     if let Chosen::Cuda { .. } = candidate {
-        crate::cuda::probe_libraries()?;
+        crate::gpu::probe_libraries()?;
     }
     if !faults.is_empty() && matches!(candidate, Chosen::Trace { .. }) {
         bail!(
@@ -549,7 +549,7 @@ fn traces_beside(model: &Path) -> Vec<(PathBuf, TraceFile)> {
 fn cuda_device_present() -> bool {
     #[cfg(feature = "cuda")]
     {
-        crate::cuda::DeviceInfo::list().is_ok_and(|d| !d.is_empty())
+        crate::gpu::DeviceInfo::list().is_ok_and(|d| !d.is_empty())
     }
     #[cfg(not(feature = "cuda"))]
     {

@@ -162,8 +162,8 @@ fn cuda_candidate(
             format!("step: --against {spec}: expected cuda or cuda:N with N a device index")
         })?,
     };
-    crate::cuda::probe_libraries()?;
-    let gpu = crate::cuda::Gpu::open(n).context("step: --against cuda")?;
+    crate::gpu::probe_libraries()?;
+    let gpu = crate::gpu::Gpu::open(n).context("step: --against cuda")?;
     let e =
         crate::engine::cuda::CudaEngine::new(&gpu, weights, crate::engine::cuda::GpuDtype::F32)?;
     let out = output_on(&e, weights, c, tokens)?;

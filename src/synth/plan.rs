@@ -7,7 +7,7 @@ use anyhow::{bail, Result};
 use super::blocks::{is_supported, supported, Init};
 use super::dims::Dims;
 use crate::model::Arch;
-use crate::quant::{GgmlType, QK_K};
+use crate::quant::GgmlType;
 
 /// Which types the weights get.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,29 +80,16 @@ pub struct TensorPlan {
     pub init: Init,
 }
 
-/// The type for a tensor whose rows (`ne0`) do not fit `ty`'s block: llama.cpp
-/// `src/llama-quant.cpp` (`llama_tensor_get_type`, the `nx % QK_K != 0` fallbacks), then F16
-/// when even a 32-block does not fit.
+/// The type for a tensor whose rows (`ne0`) do not fit `ty`'s block: the row's fallback in the
+/// type table (llama.cpp `src/llama-quant.cpp`, `llama_tensor_get_type`, the `nx % QK_K != 0`
+/// fallbacks; F16 for types without one), then F16 when even that block does not fit.
 pub fn shape_fallback(ty: GgmlType, ne0: u64) -> GgmlType {
-    use GgmlType as T;
     if ne0 % ty.block_size() as u64 == 0 {
         return ty;
     }
-    let t = if ty.block_size() == QK_K {
-        match ty {
-            T::Q4_K => T::Q5_0,
-            T::Q5_K => T::Q5_1,
-            T::Q6_K => T::Q8_0,
-            T::Q2_K | T::Q3_K => T::Q4_0,
-            _ => T::IQ4_NL,
-        }
-    } else {
-        T::F16
-    };
-    if ne0 % t.block_size() as u64 == 0 {
-        t
-    } else {
-        T::F16
+    match ty.info().fallback {
+        Some(t) if ne0 % t.block_size() as u64 == 0 => t,
+        _ => GgmlType::F16,
     }
 }
 

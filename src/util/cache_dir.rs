@@ -1,5 +1,5 @@
 //! glmdiff's cache directory, shared by the reference cache (`trace::cache`) and the compiled
-//! kernels (`cuda::nvrtc`, under `cubin/`).
+//! kernels (`gpu::nvrtc`, under `cubin/`).
 
 use std::path::PathBuf;
 

@@ -1,4 +1,4 @@
-//! The weight slices a layer reads and their dequantize-then-matmul floor.
+//! The weight slices a step or a layer reads and their dequantize-then-matmul floor.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -7,18 +7,20 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 use super::{Floor, FLOOR_ACTIVATION, FLOOR_CHUNK_ELEMS};
-use crate::engine::cpu::{math, Matrix};
+use crate::engine::cpu::math::{self, ROW_TASK_ELEMS};
+use crate::engine::cpu::Matrix;
 use crate::gguf::{Model, TensorRef};
 use crate::model::names::{self, blk};
 use crate::model::{steps, Weights};
 use crate::quant;
 
-/// One slice of weights a layer reads: rows of a tensor and how many tokens multiply them
+/// One slice of weights a step reads: rows of a tensor and how many tokens multiply them
 /// (0 for vectors: norms and biases).
+#[derive(Clone)]
 pub(super) struct Read<'m> {
-    t: TensorRef<'m>,
-    rows: Range<u64>,
-    tokens: usize,
+    pub(super) t: TensorRef<'m>,
+    pub(super) rows: Range<u64>,
+    pub(super) tokens: usize,
 }
 
 impl Read<'_> {
@@ -33,22 +35,49 @@ impl Read<'_> {
     pub(super) fn madds(&self) -> u64 {
         self.tokens as u64 * self.values()
     }
+
+    /// Rows per task of the CPU reference: as many as fit in [`ROW_TASK_ELEMS`] values, at
+    /// least one.
+    pub(super) fn rows_per_task(&self) -> u64 {
+        (ROW_TASK_ELEMS as u64 / self.t.info.row_len().max(1)).max(1)
+    }
+
+    /// Dequantization tasks for these rows: tasks of [`Read::rows_per_task`] whole rows, one per
+    /// embedding row. Not observable from outside the engine, so computed from the shape: it is
+    /// how the CPU reference splits a matrix (`math::matmul_rows`); the vectors and kv_b it
+    /// dequantizes whole go through `quant::dequantize_par`, whose chunks are as large but cut
+    /// by blocks, not rows.
+    pub(super) fn tasks(&self) -> u64 {
+        (self.rows.end - self.rows.start).div_ceil(self.rows_per_task())
+    }
 }
 
 /// The slices layer `layer` reads with `t` tokens: every tensor its steps read
-/// ([`Step::weights`](crate::model::Step::weights)) whole, except the stacked expert tensors, of
-/// which only the rows of the experts in `routed` (expert -> tokens routed to it).
+/// ([`Step::weights`](crate::model::Step::weights)), as [`reads_of`] reads them.
 pub(super) fn layer_reads<'m>(
     weights: &Weights<'m>,
     layer: usize,
     t: usize,
     routed: &BTreeMap<usize, usize>,
 ) -> Result<Vec<Read<'m>>> {
-    let mut out = Vec::new();
     let steps = steps::layer_steps(weights.hparams(), layer);
-    for name in steps::weights_of(&steps, weights) {
-        let tr = weights.tensor(&name)?;
-        let suffix = names::split_blk(&name).map_or("", |(_, s)| s);
+    reads_of(weights, &steps::weights_of(&steps, weights), t, routed)
+}
+
+/// The slices a step reading the tensors `names` on `t` tokens reads: each tensor whole (matrices
+/// multiplied with the `t` tokens, vectors with none), except the stacked expert tensors, of
+/// which only the rows of the experts in `routed` (expert -> tokens routed to it), multiplied
+/// with the tokens routed to each.
+pub(super) fn reads_of<'m>(
+    weights: &Weights<'m>,
+    names: &[String],
+    t: usize,
+    routed: &BTreeMap<usize, usize>,
+) -> Result<Vec<Read<'m>>> {
+    let mut out = Vec::new();
+    for name in names {
+        let tr = weights.tensor(name)?;
+        let suffix = names::split_blk(name).map_or("", |(_, s)| s);
         let stacked = matches!(
             suffix,
             blk::FFN_GATE_EXPS | blk::FFN_UP_EXPS | blk::FFN_GATE_UP_EXPS | blk::FFN_DOWN_EXPS

@@ -7,8 +7,7 @@
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::math::{dot, layer_norm, matmul_counted, rotate_pairs, softmax_in_place};
-use super::stats::WeightStats;
+use super::math::{dot, layer_norm, matmul, rotate_pairs, softmax_in_place};
 use super::weights::Matrix;
 use super::CpuEngine;
 use crate::engine::{HostTensor, MlaInputs};
@@ -122,22 +121,14 @@ impl CpuEngine<'_> {
     ) -> Result<(HostTensor, Option<HostTensor>)> {
         let kv_b = self.host_kv_b(layer)?;
         let scale = rope::softmax_scale(self.weights.hparams());
-        mla_host(
-            self.weights.hparams(),
-            layer,
-            x,
-            &kv_b,
-            scale,
-            want_probs,
-            self.stats,
-        )
+        mla_host(self.weights.hparams(), layer, x, &kv_b, scale, want_probs)
     }
 }
 
 /// Naive MLA of layer `layer` on host tensors with a given kv_b (HF `kv_b_proj` layout
 /// `[H*(nope+v), kv_lora]`, per head `nope` K rows then `v` V rows) and softmax scale: what
 /// [`crate::engine::Engine::mla_attention`] computes with the layer's own kv_b and
-/// `model::rope::softmax_scale`. Counted in `stats` when given.
+/// `model::rope::softmax_scale`.
 pub fn mla_host(
     hp: &HParams,
     layer: usize,
@@ -145,7 +136,6 @@ pub fn mla_host(
     kv_b: &Matrix,
     scale: f64,
     want_probs: bool,
-    stats: Option<&WeightStats>,
 ) -> Result<(HostTensor, Option<HostTensor>)> {
     let MlaInputs {
         q_b,
@@ -210,7 +200,7 @@ pub fn mla_host(
                 hp.kv_lora_rank
             );
         }
-        let kv = matmul_counted(kv_norm.as_f32("kv_a_norm")?, t, kv_b, stats);
+        let kv = matmul(kv_norm.as_f32("kv_a_norm")?, t, kv_b);
         let kv_w = nope + v;
 
         // Per head: outputs [T, v] and probabilities [T, T].

@@ -13,7 +13,6 @@
 use anyhow::Result;
 use rayon::prelude::*;
 
-use super::stats::{ThreadTimer, WeightStats};
 use super::weights::{Matrix, RowSource};
 
 /// Independent f64 accumulators of a dot product (lets the compiler use SIMD lanes).
@@ -44,22 +43,9 @@ pub fn dot(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// `x · W^T` for `x` `[t, w.cols]`: writes columns `col0..col0+w.rows` of `out` (`[t, out_cols]`).
-/// Parallel over the rows of `w` (each output element is one [`dot`]).
+/// Parallel over the rows of `w` (each output element is one [`dot`]), in tasks of
+/// [`ROW_TASK_ELEMS`] weight values; the values do not depend on the split.
 pub fn matmul_into(x: &[f32], t: usize, w: &Matrix, out: &mut [f32], out_cols: usize, col0: usize) {
-    matmul_into_counted(x, t, w, out, out_cols, col0, None);
-}
-
-/// [`matmul_into`], adding every task's thread time and multiply-adds to `stats` when given.
-/// Tasks take [`ROW_TASK_ELEMS`] weight values each; the values do not depend on the split.
-pub fn matmul_into_counted(
-    x: &[f32],
-    t: usize,
-    w: &Matrix,
-    out: &mut [f32],
-    out_cols: usize,
-    col0: usize,
-    stats: Option<&WeightStats>,
-) {
     let k = w.cols;
     debug_assert_eq!(x.len(), t * k);
     let rows_per_task = (ROW_TASK_ELEMS / k.max(1)).max(1);
@@ -69,15 +55,11 @@ pub fn matmul_into_counted(
     tr.par_chunks_mut(rows_per_task * tt)
         .enumerate()
         .for_each(|(task, o)| {
-            let timer = stats.map(|_| ThreadTimer::start());
             for (i, orow) in o.chunks_exact_mut(tt).enumerate() {
                 let wr = w.row(task * rows_per_task + i);
                 for (tok, v) in orow.iter_mut().enumerate().take(t) {
                     *v = dot(&x[tok * k..(tok + 1) * k], wr) as f32;
                 }
-            }
-            if let (Some(s), Some(timer)) = (stats, timer) {
-                s.add_matmul(&timer, o.len() / tt * t * k);
             }
         });
     for r in 0..w.rows {
@@ -108,15 +90,11 @@ pub fn matmul_rows(x: &[f32], t: usize, src: &RowSource<'_>) -> Result<Vec<f32>>
             let n = o.len() / tt;
             buf.resize(n * k, 0.0);
             src.dequantize_into(r0..r0 + n, buf)?;
-            let timer = src.stats().map(|_| ThreadTimer::start());
             for (i, orow) in o.chunks_exact_mut(tt).enumerate() {
                 let wr = &buf[i * k..(i + 1) * k];
                 for (tok, v) in orow.iter_mut().enumerate().take(t) {
                     *v = dot(&x[tok * k..(tok + 1) * k], wr) as f32;
                 }
-            }
-            if let (Some(s), Some(timer)) = (src.stats(), timer) {
-                s.add_matmul(&timer, n * t * k);
             }
             Ok(())
         })?;
@@ -131,13 +109,8 @@ pub fn matmul_rows(x: &[f32], t: usize, src: &RowSource<'_>) -> Result<Vec<f32>>
 
 /// `x · W^T`: `[t, w.cols]` -> `[t, w.rows]`.
 pub fn matmul(x: &[f32], t: usize, w: &Matrix) -> Vec<f32> {
-    matmul_counted(x, t, w, None)
-}
-
-/// [`matmul`], counting thread time and multiply-adds in `stats` when given.
-pub fn matmul_counted(x: &[f32], t: usize, w: &Matrix, stats: Option<&WeightStats>) -> Vec<f32> {
     let mut out = vec![0f32; t * w.rows];
-    matmul_into_counted(x, t, w, &mut out, w.rows, 0, stats);
+    matmul_into(x, t, w, &mut out, w.rows, 0);
     out
 }
 

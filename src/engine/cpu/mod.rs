@@ -8,13 +8,12 @@
 //! independent outputs run in parallel with rayon. Results are bit-identical for any thread count.
 //!
 //! The engine keeps nothing between steps, so the layer hooks of [`Engine`] are no-ops here.
-//! Made with [`CpuEngine::with_stats`], it counts its dequantization and weight-matmul work in
-//! [`WeightStats`] ([`stats`]) for `glmdiff bench layer`; the values are the same either way.
+//! It measures nothing: `glmdiff bench layer` counts its work from the outside
+//! (`bench::layer::Counted`, a decorator over the [`Engine`] trait).
 
 mod attention;
 pub mod math;
 mod moe;
-pub mod stats;
 pub mod weights;
 
 use std::ops::Range;
@@ -28,14 +27,11 @@ use crate::precision::Precision;
 
 pub use attention::{causal_top_k, mla_host, Rotate};
 pub use moe::route_token;
-pub use stats::{ThreadTimer, WeightCounts, WeightStats};
 pub use weights::{assemble_kv_b, Matrix, RowSource, Rows};
 
 /// The CPU reference engine over one model's weights.
 pub struct CpuEngine<'w> {
     weights: &'w Weights<'w>,
-    /// Counters of dequantization and weight matmuls, when counting.
-    stats: Option<&'w WeightStats>,
     /// RoPE inverse frequencies `[rope/2]`.
     inv_freq: Vec<f64>,
     /// cos/sin factor (YaRN attention factor; 1 without scaling).
@@ -48,24 +44,9 @@ impl<'w> CpuEngine<'w> {
         let hp = weights.hparams();
         CpuEngine {
             weights,
-            stats: None,
             inv_freq: rope::inv_freq(&hp.rope),
             attn_factor: rope::attention_factor(&hp.rope),
         }
-    }
-
-    /// Like [`CpuEngine::new`], and every dequantization and weight matmul of the engine is
-    /// counted in `stats` (thread CPU time, bytes, values, multiply-adds).
-    pub fn with_stats(weights: &'w Weights<'w>, stats: &'w WeightStats) -> CpuEngine<'w> {
-        CpuEngine {
-            stats: Some(stats),
-            ..CpuEngine::new(weights)
-        }
-    }
-
-    /// The counters, when made with [`CpuEngine::with_stats`].
-    pub fn stats(&self) -> Option<&'w WeightStats> {
-        self.stats
     }
 
     /// The weights the engine reads.
@@ -87,7 +68,7 @@ impl<'w> CpuEngine<'w> {
     /// `x · W^T` for the GGUF matrix `name`, dequantized on the fly. Returns `[T, out]` values.
     fn linear_host(&self, x: &HostTensor, name: &str) -> Result<Vec<f32>> {
         let (t, k) = x.dims2(name)?;
-        let src = self.row_source(self.weights.matrix_desc(name)?);
+        let src = RowSource::new(self.weights.matrix_desc(name)?);
         if src.cols != k {
             bail!(
                 "engine: cpu: linear {name}: input has {k} columns, the weight [{}, {}] expects {}",

@@ -10,7 +10,7 @@
 use anyhow::{bail, Result};
 
 use super::math::{sigmoid, softmax_in_place, swiglu};
-use super::weights::Rows;
+use super::weights::{RowSource, Rows};
 use super::CpuEngine;
 use crate::engine::{ExpertsOut, HostTensor, Routing};
 use crate::model::names::{self, blk};
@@ -131,19 +131,19 @@ impl<'w> CpuEngine<'w> {
         let down_name = names::blk(layer, blk::FFN_DOWN_EXPS);
         let down = self.weights.expert_desc(&down_name, e)?;
         Ok([
-            Rows::Source(self.row_source(gate)),
-            Rows::Source(self.row_source(up)),
-            Rows::Source(self.row_source(down)),
+            Rows::Source(RowSource::new(gate)),
+            Rows::Source(RowSource::new(up)),
+            Rows::Source(RowSource::new(down)),
         ])
     }
 
     /// One expert's unweighted outputs `down(silu(gate x) * up x)` for the `n` rows of `xs`
     /// (`[n, hidden]` -> `[n, hidden]`), with its `[gate, up, down]` rows.
     pub fn expert_output(&self, rows: &[Rows<'_>; 3], xs: &[f32], n: usize) -> Result<Vec<f32>> {
-        let g = rows[0].matmul(xs, n, self.stats)?; // [n, n_ff_exp]
-        let u = rows[1].matmul(xs, n, self.stats)?;
+        let g = rows[0].matmul(xs, n)?; // [n, n_ff_exp]
+        let u = rows[1].matmul(xs, n)?;
         let act = swiglu(&g, &u);
-        rows[2].matmul(&act, n, self.stats) // [n, hidden]
+        rows[2].matmul(&act, n) // [n, hidden]
     }
 
     /// The routed experts as [`CpuEngine::moe_experts_cpu`] computes them, with expert `e`'s

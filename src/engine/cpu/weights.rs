@@ -1,23 +1,15 @@
 //! The CPU realisation of the weight descriptions of [`crate::model::weights`]: host f32,
 //! dequantized on demand and only as far as a step needs (the embedding rows of the prompt, one
 //! expert's slice, a matrix a few rows at a time), with kv_b reassembled into HF `kv_b_proj`
-//! layout. When the engine counts ([`CpuEngine::with_stats`]), every dequantization runs in
-//! tasks of at most [`COUNTED_TASK_ELEMS`] values, each timed on its thread; the values are the
-//! same either way (every block dequantizes independently).
+//! layout.
 
 use std::ops::Range;
 
 use anyhow::{bail, Context, Result};
-use rayon::prelude::*;
 
-use super::stats::{ThreadTimer, WeightStats};
 use super::{math, CpuEngine};
 use crate::model::{KvB, WeightSlice};
 use crate::quant;
-
-/// Values per parallel task when a whole slice is dequantized while counting (the same work
-/// split as `quant::dequantize_par`, each task timed on its thread).
-pub const COUNTED_TASK_ELEMS: usize = 1 << 16;
 
 /// A dense f32 matrix, row-major: `data[r * cols + c]`, PyTorch shape `[rows, cols]`.
 #[derive(Clone, Debug, PartialEq)]
@@ -38,12 +30,10 @@ impl Matrix {
 }
 
 /// A [`WeightSlice`] that dequantizes any sub-range of its rows into a caller's buffer, on the
-/// calling thread, counting the work in `stats` when given. The values equal those of
-/// [`WeightSlice::dequantize`].
+/// calling thread. The values equal those of [`WeightSlice::dequantize`].
 #[derive(Clone)]
 pub struct RowSource<'m> {
     slice: WeightSlice<'m>,
-    stats: Option<&'m WeightStats>,
     /// Rows of this source.
     pub rows: usize,
     /// Values per row (`ne[0]`).
@@ -51,24 +41,18 @@ pub struct RowSource<'m> {
 }
 
 impl<'m> RowSource<'m> {
-    /// Rows of `slice`, counted in `stats` when given.
-    pub fn new(slice: WeightSlice<'m>, stats: Option<&'m WeightStats>) -> RowSource<'m> {
+    /// Rows of `slice`.
+    pub fn new(slice: WeightSlice<'m>) -> RowSource<'m> {
         RowSource {
             rows: slice.n_rows(),
             cols: slice.cols,
             slice,
-            stats,
         }
     }
 
     /// The tensor's GGUF name.
     pub fn name(&self) -> &str {
         self.slice.name()
-    }
-
-    /// The counters this source reports to, if any.
-    pub fn stats(&self) -> Option<&'m WeightStats> {
-        self.stats
     }
 
     /// Dequantizes rows `rows` (relative to this source) into `dst` (`rows.len() * cols` values),
@@ -85,14 +69,8 @@ impl<'m> RowSource<'m> {
             );
         }
         let bytes = self.slice.sub(rows)?.data()?;
-        let timer = self.stats.map(|_| ThreadTimer::start());
-        quant::dequantize(self.slice.ty(), bytes, dst).with_context(|| {
-            format!("model: {}: tensor {}", model.path().display(), self.name())
-        })?;
-        if let (Some(s), Some(timer)) = (self.stats, timer) {
-            s.add_dequant(&timer, bytes.len(), dst.len());
-        }
-        Ok(())
+        quant::dequantize(self.slice.ty(), bytes, dst)
+            .with_context(|| format!("model: {}: tensor {}", model.path().display(), self.name()))
     }
 }
 
@@ -108,12 +86,11 @@ pub enum Rows<'m> {
 }
 
 impl Rows<'_> {
-    /// `x · W^T`: `[t, cols]` -> `[t, rows]`, counted in `stats` when given (a [`RowSource`]
-    /// counts in its own).
-    pub fn matmul(&self, x: &[f32], t: usize, stats: Option<&WeightStats>) -> Result<Vec<f32>> {
+    /// `x · W^T`: `[t, cols]` -> `[t, rows]`.
+    pub fn matmul(&self, x: &[f32], t: usize) -> Result<Vec<f32>> {
         match self {
             Rows::Source(src) => math::matmul_rows(x, t, src),
-            Rows::Dense(m) => Ok(math::matmul_counted(x, t, m, stats)),
+            Rows::Dense(m) => Ok(math::matmul(x, t, m)),
         }
     }
 
@@ -151,33 +128,9 @@ pub fn assemble_kv_b(
 }
 
 impl<'w> CpuEngine<'w> {
-    /// `slice` as a row source counted in this engine's counters.
-    pub(super) fn row_source(&self, slice: WeightSlice<'w>) -> RowSource<'w> {
-        RowSource::new(slice, self.stats)
-    }
-
-    /// The whole of `slice` to f32, `[n_rows, cols]`. Uncounted: [`WeightSlice::dequantize`];
-    /// counted: the same blocks in parallel tasks of [`COUNTED_TASK_ELEMS`] values, each timed.
-    pub(super) fn dequantize(&self, slice: &WeightSlice<'w>) -> Result<Vec<f32>> {
-        if self.stats.is_none() {
-            return slice.dequantize();
-        }
-        let src = self.row_source(slice.clone());
-        let cols = src.cols.max(1);
-        let per_task = (COUNTED_TASK_ELEMS / cols).max(1);
-        let mut out = vec![0f32; src.rows * src.cols]; // [rows, cols]
-        out.par_chunks_mut(per_task * cols)
-            .enumerate()
-            .try_for_each(|(i, d)| {
-                let r0 = i * per_task;
-                src.dequantize_into(r0..r0 + d.len() / cols, d)
-            })?;
-        Ok(out)
-    }
-
     /// The 1-D tensor `name` (norm weight, bias) in f32.
     pub fn host_vector(&self, name: &str) -> Result<Vec<f32>> {
-        self.dequantize(&self.weights.vector_desc(name)?)
+        self.weights.vector_desc(name)?.dequantize()
     }
 
     /// Embedding rows of `ids`: `[ids.len(), hidden]`. Ids out of range are an error.
@@ -185,7 +138,7 @@ impl<'w> CpuEngine<'w> {
         let hidden = self.weights.hparams().hidden;
         let mut data = Vec::with_capacity(ids.len() * hidden);
         for row in self.weights.embedding_rows_desc(ids)? {
-            data.extend(self.dequantize(&row)?);
+            data.extend(row.dequantize()?);
         }
         Ok(Matrix {
             rows: ids.len(),
@@ -202,7 +155,7 @@ impl<'w> CpuEngine<'w> {
             KvB::Legacy(kv_b) => Ok(Matrix {
                 rows: kv_b.n_rows(),
                 cols: kv_b.cols,
-                data: self.dequantize(&kv_b)?,
+                data: kv_b.dequantize()?,
             }),
             KvB::Split {
                 k_b,
@@ -212,8 +165,8 @@ impl<'w> CpuEngine<'w> {
                 v,
                 kv_lora,
             } => {
-                let k = self.dequantize(&k_b)?; // [H, kv_lora, nope]
-                let vv = self.dequantize(&v_b)?; // [H, v, kv_lora]
+                let k = k_b.dequantize()?; // [H, kv_lora, nope]
+                let vv = v_b.dequantize()?; // [H, v, kv_lora]
                 Ok(Matrix {
                     rows: heads * (nope + v),
                     cols: kv_lora,

@@ -12,7 +12,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 
 use super::tensor::i32_arg;
 use super::{CudaEngine, GpuDtype, GpuTensor};
-use crate::cuda::dequant::OutFormat;
+use crate::gpu::dequant::OutFormat;
 
 /// Most f32 values one projection dequantizes at once (256 MiB of scratch); bigger matrices
 /// (the output projection of a large vocabulary) go in row chunks.

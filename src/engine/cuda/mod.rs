@@ -41,7 +41,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::CudaSlice;
 
 use super::{Engine, ExpertInputs, ExpertsOut, HostData, HostTensor, MlaInputs, Routing};
-use crate::cuda::Gpu;
+use crate::gpu::Gpu;
 use crate::model::names::{self, blk};
 use crate::model::{rope, RopeSlice, Weights};
 use crate::precision::{Dtype, Precision};

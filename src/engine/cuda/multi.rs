@@ -15,8 +15,8 @@ use std::ops::Range;
 use anyhow::{bail, Context, Result};
 
 use super::{CudaEngine, GpuDtype, GpuTensor};
-use crate::cuda::Gpu;
 use crate::engine::{Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
+use crate::gpu::Gpu;
 use crate::model::steps::{embed_steps, layer_steps, tail_steps, weights_of};
 use crate::model::{RopeSlice, Weights};
 use crate::precision::Precision;

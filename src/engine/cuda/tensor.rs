@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{CudaEngine, GpuDtype};
-use crate::cuda::Gpu;
+use crate::gpu::Gpu;
 
 /// Threads per block of the forward kernels (`FWD_THREADS` in `cuda/forward.cu`).
 pub(super) const THREADS: u32 = 256;
@@ -92,7 +92,7 @@ macro_rules! launch {
         use ::cudarc::driver::PushKernelArg as _;
         let f = $self
             .gpu
-            .function("forward", $crate::cuda::FORWARD_SOURCE, $name)?;
+            .function("forward", $crate::gpu::FORWARD_SOURCE, $name)?;
         let mut b = $self.gpu.stream().launch_builder(&f);
         $( b.arg($arg); )*
         // SAFETY: every call site passes device buffers holding the element counts the kernel

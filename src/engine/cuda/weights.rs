@@ -10,7 +10,7 @@ use cudarc::driver::{CudaSlice, CudaViewMut, DeviceRepr};
 
 use super::tensor::{items, launch};
 use super::CudaEngine;
-use crate::cuda::dequant::OutFormat;
+use crate::gpu::dequant::OutFormat;
 use crate::model::names::{self, blk};
 
 impl CudaEngine<'_> {

@@ -609,7 +609,7 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
             k_pe: &k_pe,
             selection: sel.as_ref(),
         };
-        let (heads, probs) = mla_host(hp, layer, inp, &kv_b, scale, want_probs, None)?;
+        let (heads, probs) = mla_host(hp, layer, inp, &kv_b, scale, want_probs)?;
         Ok((
             self.to_engine(&heads)?,
             probs.map(|p| self.to_engine(&p)).transpose()?,

@@ -2,7 +2,7 @@
 //! section 4, `shared/spec/quant-formats.md`), injected into a candidate engine on purpose.
 //!
 //! A [`Fault`] is a [`FaultKind`] and the layers it touches (`KIND[@LAYERS]` on the command
-//! line, [`Fault::parse`]). [`FaultEngine`] wraps any [`Engine`](super::Engine) (the CPU
+//! line, [`Fault::parse`]). [`FaultEngine`] wraps any [`Engine`](crate::engine::Engine) (the CPU
 //! reference, the CUDA engine) and computes exactly the steps a fault concerns the faulty way, on
 //! the host, from the inputs the wrapped engine holds; every other step, and every step of a
 //! layer the fault does not touch, is the wrapped engine's own. The faulty arithmetic lives here

@@ -44,7 +44,7 @@ fn f32_literal(x: f32) -> String {
 
 /// The CUDA source of every table the dequant kernels read.
 pub fn source() -> String {
-    let mut s = String::from("// Generated from src/quant by src/cuda/tables.rs: do not edit.\n");
+    let mut s = String::from("// Generated from src/quant by src/gpu/tables.rs: do not edit.\n");
     let hex64 = |x: u64| format!("0x{x:016x}ull");
     let hex32 = |x: u32| format!("0x{x:08x}u");
     let hex8 = |x: u8| format!("0x{x:02x}");

@@ -111,7 +111,7 @@ pub fn compile_cached(source: &str, name: &str, opts: &CompileOptions) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::{family_source, COMPARE_SOURCE, DEQUANT_SOURCE, FORWARD_SOURCE};
+    use crate::gpu::{family_source, COMPARE_SOURCE, DEQUANT_SOURCE, FORWARD_SOURCE};
 
     /// Every kernel family compiles for sm_90 and sm_120 (NVRTC needs no GPU, only libnvrtc).
     /// Ignored by `cargo test`, so that a machine without libnvrtc counts it as ignored, never

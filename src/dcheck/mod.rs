@@ -4,7 +4,7 @@
 //! the next chunk on another thread while the device works on the current one.
 //!
 //! Only the raw blocks travel to the device: both sides hash their f32 values (an
-//! order-independent 64-bit hash, [`super::dequant::hash_f32_host`]) and only a chunk whose
+//! order-independent 64-bit hash, [`crate::gpu::dequant::hash_f32_host`]) and only a chunk whose
 //! hashes differ has the CPU's values copied over and compared value by value (mismatch count,
 //! first index, largest difference). A wrong kernel therefore costs a copy; a right one never
 //! does.
@@ -16,9 +16,9 @@ use anyhow::{Context, Result};
 use cudarc::driver::sys::CUevent_flags;
 use serde::Serialize;
 
-use super::dequant::{hash_f32_host, CompareStats};
-use super::Gpu;
 use crate::gguf::{Model, TensorRef};
+use crate::gpu::dequant::{hash_f32_host, CompareStats};
+use crate::gpu::Gpu;
 use crate::quant::{dequantize_par, GgmlType};
 use crate::util::progress::Progress;
 

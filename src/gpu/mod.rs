@@ -13,8 +13,6 @@
 pub mod tables;
 
 #[cfg(feature = "cuda")]
-pub mod check;
-#[cfg(feature = "cuda")]
 pub mod dequant;
 
 #[cfg(feature = "cuda")]
