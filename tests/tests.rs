@@ -12,6 +12,7 @@ mod outputs;
 mod reference;
 mod regress;
 mod run;
+mod structure;
 mod synth;
 mod terminal;
 mod tokenizer;
