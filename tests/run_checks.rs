@@ -32,6 +32,7 @@ fn run_refuses_bad_combinations_before_any_work() {
         case_in_missing_dir.to_str().unwrap(),
     );
     let base = ["run", m, "--layer", "1", "--tokens", "1,2,3"];
+    #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
     let mut cases: Vec<(Vec<&str>, &str)> = vec![
         (
             vec!["--against", "cpu", "--dtype", "bf16"],

@@ -13,6 +13,7 @@ mod reference;
 mod regress;
 mod run;
 mod run_checks;
+mod structure;
 mod synth;
 mod terminal;
 mod tokenizer;

@@ -13,9 +13,6 @@ use cudarc::nvrtc::Ptx;
 
 use super::{family_source, nvrtc, CompileOptions};
 
-/// Where the CUDA libraries usually are, for error messages.
-pub(crate) const LIB_HINT: &str = "install the NVIDIA driver (libcuda.so.1) and CUDA 13 (libnvrtc.so.13, libcublas.so.13), or put their directories on LD_LIBRARY_PATH";
-
 /// Checks that libcuda and libnvrtc can be opened; the error says what is missing on its first
 /// line and the file names tried on a second ([`missing_libraries`]).
 pub fn probe_libraries() -> Result<()> {

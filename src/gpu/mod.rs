@@ -23,6 +23,10 @@ pub mod nvrtc;
 #[cfg(feature = "cuda")]
 pub use device::{probe_libraries, DeviceInfo, Gpu};
 
+/// Where the CUDA libraries usually are, for error messages.
+#[cfg(feature = "cuda")]
+pub(crate) const LIB_HINT: &str = "install the NVIDIA driver (libcuda.so.1) and CUDA 13 (libnvrtc.so.13, libcublas.so.13), or put their directories on LD_LIBRARY_PATH";
+
 /// The kernel families embedded in the binary, in the order NVRTC sees them (each family is
 /// compiled as one source: `common.cuh`, the generated tables, then the family's file).
 pub const COMMON_SOURCE: &str = include_str!("../../cuda/common.cuh");

@@ -18,10 +18,7 @@ pub fn available() -> bool {
 /// The NVRTC version, `(major, minor)`.
 pub fn version() -> Result<(i32, i32)> {
     if !available() {
-        bail!(
-            "cuda: libnvrtc (NVRTC) is not found: {}",
-            super::device::LIB_HINT
-        );
+        bail!("cuda: libnvrtc (NVRTC) is not found: {}", super::LIB_HINT);
     }
     let (mut a, mut b) = (0i32, 0i32);
     // SAFETY: both pointers are valid for writes; the library is present (checked above).
@@ -35,10 +32,7 @@ pub fn version() -> Result<(i32, i32)> {
 /// the options and NVRTC's log.
 pub fn compile_cubin(source: &str, name: &str, opts: &CompileOptions) -> Result<Vec<u8>> {
     if !available() {
-        bail!(
-            "cuda: libnvrtc (NVRTC) is not found: {}",
-            super::device::LIB_HINT
-        );
+        bail!("cuda: libnvrtc (NVRTC) is not found: {}", super::LIB_HINT);
     }
     let csrc = CString::new(source).context("cuda: kernel source holds a NUL byte")?;
     let cname = CString::new(name).context("cuda: kernel name holds a NUL byte")?;

@@ -176,17 +176,17 @@ pub struct HParams {
 }
 
 /// Reads `{arch}.*` keys of one model, naming the file and key in every error.
-struct Keys<'a> {
-    model: &'a Model,
-    arch: &'a str,
+pub(super) struct Keys<'a> {
+    pub(super) model: &'a Model,
+    pub(super) arch: &'a str,
 }
 
 impl Keys<'_> {
-    fn key(&self, suffix: &str) -> String {
+    pub(super) fn key(&self, suffix: &str) -> String {
         keys::arch_key(self.arch, suffix)
     }
 
-    fn get(&self, suffix: &str) -> Option<&Value> {
+    pub(super) fn get(&self, suffix: &str) -> Option<&Value> {
         self.model.get(&self.key(suffix))
     }
 
@@ -208,7 +208,7 @@ impl Keys<'_> {
         )
     }
 
-    fn opt_usize(&self, suffix: &str) -> Result<Option<usize>> {
+    pub(super) fn opt_usize(&self, suffix: &str) -> Result<Option<usize>> {
         match self.get(suffix) {
             None => Ok(None),
             Some(v) => match v.as_int() {
@@ -251,7 +251,7 @@ impl Keys<'_> {
 
 /// How much of a model's tensors the hyperparameters are checked against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum TensorCheck {
+pub(super) enum TensorCheck {
     /// A whole model: every run layer must be there, every tensor's shape must agree.
     Complete,
     /// Some of a model's tensors (a step case): the shapes of those present must agree.
@@ -261,29 +261,15 @@ enum TensorCheck {
 }
 
 impl HParams {
-    /// Reads the hyperparameters of `model` and checks them against its tensors before anything
-    /// is sized from them: `block_count` against the layers the file holds (every run layer
-    /// there, no tensor of a block past the count), `vocab_size` against `token_embd.weight`,
-    /// and every tensor the forward pass reads against the shape the hyperparameters give it.
-    /// An error names the key, its value, and the tensor and shape it disagrees with. Fails for
-    /// any architecture but glm-dsa and deepseek2.
-    pub fn from_model(model: &Model) -> Result<HParams> {
-        Self::derive(model, TensorCheck::Complete)
-    }
-
-    /// [`HParams::from_model`] for a file that holds only some of a model's tensors with its
-    /// metadata (a step case): the tensors present are checked, none is required.
-    pub fn from_partial_model(model: &Model) -> Result<HParams> {
-        Self::derive(model, TensorCheck::Partial)
-    }
-
     /// The hyperparameters from the metadata alone, not checked against the tensors (for
     /// `weights-check`, which diagnoses the tensors' shapes itself).
     pub fn from_metadata(model: &Model) -> Result<HParams> {
         Self::derive(model, TensorCheck::None)
     }
 
-    fn derive(model: &Model, check: TensorCheck) -> Result<HParams> {
+    /// The hyperparameters of `model`, with `block_count` checked against the blocks the file
+    /// holds as `check` asks (the shapes are checked by `super::shapes`).
+    pub(super) fn derive(model: &Model, check: TensorCheck) -> Result<HParams> {
         let arch_str = model.architecture().with_context(|| {
             format!(
                 "model: {}: metadata key general.architecture is missing",
@@ -515,9 +501,6 @@ impl HParams {
             rope,
             indexer,
         };
-        if check != TensorCheck::None {
-            check_shapes(&k, &hp)?;
-        }
         Ok(hp)
     }
 
@@ -563,94 +546,6 @@ fn check_blocks(k: &Keys<'_>, n_block: usize, n_nextn: usize, complete: bool) ->
         }
     }
     Ok(())
-}
-
-/// Every tensor the forward pass reads against the shape `hp` gives it, and `vocab_size` (when
-/// present) against the rows of `token_embd.weight`.
-fn check_shapes(k: &Keys<'_>, hp: &HParams) -> Result<()> {
-    let model = k.model;
-    let path = model.path().display();
-    let rows = |name: &str| {
-        model
-            .find(name)
-            .filter(|t| t.info.ne.len() == 2)
-            .map(|t| t.info.ne[1])
-    };
-    let n_vocab = rows(names::TOKEN_EMBD).or_else(|| rows(names::OUTPUT));
-    if let (Some(v), Some(n)) = (k.opt_usize(keys::VOCAB_SIZE)?, rows(names::TOKEN_EMBD)) {
-        if v as u64 != n {
-            bail!(
-                "model: {path}: metadata {} = {v} disagrees with tensor {}: it has {n} rows (ne[1])",
-                k.key(keys::VOCAB_SIZE),
-                names::TOKEN_EMBD
-            );
-        }
-    }
-    let n_vocab = n_vocab.unwrap_or(0) as usize;
-    for t in model.tensors() {
-        let name = &t.info.name;
-        let Some(want) = names::expected_dims(hp, n_vocab, name) else {
-            continue;
-        };
-        let ne = &t.info.ne;
-        let torch = |ne: &[u64]| ne.iter().rev().copied().collect::<Vec<_>>();
-        let want_ne: Vec<u64> = want.iter().map(|d| d.size).collect();
-        if ne.len() != want.len() {
-            bail!(
-                "model: {path}: tensor {name} has ne={ne:?} (PyTorch {:?}), but the {} metadata gives it ne={want_ne:?} (PyTorch {:?})",
-                torch(ne),
-                hp.arch.as_str(),
-                torch(&want_ne)
-            );
-        }
-        let Some(i) = (0..ne.len()).find(|&i| ne[i] != want[i].size) else {
-            continue;
-        };
-        let d = want[i];
-        if d.keys.is_empty() {
-            bail!(
-                "model: {path}: tensor {name} has ne={ne:?} (PyTorch {:?}): its ne[{i}] = {} is not the vocabulary of {} ({})",
-                torch(ne),
-                ne[i],
-                names::TOKEN_EMBD,
-                d.size
-            );
-        }
-        let shown: Vec<String> = d.keys.iter().map(|s| key_and_value(k, s)).collect();
-        let (what, verb) = if shown.len() == 1 {
-            (shown[0].clone(), "disagrees")
-        } else {
-            (
-                format!("{} (giving {})", shown.join(", "), d.size),
-                "disagree",
-            )
-        };
-        bail!(
-            "model: {path}: metadata {what} {verb} with tensor {name}: its ne[{i}] is {}, not {} (ne={ne:?}, PyTorch {:?}; the metadata gives ne={want_ne:?})",
-            ne[i],
-            d.size,
-            torch(ne)
-        );
-    }
-    Ok(())
-}
-
-/// `{arch}.{suffix} = value` as the file holds it; a head width read from the legacy
-/// `key_length`/`value_length` when the `_mla` key is absent.
-fn key_and_value(k: &Keys<'_>, suffix: &str) -> String {
-    let legacy = match suffix {
-        keys::ATTN_KEY_LENGTH_MLA => Some(keys::ATTN_KEY_LENGTH),
-        keys::ATTN_VALUE_LENGTH_MLA => Some(keys::ATTN_VALUE_LENGTH),
-        _ => None,
-    };
-    let suffix = match legacy {
-        Some(l) if k.get(suffix).is_none() && k.get(l).is_some() => l,
-        _ => suffix,
-    };
-    match k.get(suffix) {
-        Some(v) => format!("{} = {}", k.key(suffix), v.summary(4)),
-        None => format!("{} (absent)", k.key(suffix)),
-    }
 }
 
 /// Whether any layer of `model` has the router selection bias `blk.{L}.exp_probs_b.bias`

@@ -13,6 +13,7 @@ pub mod inspect;
 pub mod keys;
 pub mod names;
 pub mod rope;
+pub mod shapes;
 pub mod steps;
 pub mod weights;
 

@@ -1,11 +1,12 @@
 //! Tiny synthetic glm-dsa / deepseek2 models built in memory for unit tests: metadata from a
 //! small set of dimensions and F32 weights from a seeded generator, every tensor named and shaped
-//! by [`names::expected_ne`].
+//! by [`shapes::expected_ne`].
 
 use std::collections::HashMap;
 
 use crate::gguf::{GgufFile, GgufWriter, Model, Value, ValueType};
 use crate::model::names::{self, blk};
+use crate::model::shapes;
 use crate::model::{keys, Arch, Gating, HParams, IndexerParams, RopeParams};
 use crate::quant::GgmlType;
 use crate::util::rng::SplitMix64;
@@ -183,7 +184,7 @@ pub fn build_with(
         w.add(k, v.clone()).unwrap();
     }
     for name in tensors {
-        let ne = names::expected_ne(hp, n_vocab, name)
+        let ne = shapes::expected_ne(hp, n_vocab, name)
             .unwrap_or_else(|| panic!("no expected shape for {name}"));
         w.add_tensor(name, &ne, GgmlType::F32).unwrap();
     }

@@ -7,7 +7,7 @@
 //! Only what a step reads is described: one embedding row per prompt token, a matrix, a norm
 //! vector, one expert's slice of a stacked `ffn_*_exps` tensor, and kv_b either as the
 //! converter's split `attn_k_b`/`attn_v_b` pair or as the legacy unsplit `attn_kv_b` ([`KvB`]).
-//! Every description checks the tensor's dimensions against [`names::expected_ne`] and names
+//! Every description checks the tensor's dimensions against [`shapes::expected_ne`] and names
 //! tensor, expected and actual shapes when they differ.
 //!
 //! # Rows
@@ -25,6 +25,7 @@ use anyhow::{bail, Result};
 
 use super::hparams::HParams;
 use super::names::{self, blk};
+use super::shapes;
 use crate::gguf::{Model, TensorRef};
 use crate::quant::GgmlType;
 
@@ -184,7 +185,7 @@ impl<'m> Weights<'m> {
     pub fn new(model: &'m Model) -> Result<Weights<'m>> {
         let hp = HParams::from_model(model)?;
         let all = model.tensors().map(|t| t.info.name.as_str());
-        if let Some(name) = names::unknown_layer_tensor(&hp, all) {
+        if let Some(name) = shapes::unknown_layer_tensor(&hp, all) {
             bail!(
                 "model: {}: tensor {name} is not part of the {} forward pass (a bias or weight it has no term for, \
                  e.g. from a config with attention_bias = true); ignoring it would compute a different model",
@@ -274,7 +275,7 @@ impl<'m> Weights<'m> {
     /// Tensor `name`, its dimensions checked against the architecture's table.
     pub fn tensor(&self, name: &str) -> Result<TensorRef<'m>> {
         let t = self.model.tensor(name)?;
-        if let Some(want) = names::expected_ne(&self.hp, self.n_vocab, name) {
+        if let Some(want) = shapes::expected_ne(&self.hp, self.n_vocab, name) {
             if t.info.ne != want {
                 let torch = |ne: &[u64]| ne.iter().rev().copied().collect::<Vec<_>>();
                 bail!(
@@ -553,7 +554,7 @@ mod tests {
             w.add(&k, v).unwrap();
         }
         for name in tensor_names(&hp) {
-            let ne = names::expected_ne(&hp, 32, &name).unwrap();
+            let ne = shapes::expected_ne(&hp, 32, &name).unwrap();
             w.add_tensor(&name, &ne, GgmlType::F32).unwrap();
         }
         let kv_a = (hp.kv_lora_rank + hp.qk_rope) as u64;

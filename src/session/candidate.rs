@@ -1,7 +1,7 @@
 //! The one candidate of a run, built from the checked choice: a second CPU reference, the CUDA
 //! engine over one or several devices, or a trace. An engine is wrapped in a `FaultEngine` only
 //! when `--inject` gave faults. Whichever it is, it goes through the one pass of
-//! [`Pass::compare`](super::run::Pass::compare).
+//! [`Pass::compare`](super::pass::Pass::compare).
 
 use std::path::Path;
 
@@ -9,7 +9,7 @@ use anyhow::Result;
 
 use super::config::Chosen;
 use super::judge::declared_precision;
-use super::run::{Pass, Passed};
+use super::pass::{Pass, Passed};
 use crate::compare::Precision;
 use crate::driver::pair::Candidate;
 use crate::engine::cpu::CpuEngine;

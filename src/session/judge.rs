@@ -7,9 +7,7 @@ use std::collections::HashMap;
 
 use anyhow::{Context, Result};
 
-use super::config::RunConfig;
-use crate::compare::floors::hook_infos;
-use crate::compare::{Judge, Precision};
+use crate::compare::Precision;
 use crate::driver::Plan;
 use crate::model::Weights;
 use crate::trace::{HookFilter, TraceFile};
@@ -114,27 +112,6 @@ pub(super) fn overrides_with_trace(
     p
 }
 
-/// The judge of a run: `reference` and `candidate` precisions, the floors of the plan's steps,
-/// the overrides (a trace candidate's own said in `notes`) and the selection bias.
-pub(super) fn run_judge(
-    cfg: &RunConfig,
-    weights: &Weights<'_>,
-    reference: Precision,
-    candidate: Precision,
-    trace: Option<&TraceFile>,
-    notes: &mut Vec<String>,
-) -> Result<Judge> {
-    Ok(Judge {
-        reference,
-        candidate,
-        infos: hook_infos(&cfg.plan.steps, weights),
-        tol: cfg.tol.clone(),
-        precision: overrides_with_trace(&cfg.precision, trace, notes),
-        selection_bias: selection_bias(weights, &cfg.plan)?,
-        groups: weights.hparams().groups,
-    })
-}
-
 /// The hooks a comparison keeps: `--hook` globs (all standard hooks without them), plus the
 /// score hooks behind a wanted selection (their values judge its flips).
 pub(super) fn wants_with_scores(globs: &[String]) -> Box<dyn Fn(&str) -> bool> {
@@ -153,7 +130,10 @@ pub(super) fn wants_with_scores(globs: &[String]) -> Box<dyn Fn(&str) -> bool> {
 }
 
 /// The selection bias `exp_probs_b` of every MoE layer the plan runs.
-fn selection_bias(weights: &Weights<'_>, plan: &Plan) -> Result<HashMap<usize, Vec<f32>>> {
+pub(super) fn selection_bias(
+    weights: &Weights<'_>,
+    plan: &Plan,
+) -> Result<HashMap<usize, Vec<f32>>> {
     let mut out = HashMap::new();
     for l in plan.layers() {
         let name = crate::model::names::blk(l, crate::model::names::blk::EXP_PROBS_B);

@@ -23,6 +23,7 @@ pub mod candidate;
 pub mod compare;
 pub mod config;
 pub mod judge;
+pub mod pass;
 pub mod prefix;
 pub mod run;
 pub mod step;

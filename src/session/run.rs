@@ -8,22 +8,18 @@ use anyhow::{bail, Result};
 
 use super::candidate::compare_candidate;
 use super::config::{Chosen, RunConfig};
-use super::judge::{run_judge, wants_with_scores};
+use super::pass::Pass;
 use super::prefix::prefix;
 use super::tokens::token_text;
 use super::{Ran, Watch};
-use crate::compare::{Comparison, Precision, Status};
-use crate::driver::pair::{run_pair, Candidate, LayerTime};
+use crate::compare::{Comparison, Status};
 use crate::engine::cpu::CpuEngine;
 use crate::engine::Engine;
 use crate::explain::case::{self, CaseMeta};
-use crate::explain::fault::Fault;
-use crate::explain::{explain, Capture, CapturedStep, Explanation};
+use crate::explain::{explain, CapturedStep, Explanation};
 use crate::model::Weights;
 use crate::report::run::{EngineDesc, Header};
-use crate::tensor::HostTensor;
 use crate::trace::Mode;
-use crate::util::progress::Progress;
 use crate::util::shell::shell_word;
 
 /// Runs a checked run: the reference (from its prefix, see [`super::prefix`]) and the candidate
@@ -101,97 +97,6 @@ pub fn run(cfg: &RunConfig, watch: &Watch<'_>) -> Result<Ran> {
         header,
         comparison: cmp,
     })
-}
-
-/// Everything a pass needs but the candidate.
-pub(super) struct Pass<'a, 'w> {
-    /// The run.
-    pub cfg: &'a RunConfig,
-    /// The model's weights.
-    pub weights: &'a Weights<'w>,
-    /// The reference engine.
-    pub reference: &'a CpuEngine<'w>,
-    /// The reference's precision.
-    pub ref_precision: Precision,
-    /// The plan's free inputs (the reference's, given to both sides).
-    pub start: &'a [(String, HostTensor)],
-    /// Progress of the layers.
-    pub progress: &'a dyn Progress,
-}
-
-/// What a pass computed.
-pub(super) struct Passed {
-    /// Every hook's metrics and verdicts.
-    pub comparison: Comparison,
-    /// The first step that failed in replay, with its inputs (with `--explain`/`--repro`).
-    pub captured: Option<CapturedStep>,
-    /// Each side's time per layer.
-    pub layer_times: Vec<LayerTime>,
-    /// The candidate.
-    pub candidate: EngineDesc,
-    /// Notes about the candidate and how it is judged, in order.
-    pub notes: Vec<String>,
-    /// Seconds the comparison took.
-    pub seconds: f64,
-}
-
-impl Pass<'_, '_> {
-    /// The run's one pass: the reference and `candidate` (described by `desc`, judged by
-    /// `precision`; `notes` so far about it) over the plan into a comparison, capturing the
-    /// first step that fails in replay when `--explain` or `--repro` asks.
-    pub(super) fn compare<C: Engine>(
-        &self,
-        candidate: Candidate<'_, C>,
-        desc: EngineDesc,
-        precision: Precision,
-        mut notes: Vec<String>,
-    ) -> Result<Passed> {
-        let cfg = self.cfg;
-        let trace = match &candidate {
-            Candidate::Trace(t) => Some(*t),
-            Candidate::Engine(_) => None,
-        };
-        let judge = run_judge(
-            cfg,
-            self.weights,
-            self.ref_precision,
-            precision,
-            trace,
-            &mut notes,
-        )?;
-        if !cfg.faults.is_empty() {
-            let f: Vec<String> = cfg.faults.iter().map(Fault::to_string).collect();
-            notes.push(format!(
-                "--inject {}: the candidate computes the steps these faults concern the faulty way (on the host, from its own inputs); every other step is the {} engine's",
-                f.join(" "),
-                desc.spec
-            ));
-        }
-        let mut cmp = Comparison::new(judge, wants_with_scores(&cfg.hook), &cfg.tokens);
-        let t0 = Instant::now();
-        // Without --explain/--repro the capture copies nothing and only passes pairs on.
-        let mut sink = Capture::new(&mut cmp, cfg.explain || cfg.repro.is_some());
-        let summary = run_pair(
-            self.reference,
-            candidate,
-            self.weights,
-            &cfg.tokens,
-            &cfg.plan,
-            self.start,
-            cfg.mode.modes(),
-            &mut sink,
-            self.progress,
-        )?;
-        let captured = sink.captured();
-        Ok(Passed {
-            comparison: cmp,
-            captured,
-            layer_times: summary.layer_times,
-            candidate: desc,
-            notes,
-            seconds: t0.elapsed().as_secs_f64(),
-        })
-    }
 }
 
 /// Whether any hook of `cmp` was compared in some mode (not only listed as missing).

@@ -178,15 +178,6 @@ pub fn probe(path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Checks, before any work, that `path` names a file that can be created (its directory
-/// exists, it is not a directory, a file can be created beside it), so that a long run does
-/// not end in "cannot create". See [`crate::util::guard`] for a command's whole set of outputs.
-pub fn check_output_dir(path: &Path) -> Result<()> {
-    let mut g = crate::util::guard::Guard::new();
-    g.output("", Some(path));
-    g.check()
-}
-
 /// Writes `path` atomically with the bytes produced by `write`.
 pub fn write_atomic(path: &Path, write: impl FnOnce(&mut dyn Write) -> Result<()>) -> Result<()> {
     let tmp = tmp_path(path)?;

@@ -15,6 +15,35 @@ use rayon::prelude::*;
 
 use super::weights::{Matrix, RowSource};
 
+/// Weight rows a step multiplies with: read from the file and dequantized as they are used (the
+/// reference), or a dense host matrix (another realisation of the same description, e.g. the
+/// weights a faulty loader would have built). Both multiply with the same [`dot`], so
+/// equal values give bit-identical products.
+pub enum Rows<'m> {
+    /// Rows of a GGUF tensor.
+    Source(RowSource<'m>),
+    /// A host matrix.
+    Dense(Matrix),
+}
+
+impl Rows<'_> {
+    /// `x · W^T`: `[t, cols]` -> `[t, rows]`.
+    pub fn matmul(&self, x: &[f32], t: usize) -> Result<Vec<f32>> {
+        match self {
+            Rows::Source(src) => matmul_rows(x, t, src),
+            Rows::Dense(m) => Ok(matmul(x, t, m)),
+        }
+    }
+
+    /// Values per row.
+    pub fn cols(&self) -> usize {
+        match self {
+            Rows::Source(src) => src.cols,
+            Rows::Dense(m) => m.cols,
+        }
+    }
+}
+
 /// Independent f64 accumulators of a dot product (lets the compiler use SIMD lanes).
 pub const LANES: usize = 8;
 

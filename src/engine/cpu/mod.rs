@@ -26,8 +26,9 @@ use crate::model::{rope, RopeSlice, Weights};
 use crate::precision::Precision;
 
 pub use attention::{causal_top_k, mla_host, Rotate};
+pub use math::Rows;
 pub use moe::route_token;
-pub use weights::{assemble_kv_b, Matrix, RowSource, Rows};
+pub use weights::{assemble_kv_b, Matrix, RowSource};
 
 /// The CPU reference engine over one model's weights.
 pub struct CpuEngine<'w> {

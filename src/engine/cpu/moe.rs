@@ -9,8 +9,9 @@
 
 use anyhow::{bail, Result};
 
+use super::math::Rows;
 use super::math::{sigmoid, softmax_in_place, swiglu};
-use super::weights::{RowSource, Rows};
+use super::weights::RowSource;
 use super::CpuEngine;
 use crate::engine::{ExpertsOut, HostTensor, Routing};
 use crate::model::names::{self, blk};

@@ -7,7 +7,7 @@ use std::ops::Range;
 
 use anyhow::{bail, Context, Result};
 
-use super::{math, CpuEngine};
+use super::CpuEngine;
 use crate::model::{KvB, WeightSlice};
 use crate::quant;
 
@@ -71,35 +71,6 @@ impl<'m> RowSource<'m> {
         let bytes = self.slice.sub(rows)?.data()?;
         quant::dequantize(self.slice.ty(), bytes, dst)
             .with_context(|| format!("model: {}: tensor {}", model.path().display(), self.name()))
-    }
-}
-
-/// Weight rows a step multiplies with: read from the file and dequantized as they are used (the
-/// reference), or a dense host matrix (another realisation of the same description, e.g. the
-/// weights a faulty loader would have built). Both multiply with the same [`math::dot`], so
-/// equal values give bit-identical products.
-pub enum Rows<'m> {
-    /// Rows of a GGUF tensor.
-    Source(RowSource<'m>),
-    /// A host matrix.
-    Dense(Matrix),
-}
-
-impl Rows<'_> {
-    /// `x · W^T`: `[t, cols]` -> `[t, rows]`.
-    pub fn matmul(&self, x: &[f32], t: usize) -> Result<Vec<f32>> {
-        match self {
-            Rows::Source(src) => math::matmul_rows(x, t, src),
-            Rows::Dense(m) => Ok(math::matmul(x, t, m)),
-        }
-    }
-
-    /// Values per row.
-    pub fn cols(&self) -> usize {
-        match self {
-            Rows::Source(src) => src.cols,
-            Rows::Dense(m) => m.cols,
-        }
     }
 }
 
