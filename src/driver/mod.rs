@@ -24,6 +24,7 @@
 
 pub mod pair;
 mod residency;
+mod segment;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;

@@ -15,8 +15,12 @@
 //! arithmetic are checked on the keys and experts the candidate really used; when that differs
 //! from the reference's selection the reference recomputes the step with the candidate's
 //! selection, so both sides still start from the same inputs. The selection step itself is
-//! judged on its own. A trace that lacks a selection falls back on the reference's, and the pair
-//! says so.
+//! judged on its own.
+//!
+//! Against a trace, replay runs in [`super::segment`]: where the trace lacks a step's input,
+//! the reference computes it from the trace's nearest hooks upstream, so a segment of steps is
+//! compared as one at the next hook the trace has; a selection the trace lacks is the
+//! reference's own, made from the trace's inputs.
 //!
 //! Both engines are told the weights of the layers they run (`Engine::begin_layer` and the other
 //! residency hooks, see [`super`]); a candidate engine that only replays is told only of the
@@ -32,6 +36,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 
+use super::segment::TraceReplay;
 use super::{check_tokens, exec_step, Plan, Progress, Residency, Runner, StepProgress};
 use crate::engine::{Engine, HostTensor};
 use crate::model::steps::{expert_hook, hook, point, Op, Step};
@@ -131,15 +136,21 @@ pub fn run_pair<R: Engine, C: Engine>(
     let mut cand_residency = Residency::default();
     // The candidate's replayed selections (engine candidates), by hook name.
     let mut cand_sel: HashMap<String, HostTensor> = HashMap::new();
+    // Replay against a trace: across the hooks it lacks.
+    let mut trace_replay = match (&candidate, modes.replay) {
+        (Candidate::Trace(tr), true) => Some(TraceReplay::new(tr, plan)),
+        _ => None,
+    };
     let mut steps = StepProgress::start(progress, plan);
     while let Some(step) = refr.peek() {
         steps.before(step);
         // Replay inputs are taken before the reference moves on (its step may drop them), and
         // only for steps with a wanted hook: nothing else leaves the reference.
-        let replay_inputs = if modes.replay && step_wanted(step, &*sink, weights) {
-            Some(replay_inputs(&refr, &candidate, step, start, &cand_sel)?)
-        } else {
-            None
+        let replay_inputs = match &candidate {
+            Candidate::Engine(_) if modes.replay && step_wanted(step, &*sink, weights) => {
+                Some(replay_inputs(&refr, step, &cand_sel)?)
+            }
+            _ => None,
         };
         let layer = step.layer;
         let t0 = Instant::now();
@@ -253,35 +264,19 @@ pub fn run_pair<R: Engine, C: Engine>(
                                     step,
                                     reference_side.into_iter(),
                                     cand,
-                                    inputs.note.as_deref(),
+                                    None,
                                     &mut summary,
                                 )?;
                             }
                         }
-                        Candidate::Trace(tr) => {
-                            // The reference runs the step from the trace's inputs; the trace's
-                            // outputs are the candidate.
-                            let out = replay_step(reference, step, &inputs.values, tokens, &wants)?;
-                            let out: Vec<(String, HostTensor)> =
-                                out.into_iter().filter(|(n, _)| sink.wants(n)).collect();
-                            let cand: Vec<(String, Option<HostTensor>)> = out
-                                .iter()
-                                .map(|(n, _)| Ok((n.clone(), tr.get(n)?)))
-                                .collect::<Result<_>>()?;
-                            hand_over(
-                                sink,
-                                Mode::Replay,
-                                absent(&candidate),
-                                step,
-                                out.into_iter(),
-                                cand,
-                                inputs.note.as_deref(),
-                                &mut summary,
-                            )?;
-                        }
+                        // Replayed by `trace_replay` below.
+                        Candidate::Trace(_) => {}
                     }
                 }
             }
+        }
+        if let Some(tr) = &mut trace_replay {
+            tr.step(reference, weights, step, tokens, start, sink, &mut summary)?;
         }
         summary.steps += 1;
         steps.after(step);
@@ -298,7 +293,7 @@ pub fn run_pair<R: Engine, C: Engine>(
 }
 
 /// Whether `sink` wants any hook `step` produces, optional ones included.
-fn step_wanted(step: &Step, sink: &dyn PairSink, weights: &Weights<'_>) -> bool {
+pub(super) fn step_wanted(step: &Step, sink: &dyn PairSink, weights: &Weights<'_>) -> bool {
     step.outputs.iter().any(|o| sink.wants(o))
         || match step.op {
             Op::Attention { layer } => sink.wants(&hook(layer, point::ATTN_PROBS)),
@@ -322,25 +317,18 @@ struct ReplayInputs {
     values: Vec<HostTensor>,
     /// A selection input was replaced by the candidate's, and differs from the reference's.
     substituted: bool,
-    /// Said to the sink with every pair of the step.
-    note: Option<String>,
 }
 
-/// The host values of `step`'s inputs that replay feeds both sides: the reference's own with
-/// the candidate's selections (engine candidate), or the trace's (trace candidate; a selection
-/// the trace lacks comes from the reference, other missing inputs make the step unreplayable:
-/// `Err` names the first).
-fn replay_inputs<R: Engine, C: Engine>(
+/// The host values of `step`'s inputs that replay feeds both sides of an engine candidate: the
+/// reference's own with the candidate's selections.
+fn replay_inputs<R: Engine>(
     refr: &Runner<'_, R>,
-    candidate: &Candidate<'_, C>,
     step: &Step,
-    start: &[(String, HostTensor)],
     cand_sel: &HashMap<String, HostTensor>,
 ) -> Result<std::result::Result<ReplayInputs, String>> {
     let mut r = ReplayInputs {
         values: Vec::with_capacity(step.inputs.len()),
         substituted: false,
-        note: None,
     };
     let reference_value = |n: &str| -> Result<HostTensor> {
         let t = refr
@@ -349,32 +337,13 @@ fn replay_inputs<R: Engine, C: Engine>(
         refr.engine().download(t)
     };
     for n in &step.inputs {
-        match candidate {
-            Candidate::Engine(_) => {
-                let own = reference_value(n)?;
-                match cand_sel.get(n) {
-                    Some(c) if step.op != Op::Alias && *c != own => {
-                        r.substituted = true;
-                        r.values.push(c.clone());
-                    }
-                    _ => r.values.push(own),
-                }
+        let own = reference_value(n)?;
+        match cand_sel.get(n) {
+            Some(c) if step.op != Op::Alias && *c != own => {
+                r.substituted = true;
+                r.values.push(c.clone());
             }
-            Candidate::Trace(tr) => match tr.get(n)? {
-                Some(t) => r.values.push(t),
-                // The run's starting values stand for the trace's when it lacks them (a trace
-                // of layers A..B only): both sides then start from the same residual.
-                None => match start.iter().find(|(s, _)| s == n) {
-                    Some((_, t)) => r.values.push(t.clone()),
-                    None if is_selection(n) => {
-                        r.values.push(reference_value(n)?);
-                        r.note = Some(format!(
-                            "{n} is not in the trace: the reference's selection was used"
-                        ));
-                    }
-                    None => return Ok(Err(format!("input {n} is not in the trace"))),
-                },
-            },
+            _ => r.values.push(own),
         }
     }
     Ok(Ok(r))
@@ -382,7 +351,7 @@ fn replay_inputs<R: Engine, C: Engine>(
 
 /// Runs `step` on `engine` from host `inputs` and returns every output `wants` asks for, as host
 /// tensors (an alias returns its input).
-fn replay_step<E: Engine>(
+pub(super) fn replay_step<E: Engine>(
     engine: &E,
     step: &Step,
     inputs: &[HostTensor],

@@ -125,6 +125,16 @@ impl PairSink for Capture<'_> {
     fn replay_inputs(&mut self, step: &Step, inputs: &[HostTensor]) {
         self.pending = Some((step.clone(), inputs.to_vec()));
     }
+
+    fn reference_only(
+        &mut self,
+        name: &str,
+        mode: Mode,
+        inputs: &[String],
+        reference: &HostTensor,
+    ) {
+        self.inner.reference_only(name, mode, inputs, reference);
+    }
 }
 
 /// One hypothesis tested at the failing hook.

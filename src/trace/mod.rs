@@ -100,6 +100,20 @@ pub trait PairSink {
     fn replay_inputs(&mut self, step: &Step, inputs: &[HostTensor]) {
         let _ = (step, inputs);
     }
+    /// The reference's value of hook `name` in `mode`, computed by a step that read `inputs`,
+    /// where the candidate has none (a hook a trace lacks): in replay a step inside a segment
+    /// (the reference runs from the trace's nearest hooks through the ones it lacks), whose
+    /// steps compose the segment's floor. Handed over for every such hook, wanted or not,
+    /// before any pair that reads it. Default: ignored.
+    fn reference_only(
+        &mut self,
+        name: &str,
+        mode: Mode,
+        inputs: &[String],
+        reference: &HostTensor,
+    ) {
+        let _ = (name, mode, inputs, reference);
+    }
 }
 
 /// Receives hook tensors.
