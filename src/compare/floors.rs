@@ -73,7 +73,8 @@
 //!   (1.0). The gains are 1 for norms, projections, RoPE and the router, 2 for attention, the
 //!   index scores, SwiGLU and the shared expert, 2.5 for the routed experts (from their input;
 //!   1 from their routing weights, which scale the experts' outputs linearly); 0 for selections
-//!   (ids carry no float error). The median, not the largest: the SAFETY of every floor in the sum covers
+//!   (ids carry no float error; a selection that flips is handled apart, by its near-tie
+//!   alternatives). The median, not the largest: the SAFETY of every floor in the sum covers
 //!   the spread, and the clean dumps stay as far under the composed floors as under the
 //!   floors of single steps (`tests/hook_subsets.rs` prints both).
 //! - A residual add weighs its inputs' errors by their sizes (`|a|`, the L2 norm of the

@@ -37,10 +37,10 @@ use super::floors::{floor, point_of, segment_floor, Carried, HookInfo, Precision
 use super::graph::order_key;
 use super::logits::{analyse, LogitsReport};
 use super::metrics::{compare, Metrics};
-use super::selection::{judge_flips, FlipStats, Scores};
+use super::selection::{judge_flips, near_tie_swaps, FlipStats, Scores};
 use crate::model::names::split_blk;
 use crate::tensor::HostTensor;
-use crate::trace::{Mode, Pair, PairSink};
+use crate::trace::{Mode, Pair, PairSink, Swap};
 use crate::util::glob::matches as glob_match;
 
 /// How one hook fared in one mode.
@@ -743,6 +743,40 @@ impl PairSink for Comparison {
                 through: in_order(through),
             },
         );
+        // The reference's own scores judge the selection after them and give its near ties,
+        // with the error they may carry here.
+        if matches!(point_of(name), "moe_probs" | "indexer_scores") {
+            let own = self.judge.floor(name);
+            self.keep_scores(name, mode, reference.clone(), rel.max(own));
+        }
+    }
+
+    fn near_ties(
+        &self,
+        selection: &str,
+        mode: Mode,
+        chosen: &HostTensor,
+        per_row: usize,
+    ) -> Vec<Swap> {
+        let Some(scores) = self.scores_for(selection, mode) else {
+            return Vec::new();
+        };
+        let (Ok(ids), Some(&width)) = (chosen.as_i32(selection), chosen.shape.last()) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (t, row) in ids.chunks(width.max(1)).enumerate() {
+            for s in near_tie_swaps(&scores, t, row, per_row) {
+                out.push(Swap {
+                    row: t,
+                    left: s.left,
+                    entered: s.entered,
+                    margin: s.margin,
+                    tolerance: s.tolerance,
+                });
+            }
+        }
+        out
     }
 
     fn missing(&mut self, name: &str, mode: Mode, why: &str) {

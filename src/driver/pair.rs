@@ -20,7 +20,7 @@
 //! Against a trace, replay runs in [`super::segment`]: where the trace lacks a step's input,
 //! the reference computes it from the trace's nearest hooks upstream, so a segment of steps is
 //! compared as one at the next hook the trace has; a selection the trace lacks is the
-//! reference's own, made from the trace's inputs.
+//! reference's own, with its near-tie alternatives tried against the candidate's output.
 //!
 //! Both engines are told the weights of the layers they run (`Engine::begin_layer` and the other
 //! residency hooks, see [`super`]); a candidate engine that only replays is told only of the

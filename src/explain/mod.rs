@@ -28,7 +28,7 @@ use crate::model::names::{self, blk};
 use crate::model::steps::{point, Op, Step};
 use crate::model::{Gating, Weights};
 use crate::quant::GgmlType;
-use crate::trace::{Mode, Pair, PairSink};
+use crate::trace::{Mode, Pair, PairSink, Swap};
 use crate::util::progress::Progress;
 
 /// The step behind the first failing replay hook, with everything needed to recompute it.
@@ -134,6 +134,16 @@ impl PairSink for Capture<'_> {
         reference: &HostTensor,
     ) {
         self.inner.reference_only(name, mode, inputs, reference);
+    }
+
+    fn near_ties(
+        &self,
+        selection: &str,
+        mode: Mode,
+        chosen: &HostTensor,
+        per_row: usize,
+    ) -> Vec<Swap> {
+        self.inner.near_ties(selection, mode, chosen, per_row)
     }
 }
 

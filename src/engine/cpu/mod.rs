@@ -25,7 +25,7 @@ use super::{Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
 use crate::model::{rope, RopeSlice, Weights};
 
 pub use attention::{causal_top_k, mla_host, Rotate};
-pub use moe::route_token;
+pub use moe::{route_token, selected_weights};
 pub use stats::{ThreadTimer, WeightCounts, WeightStats};
 pub use weights::{assemble_kv_b, Matrix, RowSource, Rows};
 
