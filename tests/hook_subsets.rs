@@ -1,9 +1,10 @@
 //! Traces of engines that do not hand over every hook (RoPE fused into attention, the router in
-//! one kernel, llama.cpp's graph names, layer outputs only), made from the real bf16 dumps of
-//! `fixtures/engines/` by keeping a subset of their hooks (`common::subset`). Replay runs across
-//! the missing hooks: every clean dump must still come out clean in replay and in both modes,
-//! and every planted bug must still exit 1, named at its own hook or at the segment that
-//! contains it.
+//! one kernel, llama.cpp's graph names, layer outputs only, no selection scores), made from the
+//! real bf16 dumps of `fixtures/engines/` by keeping a subset of their hooks (`common::subset`).
+//! Replay runs across the missing hooks: every clean dump must still come out clean in replay
+//! and in both modes (its selections judged by margin on the reference's own scores, the
+//! near-tie alternatives kept being what the candidate really selected), and every planted bug
+//! must still exit 1, named at its own hook or at the segment that contains it.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -109,6 +110,7 @@ fn engines_without_every_hook_are_clean_and_planted_bugs_are_named() {
     let mut rows: Vec<String> = Vec::new();
     let mut clean_runs: BTreeMap<(&str, &str), (usize, usize)> = BTreeMap::new();
     let mut alts = 0usize;
+    let mut judged = 0usize;
     let mut bad: Vec<String> = Vec::new();
     // Per subset: the largest clean segment error over its floor (hook), the smallest planted
     // one (hook).
@@ -119,7 +121,7 @@ fn engines_without_every_hook_are_clean_and_planted_bugs_are_named() {
         let name = trace.file_name().unwrap().to_string_lossy().into_owned();
         let expect = meta.get("expect_first_divergence");
         let full = read_trace(trace).unwrap();
-        for subset in &SUBSETS[..3] {
+        for subset in SUBSETS {
             let sub = dir.path().join(format!("{subset}.{name}"));
             write_subset(
                 trace,
@@ -188,6 +190,17 @@ fn engines_without_every_hook_are_clean_and_planted_bugs_are_named() {
                         }
                     }
                 }
+                // Every flip is judged by margin, on the reference's own scores where the
+                // candidate has none.
+                for r in j["records"].as_array().into_iter().flatten() {
+                    for m in ["replay", "chained"] {
+                        let f = &r[m]["flips"];
+                        if !f.is_null() && f["judged"] != true {
+                            bad.push(format!("{name} {subset} {mode}: {} {m}: {f}", r["hook"]));
+                        }
+                        judged += usize::from(!f.is_null() && *subset == "no_scores");
+                    }
+                }
                 // The text names the first divergence as the JSON does (its segment).
                 let shown = format!(
                     "first divergence (replay, the step's own error): {}",
@@ -220,7 +233,7 @@ fn engines_without_every_hook_are_clean_and_planted_bugs_are_named() {
     }
     eprintln!("\n| subset | worst clean segment error / floor | smallest planted error / floor |");
     eprintln!("|---|---|---|");
-    for subset in &SUBSETS[..3] {
+    for subset in SUBSETS {
         let c = clean_worst.get(subset).cloned().unwrap_or_default();
         let p = planted_least.get(subset).cloned().unwrap_or_default();
         eprintln!("| {subset} | {:.3} ({}) | {:.1} ({}) |", c.0, c.1, p.0, p.1);
@@ -229,6 +242,10 @@ fn engines_without_every_hook_are_clean_and_planted_bugs_are_named() {
         "near-tie alternatives kept in clean dumps: {alts}, each the candidate's own selection"
     );
     assert!(bad.is_empty(), "{}", bad.join("\n"));
+    assert!(
+        judged > 0,
+        "selections without their scores must be judged by margin"
+    );
     assert!(
         alts > 0,
         "the long DSA prompts must need near-tie alternatives"

@@ -20,11 +20,16 @@
 //!   divergence. Drift names where it started (hook, token, margin).
 //! - The first divergence of a mode is the first hook, in the order of the forward pass, that
 //!   fails in it. The outcome differs (exit 1) when replay has a failure, when chained has a
-//!   confident flip or NaN/Inf, or when only chained ran and it has a failure.
+//!   confident flip or NaN/Inf, or when chained fails at a hook replay has no verdict on (replay
+//!   did not run, compared nothing, or could not replay that hook's step).
 //! - **Segments** (replay against a trace that lacks hooks): a hook whose step read hooks the
 //!   trace lacks ends a segment (the reference ran from the trace's nearest hooks through the
 //!   ones it lacks, [`PairSink::reference_only`]); it is judged against the floor composed over
 //!   the segment's steps (`floors`, Segments), and its record names the segment.
+//! - **Margins** come from the reference's own scores: when the candidate lacks the score hook
+//!   its reference value is still handed over, and the tolerance is the one the scores would
+//!   have had (replay: their floor, composed inside a segment; chained: their floor plus what
+//!   their inputs carry, amplified).
 //! - `--tol GLOB=VALUE` replaces the floor of matching hooks; `--precision GLOB=DTYPE` sets the
 //!   candidate's precision for matching hooks (an FP8 indexer: `blk.*.indexer_*=fp8`).
 
@@ -211,6 +216,9 @@ pub struct Comparison {
     scores: HashMap<(Mode, &'static str), (String, HostTensor, f64)>,
     /// Replay: hooks the candidate lacks that the reference computed inside a segment.
     inside: HashMap<String, Inside>,
+    /// Chained: hooks the candidate lacks, with what stands for their chained error (what
+    /// their inputs carry, passed on by their step, plus its floor) and its drift origin.
+    chained_missing: HashMap<String, (f64, Option<String>)>,
 }
 
 /// A hook inside a segment (replay): what it carries, and where its segment started.
@@ -253,6 +261,7 @@ impl Comparison {
             logits: Vec::new(),
             scores: HashMap::new(),
             inside: HashMap::new(),
+            chained_missing: HashMap::new(),
         }
     }
 
@@ -304,7 +313,19 @@ impl Comparison {
     fn upstream_chained(&self, inputs: &[String]) -> (f64, Option<String>) {
         let (mut err, mut origin) = (0f64, None);
         for n in inputs {
-            let Some(r) = self.index.get(n).map(|&i| &self.records[i]) else {
+            let compared = self.index.get(n).map(|&i| &self.records[i]).filter(|r| {
+                r.chained
+                    .as_ref()
+                    .is_some_and(|c| c.status != Status::Missing)
+            });
+            let Some(r) = compared else {
+                // A hook the candidate lacks stands for its own inputs.
+                if let Some((e, o)) = self.chained_missing.get(n) {
+                    err = err.max(*e);
+                    if origin.is_none() {
+                        origin = o.clone();
+                    }
+                }
                 continue;
             };
             let Some(c) = &r.chained else { continue };
@@ -561,7 +582,6 @@ impl Comparison {
 
     /// Whether the comparison found a difference (module documentation).
     pub fn differs(&self) -> bool {
-        let ran = |mode: Mode| self.records.iter().any(|r| r.result(mode).is_some());
         let chained_hard = self.records.iter().any(|r| {
             r.chained.as_ref().is_some_and(|c| {
                 let nonfinite =
@@ -573,7 +593,19 @@ impl Comparison {
         });
         self.first_divergence(Mode::Replay).is_some()
             || chained_hard
-            || (!ran(Mode::Replay) && self.first_divergence(Mode::Chained).is_some())
+            || self.records.iter().any(Self::chained_counts)
+    }
+
+    /// Whether `r`'s chained failure makes the outcome differ: replay has no verdict on it (it
+    /// did not run, compared nothing, or could not replay the hook's step), so the chained one
+    /// is all there is.
+    fn chained_counts(r: &HookRecord) -> bool {
+        let failed = r.chained.as_ref().is_some_and(|c| c.status == Status::Fail);
+        let no_replay = r
+            .replay
+            .as_ref()
+            .is_none_or(|x| x.status == Status::Missing);
+        failed && no_replay
     }
 
     /// Per-layer summaries in order (global hooks are grouped under `None`).
@@ -719,35 +751,47 @@ impl PairSink for Comparison {
         inputs: &[String],
         reference: &HostTensor,
     ) {
-        if mode != Mode::Replay {
-            return;
-        }
-        let (carried, from, mut through) = self
-            .segment_inputs(name, inputs)
-            .unwrap_or_else(|| (Vec::new(), in_order(inputs.to_vec()), Vec::new()));
-        let rel = if reference.as_i32("").is_ok() {
-            0.0
-        } else {
-            self.composed_floor(name, &carried, reference)
+        let own = self.judge.floor(name);
+        let rel = match mode {
+            Mode::Replay => {
+                let (carried, from, mut through) = self
+                    .segment_inputs(name, inputs)
+                    .unwrap_or_else(|| (Vec::new(), in_order(inputs.to_vec()), Vec::new()));
+                let ids = reference.as_i32("").is_ok();
+                let rel = if ids {
+                    0.0
+                } else {
+                    self.composed_floor(name, &carried, reference)
+                };
+                through.push(name.to_string());
+                self.inside.insert(
+                    name.to_string(),
+                    Inside {
+                        carried: Carried {
+                            rel,
+                            norm: l2(reference),
+                            gain: 1.0,
+                        },
+                        from,
+                        through: in_order(through),
+                    },
+                );
+                rel.max(own)
+            }
+            Mode::Chained => {
+                // What stands for its chained error downstream: what its inputs carry, passed on
+                // by its step (`Kind::gain`), plus the step's floor.
+                let (up, origin) = self.upstream_chained(inputs);
+                let kind = self.judge.info(name).kind;
+                self.chained_missing
+                    .insert(name.to_string(), (own + kind.gain() * up, origin));
+                // What the scores would be allowed in chained mode: the floor plus what their
+                // inputs carry, amplified.
+                own + kind.chain_amp() * up
+            }
         };
-        through.push(name.to_string());
-        self.inside.insert(
-            name.to_string(),
-            Inside {
-                carried: Carried {
-                    rel,
-                    norm: l2(reference),
-                    gain: 1.0,
-                },
-                from,
-                through: in_order(through),
-            },
-        );
-        // The reference's own scores judge the selection after them and give its near ties,
-        // with the error they may carry here.
         if matches!(point_of(name), "moe_probs" | "indexer_scores") {
-            let own = self.judge.floor(name);
-            self.keep_scores(name, mode, reference.clone(), rel.max(own));
+            self.keep_scores(name, mode, reference.clone(), rel);
         }
     }
 
@@ -1038,6 +1082,94 @@ mod tests {
             vec![1.0, 0.0],
         );
         assert!(c.get("blk.0.attn_out").unwrap().segment.is_none());
+    }
+
+    /// The candidate lacks the router probabilities: its flips are still judged by margin, on
+    /// the reference's own scores, and the near-tie alternatives of a selection come from them.
+    #[test]
+    fn margins_come_from_the_reference_when_the_candidate_lacks_the_scores() {
+        let probs = f(vec![0.9, 0.5, 0.4999, 0.1]);
+        let ids = |v: Vec<i32>| HostTensor::i32(vec![1, 2], v).unwrap();
+        let logits = vec!["blk.1.moe_logits".to_string()];
+        for mode in [Mode::Replay, Mode::Chained] {
+            let mut c = Comparison::new(judge(), Box::new(|_| true), &[1]);
+            c.reference_only("blk.1.moe_probs", mode, &logits, &probs);
+            let swaps = c.near_ties("blk.1.moe_topk_ids", mode, &ids(vec![0, 1]), 4);
+            assert_eq!(swaps.len(), 1, "{mode}: {swaps:?}");
+            assert_eq!(
+                (swaps[0].row, &swaps[0].left[..], &swaps[0].entered[..]),
+                (0, &[1][..], &[2][..])
+            );
+            c.record(Pair {
+                name: "blk.1.moe_topk_ids",
+                mode,
+                inputs: &logits,
+                reference: ids(vec![0, 1]),
+                candidate: ids(vec![0, 2]),
+                note: None,
+            })
+            .unwrap();
+            let r = c.records()[0].result(mode).unwrap();
+            assert_eq!(r.status, Status::NearTie, "{mode}: {r:?}");
+            assert!(r.flips.as_ref().unwrap().judged);
+            assert!(!c.differs());
+        }
+        // Without them (no reference value handed over) the flip is not judged: confident.
+        let mut c = Comparison::new(judge(), Box::new(|_| true), &[1]);
+        c.record(Pair {
+            name: "blk.1.moe_topk_ids",
+            mode: Mode::Replay,
+            inputs: &logits,
+            reference: ids(vec![0, 1]),
+            candidate: ids(vec![0, 2]),
+            note: None,
+        })
+        .unwrap();
+        assert!(c.records()[0]
+            .replay
+            .as_ref()
+            .unwrap()
+            .note
+            .as_deref()
+            .unwrap()
+            .contains("margins unknown"));
+    }
+
+    /// A chained failure makes the outcome differ where replay has no verdict on the hook (it
+    /// could not replay its step), not where replay passed it.
+    #[test]
+    fn chained_failures_count_where_replay_has_no_verdict() {
+        let none: Vec<String> = vec![];
+        for replay_missing in [false, true] {
+            let mut c = Comparison::new(judge(), Box::new(|_| true), &[1]);
+            push(
+                &mut c,
+                "blk.0.q_b",
+                Mode::Chained,
+                &none,
+                vec![1.0, 0.0],
+                vec![2.0, 0.0],
+            );
+            if replay_missing {
+                c.missing(
+                    "blk.0.q_b",
+                    Mode::Replay,
+                    "input blk.0.q_a_norm is not in the trace",
+                );
+            } else {
+                push(
+                    &mut c,
+                    "blk.0.q_b",
+                    Mode::Replay,
+                    &none,
+                    vec![1.0, 0.0],
+                    vec![1.0, 0.0],
+                );
+            }
+            assert!(c.first_divergence(Mode::Chained).is_some());
+            assert!(c.first_divergence(Mode::Replay).is_none());
+            assert_eq!(c.differs(), replay_missing);
+        }
     }
 
     /// Router probabilities [0.9, 0.5, 0.4999, 0.1] for one token, top-2: the reference picks

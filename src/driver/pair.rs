@@ -29,7 +29,9 @@
 //! Every output the sink wants is downloaded, handed to the sink as a (reference, candidate) pair
 //! and dropped: nothing accumulates here, so memory stays bounded by a layer's activations.
 //! Hooks that cannot be compared (missing from a trace, or a step whose inputs are missing) are
-//! reported to the sink as missing, not as errors.
+//! reported to the sink as missing, not as errors; the reference's value of a hook a trace
+//! lacks is handed to the sink on its own ([`PairSink::reference_only`]: its scores judge a
+//! selection's flips, its steps compose a segment's floor).
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -445,6 +447,7 @@ fn hand_over(
                 summary.pairs += 1;
             }
             None => {
+                sink.reference_only(&name, mode, &step.inputs, &r);
                 sink.missing(&name, mode, absent);
                 summary.missing += 1;
             }
