@@ -302,8 +302,9 @@ fn flat_logits_modes_and_all_steps() {
     }
 }
 
-/// A trace without the DSA selection still replays attention, on the reference's selection,
-/// and says so; `compare --map` reads a trace whose hooks have other names.
+/// A trace without the DSA selection still replays attention, on the reference's selection
+/// made from the trace's own scores, and says so; `compare --map` reads a trace whose hooks
+/// have other names.
 #[test]
 fn selection_fallback_and_name_map() {
     let cache = tempfile::tempdir().unwrap();
@@ -343,7 +344,7 @@ fn selection_fallback_and_name_map() {
         rec["replay"]["note"]
             .as_str()
             .unwrap()
-            .contains("blk.1.indexer_topk is not in the trace: the reference's selection was used"),
+            .contains("blk.1.indexer_topk not in the trace: the reference's own selection from the trace's inputs"),
         "{rec}"
     );
 
@@ -390,7 +391,8 @@ fn selection_fallback_and_name_map() {
     assert!(text(&o).contains("/no/map.json"), "{}", text(&o));
 }
 
-/// Hooks missing from a trace are listed, not fatal; a trace of other tokens is an error.
+/// Hooks missing from a trace are listed, not fatal, and replay runs across them (the steps
+/// that read them are compared as segments); a trace of other tokens is an error.
 #[test]
 fn missing_hooks_are_listed_and_other_tokens_refused() {
     let cache = tempfile::tempdir().unwrap();
@@ -430,10 +432,30 @@ fn missing_hooks_are_listed_and_other_tokens_refused() {
     };
     assert_eq!(status("blk.0.q_a", "chained"), "missing");
     assert_eq!(status("blk.0.q_a", "replay"), "missing");
-    // q_a_norm reads q_a: not replayable from the trace; blk.2's attn_norm reads blk.1.l_out.
-    assert_eq!(status("blk.0.q_a_norm", "replay"), "missing");
+    // q_a_norm reads q_a, which the reference computes from the trace's attn_norm; blk.2's
+    // attn_norm reads blk.1.l_out, computed from the trace's blk.1.ffn_inp and ffn_out.
+    let segment = |hook: &str| -> Value {
+        j["records"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["hook"] == hook)
+            .map(|r| r["segment"].clone())
+            .unwrap_or_default()
+    };
+    assert_eq!(status("blk.0.q_a_norm", "replay"), "pass");
     assert_eq!(status("blk.0.q_a_norm", "chained"), "pass");
-    assert_eq!(status("blk.2.attn_norm", "replay"), "missing");
+    assert_eq!(
+        segment("blk.0.q_a_norm")["name"],
+        "blk.0.q_a..blk.0.q_a_norm"
+    );
+    assert_eq!(segment("blk.0.q_a_norm")["from"][0], "blk.0.attn_norm");
+    assert_eq!(status("blk.2.attn_norm", "replay"), "pass");
+    assert_eq!(
+        segment("blk.2.attn_norm")["name"],
+        "blk.1.l_out..blk.2.attn_norm"
+    );
+    assert!(segment("blk.0.q_b").is_null());
     assert!(text(&o).contains("not compared:"), "{}", text(&o));
 
     let o = glmdiff(

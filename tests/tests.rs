@@ -6,6 +6,7 @@ mod engines;
 mod faults;
 mod gpu;
 mod hook_script;
+mod hook_subsets;
 mod inputs;
 mod malformed;
 mod outputs;

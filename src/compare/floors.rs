@@ -41,6 +41,45 @@
 //! In chained mode a hook also carries its inputs' accumulated error: it may show
 //! `floor + CHAIN_AMP_k * max(chained error of its inputs)` ([`Kind::chain_amp`]) before it
 //! counts as a jump.
+//!
+//! # Segments
+//! A trace that lacks some hooks (a serving engine fuses RoPE into attention, the router into
+//! one kernel) is replayed across them: the reference runs from the trace's nearest hooks
+//! through the steps whose outputs the trace lacks to the next hook it has, and that *segment*
+//! is judged as one. Its floor is composed from its steps ([`segment_floor`]), step by step in
+//! the order they run, each hook inside the segment carrying the relative error `F` a correct
+//! engine may have reached there (hooks taken from the trace carry none: both sides read the
+//! same values):
+//!
+//! ```text
+//! F(out)   = sqrt( floor(out)^2 + (max over inputs of gain_k(in) * F(in))^2 )
+//! F(a + b) = sqrt( floor^2 + ((F(a) |a|)^2 + (F(b) |b|)^2) / |a + b|^2 )
+//! ```
+//!
+//! - The step's own rounding is independent of what its inputs carry, so the two add in
+//!   quadrature, as the roundings inside one step do in the floor itself; every term keeps the
+//!   floors' `SAFETY`, so the sum does too.
+//! - A step's inputs inside a segment mostly share their ancestry (attention reads `q_b` and
+//!   the `q_pe_rope` made from it, SwiGLU a gate and an up projection of the same norm), so
+//!   their errors are correlated: the largest one is carried on, as in the chained rule, not
+//!   their sum in quadrature (which would count the shared part twice).
+//! - `gain_k` ([`Kind::gain`]) is how much a relative error of the step's inputs shows in its
+//!   output: a typical size, where [`Kind::chain_amp`] bounds what a drifting run may pass on.
+//!   Measured on the 24 clean bf16 dumps of `fixtures/engines/` as the chained error of a hook
+//!   over the largest chained error of its inputs (where that is at least 3x the hook's own
+//!   replay error), median (largest): norms, projections and RoPE 1.0 (1.3), attention 1.6
+//!   (3.9), the DSA index scores 1.7 (1.9), SwiGLU 1.6 (2.2), the shared expert 1.3 (2.6), the
+//!   routed experts 2.2 (3.4), router probabilities 0.5 (0.8) and weights 0.2 (2.0), adds 0.7
+//!   (1.0). The gains are 1 for norms, projections, RoPE and the router, 2 for attention, the
+//!   index scores, SwiGLU and the shared expert, 2.5 for the routed experts (from their input;
+//!   1 from their routing weights, which scale the experts' outputs linearly); 0 for selections
+//!   (ids carry no float error; a selection that flips is handled apart, by its near-tie
+//!   alternatives). The median, not the largest: the SAFETY of every floor in the sum covers
+//!   the spread, and the clean dumps stay as far under the composed floors as under the
+//!   floors of single steps (`tests/hook_subsets.rs` prints both).
+//! - A residual add weighs its inputs' errors by their sizes (`|a|`, the L2 norm of the
+//!   reference's value): a branch's error is diluted by the residual stream it joins, which is
+//!   what a layer output shows.
 
 use std::collections::HashMap;
 
@@ -135,6 +174,31 @@ impl Kind {
         }
     }
 
+    /// How much a relative error of the step's inputs shows in its output, inside a segment
+    /// (module documentation, Segments). Adds are composed by size ([`segment_floor`]).
+    pub fn gain(self) -> f64 {
+        match self {
+            Kind::Embed | Kind::Selection | Kind::Zeros => 0.0,
+            Kind::Norm
+            | Kind::Linear
+            | Kind::Rope
+            | Kind::Add
+            | Kind::RouterProbs
+            | Kind::RouterWeights => 1.0,
+            Kind::Attention | Kind::IndexerScores | Kind::SwiGlu | Kind::Mlp => 2.0,
+            Kind::Experts => 2.5,
+        }
+    }
+
+    /// [`Kind::gain`] of the input whose point is `input`: the routed experts pass on the
+    /// error of their routing weights (`moe_weights`) once, as the factors of their sum.
+    pub fn gain_from(self, input: &str) -> f64 {
+        match (self, input) {
+            (Kind::Experts, "moe_weights") => 1.0,
+            _ => self.gain(),
+        }
+    }
+
     /// The kind of a hook from its point name alone (`blk.L.<point>` or a global name).
     pub fn of_point(point: &str) -> Kind {
         match point {
@@ -206,6 +270,31 @@ pub fn floor(info: &HookInfo, reference: Precision, candidate: Precision) -> f64
     let (n, amp) = info.kind.shape();
     let k = info.k.unwrap_or(0) as f64;
     SAFETY * (n.sqrt() * amp * u + u_acc * k.sqrt())
+}
+
+/// What an input of a step inside a segment carries: the relative error a correct engine may
+/// have reached there, and the L2 norm of the reference's value.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Carried {
+    /// Relative L2 error allowed (0 for a hook taken from the trace).
+    pub rel: f64,
+    /// `|value|` (L2 over the whole tensor).
+    pub norm: f64,
+    /// How much of it the step passes on ([`Kind::gain_from`]; adds weigh by size instead).
+    pub gain: f64,
+}
+
+/// The floor of a step's output inside a segment (module documentation, Segments): the
+/// step's own `floor` and what its `inputs` carry, of a step of `kind` whose output has L2
+/// norm `out_norm`.
+pub fn segment_floor(kind: Kind, floor: f64, inputs: &[Carried], out_norm: f64) -> f64 {
+    let carried = if kind == Kind::Add && out_norm > 0.0 {
+        let sum: f64 = inputs.iter().map(|c| (c.rel * c.norm).powi(2)).sum();
+        sum.sqrt() / out_norm
+    } else {
+        inputs.iter().map(|c| c.gain * c.rel).fold(0.0, f64::max)
+    };
+    (floor * floor + carried * carried).sqrt()
 }
 
 /// [`HookInfo`] of every hook a plan's steps produce (extras included), with reduction lengths
@@ -338,6 +427,32 @@ mod tests {
             assert_eq!(got, hook_infos(&[as_linear], &w)[hook], "{f}");
             assert_eq!((got.kind, got.k), (Kind::Linear, Some(hp.hidden)), "{f}");
         }
+    }
+
+    #[test]
+    fn segment_floors_by_hand() {
+        let c = |rel: f64, norm: f64, gain: f64| Carried { rel, norm, gain };
+        // A projection of an input carrying 0.03: sqrt(0.04^2 + 0.03^2) = 0.05.
+        let f = segment_floor(Kind::Linear, 0.04, &[c(0.03, 1.0, 1.0)], 1.0);
+        assert!((f - 0.05).abs() < 1e-12);
+        // The largest input, by its gain: max(0.03 * 1, 0.02 * 2) = 0.04 -> sqrt(0.03^2 + 0.04^2).
+        let f = segment_floor(
+            Kind::Attention,
+            0.03,
+            &[c(0.03, 1.0, 1.0), c(0.02, 1.0, 2.0)],
+            1.0,
+        );
+        assert!((f - 0.05).abs() < 1e-12);
+        // An add weighs by size: a carries 0.1 at |a| = 3, b (from the trace) nothing, |a + b| =
+        // 5: 0.1 * 3 / 5 = 0.06, with its own 0.08: 0.1.
+        let f = segment_floor(Kind::Add, 0.08, &[c(0.1, 3.0, 1.0), c(0.0, 4.0, 1.0)], 5.0);
+        assert!((f - 0.1).abs() < 1e-12);
+        // Nothing carried: the step's own floor.
+        assert_eq!(segment_floor(Kind::Norm, 0.027, &[], 1.0), 0.027);
+        // The experts pass on their routing weights' error once, their input's 2.5 times.
+        assert_eq!(Kind::Experts.gain_from("moe_weights"), 1.0);
+        assert_eq!(Kind::Experts.gain_from("ffn_norm"), 2.5);
+        assert_eq!(Kind::Selection.gain(), 0.0);
     }
 
     #[test]

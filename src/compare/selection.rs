@@ -151,58 +151,81 @@ pub fn judge_flips(
     st
 }
 
-/// `(margin, tolerance)` of row `t` (module documentation).
-fn row_margin(s: &Scores<'_>, t: usize, entered: &[i32], left: &[i32]) -> (f64, f64) {
-    let Some(row) = s.values.get(t * s.cols..(t + 1) * s.cols) else {
-        return (f64::INFINITY, 0.0);
-    };
-    let finite: Vec<f64> = row
-        .iter()
-        .filter(|x| x.is_finite())
-        .map(|&x| f64::from(x))
-        .collect();
-    let rms = if finite.is_empty() {
-        0.0
-    } else {
-        (finite.iter().map(|x| x * x).sum::<f64>() / finite.len() as f64).sqrt()
-    };
-    let score = |i: i32| -> f64 {
-        if i < 0 || i as usize >= s.cols {
+/// One row of scores as selection sees it: values with the bias added, group scores, and the
+/// row's tolerance.
+struct RowScores<'a> {
+    row: &'a [f32],
+    s: &'a Scores<'a>,
+    /// Group-limited routing: the sum of each group's two best selection scores.
+    group_scores: Option<Vec<f64>>,
+    /// `rel_tol * rms(finite scores of the row)`.
+    tolerance: f64,
+}
+
+impl<'a> RowScores<'a> {
+    /// Row `t` of `s`, `None` past the last row.
+    fn new(s: &'a Scores<'a>, t: usize) -> Option<RowScores<'a>> {
+        let row = s.values.get(t * s.cols..(t + 1) * s.cols)?;
+        let finite: Vec<f64> = row
+            .iter()
+            .filter(|x| x.is_finite())
+            .map(|&x| f64::from(x))
+            .collect();
+        let rms = if finite.is_empty() {
+            0.0
+        } else {
+            (finite.iter().map(|x| x * x).sum::<f64>() / finite.len() as f64).sqrt()
+        };
+        let mut r = RowScores {
+            row,
+            s,
+            group_scores: None,
+            tolerance: s.rel_tol * rms,
+        };
+        r.group_scores = s.groups.filter(|&(g, _)| g > 0).map(|(g, _)| {
+            let size = (s.cols / g).max(1);
+            (0..g)
+                .map(|k| {
+                    let mut v: Vec<f64> = (k * size..((k + 1) * size).min(s.cols))
+                        .map(|i| r.score(i as i32))
+                        .collect();
+                    v.sort_by(|a, b| b.total_cmp(a));
+                    v.iter().take(2).sum()
+                })
+                .collect()
+        });
+        Some(r)
+    }
+
+    /// Selection score of column `i` (bias added); NaN outside the row.
+    fn score(&self, i: i32) -> f64 {
+        if i < 0 || i as usize >= self.s.cols {
             return f64::NAN;
         }
-        let b = s
+        let b = self
+            .s
             .bias
             .and_then(|b| b.get(i as usize))
             .map_or(0.0, |&b| f64::from(b));
-        f64::from(row[i as usize]) + b
-    };
-    let gap = |a: f64, b: f64| -> f64 {
-        let d = (a - b).abs();
-        if d.is_nan() {
-            f64::INFINITY
-        } else {
-            d
-        }
-    };
-    // Group scores: the sum of each group's two best selection scores.
-    let group_of = |i: i32, n_group: usize| (i as usize) / (s.cols / n_group).max(1);
-    let group_scores: Option<Vec<f64>> = s.groups.filter(|&(g, _)| g > 0).map(|(g, _)| {
-        let size = (s.cols / g).max(1);
-        (0..g)
-            .map(|k| {
-                let mut v: Vec<f64> = (k * size..((k + 1) * size).min(s.cols))
-                    .map(|i| score(i as i32))
-                    .collect();
-                v.sort_by(|a, b| b.total_cmp(a));
-                v.iter().take(2).sum()
-            })
-            .collect()
-    });
-    let pair_gap = |e: i32, l: i32| -> f64 {
-        let d = gap(score(e), score(l));
-        match (&group_scores, s.groups) {
+        f64::from(self.row[i as usize]) + b
+    }
+
+    /// The gap between `e` entering and `l` leaving (module documentation): their score gap,
+    /// or their groups' when that is smaller; infinite when either is not a score.
+    fn pair_gap(&self, e: i32, l: i32) -> f64 {
+        let gap = |a: f64, b: f64| -> f64 {
+            let d = (a - b).abs();
+            if d.is_nan() {
+                f64::INFINITY
+            } else {
+                d
+            }
+        };
+        let d = gap(self.score(e), self.score(l));
+        match (&self.group_scores, self.s.groups) {
             (Some(gs), Some((g, _))) if e >= 0 && l >= 0 => {
-                let (ge, gl) = (group_of(e, g), group_of(l, g));
+                let group_of = |i: i32| (i as usize) / (self.s.cols / g).max(1);
+                let (ge, gl) = (group_of(e), group_of(l));
                 if ge != gl && ge < gs.len() && gl < gs.len() {
                     d.min(gap(gs[ge], gs[gl]))
                 } else {
@@ -211,6 +234,13 @@ fn row_margin(s: &Scores<'_>, t: usize, entered: &[i32], left: &[i32]) -> (f64, 
             }
             _ => d,
         }
+    }
+}
+
+/// `(margin, tolerance)` of row `t` (module documentation).
+fn row_margin(s: &Scores<'_>, t: usize, entered: &[i32], left: &[i32]) -> (f64, f64) {
+    let Some(r) = RowScores::new(s, t) else {
+        return (f64::INFINITY, 0.0);
     };
     // Different counts (padding where the other side has a key) cannot be a tie.
     let margin = if entered.len() != left.len() {
@@ -220,12 +250,144 @@ fn row_margin(s: &Scores<'_>, t: usize, entered: &[i32], left: &[i32]) -> (f64, 
             .iter()
             .map(|&e| {
                 left.iter()
-                    .map(|&l| pair_gap(e, l))
+                    .map(|&l| r.pair_gap(e, l))
                     .fold(f64::INFINITY, f64::min)
             })
             .fold(0.0, f64::max)
     };
-    (margin, s.rel_tol * rms)
+    (margin, r.tolerance)
+}
+
+/// One near-tie alternative of a selected row: the ids of `left` replaced by those of
+/// `entered` (one each for a swap; a group's experts for a flip of two groups).
+#[derive(Clone, Debug, PartialEq)]
+pub struct NearTieSwap {
+    /// Selected, leave.
+    pub left: Vec<i32>,
+    /// Not selected, enter (as many).
+    pub entered: Vec<i32>,
+    /// The gap ([`judge_flips`]' margin of the row this alternative would give).
+    pub margin: f64,
+    /// The row's tolerance.
+    pub tolerance: f64,
+}
+
+/// The near-tie alternatives of row `t` of a selection made from `s` itself (`chosen`, -1
+/// padding ignored), smallest gap first, at most `max`, each within the row's tolerance:
+///
+/// - a single swap of a selected id for an unselected one with a finite score, whose score gap
+///   is within it (with group-limited routing, only ids of the selected groups: what a near tie
+///   of two experts changes);
+/// - with group-limited routing, a flip of a selected group for an unselected one whose group
+///   scores are within it: the top-k over the other groups (what a near tie of two groups
+///   changes).
+///
+/// These are the flips a near tie makes of a top-k; each is judged by the same gap as
+/// [`judge_flips`].
+pub fn near_tie_swaps(s: &Scores<'_>, t: usize, chosen: &[i32], max: usize) -> Vec<NearTieSwap> {
+    let Some(r) = RowScores::new(s, t) else {
+        return Vec::new();
+    };
+    let tol = r.tolerance;
+    if max == 0 || tol.is_nan() || tol <= 0.0 {
+        return Vec::new();
+    }
+    let mut selected: Vec<i32> = chosen
+        .iter()
+        .copied()
+        .filter(|&i| r.score(i).is_finite())
+        .collect();
+    selected.sort_unstable();
+    selected.dedup();
+    // With groups: the selected groups (the `used` best by group score, ties to the lower).
+    let groups: Option<(usize, Vec<usize>, &Vec<f64>)> = match (&r.group_scores, s.groups) {
+        (Some(gs), Some((g, used))) => {
+            let mut order: Vec<usize> = (0..gs.len()).collect();
+            order.sort_by(|&a, &b| gs[b].total_cmp(&gs[a]).then(a.cmp(&b)));
+            order.truncate(used);
+            Some(((s.cols / g).max(1), order, gs))
+        }
+        _ => None,
+    };
+    let in_selected_group = |i: i32| {
+        groups
+            .as_ref()
+            .is_none_or(|(size, keep, _)| keep.contains(&(i as usize / size)))
+    };
+    let mut others: Vec<i32> = (0..s.cols as i32)
+        .filter(|i| {
+            selected.binary_search(i).is_err() && r.score(*i).is_finite() && in_selected_group(*i)
+        })
+        .collect();
+    let mut found: Vec<NearTieSwap> = Vec::new();
+    // Single swaps: the selected from the lowest score up, the others from the highest down;
+    // once a selected id is more than the tolerance above the best other, so are all after it.
+    let score = |i: i32| r.score(i);
+    selected.sort_by(|&a, &b| score(a).total_cmp(&score(b)));
+    others.sort_by(|&a, &b| score(b).total_cmp(&score(a)));
+    if let Some(&best_other) = others.first() {
+        for &l in &selected {
+            if score(l) - score(best_other) > tol {
+                break;
+            }
+            for &e in &others {
+                if score(l) - score(e) > tol {
+                    break;
+                }
+                let gap = (score(e) - score(l)).abs();
+                if gap <= tol {
+                    found.push(NearTieSwap {
+                        left: vec![l],
+                        entered: vec![e],
+                        margin: gap,
+                        tolerance: tol,
+                    });
+                }
+            }
+        }
+    }
+    // Group flips: the top-k of the selected groups with one exchanged.
+    if let Some((size, keep, gs)) = &groups {
+        let k = selected.len();
+        for &out in keep {
+            for g_in in (0..gs.len()).filter(|g| !keep.contains(g)) {
+                let gap = (gs[out] - gs[g_in]).abs();
+                if gap.is_nan() || gap > tol {
+                    continue;
+                }
+                let mut pool: Vec<i32> = (0..s.cols as i32)
+                    .filter(|&i| {
+                        let g = i as usize / size;
+                        (g == g_in || (keep.contains(&g) && g != out)) && score(i).is_finite()
+                    })
+                    .collect();
+                pool.sort_by(|&a, &b| score(b).total_cmp(&score(a)).then(a.cmp(&b)));
+                pool.truncate(k);
+                pool.sort_unstable();
+                let entered: Vec<i32> = pool
+                    .iter()
+                    .copied()
+                    .filter(|x| !selected.contains(x))
+                    .collect();
+                let left: Vec<i32> = selected
+                    .iter()
+                    .copied()
+                    .filter(|x| pool.binary_search(x).is_err())
+                    .collect();
+                if !entered.is_empty() && entered.len() == left.len() {
+                    found.push(NearTieSwap {
+                        left,
+                        entered,
+                        margin: gap,
+                        tolerance: tol,
+                    });
+                }
+            }
+        }
+    }
+    found.sort_by(|a, b| a.margin.total_cmp(&b.margin));
+    found.truncate(max);
+    found
 }
 
 #[cfg(test)]
@@ -271,6 +433,49 @@ mod tests {
     }
 
     #[test]
+    fn near_tie_swaps_by_hand() {
+        // One row [1.0, 0.9, 0.85, 0.5, 0.1], the top-2 {0, 1}; rms = sqrt(2.7925 / 5) =
+        // 0.747329.
+        let v = [1.0f32, 0.9, 0.85, 0.5, 0.1];
+        let s = Scores {
+            values: &v,
+            cols: 5,
+            bias: None,
+            rel_tol: 0.1, // tolerance 0.0747
+            groups: None,
+        };
+        // Only 2 for 1 is within it (gap 0.05); 2 for 0 is 0.15, 3 for 1 is 0.4.
+        let sw = near_tie_swaps(&s, 0, &[0, 1], 4);
+        assert_eq!(sw.len(), 1);
+        assert_eq!((&sw[0].left[..], &sw[0].entered[..]), (&[1][..], &[2][..]));
+        assert!((sw[0].margin - 0.05).abs() < 1e-6);
+        assert!((sw[0].tolerance - 0.1 * 0.5585f64.sqrt()).abs() < 1e-9);
+        // A wider tolerance (0.187) lets 2 for 0 in too, after the closer one; `max` cuts.
+        let wide = Scores { rel_tol: 0.25, ..s };
+        let sw = near_tie_swaps(&wide, 0, &[0, 1], 4);
+        let pairs: Vec<(i32, i32)> = sw.iter().map(|x| (x.left[0], x.entered[0])).collect();
+        assert_eq!(pairs, [(1, 2), (0, 2)]);
+        assert_eq!(near_tie_swaps(&wide, 0, &[0, 1], 1).len(), 1);
+        // Masked (non-finite) columns never enter, padding never leaves; past the last row,
+        // nothing.
+        let m = [1.0f32, f32::NEG_INFINITY, 0.99];
+        let s = Scores {
+            values: &m,
+            cols: 3,
+            bias: None,
+            rel_tol: 0.1,
+            groups: None,
+        };
+        let sw = near_tie_swaps(&s, 0, &[0, -1], 4);
+        let pairs: Vec<(i32, i32)> = sw.iter().map(|x| (x.left[0], x.entered[0])).collect();
+        assert_eq!(pairs, [(0, 2)]);
+        assert!(near_tie_swaps(&s, 1, &[0, -1], 4).is_empty());
+        // The gap is the one flips are judged by: the swap's margin is the flip's margin.
+        let st = judge_flips(&[0, -1], &[2, -1], 2, Some(&s));
+        assert_eq!(st.margins.unwrap().0, sw[0].margin);
+    }
+
+    #[test]
     fn group_ties_move_whole_groups() {
         // 8 experts in 4 groups of 2, 2 groups used. Scores per group: {0.9, 0.1}, {0.5, 0.45},
         // {0.6, 0.3}, {0.2, 0.1}: group scores 1.0, 0.95, 0.9, 0.3: groups 0 and 1 win;
@@ -290,6 +495,17 @@ mod tests {
         assert_eq!(st.confident, 1); // 0.05 > 0.0459
         let s = Scores { rel_tol: 0.12, ..s }; // tolerance 0.0550
         assert_eq!(judge_flips(&[0, 2], &[0, 4], 2, Some(&s)).near_tie, 1);
+        // Its near-tie alternatives: 3 for 2 (same selected group, gap 0.05), and group 2 for
+        // group 1 (group gap 0.05), whose top-2 over groups {0, 2} is {0, 4}: 4 for 2. Group 3
+        // (0.3) is far from both selected groups; no swap with an expert of an unselected group.
+        let sw = near_tie_swaps(&s, 0, &[0, 2], 4);
+        let mut alts: Vec<(Vec<i32>, Vec<i32>)> = sw
+            .iter()
+            .map(|x| (x.left.clone(), x.entered.clone()))
+            .collect();
+        alts.sort();
+        assert_eq!(alts, [(vec![2], vec![3]), (vec![2], vec![4])]);
+        assert!(sw.iter().all(|x| (x.margin - 0.05).abs() < 1e-6));
         // Without groups the same flip has the expert gap 0.1: confident.
         let s = Scores { groups: None, ..s };
         assert_eq!(judge_flips(&[0, 2], &[0, 4], 2, Some(&s)).confident, 1);

@@ -20,7 +20,16 @@
 //!   divergence. Drift names where it started (hook, token, margin).
 //! - The first divergence of a mode is the first hook, in the order of the forward pass, that
 //!   fails in it. The outcome differs (exit 1) when replay has a failure, when chained has a
-//!   confident flip or NaN/Inf, or when only chained ran and it has a failure.
+//!   confident flip or NaN/Inf, or when chained fails at a hook replay has no verdict on (replay
+//!   did not run, compared nothing, or could not replay that hook's step).
+//! - **Segments** (replay against a trace that lacks hooks): a hook whose step read hooks the
+//!   trace lacks ends a segment (the reference ran from the trace's nearest hooks through the
+//!   ones it lacks, [`PairSink::reference_only`]); it is judged against the floor composed over
+//!   the segment's steps (`floors`, Segments), and its record names the segment.
+//! - **Margins** come from the reference's own scores: when the candidate lacks the score hook
+//!   its reference value is still handed over, and the tolerance is the one the scores would
+//!   have had (replay: their floor, composed inside a segment; chained: their floor plus what
+//!   their inputs carry, amplified).
 //! - `--tol GLOB=VALUE` replaces the floor of matching hooks; `--precision GLOB=DTYPE` sets the
 //!   candidate's precision for matching hooks (an FP8 indexer: `blk.*.indexer_*=fp8`).
 
@@ -29,13 +38,14 @@ use std::collections::HashMap;
 use anyhow::Result;
 use serde::Serialize;
 
-use super::floors::{floor, point_of, HookInfo, Precision, TOKEN_FACTOR};
+use super::floors::{floor, point_of, segment_floor, Carried, HookInfo, Precision, TOKEN_FACTOR};
+use super::graph::order_key;
 use super::logits::{analyse, LogitsReport};
 use super::metrics::{compare, Metrics};
-use super::selection::{judge_flips, FlipStats, Scores};
+use super::selection::{judge_flips, near_tie_swaps, FlipStats, Scores};
 use crate::model::names::split_blk;
 use crate::tensor::HostTensor;
-use crate::trace::{Mode, Pair, PairSink};
+use crate::trace::{Mode, Pair, PairSink, Swap};
 use crate::util::glob::matches as glob_match;
 
 /// How one hook fared in one mode.
@@ -75,6 +85,19 @@ pub struct ModeResult {
     pub drift_from: Option<String>,
 }
 
+/// Steps the reference replayed as one: from hooks of the trace through hooks the trace lacks
+/// to the compared hook (`floors`, Segments).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Segment {
+    /// `FIRST..LAST`: the first hook the reference computed inside the segment and the
+    /// compared hook (`blk.0.q_pe_rope..blk.0.attn_heads`).
+    pub name: String,
+    /// The hooks it starts from: taken from the trace (or the run's starting values).
+    pub from: Vec<String>,
+    /// The hooks the trace lacks that the reference computed on the way, in forward-pass order.
+    pub through: Vec<String>,
+}
+
 /// Everything known about one hook.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct HookRecord {
@@ -86,10 +109,12 @@ pub struct HookRecord {
     pub shape: Vec<usize>,
     /// Step kind and what the floor depends on.
     pub info: HookInfo,
-    /// The floor (relative L2), after `--tol`.
+    /// The floor (relative L2), after `--tol`; for a segment, composed over its steps.
     pub floor: f64,
     /// The hooks its step read.
     pub inputs: Vec<String>,
+    /// Replay: the segment this hook ends, when its step read hooks the trace lacks.
+    pub segment: Option<Segment>,
     /// Replay result.
     pub replay: Option<ModeResult>,
     /// Chained result.
@@ -160,19 +185,21 @@ impl Judge {
 
     /// The floor of `name` (a `--tol` override when one matches).
     pub fn floor(&self, name: &str) -> f64 {
+        self.tol_override(name).unwrap_or_else(|| {
+            floor(
+                &self.info(name),
+                self.reference,
+                self.candidate_precision(name),
+            )
+        })
+    }
+
+    /// The `--tol` value for `name`, when a glob matches it.
+    pub fn tol_override(&self, name: &str) -> Option<f64> {
         self.tol
             .iter()
             .find(|(g, _)| glob_match(g, name))
-            .map_or_else(
-                || {
-                    floor(
-                        &self.info(name),
-                        self.reference,
-                        self.candidate_precision(name),
-                    )
-                },
-                |(_, v)| *v,
-            )
+            .map(|(_, v)| *v)
     }
 }
 
@@ -187,6 +214,39 @@ pub struct Comparison {
     /// The latest reference scores per (mode, score point): hook name, values, and the relative
     /// error allowed there (for judging flips).
     scores: HashMap<(Mode, &'static str), (String, HostTensor, f64)>,
+    /// Replay: hooks the candidate lacks that the reference computed inside a segment.
+    inside: HashMap<String, Inside>,
+    /// Chained: hooks the candidate lacks, with what stands for their chained error (what
+    /// their inputs carry, passed on by their step, plus its floor) and its drift origin.
+    chained_missing: HashMap<String, (f64, Option<String>)>,
+}
+
+/// A hook inside a segment (replay): what it carries, and where its segment started.
+#[derive(Clone, Debug)]
+struct Inside {
+    carried: Carried,
+    from: Vec<String>,
+    through: Vec<String>,
+}
+
+/// `|t|`, the L2 norm of a float tensor's finite values (0 for ids).
+fn l2(t: &HostTensor) -> f64 {
+    t.as_f32("")
+        .map(|v| {
+            v.iter()
+                .filter(|x| x.is_finite())
+                .map(|&x| f64::from(x) * f64::from(x))
+                .sum::<f64>()
+                .sqrt()
+        })
+        .unwrap_or(0.0)
+}
+
+/// Names once each, in forward-pass order.
+fn in_order(mut v: Vec<String>) -> Vec<String> {
+    v.sort_by_key(|n| order_key(n));
+    v.dedup();
+    v
 }
 
 impl Comparison {
@@ -200,6 +260,8 @@ impl Comparison {
             index: HashMap::new(),
             logits: Vec::new(),
             scores: HashMap::new(),
+            inside: HashMap::new(),
+            chained_missing: HashMap::new(),
         }
     }
 
@@ -235,6 +297,7 @@ impl Comparison {
                     info,
                     floor: self.judge.floor(name),
                     inputs: inputs.to_vec(),
+                    segment: None,
                     replay: None,
                     chained: None,
                 });
@@ -250,7 +313,19 @@ impl Comparison {
     fn upstream_chained(&self, inputs: &[String]) -> (f64, Option<String>) {
         let (mut err, mut origin) = (0f64, None);
         for n in inputs {
-            let Some(r) = self.index.get(n).map(|&i| &self.records[i]) else {
+            let compared = self.index.get(n).map(|&i| &self.records[i]).filter(|r| {
+                r.chained
+                    .as_ref()
+                    .is_some_and(|c| c.status != Status::Missing)
+            });
+            let Some(r) = compared else {
+                // A hook the candidate lacks stands for its own inputs.
+                if let Some((e, o)) = self.chained_missing.get(n) {
+                    err = err.max(*e);
+                    if origin.is_none() {
+                        origin = o.clone();
+                    }
+                }
                 continue;
             };
             let Some(c) = &r.chained else { continue };
@@ -306,6 +381,59 @@ impl Comparison {
                 None
             },
         })
+    }
+
+    /// What a step reading `inputs` in replay starts from: per input what it carries (hooks of
+    /// the trace carry nothing), the segment's starting hooks and the hooks inside it so far;
+    /// `None` when no input is inside a segment.
+    fn segment_inputs(
+        &self,
+        name: &str,
+        inputs: &[String],
+    ) -> Option<(Vec<Carried>, Vec<String>, Vec<String>)> {
+        if !inputs.iter().any(|n| self.inside.contains_key(n)) {
+            return None;
+        }
+        let kind = self.judge.info(name).kind;
+        let (mut carried, mut from, mut through) = (Vec::new(), Vec::new(), Vec::new());
+        for n in inputs {
+            match self.inside.get(n) {
+                Some(x) => {
+                    carried.push(Carried {
+                        gain: kind.gain_from(point_of(n)),
+                        ..x.carried
+                    });
+                    from.extend(x.from.iter().cloned());
+                    through.extend(x.through.iter().cloned());
+                }
+                None => from.push(n.clone()),
+            }
+        }
+        Some((carried, in_order(from), in_order(through)))
+    }
+
+    /// The floor of hook `name` at the end of a segment from `carried` inputs, its output
+    /// `reference` (a `--tol` override when one matches).
+    fn composed_floor(&self, name: &str, carried: &[Carried], reference: &HostTensor) -> f64 {
+        self.judge.tol_override(name).unwrap_or_else(|| {
+            segment_floor(
+                self.judge.info(name).kind,
+                self.judge.floor(name),
+                carried,
+                l2(reference),
+            )
+        })
+    }
+
+    /// Keeps the reference's scores of a score hook for judging the selection after it.
+    fn keep_scores(&mut self, name: &str, mode: Mode, reference: HostTensor, rel: f64) {
+        let sp: &'static str = match point_of(name) {
+            "moe_probs" => "moe_probs",
+            "indexer_scores" => "indexer_scores",
+            _ => return,
+        };
+        self.scores
+            .insert((mode, sp), (name.to_string(), reference, rel));
     }
 
     /// Judges one pair.
@@ -454,7 +582,6 @@ impl Comparison {
 
     /// Whether the comparison found a difference (module documentation).
     pub fn differs(&self) -> bool {
-        let ran = |mode: Mode| self.records.iter().any(|r| r.result(mode).is_some());
         let chained_hard = self.records.iter().any(|r| {
             r.chained.as_ref().is_some_and(|c| {
                 let nonfinite =
@@ -466,7 +593,19 @@ impl Comparison {
         });
         self.first_divergence(Mode::Replay).is_some()
             || chained_hard
-            || (!ran(Mode::Replay) && self.first_divergence(Mode::Chained).is_some())
+            || self.records.iter().any(Self::chained_counts)
+    }
+
+    /// Whether `r`'s chained failure makes the outcome differ: replay has no verdict on it (it
+    /// did not run, compared nothing, or could not replay the hook's step), so the chained one
+    /// is all there is.
+    fn chained_counts(r: &HookRecord) -> bool {
+        let failed = r.chained.as_ref().is_some_and(|c| c.status == Status::Fail);
+        let no_replay = r
+            .replay
+            .as_ref()
+            .is_none_or(|x| x.status == Status::Missing);
+        failed && no_replay
     }
 
     /// Per-layer summaries in order (global hooks are grouped under `None`).
@@ -559,7 +698,14 @@ impl PairSink for Comparison {
     }
 
     fn record(&mut self, pair: Pair<'_>) -> Result<()> {
-        let floor = self.judge.floor(pair.name);
+        let segment = match pair.mode {
+            Mode::Replay => self.segment_inputs(pair.name, pair.inputs),
+            Mode::Chained => None,
+        };
+        let floor = match &segment {
+            Some((carried, _, _)) => self.composed_floor(pair.name, carried, &pair.reference),
+            None => self.judge.floor(pair.name),
+        };
         let shape = pair.reference.shape.clone();
         let result = self.judge_pair(&pair, floor);
         if pair.name == crate::model::steps::point::LOGITS {
@@ -575,28 +721,106 @@ impl PairSink for Comparison {
             }
         }
         // Score hooks are kept (the latest per mode) to judge the flips of the selection after.
-        let point = point_of(pair.name);
-        if point == "indexer_scores" || point == "moe_probs" {
-            let sp: &'static str = if point == "moe_probs" {
-                "moe_probs"
-            } else {
-                "indexer_scores"
-            };
-            // The relative error the scores may carry: the floor, or what they really show in
-            // chained mode when that is more.
-            let rel = if pair.mode == Mode::Chained && result.error.is_finite() {
-                floor.max(result.error)
-            } else {
-                floor
-            };
-            self.scores.insert(
-                (pair.mode, sp),
-                (pair.name.to_string(), pair.reference, rel),
-            );
+        // The relative error the scores may carry: the floor, or what they really show in
+        // chained mode when that is more.
+        let rel = if pair.mode == Mode::Chained && result.error.is_finite() {
+            floor.max(result.error)
+        } else {
+            floor
+        };
+        let (name, mode) = (pair.name, pair.mode);
+        self.keep_scores(name, mode, pair.reference, rel);
+        let rec = self.record_mut(name, &shape, pair.inputs);
+        if let Some((_, from, through)) = segment {
+            let first = through.first().cloned().unwrap_or_default();
+            rec.floor = floor;
+            rec.segment = Some(Segment {
+                name: format!("{first}..{name}"),
+                from,
+                through,
+            });
         }
-        let rec = self.record_mut(pair.name, &shape, pair.inputs);
-        *rec.slot(pair.mode) = Some(result);
+        *rec.slot(mode) = Some(result);
         Ok(())
+    }
+
+    fn reference_only(
+        &mut self,
+        name: &str,
+        mode: Mode,
+        inputs: &[String],
+        reference: &HostTensor,
+    ) {
+        let own = self.judge.floor(name);
+        let rel = match mode {
+            Mode::Replay => {
+                let (carried, from, mut through) = self
+                    .segment_inputs(name, inputs)
+                    .unwrap_or_else(|| (Vec::new(), in_order(inputs.to_vec()), Vec::new()));
+                let ids = reference.as_i32("").is_ok();
+                let rel = if ids {
+                    0.0
+                } else {
+                    self.composed_floor(name, &carried, reference)
+                };
+                through.push(name.to_string());
+                self.inside.insert(
+                    name.to_string(),
+                    Inside {
+                        carried: Carried {
+                            rel,
+                            norm: l2(reference),
+                            gain: 1.0,
+                        },
+                        from,
+                        through: in_order(through),
+                    },
+                );
+                rel.max(own)
+            }
+            Mode::Chained => {
+                // What stands for its chained error downstream: what its inputs carry, passed on
+                // by its step (`Kind::gain`), plus the step's floor.
+                let (up, origin) = self.upstream_chained(inputs);
+                let kind = self.judge.info(name).kind;
+                self.chained_missing
+                    .insert(name.to_string(), (own + kind.gain() * up, origin));
+                // What the scores would be allowed in chained mode: the floor plus what their
+                // inputs carry, amplified.
+                own + kind.chain_amp() * up
+            }
+        };
+        if matches!(point_of(name), "moe_probs" | "indexer_scores") {
+            self.keep_scores(name, mode, reference.clone(), rel);
+        }
+    }
+
+    fn near_ties(
+        &self,
+        selection: &str,
+        mode: Mode,
+        chosen: &HostTensor,
+        per_row: usize,
+    ) -> Vec<Swap> {
+        let Some(scores) = self.scores_for(selection, mode) else {
+            return Vec::new();
+        };
+        let (Ok(ids), Some(&width)) = (chosen.as_i32(selection), chosen.shape.last()) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (t, row) in ids.chunks(width.max(1)).enumerate() {
+            for s in near_tie_swaps(&scores, t, row, per_row) {
+                out.push(Swap {
+                    row: t,
+                    left: s.left,
+                    entered: s.entered,
+                    margin: s.margin,
+                    tolerance: s.tolerance,
+                });
+            }
+        }
+        out
     }
 
     fn missing(&mut self, name: &str, mode: Mode, why: &str) {
@@ -798,6 +1022,154 @@ mod tests {
             Status::Missing
         );
         assert!(!c.differs());
+    }
+
+    /// A step whose input the trace lacks ends a segment: named from the first hook computed
+    /// inside it to the compared hook, with the hooks it started from, and judged against the
+    /// floor composed over its steps.
+    #[test]
+    fn segments_are_named_and_judged_by_their_composed_floor() {
+        let mut c = Comparison::new(judge(), Box::new(|_| true), &[1]);
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<String>>();
+        c.reference_only(
+            "blk.0.q_pe_rope",
+            Mode::Replay,
+            &s(&["blk.0.q_b"]),
+            &f(vec![1.0, 0.0]),
+        );
+        c.reference_only(
+            "blk.0.k_pe_rope",
+            Mode::Replay,
+            &s(&["blk.0.kv_a"]),
+            &f(vec![1.0, 0.0]),
+        );
+        let inputs = s(&[
+            "blk.0.q_b",
+            "blk.0.q_pe_rope",
+            "blk.0.kv_a_norm",
+            "blk.0.k_pe_rope",
+        ]);
+        push(
+            &mut c,
+            "blk.0.attn_heads",
+            Mode::Replay,
+            &inputs,
+            vec![1.0, 0.0],
+            vec![1.05, 0.0],
+        );
+        let rec = c.get("blk.0.attn_heads").unwrap();
+        let seg = rec.segment.as_ref().unwrap();
+        assert_eq!(seg.name, "blk.0.q_pe_rope..blk.0.attn_heads");
+        assert_eq!(seg.from, s(&["blk.0.q_b", "blk.0.kv_a", "blk.0.kv_a_norm"]));
+        assert_eq!(seg.through, s(&["blk.0.q_pe_rope", "blk.0.k_pe_rope"]));
+        // Each RoPE carries its own floor, attention passes it on twice: sqrt(f_attn^2 +
+        // (2 f_rope)^2).
+        let (fa, fr) = (
+            c.judge().floor("blk.0.attn_heads"),
+            c.judge().floor("blk.0.q_pe_rope"),
+        );
+        let want = (fa * fa + 4.0 * fr * fr).sqrt();
+        assert!((rec.floor - want).abs() < 1e-15, "{} vs {want}", rec.floor);
+        let r = rec.replay.as_ref().unwrap();
+        assert_eq!((r.allowed, r.status), (rec.floor, Status::Pass));
+        // A step reading only the trace's hooks is no segment.
+        push(
+            &mut c,
+            "blk.0.attn_out",
+            Mode::Replay,
+            &s(&["blk.0.attn_heads"]),
+            vec![1.0, 0.0],
+            vec![1.0, 0.0],
+        );
+        assert!(c.get("blk.0.attn_out").unwrap().segment.is_none());
+    }
+
+    /// The candidate lacks the router probabilities: its flips are still judged by margin, on
+    /// the reference's own scores, and the near-tie alternatives of a selection come from them.
+    #[test]
+    fn margins_come_from_the_reference_when_the_candidate_lacks_the_scores() {
+        let probs = f(vec![0.9, 0.5, 0.4999, 0.1]);
+        let ids = |v: Vec<i32>| HostTensor::i32(vec![1, 2], v).unwrap();
+        let logits = vec!["blk.1.moe_logits".to_string()];
+        for mode in [Mode::Replay, Mode::Chained] {
+            let mut c = Comparison::new(judge(), Box::new(|_| true), &[1]);
+            c.reference_only("blk.1.moe_probs", mode, &logits, &probs);
+            let swaps = c.near_ties("blk.1.moe_topk_ids", mode, &ids(vec![0, 1]), 4);
+            assert_eq!(swaps.len(), 1, "{mode}: {swaps:?}");
+            assert_eq!(
+                (swaps[0].row, &swaps[0].left[..], &swaps[0].entered[..]),
+                (0, &[1][..], &[2][..])
+            );
+            c.record(Pair {
+                name: "blk.1.moe_topk_ids",
+                mode,
+                inputs: &logits,
+                reference: ids(vec![0, 1]),
+                candidate: ids(vec![0, 2]),
+                note: None,
+            })
+            .unwrap();
+            let r = c.records()[0].result(mode).unwrap();
+            assert_eq!(r.status, Status::NearTie, "{mode}: {r:?}");
+            assert!(r.flips.as_ref().unwrap().judged);
+            assert!(!c.differs());
+        }
+        // Without them (no reference value handed over) the flip is not judged: confident.
+        let mut c = Comparison::new(judge(), Box::new(|_| true), &[1]);
+        c.record(Pair {
+            name: "blk.1.moe_topk_ids",
+            mode: Mode::Replay,
+            inputs: &logits,
+            reference: ids(vec![0, 1]),
+            candidate: ids(vec![0, 2]),
+            note: None,
+        })
+        .unwrap();
+        assert!(c.records()[0]
+            .replay
+            .as_ref()
+            .unwrap()
+            .note
+            .as_deref()
+            .unwrap()
+            .contains("margins unknown"));
+    }
+
+    /// A chained failure makes the outcome differ where replay has no verdict on the hook (it
+    /// could not replay its step), not where replay passed it.
+    #[test]
+    fn chained_failures_count_where_replay_has_no_verdict() {
+        let none: Vec<String> = vec![];
+        for replay_missing in [false, true] {
+            let mut c = Comparison::new(judge(), Box::new(|_| true), &[1]);
+            push(
+                &mut c,
+                "blk.0.q_b",
+                Mode::Chained,
+                &none,
+                vec![1.0, 0.0],
+                vec![2.0, 0.0],
+            );
+            if replay_missing {
+                c.missing(
+                    "blk.0.q_b",
+                    Mode::Replay,
+                    "input blk.0.q_a_norm is not in the trace",
+                );
+            } else {
+                push(
+                    &mut c,
+                    "blk.0.q_b",
+                    Mode::Replay,
+                    &none,
+                    vec![1.0, 0.0],
+                    vec![1.0, 0.0],
+                );
+            }
+            assert!(c.first_divergence(Mode::Chained).is_some());
+            assert!(c.first_divergence(Mode::Replay).is_none());
+            assert_eq!(c.differs(), replay_missing);
+        }
     }
 
     /// Router probabilities [0.9, 0.5, 0.4999, 0.1] for one token, top-2: the reference picks

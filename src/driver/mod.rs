@@ -23,7 +23,9 @@
 //! finishes ([`Runner::finish`]).
 
 pub mod pair;
+mod replay;
 mod residency;
+mod segment;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;

@@ -15,8 +15,12 @@
 //! arithmetic are checked on the keys and experts the candidate really used; when that differs
 //! from the reference's selection the reference recomputes the step with the candidate's
 //! selection, so both sides still start from the same inputs. The selection step itself is
-//! judged on its own. A trace that lacks a selection falls back on the reference's, and the pair
-//! says so.
+//! judged on its own.
+//!
+//! Against a trace, replay runs in [`super::segment`]: where the trace lacks a step's input,
+//! the reference computes it from the trace's nearest hooks upstream, so a segment of steps is
+//! compared as one at the next hook the trace has; a selection the trace lacks is the
+//! reference's own, with its near-tie alternatives tried against the candidate's output.
 //!
 //! Both engines are told the weights of the layers they run (`Engine::begin_layer` and the other
 //! residency hooks, see [`super`]); a candidate engine that only replays is told only of the
@@ -25,16 +29,21 @@
 //! Every output the sink wants is downloaded, handed to the sink as a (reference, candidate) pair
 //! and dropped: nothing accumulates here, so memory stays bounded by a layer's activations.
 //! Hooks that cannot be compared (missing from a trace, or a step whose inputs are missing) are
-//! reported to the sink as missing, not as errors.
+//! reported to the sink as missing, not as errors; the reference's value of a hook a trace
+//! lacks is handed to the sink on its own ([`PairSink::reference_only`]: its scores judge a
+//! selection's flips, its steps compose a segment's floor).
 
 use std::collections::HashMap;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 
-use super::{check_tokens, exec_step, Plan, Progress, Residency, Runner, StepProgress};
+pub use super::replay::{is_selection, LayerTime, PairSummary};
+use super::replay::{replay_step, step_wanted};
+use super::segment::TraceReplay;
+use super::{check_tokens, Plan, Progress, Residency, Runner, StepProgress};
 use crate::engine::{Engine, HostTensor};
-use crate::model::steps::{expert_hook, hook, point, Op, Step};
+use crate::model::steps::{Op, Step};
 use crate::model::Weights;
 use crate::trace::{Mode, Pair, PairSink, TraceFile};
 
@@ -63,49 +72,6 @@ pub enum Candidate<'a, C: Engine> {
     Trace(&'a TraceFile),
 }
 
-/// What a pass did.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct PairSummary {
-    /// Steps run.
-    pub steps: usize,
-    /// Pairs handed to the sink.
-    pub pairs: usize,
-    /// Hooks reported missing.
-    pub missing: usize,
-    /// Wall time of each side's steps per layer (global steps under `None`), in order.
-    pub layer_times: Vec<LayerTime>,
-}
-
-/// Wall time of one layer's steps on each side, seconds: a step's time includes the downloads
-/// of its wanted outputs (which wait for a GPU's work) and, in replay, the uploads of its inputs.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct LayerTime {
-    /// The layer (`None`: the embedding and the tail).
-    pub layer: Option<usize>,
-    /// The reference's steps.
-    pub reference: f64,
-    /// The candidate engine's own chain (0 without one).
-    pub chained: f64,
-    /// The candidate engine's replayed steps (0 without them).
-    pub replay: f64,
-}
-
-impl PairSummary {
-    fn time(&mut self, layer: Option<usize>) -> &mut LayerTime {
-        match self.layer_times.iter().position(|t| t.layer == layer) {
-            Some(i) => &mut self.layer_times[i],
-            None => {
-                self.layer_times.push(LayerTime {
-                    layer,
-                    ..LayerTime::default()
-                });
-                let n = self.layer_times.len() - 1;
-                &mut self.layer_times[n]
-            }
-        }
-    }
-}
-
 /// Runs `plan` on `reference` and `candidate` for `tokens`, starting from `start` (the plan's
 /// free inputs, given to both sides), in `modes`; hands every wanted hook to `sink`.
 #[allow(clippy::too_many_arguments)]
@@ -131,15 +97,21 @@ pub fn run_pair<R: Engine, C: Engine>(
     let mut cand_residency = Residency::default();
     // The candidate's replayed selections (engine candidates), by hook name.
     let mut cand_sel: HashMap<String, HostTensor> = HashMap::new();
+    // Replay against a trace: across the hooks it lacks.
+    let mut trace_replay = match (&candidate, modes.replay) {
+        (Candidate::Trace(tr), true) => Some(TraceReplay::new(tr, plan)),
+        _ => None,
+    };
     let mut steps = StepProgress::start(progress, plan);
     while let Some(step) = refr.peek() {
         steps.before(step);
         // Replay inputs are taken before the reference moves on (its step may drop them), and
         // only for steps with a wanted hook: nothing else leaves the reference.
-        let replay_inputs = if modes.replay && step_wanted(step, &*sink, weights) {
-            Some(replay_inputs(&refr, &candidate, step, start, &cand_sel)?)
-        } else {
-            None
+        let replay_inputs = match &candidate {
+            Candidate::Engine(_) if modes.replay && step_wanted(step, &*sink, weights) => {
+                Some(replay_inputs(&refr, step, &cand_sel)?)
+            }
+            _ => None,
         };
         let layer = step.layer;
         let t0 = Instant::now();
@@ -253,35 +225,19 @@ pub fn run_pair<R: Engine, C: Engine>(
                                     step,
                                     reference_side.into_iter(),
                                     cand,
-                                    inputs.note.as_deref(),
+                                    None,
                                     &mut summary,
                                 )?;
                             }
                         }
-                        Candidate::Trace(tr) => {
-                            // The reference runs the step from the trace's inputs; the trace's
-                            // outputs are the candidate.
-                            let out = replay_step(reference, step, &inputs.values, tokens, &wants)?;
-                            let out: Vec<(String, HostTensor)> =
-                                out.into_iter().filter(|(n, _)| sink.wants(n)).collect();
-                            let cand: Vec<(String, Option<HostTensor>)> = out
-                                .iter()
-                                .map(|(n, _)| Ok((n.clone(), tr.get(n)?)))
-                                .collect::<Result<_>>()?;
-                            hand_over(
-                                sink,
-                                Mode::Replay,
-                                absent(&candidate),
-                                step,
-                                out.into_iter(),
-                                cand,
-                                inputs.note.as_deref(),
-                                &mut summary,
-                            )?;
-                        }
+                        // Replayed by `trace_replay` below.
+                        Candidate::Trace(_) => {}
                     }
                 }
             }
+        }
+        if let Some(tr) = &mut trace_replay {
+            tr.step(reference, weights, step, tokens, start, sink, &mut summary)?;
         }
         summary.steps += 1;
         steps.after(step);
@@ -297,50 +253,24 @@ pub fn run_pair<R: Engine, C: Engine>(
     Ok(summary)
 }
 
-/// Whether `sink` wants any hook `step` produces, optional ones included.
-fn step_wanted(step: &Step, sink: &dyn PairSink, weights: &Weights<'_>) -> bool {
-    step.outputs.iter().any(|o| sink.wants(o))
-        || match step.op {
-            Op::Attention { layer } => sink.wants(&hook(layer, point::ATTN_PROBS)),
-            Op::MoeExperts { layer } => {
-                (0..weights.hparams().n_expert).any(|e| sink.wants(&expert_hook(layer, e)))
-            }
-            _ => false,
-        }
-}
-
-/// Whether hook `name` is a selection a later step reads (DSA keys, routed experts and their
-/// weights).
-pub fn is_selection(name: &str) -> bool {
-    let p = crate::model::names::split_blk(name).map_or(name, |(_, p)| p);
-    p == point::INDEXER_TOPK || p == point::MOE_TOPK_IDS || p == point::MOE_WEIGHTS
-}
-
 /// The inputs replay feeds both sides of one step.
 struct ReplayInputs {
     /// One host value per step input.
     values: Vec<HostTensor>,
     /// A selection input was replaced by the candidate's, and differs from the reference's.
     substituted: bool,
-    /// Said to the sink with every pair of the step.
-    note: Option<String>,
 }
 
-/// The host values of `step`'s inputs that replay feeds both sides: the reference's own with
-/// the candidate's selections (engine candidate), or the trace's (trace candidate; a selection
-/// the trace lacks comes from the reference, other missing inputs make the step unreplayable:
-/// `Err` names the first).
-fn replay_inputs<R: Engine, C: Engine>(
+/// The host values of `step`'s inputs that replay feeds both sides of an engine candidate: the
+/// reference's own with the candidate's selections.
+fn replay_inputs<R: Engine>(
     refr: &Runner<'_, R>,
-    candidate: &Candidate<'_, C>,
     step: &Step,
-    start: &[(String, HostTensor)],
     cand_sel: &HashMap<String, HostTensor>,
 ) -> Result<std::result::Result<ReplayInputs, String>> {
     let mut r = ReplayInputs {
         values: Vec::with_capacity(step.inputs.len()),
         substituted: false,
-        note: None,
     };
     let reference_value = |n: &str| -> Result<HostTensor> {
         let t = refr
@@ -349,73 +279,16 @@ fn replay_inputs<R: Engine, C: Engine>(
         refr.engine().download(t)
     };
     for n in &step.inputs {
-        match candidate {
-            Candidate::Engine(_) => {
-                let own = reference_value(n)?;
-                match cand_sel.get(n) {
-                    Some(c) if step.op != Op::Alias && *c != own => {
-                        r.substituted = true;
-                        r.values.push(c.clone());
-                    }
-                    _ => r.values.push(own),
-                }
+        let own = reference_value(n)?;
+        match cand_sel.get(n) {
+            Some(c) if step.op != Op::Alias && *c != own => {
+                r.substituted = true;
+                r.values.push(c.clone());
             }
-            Candidate::Trace(tr) => match tr.get(n)? {
-                Some(t) => r.values.push(t),
-                // The run's starting values stand for the trace's when it lacks them (a trace
-                // of layers A..B only): both sides then start from the same residual.
-                None => match start.iter().find(|(s, _)| s == n) {
-                    Some((_, t)) => r.values.push(t.clone()),
-                    None if is_selection(n) => {
-                        r.values.push(reference_value(n)?);
-                        r.note = Some(format!(
-                            "{n} is not in the trace: the reference's selection was used"
-                        ));
-                    }
-                    None => return Ok(Err(format!("input {n} is not in the trace"))),
-                },
-            },
+            _ => r.values.push(own),
         }
     }
     Ok(Ok(r))
-}
-
-/// Runs `step` on `engine` from host `inputs` and returns every output `wants` asks for, as host
-/// tensors (an alias returns its input).
-fn replay_step<E: Engine>(
-    engine: &E,
-    step: &Step,
-    inputs: &[HostTensor],
-    tokens: &[u32],
-    wants: &dyn Fn(&str) -> bool,
-) -> Result<Vec<(String, HostTensor)>> {
-    if step.op == Op::Alias {
-        return Ok(step
-            .outputs
-            .iter()
-            .zip(inputs)
-            .filter(|(n, _)| wants(n))
-            .map(|(n, t)| (n.clone(), t.clone()))
-            .collect());
-    }
-    let up = inputs
-        .iter()
-        .map(|t| engine.upload(t))
-        .collect::<Result<Vec<_>>>()?;
-    let refs: Vec<&E::Tensor> = up.iter().collect();
-    let out = exec_step(engine, step, &refs, tokens, wants)?;
-    let mut v = Vec::new();
-    for (n, t) in step.outputs.iter().zip(&out.outputs) {
-        if wants(n) {
-            v.push((n.clone(), engine.download(t)?));
-        }
-    }
-    for (n, t) in &out.extra {
-        if wants(n) {
-            v.push((n.clone(), engine.download(t)?));
-        }
-    }
-    Ok(v)
 }
 
 /// The outputs of the step `runner` just ran that `sink` wants, downloaded.
@@ -476,6 +349,7 @@ fn hand_over(
                 summary.pairs += 1;
             }
             None => {
+                sink.reference_only(&name, mode, &step.inputs, &r);
                 sink.missing(&name, mode, absent);
                 summary.missing += 1;
             }

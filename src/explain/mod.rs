@@ -29,7 +29,7 @@ use crate::model::names::{self, blk};
 use crate::model::steps::{point, Op, Step};
 use crate::model::{Gating, Weights};
 use crate::quant::GgmlType;
-use crate::trace::{Mode, Pair, PairSink};
+use crate::trace::{Mode, Pair, PairSink, Swap};
 use crate::util::progress::Progress;
 
 /// The step behind the first failing replay hook, with everything needed to recompute it.
@@ -125,6 +125,26 @@ impl PairSink for Capture<'_> {
 
     fn replay_inputs(&mut self, step: &Step, inputs: &[HostTensor]) {
         self.pending = Some((step.clone(), inputs.to_vec()));
+    }
+
+    fn reference_only(
+        &mut self,
+        name: &str,
+        mode: Mode,
+        inputs: &[String],
+        reference: &HostTensor,
+    ) {
+        self.inner.reference_only(name, mode, inputs, reference);
+    }
+
+    fn near_ties(
+        &self,
+        selection: &str,
+        mode: Mode,
+        chosen: &HostTensor,
+        per_row: usize,
+    ) -> Vec<Swap> {
+        self.inner.near_ties(selection, mode, chosen, per_row)
     }
 }
 

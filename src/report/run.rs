@@ -164,6 +164,12 @@ fn primary(rec: &HookRecord) -> Option<&ModeResult> {
         .or(rec.chained.as_ref())
 }
 
+/// The hook as the table names it: the segment it ends (`blk.0.q_pe_rope..blk.0.attn_heads`)
+/// when replay ran across hooks the trace lacks, else its name.
+fn shown_name(rec: &HookRecord) -> &str {
+    rec.segment.as_ref().map_or(&rec.name, |s| &s.name)
+}
+
 fn hook_row(rec: &HookRecord) -> Vec<String> {
     let p = primary(rec);
     let (maxd, nmse, cos) = match p.and_then(|r| r.metrics.as_ref()) {
@@ -184,7 +190,7 @@ fn hook_row(rec: &HookRecord) -> Vec<String> {
         ),
     };
     vec![
-        rec.name.clone(),
+        shown_name(rec).to_string(),
         format!("{:?}", rec.shape),
         maxd,
         nmse,
@@ -341,10 +347,13 @@ pub fn render_at(
         match c.first_divergence(mode) {
             Some(r) => {
                 let res = r.result(mode);
+                let name = match mode {
+                    Mode::Replay => shown_name(r),
+                    Mode::Chained => &r.name,
+                };
                 let _ = writeln!(
                     s,
-                    "{label} {} ({})",
-                    r.name,
+                    "{label} {name} ({})",
                     res.and_then(|x| x.note.clone()).unwrap_or_default()
                 );
             }
@@ -673,6 +682,10 @@ fn divergence_json(c: &Comparison, mode: Mode) -> Value {
                 "error": res.map(|x| x.error),
                 "allowed": res.map(|x| x.allowed),
                 "note": res.and_then(|x| x.note.clone()),
+                "segment": match mode {
+                    Mode::Replay => r.segment.as_ref().map(|s| s.name.clone()),
+                    Mode::Chained => None,
+                },
             })
         }
     }
@@ -694,6 +707,7 @@ pub fn to_json(h: &Header, c: &Comparison) -> Value {
                 "quantized_weight": r.info.quantized,
                 "floor": r.floor,
                 "inputs": r.inputs,
+                "segment": r.segment,
                 "replay": mode_json(&r.replay),
                 "chained": mode_json(&r.chained),
             })

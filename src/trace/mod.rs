@@ -82,6 +82,23 @@ pub struct Pair<'s> {
     pub note: Option<String>,
 }
 
+/// One near-tie alternative of a selection row: the ids `left` (selected by the reference)
+/// replaced by `entered`, whose scores by the reference's own values differ by `margin`, within
+/// `tolerance` (see `compare::selection`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Swap {
+    /// Row (token).
+    pub row: usize,
+    /// The ids the reference selected that leave.
+    pub left: Vec<i32>,
+    /// The ids that enter in their place, as many.
+    pub entered: Vec<i32>,
+    /// The reference's score gap between the two.
+    pub margin: f64,
+    /// What the gap may be for a near tie.
+    pub tolerance: f64,
+}
+
 /// Receives (reference, candidate) pairs.
 pub trait PairSink {
     /// Whether the sink compares hook `name` (asked before anything is downloaded).
@@ -99,6 +116,34 @@ pub trait PairSink {
     /// over before the step's pairs. Default: ignored.
     fn replay_inputs(&mut self, step: &Step, inputs: &[HostTensor]) {
         let _ = (step, inputs);
+    }
+    /// The reference's value of hook `name` in `mode`, computed by a step that read `inputs`,
+    /// where the candidate has none (a hook a trace lacks): the reference's own scores for
+    /// judging selections, and in replay a step inside a segment (the reference runs from the
+    /// trace's nearest hooks through the ones it lacks). Handed over for every such hook, wanted
+    /// or not, before any pair that reads it. Default: ignored.
+    fn reference_only(
+        &mut self,
+        name: &str,
+        mode: Mode,
+        inputs: &[String],
+        reference: &HostTensor,
+    ) {
+        let _ = (name, mode, inputs, reference);
+    }
+    /// The near-tie alternatives of the reference's selection `chosen` at selection hook
+    /// `selection` in `mode` (`[T, k]` ids): single swaps whose margin, by the reference's own
+    /// scores handed over before, is within the tolerance of the score hook, best first, at
+    /// most `per_row` per row. Default: none.
+    fn near_ties(
+        &self,
+        selection: &str,
+        mode: Mode,
+        chosen: &HostTensor,
+        per_row: usize,
+    ) -> Vec<Swap> {
+        let _ = (selection, mode, chosen, per_row);
+        Vec::new()
     }
 }
 

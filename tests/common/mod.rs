@@ -2,6 +2,7 @@
 
 pub mod gguf_bytes;
 pub mod hf_from_gguf;
+pub mod subset;
 
 use std::path::{Path, PathBuf};
 

@@ -27,7 +27,7 @@ use crate::precision::Precision;
 
 pub use attention::{causal_top_k, mla_host, Rotate};
 pub use math::Rows;
-pub use moe::route_token;
+pub use moe::{route_token, selected_weights};
 pub use weights::{assemble_kv_b, Matrix, RowSource};
 
 /// The CPU reference engine over one model's weights.

@@ -58,13 +58,23 @@ pub fn route_token(
         }
     }
     let ids = top_k(&score, hp.n_expert_used);
-    let mut w: Vec<f64> = ids.iter().map(|&e| probs[e]).collect();
+    let w = selected_weights(hp, &probs, &ids);
+    (probs, ids, w)
+}
+
+/// The routing weights of experts `ids` of one token with probabilities `probs`: `probs[id]`,
+/// normalised to sum 1 when `expert_weights_norm`, times `expert_weights_scale`.
+pub fn selected_weights(hp: &HParams, probs: &[f64], ids: &[usize]) -> Vec<f64> {
+    let mut w: Vec<f64> = ids
+        .iter()
+        .map(|&e| probs.get(e).copied().unwrap_or(0.0))
+        .collect();
     if hp.expert_weights_norm {
         let sum: f64 = w.iter().sum();
         w.iter_mut().for_each(|x| *x /= sum);
     }
     w.iter_mut().for_each(|x| *x *= hp.expert_weights_scale);
-    (probs, ids, w)
+    w
 }
 
 impl<'w> CpuEngine<'w> {

@@ -1,0 +1,110 @@
+//! What both ways of replaying share: one step run on an engine from host inputs, which steps a
+//! sink wants, which hooks are selections, and what a pass did.
+
+use anyhow::Result;
+
+use super::exec_step;
+use crate::engine::{Engine, HostTensor};
+use crate::model::steps::{expert_hook, hook, point, Op, Step};
+use crate::model::Weights;
+use crate::trace::PairSink;
+
+/// What a pass did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PairSummary {
+    /// Steps run.
+    pub steps: usize,
+    /// Pairs handed to the sink.
+    pub pairs: usize,
+    /// Hooks reported missing.
+    pub missing: usize,
+    /// Wall time of each side's steps per layer (global steps under `None`), in order.
+    pub layer_times: Vec<LayerTime>,
+}
+
+/// Wall time of one layer's steps on each side, seconds: a step's time includes the downloads
+/// of its wanted outputs (which wait for a GPU's work) and, in replay, the uploads of its inputs.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LayerTime {
+    /// The layer (`None`: the embedding and the tail).
+    pub layer: Option<usize>,
+    /// The reference's steps.
+    pub reference: f64,
+    /// The candidate engine's own chain (0 without one).
+    pub chained: f64,
+    /// The candidate engine's replayed steps (0 without them).
+    pub replay: f64,
+}
+
+impl PairSummary {
+    pub(super) fn time(&mut self, layer: Option<usize>) -> &mut LayerTime {
+        match self.layer_times.iter().position(|t| t.layer == layer) {
+            Some(i) => &mut self.layer_times[i],
+            None => {
+                self.layer_times.push(LayerTime {
+                    layer,
+                    ..LayerTime::default()
+                });
+                let n = self.layer_times.len() - 1;
+                &mut self.layer_times[n]
+            }
+        }
+    }
+}
+
+/// Whether `sink` wants any hook `step` produces, optional ones included.
+pub(super) fn step_wanted(step: &Step, sink: &dyn PairSink, weights: &Weights<'_>) -> bool {
+    step.outputs.iter().any(|o| sink.wants(o))
+        || match step.op {
+            Op::Attention { layer } => sink.wants(&hook(layer, point::ATTN_PROBS)),
+            Op::MoeExperts { layer } => {
+                (0..weights.hparams().n_expert).any(|e| sink.wants(&expert_hook(layer, e)))
+            }
+            _ => false,
+        }
+}
+
+/// Whether hook `name` is a selection a later step reads (DSA keys, routed experts and their
+/// weights).
+pub fn is_selection(name: &str) -> bool {
+    let p = crate::model::names::split_blk(name).map_or(name, |(_, p)| p);
+    p == point::INDEXER_TOPK || p == point::MOE_TOPK_IDS || p == point::MOE_WEIGHTS
+}
+
+/// Runs `step` on `engine` from host `inputs` and returns every output `wants` asks for, as host
+/// tensors (an alias returns its input).
+pub(super) fn replay_step<E: Engine>(
+    engine: &E,
+    step: &Step,
+    inputs: &[HostTensor],
+    tokens: &[u32],
+    wants: &dyn Fn(&str) -> bool,
+) -> Result<Vec<(String, HostTensor)>> {
+    if step.op == Op::Alias {
+        return Ok(step
+            .outputs
+            .iter()
+            .zip(inputs)
+            .filter(|(n, _)| wants(n))
+            .map(|(n, t)| (n.clone(), t.clone()))
+            .collect());
+    }
+    let up = inputs
+        .iter()
+        .map(|t| engine.upload(t))
+        .collect::<Result<Vec<_>>>()?;
+    let refs: Vec<&E::Tensor> = up.iter().collect();
+    let out = exec_step(engine, step, &refs, tokens, wants)?;
+    let mut v = Vec::new();
+    for (n, t) in step.outputs.iter().zip(&out.outputs) {
+        if wants(n) {
+            v.push((n.clone(), engine.download(t)?));
+        }
+    }
+    for (n, t) in &out.extra {
+        if wants(n) {
+            v.push((n.clone(), engine.download(t)?));
+        }
+    }
+    Ok(v)
+}

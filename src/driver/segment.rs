@@ -1,0 +1,456 @@
+//! Replay of a trace across the hooks it lacks.
+//!
+//! Serving engines do not hand over every hook: RoPE fused into attention leaves no
+//! `q_pe_rope`/`k_pe_rope`, a fused router no `moe_probs` or selection, a dump of layer outputs
+//! nothing but `l_out`. In replay the reference runs each step from the trace's own inputs;
+//! where an input is not in the trace, it is the reference's own value of that hook, computed
+//! the same way from the trace's nearest hooks upstream. So the reference runs from the nearest
+//! captured hooks through the steps whose outputs the trace lacks to the next hook the trace
+//! has, and that *segment* is compared as one (the sink composes its floor from its steps, see
+//! `compare::floors`). The hooks inside a segment are handed to the sink as the reference's
+//! alone ([`PairSink::reference_only`]) and listed as not in the trace.
+//!
+//! **Selections the trace lacks.** A segment that selects (the DSA keys, the routed experts)
+//! selects by the reference's scores; a correct low-precision candidate picks another key or
+//! expert wherever two are nearly tied, and its output then reflects a choice the reference
+//! did not make. The reference therefore also tries the near-tie alternatives of its selection
+//! (single swaps whose gap, by its own scores, is within the score hook's tolerance:
+//! [`PairSink::near_ties`]): alternative *k* of every row that has one forms round *k*, the
+//! segment's later steps run once per round, and at the next hook of the trace each row keeps
+//! the round whose output is closest to the candidate's (the pair's note says which rows and
+//! swaps). A round changes only its own rows (row-wise steps; attention reads the selection of
+//! its own query row), so rows are chosen independently; a step that mixes rows from a value
+//! that differs by round (the keys and values of attention, the keys of the index scores) drops
+//! the rounds and says so. A real bug is not explained this way: only near ties are tried.
+//!
+//! Values live until the last step that reads them; nothing else is kept.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use anyhow::Result;
+
+use super::replay::{is_selection, replay_step, step_wanted, PairSummary};
+use super::Plan;
+use crate::engine::cpu::selected_weights;
+use crate::engine::{Engine, HostTensor};
+use crate::model::steps::{Op, Step};
+use crate::model::Weights;
+use crate::trace::{Mode, Pair, PairSink, Swap, TraceFile};
+
+/// Near-tie alternatives tried per row of a selection.
+pub const ALTERNATIVES_PER_ROW: usize = 4;
+
+/// A value the reference computed for a hook the trace lacks: its own choice, and its value in
+/// the rounds of near-tie alternatives that change it.
+#[derive(Clone, Debug)]
+struct Variants {
+    base: HostTensor,
+    /// Round -> value.
+    alt: BTreeMap<usize, HostTensor>,
+    /// Selections the trace lacks upstream of it, inside its segment.
+    via: BTreeSet<String>,
+}
+
+/// One round of near-tie alternatives: a swap in each of some rows of one selection.
+#[derive(Clone, Debug)]
+struct Round {
+    selection: String,
+    swaps: BTreeMap<usize, Swap>,
+}
+
+/// The replay side of a pass against a trace (module documentation).
+pub(super) struct TraceReplay<'t> {
+    trace: &'t TraceFile,
+    env: HashMap<String, Variants>,
+    /// Round r is `rounds[r - 1]`; round 0 is the reference's own choices.
+    rounds: Vec<Round>,
+    /// Index of the last step reading each hook.
+    last_use: HashMap<String, usize>,
+    next: usize,
+}
+
+/// An input of a step: its value per round (`alt` empty when it is the same in every round).
+struct Input {
+    base: HostTensor,
+    alt: BTreeMap<usize, HostTensor>,
+    via: BTreeSet<String>,
+}
+
+impl<'t> TraceReplay<'t> {
+    /// Replay of `trace` over `plan`'s steps, from the first.
+    pub(super) fn new(trace: &'t TraceFile, plan: &Plan) -> TraceReplay<'t> {
+        let mut last_use = HashMap::new();
+        for (i, s) in plan.steps.iter().enumerate() {
+            for n in &s.inputs {
+                last_use.insert(n.clone(), i);
+            }
+        }
+        TraceReplay {
+            trace,
+            env: HashMap::new(),
+            rounds: Vec::new(),
+            last_use,
+            next: 0,
+        }
+    }
+
+    /// Replays the plan's next step, `step`, on `reference` and hands its pairs (and the
+    /// reference's values of the hooks the trace lacks) to `sink`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn step<R: Engine>(
+        &mut self,
+        reference: &R,
+        weights: &Weights<'_>,
+        step: &Step,
+        tokens: &[u32],
+        start: &[(String, HostTensor)],
+        sink: &mut dyn PairSink,
+        summary: &mut PairSummary,
+    ) -> Result<()> {
+        let i = self.next;
+        self.next += 1;
+        let result = self.run(reference, weights, step, i, tokens, start, sink, summary);
+        // Values nobody reads from the next step on are dropped.
+        let last_use = &self.last_use;
+        self.env
+            .retain(|n, _| last_use.get(n).is_some_and(|&j| j > i));
+        result
+    }
+
+    fn needed_later(&self, name: &str, i: usize) -> bool {
+        self.last_use.get(name).is_some_and(|&j| j > i)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run<R: Engine>(
+        &mut self,
+        reference: &R,
+        weights: &Weights<'_>,
+        step: &Step,
+        i: usize,
+        tokens: &[u32],
+        start: &[(String, HostTensor)],
+        sink: &mut dyn PairSink,
+        summary: &mut PairSummary,
+    ) -> Result<()> {
+        let tr = self.trace;
+        let lacked = |o: &str| !tr.has(o);
+        let wanted = step_wanted(step, &*sink, weights);
+        let feeds = step
+            .outputs
+            .iter()
+            .any(|o| lacked(o) && self.needed_later(o, i));
+        if !wanted && !feeds {
+            return Ok(());
+        }
+        // The inputs: the trace's, else the reference's values inside a segment, else the run's
+        // starting values (a run from layer A: both sides start from the same residual).
+        let mut inputs: Vec<Input> = Vec::with_capacity(step.inputs.len());
+        for n in &step.inputs {
+            let input = match tr.get(n)? {
+                Some(t) => Input {
+                    base: t,
+                    alt: BTreeMap::new(),
+                    via: BTreeSet::new(),
+                },
+                None => match (self.env.get(n), start.iter().find(|(s, _)| s == n)) {
+                    (Some(v), _) => Input {
+                        base: v.base.clone(),
+                        alt: v.alt.clone(),
+                        via: v.via.clone(),
+                    },
+                    (None, Some((_, t))) => Input {
+                        base: t.clone(),
+                        alt: BTreeMap::new(),
+                        via: BTreeSet::new(),
+                    },
+                    (None, None) => {
+                        let why = format!("input {n} is not in the trace");
+                        for o in &step.outputs {
+                            if sink.wants(o) {
+                                sink.missing(o, Mode::Replay, &why);
+                                summary.missing += 1;
+                            }
+                        }
+                        return Ok(());
+                    }
+                },
+            };
+            inputs.push(input);
+        }
+        let mut notes: Vec<String> = Vec::new();
+        let mut rounds: BTreeSet<usize> =
+            inputs.iter().flat_map(|x| x.alt.keys().copied()).collect();
+        if !rounds.is_empty() && mixes_rows(step, &inputs) {
+            notes.push(format!(
+                "near-tie alternatives upstream were set aside at {}: that step mixes rows",
+                step.outputs.join(", ")
+            ));
+            rounds.clear();
+        }
+        let via: BTreeSet<String> = inputs.iter().flat_map(|x| x.via.iter().cloned()).collect();
+        let base_inputs: Vec<HostTensor> = inputs.iter().map(|x| x.base.clone()).collect();
+        let compared = step.outputs.iter().any(|o| !lacked(o) && sink.wants(o));
+        if compared && step.op != Op::Alias && sink.wants_replay_inputs() {
+            sink.replay_inputs(step, &base_inputs);
+        }
+        let declared = |n: &str| step.outputs.iter().any(|o| o == n);
+        let wants = |n: &str| declared(n) || sink.wants(n) || is_selection(n);
+        let base = replay_step(reference, step, &base_inputs, tokens, &wants)?;
+        // The router's probabilities give the weights of another expert set.
+        let route_probs = match step.op {
+            Op::MoeRoute { .. } => base.first().map(|(_, t)| t.clone()),
+            _ => None,
+        };
+        let mut alt: BTreeMap<usize, Vec<(String, HostTensor)>> = BTreeMap::new();
+        for &r in &rounds {
+            let values: Vec<HostTensor> = inputs
+                .iter()
+                .map(|x| x.alt.get(&r).unwrap_or(&x.base).clone())
+                .collect();
+            alt.insert(r, replay_step(reference, step, &values, tokens, &declared)?);
+        }
+        drop(base_inputs);
+        drop(inputs);
+
+        for (name, value) in base {
+            let alts: BTreeMap<usize, HostTensor> = alt
+                .iter()
+                .filter_map(|(&r, out)| {
+                    out.iter()
+                        .find(|(n, _)| *n == name)
+                        .map(|(_, t)| (r, t.clone()))
+                })
+                .collect();
+            if !lacked(&name) {
+                if !sink.wants(&name) {
+                    continue;
+                }
+                let Some(candidate) = tr.get(&name)? else {
+                    continue;
+                };
+                let (reference, chosen) = self.closest_rows(value, &alts, &candidate);
+                let mut note = notes.clone();
+                if !via.is_empty() {
+                    let v: Vec<&str> = via.iter().map(String::as_str).collect();
+                    note.push(format!(
+                        "{} not in the trace: the reference's own selection from the trace's inputs",
+                        v.join(", ")
+                    ));
+                }
+                if let Some(c) = chosen {
+                    note.push(c);
+                }
+                sink.record(Pair {
+                    name: &name,
+                    mode: Mode::Replay,
+                    inputs: &step.inputs,
+                    reference,
+                    candidate,
+                    note: (!note.is_empty()).then(|| note.join("; ")),
+                })?;
+                summary.pairs += 1;
+                continue;
+            }
+            sink.reference_only(&name, Mode::Replay, &step.inputs, &value);
+            if sink.wants(&name) {
+                sink.missing(&name, Mode::Replay, "not in the trace");
+                summary.missing += 1;
+            }
+            if declared(&name) && self.needed_later(&name, i) {
+                let mut via = via.clone();
+                if is_selection(&name) {
+                    via.insert(name.clone());
+                }
+                self.env.insert(
+                    name.clone(),
+                    Variants {
+                        base: value,
+                        alt: alts,
+                        via,
+                    },
+                );
+            }
+        }
+        self.alternatives(weights, step, route_probs.as_ref(), sink)?;
+        Ok(())
+    }
+
+    /// After a selection step whose selection the trace lacks: the near-tie alternatives of the
+    /// reference's selection, as new rounds (module documentation).
+    fn alternatives(
+        &mut self,
+        weights: &Weights<'_>,
+        step: &Step,
+        route_probs: Option<&HostTensor>,
+        sink: &mut dyn PairSink,
+    ) -> Result<()> {
+        let (sel, weights_hook) = match (&step.op, step.outputs.as_slice()) {
+            (Op::TopK { .. }, [ids]) => (ids.clone(), None),
+            (Op::MoeRoute { .. }, [_, ids, w]) => (ids.clone(), Some(w.clone())),
+            _ => return Ok(()),
+        };
+        let Some(chosen) = self.env.get(&sel).map(|v| v.base.clone()) else {
+            return Ok(());
+        };
+        let swaps = sink.near_ties(&sel, Mode::Replay, &chosen, ALTERNATIVES_PER_ROW);
+        if swaps.is_empty() {
+            return Ok(());
+        }
+        let width = chosen.shape.last().copied().unwrap_or(1).max(1);
+        let ids = chosen.as_i32(&sel)?.to_vec();
+        // The k-th best swap of every row that has one forms one round.
+        let mut by_row: BTreeMap<usize, Vec<Swap>> = BTreeMap::new();
+        for s in swaps {
+            by_row.entry(s.row).or_default().push(s);
+        }
+        let depth = by_row.values().map(Vec::len).max().unwrap_or(0);
+        let probs: Option<(Vec<f64>, usize)> = match route_probs {
+            Some(t) => {
+                let cols = t.shape.last().copied().unwrap_or(1).max(1);
+                Some((
+                    t.as_f32("moe_probs")?
+                        .iter()
+                        .map(|&x| f64::from(x))
+                        .collect(),
+                    cols,
+                ))
+            }
+            None => None,
+        };
+        let base_w = weights_hook
+            .as_ref()
+            .and_then(|w| self.env.get(w).map(|v| v.base.clone()));
+        let hp = weights.hparams();
+        for k in 0..depth {
+            let round: BTreeMap<usize, Swap> = by_row
+                .iter()
+                .filter_map(|(&row, v)| v.get(k).map(|s| (row, s.clone())))
+                .collect();
+            let mut new_ids = ids.clone();
+            let mut new_w = base_w
+                .as_ref()
+                .and_then(|w| w.as_f32("moe_weights").ok().map(<[f32]>::to_vec));
+            for (&row, s) in &round {
+                let r = &mut new_ids[row * width..(row + 1) * width];
+                for (l, e) in s.left.iter().zip(&s.entered) {
+                    if let Some(x) = r.iter_mut().find(|x| *x == l) {
+                        *x = *e;
+                    }
+                }
+                if let (Some(w), Some((p, cols))) = (&mut new_w, &probs) {
+                    let sel: Vec<usize> = r.iter().map(|&x| x.max(0) as usize).collect();
+                    let pr = &p[row * cols..(row + 1) * cols];
+                    for (dst, v) in w[row * width..(row + 1) * width]
+                        .iter_mut()
+                        .zip(selected_weights(hp, pr, &sel))
+                    {
+                        *dst = v as f32;
+                    }
+                }
+            }
+            self.rounds.push(Round {
+                selection: sel.clone(),
+                swaps: round,
+            });
+            let r = self.rounds.len();
+            if let Some(v) = self.env.get_mut(&sel) {
+                v.alt
+                    .insert(r, HostTensor::i32(chosen.shape.clone(), new_ids)?);
+            }
+            if let (Some(wh), Some(w), Some(bw)) = (&weights_hook, new_w, &base_w) {
+                if let Some(v) = self.env.get_mut(wh) {
+                    v.alt.insert(r, HostTensor::f32(bw.shape.clone(), w)?);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The reference's output with each row taken from the round closest to the candidate
+    /// there (only rounds that change that row compete with the reference's own choice), and
+    /// a note naming the rows a near-tie alternative explains better.
+    fn closest_rows(
+        &self,
+        base: HostTensor,
+        alts: &BTreeMap<usize, HostTensor>,
+        candidate: &HostTensor,
+    ) -> (HostTensor, Option<String>) {
+        if alts.is_empty() || base.shape != candidate.shape {
+            return (base, None);
+        }
+        let (Ok(b), Ok(c)) = (base.as_f32(""), candidate.as_f32("")) else {
+            return (base, None);
+        };
+        let rows = base.shape.first().copied().unwrap_or(0);
+        let width = b.len().checked_div(rows).unwrap_or(0);
+        let dist = |x: &[f32], y: &[f32]| -> f64 {
+            x.iter()
+                .zip(y)
+                .map(|(&p, &q)| (f64::from(p) - f64::from(q)).powi(2))
+                .sum()
+        };
+        let mut out = b.to_vec();
+        let mut chosen: Vec<(usize, usize)> = Vec::new();
+        for t in 0..rows {
+            let span = t * width..(t + 1) * width;
+            let mut best = (0usize, dist(&b[span.clone()], &c[span.clone()]));
+            for (&r, a) in alts {
+                let touches = self
+                    .rounds
+                    .get(r - 1)
+                    .is_some_and(|round| round.swaps.contains_key(&t));
+                let Ok(a) = a.as_f32("") else { continue };
+                if !touches || a.len() != b.len() {
+                    continue;
+                }
+                let d = dist(&a[span.clone()], &c[span.clone()]);
+                if d < best.1 {
+                    best = (r, d);
+                }
+            }
+            if best.0 != 0 {
+                if let Ok(a) = alts[&best.0].as_f32("") {
+                    out[span.clone()].copy_from_slice(&a[span]);
+                    chosen.push((t, best.0));
+                }
+            }
+        }
+        let note = (!chosen.is_empty()).then(|| {
+            let items: Vec<String> = chosen
+                .iter()
+                .take(4)
+                .filter_map(|&(t, r)| {
+                    let round = self.rounds.get(r - 1)?;
+                    let s = round.swaps.get(&t)?;
+                    Some(format!(
+                        "{} token {t}: {:?} in, {:?} out, margin {:.2e} <= tolerance {:.2e}",
+                        round.selection, s.entered, s.left, s.margin, s.tolerance
+                    ))
+                })
+                .collect();
+            format!(
+                "near-tie alternatives explain {} row(s) better: {}{}",
+                chosen.len(),
+                items.join("; "),
+                if chosen.len() > 4 { "; ..." } else { "" }
+            )
+        });
+        match HostTensor::f32(base.shape.clone(), out) {
+            Ok(t) => (t, note),
+            Err(_) => (base, None),
+        }
+    }
+}
+
+/// Whether `step` mixes rows through an input that differs by round: attention's keys and
+/// values (`kv_a_norm`, `k_pe_rope`) and the index scores' keys (`attn_norm`) are read for every
+/// query row. Row-wise steps and the query side keep a round's change in its own rows.
+fn mixes_rows(step: &Step, inputs: &[Input]) -> bool {
+    let varies = |i: usize| inputs.get(i).is_some_and(|x| !x.alt.is_empty());
+    match step.op {
+        Op::Attention { .. } => varies(2) || varies(3),
+        Op::IndexerScores { .. } => varies(0),
+        _ => false,
+    }
+}

@@ -1,0 +1,253 @@
+//! Traces of engines that do not hand over every hook (RoPE fused into attention, the router in
+//! one kernel, llama.cpp's graph names, layer outputs only, no selection scores), made from the
+//! real bf16 dumps of `fixtures/engines/` by keeping a subset of their hooks (`common::subset`).
+//! Replay runs across the missing hooks: every clean dump must still come out clean in replay
+//! and in both modes (its selections judged by margin on the reference's own scores, the
+//! near-tie alternatives kept being what the candidate really selected), and every planted bug
+//! must still exit 1, named at its own hook or at the segment that contains it.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use glmdiff::trace::read_trace;
+use serde_json::Value;
+
+use crate::common::subset::{keeps, write_subset, SUBSETS};
+
+fn run(gguf: &Path, trace: &Path, mode: &str, out: &Path) -> (i32, Value, String) {
+    let json = out.join("r.json");
+    let o = crate::common::glmdiff_in(
+        out,
+        &[
+            "run",
+            gguf.to_str().unwrap(),
+            "--against",
+            &format!("trace:{}", trace.display()),
+            "--mode",
+            mode,
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    crate::common::outcome(o, &json)
+}
+
+/// The first divergence as the table shows it: the segment's name, or the hook.
+fn named(j: &Value) -> String {
+    let fd = &j["first_divergence"];
+    if fd.is_null() {
+        return "-".into();
+    }
+    fd["segment"]
+        .as_str()
+        .or(fd["hook"].as_str())
+        .unwrap_or("?")
+        .to_string()
+}
+
+/// The near-tie alternatives the pairs' notes say explain the candidate better:
+/// `(selection, token, entered, left)`, read from `SEL token T: [..] in, [..] out`.
+fn alternatives(j: &Value) -> Vec<(String, usize, Vec<i64>, Vec<i64>)> {
+    let ids = |s: &str| -> Vec<i64> {
+        s.trim_matches(|c| c == '[' || c == ']')
+            .split(',')
+            .filter(|x| !x.trim().is_empty())
+            .map(|x| x.trim().parse().unwrap())
+            .collect()
+    };
+    let mut out = Vec::new();
+    for r in j["records"].as_array().into_iter().flatten() {
+        let Some(note) = r["replay"]["note"].as_str() else {
+            continue;
+        };
+        let Some((_, rest)) = note.split_once("explain") else {
+            continue;
+        };
+        for item in rest.split(';') {
+            let Some((head, tail)) = item.split_once(": ") else {
+                continue;
+            };
+            let Some((sel, token)) = head.trim().rsplit_once(" token ") else {
+                continue;
+            };
+            let (Some((entered, rest)), Ok(token)) = (tail.split_once(" in, "), token.parse())
+            else {
+                continue;
+            };
+            let Some((left, _)) = rest.split_once(" out") else {
+                continue;
+            };
+            let sel = sel.rsplit(' ').next().unwrap_or(sel).to_string();
+            out.push((sel, token, ids(entered), ids(left)));
+        }
+    }
+    out
+}
+
+/// Whether the first divergence is at `expect` or ends a segment through it.
+fn names_hook(j: &Value, expect: &str) -> bool {
+    let fd = &j["first_divergence"];
+    if fd["hook"] == expect {
+        return true;
+    }
+    let hook = fd["hook"].as_str().unwrap_or("");
+    j["records"].as_array().unwrap().iter().any(|r| {
+        r["hook"] == hook
+            && r["segment"]["through"]
+                .as_array()
+                .is_some_and(|t| t.iter().any(|h| h == expect))
+    })
+}
+
+#[test]
+fn engines_without_every_hook_are_clean_and_planted_bugs_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let pairs: Vec<(PathBuf, PathBuf)> = crate::common::trace_pairs(
+        &crate::common::fixtures("engines"),
+        &crate::common::fixtures("models"),
+    );
+    // Planted bugs: one row per dump, subset and mode; clean dumps: counted per subset and mode.
+    let mut rows: Vec<String> = Vec::new();
+    let mut clean_runs: BTreeMap<(&str, &str), (usize, usize)> = BTreeMap::new();
+    let mut alts = 0usize;
+    let mut judged = 0usize;
+    let mut bad: Vec<String> = Vec::new();
+    // Per subset: the largest clean segment error over its floor (hook), the smallest planted
+    // one (hook).
+    let mut clean_worst: BTreeMap<&str, (f64, String)> = BTreeMap::new();
+    let mut planted_least: BTreeMap<&str, (f64, String)> = BTreeMap::new();
+    for (trace, gguf) in &pairs {
+        let meta = read_trace(trace).unwrap().metadata;
+        let name = trace.file_name().unwrap().to_string_lossy().into_owned();
+        let expect = meta.get("expect_first_divergence");
+        let full = read_trace(trace).unwrap();
+        for subset in SUBSETS {
+            let sub = dir.path().join(format!("{subset}.{name}"));
+            write_subset(
+                trace,
+                &sub,
+                &|n| keeps(subset, n),
+                "not dumped by this engine",
+            );
+            for mode in ["replay", "both"] {
+                let (rc, j, text) = run(gguf, &sub, mode, dir.path());
+                match expect {
+                    Some(_) => rows.push(format!(
+                        "| {name} | {subset} | {mode} | {rc} | {} |",
+                        named(&j)
+                    )),
+                    None => {
+                        let c = clean_runs.entry((subset, mode)).or_default();
+                        c.0 += 1;
+                        c.1 += usize::from(rc == 0);
+                    }
+                }
+                if mode == "replay" {
+                    match expect {
+                        None => {
+                            for r in j["records"].as_array().into_iter().flatten() {
+                                let res = &r["replay"];
+                                if r["segment"].is_null() || res["metrics"]["kind"] != "float" {
+                                    continue;
+                                }
+                                let ratio = res["error"].as_f64().unwrap_or(f64::INFINITY)
+                                    / res["allowed"].as_f64().unwrap();
+                                let w = clean_worst.entry(subset).or_insert((0.0, String::new()));
+                                if ratio > w.0 {
+                                    *w = (ratio, format!("{} in {name}", r["segment"]["name"]));
+                                }
+                            }
+                        }
+                        Some(_) => {
+                            let fd = &j["first_divergence"];
+                            if let (Some(e), Some(a)) =
+                                (fd["error"].as_f64(), fd["allowed"].as_f64())
+                            {
+                                let w = planted_least
+                                    .entry(subset)
+                                    .or_insert((f64::INFINITY, String::new()));
+                                if e / a < w.0 {
+                                    *w = (e / a, format!("{} in {name}", named(&j)));
+                                }
+                            }
+                        }
+                    }
+                }
+                // A near-tie alternative kept for a clean dump is what the candidate really
+                // selected there (its full dump has the selection).
+                if expect.is_none() {
+                    for (sel, t, entered, left) in alternatives(&j) {
+                        let v = full.get(&sel).unwrap();
+                        let w = *v.shape.last().unwrap();
+                        let row = &v.ints(&sel).unwrap()[t * w..(t + 1) * w];
+                        let really = entered.iter().all(|e| row.contains(e))
+                            && !left.iter().any(|l| row.contains(l));
+                        alts += 1;
+                        if !really {
+                            bad.push(format!(
+                                "{name} {subset}: {sel} token {t}: {entered:?} in, {left:?} out, the candidate selected {row:?}"
+                            ));
+                        }
+                    }
+                }
+                // Every flip is judged by margin, on the reference's own scores where the
+                // candidate has none.
+                for r in j["records"].as_array().into_iter().flatten() {
+                    for m in ["replay", "chained"] {
+                        let f = &r[m]["flips"];
+                        if !f.is_null() && f["judged"] != true {
+                            bad.push(format!("{name} {subset} {mode}: {} {m}: {f}", r["hook"]));
+                        }
+                        judged += usize::from(!f.is_null() && *subset == "no_scores");
+                    }
+                }
+                // The text names the first divergence as the JSON does (its segment).
+                let shown = format!(
+                    "first divergence (replay, the step's own error): {}",
+                    named(&j)
+                );
+                let ok = match expect {
+                    None => rc == 0,
+                    Some(e) => rc == 1 && names_hook(&j, e) && text.contains(&shown),
+                };
+                if !ok {
+                    bad.push(format!(
+                        "{name} {subset} --mode {mode}: exit {rc}, expected {}: {}",
+                        expect.map_or("clean".into(), |e| format!("1 at {e}")),
+                        text.lines()
+                            .filter(|l| l.contains("first divergence") || l.contains("FAIL"))
+                            .collect::<Vec<_>>()
+                            .join(" / ")
+                    ));
+                }
+            }
+        }
+    }
+    eprintln!("\n| trace | subset | mode | exit | first divergence (replay) |");
+    eprintln!("|---|---|---|---|---|");
+    for ((subset, mode), (n, ok)) in &clean_runs {
+        eprintln!("| {n} clean dumps and models | {subset} | {mode} | 0 in {ok} of {n} | - |");
+    }
+    for r in &rows {
+        eprintln!("{r}");
+    }
+    eprintln!("\n| subset | worst clean segment error / floor | smallest planted error / floor |");
+    eprintln!("|---|---|---|");
+    for subset in SUBSETS {
+        let c = clean_worst.get(subset).cloned().unwrap_or_default();
+        let p = planted_least.get(subset).cloned().unwrap_or_default();
+        eprintln!("| {subset} | {:.3} ({}) | {:.1} ({}) |", c.0, c.1, p.0, p.1);
+    }
+    eprintln!(
+        "near-tie alternatives kept in clean dumps: {alts}, each the candidate's own selection"
+    );
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+    assert!(
+        judged > 0,
+        "selections without their scores must be judged by margin"
+    );
+    assert!(
+        alts > 0,
+        "the long DSA prompts must need near-tie alternatives"
+    );
+}
