@@ -225,7 +225,7 @@ pub struct ReportArgs {
     /// Replace the floor of matching hooks: 'GLOB=VALUE' (relative L2), repeatable.
     #[arg(long, value_name = "GLOB=VALUE", value_parser = parse_tol)]
     pub tol: Vec<(String, f64)>,
-    /// The candidate's precision for matching hooks: 'GLOB=DTYPE' (f64, f32, f16, bf16, fp8), repeatable, e.g. 'blk.*.indexer_*=fp8'.
+    /// The candidate's precision for matching hooks: 'GLOB=DTYPE' (f64, f32, tf32, f16, bf16, fp8: tf32 and fp8 round the operands of products), repeatable, e.g. 'blk.*.indexer_*=fp8'; '*=DTYPE' also sets the precision of a trace whose dtype names none.
     #[arg(long, value_name = "GLOB=DTYPE", value_parser = parse_precision)]
     pub precision: Vec<(String, String)>,
     /// Write the results as JSON (docs/run-json.md; `-`: stdout, the report then on stderr).
@@ -242,11 +242,14 @@ pub struct ReportArgs {
 pub struct CompareArgs {
     /// The reference trace (.safetensors).
     pub reference: PathBuf,
-    /// The candidate trace (.safetensors); its `dtype` metadata sets the floors.
+    /// The candidate trace (.safetensors); its `dtype` metadata sets the floors (inferred from its values when it has none).
     pub candidate: PathBuf,
     /// A JSON object or TOML table (by extension) mapping the candidate's hook names to glmdiff's ({"their.name": "blk.0.q_a"}).
     #[arg(long, value_name = "FILE")]
     pub map: Option<PathBuf>,
+    /// The traces' model: floors by step (reduction lengths, quant types) and expert flips' margins (selection bias, groups) as run has them.
+    #[arg(long, value_name = "FILE.gguf")]
+    pub model: Option<PathBuf>,
     /// What to compare and how to report it.
     #[command(flatten)]
     pub report: ReportArgs,
@@ -468,7 +471,7 @@ pub fn parse_nonneg(s: &str) -> Result<f64> {
     Ok(v)
 }
 
-/// Parses `GLOB=DTYPE` with a DTYPE of f64, f32, f16, bf16 or fp8 (and their long names).
+/// Parses `GLOB=DTYPE` with a DTYPE of f64, f32, tf32, f16, bf16 or fp8 (and their long names).
 pub fn parse_precision(s: &str) -> Result<(String, String)> {
     let (g, d) = s
         .rsplit_once('=')
@@ -478,7 +481,7 @@ pub fn parse_precision(s: &str) -> Result<(String, String)> {
         bail!("--precision {s:?} has an empty glob");
     }
     if crate::compare::Dtype::parse(d).is_none() {
-        bail!("--precision dtype {d:?} is not one of f64, f32, f16, bf16, fp8");
+        bail!("--precision dtype {d:?} is not one of f64, f32, tf32, f16, bf16, fp8");
     }
     Ok((g.to_string(), d.trim().to_string()))
 }

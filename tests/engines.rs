@@ -35,8 +35,10 @@ fn engine_pairs() -> Vec<(PathBuf, PathBuf)> {
     crate::common::trace_pairs(&root, &crate::common::fixtures("models"))
 }
 
-/// The largest `error / allowed` over the float hooks of a mode, per step kind.
+/// The largest `error / allowed` over the float hooks of a mode, per step kind (with the dtype of
+/// a precision override that decides the hook's floor: `indexer_scores (fp8)`).
 fn worst_by_kind(j: &Value, mode: &str, worst: &mut BTreeMap<String, (f64, String)>) {
+    let overrides = j["overrides"].as_array().unwrap();
     for r in j["records"].as_array().unwrap() {
         let res = &r[mode];
         if res.is_null() || res["metrics"]["kind"] != "float" {
@@ -47,7 +49,14 @@ fn worst_by_kind(j: &Value, mode: &str, worst: &mut BTreeMap<String, (f64, Strin
             res["allowed"].as_f64().unwrap(),
         );
         let ratio = e / a;
-        let kind = r["kind"].as_str().unwrap().to_string();
+        let hook = r["hook"].as_str().unwrap();
+        let mut kind = r["kind"].as_str().unwrap().to_string();
+        if let Some(o) = overrides.iter().find(|o| {
+            o["kind"] == "precision"
+                && glmdiff::util::glob::matches(o["glob"].as_str().unwrap(), hook)
+        }) {
+            kind = format!("{kind} ({})", o["value"].as_str().unwrap());
+        }
         let w = worst.entry(kind).or_insert((0.0, String::new()));
         if ratio > w.0 {
             *w = (ratio, r["hook"].as_str().unwrap().to_string());
@@ -132,8 +141,10 @@ fn bf16_and_fp8_engines_are_clean_and_planted_bugs_are_named() {
     eprintln!("|---|---|---|");
     for (k, (r, h)) in &worst {
         eprintln!("| {k} | {r:.3} ({h}) | {:.1}x |", 1.0 / r);
-        // Regression guard: a correct bf16 engine stays well under every floor.
-        assert!(*r < 0.25, "{k}: clean error at {r} of the floor ({h})");
+        // Regression guard: a correct bf16 engine stays well under every floor; an FP8
+        // indexer's floor is capped at MAX_FLOOR (src/compare/floors.rs), 2.5x over its error.
+        let guard = if k.ends_with("(fp8)") { 0.5 } else { 0.25 };
+        assert!(*r < guard, "{k}: clean error at {r} of the floor ({h})");
     }
     eprintln!("\n| planted bug | first divergence (replay) | error | floor | detection headroom |");
     eprintln!("|---|---|---|---|---|");

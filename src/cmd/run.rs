@@ -77,6 +77,7 @@ pub fn compare(args: &CompareArgs) -> Result<Outcome> {
         reference: args.reference.clone(),
         candidate: args.candidate.clone(),
         map: args.map.clone(),
+        model: args.model.clone(),
         hooks: hook_options(&args.report),
     };
     let ran = session::compare(&req, &Bar::with_unit("hooks"))?;

@@ -12,4 +12,6 @@ pub mod verdict;
 
 pub use floors::{Dtype, HookInfo, Kind, Precision};
 pub use metrics::{compare, FloatMetrics, IdMetrics, Metrics};
-pub use verdict::{Comparison, HookRecord, Judge, LayerSummary, ModeResult, Status};
+pub use verdict::{
+    Comparison, HookRecord, Judge, LayerSummary, ModeResult, Override, PrecisionOverride, Status,
+};

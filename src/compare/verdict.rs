@@ -30,15 +30,20 @@
 //!   its reference value is still handed over, and the tolerance is the one the scores would
 //!   have had (replay: their floor, composed inside a segment; chained: their floor plus what
 //!   their inputs carry, amplified).
-//! - `--tol GLOB=VALUE` replaces the floor of matching hooks; `--precision GLOB=DTYPE` sets the
-//!   candidate's precision for matching hooks (an FP8 indexer: `blk.*.indexer_*=fp8`).
+//! - `--tol GLOB=VALUE` replaces the floor of matching hooks, not the tolerance of flips: a
+//!   selection's flips are judged with the precision floor of its score hook, whatever `--tol`
+//!   says there. `--precision GLOB=DTYPE` sets the candidate's precision for matching hooks (an
+//!   FP8 indexer: `blk.*.indexer_*=fp8`), floors and flip tolerances alike. Both are listed by
+//!   [`Comparison::overrides`] with the number of hooks each decides.
 
 use std::collections::HashMap;
 
 use anyhow::Result;
 use serde::Serialize;
 
-use super::floors::{floor, point_of, segment_floor, Carried, HookInfo, Precision, TOKEN_FACTOR};
+use super::floors::{
+    flip_tolerance, floor, point_of, segment_floor, Carried, HookInfo, Precision, TOKEN_FACTOR,
+};
 use super::graph::order_key;
 use super::logits::{analyse, LogitsReport};
 use super::metrics::{compare, Metrics};
@@ -145,6 +150,35 @@ impl HookRecord {
     }
 }
 
+/// The candidate's precision at the hooks a glob matches.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrecisionOverride {
+    /// Hook glob.
+    pub glob: String,
+    /// The precision there.
+    pub precision: Precision,
+    /// The dtype as it was given (`fp8`).
+    pub dtype: String,
+    /// Who said it: `--precision`, or the trace's metadata key (`indexer_dtype`).
+    pub source: String,
+}
+
+/// A `--tol` or precision override and how many compared hooks it decides (the first matching
+/// glob of its kind wins).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Override {
+    /// `tol` (a floor replaced) or `precision` (the candidate's precision set).
+    pub kind: &'static str,
+    /// Hook glob.
+    pub glob: String,
+    /// As given: a floor (`10`) or a dtype (`fp8`).
+    pub value: String,
+    /// Who said it: `--tol`, `--precision`, or a trace's metadata key (`indexer_dtype`).
+    pub source: String,
+    /// Compared hooks it decides.
+    pub hooks: usize,
+}
+
 /// Settings of a comparison.
 #[derive(Clone, Debug)]
 pub struct Judge {
@@ -156,9 +190,9 @@ pub struct Judge {
     pub infos: HashMap<String, HookInfo>,
     /// `--tol` overrides, in order: the first matching glob wins.
     pub tol: Vec<(String, f64)>,
-    /// `--precision` overrides of the candidate's precision, in order: the first matching glob
-    /// wins.
-    pub precision: Vec<(String, Precision)>,
+    /// Overrides of the candidate's precision (`--precision`, then what a trace declares), in
+    /// order: the first matching glob wins.
+    pub precision: Vec<PrecisionOverride>,
     /// Selection bias (`exp_probs_b`) per MoE layer, added to the router probabilities when
     /// judging expert flips.
     pub selection_bias: HashMap<usize, Vec<f32>>,
@@ -179,19 +213,14 @@ impl Judge {
     pub fn candidate_precision(&self, name: &str) -> Precision {
         self.precision
             .iter()
-            .find(|(g, _)| glob_match(g, name))
-            .map_or(self.candidate, |(_, p)| *p)
+            .find(|o| glob_match(&o.glob, name))
+            .map_or(self.candidate, |o| o.precision)
     }
 
     /// The floor of `name` (a `--tol` override when one matches).
     pub fn floor(&self, name: &str) -> f64 {
-        self.tol_override(name).unwrap_or_else(|| {
-            floor(
-                &self.info(name),
-                self.reference,
-                self.candidate_precision(name),
-            )
-        })
+        self.tol_override(name)
+            .unwrap_or_else(|| self.precision_floor(name))
     }
 
     /// The `--tol` value for `name`, when a glob matches it.
@@ -200,6 +229,41 @@ impl Judge {
             .iter()
             .find(|(g, _)| glob_match(g, name))
             .map(|(_, v)| *v)
+    }
+
+    /// [`Judge::precision_floor`] with a router hook judged at the storage precision, as
+    /// every other hook: the chained tolerance of the router's flips (see `record`).
+    pub fn storage_floor(&self, name: &str) -> f64 {
+        let info = HookInfo {
+            router: false,
+            ..self.info(name)
+        };
+        flip_tolerance(&info, self.reference, self.candidate_precision(name))
+    }
+
+    /// The tolerance of the scores `name` in `mode` for the flips they decide: the precision
+    /// floor in replay (both sides score the same inputs), the storage floor in chained mode
+    /// (the router's scores carry what storage did to their inputs upstream, so a router finer
+    /// than storage does not narrow their flips' tolerance there). Never a `--tol` override.
+    pub fn score_floor(&self, name: &str, mode: Mode) -> f64 {
+        match mode {
+            Mode::Replay => flip_tolerance(
+                &self.info(name),
+                self.reference,
+                self.candidate_precision(name),
+            ),
+            Mode::Chained => self.storage_floor(name),
+        }
+    }
+
+    /// The floor of `name` from both sides' precisions (a `--precision` override included),
+    /// whatever `--tol` says: the relative tolerance of the flips its scores decide.
+    pub fn precision_floor(&self, name: &str) -> f64 {
+        floor(
+            &self.info(name),
+            self.reference,
+            self.candidate_precision(name),
+        )
     }
 }
 
@@ -580,6 +644,34 @@ impl Comparison {
             .find(|r| r.result(mode).is_some_and(|m| m.status == Status::Fail))
     }
 
+    /// The `--tol` and precision overrides, each with the number of compared hooks it decides.
+    pub fn overrides(&self) -> Vec<Override> {
+        let j = &self.judge;
+        let count = |pick: &dyn Fn(&str) -> Option<usize>, i: usize| {
+            self.records
+                .iter()
+                .filter(|r| pick(&r.name) == Some(i))
+                .count()
+        };
+        let tol_of = |n: &str| j.tol.iter().position(|(g, _)| glob_match(g, n));
+        let prec_of = |n: &str| j.precision.iter().position(|o| glob_match(&o.glob, n));
+        let tol = j.tol.iter().enumerate().map(|(i, (g, v))| Override {
+            kind: "tol",
+            glob: g.clone(),
+            value: format!("{v}"),
+            source: "--tol".to_string(),
+            hooks: count(&tol_of, i),
+        });
+        let prec = j.precision.iter().enumerate().map(|(i, o)| Override {
+            kind: "precision",
+            glob: o.glob.clone(),
+            value: o.dtype.clone(),
+            source: o.source.clone(),
+            hooks: count(&prec_of, i),
+        });
+        tol.chain(prec).collect()
+    }
+
     /// Whether the comparison found a difference (module documentation).
     pub fn differs(&self) -> bool {
         let chained_hard = self.records.iter().any(|r| {
@@ -721,12 +813,17 @@ impl PairSink for Comparison {
             }
         }
         // Score hooks are kept (the latest per mode) to judge the flips of the selection after.
-        // The relative error the scores may carry: the floor, or what they really show in
-        // chained mode when that is more.
+        // The relative error the scores may carry: their precision floor (never a --tol
+        // override; composed inside a segment), or what they really show in chained mode when
+        // that is more.
+        let score_floor = match &segment {
+            Some(_) => floor,
+            None => self.judge.score_floor(pair.name, pair.mode),
+        };
         let rel = if pair.mode == Mode::Chained && result.error.is_finite() {
-            floor.max(result.error)
+            score_floor.max(result.error)
         } else {
-            floor
+            score_floor
         };
         let (name, mode) = (pair.name, pair.mode);
         self.keep_scores(name, mode, pair.reference, rel);
@@ -751,7 +848,11 @@ impl PairSink for Comparison {
         inputs: &[String],
         reference: &HostTensor,
     ) {
-        let own = self.judge.floor(name);
+        let own = if matches!(point_of(name), "moe_probs" | "indexer_scores") {
+            self.judge.score_floor(name, mode)
+        } else {
+            self.judge.floor(name)
+        };
         let rel = match mode {
             Mode::Replay => {
                 let (carried, from, mut through) = self
@@ -1011,6 +1112,86 @@ mod tests {
         assert!(replay.note.as_deref().unwrap().starts_with("token 7:"));
         // Chained judges the tensor only.
         assert_eq!(rec.chained.as_ref().unwrap().status, Status::Pass);
+    }
+
+    /// `--tol` replaces floors, never flip tolerances: a confident flip stays confident under
+    /// `--tol '*=10'`, and the override is listed with the hooks it decides; a `--precision`
+    /// override of the scores widens both, and is listed with its source.
+    #[test]
+    fn tol_never_widens_flips_and_overrides_are_listed() {
+        let probs = || f(vec![0.9, 0.5, 0.4999, 0.1]);
+        let ids = |v: Vec<i32>| HostTensor::i32(vec![1, 2], v).unwrap();
+        let run = |judge: Judge| {
+            let mut c = Comparison::new(judge, Box::new(|_| true), &[1]);
+            for (name, r, k) in [
+                ("blk.1.moe_probs", probs(), probs()),
+                ("blk.1.moe_topk_ids", ids(vec![0, 1]), ids(vec![0, 3])),
+            ] {
+                c.record(Pair {
+                    name,
+                    mode: Mode::Replay,
+                    inputs: &[],
+                    reference: r,
+                    candidate: k,
+                    note: None,
+                })
+                .unwrap();
+            }
+            c
+        };
+        let tol = Judge {
+            tol: vec![("*".into(), 10.0)],
+            ..judge()
+        };
+        let c = run(tol);
+        let sel = c.get("blk.1.moe_topk_ids").unwrap();
+        assert_eq!(sel.floor, 10.0);
+        let flips = sel.replay.as_ref().unwrap().flips.as_ref().unwrap();
+        assert_eq!(flips.confident, 1);
+        assert!(flips.first.as_ref().unwrap().tolerance < 0.1, "{flips:?}");
+        assert!(c.differs());
+        assert_eq!(
+            c.overrides(),
+            [Override {
+                kind: "tol",
+                glob: "*".into(),
+                value: "10".into(),
+                source: "--tol".into(),
+                hooks: 2,
+            }]
+        );
+        // A --precision override of the scores sets their floor and the flips' tolerance alike:
+        // the tolerance is the scores' precision floor times the row's RMS score.
+        let fp8 = Judge {
+            precision: vec![PrecisionOverride {
+                glob: "blk.*.moe_*".into(),
+                precision: Precision::parse("fp8").unwrap(),
+                dtype: "fp8".into(),
+                source: "--precision".into(),
+            }],
+            ..judge()
+        };
+        let c = run(fp8);
+        let t = c
+            .get("blk.1.moe_topk_ids")
+            .unwrap()
+            .replay
+            .as_ref()
+            .unwrap();
+        let tol = t.flips.as_ref().unwrap().first.as_ref().unwrap().tolerance;
+        let rms = ((0.81f64 + 0.25 + 0.4999 * 0.4999 + 0.01) / 4.0).sqrt();
+        let probs_floor = c.get("blk.1.moe_probs").unwrap().floor;
+        assert!(
+            (tol - probs_floor * rms).abs() < 1e-6,
+            "{tol} vs {probs_floor} * {rms}"
+        );
+        let o = c.overrides();
+        assert_eq!(o.len(), 2, "{o:?}"); // the judge's --tol blk.*.q_a, deciding no hook here
+        assert_eq!((o[0].kind, o[0].hooks), ("tol", 0));
+        assert_eq!(
+            (o[1].kind, o[1].value.as_str(), o[1].hooks),
+            ("precision", "fp8", 2)
+        );
     }
 
     #[test]

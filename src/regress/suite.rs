@@ -404,7 +404,9 @@ fn parse_case(file: &str, dir: &Path, n: usize, t: &Table) -> Result<Case> {
     })?;
     let precision = cx.globs(t, "precision", |v| match v {
         Value::String(d) if crate::compare::Dtype::parse(d).is_some() => Ok(d.clone()),
-        Value::String(d) => Err(format!("{d:?} is not one of f64, f32, f16, bf16, fp8")),
+        Value::String(d) => Err(format!(
+            "{d:?} is not one of f64, f32, tf32, f16, bf16, fp8"
+        )),
         v => Err(format!(
             "expected a dtype string, got {} {}",
             v.type_str(),

@@ -10,10 +10,11 @@ use serde_json::{json, Value};
 use super::layout::{self, shell_lines, wrap_items};
 use super::Grid;
 use crate::compare::logits::LogitsReport;
-use crate::compare::{Comparison, HookRecord, Metrics, ModeResult, Status};
+use crate::compare::{Comparison, HookRecord, Metrics, ModeResult, Override, Status};
 use crate::driver::pair::LayerTime;
 use crate::explain::Explanation;
 use crate::trace::Mode;
+use crate::util::shell::shell_word;
 
 /// Version of the JSON document (`glmdiff_run` key).
 pub const RUN_JSON_VERSION: u32 = 1;
@@ -243,6 +244,9 @@ pub fn render_at(
     for n in h.notes.iter().chain(&h.cache) {
         let _ = writeln!(s, "note: {n}");
     }
+    for o in c.overrides() {
+        let _ = writeln!(s, "override: {}", override_line(&o));
+    }
     let _ = writeln!(s);
 
     // Narrow: the hook, both modes' errors, the floor and the verdict stay.
@@ -419,10 +423,16 @@ pub fn render_at(
         let _ = writeln!(s);
         s.push_str(&render_logits(*m, l, text, width));
     }
-    let verdict = if c.differs() {
-        "DIFFERS: a step diverges beyond what precision explains"
-    } else {
-        "OK: every compared hook is within its floor"
+    let by_tol: usize = (c.overrides().iter())
+        .filter(|o| o.kind == "tol")
+        .map(|o| o.hooks)
+        .sum();
+    let verdict = match (c.differs(), by_tol) {
+        (true, _) => "DIFFERS: a step diverges beyond what precision explains".to_string(),
+        (false, 0) => "OK: every compared hook is within its floor".to_string(),
+        (false, n) => format!(
+            "OK: every compared hook is within its floor ({n} of those floors set by --tol, not by precision)"
+        ),
     };
     let _ = writeln!(s, "\n{verdict}");
     if !h.timings.is_empty() {
@@ -437,6 +447,25 @@ pub fn render_at(
         let _ = writeln!(s, "{line}");
     }
     s
+}
+
+/// One override in the header's words: what set it, where, and what it decides.
+fn override_line(o: &Override) -> String {
+    let pair = shell_word(&format!("{}={}", o.glob, o.value));
+    match (o.kind, o.source.as_str()) {
+        ("tol", _) => format!(
+            "--tol {pair} replaces the floor of {} compared hooks: their verdicts are against {}, not precision (flips keep their score hooks' precision floors)",
+            o.hooks, o.value
+        ),
+        (_, "--precision") => format!(
+            "--precision {pair} sets the candidate's precision at {} compared hooks (their floors and flip tolerances)",
+            o.hooks
+        ),
+        (_, source) => format!(
+            "{source} sets the candidate's precision {pair} at {} compared hooks (their floors and flip tolerances)",
+            o.hooks
+        ),
+    }
 }
 
 /// What `--explain` found, in a few lines: the best hypothesis and whether it reproduces the
@@ -755,6 +784,7 @@ pub fn to_json(h: &Header, c: &Comparison) -> Value {
         "first_divergence_chained": divergence_json(c, Mode::Chained),
         "rerun": h.rerun,
         "notes": h.notes.iter().chain(&h.cache).collect::<Vec<_>>(),
+        "overrides": c.overrides(),
         "records": records,
         "layer_summaries": layers,
         "logits": if logits.is_empty() { Value::Null } else { Value::Object(logits) },

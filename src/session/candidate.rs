@@ -8,7 +8,7 @@ use std::path::Path;
 use anyhow::Result;
 
 use super::config::Chosen;
-use super::judge::declared_precision;
+use super::judge::trace_side_precision;
 use super::pass::{Pass, Passed};
 use crate::compare::Precision;
 use crate::driver::pair::Candidate;
@@ -44,12 +44,12 @@ pub(super) fn trace_desc(spec: String, t: &TraceFile) -> EngineDesc {
     }
 }
 
-/// A trace candidate, judged by the precision its metadata declares (bf16 when it declares
-/// none known).
+/// A trace candidate, judged by the precision its metadata declares (inferred from its values
+/// when it declares none known, or set by `--precision '*=DTYPE'`).
 fn trace(p: &Pass<'_, '_>, path: &Path, file: &TraceFile) -> Result<Passed> {
     let desc = trace_desc(format!("trace:{}", path.display()), file);
     let mut notes = Vec::new();
-    let precision = declared_precision(&desc.dtype, "trace", "floors assume", &mut notes)?;
+    let precision = trace_side_precision(file, "trace", &p.cfg.precision, &mut notes)?;
     p.compare(
         Candidate::<CpuEngine<'_>>::Trace(file),
         desc,

@@ -1,6 +1,8 @@
 //! Two traces hook by hook (`glmdiff compare`): the first is the reference, the second the
 //! candidate, whose hooks a `--map` file may rename to glmdiff's names. Each hook is compared as
-//! it stands (chained: each trace holds its own engine's accumulated values).
+//! it stands (chained: each trace holds its own engine's accumulated values). With `--model`
+//! the floors and flip margins are `run`'s: reduction lengths and quant types per hook, the
+//! selection bias and the expert groups, read from the GGUF.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -10,10 +12,11 @@ use anyhow::{bail, Context, Result};
 use super::candidate::trace_desc;
 use super::config::{check_globs, HookOptions};
 use super::judge::{
-    declared_precision, overrides_with_trace, precision_overrides, wants_with_scores,
+    overrides_with_trace, precision_overrides, selection_bias, trace_side_precision,
+    wants_with_scores,
 };
 use super::Ran;
-use crate::compare::floors::point_of;
+use crate::compare::floors::{hook_infos, point_of};
 use crate::compare::graph::{order_key, upstream};
 use crate::compare::{Comparison, Judge};
 use crate::report::run::Header;
@@ -29,6 +32,8 @@ pub struct CompareRequest {
     pub candidate: PathBuf,
     /// A JSON object or TOML table from the candidate's hook names to glmdiff's.
     pub map: Option<PathBuf>,
+    /// The traces' model: floors by step and flip margins as `run` has them.
+    pub model: Option<PathBuf>,
     /// Hooks, floors and precisions.
     pub hooks: HookOptions,
 }
@@ -65,7 +70,7 @@ pub fn compare(req: &CompareRequest, progress: &dyn Progress) -> Result<Ran> {
         })
         .collect();
     let mut notes = Vec::new();
-    let judge = traces_judge(&reference, &candidate, &req.hooks, &mut notes)?;
+    let judge = traces_judge(req, &reference, &candidate, &mut notes)?;
     let mut names: Vec<String> = reference.names().map(str::to_string).collect();
     names.sort_by_key(|n| order_key(n));
     check_globs(
@@ -113,29 +118,49 @@ pub fn compare(req: &CompareRequest, progress: &dyn Progress) -> Result<Ran> {
     })
 }
 
-/// The judge of two traces: each side's declared precision, the overrides (`--precision`,
-/// then the candidate's own, said in `notes`), no floors by step (traces carry no weights).
+/// The judge of two traces: each side's declared (or inferred) precision, the overrides
+/// (`--precision`, then the candidate's own, said in `notes`), and with `model` the floors by
+/// step, the selection bias and the expert groups of `run` (without it, a note says what the
+/// floors and margins lack).
 fn traces_judge(
+    req: &CompareRequest,
     reference: &TraceFile,
     candidate: &TraceFile,
-    hooks: &HookOptions,
     notes: &mut Vec<String>,
 ) -> Result<Judge> {
-    let dtype = |t: &TraceFile| t.metadata().get("dtype").cloned().unwrap_or_default();
-    let floors = "floors assume";
-    Ok(Judge {
-        reference: declared_precision(&dtype(reference), "reference", floors, notes)?,
-        candidate: declared_precision(&dtype(candidate), "candidate", floors, notes)?,
+    let flags = precision_overrides(&req.hooks.precision)?;
+    let mut judge = Judge {
+        reference: trace_side_precision(reference, "reference trace", &[], notes)?,
+        candidate: trace_side_precision(candidate, "candidate trace", &flags, notes)?,
         infos: HashMap::new(),
-        tol: hooks.tol.clone(),
-        precision: overrides_with_trace(
-            &precision_overrides(&hooks.precision)?,
-            Some(candidate),
-            notes,
-        ),
+        tol: req.hooks.tol.clone(),
+        precision: overrides_with_trace(&flags, Some(candidate), notes),
         selection_bias: HashMap::new(),
         groups: None,
-    })
+    };
+    let Some(path) = &req.model else {
+        notes.push(
+            "without --model the floors take every reduction length as 8192 and no weight as quantized, and expert flips' margins ignore the selection bias (exp_probs_b) and expert groups; --model FILE.gguf reads them as run does".to_string(),
+        );
+        return Ok(judge);
+    };
+    let model = crate::gguf::Model::open(path)?;
+    let weights = crate::model::Weights::new(&model)?;
+    let arch = weights.hparams().arch.as_str();
+    if let Some(a) = reference.metadata().get("architecture") {
+        if a != arch {
+            bail!(
+                "compare: --model {} is a {arch} model; the reference trace {} was made by a {a} one",
+                path.display(),
+                req.reference.display()
+            );
+        }
+    }
+    let plan = crate::driver::Plan::full(&weights)?;
+    judge.infos = hook_infos(&plan.steps, &weights);
+    judge.selection_bias = selection_bias(&weights, &plan)?;
+    judge.groups = weights.hparams().groups;
+    Ok(judge)
 }
 
 /// Refuses a comparison in which no wanted hook of the reference has a candidate, and checks

@@ -14,7 +14,6 @@ use clap::ValueEnum;
 
 use super::judge::{precision_overrides, wants_with_scores};
 use super::tokens::prompt_tokens;
-use crate::compare::Precision;
 use crate::driver::pair::Modes;
 use crate::driver::Plan;
 use crate::explain::fault::Fault;
@@ -260,7 +259,7 @@ pub struct RunConfig {
     pub(super) repro: Option<PathBuf>,
     pub(super) hook: Vec<String>,
     pub(super) tol: Vec<(String, f64)>,
-    pub(super) precision: Vec<(String, Precision)>,
+    pub(super) precision: Vec<crate::compare::PrecisionOverride>,
     /// The reference cache and this run's entry (a run from layer 0 or `--no-cache`: none).
     pub(super) cache: Option<(RefCache, CacheKey)>,
 }

@@ -5,44 +5,56 @@
 
 use std::collections::HashMap;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 
-use crate::compare::Precision;
+use crate::compare::floors::point_of;
+use crate::compare::{Dtype, Precision, PrecisionOverride};
 use crate::driver::Plan;
 use crate::model::Weights;
+use crate::precision::storage_of_values;
 use crate::trace::{HookFilter, TraceFile};
 
 /// The precision a dtype string names: a dtype word (`bf16`, `float32`) or an engine's dtype
-/// string (its first word the storage; `f64 accumulation` where sums are f64); `None` when it
-/// names none. The one place a precision is read from text.
+/// string (its first word the storage; `f64 accumulation` where sums are f64; the router's
+/// precision where it names one); `None` when it names none. The one place a precision is read
+/// from text.
 pub(super) fn precision_of(dtype: &str) -> Option<Precision> {
     Precision::parse(dtype)
 }
 
-/// The precision a file declares for `whose` side (a trace's metadata `dtype`, a case's stored
-/// candidate), or bf16 when it names no known precision, said in `notes` (`floors`: what
-/// assumes bf16, e.g. `floors assume`).
-pub(super) fn declared_precision(
+/// The precision of a case's stored candidate from its `dtype`, or, when that names none, from
+/// the stored output's values (said in `notes`); an error when neither tells.
+pub(super) fn case_precision(
     dtype: &str,
-    whose: &str,
-    floors: &str,
+    output: &crate::tensor::HostTensor,
     notes: &mut Vec<String>,
 ) -> Result<Precision> {
     if let Some(p) = precision_of(dtype) {
         return Ok(p);
     }
+    let inferred = output.as_f32("candidate").ok().and_then(storage_of_values);
+    let Some(d) = inferred else {
+        bail!(
+            "step: the case's candidate dtype {dtype:?} names no precision and its stored output holds no value that tells one (all zero, NaN or ids); write its precision (f32, bf16, ...) as candidate_dtype in the case's case.json"
+        );
+    };
     notes.push(format!(
-        "the {whose}'s dtype {dtype:?} is not a known precision; {floors} bf16"
+        "the case's candidate dtype {dtype:?} names no precision; its stored output's values are {d} numbers: the floor is {d}'s"
     ));
-    precision_of("bf16").context("bf16")
+    Ok(Precision::of_dtype(d))
 }
 
-/// `--precision` pairs as precisions.
-pub(super) fn precision_overrides(p: &[(String, String)]) -> Result<Vec<(String, Precision)>> {
+/// `--precision` pairs as overrides.
+pub(super) fn precision_overrides(p: &[(String, String)]) -> Result<Vec<PrecisionOverride>> {
     p.iter()
         .map(|(g, d)| {
             precision_of(d)
-                .map(|p| (g.clone(), p))
+                .map(|p| PrecisionOverride {
+                    glob: g.clone(),
+                    precision: p,
+                    dtype: d.clone(),
+                    source: "--precision".to_string(),
+                })
                 .with_context(|| format!("--precision {g}={d}: unknown dtype"))
         })
         .collect()
@@ -50,7 +62,7 @@ pub(super) fn precision_overrides(p: &[(String, String)]) -> Result<Vec<(String,
 
 /// Precision overrides a trace declares: `indexer_dtype` (e.g. `fp8` for an FP8 DSA indexer)
 /// sets the precision of `blk.*.indexer_*`. `--precision` flags come first and win.
-pub(super) fn trace_precision(t: &TraceFile, notes: &mut Vec<String>) -> Vec<(String, Precision)> {
+pub(super) fn trace_precision(t: &TraceFile, notes: &mut Vec<String>) -> Vec<PrecisionOverride> {
     let Some(d) = t.metadata().get("indexer_dtype") else {
         return Vec::new();
     };
@@ -59,7 +71,12 @@ pub(super) fn trace_precision(t: &TraceFile, notes: &mut Vec<String>) -> Vec<(St
             notes.push(format!(
                 "the trace's indexer_dtype {d:?} sets the candidate's precision of blk.*.indexer_*"
             ));
-            vec![("blk.*.indexer_*".to_string(), p)]
+            vec![PrecisionOverride {
+                glob: "blk.*.indexer_*".to_string(),
+                precision: p,
+                dtype: d.clone(),
+                source: "the trace's indexer_dtype".to_string(),
+            }]
         }
         None => {
             notes.push(format!(
@@ -68,6 +85,156 @@ pub(super) fn trace_precision(t: &TraceFile, notes: &mut Vec<String>) -> Vec<(St
             Vec::new()
         }
     }
+}
+
+/// Hooks whose values say nothing about an engine's storage precision: the embedding (a gather
+/// copies the weights' own values), the router and the index scores (engines commonly compute
+/// them finer than they store activations).
+fn says_nothing_of_storage(name: &str) -> bool {
+    matches!(
+        point_of(name),
+        "token_embd" | "moe_logits" | "moe_probs" | "moe_weights" | "indexer_scores"
+    )
+}
+
+/// The precision of trace `t`, one side (`whose`: `trace`, `reference trace`, `candidate trace`) of a
+/// comparison: what its `dtype` metadata names, with the router's precision from it or from
+/// `router_dtype`. A dtype that names none (absent, unknown) is inferred from the values: the
+/// coarsest of bf16, f16 and f32 that holds every value of every activation hook, with the
+/// router in f32 when its hooks hold values that format cannot; a `--precision '*=DTYPE'` in
+/// `flags` sets it instead. What was read or inferred is said in `notes`; an error when the
+/// values do not tell (no activation hook, or some hold only bf16 numbers and others not).
+pub(super) fn trace_side_precision(
+    t: &TraceFile,
+    whose: &str,
+    flags: &[PrecisionOverride],
+    notes: &mut Vec<String>,
+) -> Result<Precision> {
+    let dtype = t.metadata().get("dtype").cloned().unwrap_or_default();
+    let path = t.path().display();
+    let said = if dtype.is_empty() {
+        "no dtype".to_string()
+    } else {
+        format!("the dtype {dtype:?}, which names no precision")
+    };
+    let mut p = match (precision_of(&dtype), flags.iter().find(|o| o.glob == "*")) {
+        (Some(p), _) => p,
+        (None, Some(all)) => {
+            notes.push(format!(
+                "the {whose} has {said}; --precision '*={}' sets it",
+                all.dtype
+            ));
+            all.precision
+        }
+        (None, None) => {
+            let p = infer_precision(t, whose, &said)?;
+            notes.push(format!(
+                "the {whose} has {said}; its values say {}: {}",
+                p.0, p.1
+            ));
+            p.0
+        }
+    };
+    if let Some(r) = t.metadata().get("router_dtype") {
+        let Some(d) = Dtype::parse(r).filter(|d| !d.is_operand_format()) else {
+            bail!(
+                "trace: {path}: metadata router_dtype {r:?} is not a dtype of f64, f32, f16 or bf16"
+            );
+        };
+        p.router =
+            (d.unit_roundoff() < p.storage.unit_roundoff()).then_some(crate::precision::Router {
+                compute: d,
+                matrix: p.router.map_or(p.storage, |r| r.matrix),
+            });
+    }
+    if let Some(r) = p.router {
+        notes.push(format!(
+            "the {whose}'s router (moe_logits, moe_probs, moe_weights) computes in {}{}: judged there at {}'s floors",
+            r.compute,
+            if r.matrix == r.compute {
+                String::new()
+            } else {
+                format!(" from a {} matrix", r.matrix)
+            },
+            r.compute
+        ));
+    }
+    Ok(p)
+}
+
+/// A trace's precision from its values ([`trace_side_precision`]) and the words that say why.
+fn infer_precision(t: &TraceFile, whose: &str, said: &str) -> Result<(Precision, String)> {
+    let mut by: std::collections::BTreeMap<Dtype, Vec<String>> = Default::default();
+    let mut router: Vec<(String, Dtype)> = Vec::new();
+    let names: Vec<String> = t.names().map(str::to_string).collect();
+    for n in &names {
+        if t.holds_ints(n) != Some(false) {
+            continue;
+        }
+        let Some(tensor) = t.get(n)? else { continue };
+        let Some(d) = tensor.as_f32(n).ok().and_then(storage_of_values) else {
+            continue;
+        };
+        if says_nothing_of_storage(n) {
+            if matches!(point_of(n), "moe_logits" | "moe_probs" | "moe_weights") {
+                router.push((n.clone(), d));
+            }
+            continue;
+        }
+        by.entry(d).or_default().push(n.clone());
+    }
+    let count = |d: Dtype| by.get(&d).map_or(0, Vec::len);
+    let example = |d: Dtype| {
+        by.get(&d)
+            .and_then(|v| v.first())
+            .cloned()
+            .unwrap_or_default()
+    };
+    let total: usize = by.values().map(Vec::len).sum();
+    let fix = if whose.starts_with("reference") {
+        "write its precision as the trace's dtype metadata (f32, bf16, ...)".to_string()
+    } else {
+        "give it with --precision '*=DTYPE' (f64, f32, tf32, f16, bf16, fp8) or as the trace's dtype metadata".to_string()
+    };
+    let path = t.path().display();
+    let storage = match (count(Dtype::Bf16), count(Dtype::F16), count(Dtype::F32)) {
+        (0, 0, 0) => bail!(
+            "trace: {path}: the {whose} has {said} and no activation hook whose values tell one; {fix}"
+        ),
+        (_, 0, 0) => Dtype::Bf16,
+        (_, _, 0) => Dtype::F16,
+        (0, 0, _) => Dtype::F32,
+        (b, h, f) => bail!(
+            "trace: {path}: the {whose} has {said} and its values do not tell one: {} hold only bf16 or f16 numbers (e.g. {}), {f} hold numbers neither can (e.g. {}); {fix}",
+            b + h,
+            if b > 0 { example(Dtype::Bf16) } else { example(Dtype::F16) },
+            example(Dtype::F32)
+        ),
+    };
+    let mut why = match storage {
+        Dtype::Bf16 => format!("every value of its {total} activation hooks is a bf16 number"),
+        Dtype::F16 => format!(
+            "every value of its {total} activation hooks is an f16 number, not all bf16 ones"
+        ),
+        _ => format!("none of its {total} activation hooks holds only bf16 or f16 numbers"),
+    };
+    let mut p = Precision::of_dtype(storage);
+    let finer: Vec<&String> = router
+        .iter()
+        .filter(|(_, d)| d.unit_roundoff() < storage.unit_roundoff())
+        .map(|(n, _)| n)
+        .collect();
+    if let Some(first) = finer.first() {
+        p.router = Some(crate::precision::Router {
+            compute: Dtype::F32,
+            matrix: storage,
+        });
+        why.push_str(&format!(
+            "; {} router hooks (e.g. {first}) hold values {storage} cannot: the router computes in f32",
+            finer.len()
+        ));
+    }
+    Ok((p, why))
 }
 
 /// A note listing what a trace's engine could not capture: metadata `not_captured`, a JSON object
@@ -100,10 +267,10 @@ pub(super) fn not_captured_note(t: &TraceFile) -> Option<String> {
 /// The precision overrides of a comparison with trace candidate `trace`: `--precision` first,
 /// then what the trace declares (said in `notes`, with what it could not capture).
 pub(super) fn overrides_with_trace(
-    flags: &[(String, Precision)],
+    flags: &[PrecisionOverride],
     trace: Option<&TraceFile>,
     notes: &mut Vec<String>,
-) -> Vec<(String, Precision)> {
+) -> Vec<PrecisionOverride> {
     let mut p = flags.to_vec();
     if let Some(t) = trace {
         p.extend(trace_precision(t, notes));
@@ -147,20 +314,6 @@ pub(super) fn selection_bias(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn an_unknown_declared_dtype_falls_back_on_bf16_and_says_so() {
-        let mut notes = Vec::new();
-        let p = declared_precision("float64", "trace", "floors assume", &mut notes).unwrap();
-        assert_eq!(p, precision_of("f64").unwrap());
-        assert!(notes.is_empty());
-        let p = declared_precision("", "trace", "floors assume", &mut notes).unwrap();
-        assert_eq!(p, precision_of("bf16").unwrap());
-        assert_eq!(
-            notes,
-            ["the trace's dtype \"\" is not a known precision; floors assume bf16"]
-        );
-    }
 
     #[test]
     fn score_hooks_come_with_their_selections() {

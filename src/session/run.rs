@@ -8,6 +8,7 @@ use anyhow::{bail, Result};
 
 use super::candidate::compare_candidate;
 use super::config::{Chosen, RunConfig};
+use super::judge::precision_of;
 use super::pass::Pass;
 use super::prefix::prefix;
 use super::tokens::token_text;
@@ -64,7 +65,12 @@ pub fn run(cfg: &RunConfig, watch: &Watch<'_>) -> Result<Ran> {
         tokens: cfg.tokens.clone(),
         candidate: passed.candidate.spec.clone(),
         candidate_describe: passed.candidate.describe.clone(),
-        candidate_dtype: passed.candidate.dtype.clone(),
+        // The precision the run judged by, in words `step` reads back (a trace's own dtype
+        // when it names one, else what was inferred or set by --precision '*=DTYPE').
+        candidate_dtype: match precision_of(&passed.candidate.dtype) {
+            Some(_) => passed.candidate.dtype.clone(),
+            None => cmp.judge().candidate.to_string(),
+        },
         reference_dtype: reference.precision().to_string(),
     };
     let repro = repro(cfg, &weights, &passed.captured, &meta)?;

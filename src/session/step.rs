@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 
-use super::judge::declared_precision;
+use super::judge::case_precision;
 use crate::compare::floors::hook_infos;
 use crate::compare::{Comparison, Judge, Precision};
 use crate::engine::cpu::CpuEngine;
@@ -56,7 +56,7 @@ pub fn step(req: &StepRequest, hypotheses: &dyn Progress) -> Result<StepReport> 
     let (desc, candidate, engine_prec) = candidate(req, &case, &weights, &stored, &tokens)?;
     let cand_prec = match engine_prec {
         Some(p) => p,
-        None => declared_precision(&desc.dtype, "candidate", "the floor assumes", &mut notes)?,
+        None => case_precision(&desc.dtype, &candidate, &mut notes)?,
     };
 
     // The verdict, by run's judge.

@@ -63,13 +63,15 @@ pub enum GpuDtype {
 }
 
 impl GpuDtype {
-    /// The engine's precision in this mode: the floors read its storage and accumulation; its
-    /// note says how the GEMMs and attention run.
+    /// The engine's precision in this mode: the floors read its storage and accumulation (and
+    /// in bf16 mode its router's, f32 with an f32 matrix by the rule of
+    /// `Engine::router_logits`); its note says how the GEMMs and attention run.
     pub fn precision(self) -> Precision {
         match self {
             GpuDtype::F32 => Precision::new(Dtype::F32, Dtype::F32)
                 .with_note("cuBLAS SGEMM, pedantic math: no TF32; absorbed MLA"),
             GpuDtype::Bf16 => Precision::new(Dtype::Bf16, Dtype::F32)
+                .with_router(Dtype::F32, Dtype::F32)
                 .with_note("cuBLAS bf16 GEMM on tensor cores; absorbed MLA"),
         }
     }
@@ -344,8 +346,12 @@ mod tests {
         assert_eq!((bf16.storage, bf16.accumulate), (Dtype::Bf16, Dtype::F32));
         assert!(!f32p.q8_activations && !bf16.q8_activations);
         assert_eq!(
+            bf16.router.map(|r| (r.compute, r.matrix)),
+            Some((Dtype::F32, Dtype::F32))
+        );
+        assert_eq!(
             bf16.to_string(),
-            "bf16 storage, f32 accumulation (cuBLAS bf16 GEMM on tensor cores; absorbed MLA)"
+            "bf16 storage, f32 accumulation, f32 router (cuBLAS bf16 GEMM on tensor cores; absorbed MLA)"
         );
     }
 }
