@@ -51,9 +51,9 @@
 //!     Imports nothing from the crate.
 //! 18. [`wcheck`]: `weights-check`, a GGUF tensor by tensor against its HF checkpoint or another
 //!     GGUF (mapping, streamed comparison, diagnosis); uses `hf`, `gguf`, `quant`, `model`, `util`.
-//! 19. `dcheck` (feature `cuda`): `dequant-check`, a tensor's raw blocks dequantized on the
-//!     device and compared there with the CPU's, streamed in chunks; uses `gpu`, `gguf`,
-//!     `quant`, `util`.
+//! 19. [`dcheck`]: `dequant-check`: the tensors asked, and (feature `cuda`) their raw blocks
+//!     dequantized on the device and compared there with the CPU's, streamed in chunks, on one
+//!     device or spread over several; uses `gpu`, `gguf`, `quant`, `util`.
 //! 20. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
 //!     the layers below return; uses `compare`, `explain`, `regress`, `dcheck`, `bench`,
 //!     `wcheck`, `driver` (layer timings), `model`, `trace`, `util`.
@@ -73,7 +73,6 @@ pub mod bench;
 pub mod cli;
 pub mod cmd;
 pub mod compare;
-#[cfg(feature = "cuda")]
 pub mod dcheck;
 pub mod driver;
 pub mod engine;

@@ -4,7 +4,6 @@
 //! `--wide`).
 
 pub mod bench;
-#[cfg(feature = "cuda")]
 pub mod dequant_check;
 pub mod inspect;
 pub mod layout;
