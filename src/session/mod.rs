@@ -15,7 +15,7 @@
 //! - [`mod@run`]: the pass itself, `--explain`/`--repro`, the header and the rerun command.
 //! - [`mod@compare`]: two traces hook by hook.
 //! - [`mod@step`]: a `--repro` case re-run.
-//! - [`mod@trace`]: the reference's hooks into a trace file.
+//! - [`mod@trace`]: the reference's hooks into a trace file, and the most likely next tokens.
 //!
 //! Nothing here prints: what must be said at once is handed to [`Watch::say`].
 
