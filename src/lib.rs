@@ -56,7 +56,8 @@
 //!     device or spread over several; uses `gpu`, `gguf`, `quant`, `util`.
 //! 20. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
 //!     the layers below return; uses `compare`, `explain`, `regress`, `dcheck`, `bench`,
-//!     `wcheck`, `driver` (layer timings), `model`, `trace`, `util`.
+//!     `wcheck`, `synth` (the summary of a file written), `driver` (layer timings), `model`,
+//!     `trace`, `util`.
 //! 21. [`session`]: the pipelines of `run`, `compare`, `step` and `trace`: plain values checked
 //!     into a configuration before any work, then one run that returns data (what must be said
 //!     at once goes through a callback); uses `driver`, `explain`, `compare`, `engine`, `trace`,

@@ -12,6 +12,7 @@ pub mod progress;
 pub mod regress;
 pub mod run;
 pub mod step;
+pub mod synth;
 pub mod trace;
 pub mod weights_check;
 
