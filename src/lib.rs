@@ -40,8 +40,9 @@
 //!     pair sink in front of a comparison), recomputed under each known bug and ranked;
 //!     `--repro` cases written and read; uses `driver`, `compare`, `engine`, `trace`, `model`,
 //!     `gguf`, `quant`, `util`.
-//! 13. [`regress`]: suites of `run` cases, their expectations and the changes against a
-//!     baseline; uses `compare`, `trace`.
+//! 13. [`regress`]: suites of `run` cases (their selection, the command that re-runs one),
+//!     their expectations, the facts of a case's run and the changes against a baseline; uses
+//!     `compare`, `trace`, `util`.
 //! 14. [`tokenizer`]: byte-level BPE from GGUF metadata; uses only `gguf`.
 //! 15. [`synth`]: synthetic GGUFs; uses `tokenizer`, `model`, `gguf`, `quant`, `util`.
 //! 16. [`bench`](mod@bench): benchmarks that measure and return data (the layer benchmark
@@ -58,11 +59,11 @@
 //!     the layers below return; uses `compare`, `explain`, `regress`, `dcheck`, `bench`,
 //!     `wcheck`, `synth` (the summary of a file written), `driver` (layer timings), `model`,
 //!     `trace`, `util`.
-//! 21. [`session`]: the pipelines of `run`, `compare`, `step` and `trace`: plain values checked
-//!     into a configuration before any work, then one run that returns data (what must be said
-//!     at once goes through a callback); uses `driver`, `explain`, `compare`, `engine`, `trace`,
-//!     `gpu`, `tokenizer`, `model`, `gguf`, `tensor`, `util`, and the data types `report` prints
-//!     (`Header`, `EngineDesc`, `StepReport`).
+//! 21. [`session`]: the pipelines of `run`, `compare`, `step`, `trace` and `regress`: plain
+//!     values checked into a configuration before any work, then one run that returns data
+//!     (what must be said at once goes through a callback); uses `driver`, `explain`, `compare`,
+//!     `engine`, `trace`, `regress`, `gpu`, `tokenizer`, `model`, `gguf`, `tensor`, `util`, and
+//!     the data types `report` prints (`Header`, `EngineDesc`, `StepReport`, `NextToken`).
 //! 22. [`cli`]: the flags; uses `session` (the typed choices of `run`) and `compare` (dtype words).
 //! 23. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
 //!     and handing results to `report`; the only module that uses them all.
