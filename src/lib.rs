@@ -66,7 +66,8 @@
 //!     the data types `report` prints (`Header`, `EngineDesc`, `StepReport`, `NextToken`).
 //! 22. [`cli`]: the flags; uses `session` (the typed choices of `run`) and `compare` (dtype words).
 //! 23. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
-//!     and handing results to `report`; the only module that uses them all.
+//!     (with the output guard before any work) and handing results to `report`, then choosing
+//!     the exit code; it computes nothing itself.
 //!
 //! In the library only `report` and `cmd` write to stdout or stderr.
 #![warn(missing_docs)]
