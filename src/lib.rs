@@ -40,8 +40,9 @@
 //!     pair sink in front of a comparison), recomputed under each known bug and ranked;
 //!     `--repro` cases written and read; uses `driver`, `compare`, `engine`, `trace`, `model`,
 //!     `gguf`, `quant`, `util`.
-//! 13. [`regress`]: suites of `run` cases, their expectations and the changes against a
-//!     baseline; uses `compare`, `trace`.
+//! 13. [`regress`]: suites of `run` cases (their selection, the command that re-runs one),
+//!     their expectations, the facts of a case's run and the changes against a baseline; uses
+//!     `compare`, `trace`, `util`.
 //! 14. [`tokenizer`]: byte-level BPE from GGUF metadata; uses only `gguf`.
 //! 15. [`synth`]: synthetic GGUFs; uses `tokenizer`, `model`, `gguf`, `quant`, `util`.
 //! 16. [`bench`](mod@bench): benchmarks that measure and return data (the layer benchmark
@@ -51,20 +52,22 @@
 //!     Imports nothing from the crate.
 //! 18. [`wcheck`]: `weights-check`, a GGUF tensor by tensor against its HF checkpoint or another
 //!     GGUF (mapping, streamed comparison, diagnosis); uses `hf`, `gguf`, `quant`, `model`, `util`.
-//! 19. `dcheck` (feature `cuda`): `dequant-check`, a tensor's raw blocks dequantized on the
-//!     device and compared there with the CPU's, streamed in chunks; uses `gpu`, `gguf`,
-//!     `quant`, `util`.
+//! 19. [`dcheck`]: `dequant-check`: the tensors asked, and (feature `cuda`) their raw blocks
+//!     dequantized on the device and compared there with the CPU's, streamed in chunks, on one
+//!     device or spread over several; uses `gpu`, `gguf`, `quant`, `util`.
 //! 20. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
 //!     the layers below return; uses `compare`, `explain`, `regress`, `dcheck`, `bench`,
-//!     `wcheck`, `driver` (layer timings), `model`, `trace`, `util`.
-//! 21. [`session`]: the pipelines of `run`, `compare`, `step` and `trace`: plain values checked
-//!     into a configuration before any work, then one run that returns data (what must be said
-//!     at once goes through a callback); uses `driver`, `explain`, `compare`, `engine`, `trace`,
-//!     `gpu`, `tokenizer`, `model`, `gguf`, `tensor`, `util`, and the data types `report` prints
-//!     (`Header`, `EngineDesc`, `StepReport`).
+//!     `wcheck`, `synth` (the summary of a file written), `driver` (layer timings), `model`,
+//!     `trace`, `util`.
+//! 21. [`session`]: the pipelines of `run`, `compare`, `step`, `trace` and `regress`: plain
+//!     values checked into a configuration before any work, then one run that returns data
+//!     (what must be said at once goes through a callback); uses `driver`, `explain`, `compare`,
+//!     `engine`, `trace`, `regress`, `gpu`, `tokenizer`, `model`, `gguf`, `tensor`, `util`, and
+//!     the data types `report` prints (`Header`, `EngineDesc`, `StepReport`, `NextToken`).
 //! 22. [`cli`]: the flags; uses `session` (the typed choices of `run`) and `compare` (dtype words).
 //! 23. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
-//!     and handing results to `report`; the only module that uses them all.
+//!     (with the output guard before any work) and handing results to `report`, then choosing
+//!     the exit code; it computes nothing itself.
 //!
 //! In the library only `report` and `cmd` write to stdout or stderr.
 #![warn(missing_docs)]
@@ -73,7 +76,6 @@ pub mod bench;
 pub mod cli;
 pub mod cmd;
 pub mod compare;
-#[cfg(feature = "cuda")]
 pub mod dcheck;
 pub mod driver;
 pub mod engine;

@@ -630,6 +630,42 @@ fn weights_check_tensors_glob_matching_nothing_is_an_error() {
     unchanged(&[&m, &other], &before);
 }
 
+/// `dequant-check` names a tensor the model lacks, and a `--tensors` glob that matches none of
+/// its tensors, before it looks for a device (so with or without CUDA).
+#[test]
+fn dequant_check_refuses_names_and_globs_the_model_lacks() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let m = copy(dir.path(), GLM5);
+    let before = snapshot(&[&m]);
+    let ms = m.to_str().unwrap();
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "dequant-check",
+            ms,
+            "token_embd.weight",
+            "blk.9.nope.weight",
+        ],
+    );
+    input_error(
+        &o,
+        &[
+            "dequant-check: glm5-tiny-f32.gguf has no tensor blk.9.nope.weight",
+            "`glmdiff inspect` lists them",
+        ],
+    );
+    let o = glmdiff(cache.path(), &["dequant-check", ms, "--tensors", "zzz*"]);
+    input_error(
+        &o,
+        &[
+            "dequant-check: --tensors \"zzz*\" matches no tensor of",
+            "glm5-tiny-f32.gguf",
+        ],
+    );
+    unchanged(&[&m], &before);
+}
+
 /// `--tokens -1` suggested `-- -1`, which fails too; negative ids and ids past the vocabulary
 /// now say that token ids are integers in 0..vocab (464 for the fixture).
 #[test]

@@ -326,6 +326,70 @@ fn trace_command_end_to_end() {
     assert!(String::from_utf8_lossy(&r.stderr).contains("--layers 0..99 is out of range"));
 }
 
+/// `glmdiff trace` prints the five most likely next tokens after the prompt's last position: the
+/// golden trace's (transformers') most likely one first, each log-probability its log softmax.
+#[test]
+fn trace_prints_the_most_likely_next_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let (trace_path, gguf) = golden_pairs()
+        .into_iter()
+        .find(|(t, _)| t.to_string_lossy().contains("glm5-tiny."))
+        .expect("a glm5-tiny golden trace");
+    let golden = read_trace(&trace_path).unwrap();
+    let tokens = golden.tokens().unwrap();
+    let ids: Vec<String> = tokens.iter().map(u32::to_string).collect();
+    let out = dir.path().join("t.safetensors");
+    let r = glmdiff(&[
+        "trace",
+        gguf.to_str().unwrap(),
+        "--tokens",
+        &ids.join(","),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let text = String::from_utf8_lossy(&r.stdout).into_owned();
+    let t = tokens.len();
+    assert!(
+        text.contains(&format!("next token after position {}:", t - 1)),
+        "{text}"
+    );
+    // The golden logits' last row: its largest value and its log-sum-exp.
+    let logits = golden.get("logits").unwrap();
+    let vocab = *logits.shape.last().unwrap();
+    let all = logits.floats("logits").unwrap();
+    let last = &all[all.len() - vocab..];
+    let (best, max) = last
+        .iter()
+        .copied()
+        .enumerate()
+        .fold(
+            (0, f64::NEG_INFINITY),
+            |a, (i, v)| if v > a.1 { (i, v) } else { a },
+        );
+    let lse = max + last.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
+    // The table's rows (cells between `|`): rank, id, text, logit, logprob.
+    let rows: Vec<Vec<&str>> = text
+        .lines()
+        .map(|l| {
+            l.split('|')
+                .map(str::trim)
+                .filter(|c| !c.is_empty())
+                .collect()
+        })
+        .filter(|c: &Vec<&str>| c.len() == 5 && c[0].parse::<u32>().is_ok())
+        .collect();
+    assert_eq!(rows.len(), 5, "{text}");
+    assert_eq!(rows[0][0], "1", "{text}");
+    assert_eq!(rows[0][1], best.to_string(), "{text}");
+    let logprob: f64 = rows[0][4].parse().unwrap();
+    assert!(
+        (logprob - (max - lse)).abs() < 1e-3,
+        "{logprob} vs {}",
+        max - lse
+    );
+}
+
 /// Regression: `trace --out x.npy` wrote a safetensors file under a `.npy` name, an output in a
 /// missing directory failed only after the forward pass, and "no hook matched" printed Rust's
 /// `Option`/`Vec` debug forms.

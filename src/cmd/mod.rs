@@ -26,6 +26,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 
+use crate::session::config::trace_files_beside;
 use crate::session::Against;
 use crate::util::guard::{is_stdout, Guard};
 
@@ -36,30 +37,21 @@ pub(crate) fn model_input(g: &mut Guard, what: &str, model: &Path) {
     }
 }
 
-/// Adds the traces `run --against auto` may pick (`*.trace.safetensors` beside `model`).
-pub(crate) fn traces_beside_input(g: &mut Guard, model: &Path) {
-    let dir = crate::util::atomic::parent_dir(model);
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for p in rd.filter_map(|e| e.ok().map(|e| e.path())) {
-        if p.to_string_lossy().ends_with(".trace.safetensors") {
-            g.input(
-                "a trace beside the model",
-                p.strip_prefix(".").unwrap_or(&p),
-            );
-        }
-    }
-}
-
 /// Adds the candidate of `run --against SPEC` for `model`: a `trace:FILE`, or for `auto` the
-/// traces beside the model.
+/// traces it may pick (beside the model).
 pub(crate) fn against_input(g: &mut Guard, against: &Against, model: &Path) {
     match against {
         Against::Trace(t) => {
             g.input("the trace candidate", t);
         }
-        Against::Auto => traces_beside_input(g, model),
+        Against::Auto => {
+            for p in trace_files_beside(model) {
+                g.input(
+                    "a trace beside the model",
+                    p.strip_prefix(".").unwrap_or(&p),
+                );
+            }
+        }
         Against::Cpu | Against::Cuda(_) => {}
     }
 }

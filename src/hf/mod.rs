@@ -33,6 +33,33 @@ pub const SCALE_SUFFIX: &str = "_scale_inv";
 /// Largest safetensors header accepted (the `safetensors` crate's limit).
 const MAX_HEADER: u64 = 100_000_000;
 
+/// The files of a checkpoint directory that opening it may read.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Files {
+    /// `config.json`.
+    pub config: PathBuf,
+    /// The index of a sharded checkpoint ([`INDEX_FILE`]), whether it is there or not.
+    pub index: PathBuf,
+    /// Every `.safetensors` file in the directory (none when it cannot be read).
+    pub shards: Vec<PathBuf>,
+}
+
+/// The files of checkpoint directory `dir` (see [`Files`]); reads only the directory listing.
+pub fn files(dir: &Path) -> Files {
+    let shards = std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+                .collect()
+        })
+        .unwrap_or_default();
+    Files {
+        config: dir.join("config.json"),
+        index: dir.join(INDEX_FILE),
+        shards,
+    }
+}
+
 /// One tensor of a checkpoint.
 #[derive(Clone, Debug)]
 pub struct HfTensor {
@@ -510,4 +537,31 @@ fn link_scales(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The listing keeps the `.safetensors` files only; a directory that cannot be read has none.
+    #[test]
+    fn files_lists_the_safetensors_of_a_directory() {
+        let d = tempfile::tempdir().unwrap();
+        for f in ["config.json", "a.safetensors", "b.safetensors", "notes.txt"] {
+            std::fs::write(d.path().join(f), b"x").unwrap();
+        }
+        let f = files(d.path());
+        let mut shards = f.shards.clone();
+        shards.sort();
+        assert_eq!(
+            shards,
+            vec![
+                d.path().join("a.safetensors"),
+                d.path().join("b.safetensors")
+            ]
+        );
+        assert_eq!(f.config, d.path().join("config.json"));
+        assert_eq!(f.index, d.path().join(INDEX_FILE));
+        assert!(files(&d.path().join("absent")).shards.is_empty());
+    }
 }

@@ -9,6 +9,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use toml::{Table, Value};
 
+use crate::util::glob;
+use crate::util::shell::shell_word;
+
 /// Every key a case may have.
 pub const CASE_KEYS: &[&str] = &[
     "name",
@@ -102,6 +105,69 @@ impl Expect {
         } else {
             None
         }
+    }
+}
+
+impl Suite {
+    /// The cases whose name matches one of `globs` (all when empty), with their index in the
+    /// suite; an error naming every case when none matches.
+    pub fn select(&self, globs: &[String]) -> Result<Vec<(usize, &Case)>> {
+        let cases: Vec<(usize, &Case)> = self
+            .cases
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| globs.is_empty() || globs.iter().any(|g| glob::matches(g, &c.name)))
+            .collect();
+        if cases.is_empty() {
+            let names: Vec<&str> = self.cases.iter().map(|c| c.name.as_str()).collect();
+            bail!(
+                "regress: no case of {} matches --case {} (cases: {})",
+                self.path.display(),
+                globs.join(" "),
+                names.join(", ")
+            );
+        }
+        Ok(cases)
+    }
+}
+
+impl Case {
+    /// The `glmdiff run` command that re-runs the case (with the tokens it ran, when known).
+    pub fn run_command(&self, tokens: Option<&[u32]>) -> String {
+        let mut c = format!(
+            "glmdiff run {}",
+            shell_word(&self.model.display().to_string())
+        );
+        let asked = match &self.input {
+            Input::Tokens(t) => Some(t.as_slice()),
+            _ => None,
+        };
+        match (tokens.or(asked), &self.input) {
+            (Some(t), _) => {
+                let ids: Vec<String> = t.iter().map(u32::to_string).collect();
+                c.push_str(&format!(" --tokens {}", ids.join(",")));
+            }
+            (None, Input::Prompt(p)) => c.push_str(&format!(" --prompt {}", shell_word(p))),
+            _ => {}
+        }
+        if let Some(l) = &self.layers {
+            c.push_str(&format!(" --layers {}..{}", l.start, l.end));
+        }
+        c.push_str(&format!(
+            " --against {} --mode {}",
+            shell_word(&self.against),
+            self.mode
+        ));
+        for g in &self.hook {
+            c.push_str(&format!(" --hook {}", shell_word(g)));
+        }
+        for (g, v) in &self.tol {
+            c.push_str(&format!(" --tol {}", shell_word(&format!("{g}={v:e}"))));
+        }
+        for (g, d) in &self.precision {
+            c.push_str(&format!(" --precision {}", shell_word(&format!("{g}={d}"))));
+        }
+        c
     }
 }
 
@@ -554,6 +620,67 @@ expect_divergence = "blk.1.attn_heads"
         assert_eq!(b.layers, Some(2..3));
         assert!(b.against.starts_with("trace:") && b.against.ends_with("t.safetensors"));
         assert_eq!(b.expect.divergence.as_deref(), Some("blk.1.attn_heads"));
+    }
+
+    /// `--case` globs keep the matching cases with their index; none matching names them all.
+    #[test]
+    fn select_keeps_the_cases_a_glob_matches() {
+        let case = |n: &str| {
+            format!(
+                "[[case]]\nname = \"{n}\"\nmodel = \"m.gguf\"\nagainst = \"cpu\"\ntokens = [1]\n"
+            )
+        };
+        let s = suite(&[case("glm-a"), case("dsv3-b"), case("glm-c")].concat()).unwrap();
+        let names = |globs: &[&str]| -> Vec<(usize, String)> {
+            let g: Vec<String> = globs.iter().map(|g| g.to_string()).collect();
+            s.select(&g)
+                .unwrap()
+                .into_iter()
+                .map(|(i, c)| (i, c.name.clone()))
+                .collect()
+        };
+        assert_eq!(names(&[]).len(), 3);
+        assert_eq!(
+            names(&["glm-*"]),
+            vec![(0, "glm-a".to_string()), (2, "glm-c".to_string())]
+        );
+        assert_eq!(names(&["zzz", "dsv3-?"]), vec![(1, "dsv3-b".to_string())]);
+        let e = format!("{:#}", s.select(&["zzz*".to_string()]).unwrap_err());
+        assert!(
+            e.contains("s.toml matches --case zzz* (cases: glm-a, dsv3-b, glm-c)"),
+            "{e}"
+        );
+    }
+
+    /// The re-run command quotes what a shell would split, and prefers the tokens that ran.
+    #[test]
+    fn run_command_is_the_case_as_flags() {
+        let s = suite(
+            r#"
+[[case]]
+name = "a"
+model = "m.gguf"
+prompt = "it's"
+against = "cpu"
+layers = "1..3"
+mode = "replay"
+hook = "blk.*"
+[case.tol]
+"blk.*" = 1e-3
+"#,
+        )
+        .unwrap();
+        let c = &s.cases[0];
+        let model = c.model.display().to_string();
+        assert_eq!(
+            c.run_command(None),
+            format!(
+                "glmdiff run {model} --prompt 'it'\\''s' --layers 1..3 --against cpu --mode replay --hook 'blk.*' --tol 'blk.*=1e-3'"
+            )
+        );
+        assert!(c
+            .run_command(Some(&[5, 6]))
+            .starts_with(&format!("glmdiff run {model} --tokens 5,6 --layers")));
     }
 
     #[test]

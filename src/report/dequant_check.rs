@@ -3,27 +3,16 @@
 
 use std::fmt::Write as _;
 
-use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::Grid;
-use crate::dcheck::TensorCheck;
-
-/// A tensor that was not checked, and why.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Skipped {
-    /// GGUF tensor name.
-    pub name: String,
-    /// Type name.
-    pub ty: String,
-    /// Why.
-    pub why: String,
-}
+use crate::dcheck::{Checked, TensorCheck};
 
 /// The text report.
-pub fn render(device: &str, checks: &[TensorCheck], skipped: &[Skipped]) -> String {
+pub fn render(r: &Checked) -> String {
+    let (checks, skipped) = (&r.checks, &r.skipped);
     let mut s = String::new();
-    let _ = writeln!(s, "device: {device}");
+    let _ = writeln!(s, "device: {}", r.device);
     let mut t = Grid::new(&[
         ("tensor", 0),
         ("type", 0),
@@ -107,19 +96,19 @@ pub fn render(device: &str, checks: &[TensorCheck], skipped: &[Skipped]) -> Stri
 }
 
 /// The JSON document.
-pub fn to_json(device: &str, checks: &[TensorCheck], skipped: &[Skipped]) -> Value {
+pub fn to_json(r: &Checked) -> Value {
     json!({
-        "device": device,
-        "tensors": checks,
-        "skipped": skipped,
-        "mismatching_tensors": checks.iter().filter(|c| c.mismatches > 0).count(),
+        "device": r.device,
+        "tensors": r.checks,
+        "skipped": r.skipped,
+        "mismatching_tensors": r.checks.iter().filter(|c| c.mismatches > 0).count(),
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dcheck::FirstMismatch;
+    use crate::dcheck::{FirstMismatch, Skipped};
 
     fn check(name: &str, mismatches: u64) -> TensorCheck {
         TensorCheck {
@@ -153,16 +142,19 @@ mod tests {
     fn a_report_with_a_difference_fits_100_columns() {
         let device = "cuda:0 NVIDIA H200 sm_90 (139.8 GiB, 132 SMs) | NVRTC 13.0 (arch sm_90 \
                       fmad=false ftz=false prec-div=true prec-sqrt=true) | driver CUDA 13.0";
-        let checks = [
-            check("blk.77.ffn_gate_exps.weight", 0),
-            check("blk.78.ffn_down_exps.weight", 17),
-        ];
-        let skipped = [Skipped {
-            name: "blk.3.attn_q_b.weight".into(),
-            ty: "Q1_0".into(),
-            why: "no dequantizer for this type (CPU or GPU)".into(),
-        }];
-        let text = crate::report::layout::fit_text(&render(device, &checks, &skipped), Some(100));
+        let checked = Checked {
+            device: device.into(),
+            checks: vec![
+                check("blk.77.ffn_gate_exps.weight", 0),
+                check("blk.78.ffn_down_exps.weight", 17),
+            ],
+            skipped: vec![Skipped {
+                name: "blk.3.attn_q_b.weight".into(),
+                ty: "Q1_0".into(),
+                why: "no dequantizer for this type (CPU or GPU)".into(),
+            }],
+        };
+        let text = crate::report::layout::fit_text(&render(&checked), Some(100));
         for l in text.lines() {
             assert!(l.chars().count() <= 100, "{l}\n{text}");
         }

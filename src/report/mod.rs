@@ -4,7 +4,6 @@
 //! `--wide`).
 
 pub mod bench;
-#[cfg(feature = "cuda")]
 pub mod dequant_check;
 pub mod inspect;
 pub mod layout;
@@ -13,6 +12,7 @@ pub mod progress;
 pub mod regress;
 pub mod run;
 pub mod step;
+pub mod synth;
 pub mod trace;
 pub mod weights_check;
 

@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 use super::run::{to_json, Header};
 use super::{layout, table, Grid};
 use crate::compare::Comparison;
-use crate::regress::{CaseSummary, Changes};
+use crate::regress::{CaseFacts, CaseSummary, Changes};
 
 /// Version of the `regress` object of a record.
 pub const REGRESS_JSON_VERSION: u32 = 1;
@@ -28,7 +28,7 @@ fn e(x: f64) -> String {
 /// The JSONL record of a case: `run --json`'s document (when the run got that far) without the
 /// cache note, which moves to `cache`; the case's own facts under `regress`; its wall time added
 /// to `timings` as `case`. Only `timings` and `cache` differ between runs of the same inputs.
-pub fn case_record(run: Option<(&Header, &Comparison)>, regress: Value, seconds: f64) -> Value {
+pub fn case_record(run: Option<(&Header, &Comparison)>, facts: &CaseFacts, seconds: f64) -> Value {
     let mut doc = match run {
         Some((h, c)) => {
             let stable = Header {
@@ -44,7 +44,7 @@ pub fn case_record(run: Option<(&Header, &Comparison)>, regress: Value, seconds:
     if let Some(t) = doc.get_mut("timings").and_then(Value::as_array_mut) {
         t.push(json!({"what": "case", "seconds": seconds}));
     }
-    let mut reg = regress;
+    let mut reg = json!(facts);
     reg["version"] = json!(REGRESS_JSON_VERSION);
     doc["regress"] = reg;
     doc

@@ -508,8 +508,9 @@ fn reference_cache(
     )))
 }
 
-/// Traces beside `model` made for it (metadata `models` or `model` names its file), sorted.
-fn traces_beside(model: &Path) -> Vec<(PathBuf, TraceFile)> {
+/// The trace files (`*.trace.safetensors`) beside `model`, sorted: those `--against auto` may
+/// pick (it opens them to keep those made for the model).
+pub fn trace_files_beside(model: &Path) -> Vec<PathBuf> {
     let Some(dir) = model.parent() else {
         return Vec::new();
     };
@@ -518,10 +519,6 @@ fn traces_beside(model: &Path) -> Vec<(PathBuf, TraceFile)> {
     } else {
         dir
     };
-    let file = model
-        .file_name()
-        .map(|f| f.to_string_lossy().into_owned())
-        .unwrap_or_default();
     let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
         .map(|rd| {
             rd.filter_map(|e| e.ok().map(|e| e.path()))
@@ -531,6 +528,15 @@ fn traces_beside(model: &Path) -> Vec<(PathBuf, TraceFile)> {
         .unwrap_or_default();
     paths.sort();
     paths
+}
+
+/// Traces beside `model` made for it (metadata `models` or `model` names its file), sorted.
+fn traces_beside(model: &Path) -> Vec<(PathBuf, TraceFile)> {
+    let file = model
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    trace_files_beside(model)
         .into_iter()
         .filter_map(|p| {
             let t = TraceFile::open(&p).ok()?;

@@ -1,8 +1,8 @@
 //! The pipelines behind the commands that compare: `run` (the reference and one candidate over
-//! the same steps), `compare` (two traces), `step` (one stored step re-run) and `trace` (the
-//! reference written to a trace file). Raw flags become plain values in `cmd`, a checked
-//! configuration here ([`RunConfig::check`] does every check before any work), then one run that
-//! returns data; `cmd` prints it.
+//! the same steps), `compare` (two traces), `step` (one stored step re-run), `trace` (the
+//! reference written to a trace file) and `regress` (a suite of `run` cases). Raw flags become
+//! plain values in `cmd`, a checked configuration here ([`RunConfig::check`] does every check
+//! before any work), then one run that returns data; `cmd` prints it.
 //!
 //! - [`config`]: the choices (`--against`, `--mode`, `--dtype`), the plain request and the
 //!   checked [`RunConfig`], including the `auto` choice of a candidate.
@@ -15,7 +15,8 @@
 //! - [`mod@run`]: the pass itself, `--explain`/`--repro`, the header and the rerun command.
 //! - [`mod@compare`]: two traces hook by hook.
 //! - [`mod@step`]: a `--repro` case re-run.
-//! - [`mod@trace`]: the reference's hooks into a trace file.
+//! - [`mod@trace`]: the reference's hooks into a trace file, and the most likely next tokens.
+//! - [`regress`]: each case of a suite run as `run` runs it, its expectations checked.
 //!
 //! Nothing here prints: what must be said at once is handed to [`Watch::say`].
 
@@ -25,6 +26,7 @@ pub mod config;
 pub mod judge;
 pub mod pass;
 pub mod prefix;
+pub mod regress;
 pub mod run;
 pub mod step;
 pub mod tokens;

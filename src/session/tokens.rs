@@ -40,3 +40,16 @@ pub fn token_text(tok: Option<&Tokenizer>, id: u32) -> String {
         _ => tok.token_text(id).map_or("?".into(), |v| format!("<{v}>")),
     }
 }
+
+/// How a candidate next token of `trace` is shown: its decoded text quoted, or, when it is a
+/// partial UTF-8 sequence (one byte of a multi-byte character), its vocabulary entry marked as
+/// such; `None` when it cannot be decoded.
+pub fn token_label(tok: &Tokenizer, id: u32) -> Option<String> {
+    let text = tok.decode(&[id]).ok()?;
+    if text.contains('\u{FFFD}') {
+        tok.token_text(id)
+            .map(|v| format!("(partial UTF-8) vocab entry {v:?}"))
+    } else {
+        Some(format!("{text:?}"))
+    }
+}

@@ -5,17 +5,22 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::PathBuf;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 
-use super::tokens::prompt_tokens;
+use super::tokens::{prompt_tokens, token_label};
 use crate::driver::{self, Plan};
 use crate::engine::cpu::CpuEngine;
 use crate::engine::{Engine, HostTensor};
 use crate::gguf::Model;
 use crate::model::{HParams, Weights};
+use crate::report::trace::NextToken;
 use crate::tokenizer::Tokenizer;
 use crate::trace::{write_trace, HookFilter, TraceMeta, TraceSink};
 use crate::util::progress::Progress;
+use crate::util::topk::top_k;
+
+/// How many next tokens `trace` shows.
+pub const NEXT_TOKENS: usize = 5;
 
 /// What `trace` is asked, as plain values.
 #[derive(Clone, Debug)]
@@ -44,10 +49,9 @@ pub struct Traced {
     pub layers: (usize, usize),
     /// Whether the final norm and logits ran.
     pub tail: bool,
-    /// The logits `[T, vocab]`, when written.
-    pub logits: Option<HostTensor>,
-    /// The model's tokenizer, when it has one.
-    pub tokenizer: Option<Tokenizer>,
+    /// The [`NEXT_TOKENS`] most likely tokens after the prompt's last position (that
+    /// position, then the tokens), when the logits were written.
+    pub next: Option<(usize, Vec<NextToken>)>,
 }
 
 /// Runs the reference over the prompt, keeping the hooks asked, and writes them to `req.out`.
@@ -91,14 +95,58 @@ pub fn trace(req: &TraceRequest, progress: &dyn Progress) -> Result<Traced> {
         extra: BTreeMap::new(),
     };
     write_trace(&req.out, sink.tensors(), &meta)?;
+    let next = match sink.tensors().get("logits") {
+        Some(logits) => next_tokens(logits, tokenizer.as_ref().ok())?,
+        None => None,
+    };
     Ok(Traced {
         hooks: summary.hooks_recorded,
         tokens: tokens.len(),
         layers: (summary.n_layers, hp.n_layer),
         tail: summary.tail,
-        logits: sink.tensors().get("logits").cloned(),
-        tokenizer: tokenizer.ok(),
+        next,
     })
+}
+
+/// The [`NEXT_TOKENS`] most likely tokens after the last position of `logits` (`[T, vocab]`),
+/// with that position; `None` when there is no position.
+fn next_tokens(
+    logits: &HostTensor,
+    tok: Option<&Tokenizer>,
+) -> Result<Option<(usize, Vec<NextToken>)>> {
+    let values = logits.as_f32("logits")?; // [T, vocab]
+    let vocab = *logits.shape.last().context("trace: logits have no shape")?;
+    let t = values.len() / vocab.max(1);
+    if t == 0 {
+        return Ok(None);
+    }
+    let last = &values[(t - 1) * vocab..t * vocab];
+    let next = top_next(last, NEXT_TOKENS)
+        .into_iter()
+        .map(|(id, logit, logprob)| NextToken {
+            id,
+            text: tok.and_then(|k| token_label(k, id as u32)),
+            logit,
+            logprob,
+        })
+        .collect();
+    Ok(Some((t - 1, next)))
+}
+
+/// The `k` most likely next tokens given the logits of one position (ties: lower id first):
+/// (id, logit, log softmax over the whole vocabulary in f64).
+pub fn top_next(logits: &[f32], k: usize) -> Vec<(usize, f32, f64)> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max
+        + logits
+            .iter()
+            .map(|&l| (l as f64 - max).exp())
+            .sum::<f64>()
+            .ln();
+    top_k(logits, k)
+        .into_iter()
+        .map(|i| (i, logits[i], logits[i] as f64 - lse))
+        .collect()
 }
 
 /// Refuses an empty prompt and an id outside the vocabulary.
@@ -132,4 +180,19 @@ fn layers(req: &TraceRequest, hp: &HParams) -> Result<Option<Range<usize>>> {
         );
     }
     Ok(Some(r.start as usize..r.end as usize))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_next_is_log_softmax_by_hand() {
+        // logits [0, ln 3]: softmax = [1/4, 3/4].
+        let l = [0.0f32, 3f32.ln()];
+        let t = top_next(&l, 2);
+        assert_eq!(t[0].0, 1);
+        assert!((t[0].2 - 0.75f64.ln()).abs() < 1e-7);
+        assert!((t[1].2 - 0.25f64.ln()).abs() < 1e-7);
+    }
 }

@@ -85,6 +85,8 @@ pub struct SynthSummary {
     pub file_bytes: u64,
     /// Per type: (tensors, bytes).
     pub types: BTreeMap<GgmlType, (usize, u64)>,
+    /// Wall time of the whole write, seconds.
+    pub seconds: f64,
 }
 
 /// FNV-1a 64 of a tensor name (a stable per-tensor seed component).
@@ -134,6 +136,7 @@ pub fn write_with_progress(
     path: &Path,
     progress: &dyn Progress,
 ) -> Result<SynthSummary> {
+    let t0 = std::time::Instant::now();
     let (w, tensors) = prepare(opts)?;
     progress.start(
         "synth: tensors",
@@ -194,5 +197,6 @@ pub fn write_with_progress(
         block_count: opts.dims.block_count(),
         file_bytes,
         types,
+        seconds: t0.elapsed().as_secs_f64(),
     })
 }

@@ -18,7 +18,11 @@
 //! 4. A failing tensor is diagnosed ([`diagnose`]): the usual mapping bugs are each turned into
 //!    a gather and tried on a sample of rows; the first that passes the same test is named.
 //! 5. Reference tensors no GGUF tensor reads, and GGUF tensors without a reference, are listed.
+//!
+//! [`check_against`] is the whole command: the reference opened and checked to be the same
+//! model, what is known of both gathered, then [`check`].
 
+pub mod against;
 pub mod diagnose;
 pub mod gather;
 pub mod mapping;
@@ -32,6 +36,7 @@ use anyhow::Result;
 use rayon::prelude::*;
 use serde::Serialize;
 
+pub use against::{check_against, Reference};
 pub use gather::Gather;
 pub use mapping::{Dims, RefKind, Resolved};
 pub use stats::Acc;

@@ -1,0 +1,103 @@
+//! `regress`: each case of a suite run as `glmdiff run` would run it (the same request, the
+//! same pipeline), then its expectations checked; the facts, the run and its wall time returned.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{anyhow, Context, Result};
+use clap::ValueEnum;
+
+use super::CACHE_NOT_WRITTEN;
+use super::{run, Against, CudaDtype, HookOptions, ModeChoice, Ran, RunConfig, RunRequest, Watch};
+use crate::regress::{Case, CaseFacts, Input};
+
+/// The reference cache every case of a run uses (`regress --cache-dir`, `--no-cache`).
+#[derive(Clone, Debug, Default)]
+pub struct CacheChoice {
+    /// The cache directory (the default one when `None`).
+    pub dir: Option<PathBuf>,
+    /// No cache at all.
+    pub off: bool,
+}
+
+/// One case's run.
+pub struct CaseRun {
+    /// What it came to: the `regress` object of its record.
+    pub facts: CaseFacts,
+    /// The run, when it got that far.
+    pub ran: Option<Ran>,
+    /// Its wall time, seconds (the run alone).
+    pub seconds: f64,
+}
+
+/// The run a case asks for, as plain values (the suite's words are checked when it is read).
+pub fn request(case: &Case, cache: &CacheChoice) -> Result<RunRequest> {
+    let (prompt, tokens) = match &case.input {
+        Input::Prompt(p) => (Some(p.clone()), None),
+        Input::Tokens(t) => (None, Some(t.clone())),
+        Input::FromTrace => (None, None),
+    };
+    Ok(RunRequest {
+        model: case.model.clone(),
+        prompt,
+        tokens,
+        layers: case.layers.clone(),
+        against: Against::parse(&case.against)
+            .with_context(|| format!("regress: against {:?}", case.against))?,
+        devices: Vec::new(),
+        mode: ModeChoice::from_str(&case.mode, false).map_err(|e| anyhow!("regress: mode {e}"))?,
+        dtype: CudaDtype::from_str(&case.dtype, false)
+            .map_err(|e| anyhow!("regress: dtype {e}"))?,
+        inject: Vec::new(),
+        explain: false,
+        repro: None,
+        hooks: HookOptions {
+            hook: case.hook.clone(),
+            tol: case.tol.clone(),
+            precision: case.precision.clone(),
+        },
+        cache_dir: cache.dir.clone(),
+        no_cache: cache.off,
+    })
+}
+
+/// Runs case `index` of the suite `suite` as `glmdiff run` would, then checks its
+/// expectations. A run that fails is a case in error, not an error: the suite goes on. A cache
+/// note is said at once through `watch` (there is no run report to carry it).
+pub fn run_case(
+    suite: &Path,
+    index: usize,
+    case: &Case,
+    cache: &CacheChoice,
+    watch: &Watch<'_>,
+) -> CaseRun {
+    let t0 = Instant::now();
+    let ran = request(case, cache)
+        .and_then(RunConfig::check)
+        .and_then(|cfg| run(&cfg, watch));
+    let seconds = t0.elapsed().as_secs_f64();
+    match ran {
+        Err(e) => CaseRun {
+            facts: CaseFacts::not_run(suite, index, case, format!("{e:#}")),
+            ran: None,
+            seconds,
+        },
+        Ok(ran) => {
+            if let Some(n) = ran
+                .header
+                .cache
+                .as_deref()
+                .filter(|n| n.starts_with(CACHE_NOT_WRITTEN))
+            {
+                (watch.say)(&format!("note: case {}: {n}", case.name));
+            }
+            let tokens: Vec<u32> = ran.header.tokens.iter().map(|(id, _)| *id).collect();
+            let facts = CaseFacts::ran(suite, index, case, &tokens, &ran.comparison);
+            CaseRun {
+                facts,
+                ran: Some(ran),
+                seconds,
+            }
+        }
+    }
+}
