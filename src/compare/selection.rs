@@ -60,6 +60,12 @@ pub struct FlipStats {
     pub first_confident: Option<FlipAt>,
     /// Whether the reference's scores were at hand (otherwise every flip counts as confident).
     pub judged: bool,
+    /// Chained: near-tie rows whose selection the reference's chain took from the candidate
+    /// (so both chains stay comparable downstream).
+    pub followed: usize,
+    /// Chained: differing rows downstream of a selection difference the reference's chain did
+    /// not follow (that difference explains them; they are not judged again).
+    pub drift: usize,
 }
 
 /// The reference's scores of one selection: `[rows, cols]` values plus an optional per-column
@@ -95,26 +101,15 @@ pub fn judge_flips(
         first: None,
         first_confident: None,
         judged: scores.is_some(),
+        followed: 0,
+        drift: 0,
     };
     for (t, (rr, cr)) in reference.chunks(w).zip(candidate.chunks(w)).enumerate() {
         st.rows += 1;
-        let (sr, sc) = (row_set(rr), row_set(cr));
-        if sr == sc
-            && rr.iter().filter(|&&x| x < 0).count() == cr.iter().filter(|&&x| x < 0).count()
-        {
+        let Some((entered, left)) = row_difference(rr, cr) else {
             continue;
-        }
+        };
         st.differing += 1;
-        let entered: Vec<i32> = sc
-            .iter()
-            .copied()
-            .filter(|x| sr.binary_search(x).is_err())
-            .collect();
-        let left: Vec<i32> = sr
-            .iter()
-            .copied()
-            .filter(|x| sc.binary_search(x).is_err())
-            .collect();
         let (margin, tolerance) = match scores {
             None => (f64::INFINITY, 0.0),
             Some(s) => row_margin(s, t, &entered, &left),
@@ -149,6 +144,62 @@ pub fn judge_flips(
         }
     }
     st
+}
+
+/// The rows of `candidate` whose set differs from `reference`'s only by near-tie flips (margin
+/// within the row's tolerance, as [`judge_flips`] counts them), in order; none without scores.
+pub fn near_tie_rows(
+    reference: &[i32],
+    candidate: &[i32],
+    width: usize,
+    scores: Option<&Scores<'_>>,
+) -> Vec<usize> {
+    let Some(s) = scores else {
+        return Vec::new();
+    };
+    let w = width.max(1);
+    let mut out = Vec::new();
+    for (t, (rr, cr)) in reference.chunks(w).zip(candidate.chunks(w)).enumerate() {
+        let Some((entered, left)) = row_difference(rr, cr) else {
+            continue;
+        };
+        let (margin, tolerance) = row_margin(s, t, &entered, &left);
+        if margin <= tolerance {
+            out.push(t);
+        }
+    }
+    out
+}
+
+/// The rows whose sets differ (as [`judge_flips`] counts them), in order.
+pub fn differing_rows(reference: &[i32], candidate: &[i32], width: usize) -> Vec<usize> {
+    let w = width.max(1);
+    reference
+        .chunks(w)
+        .zip(candidate.chunks(w))
+        .enumerate()
+        .filter(|(_, (rr, cr))| row_difference(rr, cr).is_some())
+        .map(|(t, _)| t)
+        .collect()
+}
+
+/// What entered a row's set and what left it, `None` when the sets (and their padding) agree.
+fn row_difference(rr: &[i32], cr: &[i32]) -> Option<(Vec<i32>, Vec<i32>)> {
+    let (sr, sc) = (row_set(rr), row_set(cr));
+    if sr == sc && rr.iter().filter(|&&x| x < 0).count() == cr.iter().filter(|&&x| x < 0).count() {
+        return None;
+    }
+    let entered: Vec<i32> = sc
+        .iter()
+        .copied()
+        .filter(|x| sr.binary_search(x).is_err())
+        .collect();
+    let left: Vec<i32> = sr
+        .iter()
+        .copied()
+        .filter(|x| sc.binary_search(x).is_err())
+        .collect();
+    Some((entered, left))
 }
 
 /// One row of scores as selection sees it: values with the bias added, group scores, and the
