@@ -1540,4 +1540,148 @@ mod tests {
         );
         assert!(c.differs());
     }
+
+    /// Chained, two tokens, router probabilities where token 0 has a near tie (experts 1 and
+    /// 2) and token 1 none. Token 0 flips: what follows differs in row 0 only. Not followed,
+    /// row 0 drifts and row 1 is still judged (a jump there fails); followed (the reference's
+    /// chain took the candidate's experts), nothing is excused.
+    #[test]
+    fn chained_drift_is_per_row_and_ends_where_the_chain_follows() {
+        let probs = || {
+            HostTensor::f32(vec![2, 4], vec![0.9, 0.5, 0.4999, 0.1, 0.9, 0.6, 0.1, 0.05]).unwrap()
+        };
+        let ids = |v: Vec<i32>| HostTensor::i32(vec![2, 2], v).unwrap();
+        let rows = |a: [f32; 2], b: [f32; 2]| {
+            HostTensor::f32(vec![2, 2], vec![a[0], a[1], b[0], b[1]]).unwrap()
+        };
+        let sel = "blk.1.moe_topk_ids";
+        let run = |follow: bool, row1: [f32; 2]| {
+            let mut c = Comparison::new(judge(), Box::new(|_| true), &[1, 2]);
+            let logits = vec!["blk.1.moe_logits".to_string()];
+            c.record(Pair {
+                name: "blk.1.moe_probs",
+                mode: Mode::Chained,
+                inputs: &logits,
+                reference: probs(),
+                candidate: probs(),
+                note: None,
+            })
+            .unwrap();
+            let (r, k) = (ids(vec![0, 1, 0, 1]), ids(vec![0, 2, 0, 1]));
+            assert_eq!(c.near_tie_rows(sel, Mode::Chained, &r, &k), [0]);
+            c.record(Pair {
+                name: sel,
+                mode: Mode::Chained,
+                inputs: &logits,
+                reference: r,
+                candidate: k,
+                note: None,
+            })
+            .unwrap();
+            if follow {
+                c.followed(sel, Mode::Chained, &[0]);
+            }
+            let up = vec![sel.to_string()];
+            c.record(Pair {
+                name: "blk.1.moe_routed",
+                mode: Mode::Chained,
+                inputs: &up,
+                reference: rows([1.0, 0.0], [1.0, 0.0]),
+                candidate: rows([0.0, 1.0], row1),
+                note: None,
+            })
+            .unwrap();
+            c
+        };
+        let status = |c: &Comparison, n: &str| c.get(n).unwrap().chained.as_ref().unwrap().status;
+        // Not followed: row 0 drifts; row 1 agrees.
+        let c = run(false, [1.0, 0.0]);
+        assert_eq!(status(&c, sel), Status::NearTie);
+        assert_eq!(status(&c, "blk.1.moe_routed"), Status::Drift);
+        assert!(!c.differs());
+        // Row 1 jumps too: no selection difference reaches it.
+        let c = run(false, [1.0, 0.5]);
+        assert_eq!(status(&c, "blk.1.moe_routed"), Status::Fail);
+        assert!(c.differs());
+        // Followed: the same difference in row 0 is a failure, not drift.
+        let c = run(true, [1.0, 0.0]);
+        let f = c.get(sel).unwrap().chained.as_ref().unwrap();
+        assert_eq!(f.flips.as_ref().unwrap().followed, 1);
+        assert!(f.drift_from.is_none());
+        assert_eq!(status(&c, "blk.1.moe_routed"), Status::Fail);
+        assert_eq!(
+            c.first_divergence(Mode::Chained).unwrap().name,
+            "blk.1.moe_routed"
+        );
+    }
+
+    /// Chained: a confident flip downstream of a near tie the chain did not follow fails when
+    /// its row is one the near tie does not reach, and drifts when it is.
+    #[test]
+    fn confident_flips_downstream_fail_in_rows_no_difference_reaches() {
+        let probs = || {
+            HostTensor::f32(vec![2, 4], vec![0.9, 0.5, 0.4999, 0.1, 0.9, 0.6, 0.1, 0.05]).unwrap()
+        };
+        let ids = |v: Vec<i32>| HostTensor::i32(vec![2, 2], v).unwrap();
+        let logits = vec!["blk.1.moe_logits".to_string()];
+        for (l2_cand, want) in [
+            (vec![0, 3, 0, 1], Status::Drift),
+            (vec![0, 1, 0, 3], Status::Fail),
+        ] {
+            let mut c = Comparison::new(judge(), Box::new(|_| true), &[1, 2]);
+            for (layer, cand) in [(1, vec![0, 2, 0, 1]), (2, l2_cand)] {
+                let ins = if layer == 1 {
+                    logits.clone()
+                } else {
+                    vec!["blk.1.moe_topk_ids".to_string()]
+                };
+                c.record(Pair {
+                    name: &format!("blk.{layer}.moe_probs"),
+                    mode: Mode::Chained,
+                    inputs: &ins,
+                    reference: probs(),
+                    candidate: probs(),
+                    note: None,
+                })
+                .unwrap();
+                c.record(Pair {
+                    name: &format!("blk.{layer}.moe_topk_ids"),
+                    mode: Mode::Chained,
+                    inputs: &[format!("blk.{layer}.moe_probs")],
+                    reference: ids(vec![0, 1, 0, 1]),
+                    candidate: ids(cand),
+                    note: None,
+                })
+                .unwrap();
+            }
+            let r = c
+                .get("blk.2.moe_topk_ids")
+                .unwrap()
+                .chained
+                .as_ref()
+                .unwrap();
+            assert_eq!(r.status, want, "{r:?}");
+            assert_eq!(c.differs(), want == Status::Fail);
+        }
+    }
+
+    /// Chained: the error against the reference's own chain is kept beside the followed one.
+    #[test]
+    fn the_plain_chain_error_is_kept() {
+        let mut c = Comparison::new(judge(), Box::new(|_| true), &[1]);
+        push(
+            &mut c,
+            "blk.0.q_b",
+            Mode::Chained,
+            &[],
+            vec![1.0, 0.0],
+            vec![1.0, 0.0],
+        );
+        let r = c.get("blk.0.q_b").unwrap().chained.as_ref().unwrap();
+        assert_eq!(r.plain_error, Some(0.0));
+        c.plain_chain("blk.0.q_b", &f(vec![0.0, 1.0]), &f(vec![1.0, 0.0]));
+        let r = c.get("blk.0.q_b").unwrap().chained.as_ref().unwrap();
+        assert_eq!((r.error, r.status), (0.0, Status::Pass));
+        assert!((r.plain_error.unwrap() - 2f64.sqrt()).abs() < 1e-12);
+    }
 }

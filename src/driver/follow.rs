@@ -379,3 +379,117 @@ fn reweigh(
     *w = HostTensor::f32(w.shape.clone(), new_w)?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::driver::pair::{run_pair, Candidate, Modes};
+    use crate::driver::NoProgress;
+    use crate::engine::cpu::CpuEngine;
+    use crate::explain::fault::{Fault, FaultEngine, FaultKind};
+    use crate::model::testutil::{tiny_hparams, tiny_model};
+    use crate::model::Arch;
+    use crate::trace::{HookFilter, Pair};
+
+    /// A sink that takes every row whose selection differs as a near tie, and keeps what the
+    /// chained side hands it.
+    #[derive(Default)]
+    struct EveryRowATie {
+        pairs: BTreeMap<String, (HostTensor, HostTensor)>,
+        plain: BTreeMap<String, HostTensor>,
+        followed: Vec<(String, Vec<usize>)>,
+    }
+
+    impl PairSink for EveryRowATie {
+        fn wants(&self, name: &str) -> bool {
+            HookFilter::default().wants(name)
+        }
+        fn record(&mut self, p: Pair<'_>) -> Result<()> {
+            assert_eq!(p.mode, Mode::Chained);
+            self.pairs
+                .insert(p.name.to_string(), (p.reference, p.candidate));
+            Ok(())
+        }
+        fn missing(&mut self, name: &str, mode: Mode, why: &str) {
+            panic!("{name} missing in {mode}: {why}");
+        }
+        fn near_tie_rows(
+            &self,
+            _: &str,
+            _: Mode,
+            reference: &HostTensor,
+            candidate: &HostTensor,
+        ) -> Vec<usize> {
+            let w = *reference.shape.last().unwrap();
+            let (r, c) = (reference.as_i32("").unwrap(), candidate.as_i32("").unwrap());
+            (0..reference.shape[0])
+                .filter(|&t| r[t * w..(t + 1) * w] != c[t * w..(t + 1) * w])
+                .collect()
+        }
+        fn followed(&mut self, selection: &str, _: Mode, rows: &[usize]) {
+            self.followed.push((selection.to_string(), rows.to_vec()));
+        }
+        fn plain_chain(&mut self, name: &str, reference: &HostTensor, _: &HostTensor) {
+            self.plain.insert(name.to_string(), reference.clone());
+        }
+    }
+
+    /// A candidate engine whose DSA indexer in layer 0 selects other keys (half-split RoPE in
+    /// the indexer) and is otherwise the reference: once the chain takes its selection, every
+    /// hook from layer 0's attention on is the reference's bit for bit, while the reference's
+    /// own chain (handed over as the plain chain) differs there.
+    #[test]
+    fn the_chain_takes_the_candidates_selection_and_agrees_from_there() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let model = tiny_model(&hp);
+        let w = Weights::new(&model).unwrap();
+        let reference = CpuEngine::new(&w);
+        let inner = CpuEngine::new(&w);
+        let fault = Fault::new(FaultKind::IndexerRopeNeox, Some(vec![0]));
+        let cand = FaultEngine::new(&inner, &w, vec![fault]);
+        let tokens: Vec<u32> = (0..12).map(|i| (i * 7 + 3) % 32).collect();
+        let plan = Plan::full(&w).unwrap();
+        let mut sink = EveryRowATie::default();
+        let modes = Modes {
+            replay: false,
+            chained: true,
+        };
+        run_pair(
+            &reference,
+            Candidate::Engine(&cand),
+            &w,
+            &tokens,
+            &plan,
+            &[],
+            modes,
+            &mut sink,
+            &NoProgress,
+        )
+        .unwrap();
+        let (sel, rows) = sink.followed.first().expect("the indexer must flip a row");
+        assert_eq!(sel, "blk.0.indexer_topk");
+        assert!(!rows.is_empty());
+        // The selection's pair is the chain's own against the candidate's: it differs.
+        let (r, c) = &sink.pairs["blk.0.indexer_topk"];
+        assert_ne!(r, c);
+        for (name, (r, c)) in &sink.pairs {
+            let downstream = !name.starts_with("blk.0.")
+                || ["attn_heads", "attn_out", "ffn_inp", "l_out"]
+                    .iter()
+                    .any(|p| name.ends_with(p));
+            if name != "token_embd" && downstream {
+                assert_eq!(
+                    r, c,
+                    "{name}: the followed chain differs from the candidate"
+                );
+            }
+        }
+        assert_eq!(sink.pairs["logits"].0, sink.pairs["logits"].1);
+        // The reference's own chain does not agree there.
+        let plain = &sink.plain["blk.0.attn_heads"];
+        assert_ne!(plain, &sink.pairs["blk.0.attn_heads"].1);
+        assert!(sink.plain.contains_key("logits"));
+    }
+}
