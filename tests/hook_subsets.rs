@@ -345,3 +345,109 @@ fn engines_without_every_hook_are_clean_and_planted_bugs_are_named() {
         "the long DSA prompts must need near-tie alternatives"
     );
 }
+
+/// `glmdiff compare REFERENCE DUMP` (two traces, no model): the reference's own trace for the
+/// dump's tokens (written here by `glmdiff trace`) against every engine dump, whole and cut to
+/// each subset. The same judge as far as it can go without a model: flips judged by margin
+/// (the router's unknown selection bias bounded by what the reference's own selections imply),
+/// drift only in the rows a near tie reaches, where a selection the dump lacks has a near tie
+/// those rows may differ; every clean dump exits 0, every planted bug exits 1 at its hook or at
+/// the first hook of its layer after it that the dump has.
+#[test]
+fn compare_of_two_traces_is_clean_for_correct_engines_and_names_planted_bugs() {
+    let dir = tempfile::tempdir().unwrap();
+    let pairs: Vec<(PathBuf, PathBuf)> = crate::common::trace_pairs(
+        &crate::common::fixtures("engines"),
+        &crate::common::fixtures("models"),
+    );
+    let mut references: BTreeMap<(PathBuf, Vec<u32>), PathBuf> = BTreeMap::new();
+    let (mut clean, mut planted) = (0usize, 0usize);
+    let mut bad: Vec<String> = Vec::new();
+    for (trace, gguf) in &pairs {
+        let t = read_trace(trace).unwrap();
+        let tokens = t.tokens().unwrap();
+        let expect = t.metadata.get("expect_first_divergence").cloned();
+        let name = trace.file_name().unwrap().to_string_lossy().into_owned();
+        let n = references.len();
+        let reference = references
+            .entry((gguf.clone(), tokens.clone()))
+            .or_insert_with(|| {
+                let out = dir.path().join(format!("reference{n}.trace.safetensors"));
+                let ids: Vec<String> = tokens.iter().map(u32::to_string).collect();
+                let o = crate::common::glmdiff_in(
+                    dir.path(),
+                    &[
+                        "trace",
+                        gguf.to_str().unwrap(),
+                        "--tokens",
+                        &ids.join(","),
+                        "--out",
+                        out.to_str().unwrap(),
+                    ],
+                );
+                assert!(o.status.success(), "{}", crate::common::output_text(&o));
+                out
+            })
+            .clone();
+        for subset in ["full"].iter().chain(SUBSETS) {
+            let dump = if *subset == "full" {
+                trace.clone()
+            } else {
+                let sub = dir.path().join(format!("{subset}.{name}"));
+                write_subset(
+                    trace,
+                    &sub,
+                    &|n| keeps(subset, n),
+                    "not dumped by this engine",
+                );
+                sub
+            };
+            let json = dir.path().join("c.json");
+            let o = crate::common::glmdiff_in(
+                dir.path(),
+                &[
+                    "compare",
+                    reference.to_str().unwrap(),
+                    dump.to_str().unwrap(),
+                    "--json",
+                    json.to_str().unwrap(),
+                ],
+            );
+            let (rc, j, text) = crate::common::outcome(o, &json);
+            let ok = match &expect {
+                None => rc == 0,
+                Some(e) => {
+                    let s = if *subset == "full" {
+                        "no_scores"
+                    } else {
+                        subset
+                    };
+                    rc == 1 && names_hook_chained(&j, e, s)
+                }
+            };
+            match &expect {
+                None => clean += 1,
+                Some(_) => planted += 1,
+            }
+            if !ok {
+                bad.push(format!(
+                    "{name} ({subset}) with {}: exit {rc}, expected {}: {}",
+                    gguf.file_name().unwrap().to_string_lossy(),
+                    expect
+                        .as_ref()
+                        .map_or("clean".into(), |e| format!("1 at {e}")),
+                    text.lines()
+                        .filter(|l| l.contains("first divergence"))
+                        .collect::<Vec<_>>()
+                        .join(" / ")
+                ));
+            }
+        }
+    }
+    eprintln!("compare: {clean} clean comparisons, {planted} planted");
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+    assert!(
+        clean > 100 && planted > 40,
+        "{clean} clean, {planted} planted"
+    );
+}

@@ -43,8 +43,13 @@ use super::graph::order_key;
 use super::logits::{analyse, LogitsReport};
 use super::metrics::{compare, Metrics};
 use super::selection::{
-    differing_rows, judge_flips, near_tie_rows, near_tie_swaps, FlipStats, Scores,
+    differing_rows, has_near_tie, implied_bias, judge_flips, near_tie_rows, near_tie_swaps,
+    FlipStats, Scores,
 };
+
+/// How far the reference's selections may contradict the selection bias they imply before the
+/// implication is dropped (scores rounded to f32 after a selection made from f64 ones).
+const IMPLIED_SLACK: f64 = 1e-5;
 use crate::model::names::split_blk;
 use crate::tensor::HostTensor;
 use crate::trace::{Mode, Pair, PairSink, Swap};
@@ -171,6 +176,10 @@ pub struct Judge {
     pub selection_bias: HashMap<usize, Vec<f32>>,
     /// Group-limited routing `(n_group, used)` of the model, if any (expert flips).
     pub groups: Option<(usize, usize)>,
+    /// The model's selection bias is not at hand (two traces compared without the model):
+    /// expert flips are judged by the smallest gap a bias consistent with the reference's own
+    /// selections leaves ([`super::selection::implied_bias`]).
+    pub bias_unknown: bool,
 }
 
 impl Judge {
@@ -247,14 +256,21 @@ struct Chain {
     estimated: bool,
     /// Where the difference of the touched rows started (hook, token, margin).
     origin: Option<String>,
+    /// A selection the candidate lacks: the rows whose near tie it may have taken otherwise
+    /// (touched until the selection's consumer shows whether they did).
+    possible: BTreeSet<usize>,
 }
 
-/// Whether the step producing hook `name` reads other rows than its own: attention reads the
-/// keys and values of every earlier token, the index scores every earlier token's key.
-fn mixes_rows(name: &str) -> bool {
+/// Whether the step producing hook `name` reads other rows than its own through its input
+/// `input`: attention reads the keys and values of every earlier token (`kv_a_norm`,
+/// `k_pe_rope`), the index scores every earlier token's key (from `attn_norm`).
+fn mixes_rows(name: &str, input: &str) -> bool {
     matches!(
-        point_of(name),
-        "attn_heads" | "attn_probs" | "indexer_scores"
+        (point_of(name), point_of(input)),
+        (
+            "attn_heads" | "attn_probs",
+            "kv_a_norm" | "k_pe_rope" | "kv_a"
+        ) | ("indexer_scores", "attn_norm")
     )
 }
 
@@ -377,8 +393,8 @@ impl Comparison {
 
     /// The chained state that a step producing `name` from `inputs` starts from: the largest
     /// float error among them over the rows no unfollowed selection difference reaches, those
-    /// rows (every row from the first one on where the step reads other rows), and where their
-    /// difference started.
+    /// rows (every row from the first one on where the step reads other rows' keys or values),
+    /// and where their difference started.
     fn upstream_chained(&self, name: &str, inputs: &[String], rows: usize) -> Chain {
         let mut up = Chain::default();
         for n in inputs {
@@ -389,11 +405,13 @@ impl Comparison {
             if up.origin.is_none() && !c.touched.is_empty() {
                 up.origin = c.origin.clone();
             }
-            up.touched.extend(c.touched.iter().copied());
-        }
-        if mixes_rows(name) {
-            if let Some(&first) = up.touched.first() {
-                up.touched.extend(first..rows.max(first + 1));
+            up.possible.extend(c.possible.iter().copied());
+            match c.touched.first() {
+                // A changed key or value of token t reaches every later token.
+                Some(&first) if mixes_rows(name, n) => {
+                    up.touched.extend(first..rows.max(first + 1));
+                }
+                _ => up.touched.extend(c.touched.iter().copied()),
             }
         }
         up
@@ -424,6 +442,47 @@ impl Comparison {
             })
             .collect();
         segment_floor(kind, floor, &carried, out_norm)
+    }
+
+    /// Chained, without a way to follow the candidate: it lacks selection hook `selection`
+    /// (whose reference value, `reference`, and scores were handed over), so wherever the
+    /// reference's own selection has a near-tie alternative the candidate may have taken it.
+    /// Those rows are marked as reached by a selection difference: what follows from them
+    /// drifts, the other rows are judged as everywhere. (`compare` of two traces: with a model,
+    /// `run` tries the alternatives instead.)
+    pub fn unfollowed_near_ties(&mut self, selection: &str, reference: &HostTensor) {
+        let Some(mut scores) = self.scores_for(selection, Mode::Chained) else {
+            return;
+        };
+        let (Ok(ids), Some(&width)) = (reference.as_i32(selection), reference.shape.last()) else {
+            return;
+        };
+        let implied = if self.judge.bias_unknown && point_of(selection) == "moe_topk_ids" {
+            implied_bias(scores.values, scores.cols, ids, width, IMPLIED_SLACK)
+        } else {
+            None
+        };
+        if let Some(g) = &implied {
+            scores.implied = Some(g);
+        }
+        let rows: Vec<usize> = ids
+            .chunks(width.max(1))
+            .enumerate()
+            .filter(|(t, row)| has_near_tie(&scores, *t, row))
+            .map(|(t, _)| t)
+            .collect();
+        let Some(&first) = rows.first() else { return };
+        let origin = format!(
+            "{selection} token {first} (a near tie the candidate's trace does not show: {} row(s) may select otherwise)",
+            rows.len()
+        );
+        let c = self.chain.entry(selection.to_string()).or_default();
+        c.touched.extend(rows.iter().copied());
+        c.possible.extend(rows.iter().copied());
+        c.own.extend(rows);
+        if c.origin.is_none() {
+            c.origin = Some(origin);
+        }
     }
 
     /// Rows of the prompt (the first axis of per-token hooks).
@@ -462,6 +521,7 @@ impl Comparison {
             cols,
             bias,
             rel_tol: *rel,
+            implied: None,
             groups: if sp == "moe_probs" {
                 self.judge.groups
             } else {
@@ -588,6 +648,7 @@ impl Comparison {
             clean: 0.0,
             norm: l2(&pair.reference),
             estimated: false,
+            possible: BTreeSet::new(),
             ..up.clone()
         };
         match &metrics {
@@ -621,14 +682,32 @@ impl Comparison {
             }
             // Chained, downstream of a selection difference the reference's chain did not
             // follow: the rows it reaches differ for that reason (drift); the others are
-            // judged as everywhere.
-            Metrics::Float(_) => {
+            // judged as everywhere. A row that only may have selected otherwise (a selection
+            // the candidate lacks, with a near tie there) and agrees here, at the first hook
+            // after the selection that the candidate has (before a sum dilutes it), as closely
+            // as the other rows (or within the floor) did not: it is not reached any more.
+            Metrics::Float(m) => {
                 let clean = if token_rows {
                     masked_error(&pair.reference, &pair.candidate, &up.touched)
                 } else {
                     f64::NAN
                 };
                 next.clean = if clean.is_finite() { clean } else { 0.0 };
+                if token_rows && m.per_token_judged.len() == self.n_rows(&pair.reference.shape) {
+                    // Agrees: as close as the rows no difference reaches, or within the floor.
+                    let agrees = if clean.is_finite() {
+                        (2.0 * clean).max(floor)
+                    } else {
+                        floor
+                    };
+                    next.touched.retain(|t| {
+                        !up.possible.contains(t)
+                            || m.per_token_judged.get(*t).is_none_or(|&e| e > agrees)
+                    });
+                    if next.touched.is_empty() {
+                        next.origin = None;
+                    }
+                }
                 let rows = self.n_rows(&pair.reference.shape);
                 if clean.is_finite() && clean > allowed {
                     r.status = Status::Fail;
@@ -664,7 +743,24 @@ impl Comparison {
                     pair.candidate.as_i32(pair.name).unwrap_or(&[]),
                 );
                 let width = pair.reference.shape.last().copied().unwrap_or(1).max(1);
-                let scores = self.scores_for(pair.name, pair.mode);
+                let mut scores = self.scores_for(pair.name, pair.mode);
+                // Without the model's selection bias: what the reference's selections imply.
+                let bias_unknown = self.judge.bias_unknown && point_of(pair.name) == "moe_topk_ids";
+                let implied = match &scores {
+                    Some(sc) if bias_unknown => {
+                        implied_bias(sc.values, sc.cols, reference, width, IMPLIED_SLACK)
+                    }
+                    _ => None,
+                };
+                if let (Some(sc), Some(g)) = (&mut scores, &implied) {
+                    sc.implied = Some(g);
+                }
+                // The selections contradict any one bias (another rule chose: group-limited
+                // routing): without the model the flips cannot be judged.
+                let unjudgeable = bias_unknown && implied.is_none();
+                if unjudgeable {
+                    scores = None;
+                }
                 let mut st = judge_flips(reference, candidate, width, scores.as_ref());
                 // Rows an unfollowed difference upstream reaches are not judged again.
                 let reached = |t: usize| chained && token_rows && up.touched.contains(&t);
@@ -683,6 +779,15 @@ impl Comparison {
                     st.clone()
                 };
                 st.drift = st.differing - judged.differing;
+                let mut judged = judged;
+                if unjudgeable {
+                    // Counted as near ties, said so, never a divergence.
+                    for x in [&mut st, &mut judged] {
+                        x.near_tie += x.confident;
+                        x.confident = 0;
+                        x.first_confident = None;
+                    }
+                }
                 let margins = st.margins.map_or(String::new(), |(a, b)| {
                     format!(", margins {a:.2e}..{b:.2e}")
                 });
@@ -700,7 +805,9 @@ impl Comparison {
                     } else {
                         String::new()
                     },
-                    if st.judged {
+                    if unjudgeable {
+                        " (without the model the router's selection bias and groups are unknown, and the reference's own selections do not pin them down: margins unknown, not judged)"
+                    } else if st.judged {
                         ""
                     } else {
                         " (the reference's scores were not compared: margins unknown)"
@@ -996,6 +1103,13 @@ impl PairSink for Comparison {
                         clean: if ids { 0.0 } else { composed },
                         norm,
                         estimated: true,
+                        // Rows that may have selected otherwise are decided at the first
+                        // compared hook after the selection, before a sum dilutes them.
+                        possible: if matches!(point_of(name), "ffn_inp" | "ffn_out" | "l_out") {
+                            BTreeSet::new()
+                        } else {
+                            up.possible.clone()
+                        },
                         ..up
                     },
                 );
@@ -1151,6 +1265,7 @@ mod tests {
             precision: Vec::new(),
             selection_bias: HashMap::new(),
             groups: None,
+            bias_unknown: false,
         }
     }
 

@@ -135,6 +135,7 @@ fn traces_judge(
         ),
         selection_bias: HashMap::new(),
         groups: None,
+        bias_unknown: true,
     })
 }
 
@@ -190,7 +191,15 @@ fn compare_hooks(
         let inputs = upstream(n, &present, &last_l_out);
         let r = reference.get(n)?.context("compare: hook vanished")?;
         match cand_names.get(n) {
-            None => cmp.missing(n, Mode::Chained, "not in the candidate trace"),
+            None => {
+                // The reference's value stands for what the hook carries downstream, and a
+                // selection the candidate lacks may differ wherever it has a near tie.
+                cmp.reference_only(n, Mode::Chained, &inputs, &r);
+                if matches!(point_of(n), "indexer_topk" | "moe_topk_ids") {
+                    cmp.unfollowed_near_ties(n, &r);
+                }
+                cmp.missing(n, Mode::Chained, "not in the candidate trace");
+            }
             Some(cn) => {
                 let c = candidate.get(cn)?.context("compare: hook vanished")?;
                 cmp.record(Pair {
