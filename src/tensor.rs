@@ -68,6 +68,27 @@ impl HostTensor {
         }
     }
 
+    /// Replaces row `row` of the first axis with the same row of `other`, which has the same
+    /// shape and kind of values.
+    pub fn copy_row_from(&mut self, row: usize, other: &HostTensor) -> Result<()> {
+        let rows = self.shape.first().copied().unwrap_or(0);
+        if other.shape != self.shape || row >= rows {
+            bail!(
+                "tensor: row {row} of shape {:?} cannot be taken from shape {:?}",
+                self.shape,
+                other.shape
+            );
+        }
+        let w = self.len() / rows;
+        let span = row * w..(row + 1) * w;
+        match (&mut self.data, &other.data) {
+            (HostData::F32(a), HostData::F32(b)) => a[span.clone()].copy_from_slice(&b[span]),
+            (HostData::I32(a), HostData::I32(b)) => a[span.clone()].copy_from_slice(&b[span]),
+            _ => bail!("tensor: row {row}: f32 and i32 values do not mix"),
+        }
+        Ok(())
+    }
+
     /// `(rows, cols)` of a 2-D tensor, or an error naming `what`.
     pub fn dims2(&self, what: &str) -> Result<(usize, usize)> {
         match self.shape[..] {

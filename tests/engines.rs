@@ -1,7 +1,7 @@
 //! Real low-precision engines against the reference: transformers in bf16 on an H200 and on the
 //! CPU (and with an FP8 DSA indexer), dumped by `reference/fixtures/engine_dumps.py` into
 //! `fixtures/engines/` from the fixture GGUFs. A correct engine must come out clean (its
-//! near-tie flips reported, its chained drift explained); the same engine with a mapping bug
+//! near-tie flips reported and, in chained mode, followed by the reference's chain); the same engine with a mapping bug
 //! planted in its weights (by the script, never by glmdiff) must be named at the bug's own hook.
 //! The test also prints the separation table of docs/comparing.md: per hook kind, how far the clean
 //! dumps stay under their floors and how far each planted bug rises above.
@@ -74,16 +74,50 @@ fn bf16_and_fp8_engines_are_clean_and_planted_bugs_are_named() {
     let mut worst: BTreeMap<String, (f64, String)> = BTreeMap::new();
     let mut detect: BTreeMap<String, (String, f64, f64)> = BTreeMap::new();
     let mut flips = 0usize;
+    // Chained: rows the reference's chain took from the candidate, hooks where its own chain is
+    // far apart from the followed one, the largest clean error / allowed.
+    let (mut followed, mut own_chain_apart) = (0usize, 0usize);
+    let mut worst_chained = (0f64, String::new());
     for (trace, gguf) in &pairs {
         let meta = read_trace(trace).unwrap().metadata;
         let name = trace.file_name().unwrap().to_string_lossy().into_owned();
         match meta.get("expect_first_divergence") {
             None => {
                 clean += 1;
-                for mode in ["replay", "both"] {
+                for mode in ["replay", "chained", "both"] {
                     let (rc, j, text) = run_json(gguf, trace, mode, &out);
                     assert_eq!(rc, 0, "{name} --mode {mode}: {text}");
                     assert!(j["first_divergence"].is_null(), "{name}");
+                    if mode == "chained" {
+                        assert!(j["first_divergence_chained"].is_null(), "{name}: {text}");
+                        // Every flip is a near tie the reference's chain follows: nothing is
+                        // left to excuse as drift, every hook is judged against its floor.
+                        for r in j["records"].as_array().unwrap() {
+                            let c = &r["chained"];
+                            assert!(
+                                c["status"] == "pass" || c["status"] == "near_tie",
+                                "{name}: {} chained: {c}",
+                                r["hook"]
+                            );
+                            let f = &c["flips"];
+                            if !f.is_null() {
+                                assert_eq!(f["followed"], f["differing"], "{name}: {}", r["hook"]);
+                                followed += f["followed"].as_u64().unwrap() as usize;
+                            }
+                            if let (Some(e), Some(p)) =
+                                (c["error"].as_f64(), c["plain_error"].as_f64())
+                            {
+                                own_chain_apart += usize::from(p > 2.0 * e.max(1e-6));
+                            }
+                            if c["metrics"]["kind"] == "float" {
+                                let ratio =
+                                    c["error"].as_f64().unwrap() / c["allowed"].as_f64().unwrap();
+                                if ratio > worst_chained.0 {
+                                    worst_chained = (ratio, format!("{} in {name}", r["hook"]));
+                                }
+                            }
+                        }
+                    }
                     if mode == "both" {
                         assert!(j["first_divergence_chained"].is_null(), "{name}: {text}");
                         worst_by_kind(&j, "replay", &mut worst);
@@ -129,6 +163,14 @@ fn bf16_and_fp8_engines_are_clean_and_planted_bugs_are_named() {
                     (rc, &j["first_divergence"]["hook"]),
                     (1, &Value::from(expect.as_str()))
                 );
+                // Chained alone: the chain follows the near ties before the bug, so the bug is
+                // named at its own hook, not excused as drift.
+                let (rc, j, text) = run_json(gguf, trace, "chained", &out);
+                assert_eq!(
+                    (rc, &j["first_divergence_chained"]["hook"]),
+                    (1, &Value::from(expect.as_str())),
+                    "{name} --mode chained: {text}"
+                );
             }
         }
     }
@@ -137,6 +179,16 @@ fn bf16_and_fp8_engines_are_clean_and_planted_bugs_are_named() {
         "clean {clean}, planted {planted}"
     );
     assert!(flips > 0, "the long DSA prompts must show near-tie flips");
+    assert!(
+        followed > 0 && own_chain_apart > 0,
+        "the chain must follow near ties ({followed} rows) that set the own chain apart ({own_chain_apart} hooks)"
+    );
+    eprintln!(
+        "\nchained: {followed} near-tie rows followed; worst clean error / allowed {:.3} ({})",
+        worst_chained.0, worst_chained.1
+    );
+    // Regression guard: following the near ties leaves a correct engine well inside.
+    assert!(worst_chained.0 < 0.5, "{worst_chained:?}");
     eprintln!("\n| hook kind | worst clean replay error / floor (hook) | false-alarm headroom |");
     eprintln!("|---|---|---|");
     for (k, (r, h)) in &worst {

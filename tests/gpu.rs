@@ -706,6 +706,65 @@ mod device {
         );
     }
 
+    /// `run --against cuda --dtype bf16 --mode chained` on 40 tokens, where the bf16 engine
+    /// flips near-tie keys and experts: clean it exits 0 (the reference's chain follows those
+    /// flips, so nothing is excused as drift), and with the gate and up projections of every
+    /// expert exchanged in layer 1 (`--inject gate_up_swap@1`) it exits 1 naming
+    /// `blk.1.moe_routed` in chained mode (before, one near tie upstream excused it as drift:
+    /// "first divergence (chained): none" with top-1 agreement 21/40).
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_chained_follows_near_ties_and_names_a_planted_bug() {
+        let dir = tempfile::tempdir().unwrap();
+        let json = dir.path().join("r.json");
+        let tokens: Vec<String> = (0..40u32)
+            .map(|i| ((i * 37 + 11) % 400).to_string())
+            .collect();
+        let tokens = tokens.join(",");
+        for m in [
+            "models/glm5-tiny/glm5-tiny-f32.gguf",
+            "models/dsv3-tiny-q/dsv3-tiny-q-mixed.gguf",
+        ] {
+            let f = fixtures(m);
+            for inject in [None, Some("gate_up_swap@1")] {
+                let mut args = vec![
+                    "run",
+                    f.to_str().unwrap(),
+                    "--tokens",
+                    &tokens,
+                    "--against",
+                    "cuda",
+                    "--dtype",
+                    "bf16",
+                    "--mode",
+                    "chained",
+                    "--no-cache",
+                    "--json",
+                    json.to_str().unwrap(),
+                ];
+                if let Some(k) = inject {
+                    args.extend(["--inject", k]);
+                }
+                let o = glmdiff(&args);
+                let (rc, j, text) = crate::common::outcome(o, &json);
+                eprintln!("== {m} {inject:?}: exit {rc}\n{text}");
+                match inject {
+                    None => {
+                        assert_eq!(rc, 0, "{m}: {text}");
+                        assert!(j["first_divergence_chained"].is_null(), "{m}: {text}");
+                    }
+                    Some(_) => {
+                        assert_eq!(rc, 1, "{m} {inject:?}: {text}");
+                        assert_eq!(
+                            j["first_divergence_chained"]["hook"], "blk.1.moe_routed",
+                            "{m} {inject:?}: {text}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     /// A bad device ordinal lists the devices; the CLI checks the fixtures clean.
     #[test]
     #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]

@@ -304,7 +304,7 @@ fn wide_prints_every_column_on_one_line() {
         a
     };
     let header =
-        "| hook | shape | max |diff| @ | NMSE | cosine | replay | chained | floor | verdict |";
+        "| hook | shape | max |diff| @ | NMSE | cosine | replay | chained | own chain | floor | verdict |";
     let squeeze = |l: &str| l.split_whitespace().collect::<Vec<_>>().join(" ");
     let o = piped(dir.path(), Some("100"), &args(true));
     assert_eq!(o.status.code(), Some(1));

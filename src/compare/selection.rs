@@ -60,6 +60,12 @@ pub struct FlipStats {
     pub first_confident: Option<FlipAt>,
     /// Whether the reference's scores were at hand (otherwise every flip counts as confident).
     pub judged: bool,
+    /// Chained: near-tie rows whose selection the reference's chain took from the candidate
+    /// (so both chains stay comparable downstream).
+    pub followed: usize,
+    /// Chained: differing rows downstream of a selection difference the reference's chain did
+    /// not follow (that difference explains them; they are not judged again).
+    pub drift: usize,
 }
 
 /// The reference's scores of one selection: `[rows, cols]` values plus an optional per-column
@@ -75,6 +81,61 @@ pub struct Scores<'a> {
     pub rel_tol: f64,
     /// Group-limited routing: `(n_group, used)` (expert selections only).
     pub groups: Option<(usize, usize)>,
+    /// An unknown selection bias (two traces, no model): `[cols, cols]` lower bounds on
+    /// `bias[a] - bias[b]` that the reference's own selections imply ([`implied_bias`]); a
+    /// pair's gap is then the smallest any such bias leaves.
+    pub implied: Option<&'a [f64]>,
+}
+
+/// What the reference's own selections say about a selection bias it added to `scores` (an
+/// expert router's `exp_probs_b`, unknown without the model): each row that selected `s` and
+/// not `u` says `bias[s] - bias[u] >= scores[u] - scores[s]`; closed over paths (longest
+/// paths, Floyd-Warshall), `[cols, cols]` lower bounds on `bias[a] - bias[b]`
+/// (`-inf`: unbounded). `None` when the selections contradict each other beyond `slack` (a
+/// cycle of positive length: another rule chose, such as group-limited routing).
+pub fn implied_bias(
+    scores: &[f32],
+    cols: usize,
+    ids: &[i32],
+    width: usize,
+    slack: f64,
+) -> Option<Vec<f64>> {
+    let (c, w) = (cols.max(1), width.max(1));
+    let mut g = vec![f64::NEG_INFINITY; c * c];
+    for i in 0..c {
+        g[i * c + i] = 0.0;
+    }
+    for (row, sel) in scores.chunks(c).zip(ids.chunks(w)) {
+        let chosen: Vec<usize> = sel
+            .iter()
+            .filter(|&&x| x >= 0 && (x as usize) < c)
+            .map(|&x| x as usize)
+            .collect();
+        for &a in &chosen {
+            for b in (0..c).filter(|b| !chosen.contains(b)) {
+                let (sa, sb) = (f64::from(row[a]), f64::from(row[b]));
+                if sa.is_finite() && sb.is_finite() {
+                    let v = &mut g[a * c + b];
+                    *v = v.max(sb - sa);
+                }
+            }
+        }
+    }
+    for k in 0..c {
+        for i in 0..c {
+            let ik = g[i * c + k];
+            if ik == f64::NEG_INFINITY {
+                continue;
+            }
+            for j in 0..c {
+                let v = ik + g[k * c + j];
+                if v > g[i * c + j] {
+                    g[i * c + j] = v;
+                }
+            }
+        }
+    }
+    (0..c).all(|i| g[i * c + i] <= slack).then_some(g)
 }
 
 /// Judges the rows of `candidate` against `reference` (`width` ids per row, -1 padding).
@@ -95,26 +156,15 @@ pub fn judge_flips(
         first: None,
         first_confident: None,
         judged: scores.is_some(),
+        followed: 0,
+        drift: 0,
     };
     for (t, (rr, cr)) in reference.chunks(w).zip(candidate.chunks(w)).enumerate() {
         st.rows += 1;
-        let (sr, sc) = (row_set(rr), row_set(cr));
-        if sr == sc
-            && rr.iter().filter(|&&x| x < 0).count() == cr.iter().filter(|&&x| x < 0).count()
-        {
+        let Some((entered, left)) = row_difference(rr, cr) else {
             continue;
-        }
+        };
         st.differing += 1;
-        let entered: Vec<i32> = sc
-            .iter()
-            .copied()
-            .filter(|x| sr.binary_search(x).is_err())
-            .collect();
-        let left: Vec<i32> = sr
-            .iter()
-            .copied()
-            .filter(|x| sc.binary_search(x).is_err())
-            .collect();
         let (margin, tolerance) = match scores {
             None => (f64::INFINITY, 0.0),
             Some(s) => row_margin(s, t, &entered, &left),
@@ -149,6 +199,62 @@ pub fn judge_flips(
         }
     }
     st
+}
+
+/// The rows of `candidate` whose set differs from `reference`'s only by near-tie flips (margin
+/// within the row's tolerance, as [`judge_flips`] counts them), in order; none without scores.
+pub fn near_tie_rows(
+    reference: &[i32],
+    candidate: &[i32],
+    width: usize,
+    scores: Option<&Scores<'_>>,
+) -> Vec<usize> {
+    let Some(s) = scores else {
+        return Vec::new();
+    };
+    let w = width.max(1);
+    let mut out = Vec::new();
+    for (t, (rr, cr)) in reference.chunks(w).zip(candidate.chunks(w)).enumerate() {
+        let Some((entered, left)) = row_difference(rr, cr) else {
+            continue;
+        };
+        let (margin, tolerance) = row_margin(s, t, &entered, &left);
+        if margin <= tolerance {
+            out.push(t);
+        }
+    }
+    out
+}
+
+/// The rows whose sets differ (as [`judge_flips`] counts them), in order.
+pub fn differing_rows(reference: &[i32], candidate: &[i32], width: usize) -> Vec<usize> {
+    let w = width.max(1);
+    reference
+        .chunks(w)
+        .zip(candidate.chunks(w))
+        .enumerate()
+        .filter(|(_, (rr, cr))| row_difference(rr, cr).is_some())
+        .map(|(t, _)| t)
+        .collect()
+}
+
+/// What entered a row's set and what left it, `None` when the sets (and their padding) agree.
+fn row_difference(rr: &[i32], cr: &[i32]) -> Option<(Vec<i32>, Vec<i32>)> {
+    let (sr, sc) = (row_set(rr), row_set(cr));
+    if sr == sc && rr.iter().filter(|&&x| x < 0).count() == cr.iter().filter(|&&x| x < 0).count() {
+        return None;
+    }
+    let entered: Vec<i32> = sc
+        .iter()
+        .copied()
+        .filter(|x| sr.binary_search(x).is_err())
+        .collect();
+    let left: Vec<i32> = sr
+        .iter()
+        .copied()
+        .filter(|x| sc.binary_search(x).is_err())
+        .collect();
+    Some((entered, left))
 }
 
 /// One row of scores as selection sees it: values with the bias added, group scores, and the
@@ -221,6 +327,21 @@ impl<'a> RowScores<'a> {
                 d
             }
         };
+        if let Some(g) = self.s.implied {
+            // `l` was selected over `e`: the smallest gap a bias consistent with every row's
+            // selection leaves (0 where nothing bounds them).
+            let c = self.s.cols;
+            let (el, le) = (e as usize, l as usize);
+            if e < 0 || l < 0 || el >= c || le >= c {
+                return f64::INFINITY;
+            }
+            let d = f64::from(self.row[le]) - f64::from(self.row[el]) + g[le * c + el];
+            return if d.is_nan() {
+                f64::INFINITY
+            } else {
+                d.max(0.0)
+            };
+        }
         let d = gap(self.score(e), self.score(l));
         match (&self.group_scores, self.s.groups) {
             (Some(gs), Some((g, _))) if e >= 0 && l >= 0 => {
@@ -256,6 +377,27 @@ fn row_margin(s: &Scores<'_>, t: usize, entered: &[i32], left: &[i32]) -> (f64, 
             .fold(0.0, f64::max)
     };
     (margin, r.tolerance)
+}
+
+/// Whether row `t` of a selection made from `s` (`chosen`, -1 padding ignored) has any
+/// near-tie alternative: a selected id and an unselected one with a finite score whose gap (as
+/// [`judge_flips`] measures it) is within the row's tolerance.
+pub fn has_near_tie(s: &Scores<'_>, t: usize, chosen: &[i32]) -> bool {
+    let Some(r) = RowScores::new(s, t) else {
+        return false;
+    };
+    let tol = r.tolerance;
+    if tol.is_nan() || tol <= 0.0 {
+        return false;
+    }
+    let selected: Vec<i32> = chosen
+        .iter()
+        .copied()
+        .filter(|&i| r.score(i).is_finite())
+        .collect();
+    (0..s.cols as i32)
+        .filter(|i| !selected.contains(i) && r.score(*i).is_finite())
+        .any(|e| selected.iter().any(|&l| r.pair_gap(e, l) <= tol))
 }
 
 /// One near-tie alternative of a selected row: the ids of `left` replaced by those of
@@ -405,6 +547,7 @@ mod tests {
             bias: None,
             rel_tol: 0.1, // tolerance 0.071937
             groups: None,
+            implied: None,
         };
         // Candidate {0, 2}: 2 entered, 1 left: margin |0.5 - 0.9| = 0.4 > 0.072: confident.
         let st = judge_flips(&[0, 1], &[0, 2], 2, Some(&s));
@@ -443,6 +586,7 @@ mod tests {
             bias: None,
             rel_tol: 0.1, // tolerance 0.0747
             groups: None,
+            implied: None,
         };
         // Only 2 for 1 is within it (gap 0.05); 2 for 0 is 0.15, 3 for 1 is 0.4.
         let sw = near_tie_swaps(&s, 0, &[0, 1], 4);
@@ -465,6 +609,7 @@ mod tests {
             bias: None,
             rel_tol: 0.1,
             groups: None,
+            implied: None,
         };
         let sw = near_tie_swaps(&s, 0, &[0, -1], 4);
         let pairs: Vec<(i32, i32)> = sw.iter().map(|x| (x.left[0], x.entered[0])).collect();
@@ -488,6 +633,7 @@ mod tests {
             bias: None,
             rel_tol: 0.1, // rms = sqrt(1.6825 / 8) = 0.45860: tolerance 0.04586
             groups: Some((4, 2)),
+            implied: None,
         };
         let st = judge_flips(&[0, 2], &[0, 4], 2, Some(&s));
         let m = st.margins.unwrap().0;
@@ -509,5 +655,37 @@ mod tests {
         // Without groups the same flip has the expert gap 0.1: confident.
         let s = Scores { groups: None, ..s };
         assert_eq!(judge_flips(&[0, 2], &[0, 4], 2, Some(&s)).confident, 1);
+    }
+
+    /// Top-1 of 3 with an unknown bias. Row 0 [0.5, 0.45, 0.1] selects 1: b1 - b0 >= 0.05 and
+    /// b1 - b2 >= -0.35; row 1 [0.3, 0.32, 0.9] selects 1: b1 - b0 >= -0.02, b1 - b2 >= 0.58.
+    /// A candidate selecting 0 in row 0 is a tie under b1 - b0 = 0.05 (gap 0); in row 1 the
+    /// smallest gap any consistent bias leaves is 0.32 - 0.3 + 0.05 = 0.07. Rows that contradict
+    /// each other (1 over 0 by 0.1 and 0 over 1 by 0.1) imply no bias.
+    #[test]
+    fn an_unknown_bias_is_bounded_by_the_references_own_selections() {
+        let v = [0.5f32, 0.45, 0.1, 0.3, 0.32, 0.9];
+        let g = implied_bias(&v, 3, &[1, 1], 1, 1e-9).unwrap();
+        assert!(
+            (g[3] - 0.05).abs() < 1e-6 && (g[5] - 0.58).abs() < 1e-6,
+            "{g:?}"
+        );
+        assert_eq!(g[1], f64::NEG_INFINITY);
+        let s = Scores {
+            values: &v,
+            cols: 3,
+            bias: None,
+            rel_tol: 0.05,
+            groups: None,
+            implied: Some(&g),
+        };
+        let st = judge_flips(&[1, 1], &[0, 0], 1, Some(&s));
+        let f = st.first.unwrap();
+        assert!(f.margin.abs() < 1e-6, "{f:?}");
+        assert_eq!(near_tie_rows(&[1, 1], &[0, 0], 1, Some(&s)), [0]);
+        let f = st.first_confident.unwrap();
+        assert_eq!(f.token, 1);
+        assert!((f.margin - 0.07).abs() < 1e-6, "{f:?}");
+        assert!(implied_bias(&[0.5, 0.4, 0.4, 0.5], 2, &[1, 0], 1, 1e-9).is_none());
     }
 }

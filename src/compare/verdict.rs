@@ -36,7 +36,7 @@
 //!   FP8 indexer: `blk.*.indexer_*=fp8`), floors and flip tolerances alike. Both are listed by
 //!   [`Comparison::overrides`] with the number of hooks each decides.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use anyhow::Result;
 use serde::Serialize;
@@ -47,7 +47,14 @@ use super::floors::{
 use super::graph::order_key;
 use super::logits::{analyse, LogitsReport};
 use super::metrics::{compare, Metrics};
-use super::selection::{judge_flips, near_tie_swaps, FlipStats, Scores};
+use super::selection::{
+    differing_rows, has_near_tie, implied_bias, judge_flips, near_tie_rows, near_tie_swaps,
+    FlipStats, Scores,
+};
+
+/// How far the reference's selections may contradict the selection bias they imply before the
+/// implication is dropped (scores rounded to f32 after a selection made from f64 ones).
+const IMPLIED_SLACK: f64 = 1e-5;
 use crate::model::names::split_blk;
 use crate::tensor::HostTensor;
 use crate::trace::{Mode, Pair, PairSink, Swap};
@@ -88,6 +95,11 @@ pub struct ModeResult {
     pub flips: Option<FlipStats>,
     /// Chained: the selection difference upstream that explains this hook's drift.
     pub drift_from: Option<String>,
+    /// Chained: the relative error against the reference's own chain (its own selections
+    /// everywhere: what the user's output shows), where `error` is against the chain that
+    /// follows the candidate's near-tie selections; the same as `error` where both chains
+    /// agree, or where the reference cannot follow (two traces).
+    pub plain_error: Option<f64>,
 }
 
 /// Steps the reference replayed as one: from hooks of the trace through hooks the trace lacks
@@ -198,6 +210,10 @@ pub struct Judge {
     pub selection_bias: HashMap<usize, Vec<f32>>,
     /// Group-limited routing `(n_group, used)` of the model, if any (expert flips).
     pub groups: Option<(usize, usize)>,
+    /// The model's selection bias is not at hand (two traces compared without the model):
+    /// expert flips are judged by the smallest gap a bias consistent with the reference's own
+    /// selections leaves ([`super::selection::implied_bias`]).
+    pub bias_unknown: bool,
 }
 
 impl Judge {
@@ -280,9 +296,76 @@ pub struct Comparison {
     scores: HashMap<(Mode, &'static str), (String, HostTensor, f64)>,
     /// Replay: hooks the candidate lacks that the reference computed inside a segment.
     inside: HashMap<String, Inside>,
-    /// Chained: hooks the candidate lacks, with what stands for their chained error (what
-    /// their inputs carry, passed on by their step, plus its floor) and its drift origin.
-    chained_missing: HashMap<String, (f64, Option<String>)>,
+    /// Chained: what each hook passes on downstream (compared ones, and those the candidate
+    /// lacks, for which what their inputs carry, passed on by their step, plus its floor stands
+    /// for their error).
+    chain: HashMap<String, Chain>,
+}
+
+/// Chained: what a hook passes on to the steps that read it.
+#[derive(Clone, Debug, Default)]
+struct Chain {
+    /// Rows (tokens) that a selection difference the reference's chain did not follow reaches:
+    /// they differ for that reason, and are not judged again.
+    touched: BTreeSet<usize>,
+    /// Of those, the rows this hook's own selection difference added (following it drops them).
+    own: BTreeSet<usize>,
+    /// The chained error over the other rows (0 for selections); for a hook the candidate
+    /// lacks, what stands for it: what its inputs carry, passed on by its step, composed with
+    /// its floor as a segment's floor is (`floors::segment_floor`).
+    clean: f64,
+    /// `|reference|` (how much of a residual add it weighs).
+    norm: f64,
+    /// The candidate lacks the hook: `clean` is that estimate, not a measurement.
+    estimated: bool,
+    /// Where the difference of the touched rows started (hook, token, margin).
+    origin: Option<String>,
+    /// A selection the candidate lacks: the rows whose near tie it may have taken otherwise
+    /// (touched until the selection's consumer shows whether they did).
+    possible: BTreeSet<usize>,
+}
+
+/// Whether the step producing hook `name` reads other rows than its own through its input
+/// `input`: attention reads the keys and values of every earlier token (`kv_a_norm`,
+/// `k_pe_rope`), the index scores every earlier token's key (from `attn_norm`).
+fn mixes_rows(name: &str, input: &str) -> bool {
+    matches!(
+        (point_of(name), point_of(input)),
+        (
+            "attn_heads" | "attn_probs",
+            "kv_a_norm" | "k_pe_rope" | "kv_a"
+        ) | ("indexer_scores", "attn_norm")
+    )
+}
+
+/// Relative L2 error of `candidate` against `reference` over the rows of the first axis not in
+/// `skip`; NaN when no row is left, the values are not floats or the shapes differ.
+fn masked_error(reference: &HostTensor, candidate: &HostTensor, skip: &BTreeSet<usize>) -> f64 {
+    let (Ok(r), Ok(c)) = (reference.as_f32(""), candidate.as_f32("")) else {
+        return f64::NAN;
+    };
+    let rows = reference.shape.first().copied().unwrap_or(0);
+    if reference.shape != candidate.shape || rows == 0 || skip.len() >= rows {
+        return f64::NAN;
+    }
+    let w = r.len() / rows;
+    let (mut d2, mut r2) = (0f64, 0f64);
+    for t in (0..rows).filter(|t| !skip.contains(t)) {
+        for (&a, &b) in r[t * w..(t + 1) * w].iter().zip(&c[t * w..(t + 1) * w]) {
+            if a.is_finite() && b.is_finite() {
+                let (a, b) = (f64::from(a), f64::from(b));
+                d2 += (b - a) * (b - a);
+                r2 += a * a;
+            }
+        }
+    }
+    if r2 > 0.0 {
+        (d2 / r2).sqrt()
+    } else if d2 > 0.0 {
+        f64::INFINITY
+    } else {
+        0.0
+    }
 }
 
 /// A hook inside a segment (replay): what it carries, and where its segment started.
@@ -325,7 +408,7 @@ impl Comparison {
             logits: Vec::new(),
             scores: HashMap::new(),
             inside: HashMap::new(),
-            chained_missing: HashMap::new(),
+            chain: HashMap::new(),
         }
     }
 
@@ -372,44 +455,107 @@ impl Comparison {
         &mut self.records[i]
     }
 
-    /// The chained state of a step's inputs: the largest float error among them, and the
-    /// selection difference upstream that explains drift, if any.
-    fn upstream_chained(&self, inputs: &[String]) -> (f64, Option<String>) {
-        let (mut err, mut origin) = (0f64, None);
+    /// The chained state that a step producing `name` from `inputs` starts from: the largest
+    /// float error among them over the rows no unfollowed selection difference reaches, those
+    /// rows (every row from the first one on where the step reads other rows' keys or values),
+    /// and where their difference started.
+    fn upstream_chained(&self, name: &str, inputs: &[String], rows: usize) -> Chain {
+        let mut up = Chain::default();
         for n in inputs {
-            let compared = self.index.get(n).map(|&i| &self.records[i]).filter(|r| {
-                r.chained
-                    .as_ref()
-                    .is_some_and(|c| c.status != Status::Missing)
-            });
-            let Some(r) = compared else {
-                // A hook the candidate lacks stands for its own inputs.
-                if let Some((e, o)) = self.chained_missing.get(n) {
-                    err = err.max(*e);
-                    if origin.is_none() {
-                        origin = o.clone();
-                    }
-                }
-                continue;
-            };
-            let Some(c) = &r.chained else { continue };
-            if origin.is_none() {
-                origin = c.drift_from.clone();
+            let Some(c) = self.chain.get(n) else { continue };
+            if c.clean.is_finite() && !c.estimated {
+                up.clean = up.clean.max(c.clean);
             }
-            match &c.metrics {
-                Some(Metrics::Float(_)) => err = err.max(c.error),
-                Some(Metrics::Ids(_)) if origin.is_none() => {
-                    if let Some(f) = c.flips.as_ref().and_then(|f| f.first.as_ref()) {
-                        origin = Some(format!(
-                            "{} token {} (margin {:.2e}, tolerance {:.2e})",
-                            r.name, f.token, f.margin, f.tolerance
-                        ));
-                    }
+            if up.origin.is_none() && !c.touched.is_empty() {
+                up.origin = c.origin.clone();
+            }
+            up.possible.extend(c.possible.iter().copied());
+            match c.touched.first() {
+                // A changed key or value of token t reaches every later token.
+                Some(&first) if mixes_rows(name, n) => {
+                    up.touched.extend(first..rows.max(first + 1));
                 }
-                _ => {}
+                _ => up.touched.extend(c.touched.iter().copied()),
             }
         }
-        (err, origin)
+        up
+    }
+
+    /// Whether the candidate lacks an input of a step (chained): what it carries is then an
+    /// estimate.
+    fn lacks_input(&self, inputs: &[String]) -> bool {
+        inputs
+            .iter()
+            .any(|n| self.chain.get(n).is_some_and(|c| c.estimated))
+    }
+
+    /// Chained: what the inputs of hook `name` carry, composed over its step with the floor
+    /// `floor` as a segment's floor is (`floors::segment_floor`), its output weighing
+    /// `out_norm`.
+    fn composed_chained(&self, name: &str, inputs: &[String], floor: f64, out_norm: f64) -> f64 {
+        let kind = self.judge.info(name).kind;
+        let carried: Vec<Carried> = inputs
+            .iter()
+            .filter_map(|n| {
+                let c = self.chain.get(n)?;
+                Some(Carried {
+                    rel: if c.clean.is_finite() { c.clean } else { 0.0 },
+                    norm: c.norm,
+                    gain: kind.gain_from(point_of(n)),
+                })
+            })
+            .collect();
+        segment_floor(kind, floor, &carried, out_norm)
+    }
+
+    /// Chained, without a way to follow the candidate: it lacks selection hook `selection`
+    /// (whose reference value, `reference`, and scores were handed over), so wherever the
+    /// reference's own selection has a near-tie alternative the candidate may have taken it.
+    /// Those rows are marked as reached by a selection difference: what follows from them
+    /// drifts, the other rows are judged as everywhere. (`compare` of two traces: with a model,
+    /// `run` tries the alternatives instead.)
+    pub fn unfollowed_near_ties(&mut self, selection: &str, reference: &HostTensor) {
+        let Some(mut scores) = self.scores_for(selection, Mode::Chained) else {
+            return;
+        };
+        let (Ok(ids), Some(&width)) = (reference.as_i32(selection), reference.shape.last()) else {
+            return;
+        };
+        let implied = if self.judge.bias_unknown && point_of(selection) == "moe_topk_ids" {
+            implied_bias(scores.values, scores.cols, ids, width, IMPLIED_SLACK)
+        } else {
+            None
+        };
+        if let Some(g) = &implied {
+            scores.implied = Some(g);
+        }
+        let rows: Vec<usize> = ids
+            .chunks(width.max(1))
+            .enumerate()
+            .filter(|(t, row)| has_near_tie(&scores, *t, row))
+            .map(|(t, _)| t)
+            .collect();
+        let Some(&first) = rows.first() else { return };
+        let origin = format!(
+            "{selection} token {first} (a near tie the candidate's trace does not show: {} row(s) may select otherwise)",
+            rows.len()
+        );
+        let c = self.chain.entry(selection.to_string()).or_default();
+        c.touched.extend(rows.iter().copied());
+        c.possible.extend(rows.iter().copied());
+        c.own.extend(rows);
+        if c.origin.is_none() {
+            c.origin = Some(origin);
+        }
+    }
+
+    /// Rows of the prompt (the first axis of per-token hooks).
+    fn n_rows(&self, shape: &[usize]) -> usize {
+        if self.tokens.is_empty() {
+            shape.first().copied().unwrap_or(0)
+        } else {
+            self.tokens.len()
+        }
     }
 
     /// The reference's scores behind selection hook `name` in `mode`, if they were compared:
@@ -439,6 +585,7 @@ impl Comparison {
             cols,
             bias,
             rel_tol: *rel,
+            implied: None,
             groups: if sp == "moe_probs" {
                 self.judge.groups
             } else {
@@ -500,8 +647,8 @@ impl Comparison {
             .insert((mode, sp), (name.to_string(), reference, rel));
     }
 
-    /// Judges one pair.
-    fn judge_pair(&self, pair: &Pair<'_>, floor: f64) -> ModeResult {
+    /// Judges one pair; in chained mode also what the hook passes on downstream.
+    fn judge_pair(&self, pair: &Pair<'_>, floor: f64) -> (ModeResult, Option<Chain>) {
         let with_note = |mut r: ModeResult| {
             if let Some(n) = &pair.note {
                 r.note = Some(match r.note {
@@ -511,10 +658,21 @@ impl Comparison {
             }
             r
         };
+        let chained = pair.mode == Mode::Chained;
+        let up = if chained {
+            self.upstream_chained(pair.name, pair.inputs, self.n_rows(&pair.reference.shape))
+        } else {
+            Chain::default()
+        };
+        // Per-row verdicts need the first axis to be the prompt's tokens.
+        let token_rows = pair.reference.shape.first().copied()
+            == Some(self.n_rows(&pair.reference.shape))
+            && !matches!(point_of(pair.name), "attn_probs")
+            && !pair.name.contains(".exp.");
         let metrics = match compare(&pair.reference, &pair.candidate) {
             Ok(m) => m,
             Err(why) => {
-                return with_note(ModeResult {
+                let r = with_note(ModeResult {
                     metrics: None,
                     error: f64::INFINITY,
                     allowed: floor,
@@ -522,19 +680,22 @@ impl Comparison {
                     note: Some(why),
                     flips: None,
                     drift_from: None,
-                })
+                    plain_error: None,
+                });
+                return (r, chained.then_some(up));
             }
         };
         let error = metrics.error();
-        let (up_err, origin) = match pair.mode {
-            Mode::Replay => (0.0, None),
-            Mode::Chained => self.upstream_chained(pair.inputs),
-        };
         let amp = self.judge.info(pair.name).kind.chain_amp();
         let allowed = match pair.mode {
             Mode::Replay => floor,
-            Mode::Chained => floor + amp * up_err,
+            // Where the candidate lacks inputs, at least what they carry composed over the
+            // step (the floor of the segment the reference ran through them).
+            Mode::Chained if self.lacks_input(pair.inputs) => (floor + amp * up.clean)
+                .max(self.composed_chained(pair.name, pair.inputs, floor, l2(&pair.reference))),
+            Mode::Chained => floor + amp * up.clean,
         };
+        let origin = up.origin.clone();
         let mut r = ModeResult {
             metrics: None,
             error,
@@ -543,6 +704,16 @@ impl Comparison {
             note: None,
             flips: None,
             drift_from: None,
+            plain_error: chained.then_some(error),
+        };
+        // What the hook passes on (chained): the rows upstream differences reach, its error
+        // over the others.
+        let mut next = Chain {
+            clean: 0.0,
+            norm: l2(&pair.reference),
+            estimated: false,
+            possible: BTreeSet::new(),
+            ..up.clone()
         };
         match &metrics {
             Metrics::Float(m) if m.nonfinite_mismatch > 0 => {
@@ -551,6 +722,7 @@ impl Comparison {
                     "{} NaN/Inf where the reference differs (candidate NaN {}, Inf {}; reference NaN {}, Inf {})",
                     m.nonfinite_mismatch, m.nan[1], m.inf[1], m.nan[0], m.inf[0]
                 ));
+                next.clean = error;
             }
             // The tensor is within its floor but one token is far above it (replay only).
             Metrics::Float(m)
@@ -565,76 +737,194 @@ impl Comparison {
                     "token {t}: error {e:.3e} above {TOKEN_FACTOR} x the floor {allowed:.3e} (the whole tensor: {error:.3e})"
                 ));
             }
-            // Within what is allowed; downstream of a selection that differs the hook still
-            // carries that origin, so that a later jump is told apart from a new divergence.
-            Metrics::Float(_) if error <= allowed => r.drift_from = origin,
-            Metrics::Float(_) if origin.is_some() => {
-                r.status = Status::Drift;
-                r.note = Some(format!(
-                    "drift after a selection that differs upstream, from {}",
-                    origin.as_deref().unwrap_or("?")
-                ));
-                r.drift_from = origin;
+            Metrics::Float(_) if up.touched.is_empty() => {
+                next.clean = error;
+                if error > allowed {
+                    r.status = Status::Fail;
+                    r.note = Some(format!("error {error:.3e} above the allowed {allowed:.3e}"));
+                }
             }
-            Metrics::Float(_) => {
-                r.status = Status::Fail;
-                r.note = Some(format!("error {error:.3e} above the allowed {allowed:.3e}"));
+            // Chained, downstream of a selection difference the reference's chain did not
+            // follow: the rows it reaches differ for that reason (drift); the others are
+            // judged as everywhere. A row that only may have selected otherwise (a selection
+            // the candidate lacks, with a near tie there) and agrees here, at the first hook
+            // after the selection that the candidate has (before a sum dilutes it), as closely
+            // as the other rows (or within the floor) did not: it is not reached any more.
+            Metrics::Float(m) => {
+                let clean = if token_rows {
+                    masked_error(&pair.reference, &pair.candidate, &up.touched)
+                } else {
+                    f64::NAN
+                };
+                next.clean = if clean.is_finite() { clean } else { 0.0 };
+                if token_rows && m.per_token_judged.len() == self.n_rows(&pair.reference.shape) {
+                    // Agrees: as close as the rows no difference reaches, or within the floor.
+                    let agrees = if clean.is_finite() {
+                        (2.0 * clean).max(floor)
+                    } else {
+                        floor
+                    };
+                    next.touched.retain(|t| {
+                        !up.possible.contains(t)
+                            || m.per_token_judged.get(*t).is_none_or(|&e| e > agrees)
+                    });
+                    if next.touched.is_empty() {
+                        next.origin = None;
+                    }
+                }
+                let rows = self.n_rows(&pair.reference.shape);
+                if clean.is_finite() && clean > allowed {
+                    r.status = Status::Fail;
+                    r.note = Some(format!(
+                        "error {clean:.3e} above the allowed {allowed:.3e} over the {} of {rows} rows no selection difference upstream reaches (all rows: {error:.3e})",
+                        rows.saturating_sub(up.touched.len())
+                    ));
+                } else if error > allowed {
+                    r.status = Status::Drift;
+                    r.note = Some(format!(
+                        "drift after a selection that differs upstream, from {} ({} of {rows} rows reached{})",
+                        origin.as_deref().unwrap_or("?"),
+                        up.touched.len(),
+                        if clean.is_finite() {
+                            format!("; the others: {clean:.3e}")
+                        } else {
+                            String::new()
+                        }
+                    ));
+                    r.drift_from = origin;
+                } else {
+                    r.drift_from = origin;
+                }
             }
-            Metrics::Ids(m) if m.set_equal_rows == m.rows => r.drift_from = origin,
+            Metrics::Ids(m) if m.set_equal_rows == m.rows => {
+                if !up.touched.is_empty() {
+                    r.drift_from = origin;
+                }
+            }
             Metrics::Ids(_) => {
                 let (reference, candidate) = (
                     pair.reference.as_i32(pair.name).unwrap_or(&[]),
                     pair.candidate.as_i32(pair.name).unwrap_or(&[]),
                 );
-                let width = pair.reference.shape.last().copied().unwrap_or(1);
-                let scores = self.scores_for(pair.name, pair.mode);
-                let st = judge_flips(reference, candidate, width, scores.as_ref());
+                let width = pair.reference.shape.last().copied().unwrap_or(1).max(1);
+                let mut scores = self.scores_for(pair.name, pair.mode);
+                // Without the model's selection bias: what the reference's selections imply.
+                let bias_unknown = self.judge.bias_unknown && point_of(pair.name) == "moe_topk_ids";
+                let implied = match &scores {
+                    Some(sc) if bias_unknown => {
+                        implied_bias(sc.values, sc.cols, reference, width, IMPLIED_SLACK)
+                    }
+                    _ => None,
+                };
+                if let (Some(sc), Some(g)) = (&mut scores, &implied) {
+                    sc.implied = Some(g);
+                }
+                // The selections contradict any one bias (another rule chose: group-limited
+                // routing): without the model the flips cannot be judged.
+                let unjudgeable = bias_unknown && implied.is_none();
+                if unjudgeable {
+                    scores = None;
+                }
+                let mut st = judge_flips(reference, candidate, width, scores.as_ref());
+                // Rows an unfollowed difference upstream reaches are not judged again.
+                let reached = |t: usize| chained && token_rows && up.touched.contains(&t);
+                let own_rows: Vec<usize> = differing_rows(reference, candidate, width)
+                    .into_iter()
+                    .filter(|&t| !reached(t))
+                    .collect();
+                let judged = if own_rows.len() < st.differing {
+                    let mut c = candidate.to_vec();
+                    for t in (0..st.rows).filter(|&t| reached(t)) {
+                        c[t * width..(t + 1) * width]
+                            .copy_from_slice(&reference[t * width..(t + 1) * width]);
+                    }
+                    judge_flips(reference, &c, width, scores.as_ref())
+                } else {
+                    st.clone()
+                };
+                st.drift = st.differing - judged.differing;
+                let mut judged = judged;
+                if unjudgeable {
+                    // Counted as near ties, said so, never a divergence.
+                    for x in [&mut st, &mut judged] {
+                        x.near_tie += x.confident;
+                        x.confident = 0;
+                        x.first_confident = None;
+                    }
+                }
                 let margins = st.margins.map_or(String::new(), |(a, b)| {
                     format!(", margins {a:.2e}..{b:.2e}")
                 });
                 let what = format!(
-                    "{} of {} rows select another set: {} near-tie, {} confident{margins}{}",
+                    "{} of {} rows select another set: {} near-tie, {} confident{margins}{}{}",
                     st.differing,
                     st.rows,
                     st.near_tie,
                     st.confident,
-                    if st.judged {
+                    if st.drift > 0 {
+                        format!(
+                            "; {} of them reached by a selection difference upstream",
+                            st.drift
+                        )
+                    } else {
+                        String::new()
+                    },
+                    if unjudgeable {
+                        " (without the model the router's selection bias and groups are unknown, and the reference's own selections do not pin them down: margins unknown, not judged)"
+                    } else if st.judged {
                         ""
                     } else {
                         " (the reference's scores were not compared: margins unknown)"
                     }
                 );
-                if pair.mode == Mode::Chained && origin.is_some() {
-                    r.status = Status::Drift;
-                    r.note = Some(format!(
-                        "{what}; after drift from {}",
-                        origin.as_deref().unwrap_or("?")
-                    ));
-                    r.drift_from = origin;
-                } else if st.confident > 0 {
+                let flip_origin = |f: &super::selection::FlipAt| {
+                    format!(
+                        "{} token {} (margin {:.2e}, tolerance {:.2e})",
+                        pair.name, f.token, f.margin, f.tolerance
+                    )
+                };
+                if judged.confident > 0 {
                     r.status = Status::Fail;
-                    r.note = Some(match st.first_confident.as_ref() {
+                    r.note = Some(match judged.first_confident.as_ref() {
                         Some(c) => format!(
                             "{what}; first confident flip at token {}: {:?} in, {:?} out, margin {:.2e} > tolerance {:.2e}",
                             c.token, c.entered, c.left, c.margin, c.tolerance
                         ),
                         None => what,
                     });
-                } else {
+                } else if judged.differing > 0 {
                     r.status = Status::NearTie;
                     r.note = Some(what);
-                    if let Some(f) = &st.first {
+                    if let Some(f) = &judged.first {
                         r.drift_from = Some(format!(
                             "the near-tie flip at {} token {} (margin {:.2e} <= tolerance {:.2e})",
                             pair.name, f.token, f.margin, f.tolerance
                         ));
+                    }
+                } else {
+                    r.status = Status::Drift;
+                    r.note = Some(format!(
+                        "{what}; after drift from {}",
+                        origin.as_deref().unwrap_or("?")
+                    ));
+                    r.drift_from = origin.clone();
+                }
+                if chained {
+                    next.own = own_rows.iter().copied().collect();
+                    next.touched.extend(own_rows.iter().copied());
+                    if next.origin.is_none() {
+                        next.origin = judged
+                            .first_confident
+                            .as_ref()
+                            .or(judged.first.as_ref())
+                            .map(flip_origin);
                     }
                 }
                 r.flips = Some(st);
             }
         }
         r.metrics = Some(metrics);
-        with_note(r)
+        (with_note(r), chained.then_some(next))
     }
 
     /// The first hook failing in `mode`.
@@ -714,6 +1004,7 @@ impl Comparison {
                     label: group.map_or_else(|| r.name.clone(), |l| l.to_string()),
                     records: Vec::new(),
                     worst: [None, None],
+                    worst_plain: None,
                     floor: 0.0,
                     failed: 0,
                     drift: 0,
@@ -728,6 +1019,13 @@ impl Comparison {
             }
             g.records.push(i);
             g.floor = g.floor.max(r.floor);
+            if let Some(c) = &r.chained {
+                if let (Some(x), Some(Metrics::Float(_)) | None) = (c.plain_error, &c.metrics) {
+                    if c.status != Status::Missing && g.worst_plain.is_none_or(|(_, w)| x > w) {
+                        g.worst_plain = Some((i, x));
+                    }
+                }
+            }
             for (slot, res) in [(0usize, &r.replay), (1, &r.chained)] {
                 let Some(res) = res else { continue };
                 match res.status {
@@ -770,6 +1068,8 @@ pub struct LayerSummary {
     pub records: Vec<usize>,
     /// Worst float error per mode (replay, chained): record index and error.
     pub worst: [Option<(usize, f64)>; 2],
+    /// Worst chained float error against the reference's own chain (`ModeResult::plain_error`).
+    pub worst_plain: Option<(usize, f64)>,
     /// Largest floor among the records.
     pub floor: f64,
     /// Results that failed (both modes counted).
@@ -799,7 +1099,10 @@ impl PairSink for Comparison {
             None => self.judge.floor(pair.name),
         };
         let shape = pair.reference.shape.clone();
-        let result = self.judge_pair(&pair, floor);
+        let (result, chain) = self.judge_pair(&pair, floor);
+        if let Some(c) = chain {
+            self.chain.insert(pair.name.to_string(), c);
+        }
         if pair.name == crate::model::steps::point::LOGITS {
             if let (Ok(r), Ok(c), &[_, vocab]) = (
                 pair.reference.as_f32("logits"),
@@ -882,13 +1185,36 @@ impl PairSink for Comparison {
             Mode::Chained => {
                 // What stands for its chained error downstream: what its inputs carry, passed on
                 // by its step (`Kind::gain`), plus the step's floor.
-                let (up, origin) = self.upstream_chained(inputs);
+                let up = self.upstream_chained(name, inputs, self.n_rows(&reference.shape));
+                let norm = l2(reference);
                 let kind = self.judge.info(name).kind;
-                self.chained_missing
-                    .insert(name.to_string(), (own + kind.gain() * up, origin));
+                let composed = self.composed_chained(name, inputs, own, norm);
+                let ids = reference.as_i32("").is_ok();
                 // What the scores would be allowed in chained mode: the floor plus what their
-                // inputs carry, amplified.
-                own + kind.chain_amp() * up
+                // inputs carry, amplified, or composed over their step where the candidate
+                // lacks those inputs too.
+                let rel = if self.lacks_input(inputs) {
+                    (own + kind.chain_amp() * up.clean).max(composed)
+                } else {
+                    own + kind.chain_amp() * up.clean
+                };
+                self.chain.insert(
+                    name.to_string(),
+                    Chain {
+                        clean: if ids { 0.0 } else { composed },
+                        norm,
+                        estimated: true,
+                        // Rows that may have selected otherwise are decided at the first
+                        // compared hook after the selection, before a sum dilutes them.
+                        possible: if matches!(point_of(name), "ffn_inp" | "ffn_out" | "l_out") {
+                            BTreeSet::new()
+                        } else {
+                            up.possible.clone()
+                        },
+                        ..up
+                    },
+                );
+                rel
             }
         };
         if matches!(point_of(name), "moe_probs" | "indexer_scores") {
@@ -934,7 +1260,95 @@ impl PairSink for Comparison {
             note: Some(why.to_string()),
             flips: None,
             drift_from: None,
+            plain_error: None,
         });
+    }
+
+    fn near_tie_rows(
+        &self,
+        selection: &str,
+        mode: Mode,
+        reference: &HostTensor,
+        candidate: &HostTensor,
+    ) -> Vec<usize> {
+        let (Ok(r), Ok(c), Some(&width)) = (
+            reference.as_i32(selection),
+            candidate.as_i32(selection),
+            reference.shape.last(),
+        ) else {
+            return Vec::new();
+        };
+        if reference.shape != candidate.shape {
+            return Vec::new();
+        }
+        let scores = self.scores_for(selection, mode);
+        near_tie_rows(r, c, width, scores.as_ref())
+    }
+
+    fn followed(&mut self, selection: &str, mode: Mode, rows: &[usize]) {
+        if mode != Mode::Chained || rows.is_empty() {
+            return;
+        }
+        let touched = match self.chain.get_mut(selection) {
+            Some(c) => {
+                for t in rows {
+                    if c.own.remove(t) {
+                        c.touched.remove(t);
+                    }
+                }
+                if c.touched.is_empty() {
+                    c.origin = None;
+                }
+                c.touched.len()
+            }
+            None => 0,
+        };
+        let Some(&i) = self.index.get(selection) else {
+            return;
+        };
+        let Some(r) = self.records[i].chained.as_mut() else {
+            return;
+        };
+        if let Some(f) = r.flips.as_mut() {
+            f.followed += rows.len();
+        }
+        if touched == 0 {
+            r.drift_from = None;
+        }
+        let n = format!(
+            "the reference's chain takes the candidate's selection in these {} near-tie row(s)",
+            rows.len()
+        );
+        r.note = Some(match r.note.take() {
+            Some(x) => format!("{x}; {n}"),
+            None => n,
+        });
+    }
+
+    fn plain_chain(&mut self, name: &str, reference: &HostTensor, candidate: &HostTensor) {
+        let Ok(m) = compare(reference, candidate) else {
+            return;
+        };
+        if name == crate::model::steps::point::LOGITS {
+            if let (Ok(r), Ok(c), &[_, vocab]) = (
+                reference.as_f32("logits"),
+                candidate.as_f32("logits"),
+                &reference.shape[..],
+            ) {
+                if candidate.shape == reference.shape {
+                    // The output distribution is what the user's output shows: the plain chain.
+                    let report = analyse(r, c, vocab, &self.tokens, 5);
+                    self.logits.retain(|(mode, _)| *mode != Mode::Chained);
+                    self.logits.push((Mode::Chained, report));
+                }
+            }
+        }
+        let Some(&i) = self.index.get(name) else {
+            return;
+        };
+        if let Some(r) = self.records[i].chained.as_mut() {
+            r.plain_error = Some(m.error());
+        }
     }
 }
 
@@ -952,6 +1366,7 @@ mod tests {
             precision: Vec::new(),
             selection_bias: HashMap::new(),
             groups: None,
+            bias_unknown: false,
         }
     }
 
@@ -1420,5 +1835,149 @@ mod tests {
             "blk.1.moe_topk_ids"
         );
         assert!(c.differs());
+    }
+
+    /// Chained, two tokens, router probabilities where token 0 has a near tie (experts 1 and
+    /// 2) and token 1 none. Token 0 flips: what follows differs in row 0 only. Not followed,
+    /// row 0 drifts and row 1 is still judged (a jump there fails); followed (the reference's
+    /// chain took the candidate's experts), nothing is excused.
+    #[test]
+    fn chained_drift_is_per_row_and_ends_where_the_chain_follows() {
+        let probs = || {
+            HostTensor::f32(vec![2, 4], vec![0.9, 0.5, 0.4999, 0.1, 0.9, 0.6, 0.1, 0.05]).unwrap()
+        };
+        let ids = |v: Vec<i32>| HostTensor::i32(vec![2, 2], v).unwrap();
+        let rows = |a: [f32; 2], b: [f32; 2]| {
+            HostTensor::f32(vec![2, 2], vec![a[0], a[1], b[0], b[1]]).unwrap()
+        };
+        let sel = "blk.1.moe_topk_ids";
+        let run = |follow: bool, row1: [f32; 2]| {
+            let mut c = Comparison::new(judge(), Box::new(|_| true), &[1, 2]);
+            let logits = vec!["blk.1.moe_logits".to_string()];
+            c.record(Pair {
+                name: "blk.1.moe_probs",
+                mode: Mode::Chained,
+                inputs: &logits,
+                reference: probs(),
+                candidate: probs(),
+                note: None,
+            })
+            .unwrap();
+            let (r, k) = (ids(vec![0, 1, 0, 1]), ids(vec![0, 2, 0, 1]));
+            assert_eq!(c.near_tie_rows(sel, Mode::Chained, &r, &k), [0]);
+            c.record(Pair {
+                name: sel,
+                mode: Mode::Chained,
+                inputs: &logits,
+                reference: r,
+                candidate: k,
+                note: None,
+            })
+            .unwrap();
+            if follow {
+                c.followed(sel, Mode::Chained, &[0]);
+            }
+            let up = vec![sel.to_string()];
+            c.record(Pair {
+                name: "blk.1.moe_routed",
+                mode: Mode::Chained,
+                inputs: &up,
+                reference: rows([1.0, 0.0], [1.0, 0.0]),
+                candidate: rows([0.0, 1.0], row1),
+                note: None,
+            })
+            .unwrap();
+            c
+        };
+        let status = |c: &Comparison, n: &str| c.get(n).unwrap().chained.as_ref().unwrap().status;
+        // Not followed: row 0 drifts; row 1 agrees.
+        let c = run(false, [1.0, 0.0]);
+        assert_eq!(status(&c, sel), Status::NearTie);
+        assert_eq!(status(&c, "blk.1.moe_routed"), Status::Drift);
+        assert!(!c.differs());
+        // Row 1 jumps too: no selection difference reaches it.
+        let c = run(false, [1.0, 0.5]);
+        assert_eq!(status(&c, "blk.1.moe_routed"), Status::Fail);
+        assert!(c.differs());
+        // Followed: the same difference in row 0 is a failure, not drift.
+        let c = run(true, [1.0, 0.0]);
+        let f = c.get(sel).unwrap().chained.as_ref().unwrap();
+        assert_eq!(f.flips.as_ref().unwrap().followed, 1);
+        assert!(f.drift_from.is_none());
+        assert_eq!(status(&c, "blk.1.moe_routed"), Status::Fail);
+        assert_eq!(
+            c.first_divergence(Mode::Chained).unwrap().name,
+            "blk.1.moe_routed"
+        );
+    }
+
+    /// Chained: a confident flip downstream of a near tie the chain did not follow fails when
+    /// its row is one the near tie does not reach, and drifts when it is.
+    #[test]
+    fn confident_flips_downstream_fail_in_rows_no_difference_reaches() {
+        let probs = || {
+            HostTensor::f32(vec![2, 4], vec![0.9, 0.5, 0.4999, 0.1, 0.9, 0.6, 0.1, 0.05]).unwrap()
+        };
+        let ids = |v: Vec<i32>| HostTensor::i32(vec![2, 2], v).unwrap();
+        let logits = vec!["blk.1.moe_logits".to_string()];
+        for (l2_cand, want) in [
+            (vec![0, 3, 0, 1], Status::Drift),
+            (vec![0, 1, 0, 3], Status::Fail),
+        ] {
+            let mut c = Comparison::new(judge(), Box::new(|_| true), &[1, 2]);
+            for (layer, cand) in [(1, vec![0, 2, 0, 1]), (2, l2_cand)] {
+                let ins = if layer == 1 {
+                    logits.clone()
+                } else {
+                    vec!["blk.1.moe_topk_ids".to_string()]
+                };
+                c.record(Pair {
+                    name: &format!("blk.{layer}.moe_probs"),
+                    mode: Mode::Chained,
+                    inputs: &ins,
+                    reference: probs(),
+                    candidate: probs(),
+                    note: None,
+                })
+                .unwrap();
+                c.record(Pair {
+                    name: &format!("blk.{layer}.moe_topk_ids"),
+                    mode: Mode::Chained,
+                    inputs: &[format!("blk.{layer}.moe_probs")],
+                    reference: ids(vec![0, 1, 0, 1]),
+                    candidate: ids(cand),
+                    note: None,
+                })
+                .unwrap();
+            }
+            let r = c
+                .get("blk.2.moe_topk_ids")
+                .unwrap()
+                .chained
+                .as_ref()
+                .unwrap();
+            assert_eq!(r.status, want, "{r:?}");
+            assert_eq!(c.differs(), want == Status::Fail);
+        }
+    }
+
+    /// Chained: the error against the reference's own chain is kept beside the followed one.
+    #[test]
+    fn the_plain_chain_error_is_kept() {
+        let mut c = Comparison::new(judge(), Box::new(|_| true), &[1]);
+        push(
+            &mut c,
+            "blk.0.q_b",
+            Mode::Chained,
+            &[],
+            vec![1.0, 0.0],
+            vec![1.0, 0.0],
+        );
+        let r = c.get("blk.0.q_b").unwrap().chained.as_ref().unwrap();
+        assert_eq!(r.plain_error, Some(0.0));
+        c.plain_chain("blk.0.q_b", &f(vec![0.0, 1.0]), &f(vec![1.0, 0.0]));
+        let r = c.get("blk.0.q_b").unwrap().chained.as_ref().unwrap();
+        assert_eq!((r.error, r.status), (0.0, Status::Pass));
+        assert!((r.plain_error.unwrap() - 2f64.sqrt()).abs() < 1e-12);
     }
 }

@@ -22,6 +22,7 @@
 //! step the engine runs in it and ended when it runs a step of another layer or the walk
 //! finishes ([`Runner::finish`]).
 
+mod follow;
 pub mod pair;
 mod replay;
 mod residency;

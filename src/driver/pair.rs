@@ -38,6 +38,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 
+use super::follow::{Follow, FollowStep};
 pub use super::replay::{is_selection, LayerTime, PairSummary};
 use super::replay::{replay_step, step_wanted};
 use super::segment::TraceReplay;
@@ -102,6 +103,8 @@ pub fn run_pair<R: Engine, C: Engine>(
         (Candidate::Trace(tr), true) => Some(TraceReplay::new(tr, plan)),
         _ => None,
     };
+    // Chained: the reference's chain that follows the candidate's near-tie selections.
+    let mut follow = Follow::new(plan);
     let mut steps = StepProgress::start(progress, plan);
     while let Some(step) = refr.peek() {
         steps.before(step);
@@ -128,43 +131,55 @@ pub fn run_pair<R: Engine, C: Engine>(
             .collect::<Result<_>>()?;
 
         if modes.chained {
-            let cand_out: Vec<(String, Option<HostTensor>)> = match (&candidate, &mut cand) {
-                (Candidate::Engine(_), Some(c)) => {
-                    let t0 = Instant::now();
-                    let extra = {
-                        let wants = |n: &str| sink.wants(n);
-                        c.step(&wants)?
-                    };
-                    let mut v: Vec<(String, Option<HostTensor>)> = wanted_outputs(c, step, &*sink)?
-                        .into_iter()
-                        .map(|(n, t)| (n, Some(t)))
-                        .collect();
-                    for (n, t) in extra {
-                        if sink.wants(&n) {
-                            v.push((n, Some(c.engine().download(&t)?)));
-                        }
+            // The candidate's outputs of the step: what the sink wants, and its selections
+            // (the followed chain takes its near ties).
+            let mut cand_values: HashMap<String, HostTensor> = HashMap::new();
+            if let (Candidate::Engine(_), Some(c)) = (&candidate, &mut cand) {
+                let t0 = Instant::now();
+                let extra = {
+                    let wants = |n: &str| sink.wants(n);
+                    c.step(&wants)?
+                };
+                for n in &step.outputs {
+                    if sink.wants(n) || is_selection(n) {
+                        let t = c.get(n).with_context(|| {
+                            format!("driver: output {n} of the step just run is gone")
+                        })?;
+                        cand_values.insert(n.clone(), c.engine().download(t)?);
                     }
-                    summary.time(layer).chained += t0.elapsed().as_secs_f64();
-                    v
                 }
-                (Candidate::Trace(tr), _) => ref_out
-                    .iter()
-                    .chain(&ref_extra)
-                    .map(|(n, _)| Ok((n.clone(), tr.get(n)?)))
-                    .collect::<Result<_>>()?,
-                (Candidate::Engine(_), None) => Vec::new(),
+                for (n, t) in extra {
+                    if sink.wants(&n) {
+                        cand_values.insert(n, c.engine().download(&t)?);
+                    }
+                }
+                summary.time(layer).chained += t0.elapsed().as_secs_f64();
+            }
+            let value = |n: &str| -> Result<Option<HostTensor>> {
+                match &candidate {
+                    Candidate::Trace(tr) => tr.get(n),
+                    Candidate::Engine(_) => Ok(cand_values.get(n).cloned()),
+                }
             };
-            let reference_side = ref_out.iter().chain(&ref_extra);
-            hand_over(
+            let plain_out: Vec<(String, HostTensor)> =
+                ref_out.iter().chain(&ref_extra).cloned().collect();
+            let t0 = Instant::now();
+            follow.step(
+                FollowStep {
+                    reference,
+                    plain: &refr,
+                    plain_out: &plain_out,
+                    weights,
+                    step,
+                    tokens,
+                    start,
+                    absent: absent(&candidate),
+                },
+                &value,
                 sink,
-                Mode::Chained,
-                absent(&candidate),
-                step,
-                reference_side.cloned(),
-                cand_out,
-                None,
                 &mut summary,
             )?;
+            summary.time(layer).reference += t0.elapsed().as_secs_f64();
         }
 
         if let Some(inputs) = replay_inputs {

@@ -43,12 +43,24 @@ pub const ALTERNATIVES_PER_ROW: usize = 4;
 /// A value the reference computed for a hook the trace lacks: its own choice, and its value in
 /// the rounds of near-tie alternatives that change it.
 #[derive(Clone, Debug)]
-struct Variants {
-    base: HostTensor,
+pub(super) struct Variants {
+    /// The value with the reference's own choices.
+    pub(super) base: HostTensor,
     /// Round -> value.
-    alt: BTreeMap<usize, HostTensor>,
+    pub(super) alt: BTreeMap<usize, HostTensor>,
     /// Selections the trace lacks upstream of it, inside its segment.
-    via: BTreeSet<String>,
+    pub(super) via: BTreeSet<String>,
+}
+
+impl Variants {
+    /// A value that is the same in every round.
+    pub(super) fn plain(base: HostTensor) -> Variants {
+        Variants {
+            base,
+            alt: BTreeMap::new(),
+            via: BTreeSet::new(),
+        }
+    }
 }
 
 /// One round of near-tie alternatives: a swap in each of some rows of one selection.
@@ -62,18 +74,20 @@ struct Round {
 pub(super) struct TraceReplay<'t> {
     trace: &'t TraceFile,
     env: HashMap<String, Variants>,
-    /// Round r is `rounds[r - 1]`; round 0 is the reference's own choices.
-    rounds: Vec<Round>,
+    rounds: Rounds,
     /// Index of the last step reading each hook.
     last_use: HashMap<String, usize>,
     next: usize,
 }
 
 /// An input of a step: its value per round (`alt` empty when it is the same in every round).
-struct Input {
-    base: HostTensor,
-    alt: BTreeMap<usize, HostTensor>,
-    via: BTreeSet<String>,
+pub(super) type Input = Variants;
+
+/// The rounds of near-tie alternatives tried so far: round r is `rounds[r - 1]`; round 0 is the
+/// reference's own choices.
+#[derive(Default)]
+pub(super) struct Rounds {
+    rounds: Vec<Round>,
 }
 
 impl<'t> TraceReplay<'t> {
@@ -88,7 +102,7 @@ impl<'t> TraceReplay<'t> {
         TraceReplay {
             trace,
             env: HashMap::new(),
-            rounds: Vec::new(),
+            rounds: Rounds::default(),
             last_use,
             next: 0,
         }
@@ -178,50 +192,25 @@ impl<'t> TraceReplay<'t> {
             };
             inputs.push(input);
         }
-        let mut notes: Vec<String> = Vec::new();
-        let mut rounds: BTreeSet<usize> =
-            inputs.iter().flat_map(|x| x.alt.keys().copied()).collect();
-        if !rounds.is_empty() && mixes_rows(step, &inputs) {
-            notes.push(format!(
-                "near-tie alternatives upstream were set aside at {}: that step mixes rows",
-                step.outputs.join(", ")
-            ));
-            rounds.clear();
-        }
-        let via: BTreeSet<String> = inputs.iter().flat_map(|x| x.via.iter().cloned()).collect();
-        let base_inputs: Vec<HostTensor> = inputs.iter().map(|x| x.base.clone()).collect();
         let compared = step.outputs.iter().any(|o| !lacked(o) && sink.wants(o));
         if compared && step.op != Op::Alias && sink.wants_replay_inputs() {
+            let base_inputs: Vec<HostTensor> = inputs.iter().map(|x| x.base.clone()).collect();
             sink.replay_inputs(step, &base_inputs);
         }
         let declared = |n: &str| step.outputs.iter().any(|o| o == n);
         let wants = |n: &str| declared(n) || sink.wants(n) || is_selection(n);
-        let base = replay_step(reference, step, &base_inputs, tokens, &wants)?;
+        let RoundOutputs {
+            outputs,
+            notes,
+            via,
+        } = step_in_rounds(reference, step, inputs, tokens, &wants)?;
         // The router's probabilities give the weights of another expert set.
         let route_probs = match step.op {
-            Op::MoeRoute { .. } => base.first().map(|(_, t)| t.clone()),
+            Op::MoeRoute { .. } => outputs.first().map(|(_, t, _)| t.clone()),
             _ => None,
         };
-        let mut alt: BTreeMap<usize, Vec<(String, HostTensor)>> = BTreeMap::new();
-        for &r in &rounds {
-            let values: Vec<HostTensor> = inputs
-                .iter()
-                .map(|x| x.alt.get(&r).unwrap_or(&x.base).clone())
-                .collect();
-            alt.insert(r, replay_step(reference, step, &values, tokens, &declared)?);
-        }
-        drop(base_inputs);
-        drop(inputs);
 
-        for (name, value) in base {
-            let alts: BTreeMap<usize, HostTensor> = alt
-                .iter()
-                .filter_map(|(&r, out)| {
-                    out.iter()
-                        .find(|(n, _)| *n == name)
-                        .map(|(_, t)| (r, t.clone()))
-                })
-                .collect();
+        for (name, value, alts) in outputs {
             if !lacked(&name) {
                 if !sink.wants(&name) {
                     continue;
@@ -229,7 +218,7 @@ impl<'t> TraceReplay<'t> {
                 let Some(candidate) = tr.get(&name)? else {
                     continue;
                 };
-                let (reference, chosen) = self.closest_rows(value, &alts, &candidate);
+                let (reference, chosen, _) = self.rounds.closest_rows(value, &alts, &candidate);
                 let mut note = notes.clone();
                 if !via.is_empty() {
                     let v: Vec<&str> = via.iter().map(String::as_str).collect();
@@ -272,30 +261,42 @@ impl<'t> TraceReplay<'t> {
                 );
             }
         }
-        self.alternatives(weights, step, route_probs.as_ref(), sink)?;
+        self.rounds.add(
+            &mut self.env,
+            weights,
+            step,
+            route_probs.as_ref(),
+            &*sink,
+            Mode::Replay,
+        )?;
         Ok(())
     }
+}
 
-    /// After a selection step whose selection the trace lacks: the near-tie alternatives of the
-    /// reference's selection, as new rounds (module documentation).
-    fn alternatives(
+impl Rounds {
+    /// After a selection step whose selection the candidate lacks: the near-tie alternatives of
+    /// the reference's selection in `env` (by the scores `sink` holds for `mode`), as new rounds
+    /// (module documentation). Returns whether any was added.
+    pub(super) fn add(
         &mut self,
+        env: &mut HashMap<String, Variants>,
         weights: &Weights<'_>,
         step: &Step,
         route_probs: Option<&HostTensor>,
-        sink: &mut dyn PairSink,
-    ) -> Result<()> {
+        sink: &dyn PairSink,
+        mode: Mode,
+    ) -> Result<bool> {
         let (sel, weights_hook) = match (&step.op, step.outputs.as_slice()) {
             (Op::TopK { .. }, [ids]) => (ids.clone(), None),
             (Op::MoeRoute { .. }, [_, ids, w]) => (ids.clone(), Some(w.clone())),
-            _ => return Ok(()),
+            _ => return Ok(false),
         };
-        let Some(chosen) = self.env.get(&sel).map(|v| v.base.clone()) else {
-            return Ok(());
+        let Some(chosen) = env.get(&sel).map(|v| v.base.clone()) else {
+            return Ok(false);
         };
-        let swaps = sink.near_ties(&sel, Mode::Replay, &chosen, ALTERNATIVES_PER_ROW);
+        let swaps = sink.near_ties(&sel, mode, &chosen, ALTERNATIVES_PER_ROW);
         if swaps.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         let width = chosen.shape.last().copied().unwrap_or(1).max(1);
         let ids = chosen.as_i32(&sel)?.to_vec();
@@ -320,7 +321,7 @@ impl<'t> TraceReplay<'t> {
         };
         let base_w = weights_hook
             .as_ref()
-            .and_then(|w| self.env.get(w).map(|v| v.base.clone()));
+            .and_then(|w| env.get(w).map(|v| v.base.clone()));
         let hp = weights.hparams();
         for k in 0..depth {
             let round: BTreeMap<usize, Swap> = by_row
@@ -354,33 +355,34 @@ impl<'t> TraceReplay<'t> {
                 swaps: round,
             });
             let r = self.rounds.len();
-            if let Some(v) = self.env.get_mut(&sel) {
+            if let Some(v) = env.get_mut(&sel) {
                 v.alt
                     .insert(r, HostTensor::i32(chosen.shape.clone(), new_ids)?);
             }
             if let (Some(wh), Some(w), Some(bw)) = (&weights_hook, new_w, &base_w) {
-                if let Some(v) = self.env.get_mut(wh) {
+                if let Some(v) = env.get_mut(wh) {
                     v.alt.insert(r, HostTensor::f32(bw.shape.clone(), w)?);
                 }
             }
         }
-        Ok(())
+        Ok(true)
     }
 
     /// The reference's output with each row taken from the round closest to the candidate
-    /// there (only rounds that change that row compete with the reference's own choice), and
-    /// a note naming the rows a near-tie alternative explains better.
-    fn closest_rows(
+    /// there (only rounds that change that row compete with the reference's own choice), a
+    /// note naming the rows a near-tie alternative explains better, and those rows with their
+    /// round.
+    pub(super) fn closest_rows(
         &self,
         base: HostTensor,
         alts: &BTreeMap<usize, HostTensor>,
         candidate: &HostTensor,
-    ) -> (HostTensor, Option<String>) {
+    ) -> (HostTensor, Option<String>, Vec<(usize, usize)>) {
         if alts.is_empty() || base.shape != candidate.shape {
-            return (base, None);
+            return (base, None, Vec::new());
         }
         let (Ok(b), Ok(c)) = (base.as_f32(""), candidate.as_f32("")) else {
-            return (base, None);
+            return (base, None, Vec::new());
         };
         let rows = base.shape.first().copied().unwrap_or(0);
         let width = b.len().checked_div(rows).unwrap_or(0);
@@ -437,10 +439,90 @@ impl<'t> TraceReplay<'t> {
             )
         });
         match HostTensor::f32(base.shape.clone(), out) {
-            Ok(t) => (t, note),
-            Err(_) => (base, None),
+            Ok(t) => (t, note, chosen),
+            Err(_) => (base, None, Vec::new()),
         }
     }
+}
+
+/// `value` with each row of `chosen` taken from its round (rows the round leaves alone, or
+/// values that do not differ by round, keep the base): what a chain that keeps those rounds
+/// carries on with.
+pub(super) fn collapse(value: &Variants, chosen: &[(usize, usize)]) -> Result<HostTensor> {
+    let mut out = value.base.clone();
+    let rows = out.shape.first().copied().unwrap_or(0);
+    for &(t, r) in chosen {
+        let Some(a) = value.alt.get(&r) else { continue };
+        if a.shape != out.shape || t >= rows {
+            continue;
+        }
+        out.copy_row_from(t, a)?;
+    }
+    Ok(out)
+}
+
+/// What a step computed in every round.
+pub(super) struct RoundOutputs {
+    /// Per output (declared, then optional ones asked for): its value with the reference's own
+    /// choices, and its value in the rounds that change it.
+    pub(super) outputs: Vec<(String, HostTensor, BTreeMap<usize, HostTensor>)>,
+    /// Rounds set aside (the step mixes rows).
+    pub(super) notes: Vec<String>,
+    /// Selections the candidate lacks upstream, inside the segment.
+    pub(super) via: BTreeSet<String>,
+}
+
+/// Runs `step` on `reference` from `inputs` once with their base values (every output `wants`
+/// asks for) and once per round any of them differs in (the declared outputs), unless the step
+/// mixes rows through a value that differs by round (the rounds are then set aside, said in a
+/// note).
+pub(super) fn step_in_rounds<R: Engine>(
+    reference: &R,
+    step: &Step,
+    inputs: Vec<Input>,
+    tokens: &[u32],
+    wants: &dyn Fn(&str) -> bool,
+) -> Result<RoundOutputs> {
+    let mut notes: Vec<String> = Vec::new();
+    let mut rounds: BTreeSet<usize> = inputs.iter().flat_map(|x| x.alt.keys().copied()).collect();
+    if !rounds.is_empty() && mixes_rows(step, &inputs) {
+        notes.push(format!(
+            "near-tie alternatives upstream were set aside at {}: that step mixes rows",
+            step.outputs.join(", ")
+        ));
+        rounds.clear();
+    }
+    let via: BTreeSet<String> = inputs.iter().flat_map(|x| x.via.iter().cloned()).collect();
+    let base_inputs: Vec<HostTensor> = inputs.iter().map(|x| x.base.clone()).collect();
+    let declared = |n: &str| step.outputs.iter().any(|o| o == n);
+    let base = replay_step(reference, step, &base_inputs, tokens, wants)?;
+    drop(base_inputs);
+    let mut alt: BTreeMap<usize, Vec<(String, HostTensor)>> = BTreeMap::new();
+    for &r in &rounds {
+        let values: Vec<HostTensor> = inputs
+            .iter()
+            .map(|x| x.alt.get(&r).unwrap_or(&x.base).clone())
+            .collect();
+        alt.insert(r, replay_step(reference, step, &values, tokens, &declared)?);
+    }
+    let outputs = base
+        .into_iter()
+        .map(|(name, value)| {
+            let alts: BTreeMap<usize, HostTensor> = alt
+                .iter_mut()
+                .filter_map(|(&r, out)| {
+                    let i = out.iter().position(|(n, _)| *n == name)?;
+                    Some((r, out.swap_remove(i).1))
+                })
+                .collect();
+            (name, value, alts)
+        })
+        .collect();
+    Ok(RoundOutputs {
+        outputs,
+        notes,
+        via,
+    })
 }
 
 /// Whether `step` mixes rows through an input that differs by round: attention's keys and

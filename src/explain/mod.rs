@@ -146,6 +146,25 @@ impl PairSink for Capture<'_> {
     ) -> Vec<Swap> {
         self.inner.near_ties(selection, mode, chosen, per_row)
     }
+
+    fn near_tie_rows(
+        &self,
+        selection: &str,
+        mode: Mode,
+        reference: &HostTensor,
+        candidate: &HostTensor,
+    ) -> Vec<usize> {
+        self.inner
+            .near_tie_rows(selection, mode, reference, candidate)
+    }
+
+    fn followed(&mut self, selection: &str, mode: Mode, rows: &[usize]) {
+        self.inner.followed(selection, mode, rows);
+    }
+
+    fn plain_chain(&mut self, name: &str, reference: &HostTensor, candidate: &HostTensor) {
+        self.inner.plain_chain(name, reference, candidate);
+    }
 }
 
 /// One hypothesis tested at the failing hook.

@@ -171,7 +171,20 @@ fn shown_name(rec: &HookRecord) -> &str {
     rec.segment.as_ref().map_or(&rec.name, |s| &s.name)
 }
 
-fn hook_row(rec: &HookRecord) -> Vec<String> {
+/// The chained error against the reference's own chain (the plain chain column).
+fn plain_error(r: Option<&ModeResult>) -> String {
+    match r {
+        None => String::new(),
+        Some(r) if r.status == Status::Missing => "missing".into(),
+        Some(r) => match (&r.metrics, r.plain_error) {
+            (_, None) => "-".into(),
+            (Some(Metrics::Ids(_)), Some(x)) => format!("J {:.3}", 1.0 - x),
+            (_, Some(x)) => e(x),
+        },
+    }
+}
+
+fn hook_row(rec: &HookRecord, plain: bool) -> Vec<String> {
     let p = primary(rec);
     let (maxd, nmse, cos) = match p.and_then(|r| r.metrics.as_ref()) {
         Some(Metrics::Float(m)) => (
@@ -190,7 +203,7 @@ fn hook_row(rec: &HookRecord) -> Vec<String> {
             "-".into(),
         ),
     };
-    vec![
+    let mut row = vec![
         shown_name(rec).to_string(),
         format!("{:?}", rec.shape),
         maxd,
@@ -198,9 +211,12 @@ fn hook_row(rec: &HookRecord) -> Vec<String> {
         cos,
         mode_error(rec.replay.as_ref()),
         mode_error(rec.chained.as_ref()),
-        e(rec.floor),
-        verdict(rec),
-    ]
+    ];
+    if plain {
+        row.push(plain_error(rec.chained.as_ref()));
+    }
+    row.extend([e(rec.floor), verdict(rec)]);
+    row
 }
 
 /// Renders the whole text report, fitted to [`layout::width`].
@@ -249,8 +265,10 @@ pub fn render_at(
     }
     let _ = writeln!(s);
 
-    // Narrow: the hook, both modes' errors, the floor and the verdict stay.
-    let mut t = Grid::new(&[
+    // Narrow: the hook, both modes' errors, the floor and the verdict stay. The plain chain
+    // (the reference's own selections everywhere) is shown where the chained mode ran.
+    let plain = h.modes.contains(&Mode::Chained) && h.command == "run";
+    let mut cols = vec![
         ("hook", 0),
         ("shape", 5),
         ("max |diff| @", 3),
@@ -258,17 +276,19 @@ pub fn render_at(
         ("cosine", 6),
         ("replay", 0),
         ("chained", 0),
-        ("floor", 0),
-        ("verdict", 0),
-    ])
-    .whole(&[0]);
+    ];
+    if plain {
+        cols.push(("own chain", 0));
+    }
+    cols.extend([("floor", 0), ("verdict", 0)]);
+    let mut t = Grid::new(&cols).whole(&[0]);
     let layers = c.layers();
     let first_bad = layers.iter().position(|g| g.failed > 0);
     for (gi, g) in layers.iter().enumerate() {
         let expand = g.layer.is_none() || all_steps || Some(gi) == first_bad;
         if expand {
             for &i in &g.records {
-                t.add_row(hook_row(&c.records()[i]));
+                t.add_row(hook_row(&c.records()[i], plain));
             }
             continue;
         }
@@ -298,7 +318,7 @@ pub fn render_at(
                 g.near_tie[0], g.near_tie[1]
             ));
         }
-        t.add_row(vec![
+        let mut row = vec![
             format!("layer {} ({} hooks)", g.label, g.records.len()),
             String::new(),
             String::new(),
@@ -306,9 +326,15 @@ pub fn render_at(
             String::new(),
             worst(0),
             worst(1),
-            format!("<= {}", e(g.floor)),
-            v,
-        ]);
+        ];
+        if plain {
+            row.push(g.worst_plain.map_or(String::new(), |(i, err)| {
+                let p = crate::compare::floors::point_of(&c.records()[i].name).to_string();
+                format!("{} ({p})", e(err))
+            }));
+        }
+        row.extend([format!("<= {}", e(g.floor)), v]);
+        t.add_row(row);
     }
     let _ = writeln!(s, "{}", t.render(width));
 
@@ -696,6 +722,7 @@ fn mode_json(r: &Option<ModeResult>) -> Value {
             "metrics": r.metrics,
             "flips": r.flips,
             "drift_from": r.drift_from,
+            "plain_error": r.plain_error,
         }),
     }
 }
@@ -758,6 +785,10 @@ pub fn to_json(h: &Header, c: &Comparison) -> Value {
                 "hooks": g.records.len(),
                 "worst_replay": worst(0),
                 "worst_chained": worst(1),
+                "worst_chained_plain": g.worst_plain.map_or(
+                    Value::Null,
+                    |(i, err)| json!({"hook": c.records()[i].name, "error": err}),
+                ),
                 "floor": g.floor,
                 "failed": g.failed,
                 "drift": g.drift,

@@ -137,6 +137,7 @@ fn traces_judge(
         precision: overrides_with_trace(&flags, Some(candidate), notes),
         selection_bias: HashMap::new(),
         groups: None,
+        bias_unknown: true,
     };
     let Some(path) = &req.model else {
         notes.push(
@@ -160,6 +161,7 @@ fn traces_judge(
     judge.infos = hook_infos(&plan.steps, &weights);
     judge.selection_bias = selection_bias(&weights, &plan)?;
     judge.groups = weights.hparams().groups;
+    judge.bias_unknown = false;
     Ok(judge)
 }
 
@@ -215,7 +217,15 @@ fn compare_hooks(
         let inputs = upstream(n, &present, &last_l_out);
         let r = reference.get(n)?.context("compare: hook vanished")?;
         match cand_names.get(n) {
-            None => cmp.missing(n, Mode::Chained, "not in the candidate trace"),
+            None => {
+                // The reference's value stands for what the hook carries downstream, and a
+                // selection the candidate lacks may differ wherever it has a near tie.
+                cmp.reference_only(n, Mode::Chained, &inputs, &r);
+                if matches!(point_of(n), "indexer_topk" | "moe_topk_ids") {
+                    cmp.unfollowed_near_ties(n, &r);
+                }
+                cmp.missing(n, Mode::Chained, "not in the candidate trace");
+            }
             Some(cn) => {
                 let c = candidate.get(cn)?.context("compare: hook vanished")?;
                 cmp.record(Pair {

@@ -129,5 +129,6 @@ fn run_judge(
         precision: overrides_with_trace(&cfg.precision, trace, notes),
         selection_bias: selection_bias(weights, &cfg.plan)?,
         groups: weights.hparams().groups,
+        bias_unknown: false,
     })
 }

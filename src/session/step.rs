@@ -68,6 +68,7 @@ pub fn step(req: &StepRequest, hypotheses: &dyn Progress) -> Result<StepReport> 
         precision: Vec::new(),
         selection_bias: HashMap::new(),
         groups: weights.hparams().groups,
+        bias_unknown: false,
     };
     let hook = stored.hook.clone();
     let mut cmp = Comparison::new(judge, Box::new(|_| true), &tokens);

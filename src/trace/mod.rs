@@ -145,6 +145,31 @@ pub trait PairSink {
         let _ = (selection, mode, chosen, per_row);
         Vec::new()
     }
+    /// The rows of selection hook `selection` in `mode` where the candidate's set differs from
+    /// the reference's only by near-tie flips, by the reference's own scores handed over before
+    /// (the rows a chain that follows the candidate's near ties takes from it). Default: none.
+    fn near_tie_rows(
+        &self,
+        selection: &str,
+        mode: Mode,
+        reference: &HostTensor,
+        candidate: &HostTensor,
+    ) -> Vec<usize> {
+        let _ = (selection, mode, reference, candidate);
+        Vec::new()
+    }
+    /// The reference's chain took the candidate's selection in `rows` of `selection` (its pair
+    /// handed over before): what is computed from it on is compared with the candidate again,
+    /// not excused as drift. Default: ignored.
+    fn followed(&mut self, selection: &str, mode: Mode, rows: &[usize]) {
+        let _ = (selection, mode, rows);
+    }
+    /// Chained: the reference's own chain (its own selections everywhere) at hook `name`, where
+    /// it differs from the chain that follows the candidate's near ties, whose pair was handed
+    /// over before: what the user's output shows. Default: ignored.
+    fn plain_chain(&mut self, name: &str, reference: &HostTensor, candidate: &HostTensor) {
+        let _ = (name, reference, candidate);
+    }
 }
 
 /// Receives hook tensors.

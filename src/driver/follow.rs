@@ -1,0 +1,495 @@
+//! The chained side of a pass: the reference's chain that follows the candidate's near-tie
+//! selections.
+//!
+//! A correct low-precision candidate picks another key or expert wherever two are nearly tied;
+//! from there its chain and the reference's own run on different selections, and every later
+//! hook differs by more than precision explains. So the chain the candidate is judged against
+//! takes the candidate's selection, row by row, where that flip is a near tie by the chain's
+//! own scores at that point ([`PairSink::near_tie_rows`]: margin within the tolerance): both
+//! chains then stay comparable and every later hook is judged against its floor again. A
+//! confident flip is not taken (it fails; what follows from it is drift). The selection's pair
+//! is handed over first (the chain's own selection against the candidate's), then the sink is
+//! told which rows were taken ([`PairSink::followed`]).
+//!
+//! Where the candidate's selection is unknown (a trace that lacks it: a fused router, a fused
+//! DSA indexer, layer outputs only), the chain tries the near-tie alternatives of its own
+//! selection as [`super::segment`] does in replay (rounds, [`Rounds`]) and, at the next hook the
+//! candidate has that they reach, keeps row by row the round closest to the candidate's value,
+//! and carries on with it.
+//!
+//! The reference's own chain (its selections everywhere; the runner of [`super::pair`]) is what
+//! the user's output shows: where a hook of the followed chain differs from it, its value is
+//! handed over too ([`PairSink::plain_chain`]). Until the first selection taken or alternative
+//! tried both chains are one: the followed chain then reads the runner's values and computes
+//! nothing; from there it runs its own steps on the reference engine from host values.
+
+use std::collections::{BTreeMap, HashMap};
+
+use anyhow::{Context, Result};
+
+use super::replay::{is_selection, PairSummary};
+use super::segment::{collapse, step_in_rounds, RoundOutputs, Rounds, Variants};
+use super::{Plan, Runner};
+use crate::engine::cpu::selected_weights;
+use crate::engine::{Engine, HostTensor};
+use crate::model::names::split_blk;
+use crate::model::steps::{point, Op, Step};
+use crate::model::Weights;
+use crate::trace::{Mode, Pair, PairSink};
+
+/// The candidate's value of a hook in chained mode, `None` when it has none.
+pub(super) type CandidateValue<'c> = dyn Fn(&str) -> Result<Option<HostTensor>> + 'c;
+
+/// The chain that follows the candidate's near ties (module documentation).
+pub(super) struct Follow {
+    /// Index of the last step reading each hook.
+    last_use: HashMap<String, usize>,
+    next: usize,
+    /// The chain's values once it has left the reference's own chain; `None` while both are
+    /// one (its values are then the runner's).
+    env: Option<HashMap<String, Variants>>,
+    rounds: Rounds,
+}
+
+/// What one step of the followed chain is given.
+pub(super) struct FollowStep<'a, 'r, R: Engine> {
+    /// The reference engine.
+    pub reference: &'a R,
+    /// The reference's own chain, which has just run the step.
+    pub plain: &'a Runner<'r, R>,
+    /// The own chain's outputs of the step that the sink wants (optional hooks included).
+    pub plain_out: &'a [(String, HostTensor)],
+    /// The model's weights.
+    pub weights: &'a Weights<'a>,
+    /// The step.
+    pub step: &'a Step,
+    /// The prompt.
+    pub tokens: &'a [u32],
+    /// The plan's free inputs.
+    pub start: &'a [(String, HostTensor)],
+    /// How a hook the candidate lacks is described.
+    pub absent: &'a str,
+}
+
+/// Whether `name` is a selection of ids (the DSA keys, the routed experts).
+fn is_ids(name: &str) -> bool {
+    let p = split_blk(name).map_or(name, |(_, p)| p);
+    p == point::INDEXER_TOPK || p == point::MOE_TOPK_IDS
+}
+
+/// Whether `name` holds the scores a selection is made from.
+fn is_score(name: &str) -> bool {
+    let p = split_blk(name).map_or(name, |(_, p)| p);
+    p == point::INDEXER_SCORES || p == point::MOE_PROBS
+}
+
+impl Follow {
+    /// The followed chain over `plan`'s steps, from the first.
+    pub(super) fn new(plan: &Plan) -> Follow {
+        let mut last_use = HashMap::new();
+        for (i, s) in plan.steps.iter().enumerate() {
+            for n in &s.inputs {
+                last_use.insert(n.clone(), i);
+            }
+        }
+        Follow {
+            last_use,
+            next: 0,
+            env: None,
+            rounds: Rounds::default(),
+        }
+    }
+
+    /// Runs the plan's next step, `x.step`, on the followed chain and hands its pairs with the
+    /// candidate's values (`candidate`) to `sink`.
+    pub(super) fn step<R: Engine>(
+        &mut self,
+        x: FollowStep<'_, '_, R>,
+        candidate: &CandidateValue<'_>,
+        sink: &mut dyn PairSink,
+        summary: &mut PairSummary,
+    ) -> Result<()> {
+        let i = self.next;
+        self.next += 1;
+        let result = self.run(&x, i, candidate, sink, summary);
+        let last_use = &self.last_use;
+        if let Some(env) = &mut self.env {
+            env.retain(|n, _| last_use.get(n).is_some_and(|&j| j > i));
+        }
+        result
+    }
+
+    /// Leaves the reference's own chain: the values of `plain` that later steps read become the
+    /// followed chain's own.
+    fn fork<R: Engine>(&mut self, plain: &Runner<'_, R>, i: usize) -> Result<()> {
+        if self.env.is_some() {
+            return Ok(());
+        }
+        let mut env = HashMap::new();
+        for (n, &j) in &self.last_use {
+            if j > i {
+                if let Some(t) = plain.get(n) {
+                    env.insert(n.clone(), Variants::plain(plain.engine().download(t)?));
+                }
+            }
+        }
+        self.env = Some(env);
+        Ok(())
+    }
+
+    /// The chain's values of the step's outputs: the runner's while both chains are one, else
+    /// computed from the chain's own inputs in every round of alternatives.
+    fn outputs<R: Engine>(
+        &self,
+        x: &FollowStep<'_, '_, R>,
+        sink: &dyn PairSink,
+    ) -> Result<RoundOutputs> {
+        let step = x.step;
+        let declared = |n: &str| step.outputs.iter().any(|o| o == n);
+        let Some(env) = &self.env else {
+            let mut outputs = Vec::new();
+            for o in &step.outputs {
+                let value = match x.plain_out.iter().find(|(n, _)| n == o) {
+                    Some((_, t)) => Some(t.clone()),
+                    None if is_selection(o) || is_score(o) => x
+                        .plain
+                        .get(o)
+                        .map(|t| x.plain.engine().download(t))
+                        .transpose()?,
+                    None => None,
+                };
+                if let Some(t) = value {
+                    outputs.push((o.clone(), t, BTreeMap::new()));
+                }
+            }
+            for (n, t) in x.plain_out {
+                if !declared(n) {
+                    outputs.push((n.clone(), t.clone(), BTreeMap::new()));
+                }
+            }
+            return Ok(RoundOutputs {
+                outputs,
+                notes: Vec::new(),
+                via: Default::default(),
+            });
+        };
+        let inputs = step
+            .inputs
+            .iter()
+            .map(|n| {
+                env.get(n)
+                    .cloned()
+                    .or_else(|| {
+                        x.start
+                            .iter()
+                            .find(|(s, _)| s == n)
+                            .map(|(_, t)| Variants::plain(t.clone()))
+                    })
+                    .with_context(|| {
+                        format!(
+                            "driver: the chain that follows the candidate has no {n}, an input of {}",
+                            step.outputs.join(", ")
+                        )
+                    })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let wants = |n: &str| declared(n) || sink.wants(n) || is_selection(n);
+        step_in_rounds(x.reference, step, inputs, x.tokens, &wants)
+    }
+
+    fn run<R: Engine>(
+        &mut self,
+        x: &FollowStep<'_, '_, R>,
+        i: usize,
+        candidate: &CandidateValue<'_>,
+        sink: &mut dyn PairSink,
+        summary: &mut PairSummary,
+    ) -> Result<()> {
+        let step = x.step;
+        let RoundOutputs {
+            mut outputs, notes, ..
+        } = self.outputs(x, &*sink)?;
+        // Rows of the rounds kept, once a hook the candidate has decided them.
+        let mut decided: Option<Vec<(usize, usize)>> = None;
+        // The candidate's selection, when it lacks it: alternatives are tried after the step.
+        let mut lacked_selection = None;
+        for k in 0..outputs.len() {
+            let name = outputs[k].0.clone();
+            let wanted = sink.wants(&name);
+            let cand = if wanted || is_selection(&name) {
+                candidate(&name)?
+            } else {
+                None
+            };
+            let Some(c) = cand else {
+                let value = &outputs[k].1;
+                if wanted {
+                    sink.reference_only(&name, Mode::Chained, &step.inputs, value);
+                    sink.missing(&name, Mode::Chained, x.absent);
+                    summary.missing += 1;
+                } else if is_score(&name) {
+                    // The scores judge the selection's flips and give its alternatives.
+                    sink.reference_only(&name, Mode::Chained, &step.inputs, value);
+                }
+                if is_ids(&name) && matches!(step.op, Op::TopK { .. } | Op::MoeRoute { .. }) {
+                    lacked_selection = Some(name.clone());
+                }
+                continue;
+            };
+            if wanted {
+                let (value, alts) = (&outputs[k].1, &outputs[k].2);
+                let (reference, note, chosen) = self.rounds.closest_rows(value.clone(), alts, &c);
+                if !alts.is_empty() && decided.is_none() {
+                    decided = Some(chosen);
+                }
+                let mut note_parts = notes.clone();
+                note_parts.extend(note);
+                let plain = x
+                    .plain_out
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, t)| t)
+                    .filter(|p| **p != reference)
+                    .cloned();
+                sink.record(Pair {
+                    name: &name,
+                    mode: Mode::Chained,
+                    inputs: &step.inputs,
+                    reference,
+                    candidate: c.clone(),
+                    note: (!note_parts.is_empty()).then(|| note_parts.join("; ")),
+                })?;
+                summary.pairs += 1;
+                if let Some(p) = plain {
+                    sink.plain_chain(&name, &p, &c);
+                }
+            }
+            if is_ids(&name) && c.shape == outputs[k].1.shape && c != outputs[k].1 {
+                let rows = sink.near_tie_rows(&name, Mode::Chained, &outputs[k].1, &c);
+                if !rows.is_empty() {
+                    self.fork(x.plain, i)?;
+                    for &t in &rows {
+                        outputs[k].1.copy_row_from(t, &c)?;
+                    }
+                    if matches!(step.op, Op::MoeRoute { .. }) {
+                        reweigh(x.weights, &mut outputs, &rows)?;
+                    }
+                    sink.followed(&name, Mode::Chained, &rows);
+                }
+            }
+        }
+        // The rows of the rounds the candidate's hook chose are what the chain carries on with.
+        if let Some(chosen) = decided {
+            for (_, value, alts) in &mut outputs {
+                if !alts.is_empty() {
+                    let v = Variants {
+                        base: value.clone(),
+                        alt: std::mem::take(alts),
+                        via: Default::default(),
+                    };
+                    *value = collapse(&v, &chosen)?;
+                }
+            }
+            if let Some(env) = &mut self.env {
+                for v in env.values_mut() {
+                    if !v.alt.is_empty() {
+                        v.base = collapse(v, &chosen)?;
+                        v.alt.clear();
+                    }
+                }
+            }
+        }
+        // Alternatives of a selection the candidate lacks, when it has near ties.
+        if let Some(sel) = &lacked_selection {
+            let chosen = outputs.iter().find(|(n, _, _)| n == sel).map(|(_, t, _)| t);
+            let any = chosen.is_some_and(|t| {
+                !sink
+                    .near_ties(sel, Mode::Chained, t, super::segment::ALTERNATIVES_PER_ROW)
+                    .is_empty()
+            });
+            if any {
+                self.fork(x.plain, i)?;
+            }
+        }
+        let declared = |n: &str| step.outputs.iter().any(|o| o == n);
+        let route_probs = match step.op {
+            Op::MoeRoute { .. } => outputs.first().map(|(_, t, _)| t.clone()),
+            _ => None,
+        };
+        let Some(env) = &mut self.env else {
+            return Ok(());
+        };
+        for (name, value, alt) in outputs {
+            if declared(&name) && self.last_use.get(&name).is_some_and(|&j| j > i) {
+                env.insert(
+                    name,
+                    Variants {
+                        base: value,
+                        alt,
+                        via: Default::default(),
+                    },
+                );
+            }
+        }
+        if lacked_selection.is_some() {
+            self.rounds.add(
+                env,
+                x.weights,
+                step,
+                route_probs.as_ref(),
+                &*sink,
+                Mode::Chained,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// After the router's selection took the candidate's experts in `rows`: the weights of those
+/// rows from the chain's own probabilities (the step's outputs are probabilities, ids, weights).
+fn reweigh(
+    weights: &Weights<'_>,
+    outputs: &mut [(String, HostTensor, BTreeMap<usize, HostTensor>)],
+    rows: &[usize],
+) -> Result<()> {
+    let [(_, probs, _), (_, ids, _), (_, w, _), ..] = outputs else {
+        return Ok(());
+    };
+    let cols = probs.shape.last().copied().unwrap_or(1).max(1);
+    let width = ids.shape.last().copied().unwrap_or(1).max(1);
+    let p = probs.as_f32("moe_probs")?;
+    let ids = ids.as_i32("moe_topk_ids")?;
+    let mut new_w = w.as_f32("moe_weights")?.to_vec();
+    for &t in rows {
+        let pr: Vec<f64> = p[t * cols..(t + 1) * cols]
+            .iter()
+            .map(|&x| f64::from(x))
+            .collect();
+        let sel: Vec<usize> = ids[t * width..(t + 1) * width]
+            .iter()
+            .map(|&x| x.max(0) as usize)
+            .collect();
+        for (dst, v) in new_w[t * width..(t + 1) * width]
+            .iter_mut()
+            .zip(selected_weights(weights.hparams(), &pr, &sel))
+        {
+            *dst = v as f32;
+        }
+    }
+    *w = HostTensor::f32(w.shape.clone(), new_w)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::driver::pair::{run_pair, Candidate, Modes};
+    use crate::driver::NoProgress;
+    use crate::engine::cpu::CpuEngine;
+    use crate::explain::fault::{Fault, FaultEngine, FaultKind};
+    use crate::model::testutil::{tiny_hparams, tiny_model};
+    use crate::model::Arch;
+    use crate::trace::{HookFilter, Pair};
+
+    /// A sink that takes every row whose selection differs as a near tie, and keeps what the
+    /// chained side hands it.
+    #[derive(Default)]
+    struct EveryRowATie {
+        pairs: BTreeMap<String, (HostTensor, HostTensor)>,
+        plain: BTreeMap<String, HostTensor>,
+        followed: Vec<(String, Vec<usize>)>,
+    }
+
+    impl PairSink for EveryRowATie {
+        fn wants(&self, name: &str) -> bool {
+            HookFilter::default().wants(name)
+        }
+        fn record(&mut self, p: Pair<'_>) -> Result<()> {
+            assert_eq!(p.mode, Mode::Chained);
+            self.pairs
+                .insert(p.name.to_string(), (p.reference, p.candidate));
+            Ok(())
+        }
+        fn missing(&mut self, name: &str, mode: Mode, why: &str) {
+            panic!("{name} missing in {mode}: {why}");
+        }
+        fn near_tie_rows(
+            &self,
+            _: &str,
+            _: Mode,
+            reference: &HostTensor,
+            candidate: &HostTensor,
+        ) -> Vec<usize> {
+            let w = *reference.shape.last().unwrap();
+            let (r, c) = (reference.as_i32("").unwrap(), candidate.as_i32("").unwrap());
+            (0..reference.shape[0])
+                .filter(|&t| r[t * w..(t + 1) * w] != c[t * w..(t + 1) * w])
+                .collect()
+        }
+        fn followed(&mut self, selection: &str, _: Mode, rows: &[usize]) {
+            self.followed.push((selection.to_string(), rows.to_vec()));
+        }
+        fn plain_chain(&mut self, name: &str, reference: &HostTensor, _: &HostTensor) {
+            self.plain.insert(name.to_string(), reference.clone());
+        }
+    }
+
+    /// A candidate engine whose DSA indexer in layer 0 selects other keys (half-split RoPE in
+    /// the indexer) and is otherwise the reference: once the chain takes its selection, every
+    /// hook from layer 0's attention on is the reference's bit for bit, while the reference's
+    /// own chain (handed over as the plain chain) differs there.
+    #[test]
+    fn the_chain_takes_the_candidates_selection_and_agrees_from_there() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let model = tiny_model(&hp);
+        let w = Weights::new(&model).unwrap();
+        let reference = CpuEngine::new(&w);
+        let inner = CpuEngine::new(&w);
+        let fault = Fault::new(FaultKind::IndexerRopeNeox, Some(vec![0]));
+        let cand = FaultEngine::new(&inner, &w, vec![fault]);
+        let tokens: Vec<u32> = (0..12).map(|i| (i * 7 + 3) % 32).collect();
+        let plan = Plan::full(&w).unwrap();
+        let mut sink = EveryRowATie::default();
+        let modes = Modes {
+            replay: false,
+            chained: true,
+        };
+        run_pair(
+            &reference,
+            Candidate::Engine(&cand),
+            &w,
+            &tokens,
+            &plan,
+            &[],
+            modes,
+            &mut sink,
+            &NoProgress,
+        )
+        .unwrap();
+        let (sel, rows) = sink.followed.first().expect("the indexer must flip a row");
+        assert_eq!(sel, "blk.0.indexer_topk");
+        assert!(!rows.is_empty());
+        // The selection's pair is the chain's own against the candidate's: it differs.
+        let (r, c) = &sink.pairs["blk.0.indexer_topk"];
+        assert_ne!(r, c);
+        for (name, (r, c)) in &sink.pairs {
+            let downstream = !name.starts_with("blk.0.")
+                || ["attn_heads", "attn_out", "ffn_inp", "l_out"]
+                    .iter()
+                    .any(|p| name.ends_with(p));
+            if name != "token_embd" && downstream {
+                assert_eq!(
+                    r, c,
+                    "{name}: the followed chain differs from the candidate"
+                );
+            }
+        }
+        assert_eq!(sink.pairs["logits"].0, sink.pairs["logits"].1);
+        // The reference's own chain does not agree there.
+        let plain = &sink.plain["blk.0.attn_heads"];
+        assert_ne!(plain, &sink.pairs["blk.0.attn_heads"].1);
+        assert!(sink.plain.contains_key("logits"));
+    }
+}
