@@ -12,12 +12,16 @@
 //!   fails.
 //! - **chained**: a float hook fails when its error jumps above what its inputs explain:
 //!   `floor + chain_amp * max(chained error of its inputs)` (the error a correct step passes
-//!   on); NaN/Inf always fails. Selections are judged by margin as in replay, with the score
-//!   hook's chained error as the tolerance when it is larger than the floor. Everything computed
-//!   after a selection that differs (near-tie or confident), in that layer and all later ones,
-//!   carries that origin: a jump there, a float one or another selection change, is *drift*
-//!   (other keys or experts were used, which is what the user's output shows), not a new
-//!   divergence. Drift names where it started (hook, token, margin).
+//!   on; where the candidate lacks inputs, at least what they carry composed over the step as a
+//!   segment's floor is); NaN/Inf always fails. Selections are judged by margin as in replay,
+//!   with the score hook's chained error as the tolerance when it is larger than the floor. The
+//!   driver's chain follows the candidate's near-tie flips ([`PairSink::near_tie_rows`],
+//!   [`PairSink::followed`]), so nothing after them is excused. A selection difference that was
+//!   not followed (a confident flip, or any flip when comparing two traces) reaches its own
+//!   rows, and from the next attention on (keys and values of those tokens) every later row:
+//!   there a difference is *drift* naming where it started (hook, token, margin); the other
+//!   rows are judged as everywhere (a jump or a confident flip there fails). The error against
+//!   the reference's own chain is kept beside it ([`ModeResult::plain_error`]).
 //! - The first divergence of a mode is the first hook, in the order of the forward pass, that
 //!   fails in it. The outcome differs (exit 1) when replay has a failure, when chained has a
 //!   confident flip or NaN/Inf, or when chained fails at a hook replay has no verdict on (replay

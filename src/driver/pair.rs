@@ -2,7 +2,9 @@
 //!
 //! Modes (both can run in the same pass):
 //! - **chained**: each side runs on its own earlier outputs, so a hook shows the error accumulated
-//!   up to it (what a user's output shows).
+//!   up to it. The reference's chain follows the candidate's near-tie selections
+//!   ([`super::follow`]); the reference's own chain (what a user's output shows) is handed over
+//!   where it differs.
 //! - **replay**: each step is run by both sides *from the same inputs*, so a hook shows that
 //!   step's own error, and the first bad step is named even when everything after it is garbage.
 //!   With an engine as candidate the inputs are the reference's (`upload(download(..))`); with a

@@ -265,9 +265,14 @@ pub fn render_at(
     }
     let _ = writeln!(s);
 
-    // Narrow: the hook, both modes' errors, the floor and the verdict stay. The plain chain
-    // (the reference's own selections everywhere) is shown where the chained mode ran.
-    let plain = h.modes.contains(&Mode::Chained) && h.command == "run";
+    // Narrow: the hook, both modes' errors, the floor and the verdict stay. The reference's
+    // own chain (its own selections everywhere) is shown where it parted from the chain that
+    // followed the candidate's near ties.
+    let plain = c.records().iter().any(|r| {
+        r.chained
+            .as_ref()
+            .is_some_and(|m| m.plain_error.is_some_and(|p| p != m.error && !p.is_nan()))
+    });
     let mut cols = vec![
         ("hook", 0),
         ("shape", 5),
@@ -312,11 +317,11 @@ pub fn render_at(
         if g.missing > 0 {
             v.push_str(&format!(", {} missing", g.missing));
         }
-        if g.near_tie.iter().any(|&n| n > 0) {
-            v.push_str(&format!(
-                ", near-tie flips: {} rows replay, {} chained",
-                g.near_tie[0], g.near_tie[1]
-            ));
+        // Rows with near-tie flips, per mode that has some.
+        for (n, mode) in g.near_tie.iter().zip(["replay", "chained"]) {
+            if *n > 0 {
+                v.push_str(&format!(", {n} near-tie row(s) {mode}"));
+            }
         }
         let mut row = vec![
             format!("layer {} ({} hooks)", g.label, g.records.len()),
@@ -328,10 +333,7 @@ pub fn render_at(
             worst(1),
         ];
         if plain {
-            row.push(g.worst_plain.map_or(String::new(), |(i, err)| {
-                let p = crate::compare::floors::point_of(&c.records()[i].name).to_string();
-                format!("{} ({p})", e(err))
-            }));
+            row.push(g.worst_plain.map_or(String::new(), |(_, err)| e(err)));
         }
         row.extend([format!("<= {}", e(g.floor)), v]);
         t.add_row(row);
