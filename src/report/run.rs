@@ -577,6 +577,7 @@ fn render_flips(c: &Comparison, width: Option<usize>) -> String {
         ("rows differing", 0),
         ("near-tie", 0),
         ("confident", 0),
+        ("followed", 3),
         ("margin min..max", 2),
         ("first flip (token: in / out, margin vs tolerance)", 1),
     ])
@@ -595,6 +596,10 @@ fn render_flips(c: &Comparison, width: Option<usize>) -> String {
                 format!("{} of {}", f.differing, f.rows),
                 f.near_tie.to_string(),
                 f.confident.to_string(),
+                match mode {
+                    Mode::Chained => f.followed.to_string(),
+                    Mode::Replay => "-".into(),
+                },
                 f.margins
                     .map_or("-".into(), |(a, b)| format!("{}..{}", e(a), e(b))),
                 first.map_or("-".into(), |x| {
