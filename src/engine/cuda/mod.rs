@@ -75,15 +75,6 @@ impl GpuDtype {
                 .with_note("cuBLAS bf16 GEMM on tensor cores; absorbed MLA"),
         }
     }
-
-    /// Parses `f32` or `bf16`.
-    pub fn parse(s: &str) -> Result<GpuDtype> {
-        match s {
-            "f32" => Ok(GpuDtype::F32),
-            "bf16" => Ok(GpuDtype::Bf16),
-            other => bail!("--dtype {other:?}: expected f32 or bf16"),
-        }
-    }
 }
 
 /// The CUDA engine over one model's weights on one GPU.
