@@ -4,7 +4,12 @@
 #   $OUT/engines.tar  (engines/<model-dir>/*.trace.safetensors, engines/MANIFEST.json, engines/README.md)
 #   $OUT/dumps.log
 # Unpack into the repository with: tar -C fixtures -xf engines.tar
+# XZ=1 writes $OUT/engines.tar.xz instead (the engine-bug sets make ~30 MB of traces, ~12 MB compressed).
 # DEVICES (default "cuda cpu"; the first one also runs the fp8-indexer and planted variants), PYTHON, SITE.
+# Extra arguments go to engine_dumps.py. Engine bugs (catalogue: python3 reference/fixtures/engine_bugs.py), every
+# kind at its realistic and subtle size on every model it applies to, on the random prompts:
+#   OUT=/tmp/bugs bash scripts/engine-dumps.sh --random-only --bug-set all
+# or chosen ones: ... --random-only --bug o_proj_scale:1.01 --bug expert_scale:1.02@2 --bug dsa_topk:6 [--bug-long]
 set -euo pipefail
 : "${OUT:?set OUT to the output folder}"
 PY=${PYTHON:-/opt/torch/.venv/bin/python3}
@@ -38,6 +43,18 @@ if [ $rc -ne 0 ]; then
     exit $rc
 fi
 tar -C "$work" -cf "$OUT/engines.tar" engines
+tarball="$OUT/engines.tar"
+if [ -n "${XZ:-}" ]; then
+    if command -v xz >/dev/null; then
+        xz -T0 -f "$OUT/engines.tar"
+    else
+        "$PY" -c 'import lzma, os, shutil, sys
+with open(sys.argv[1], "rb") as i, lzma.open(sys.argv[1] + ".xz", "wb") as o:
+    shutil.copyfileobj(i, o)
+os.remove(sys.argv[1])' "$OUT/engines.tar"
+    fi
+    tarball="$OUT/engines.tar.xz"
+fi
 awk '/^== summary/{exit} /^(==|   )/' "$OUT/dumps.log" | tail -n 60
 sed -n '/^== summary/,$p' "$OUT/dumps.log"
-echo "engines.tar: $(stat -c %s "$OUT/engines.tar") bytes; fixtures total $(du -sb "$work/engines" | cut -f1) bytes; $(( $(date +%s) - start )) s"
+echo "$(basename "$tarball"): $(stat -c %s "$tarball") bytes; fixtures total $(du -sb "$work/engines" | cut -f1) bytes; $(( $(date +%s) - start )) s"
