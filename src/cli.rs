@@ -191,7 +191,9 @@ pub struct RunArgs {
     /// with LAYERS N, A..B or N,M. Kinds: kv_b_concat, rope_neox, indexer_rope_neox,
     /// scale_latent, softmax_gating, bias_in_weights, router_bf16, expert_swap:A,B,
     /// expert_map:A=B,.., gate_up_swap, layer_weights:L[,GLOB], q4k_scale_bits, run_mtp,
-    /// tp_shard:N, transposed:GLOB, and the harmless f32_accumulate and norm_eps:X.
+    /// tp_shard:N, transposed:GLOB, and the harmless f32_accumulate and norm_eps:X; routing and
+    /// MoE: routed_scale:X, routed_scaling_ignored, routed_scaling_twice, topk_norm:on|off,
+    /// bias_unused, group_limit:off|N[,K], expert_scale:E,F, gate_up_swap:dense|shared.
     #[arg(long, value_name = "KIND[@LAYERS]")]
     pub inject: Vec<String>,
     /// At the first step that fails in replay, test which known bug reproduces the candidate's

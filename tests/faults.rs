@@ -240,6 +240,79 @@ fn kind_cases() -> Vec<KindCase> {
             "blk.1.moe_routed",
             "gate_up_swap@1".into(),
         ),
+        // Routing and MoE: the named cases of routed_scale (fitted, then named), the top-k
+        // normalisation, the selection bias, the group limit, gate/up in the dense MLP and the
+        // shared expert.
+        (
+            GLM,
+            GLM_LONG,
+            "routed_scaling_ignored@1".into(),
+            "blk.1.moe_weights",
+            "routed_scaling_ignored@1".into(),
+        ),
+        (
+            DS,
+            DS_LONG,
+            "routed_scaling_twice@2".into(),
+            "blk.2.moe_weights",
+            "routed_scaling_twice@2".into(),
+        ),
+        (
+            GLM,
+            GLM_LONG,
+            "topk_norm:off@2".into(),
+            "blk.2.moe_weights",
+            "topk_norm:off@2".into(),
+        ),
+        (
+            GLM,
+            GLM_LONG,
+            "bias_unused@1".into(),
+            "blk.1.moe_topk_ids",
+            "bias_unused@1".into(),
+        ),
+        (
+            DS,
+            DS_LONG,
+            "bias_unused@2".into(),
+            "blk.2.moe_topk_ids",
+            "bias_unused@2".into(),
+        ),
+        (
+            DS,
+            DS_LONG,
+            "group_limit:off@1".into(),
+            "blk.1.moe_topk_ids",
+            "group_limit:off@1".into(),
+        ),
+        (
+            DS,
+            DS_LONG,
+            "group_limit:4,1@2".into(),
+            "blk.2.moe_topk_ids",
+            "group_limit:4,1@2".into(),
+        ),
+        (
+            GLM,
+            GLM_LONG,
+            "gate_up_swap:dense".into(),
+            "blk.0.ffn_gate",
+            "gate_up_swap:dense@0".into(),
+        ),
+        (
+            DSQ,
+            DSQ_LONG,
+            "gate_up_swap:dense".into(),
+            "blk.0.ffn_gate",
+            "gate_up_swap:dense@0".into(),
+        ),
+        (
+            DS,
+            DS_LONG,
+            "gate_up_swap:shared@1".into(),
+            "blk.1.ffn_shexp",
+            "gate_up_swap:shared@1".into(),
+        ),
     ]
 }
 
@@ -313,6 +386,88 @@ fn check_kinds(against: &str) {
     }
 }
 
+/// The continuous kinds, planted 5% off on both architectures (far above today's floors: the
+/// error at the hook is 5e-2 for the routed scale, 1e-2 and more for one expert's, against
+/// floors under 1e-6): the first divergence is the bug's own hook, and `--explain` names the
+/// kind first with its parameter fitted within 0.005 of the planted one (the expert too), in the
+/// JSON (`param`, `fitted`, `nominal`) and in the text.
+#[test]
+fn fitted_kinds_recover_the_planted_parameter() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r.json");
+    let mut cases: Vec<(&str, &str, String, &str, String, f64, f64)> = Vec::new();
+    for (m, prompt, l) in [(GLM, GLM_LONG, 1), (DS, DS_LONG, 2)] {
+        // The model's routed scale is 2.5: plant 1.05 times it.
+        cases.push((
+            m,
+            prompt,
+            format!("routed_scale:2.625@{l}"),
+            "moe_weights",
+            "routed_scale:2.625@".to_string(),
+            2.625,
+            2.5,
+        ));
+        let e = most_routed(prompt, l)[0];
+        cases.push((
+            m,
+            prompt,
+            format!("expert_scale:{e},1.05@{l}"),
+            "moe_routed",
+            format!("expert_scale:{e},1.05@"),
+            1.05,
+            1.0,
+        ));
+    }
+    for (m, prompt, inject, point, named, planted, nominal) in cases {
+        let gguf = model(m);
+        let (rc, j, text) = run(
+            cache.path(),
+            &[
+                "run",
+                gguf.to_str().unwrap(),
+                "--tokens",
+                &golden_tokens(prompt),
+                "--against",
+                "cpu",
+                "--inject",
+                &inject,
+                "--explain",
+            ],
+            &json,
+        );
+        let what = format!("{m} --inject {inject}");
+        assert_eq!(rc, 1, "{what}: {text}");
+        let hook = j["first_divergence"]["hook"].as_str().unwrap().to_string();
+        assert!(hook.ends_with(point), "{what}: {hook}");
+        let best = &j["explanation"][0];
+        let kind = best["kind"].as_str().unwrap();
+        assert!(kind.starts_with(&named), "{what}: {kind}: {text}");
+        assert_eq!(best["reproduces"], true, "{what}: {text}");
+        let fitted = best["fitted"].as_f64().unwrap();
+        assert!(
+            (fitted / nominal - planted / nominal).abs() < 0.005,
+            "{what}: fitted {fitted}"
+        );
+        assert_eq!(best["nominal"].as_f64(), Some(nominal), "{what}");
+        let param = inject.split(':').next().unwrap();
+        assert_eq!(best["param"], param, "{what}");
+        assert!(
+            text.contains(&format!(
+                "reproduced by {kind} fitted {fitted:.4} (nominal {nominal})"
+            )),
+            "{what}: {text}"
+        );
+        // Hypotheses without a parameter carry no such fields.
+        assert!(j["explanation"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|h| h["param"].is_null())
+            .all(|h| h.get("fitted").is_none() && h.get("nominal").is_none()));
+    }
+}
+
 /// `expert_swap:A,B` with the optional per-expert hooks: the first divergence stays
 /// `moe_routed` and the expert rows that fail are exactly A and B.
 #[test]
@@ -366,6 +521,58 @@ fn expert_swap_names_the_two_experts_in_the_expert_rows() {
         })
         .count();
     assert!(passed >= 1, "the other routed experts pass: {text}");
+}
+
+/// `expert_scale:E,F` with the optional per-expert hooks: the first divergence stays
+/// `moe_routed`, and of the expert rows only expert E's fails.
+#[test]
+fn expert_scale_fails_only_its_own_expert_row() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r.json");
+    let e = most_routed(GLM_LONG, 2)[0];
+    let gguf = model(GLM);
+    let (rc, j, text) = run(
+        cache.path(),
+        &[
+            "run",
+            gguf.to_str().unwrap(),
+            "--tokens",
+            &golden_tokens(GLM_LONG),
+            "--against",
+            "cpu",
+            "--mode",
+            "replay",
+            "--inject",
+            &format!("expert_scale:{e},1.05@2"),
+            "--hook",
+            "blk.2.*",
+        ],
+        &json,
+    );
+    assert_eq!(rc, 1, "{text}");
+    assert_eq!(j["first_divergence"]["hook"], "blk.2.moe_routed", "{text}");
+    let rows: Vec<(String, String)> = j["records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["hook"].as_str().unwrap().contains(".exp."))
+        .map(|r| {
+            (
+                r["hook"].as_str().unwrap().to_string(),
+                r["replay"]["status"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert!(rows.len() >= 2, "{text}");
+    for (hook, status) in rows {
+        let want = if hook == format!("blk.2.exp.{e}.out") {
+            "fail"
+        } else {
+            "pass"
+        };
+        assert_eq!(status, want, "{hook}: {text}");
+    }
 }
 
 /// The harmless kinds: f32 accumulation is within the floor of an engine that says it
@@ -484,6 +691,68 @@ fn inapplicable_kinds_are_clear_errors() {
             "would read its own weights",
         ),
         (GLM, "bogus", "cpu", "unknown fault \"bogus\""),
+        (
+            GLM,
+            "group_limit:off",
+            "cpu",
+            "the model has no group-limited routing",
+        ),
+        (
+            GLM,
+            "group_limit:4",
+            "cpu",
+            "the model has no expert groups, so no kept count to reuse",
+        ),
+        (
+            GLM,
+            "group_limit:8,4",
+            "cpu",
+            "keeps 4 groups of one expert, at least the 2 a token selects",
+        ),
+        (DS, "group_limit:4,2", "cpu", "is the model's own routing"),
+        (DS, "group_limit:3", "cpu", "3 groups do not divide"),
+        (
+            DS,
+            "group_limit:4,4",
+            "cpu",
+            "keeps 4 of 4 groups, every group",
+        ),
+        (
+            GLM,
+            "topk_norm:on",
+            "cpu",
+            "the model normalises the top-k weights already",
+        ),
+        (
+            GLM,
+            "routed_scale:2.5",
+            "cpu",
+            "the model's own expert_weights_scale: nothing changes",
+        ),
+        (
+            GLM,
+            "routed_scaling_ignored@0",
+            "cpu",
+            "no MoE layer among [0]",
+        ),
+        (
+            GLM,
+            "expert_scale:9,1.1",
+            "cpu",
+            "expert 9 is not one of the model's 8 experts",
+        ),
+        (
+            GLM,
+            "gate_up_swap:dense@1",
+            "cpu",
+            "no dense layer among [1]",
+        ),
+        (
+            DS,
+            "gate_up_swap:shared@0",
+            "cpu",
+            "no layer among [0] has a shared expert",
+        ),
         (
             GLM,
             "kv_b_concat",

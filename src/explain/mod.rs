@@ -15,6 +15,7 @@
 
 pub mod case;
 pub mod fault;
+pub mod fit_route;
 pub mod search;
 
 use anyhow::{Context, Result};
@@ -168,7 +169,7 @@ impl PairSink for Capture<'_> {
 }
 
 /// One hypothesis tested at the failing hook.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Tested {
     /// The fault, in `--inject` words (`expert_swap:2,5`, `kv_b_concat@1`, `head_map:0,1,3,0`).
     pub kind: String,
@@ -180,6 +181,15 @@ pub struct Tested {
     /// Within the floor the hook was judged by (and closer than the reference): it reproduces
     /// the candidate.
     pub reproduces: bool,
+    /// The fitted parameter's name, for a continuous family (`routed_scale`, `expert_scale`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub param: Option<String>,
+    /// The parameter's value fitted to the candidate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fitted: Option<f64>,
+    /// The model's own value of the parameter.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nominal: Option<f64>,
 }
 
 /// What `--explain` found.
@@ -350,6 +360,8 @@ pub fn hypotheses_and_untestable(step: &Step, weights: &Weights<'_>) -> (Vec<Fau
         }
         Op::TopK { .. } | Op::SwiGlu | Op::Add | Op::Alias | Op::ZerosLike => {}
     }
+    // The routing and MoE families (the continuous ones at a seed that `explain` fits).
+    v.extend(fit_route::hypotheses(step, weights));
     // Keep the faults that apply to this model and layer (a neighbour that exists with the same
     // shapes, an MoE layer for the router kinds, ...).
     let run = layer.map_or(0..hp.n_layer, |l| l..l + 1);
@@ -434,6 +446,7 @@ pub fn explain(
             hook: hook.to_string(),
             residual: r,
             reproduces: r <= captured.allowed && r < reference_residual,
+            ..Tested::default()
         });
     };
     let (faults, untestable) = hypotheses_and_untestable(step, weights);
@@ -445,13 +458,28 @@ pub fn explain(
     }
     // The known bugs, then a search for the expert or head map.
     progress.start("explain: hypotheses", faults.len() as u64 + 1);
+    let mut fits: Vec<fit_route::Fit> = Vec::new();
     for fault in faults {
+        // A continuous family: its parameter fitted first, the step recomputed with it.
+        let (fault, kind) = match fit_route::fit(&fault, captured, weights, tokens) {
+            Ok(Some(f)) => {
+                let named = (f.fault.clone(), f.kind.clone());
+                fits.push(f);
+                named
+            }
+            Ok(None) => (fault.clone(), fault.to_string()),
+            Err(e) => {
+                notes.push(format!("{fault}: not fitted: {e:#}"));
+                progress.inc(1);
+                continue;
+            }
+        };
         let engine = FaultEngine::new(&cpu, weights, vec![fault.clone()]);
         if let Some(l) = step.layer {
             engine.begin_layer(l, &[])?;
         }
         match output_at(&engine, step, &captured.inputs, tokens, hook) {
-            Ok(out) => push(fault.to_string(), &out, &mut unchanged),
+            Ok(out) => push(kind, &out, &mut unchanged),
             Err(e) => notes.push(format!("{fault}: not computed: {e:#}")),
         }
         progress.inc(1);
@@ -500,6 +528,12 @@ pub fn explain(
         _ => {}
     }
     progress.finish();
+    for t in &mut tested {
+        if let Some(f) = fits.iter().find(|f| f.kind == t.kind) {
+            (t.param, t.fitted, t.nominal) =
+                (Some(f.param.clone()), Some(f.fitted), Some(f.nominal));
+        }
+    }
     if !unchanged.is_empty() {
         notes.insert(
             0,

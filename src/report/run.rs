@@ -12,7 +12,7 @@ use super::Grid;
 use crate::compare::logits::LogitsReport;
 use crate::compare::{Comparison, HookRecord, Metrics, ModeResult, Override, Status};
 use crate::driver::pair::LayerTime;
-use crate::explain::Explanation;
+use crate::explain::{Explanation, Tested};
 use crate::trace::Mode;
 use crate::util::shell::shell_word;
 
@@ -496,6 +496,15 @@ fn override_line(o: &Override) -> String {
     }
 }
 
+/// A hypothesis's kind, with its fitted parameter beside it for a continuous family
+/// (`routed_scaling_ignored@1 fitted 1.0002 (nominal 2.5)`).
+fn hypothesis(t: &Tested) -> String {
+    match (t.fitted, t.nominal) {
+        (Some(f), Some(n)) => format!("{} fitted {f:.4} (nominal {n})", t.kind),
+        _ => t.kind.clone(),
+    }
+}
+
 /// What `--explain` found, in a few lines: the best hypothesis and whether it reproduces the
 /// candidate, the next best, and what was left out.
 pub fn render_explanation(x: &Explanation) -> String {
@@ -524,7 +533,7 @@ pub fn render_explanation(x: &Explanation) -> String {
                     .iter()
                     .skip(from)
                     .take(3)
-                    .map(|t| format!("{} ({})", t.kind, e(t.residual)))
+                    .map(|t| format!("{} ({})", hypothesis(t), e(t.residual)))
                     .collect();
                 if v.is_empty() {
                     String::new()
@@ -543,7 +552,7 @@ pub fn render_explanation(x: &Explanation) -> String {
                     let _ = writeln!(
                         s,
                         "explain: {hook}: reproduced by {} (residual {}, floor {}; the reference without a fault: {}){}",
-                        best.kind,
+                        hypothesis(best),
                         e(best.residual),
                         e(*allowed),
                         e(*reference_residual),

@@ -7,12 +7,13 @@ use std::ops::Range;
 use anyhow::{bail, Context, Result};
 
 use super::host;
-use super::{Fault, FaultKind};
-use crate::engine::cpu::{mla_host, route_token, CpuEngine, Matrix, Rows};
+use super::route::{self, RouteChange};
+use super::{Fault, FaultKind, MlpPart};
+use crate::engine::cpu::{mla_host, CpuEngine, Matrix, Rows};
 use crate::engine::{Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
 use crate::model::names::{self, blk};
 use crate::model::steps::{self, Op};
-use crate::model::{rope, Gating, RopeSlice, Weights};
+use crate::model::{rope, RopeSlice, Weights};
 use crate::precision::{Dtype, Precision};
 use crate::quant::GgmlType;
 use crate::util::glob::matches as glob_match;
@@ -257,7 +258,43 @@ impl<'a, 'w, E: Engine> FaultEngine<'a, 'w, E> {
         {
             rows.swap(0, 1);
         }
+        let scale = self.find(
+            Some(layer),
+            |k| matches!(k, FaultKind::ExpertScale { expert, .. } if *expert == e),
+        );
+        if let Some(FaultKind::ExpertScale { factor, .. }) = scale.map(|f| &f.kind) {
+            rows[2] = Rows::Dense(route::scaled(&rows[2], *factor)?);
+        }
         Ok(rows)
+    }
+
+    /// `name`, or its gate/up partner under `gate_up_swap:dense` (`ffn_gate` <-> `ffn_up`) or
+    /// `gate_up_swap:shared` (`ffn_gate_shexp` <-> `ffn_up_shexp`) at its layer.
+    fn gate_up_name(&self, name: &str) -> String {
+        let (layer, suffix) = Self::split(name);
+        let (part, other) = match suffix {
+            blk::FFN_GATE => (MlpPart::Dense, blk::FFN_UP),
+            blk::FFN_UP => (MlpPart::Dense, blk::FFN_GATE),
+            blk::FFN_GATE_SHEXP => (MlpPart::Shared, blk::FFN_UP_SHEXP),
+            blk::FFN_UP_SHEXP => (MlpPart::Shared, blk::FFN_GATE_SHEXP),
+            _ => return name.to_string(),
+        };
+        match (
+            layer,
+            self.find(layer, |k| *k == FaultKind::GateUpSwapMlp(part)),
+        ) {
+            (Some(l), Some(_)) => names::blk(l, other),
+            _ => name.to_string(),
+        }
+    }
+
+    /// `x · W^T` for matrix `weight` (already exchanged by [`Self::gate_up_name`]), the faulty
+    /// way when a weight fault concerns it.
+    fn linear_as(&self, x: &E::Tensor, weight: &str) -> Result<E::Tensor> {
+        match self.faulted_linear(x, weight, false)? {
+            Some(y) => Ok(y),
+            None => self.inner.linear(x, weight),
+        }
     }
 
     /// Whether a fault concerns the routed experts of `layer`.
@@ -281,8 +318,12 @@ impl<'a, 'w, E: Engine> FaultEngine<'a, 'w, E> {
         moved
             || self
                 .find(Some(layer), |k| {
-                    matches!(k, FaultKind::ExpertMap(_) | FaultKind::GateUpSwap)
-                        || (q4k && matches!(k, FaultKind::Q4kScaleBits))
+                    matches!(
+                        k,
+                        FaultKind::ExpertMap(_)
+                            | FaultKind::GateUpSwap
+                            | FaultKind::ExpertScale { .. }
+                    ) || (q4k && matches!(k, FaultKind::Q4kScaleBits))
                 })
                 .is_some()
     }
@@ -490,10 +531,7 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
     }
 
     fn linear(&self, x: &E::Tensor, weight: &str) -> Result<E::Tensor> {
-        match self.faulted_linear(x, weight, false)? {
-            Some(y) => Ok(y),
-            None => self.inner.linear(x, weight),
-        }
+        self.linear_as(x, &self.gate_up_name(weight))
     }
 
     /// `router_bf16` computes the logits in bf16, against the trait's precision rule.
@@ -617,20 +655,15 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
     }
 
     fn moe_route(&self, layer: usize, logits: &E::Tensor) -> Result<Routing<E::Tensor>> {
-        let l = Some(layer);
-        let softmax = self
-            .find(l, |k| matches!(k, FaultKind::SoftmaxGating))
-            .is_some();
-        let bias_w = self
-            .find(l, |k| matches!(k, FaultKind::BiasInWeights))
-            .is_some();
-        if !softmax && !bias_w {
+        let hp = self.weights.hparams();
+        let kinds = self
+            .faults
+            .iter()
+            .filter(|f| f.at(Some(layer)))
+            .map(|f| &f.kind);
+        let Some(change) = RouteChange::of(hp, kinds)? else {
             return self.inner.moe_route(layer, logits);
-        }
-        let mut hp = self.weights.hparams().clone();
-        if softmax {
-            hp.gating = Gating::Softmax;
-        }
+        };
         let bias_name = names::blk(layer, blk::EXP_PROBS_B);
         let bias = if self.weights.has(&bias_name) {
             Some(self.host.host_vector(&bias_name)?)
@@ -646,29 +679,7 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
             );
         }
         let k = hp.n_expert_used;
-        let (mut probs, mut ids, mut weights) = (
-            Vec::with_capacity(t * e),
-            Vec::with_capacity(t * k),
-            Vec::with_capacity(t * k),
-        );
-        for row in hl.as_f32("moe_logits")?.chunks_exact(e) {
-            let (p, i, mut w) = route_token(&hp, row, bias.as_deref());
-            if bias_w {
-                if let Some(b) = &bias {
-                    // The bias enters the weights: (p + b)[idx], then the same normalisation
-                    // and scale.
-                    w = i.iter().map(|&x| p[x] + f64::from(b[x])).collect();
-                    if hp.expert_weights_norm {
-                        let sum: f64 = w.iter().sum();
-                        w.iter_mut().for_each(|x| *x /= sum);
-                    }
-                    w.iter_mut().for_each(|x| *x *= hp.expert_weights_scale);
-                }
-            }
-            probs.extend(p.iter().map(|&x| x as f32));
-            ids.extend(i.iter().map(|&x| x as i32));
-            weights.extend(w.iter().map(|&x| x as f32));
-        }
+        let (probs, ids, weights) = change.route(hl.as_f32("moe_logits")?, bias.as_deref());
         Ok(Routing {
             probs: self.to_engine(&HostTensor::f32(vec![t, e], probs)?)?,
             ids: self.to_engine(&HostTensor::i32(vec![t, k], ids)?)?,
@@ -710,13 +721,14 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
         let f32acc = self
             .find(layer, |k| matches!(k, FaultKind::F32Accumulate))
             .is_some();
-        if !f32acc && ![gate, up, down].iter().any(|w| self.touches_matrix(w)) {
-            return self.inner.mlp(x, gate, up, down);
+        let (gate, up) = (self.gate_up_name(gate), self.gate_up_name(up));
+        if !f32acc && ![&gate, &up, down].iter().any(|w| self.touches_matrix(w)) {
+            return self.inner.mlp(x, &gate, &up, down);
         }
-        let g = self.linear(x, gate)?;
-        let u = self.linear(x, up)?;
+        let g = self.linear_as(x, &gate)?;
+        let u = self.linear_as(x, &up)?;
         let act = self.inner.swiglu(&g, &u)?;
-        self.linear(&act, down)
+        self.linear_as(&act, down)
     }
 
     fn swiglu(&self, a: &E::Tensor, b: &E::Tensor) -> Result<E::Tensor> {

@@ -16,6 +16,7 @@
 
 mod engine;
 pub mod host;
+mod route;
 
 use std::fmt;
 use std::ops::Range;
@@ -87,6 +88,108 @@ pub enum FaultKind {
         /// Tensor suffix glob.
         glob: String,
     },
+    // Routing and MoE faults (`--explain` fits the continuous ones: `explain::fit_route`).
+    /// `routed_scale:X`, `routed_scaling_ignored` (X = 1), `routed_scaling_twice` (X = s^2): the
+    /// routed experts' weights scaled by X instead of `expert_weights_scale` s. Engines apply
+    /// `routed_scaling_factor` in several places (in the top-k kernel, or on the routed output:
+    /// vLLM `vllm/model_executor/models/deepseek_v2.py` `DeepseekV2MoE`,
+    /// `apply_routed_scale_to_output`; SGLang fuses it into the kernel,
+    /// sgl-project/sglang#6710), so it is easily applied twice or not at all: sglang-jax skipped it
+    /// whenever `norm_topk_prob` was false (sgl-project/sglang-jax#1282), and a DeepSeek-R1 accuracy
+    /// fix set it to 1.0 (dphnAI/sonar#1492).
+    RoutedScale(RoutedScale),
+    /// `topk_norm:on|off`: the top-k weights normalised to sum 1 (`on`) or not (`off`), opposite
+    /// to the model's `expert_weights_norm` (`norm_topk_prob`): torchtitan's DeepSeek-V3 lacked
+    /// the normalisation (pytorch/torchtitan#1448); ROCm aiter's `topk_sigmoid` ignored
+    /// `renormalize` (review of vllm-project/vllm#31246).
+    TopkNorm(bool),
+    /// `bias_unused`: the experts selected by the raw scores, the score-correction bias
+    /// `exp_probs_b` ignored (vLLM's `deepseek_v2.py` reads `e_score_correction_bias` only when
+    /// `topk_method == "noaux_tc"`; HabanaAI/vllm-fork#2246 added it where it was missing).
+    BiasUnused,
+    /// `group_limit:off`, `group_limit:N[,K]`: group-limited routing ignored, or done with `N`
+    /// groups keeping `K` (default: the model's kept count) instead of the model's (vLLM's
+    /// `deepseek_v2.py` defaults `n_group` and `topk_group` to 1 when the config lacks them;
+    /// vllm-project/vllm#13474 and EricLBuehler/mistral.rs#1278 fixed the group scores and masks).
+    GroupLimit(GroupLimit),
+    /// `expert_scale:E,F`: expert `E`'s output scaled by `F`: a wrong block scale in one expert's
+    /// down projection (block scales left at their initial ones, review of
+    /// lightseekorg/tokenspeed#1097; per-block scales underflowing to 0 in the FP8 cast,
+    /// NVIDIA/Model-Optimizer#1382).
+    ExpertScale {
+        /// The expert.
+        expert: usize,
+        /// The factor on its output.
+        factor: f64,
+    },
+    /// `gate_up_swap:dense`, `gate_up_swap:shared`: gate and up exchanged in the dense layers'
+    /// MLP or in the shared expert (a loader that assigns them by position: nntrainer/nntrainer#4194
+    /// computed `silu(up) * gate`, coherent-looking output; the fused shared-expert gate/up split
+    /// in the review of vllm-project/vllm#55686). `gate_up_swap` is the routed experts'.
+    GateUpSwapMlp(MlpPart),
+}
+
+/// The scale `routed_scale` puts on the routed experts' weights.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RoutedScale {
+    /// `routed_scale:X`.
+    Factor(f64),
+    /// `routed_scaling_ignored`: 1.
+    Ignored,
+    /// `routed_scaling_twice`: the model's scale squared.
+    Twice,
+}
+
+impl RoutedScale {
+    /// The factor for a model whose `expert_weights_scale` is `s`.
+    pub fn factor(self, s: f64) -> f64 {
+        match self {
+            RoutedScale::Factor(x) => x,
+            RoutedScale::Ignored => 1.0,
+            RoutedScale::Twice => s * s,
+        }
+    }
+}
+
+/// The group-limited routing of `group_limit`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupLimit {
+    /// `group_limit:off`: no group limit.
+    Off,
+    /// `group_limit:N[,K]`: `groups` groups, `keep` of them kept (`None`: the model's count).
+    Groups {
+        /// Groups the experts are split into.
+        groups: usize,
+        /// Groups kept.
+        keep: Option<usize>,
+    },
+}
+
+impl GroupLimit {
+    /// `(groups, kept)` as `route_token` reads them (`None`: no limit), for a model with
+    /// `model` groups; `None` when `keep` is not given and the model has no groups.
+    pub fn resolve(self, model: Option<(usize, usize)>) -> Option<Option<(usize, usize)>> {
+        match self {
+            GroupLimit::Off => Some(None),
+            GroupLimit::Groups { groups, keep } => {
+                keep.or(model.map(|(_, k)| k)).map(|k| Some((groups, k)))
+            }
+        }
+    }
+}
+
+/// The MLP whose gate and up `gate_up_swap:dense|shared` exchanges.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MlpPart {
+    /// The dense layers' MLP (`ffn_gate`, `ffn_up`).
+    Dense,
+    /// The shared expert (`ffn_gate_shexp`, `ffn_up_shexp`).
+    Shared,
+}
+
+/// A fitted or planted factor as the kind words print it: rounded to 4 decimals, shortest.
+pub fn factor_words(x: f64) -> String {
+    format!("{}", (x * 1e4).round() / 1e4)
 }
 
 /// The `--inject` kinds with a one-line description, for help texts and errors.
@@ -135,6 +238,38 @@ pub const CATALOG: &[(&str, &str)] = &[
     ),
     ("norm_eps:X", "every RMSNorm eps replaced by X (harmless)"),
     ("transposed:GLOB", "a matrix read transposed"),
+    (
+        "routed_scale:X",
+        "routed experts' weights scaled by X instead of expert_weights_scale",
+    ),
+    (
+        "routed_scaling_ignored",
+        "routed experts' weights not scaled (routed_scale:1)",
+    ),
+    (
+        "routed_scaling_twice",
+        "expert_weights_scale applied twice (routed_scale:s^2)",
+    ),
+    (
+        "topk_norm:on|off",
+        "top-k weights normalised or not, opposite to the model",
+    ),
+    (
+        "bias_unused",
+        "experts selected without the selection bias exp_probs_b",
+    ),
+    (
+        "group_limit:off|N[,K]",
+        "group-limited routing ignored, or N groups with K kept",
+    ),
+    (
+        "expert_scale:E,F",
+        "expert E's output scaled by F (a wrong block scale)",
+    ),
+    (
+        "gate_up_swap:dense|shared",
+        "gate and up exchanged in the dense MLP or the shared expert",
+    ),
 ];
 
 impl FaultKind {
@@ -173,7 +308,14 @@ impl FaultKind {
             "softmax_gating" => no_arg(FaultKind::SoftmaxGating)?,
             "bias_in_weights" => no_arg(FaultKind::BiasInWeights)?,
             "router_bf16" => no_arg(FaultKind::RouterBf16)?,
-            "gate_up_swap" => no_arg(FaultKind::GateUpSwap)?,
+            "gate_up_swap" => match arg {
+                None | Some("routed") => FaultKind::GateUpSwap,
+                Some("dense") => FaultKind::GateUpSwapMlp(MlpPart::Dense),
+                Some("shared") => FaultKind::GateUpSwapMlp(MlpPart::Shared),
+                Some(a) => bail!(
+                    "fault gate_up_swap:{a}: expected gate_up_swap (routed experts), gate_up_swap:dense or gate_up_swap:shared"
+                ),
+            },
             "q4k_scale_bits" => no_arg(FaultKind::Q4kScaleBits)?,
             "run_mtp" => no_arg(FaultKind::RunMtp)?,
             "f32_accumulate" => no_arg(FaultKind::F32Accumulate)?,
@@ -243,6 +385,48 @@ impl FaultKind {
             "transposed" => FaultKind::Transposed {
                 glob: need("a tensor glob")?.to_string(),
             },
+            "routed_scale" => {
+                let a = need("a scale")?;
+                FaultKind::RoutedScale(RoutedScale::Factor(factor(name, a, a)?))
+            }
+            "routed_scaling_ignored" => no_arg(FaultKind::RoutedScale(RoutedScale::Ignored))?,
+            "routed_scaling_twice" => no_arg(FaultKind::RoutedScale(RoutedScale::Twice))?,
+            "topk_norm" => match need("on or off")? {
+                "on" => FaultKind::TopkNorm(true),
+                "off" => FaultKind::TopkNorm(false),
+                a => bail!("fault topk_norm:{a}: expected topk_norm:on or topk_norm:off"),
+            },
+            "bias_unused" => no_arg(FaultKind::BiasUnused)?,
+            "group_limit" => {
+                let a = need("off or a group count")?;
+                if a == "off" {
+                    FaultKind::GroupLimit(GroupLimit::Off)
+                } else {
+                    let (n, k) = match a.split_once(',') {
+                        Some((n, k)) => (n, Some(num(k, "kept group count")?)),
+                        None => (a, None),
+                    };
+                    let groups = num(n, "group count")?;
+                    if groups == 0 || k == Some(0) {
+                        bail!("fault group_limit:{a}: groups and kept groups must be at least 1");
+                    }
+                    FaultKind::GroupLimit(GroupLimit::Groups { groups, keep: k })
+                }
+            }
+            "expert_scale" => {
+                let a = need("an expert and a factor")?;
+                let (e, f) = a
+                    .split_once(',')
+                    .with_context(|| format!("fault expert_scale:{a}: expected expert_scale:E,F"))?;
+                let factor = factor(name, a, f)?;
+                if factor == 1.0 {
+                    bail!("fault expert_scale:{a}: a factor of 1 changes nothing");
+                }
+                FaultKind::ExpertScale {
+                    expert: num(e, "expert")?,
+                    factor,
+                }
+            }
             other => {
                 let kinds: Vec<&str> = CATALOG.iter().map(|(k, _)| *k).collect();
                 bail!(
@@ -254,8 +438,24 @@ impl FaultKind {
     }
 }
 
+/// A scale factor `v` of fault `name` (argument `arg`): finite and not negative.
+fn factor(name: &str, arg: &str, v: &str) -> Result<f64> {
+    let x: f64 = v
+        .trim()
+        .parse()
+        .with_context(|| format!("fault {name}:{arg}: factor {v:?} is not a number"))?;
+    if !x.is_finite() || x < 0.0 {
+        bail!("fault {name}:{arg}: factor {x} must be finite and not negative");
+    }
+    Ok(x)
+}
+
 fn example(name: &str) -> &'static str {
     match name {
+        "routed_scale" => "1.0",
+        "topk_norm" => "off",
+        "group_limit" => "off",
+        "expert_scale" => "3,1.05",
         "expert_swap" => "2,5",
         "expert_map" => "4=5,5=6,6=4",
         "layer_weights" => "0",
@@ -296,6 +496,26 @@ impl fmt::Display for FaultKind {
             FaultKind::F32Accumulate => f.write_str("f32_accumulate"),
             FaultKind::NormEps(x) => write!(f, "norm_eps:{x:e}"),
             FaultKind::Transposed { glob } => write!(f, "transposed:{glob}"),
+            FaultKind::RoutedScale(RoutedScale::Factor(x)) => {
+                write!(f, "routed_scale:{}", factor_words(*x))
+            }
+            FaultKind::RoutedScale(RoutedScale::Ignored) => f.write_str("routed_scaling_ignored"),
+            FaultKind::RoutedScale(RoutedScale::Twice) => f.write_str("routed_scaling_twice"),
+            FaultKind::TopkNorm(on) => write!(f, "topk_norm:{}", if *on { "on" } else { "off" }),
+            FaultKind::BiasUnused => f.write_str("bias_unused"),
+            FaultKind::GroupLimit(GroupLimit::Off) => f.write_str("group_limit:off"),
+            FaultKind::GroupLimit(GroupLimit::Groups { groups, keep: None }) => {
+                write!(f, "group_limit:{groups}")
+            }
+            FaultKind::GroupLimit(GroupLimit::Groups {
+                groups,
+                keep: Some(k),
+            }) => write!(f, "group_limit:{groups},{k}"),
+            FaultKind::ExpertScale { expert, factor } => {
+                write!(f, "expert_scale:{expert},{}", factor_words(*factor))
+            }
+            FaultKind::GateUpSwapMlp(MlpPart::Dense) => f.write_str("gate_up_swap:dense"),
+            FaultKind::GateUpSwapMlp(MlpPart::Shared) => f.write_str("gate_up_swap:shared"),
         }
     }
 }
@@ -565,6 +785,12 @@ impl Fault {
                     );
                 }
             }
+            FaultKind::RoutedScale(_)
+            | FaultKind::TopkNorm(_)
+            | FaultKind::BiasUnused
+            | FaultKind::GroupLimit(_)
+            | FaultKind::ExpertScale { .. }
+            | FaultKind::GateUpSwapMlp(_) => route::check(&self.kind, &me, weights, &layers)?,
             FaultKind::KvBConcat | FaultKind::RopeNeox | FaultKind::ScaleLatent => {}
             FaultKind::F32Accumulate | FaultKind::NormEps(_) => {}
         }
@@ -639,10 +865,54 @@ mod tests {
             "norm_eps:1e-6",
             "q4k_scale_bits",
             "run_mtp",
+            "routed_scale:1.05@1",
+            "routed_scale:0",
+            "routed_scaling_ignored@1",
+            "routed_scaling_twice",
+            "topk_norm:on@2",
+            "topk_norm:off",
+            "bias_unused@1",
+            "group_limit:off",
+            "group_limit:4@2",
+            "group_limit:8,4",
+            "expert_scale:3,1.05@1",
+            "gate_up_swap:dense",
+            "gate_up_swap:shared@1",
         ] {
             let f = Fault::parse(s).unwrap();
             assert_eq!(f.to_string(), s, "{s}");
         }
+        // The routed experts' gate_up_swap keeps its spelling; `routed` names it too.
+        assert_eq!(
+            Fault::parse("gate_up_swap:routed").unwrap().to_string(),
+            "gate_up_swap"
+        );
+        // Factors print rounded to 4 decimals (a fitted value in a kind).
+        assert_eq!(
+            Fault::parse("expert_scale:3,1.049999").unwrap().to_string(),
+            "expert_scale:3,1.05"
+        );
+        assert_eq!(
+            Fault::parse("routed_scaling_twice").unwrap().kind,
+            FaultKind::RoutedScale(RoutedScale::Twice)
+        );
+        assert_eq!(RoutedScale::Twice.factor(2.5), 6.25);
+        assert_eq!(
+            GroupLimit::Groups {
+                groups: 8,
+                keep: None
+            }
+            .resolve(Some((4, 2))),
+            Some(Some((8, 2)))
+        );
+        assert_eq!(
+            GroupLimit::Groups {
+                groups: 8,
+                keep: None
+            }
+            .resolve(None),
+            None
+        );
         assert_eq!(
             Fault::parse("expert_swap:5,2").unwrap().to_string(),
             "expert_swap:2,5"
@@ -677,6 +947,17 @@ mod tests {
             ("norm_eps:x", "not a number"),
             ("rope_neox@a", "is not a number"),
             ("rope_neox@3..1", "are empty"),
+            ("routed_scale", "needs a scale, e.g. routed_scale:1.0"),
+            ("routed_scale:-1", "must be finite and not negative"),
+            ("routed_scale:x", "factor \"x\" is not a number"),
+            ("routed_scaling_ignored:2", "takes no argument"),
+            ("topk_norm:yes", "expected topk_norm:on or topk_norm:off"),
+            ("group_limit:0", "must be at least 1"),
+            ("group_limit:4,x", "kept group count \"x\" is not a number"),
+            ("expert_scale:3", "expected expert_scale:E,F"),
+            ("expert_scale:3,1", "a factor of 1 changes nothing"),
+            ("expert_scale:3,inf", "must be finite"),
+            ("gate_up_swap:up", "expected gate_up_swap (routed experts)"),
             (
                 "transposed:blk.1.attn_q_a.weight@0,1",
                 "the tensor name picks layer 1, but @ picks layers [0, 1]",
