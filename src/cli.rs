@@ -192,10 +192,14 @@ pub struct RunArgs {
     /// scale_latent, softmax_gating, bias_in_weights, router_bf16, expert_swap:A,B,
     /// expert_map:A=B,.., gate_up_swap, layer_weights:L[,GLOB], q4k_scale_bits, run_mtp,
     /// tp_shard:N, transposed:GLOB, and the harmless f32_accumulate and norm_eps:X.
+    /// Attention, norms and projections: weight_scale:GLOB,F, softmax_scale:F,
+    /// yarn_mscale:none|twice, rope_theta:X, dsa_topk:K, indexer_scale:F, indexer_wproj_scale:F,
+    /// norm_one_plus[:GLOB], kv_b_split:kv.
     #[arg(long, value_name = "KIND[@LAYERS]")]
     pub inject: Vec<String>,
     /// At the first step that fails in replay, test which known bug reproduces the candidate's
-    /// output (recomputed on the CPU from the same inputs) and rank them.
+    /// output (recomputed on the CPU from the same inputs) and rank them; a continuous kind
+    /// (a scale, a RoPE base, an eps) is tested with its parameter fitted to the candidate.
     #[arg(long)]
     pub explain: bool,
     /// Write the first step that fails in replay as a self-contained case to DIR (inputs, weight

@@ -12,7 +12,7 @@ use super::Grid;
 use crate::compare::logits::LogitsReport;
 use crate::compare::{Comparison, HookRecord, Metrics, ModeResult, Override, Status};
 use crate::driver::pair::LayerTime;
-use crate::explain::Explanation;
+use crate::explain::{Explanation, Tested};
 use crate::trace::Mode;
 use crate::util::shell::shell_word;
 
@@ -496,6 +496,32 @@ fn override_line(o: &Override) -> String {
     }
 }
 
+/// A hypothesis' kind and, for a fitted family, its parameter against the model's:
+/// `softmax_scale:0.5335@1 [factor fitted 0.5335 (nominal 1)]`.
+fn hypothesis_name(t: &Tested) -> String {
+    match (&t.param, t.fitted, t.nominal) {
+        (Some(p), Some(f), Some(n)) => {
+            format!(
+                "{} [{p} fitted {} (nominal {})]",
+                t.kind,
+                short(f),
+                short(n)
+            )
+        }
+        _ => t.kind.clone(),
+    }
+}
+
+/// A parameter with 5 significant digits, plain between 1e-3 and 1e6, else in e notation.
+fn short(x: f64) -> String {
+    let r: f64 = format!("{x:.4e}").parse().unwrap_or(x);
+    if r == 0.0 || (1e-3..1e6).contains(&r.abs()) {
+        format!("{r}")
+    } else {
+        format!("{r:e}")
+    }
+}
+
 /// What `--explain` found, in a few lines: the best hypothesis and whether it reproduces the
 /// candidate, the next best, and what was left out.
 pub fn render_explanation(x: &Explanation) -> String {
@@ -524,7 +550,7 @@ pub fn render_explanation(x: &Explanation) -> String {
                     .iter()
                     .skip(from)
                     .take(3)
-                    .map(|t| format!("{} ({})", t.kind, e(t.residual)))
+                    .map(|t| format!("{} ({})", hypothesis_name(t), e(t.residual)))
                     .collect();
                 if v.is_empty() {
                     String::new()
@@ -543,7 +569,7 @@ pub fn render_explanation(x: &Explanation) -> String {
                     let _ = writeln!(
                         s,
                         "explain: {hook}: reproduced by {} (residual {}, floor {}; the reference without a fault: {}){}",
-                        best.kind,
+                        hypothesis_name(best),
                         e(best.residual),
                         e(*allowed),
                         e(*reference_residual),
