@@ -436,6 +436,14 @@ fn harmless_kinds_pass_where_precision_explains_them() {
         let best = &j["explanation"][0];
         assert_eq!(best["kind"], format!("norm_eps:{eps}@0"), "{m}: {text}");
         assert_eq!(best["reproduces"], true, "{m}: {text}");
+        // Fitted from the candidate's numbers (a search on a log scale), not picked from a list.
+        assert_eq!(best["param"], "eps", "{m}");
+        let fitted = best["fitted"].as_f64().unwrap();
+        let planted: f64 = eps.parse().unwrap();
+        assert!(
+            (fitted / planted - 1.0).abs() < 1e-2,
+            "{m}: fitted {fitted}"
+        );
     }
 }
 
