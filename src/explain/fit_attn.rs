@@ -41,7 +41,7 @@ const EPS_RANGE: (f64, f64) = (1e-12, 1e-1);
 /// A fitted factor is named after a known bug's factor when within this relative distance.
 const NAMED_TOLERANCE: f64 = 0.01;
 /// Significant digits of the fitted value in the hypothesis' name.
-const NAME_DIGITS: usize = 4;
+const NAME_DIGITS: usize = 5;
 
 /// A fitted hypothesis.
 #[derive(Clone, Debug)]

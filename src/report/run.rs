@@ -497,7 +497,7 @@ fn override_line(o: &Override) -> String {
 }
 
 /// A hypothesis' kind and, for a fitted family, its parameter against the model's:
-/// `softmax_scale:0.5335@1 [factor fitted 0.5335 (nominal 1)]`.
+/// `softmax_scale:0.53366@1 [factor fitted 0.53366 (nominal 1)]`.
 fn hypothesis_name(t: &Tested) -> String {
     match (&t.param, t.fitted, t.nominal) {
         (Some(p), Some(f), Some(n)) => {
