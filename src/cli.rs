@@ -194,10 +194,14 @@ pub struct RunArgs {
     /// tp_shard:N, transposed:GLOB, and the harmless f32_accumulate and norm_eps:X; routing and
     /// MoE: routed_scale:X, routed_scaling_ignored, routed_scaling_twice, topk_norm:on|off,
     /// bias_unused, group_limit:off|N[,K], expert_scale:E,F, gate_up_swap:dense|shared.
+    /// Attention, norms and projections: weight_scale:GLOB,F, softmax_scale:F,
+    /// yarn_mscale:none|twice, rope_theta:X, dsa_topk:K, indexer_scale:F, indexer_wproj_scale:F,
+    /// norm_one_plus[:GLOB], kv_b_split:kv.
     #[arg(long, value_name = "KIND[@LAYERS]")]
     pub inject: Vec<String>,
     /// At the first step that fails in replay, test which known bug reproduces the candidate's
-    /// output (recomputed on the CPU from the same inputs) and rank them.
+    /// output (recomputed on the CPU from the same inputs) and rank them; a continuous kind
+    /// (a scale, a RoPE base, an eps) is tested with its parameter fitted to the candidate.
     #[arg(long)]
     pub explain: bool,
     /// Write the first step that fails in replay as a self-contained case to DIR (inputs, weight

@@ -452,10 +452,11 @@ fn fitted_kinds_recover_the_planted_parameter() {
         assert_eq!(best["nominal"].as_f64(), Some(nominal), "{what}");
         let param = inject.split(':').next().unwrap();
         assert_eq!(best["param"], param, "{what}");
+        // The text wraps at 100 columns.
+        let flat = text.split_whitespace().collect::<Vec<_>>().join(" ");
         assert!(
-            text.contains(&format!(
-                "reproduced by {kind} fitted {fitted:.4} (nominal {nominal})"
-            )),
+            flat.contains(&format!("reproduced by {kind} [{param} fitted "))
+                && flat.contains(&format!("(nominal {nominal})]")),
             "{what}: {text}"
         );
         // Hypotheses without a parameter carry no such fields.
@@ -643,6 +644,14 @@ fn harmless_kinds_pass_where_precision_explains_them() {
         let best = &j["explanation"][0];
         assert_eq!(best["kind"], format!("norm_eps:{eps}@0"), "{m}: {text}");
         assert_eq!(best["reproduces"], true, "{m}: {text}");
+        // Fitted from the candidate's numbers (a search on a log scale), not picked from a list.
+        assert_eq!(best["param"], "eps", "{m}");
+        let fitted = best["fitted"].as_f64().unwrap();
+        let planted: f64 = eps.parse().unwrap();
+        assert!(
+            (fitted / planted - 1.0).abs() < 1e-2,
+            "{m}: fitted {fitted}"
+        );
     }
 }
 

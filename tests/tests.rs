@@ -4,6 +4,7 @@ mod common;
 mod dequant;
 mod engines;
 mod faults;
+mod faults_attn;
 mod floors;
 mod gpu;
 mod hook_script;

@@ -15,13 +15,14 @@
 
 pub mod case;
 pub mod fault;
+pub mod fit_attn;
 pub mod fit_route;
 pub mod search;
 
 use anyhow::{Context, Result};
 use serde::Serialize;
 
-use self::fault::{Fault, FaultEngine, FaultKind};
+use self::fault::{Fault, FaultEngine, FaultKind, Mscale};
 use crate::compare::{compare, Comparison, Status};
 use crate::driver::exec_step;
 use crate::engine::cpu::CpuEngine;
@@ -181,13 +182,13 @@ pub struct Tested {
     /// Within the floor the hook was judged by (and closer than the reference): it reproduces
     /// the candidate.
     pub reproduces: bool,
-    /// The fitted parameter's name, for a continuous family (`routed_scale`, `expert_scale`).
+    /// The fitted parameter's name, for a continuous family (`factor`, `theta`, `eps`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub param: Option<String>,
-    /// The parameter's value fitted to the candidate.
+    /// The parameter's fitted value (the one `kind` shows, at full precision).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fitted: Option<f64>,
-    /// The model's own value of the parameter.
+    /// The model's value of the parameter (what no fault gives).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nominal: Option<f64>,
 }
@@ -309,11 +310,20 @@ pub fn hypotheses_and_untestable(step: &Step, weights: &Weights<'_>) -> (Vec<Fau
             if weight == names::OUTPUT_NORM {
                 v.push(Fault::new(FaultKind::RunMtp, None));
             }
-            for x in [1e-5, 1e-6] {
-                if (x - eps).abs() > 1e-3 * x {
-                    v.push(at(FaultKind::NormEps(x)));
-                }
-            }
+            // Fitted: the eps, the weight's scale; and the (1 + w) convention, for every norm
+            // of the layer (the final norm's alone).
+            v.push(at(FaultKind::NormEps(*eps)));
+            let name = names::split_blk(weight).map_or(weight.as_str(), |(_, s)| s);
+            v.push(at(FaultKind::WeightScale {
+                glob: name.to_string(),
+                factor: 1.0,
+            }));
+            v.push(at(FaultKind::NormOnePlus {
+                glob: match layer {
+                    Some(_) => fault::DEFAULT_NORM_ONE_PLUS.to_string(),
+                    None => weight.clone(),
+                },
+            }));
             if let Some((_, suffix)) = names::split_blk(weight) {
                 v.extend(neighbours(suffix));
             }
@@ -324,16 +334,50 @@ pub fn hypotheses_and_untestable(step: &Step, weights: &Weights<'_>) -> (Vec<Fau
                 v.extend(shards());
             }
             v.extend(projection(weight));
+            // Fitted: the matrix's scale.
+            v.push(at(FaultKind::WeightScale {
+                glob: suffix.unwrap_or(weight).to_string(),
+                factor: 1.0,
+            }));
         }
         Op::RouterLogits { layer: l } => {
             v.push(at(FaultKind::RouterBf16));
             v.extend(projection(&names::blk(*l, blk::FFN_GATE_INP)));
         }
-        Op::Rope(_) => v.push(at(FaultKind::RopeNeox)),
-        Op::IndexerScores { .. } => v.push(at(FaultKind::IndexerRopeNeox)),
-        Op::Attention { .. } => {
+        Op::Rope(_) => {
+            v.push(at(FaultKind::RopeNeox));
+            v.push(at(FaultKind::YarnMscale(Mscale::Missing)));
+            v.push(at(FaultKind::YarnMscale(Mscale::Twice)));
+        }
+        Op::IndexerScores { .. } => {
+            v.push(at(FaultKind::IndexerRopeNeox));
+            // Fitted (one factor: both multiply every score).
+            v.push(at(FaultKind::IndexerScale(1.0)));
+            v.push(at(FaultKind::IndexerWprojScale(1.0)));
+        }
+        Op::TopK { k } => {
+            v.extend(
+                [k.checked_sub(1), Some(k + 1)]
+                    .into_iter()
+                    .flatten()
+                    .filter(|&n| n > 0)
+                    .map(|n| at(FaultKind::DsaTopK(n))),
+            );
+        }
+        Op::Attention { layer: l } => {
             v.push(at(FaultKind::KvBConcat));
+            v.push(at(FaultKind::KvBSplit));
             v.push(at(FaultKind::ScaleLatent));
+            v.push(at(FaultKind::YarnMscale(Mscale::Missing)));
+            // Fitted: the softmax scale, each kv_b tensor's scale.
+            v.push(at(FaultKind::SoftmaxScale(1.0)));
+            for n in weights.kv_b_names(*l) {
+                let glob = names::split_blk(&n).map_or(n.as_str(), |(_, s)| s);
+                v.push(at(FaultKind::WeightScale {
+                    glob: glob.to_string(),
+                    factor: 1.0,
+                }));
+            }
             v.extend(shards());
         }
         Op::MoeRoute { .. } => {
@@ -358,7 +402,7 @@ pub fn hypotheses_and_untestable(step: &Step, weights: &Weights<'_>) -> (Vec<Fau
             }
             v.push(at(FaultKind::F32Accumulate));
         }
-        Op::TopK { .. } | Op::SwiGlu | Op::Add | Op::Alias | Op::ZerosLike => {}
+        Op::SwiGlu | Op::Add | Op::Alias | Op::ZerosLike => {}
     }
     // The routing and MoE families (the continuous ones at a seed that `explain` fits).
     v.extend(fit_route::hypotheses(step, weights));
@@ -380,6 +424,10 @@ pub fn hypotheses_and_untestable(step: &Step, weights: &Weights<'_>) -> (Vec<Fau
             false
         }
     });
+    // Fitted, on every model (the model's own base fails `check`, which `--inject` wants).
+    if let Op::Rope(_) = step.op {
+        v.push(at(FaultKind::RopeTheta(hp.rope.base)));
+    }
     (v, untestable)
 }
 
@@ -435,7 +483,10 @@ pub fn explain(
     let mut tested: Vec<Tested> = Vec::new();
     let mut notes = Vec::new();
     let mut unchanged = Vec::new();
-    let mut push = |kind: String, out: &HostTensor, notes_unchanged: &mut Vec<String>| {
+    let mut push = |kind: String,
+                    out: &HostTensor,
+                    fit: Option<&fit_attn::Fit>,
+                    notes_unchanged: &mut Vec<String>| {
         if *out == captured.reference {
             notes_unchanged.push(kind);
             return;
@@ -446,7 +497,9 @@ pub fn explain(
             hook: hook.to_string(),
             residual: r,
             reproduces: r <= captured.allowed && r < reference_residual,
-            ..Tested::default()
+            param: fit.map(|f| f.param.to_string()),
+            fitted: fit.map(|f| f.fitted),
+            nominal: fit.map(|f| f.nominal),
         });
     };
     let (faults, untestable) = hypotheses_and_untestable(step, weights);
@@ -459,8 +512,35 @@ pub fn explain(
     // The known bugs, then a search for the expert or head map.
     progress.start("explain: hypotheses", faults.len() as u64 + 1);
     let mut fits: Vec<fit_route::Fit> = Vec::new();
+    let eval = |fault: &Fault| -> Result<HostTensor> {
+        let engine = FaultEngine::new(&cpu, weights, vec![fault.clone()]);
+        if let Some(l) = step.layer {
+            engine.begin_layer(l, &[])?;
+        }
+        output_at(&engine, step, &captured.inputs, tokens, hook)
+    };
     for fault in faults {
-        // A continuous family: its parameter fitted first, the step recomputed with it.
+        if fit_attn::param(&fault.kind, step, weights.hparams()).is_some() {
+            // A continuous family: tested with its fitted parameter.
+            let r = |out: &HostTensor| residual(cand, out);
+            match fit_attn::fit(&fault, step, weights, &captured.reference, cand, &eval, &r) {
+                Ok(fit) => {
+                    push(
+                        fit.fault.to_string(),
+                        &fit.output,
+                        Some(&fit),
+                        &mut unchanged,
+                    );
+                    if let Some(n) = &fit.note {
+                        notes.push(format!("{}: {n}", fit.fault));
+                    }
+                }
+                Err(e) => notes.push(format!("{fault}: not fitted: {e:#}")),
+            }
+            progress.inc(1);
+            continue;
+        }
+        // A routing family: its parameter fitted first, the step recomputed with it.
         let (fault, kind) = match fit_route::fit(&fault, captured, weights, tokens) {
             Ok(Some(f)) => {
                 let named = (f.fault.clone(), f.kind.clone());
@@ -474,12 +554,8 @@ pub fn explain(
                 continue;
             }
         };
-        let engine = FaultEngine::new(&cpu, weights, vec![fault.clone()]);
-        if let Some(l) = step.layer {
-            engine.begin_layer(l, &[])?;
-        }
-        match output_at(&engine, step, &captured.inputs, tokens, hook) {
-            Ok(out) => push(kind, &out, &mut unchanged),
+        match eval(&fault) {
+            Ok(out) => push(kind, &out, None, &mut unchanged),
             Err(e) => notes.push(format!("{fault}: not computed: {e:#}")),
         }
         progress.inc(1);
@@ -504,7 +580,7 @@ pub fn explain(
                     match search::expert_map(&cpu, *layer, x, ids, w, cand) {
                         Ok(Some((map, out))) => {
                             let f = Fault::new(FaultKind::ExpertMap(map), Some(vec![*layer]));
-                            push(f.to_string(), &out, &mut unchanged);
+                            push(f.to_string(), &out, None, &mut unchanged);
                         }
                         Ok(None) => {}
                         Err(e) => notes.push(format!("expert search: {e:#}")),
@@ -521,6 +597,7 @@ pub fn explain(
                 push(
                     search::head_map_name(&map, step.layer),
                     &out,
+                    None,
                     &mut unchanged,
                 );
             }
@@ -533,6 +610,14 @@ pub fn explain(
             (t.param, t.fitted, t.nominal) =
                 (Some(f.param.clone()), Some(f.fitted), Some(f.nominal));
         }
+    }
+    let indexer =
+        |k: &str| k.starts_with("indexer_scale:") || k.starts_with("indexer_wproj_scale:");
+    if tested.iter().filter(|t| indexer(&t.kind)).count() == 2 {
+        notes.push(
+            "indexer_scale and indexer_wproj_scale multiply every index score alike: this hook cannot tell them apart (the fitted factor's note may)"
+                .to_string(),
+        );
     }
     if !unchanged.is_empty() {
         notes.insert(

@@ -496,12 +496,29 @@ fn override_line(o: &Override) -> String {
     }
 }
 
-/// A hypothesis's kind, with its fitted parameter beside it for a continuous family
-/// (`routed_scaling_ignored@1 fitted 1.0002 (nominal 2.5)`).
-fn hypothesis(t: &Tested) -> String {
-    match (t.fitted, t.nominal) {
-        (Some(f), Some(n)) => format!("{} fitted {f:.4} (nominal {n})", t.kind),
+/// A hypothesis' kind and, for a fitted family, its parameter against the model's:
+/// `softmax_scale:0.53366@1 [factor fitted 0.53366 (nominal 1)]`.
+fn hypothesis_name(t: &Tested) -> String {
+    match (&t.param, t.fitted, t.nominal) {
+        (Some(p), Some(f), Some(n)) => {
+            format!(
+                "{} [{p} fitted {} (nominal {})]",
+                t.kind,
+                short(f),
+                short(n)
+            )
+        }
         _ => t.kind.clone(),
+    }
+}
+
+/// A parameter with 5 significant digits, plain between 1e-3 and 1e6, else in e notation.
+fn short(x: f64) -> String {
+    let r: f64 = format!("{x:.4e}").parse().unwrap_or(x);
+    if r == 0.0 || (1e-3..1e6).contains(&r.abs()) {
+        format!("{r}")
+    } else {
+        format!("{r:e}")
     }
 }
 
@@ -533,7 +550,7 @@ pub fn render_explanation(x: &Explanation) -> String {
                     .iter()
                     .skip(from)
                     .take(3)
-                    .map(|t| format!("{} ({})", hypothesis(t), e(t.residual)))
+                    .map(|t| format!("{} ({})", hypothesis_name(t), e(t.residual)))
                     .collect();
                 if v.is_empty() {
                     String::new()
@@ -552,7 +569,7 @@ pub fn render_explanation(x: &Explanation) -> String {
                     let _ = writeln!(
                         s,
                         "explain: {hook}: reproduced by {} (residual {}, floor {}; the reference without a fault: {}){}",
-                        hypothesis(best),
+                        hypothesis_name(best),
                         e(best.residual),
                         e(*allowed),
                         e(*reference_residual),

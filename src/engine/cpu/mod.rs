@@ -50,6 +50,22 @@ impl<'w> CpuEngine<'w> {
         }
     }
 
+    /// An engine reading `weights` whose RoPE uses `inv_freq` (one per rotated pair) and the
+    /// cos/sin factor `attn_factor` instead of the model's: what an engine with another RoPE
+    /// base or YaRN magnitude computes (the known bugs of `explain::fault`). With the tables
+    /// of [`CpuEngine::new`] it is the reference.
+    pub fn with_rope(
+        weights: &'w Weights<'w>,
+        inv_freq: Vec<f64>,
+        attn_factor: f64,
+    ) -> CpuEngine<'w> {
+        CpuEngine {
+            weights,
+            inv_freq,
+            attn_factor,
+        }
+    }
+
     /// The weights the engine reads.
     pub fn weights(&self) -> &'w Weights<'w> {
         self.weights
@@ -80,6 +96,42 @@ impl<'w> CpuEngine<'w> {
         }
         math::matmul_rows(x.as_f32(name)?, t, &src)
     }
+}
+
+/// RMSNorm of the columns `cols` (all when `None`) of `x` with the weight values `w` (of the
+/// tensor named `weight`, for errors): what [`Engine::rms_norm`] computes with the tensor's own
+/// values. `[T, cols]`.
+pub fn rms_norm_with(
+    x: &HostTensor,
+    weight: &str,
+    w: &[f32],
+    eps: f64,
+    cols: Option<Range<usize>>,
+) -> Result<HostTensor> {
+    let (t, n) = x.dims2(weight)?;
+    let cols = cols.unwrap_or(0..n);
+    if cols.end > n || cols.is_empty() {
+        bail!("engine: cpu: rms_norm {weight}: columns {cols:?} of a [{t}, {n}] input");
+    }
+    if w.len() != cols.len() {
+        bail!(
+            "engine: cpu: rms_norm {weight}: weight has {} values for {} columns",
+            w.len(),
+            cols.len()
+        );
+    }
+    let xv = x.as_f32(weight)?;
+    let sub: Vec<f32> = if cols.len() == n {
+        xv.to_vec()
+    } else {
+        xv.chunks_exact(n)
+            .flat_map(|r| r[cols.clone()].iter().copied())
+            .collect()
+    };
+    HostTensor::f32(
+        vec![t, cols.len()],
+        math::rms_norm(&sub, cols.len(), w, eps),
+    )
 }
 
 fn same_shape(a: &HostTensor, b: &HostTensor, what: &str) -> Result<()> {
@@ -124,31 +176,7 @@ impl Engine for CpuEngine<'_> {
         eps: f64,
         cols: Option<Range<usize>>,
     ) -> Result<HostTensor> {
-        let (t, n) = x.dims2(weight)?;
-        let cols = cols.unwrap_or(0..n);
-        if cols.end > n || cols.is_empty() {
-            bail!("engine: cpu: rms_norm {weight}: columns {cols:?} of a [{t}, {n}] input");
-        }
-        let w = self.host_vector(weight)?;
-        if w.len() != cols.len() {
-            bail!(
-                "engine: cpu: rms_norm {weight}: weight has {} values for {} columns",
-                w.len(),
-                cols.len()
-            );
-        }
-        let xv = x.as_f32(weight)?;
-        let sub: Vec<f32> = if cols.len() == n {
-            xv.to_vec()
-        } else {
-            xv.chunks_exact(n)
-                .flat_map(|r| r[cols.clone()].iter().copied())
-                .collect()
-        };
-        HostTensor::f32(
-            vec![t, cols.len()],
-            math::rms_norm(&sub, cols.len(), &w, eps),
-        )
+        rms_norm_with(x, weight, &self.host_vector(weight)?, eps, cols)
     }
 
     fn linear(&self, x: &HostTensor, weight: &str) -> Result<HostTensor> {

@@ -6,10 +6,10 @@ use std::ops::Range;
 
 use anyhow::{bail, Context, Result};
 
-use super::host;
 use super::route::{self, RouteChange};
+use super::{attn, host};
 use super::{Fault, FaultKind, MlpPart};
-use crate::engine::cpu::{mla_host, CpuEngine, Matrix, Rows};
+use crate::engine::cpu::{mla_host, rms_norm_with, CpuEngine, Matrix, Rows};
 use crate::engine::{Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
 use crate::model::names::{self, blk};
 use crate::model::steps::{self, Op};
@@ -48,6 +48,30 @@ impl<'a, 'w, E: Engine> FaultEngine<'a, 'w, E> {
     /// The faults.
     pub fn faults(&self) -> &[Fault] {
         &self.faults
+    }
+
+    /// The kinds of the faults that touch `layer`.
+    fn kinds_at(&self, layer: Option<usize>) -> impl Iterator<Item = &FaultKind> {
+        self.faults
+            .iter()
+            .filter(move |f| f.at(layer))
+            .map(|f| &f.kind)
+    }
+
+    /// The kinds of the faults that touch the step being run (RoPE, top-k: the layer begun
+    /// last; every fault outside a walk).
+    fn kinds_now(&self) -> Vec<&FaultKind> {
+        match self.current_layer() {
+            Some(l) => self.kinds_at(Some(l)).collect(),
+            None => self.faults.iter().map(|f| &f.kind).collect(),
+        }
+    }
+
+    /// A host engine with the RoPE tables the faults of the step being run give (`rope_theta`,
+    /// `yarn_mscale`), `None` when they give the model's.
+    fn rope_engine(&self) -> Option<CpuEngine<'w>> {
+        attn::rope_tables(self.weights.hparams(), self.kinds_now())
+            .map(|(f, a)| CpuEngine::with_rope(self.weights, f, a))
     }
 
     /// The first fault whose kind satisfies `pred` and that touches `layer`.
@@ -107,6 +131,7 @@ impl<'a, 'w, E: Engine> FaultEngine<'a, 'w, E> {
                 .find(layer, |k| matches!(k, FaultKind::TpShard(_)))
                 .is_some()
                 && (suffix == blk::ATTN_Q_B || suffix == blk::ATTN_OUTPUT))
+            || attn::weight_factor(self.kinds_at(layer), name).is_some()
     }
 
     /// Matrix `name` as the faults realise it (`[rows, cols]`), `None` when no fault changes it.
@@ -150,6 +175,9 @@ impl<'a, 'w, E: Engine> FaultEngine<'a, 'w, E> {
             } else if suffix == blk::ATTN_OUTPUT {
                 m = host::map_col_blocks(&m, hp.v_head, &from)?;
             }
+        }
+        if let Some(f) = attn::weight_factor(self.kinds_at(layer), name) {
+            attn::scale(&mut m.data, f);
         }
         Ok(Some(m))
     }
@@ -523,8 +551,19 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
             _ => eps,
         };
         let src = self.source_name(weight);
-        if src != weight {
-            let out = self.host.rms_norm(&self.to_host(x)?, &src, eps, cols)?;
+        let factor = attn::weight_factor(self.kinds_at(layer), weight);
+        let one_plus = self
+            .kinds_at(layer)
+            .any(|k| matches!(k, FaultKind::NormOnePlus { glob } if attn::matches(glob, weight)));
+        if src != weight || factor.is_some() || one_plus {
+            let mut w = self.host.host_vector(&src)?;
+            if one_plus {
+                w.iter_mut().for_each(|v| *v += 1.0);
+            }
+            if let Some(f) = factor {
+                attn::scale(&mut w, f);
+            }
+            let out = rms_norm_with(&self.to_host(x)?, &src, &w, eps, cols)?;
             return self.to_engine(&out);
         }
         self.inner.rms_norm(x, weight, eps, cols)
@@ -547,9 +586,14 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
     }
 
     fn rope(&self, x: &E::Tensor, s: &RopeSlice) -> Result<E::Tensor> {
+        let tables = self.rope_engine();
         if !self.rope_fault() {
-            return self.inner.rope(x, s);
+            return match &tables {
+                Some(e) => self.to_engine(&e.rope(&self.to_host(x)?, s)?),
+                None => self.inner.rope(x, s),
+            };
         }
+        let eng = tables.as_ref().unwrap_or(&self.host);
         let hx = self.to_host(x)?;
         let (t, n) = hx.dims2("rope input")?;
         let rd = self.weights.hparams().qk_rope;
@@ -563,7 +607,7 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
         let xv = hx.as_f32("rope input")?;
         let mut out = Vec::with_capacity(t * s.heads * rd);
         for pos in 0..t {
-            let cs = self.host.cos_sin(pos);
+            let cs = eng.cos_sin(pos);
             for h in 0..s.heads {
                 let start = pos * n + h * s.stride + s.offset;
                 let mut v = xv[start..start + rd].to_vec();
@@ -579,21 +623,49 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
         self.to_engine(&HostTensor::f32(shape, out)?)
     }
 
+    /// `rope_theta` and `yarn_mscale` change the indexer's RoPE too (one RoPE per engine);
+    /// `indexer_scale` and `indexer_wproj_scale` multiply every score (module [`attn`]).
     fn indexer_scores(&self, layer: usize, a: &E::Tensor, cq: &E::Tensor) -> Result<E::Tensor> {
-        if self
+        let neox = self
             .find(Some(layer), |k| matches!(k, FaultKind::IndexerRopeNeox))
-            .is_none()
-        {
+            .is_some();
+        let tables = attn::rope_tables(self.weights.hparams(), self.kinds_at(Some(layer)))
+            .map(|(f, a)| CpuEngine::with_rope(self.weights, f, a));
+        let factor = attn::indexer_factor(self.kinds_at(Some(layer)));
+        if !neox && tables.is_none() && factor.is_none() {
             return self.inner.indexer_scores(layer, a, cq);
         }
-        let (a, cq) = (self.to_host(a)?, self.to_host(cq)?);
-        let out = self
-            .host
-            .indexer_scores_with(layer, &a, &cq, host::rotate_halves)?;
+        let mut out = if neox || tables.is_some() {
+            let rotate = if neox {
+                host::rotate_halves
+            } else {
+                crate::engine::cpu::math::rotate_pairs
+            };
+            let (a, cq) = (self.to_host(a)?, self.to_host(cq)?);
+            let eng = tables.as_ref().unwrap_or(&self.host);
+            eng.indexer_scores_with(layer, &a, &cq, rotate)?
+        } else {
+            self.to_host(&self.inner.indexer_scores(layer, a, cq)?)?
+        };
+        if let Some(f) = factor {
+            let shape = out.shape.clone();
+            let mut v = out.as_f32("indexer_scores")?.to_vec();
+            attn::scale_finite(&mut v, f);
+            out = HostTensor::f32(shape, v)?;
+        }
         self.to_engine(&out)
     }
 
+    /// `dsa_topk:K` keeps `K` keys (the layer is the one begun last, as for RoPE).
     fn top_k(&self, scores: &E::Tensor, k: usize) -> Result<E::Tensor> {
+        let k = self
+            .kinds_now()
+            .into_iter()
+            .find_map(|f| match f {
+                FaultKind::DsaTopK(n) => Some(*n),
+                _ => None,
+            })
+            .unwrap_or(k);
         self.inner.top_k(scores, k)
     }
 
@@ -607,9 +679,7 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
         let concat = self
             .find(l, |k| matches!(k, FaultKind::KvBConcat))
             .is_some();
-        let latent = self
-            .find(l, |k| matches!(k, FaultKind::ScaleLatent))
-            .is_some();
+        let split = self.find(l, |k| matches!(k, FaultKind::KvBSplit)).is_some();
         let shard = match self
             .find(l, |k| matches!(k, FaultKind::TpShard(_)))
             .map(|f| &f.kind)
@@ -617,21 +687,39 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
             Some(FaultKind::TpShard(n)) => Some(*n),
             _ => None,
         };
-        if !concat && !latent && shard.is_none() {
+        let hp = self.weights.hparams();
+        // kv_b's K and V halves under weight_scale (attn_k_b, attn_v_b; or the legacy attn_kv_b).
+        let names = self.weights.kv_b_names(layer);
+        let factor = |n: Option<&String>| {
+            n.and_then(|n| attn::weight_factor(self.kinds_at(l), n))
+                .unwrap_or(1.0)
+        };
+        let (fk, fv) = match names.as_slice() {
+            [kv] => (factor(Some(kv)), factor(Some(kv))),
+            _ => (factor(names.first()), factor(names.get(1))),
+        };
+        let scale = attn::softmax_scale(hp, self.kinds_at(l));
+        if !concat
+            && !split
+            && shard.is_none()
+            && (fk, fv) == (1.0, 1.0)
+            && scale == rope::softmax_scale(hp)
+        {
             return self.inner.mla_attention(layer, x, want_probs);
         }
-        let hp = self.weights.hparams();
         let mut kv_b = self.host.host_kv_b(layer)?;
+        if (fk, fv) != (1.0, 1.0) {
+            attn::scale_kv_b(&mut kv_b, hp.qk_nope, hp.v_head, fk, fv);
+        }
         if concat {
             kv_b = host::kv_b_concat(&kv_b, hp.n_head, hp.qk_nope, hp.v_head);
+        }
+        if split {
+            kv_b = attn::kv_b_split(&kv_b, hp.n_head, hp.qk_nope, hp.v_head);
         }
         if let Some(n) = shard {
             let from = host::shard_heads(hp.n_head, n);
             kv_b = host::map_row_blocks(&kv_b, hp.qk_nope + hp.v_head, &from)?;
-        }
-        let mut scale = rope::softmax_scale(hp);
-        if latent {
-            scale *= (hp.qk_head() as f64).sqrt() / ((hp.kv_lora_rank + hp.qk_rope) as f64).sqrt();
         }
         let (q_b, q_pe, kv_norm, k_pe) = (
             self.to_host(x.q_b)?,

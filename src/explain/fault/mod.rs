@@ -14,6 +14,7 @@
 //! recomputes a failing step under each fault that applies to it and ranks the faults by how well
 //! they reproduce the candidate's output.
 
+pub mod attn;
 mod engine;
 pub mod host;
 mod route;
@@ -127,6 +128,68 @@ pub enum FaultKind {
     /// computed `silu(up) * gate`, coherent-looking output; the fused shared-expert gate/up split
     /// in the review of vllm-project/vllm#55686). `gate_up_swap` is the routed experts'.
     GateUpSwapMlp(MlpPart),
+    /// `weight_scale:GLOB,F`: the layer's projections, RMSNorm weights and kv_b halves whose
+    /// suffix matches `glob` (`attn_k_b.weight`/`attn_v_b.weight` scale the K/V rows of kv_b)
+    /// multiplied by `factor`: a block scale read wrong or a constant dropped in a loader
+    /// (FP8 `weight_scale_inv` rounded an octave off, huggingface/transformers#46763; a block
+    /// scale silently not applied, wuwangzhang1216/abliterix#93). A projection's or norm's output
+    /// is linear in `factor`: `--explain` fits it in closed form.
+    WeightScale {
+        /// Tensor suffix glob (a global tensor's full name: `output.weight`).
+        glob: String,
+        /// The factor.
+        factor: f64,
+    },
+    /// `softmax_scale:F`: the MLA softmax scale multiplied by `F` (`--explain` fits `F` by a
+    /// 1-D search and names the factors of known bugs: [`FaultKind::ScaleLatent`]'s,
+    /// `yarn_mscale:none`'s `1/mscale^2`, `mscale^2` once more).
+    SoftmaxScale(f64),
+    /// `yarn_mscale:none|twice`: DeepSeek YaRN's magnitude correction `mscale = 0.1 *
+    /// mscale_all_dim * ln(factor) + 1` (spec 2.1 step 7, `model::rope`) missing, or applied
+    /// twice (see [`Mscale`]).
+    YarnMscale(Mscale),
+    /// `rope_theta:X`: RoPE (MLA and the DSA indexer) with frequency base `X` instead of the
+    /// file's `rope.freq_base` (a converter or loader that does not read it and uses a default:
+    /// ggml-org/llama.cpp#2768, CodeLlama's 1e6 read as 10000; ggml-org/llama.cpp#3401). With
+    /// YaRN the correction range moves with the base, as `model::rope::inv_freq` computes it.
+    /// `--explain` fits `X` by a 1-D search on a log scale.
+    RopeTheta(f64),
+    /// `dsa_topk:K`: the DSA indexer keeps `K` keys per query instead of `index_topk` (an
+    /// off-by-one is `index_topk +- 1`). Only rows whose query sees more than `min(K,
+    /// index_topk)` keys change. Top-k selection is where DSA engines have gone wrong silently
+    /// (ml-explore/mlx-lm#1454: zeroed scores, selection of the last `index_topk` keys).
+    DsaTopK(usize),
+    /// `indexer_scale:F`: the DSA indexer's score scale `dI^-0.5` (transformers
+    /// `glm_moe_dsa` `GlmMoeDsaIndexer.softmax_scale`, applied to `q.k` before the ReLU)
+    /// multiplied by `F > 0`. The ReLU commutes with a positive factor, so every score is
+    /// multiplied by `F`: the `indexer_scores` hook changes, the top-k selection does not (ties
+    /// aside). Indistinguishable at that hook from [`FaultKind::IndexerWprojScale`].
+    IndexerScale(f64),
+    /// `indexer_wproj_scale:F`: the indexer's head weights `weights_proj(a) * nI^-0.5`
+    /// (DeepSeek-V3.2 `inference/model.py` `Indexer.forward`, transformers `glm_moe_dsa`)
+    /// multiplied by `F > 0` (`F = sqrt(nI)`: the `nI^-0.5` factor missing; `1/sqrt(nI)`: applied
+    /// twice). The weights multiply the ReLU'd products linearly, so every score is again
+    /// multiplied by `F`: same effect as [`FaultKind::IndexerScale`] (the selection is
+    /// unchanged); `--explain` reports both with one fitted `F` and names the factors.
+    IndexerWprojScale(f64),
+    /// `norm_one_plus[:GLOB]`: RMSNorm computed as `x * (1 + w)` (Gemma's convention, where the
+    /// checkpoint stores `w - 1`) for the norms whose suffix matches `glob` (default every
+    /// norm): a Gemma-style norm or a `+1` fold applied to weights that already hold the real
+    /// gamma (kekzl/imp#459, utensils/mold#1078: a GGUF whose converter baked in the `+1`).
+    NormOnePlus {
+        /// Norm weight suffix glob ([`DEFAULT_NORM_ONE_PLUS`]: every norm).
+        glob: String,
+    },
+    /// `kv_b_split:kv`: a per-head kv_b (HF `kv_b_proj`, rows `[K_h | V_h]` per head) split into
+    /// k_b and v_b as if it were all heads' K rows, then all V rows: the engine's head `h` K
+    /// rows are rows `h*nope..` of the tensor and its V rows `H*nope + h*v..`. The inverse of
+    /// [`FaultKind::KvBConcat`] (which builds the all-K-then-all-V tensor and reads it per
+    /// head). llama.cpp's converter views `kv_b_proj` as `[H, nope + v, kv_lora]` before
+    /// `torch.split(.., [nope, v], dim=1)` (`convert_hf_to_gguf.py`, `DeepseekV2Model.
+    /// modify_tensors`), vLLM as `[kv_lora, H, nope + v]` before splitting the last axis
+    /// (`vllm/attention/backends/mla/common.py`, `process_weights_after_loading`); a split of the
+    /// flat tensor along its rows skips that view.
+    KvBSplit,
 }
 
 /// The scale `routed_scale` puts on the routed experts' weights.
@@ -191,6 +254,29 @@ pub enum MlpPart {
 pub fn factor_words(x: f64) -> String {
     format!("{}", (x * 1e4).round() / 1e4)
 }
+
+/// How [`FaultKind::YarnMscale`] gets the YaRN magnitude wrong.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mscale {
+    /// `none`: the softmax scale without `mscale^2` (`1/sqrt(nope + rope)`) and cos/sin
+    /// without the YaRN attention factor: the correction an engine skips when it applies YaRN
+    /// only to the frequencies (onnxruntime/mobius#548, huggingface/transformers#47435,
+    /// vllm-project/tpu-inference#521; vLLM computes it with `yarn_get_mscale` in
+    /// `vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py` and
+    /// `models/deepseek_v2.py`).
+    Missing,
+    /// `twice`: the softmax scale keeps `mscale^2` and cos/sin are multiplied by `1 + 0.1
+    /// ln(factor)` as well: ggml's `rope_yarn` applies that magnitude itself, and llama.cpp's
+    /// deepseek2 graph cancels it with `attn_factor = 1 / (1 + 0.1 ln(factor))` because
+    /// `kq_scale` already holds `mscale^2` (`src/models/deepseek2.cpp`,
+    /// `llama_hparams::yarn_attn_factor_adjust`, ggml-org/llama.cpp#17945; the difference found
+    /// in ggml-org/llama.cpp#7118). Without the cancel the rotated part of every logit gets the
+    /// magnitude twice (Avarok-Cybersecurity/atlas#342).
+    Twice,
+}
+
+/// The norms `norm_one_plus` touches when no glob is given: every RMSNorm.
+pub const DEFAULT_NORM_ONE_PLUS: &str = "*";
 
 /// The `--inject` kinds with a one-line description, for help texts and errors.
 pub const CATALOG: &[(&str, &str)] = &[
@@ -269,6 +355,27 @@ pub const CATALOG: &[(&str, &str)] = &[
     (
         "gate_up_swap:dense|shared",
         "gate and up exchanged in the dense MLP or the shared expert",
+    ),
+    (
+        "weight_scale:GLOB,F",
+        "a projection, norm weight or kv_b half scaled by F",
+    ),
+    ("softmax_scale:F", "the MLA softmax scale multiplied by F"),
+    (
+        "yarn_mscale:none|twice",
+        "the YaRN mscale missing, or applied in cos/sin too",
+    ),
+    ("rope_theta:X", "RoPE frequency base X"),
+    ("dsa_topk:K", "the DSA indexer keeps K keys"),
+    ("indexer_scale:F", "the indexer's q.k scale multiplied by F"),
+    (
+        "indexer_wproj_scale:F",
+        "the indexer's head weights multiplied by F",
+    ),
+    ("norm_one_plus[:GLOB]", "RMSNorm as x * (1 + w)"),
+    (
+        "kv_b_split:kv",
+        "a per-head kv_b split as all K rows then all V rows",
     ),
 ];
 
@@ -387,7 +494,7 @@ impl FaultKind {
             },
             "routed_scale" => {
                 let a = need("a scale")?;
-                FaultKind::RoutedScale(RoutedScale::Factor(factor(name, a, a)?))
+                FaultKind::RoutedScale(RoutedScale::Factor(route_factor(name, a, a)?))
             }
             "routed_scaling_ignored" => no_arg(FaultKind::RoutedScale(RoutedScale::Ignored))?,
             "routed_scaling_twice" => no_arg(FaultKind::RoutedScale(RoutedScale::Twice))?,
@@ -418,7 +525,7 @@ impl FaultKind {
                 let (e, f) = a
                     .split_once(',')
                     .with_context(|| format!("fault expert_scale:{a}: expected expert_scale:E,F"))?;
-                let factor = factor(name, a, f)?;
+                let factor = route_factor(name, a, f)?;
                 if factor == 1.0 {
                     bail!("fault expert_scale:{a}: a factor of 1 changes nothing");
                 }
@@ -427,6 +534,60 @@ impl FaultKind {
                     factor,
                 }
             }
+            "weight_scale" => {
+                let a = need("a tensor glob and a factor")?;
+                let (glob, f) = a.rsplit_once(',').with_context(|| {
+                    format!("fault weight_scale:{a}: expected weight_scale:GLOB,F")
+                })?;
+                let glob = glob.trim();
+                if glob.is_empty() {
+                    bail!("fault weight_scale:{a}: empty tensor glob");
+                }
+                FaultKind::WeightScale {
+                    glob: glob.to_string(),
+                    factor: factor(name, f, false)?,
+                }
+            }
+            "softmax_scale" => FaultKind::SoftmaxScale(factor(name, need("a factor")?, true)?),
+            "yarn_mscale" => FaultKind::YarnMscale(match need("none or twice")? {
+                "none" => Mscale::Missing,
+                "twice" => Mscale::Twice,
+                a => bail!("fault yarn_mscale:{a}: expected yarn_mscale:none or yarn_mscale:twice"),
+            }),
+            "rope_theta" => {
+                let a = need("a frequency base")?;
+                let x: f64 = a
+                    .parse()
+                    .with_context(|| format!("fault rope_theta:{a}: not a number"))?;
+                if !x.is_finite() || x <= 1.0 {
+                    bail!("fault rope_theta:{a}: the base must be finite and above 1");
+                }
+                FaultKind::RopeTheta(x)
+            }
+            "dsa_topk" => {
+                let k = num(need("a key count")?, "key count")?;
+                if k == 0 {
+                    bail!("fault dsa_topk:0: the indexer keeps at least one key");
+                }
+                FaultKind::DsaTopK(k)
+            }
+            "indexer_scale" => FaultKind::IndexerScale(factor(name, need("a factor")?, true)?),
+            "indexer_wproj_scale" => {
+                FaultKind::IndexerWprojScale(factor(name, need("a factor")?, true)?)
+            }
+            "norm_one_plus" => FaultKind::NormOnePlus {
+                glob: match arg {
+                    None => DEFAULT_NORM_ONE_PLUS.to_string(),
+                    Some("") => bail!("fault norm_one_plus: empty norm glob"),
+                    Some(g) => g.to_string(),
+                },
+            },
+            "kv_b_split" => match arg {
+                Some("kv") => FaultKind::KvBSplit,
+                _ => bail!(
+                    "fault kv_b_split needs the order the split assumes: kv_b_split:kv (all K rows, then all V rows)"
+                ),
+            },
             other => {
                 let kinds: Vec<&str> = CATALOG.iter().map(|(k, _)| *k).collect();
                 bail!(
@@ -439,7 +600,7 @@ impl FaultKind {
 }
 
 /// A scale factor `v` of fault `name` (argument `arg`): finite and not negative.
-fn factor(name: &str, arg: &str, v: &str) -> Result<f64> {
+fn route_factor(name: &str, arg: &str, v: &str) -> Result<f64> {
     let x: f64 = v
         .trim()
         .parse()
@@ -448,6 +609,25 @@ fn factor(name: &str, arg: &str, v: &str) -> Result<f64> {
         bail!("fault {name}:{arg}: factor {x} must be finite and not negative");
     }
     Ok(x)
+}
+
+/// A factor of a scale fault: finite, not 1 (that changes nothing), and positive when
+/// `positive` (else not 0).
+fn factor(name: &str, v: &str, positive: bool) -> Result<f64> {
+    let f: f64 = v
+        .trim()
+        .parse()
+        .with_context(|| format!("fault {name}: factor {v:?} is not a number"))?;
+    if !f.is_finite() || f == 0.0 || (positive && f < 0.0) {
+        bail!(
+            "fault {name}: factor {v} must be finite and {}",
+            if positive { "above 0" } else { "not 0" }
+        );
+    }
+    if f == 1.0 {
+        bail!("fault {name}: factor 1 changes nothing");
+    }
+    Ok(f)
 }
 
 fn example(name: &str) -> &'static str {
@@ -462,6 +642,11 @@ fn example(name: &str) -> &'static str {
         "tp_shard" => "2",
         "norm_eps" => "1e-6",
         "transposed" => "attn_output.weight",
+        "weight_scale" => "attn_output.weight,1.01",
+        "softmax_scale" | "indexer_scale" | "indexer_wproj_scale" => "1.05",
+        "yarn_mscale" => "none",
+        "rope_theta" => "1e6",
+        "dsa_topk" => "2047",
         _ => "ARG",
     }
 }
@@ -516,6 +701,19 @@ impl fmt::Display for FaultKind {
             }
             FaultKind::GateUpSwapMlp(MlpPart::Dense) => f.write_str("gate_up_swap:dense"),
             FaultKind::GateUpSwapMlp(MlpPart::Shared) => f.write_str("gate_up_swap:shared"),
+            FaultKind::WeightScale { glob, factor } => write!(f, "weight_scale:{glob},{factor}"),
+            FaultKind::SoftmaxScale(x) => write!(f, "softmax_scale:{x}"),
+            FaultKind::YarnMscale(Mscale::Missing) => f.write_str("yarn_mscale:none"),
+            FaultKind::YarnMscale(Mscale::Twice) => f.write_str("yarn_mscale:twice"),
+            FaultKind::RopeTheta(x) => write!(f, "rope_theta:{x}"),
+            FaultKind::DsaTopK(k) => write!(f, "dsa_topk:{k}"),
+            FaultKind::IndexerScale(x) => write!(f, "indexer_scale:{x}"),
+            FaultKind::IndexerWprojScale(x) => write!(f, "indexer_wproj_scale:{x}"),
+            FaultKind::NormOnePlus { glob } if glob == DEFAULT_NORM_ONE_PLUS => {
+                f.write_str("norm_one_plus")
+            }
+            FaultKind::NormOnePlus { glob } => write!(f, "norm_one_plus:{glob}"),
+            FaultKind::KvBSplit => f.write_str("kv_b_split:kv"),
         }
     }
 }
@@ -546,7 +744,11 @@ impl Fault {
         // A full GGUF name (`blk.1.attn_q_a.weight`, as `inspect` lists it) selects its layer:
         // the glob is matched without `blk.L.`, and `L` becomes the fault's layer.
         let mut named = None;
-        if let FaultKind::Transposed { glob } | FaultKind::LayerWeights { glob, .. } = &mut kind {
+        if let FaultKind::Transposed { glob }
+        | FaultKind::LayerWeights { glob, .. }
+        | FaultKind::WeightScale { glob, .. }
+        | FaultKind::NormOnePlus { glob } = &mut kind
+        {
             if let Some((l, suffix)) = names::split_blk(glob) {
                 let suffix = suffix.to_string();
                 if suffix.is_empty() {
@@ -793,6 +995,21 @@ impl Fault {
             | FaultKind::GateUpSwapMlp(_) => route::check(&self.kind, &me, weights, &layers)?,
             FaultKind::KvBConcat | FaultKind::RopeNeox | FaultKind::ScaleLatent => {}
             FaultKind::F32Accumulate | FaultKind::NormEps(_) => {}
+            FaultKind::WeightScale { .. }
+            | FaultKind::SoftmaxScale(_)
+            | FaultKind::YarnMscale(_)
+            | FaultKind::RopeTheta(_)
+            | FaultKind::DsaTopK(_)
+            | FaultKind::IndexerScale(_)
+            | FaultKind::IndexerWprojScale(_)
+            | FaultKind::NormOnePlus { .. }
+            | FaultKind::KvBSplit => attn::check(
+                &self.kind,
+                &me,
+                weights,
+                &layers,
+                self.layers.is_none() && tail,
+            )?,
         }
         if layers.is_empty() && !matches!(self.kind, FaultKind::RunMtp) && self.layers.is_some() {
             bail!("--inject {me}: touches no layer of the run");
@@ -934,6 +1151,62 @@ mod tests {
             Fault::parse("rope_neox@1..3").unwrap().layers,
             Some(vec![1, 2])
         );
+    }
+
+    #[test]
+    fn attention_kinds_parse_and_print_back() {
+        for s in [
+            "weight_scale:attn_output.weight,1.01@1",
+            "weight_scale:output.weight,0.5",
+            "softmax_scale:1.05",
+            "yarn_mscale:none@2",
+            "yarn_mscale:twice",
+            "rope_theta:1000000@0",
+            "dsa_topk:2047",
+            "indexer_scale:0.25@1",
+            "indexer_wproj_scale:8",
+            "norm_one_plus",
+            "norm_one_plus:attn_*norm.weight@1",
+            "kv_b_split:kv@1",
+        ] {
+            let f = Fault::parse(s).unwrap();
+            assert_eq!(f.to_string(), s, "{s}");
+            assert_eq!(Fault::parse(&f.to_string()).unwrap(), f, "{s}");
+        }
+        assert_eq!(
+            Fault::parse("rope_theta:1e6").unwrap().kind,
+            FaultKind::RopeTheta(1e6)
+        );
+        // A full GGUF name picks its layer, as for transposed.
+        let f = Fault::parse("weight_scale:blk.2.attn_kv_a_norm.weight,1.1").unwrap();
+        assert_eq!(f.to_string(), "weight_scale:attn_kv_a_norm.weight,1.1@2");
+        let f = Fault::parse("norm_one_plus:blk.0.ffn_norm.weight").unwrap();
+        assert_eq!(f.to_string(), "norm_one_plus:ffn_norm.weight@0");
+        for (s, want) in [
+            (
+                "weight_scale:attn_output.weight",
+                "expected weight_scale:GLOB,F",
+            ),
+            ("weight_scale:,2", "empty tensor glob"),
+            ("weight_scale:x,0", "must be finite and not 0"),
+            ("softmax_scale:1", "factor 1 changes nothing"),
+            ("softmax_scale:-1", "must be finite and above 0"),
+            ("indexer_scale:nan", "must be finite"),
+            ("softmax_scale", "needs a factor"),
+            (
+                "yarn_mscale:half",
+                "expected yarn_mscale:none or yarn_mscale:twice",
+            ),
+            ("rope_theta:1", "above 1"),
+            ("dsa_topk:0", "at least one key"),
+            ("dsa_topk:x", "is not a number"),
+            ("norm_one_plus:", "empty norm glob"),
+            ("kv_b_split", "kv_b_split:kv"),
+            ("kv_b_split:vk", "kv_b_split:kv"),
+        ] {
+            let e = format!("{:#}", Fault::parse(s).unwrap_err());
+            assert!(e.contains(want), "{s}: {e}");
+        }
     }
 
     #[test]
