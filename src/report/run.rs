@@ -730,6 +730,7 @@ fn mode_json(r: &Option<ModeResult>) -> Value {
             "flips": r.flips,
             "drift_from": r.drift_from,
             "plain_error": r.plain_error,
+            "systematic": r.systematic,
         }),
     }
 }
