@@ -290,8 +290,18 @@ fn a_trace_without_a_dtype_is_judged_by_its_values() {
         t,
         &["run", gguf, "--against", &against, "--precision", "*=bf16"],
     );
-    assert_eq!(rc, 0, "{text}");
+    // A 1% gain is under the bf16 floor of relative L2, but rounding cannot make it.
+    assert_eq!(rc, 1, "{text}");
     assert!(notes(&j).contains("--precision '*=bf16' sets it"), "{text}");
+    assert_eq!(j["first_divergence"]["hook"], "blk.1.attn_out", "{text}");
+    let note = j["first_divergence"]["note"].as_str().unwrap_or_default();
+    let gain: f64 = note
+        .split("systematic: gain ")
+        .nth(1)
+        .and_then(|x| x.split_whitespace().next())
+        .and_then(|x| x.parse().ok())
+        .unwrap_or(f64::NAN);
+    assert!((gain - 1.01).abs() < 2e-3, "{note}");
 }
 
 /// The router's precision is read from the trace: a dtype that says only `bf16` judges the

@@ -8,6 +8,7 @@ pub mod graph;
 pub mod logits;
 pub mod metrics;
 pub mod selection;
+pub mod systematic;
 pub mod verdict;
 
 pub use floors::{Dtype, HookInfo, Kind, Precision};

@@ -46,7 +46,8 @@ use anyhow::Result;
 use serde::Serialize;
 
 use super::floors::{
-    flip_tolerance, floor, point_of, segment_floor, Carried, HookInfo, Precision, TOKEN_FACTOR,
+    flip_tolerance, floor, point_of, segment_floor, Carried, HookInfo, Kind, Precision,
+    TOKEN_FACTOR,
 };
 use super::graph::order_key;
 use super::logits::{analyse, LogitsReport};
@@ -55,13 +56,14 @@ use super::selection::{
     differing_rows, has_near_tie, implied_bias, judge_flips, near_tie_rows, near_tie_swaps,
     FlipStats, Scores,
 };
+use super::systematic::{analyse as analyse_systematic, Direction, Layout, Systematic};
 
 /// How far the reference's selections may contradict the selection bias they imply before the
 /// implication is dropped (scores rounded to f32 after a selection made from f64 ones).
 const IMPLIED_SLACK: f64 = 1e-5;
 use crate::model::names::split_blk;
 use crate::tensor::HostTensor;
-use crate::trace::{Mode, Pair, PairSink, Swap};
+use crate::trace::{Mode, Pair, PairSink, Part, Swap};
 use crate::util::glob::matches as glob_match;
 
 /// How one hook fared in one mode.
@@ -104,6 +106,10 @@ pub struct ModeResult {
     /// follows the candidate's near-tie selections; the same as `error` where both chains
     /// agree, or where the reference cannot follow (two traces).
     pub plain_error: Option<f64>,
+    /// Float hooks: the systematic components of the error ([`super::systematic`]): the
+    /// overall gain, the most significant group gain, and the one named as a bug.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub systematic: Option<Systematic>,
 }
 
 /// Steps the reference replayed as one: from hooks of the trace through hooks the trace lacks
@@ -218,6 +224,9 @@ pub struct Judge {
     /// expert flips are judged by the smallest gap a bias consistent with the reference's own
     /// selections leaves ([`super::selection::implied_bias`]).
     pub bias_unknown: bool,
+    /// Attention heads of the model, when known: hooks with a head axis flattened into their
+    /// columns (`q_b`, `attn_heads`) are tested for one head's gain.
+    pub heads: Option<usize>,
 }
 
 impl Judge {
@@ -290,6 +299,8 @@ impl Judge {
 /// Receives pairs, keeps their metrics and verdicts.
 pub struct Comparison {
     judge: Judge,
+    /// Replay: the bug families' directions of the next pair of a hook ([`PairSink::components`]).
+    parts: HashMap<String, Vec<Part>>,
     wants: Box<dyn Fn(&str) -> bool>,
     tokens: Vec<u32>,
     records: Vec<HookRecord>,
@@ -405,6 +416,7 @@ impl Comparison {
     pub fn new(judge: Judge, wants: Box<dyn Fn(&str) -> bool>, tokens: &[u32]) -> Comparison {
         Comparison {
             judge,
+            parts: HashMap::new(),
             wants,
             tokens: tokens.to_vec(),
             records: Vec::new(),
@@ -652,7 +664,12 @@ impl Comparison {
     }
 
     /// Judges one pair; in chained mode also what the hook passes on downstream.
-    fn judge_pair(&self, pair: &Pair<'_>, floor: f64) -> (ModeResult, Option<Chain>) {
+    fn judge_pair(
+        &self,
+        pair: &Pair<'_>,
+        floor: f64,
+        parts: &[Part],
+    ) -> (ModeResult, Option<Chain>) {
         let with_note = |mut r: ModeResult| {
             if let Some(n) = &pair.note {
                 r.note = Some(match r.note {
@@ -685,6 +702,7 @@ impl Comparison {
                     flips: None,
                     drift_from: None,
                     plain_error: None,
+                    systematic: None,
                 });
                 return (r, chained.then_some(up));
             }
@@ -709,6 +727,7 @@ impl Comparison {
             flips: None,
             drift_from: None,
             plain_error: chained.then_some(error),
+            systematic: None,
         };
         // What the hook passes on (chained): the rows upstream differences reach, its error
         // over the others.
@@ -927,8 +946,67 @@ impl Comparison {
                 r.flips = Some(st);
             }
         }
+        if let Metrics::Float(m) = &metrics {
+            let expert = pair.name.contains(".exp.") && up.touched.is_empty();
+            if m.nonfinite_mismatch == 0 && (token_rows || expert) {
+                r.systematic = self.systematic(pair, &up.touched, parts);
+                let named = r.systematic.as_ref().and_then(Systematic::describe);
+                if let (Some(text), Status::Pass) = (named, r.status) {
+                    r.status = Status::Fail;
+                    r.note = Some(format!(
+                        "{text}; relative L2 {error:.3e} is within the allowed {allowed:.3e}"
+                    ));
+                }
+            }
+        }
         r.metrics = Some(metrics);
         (with_note(r), chained.then_some(next))
+    }
+
+    /// The systematic components of a float pair's error ([`super::systematic`]), over the
+    /// rows no selection difference upstream reaches (`touched`, chained).
+    fn systematic(
+        &self,
+        pair: &Pair<'_>,
+        touched: &BTreeSet<usize>,
+        parts: &[Part],
+    ) -> Option<Systematic> {
+        if matches!(
+            self.judge.info(pair.name).kind,
+            Kind::Selection | Kind::Zeros
+        ) {
+            return None;
+        }
+        let (Ok(r), Ok(c)) = (pair.reference.as_f32(""), pair.candidate.as_f32("")) else {
+            return None;
+        };
+        let shape = &pair.reference.shape;
+        let rows = shape.first().copied()?;
+        let cols: usize = shape[1..].iter().product();
+        let heads = match (shape.len(), point_of(pair.name)) {
+            (3, _) => Some(shape[1]),
+            (2, "q_b" | "attn_heads") => self.judge.heads,
+            _ => None,
+        };
+        let layout = Layout { rows, cols, heads };
+        let dirs: Vec<Direction<'_>> = parts
+            .iter()
+            .filter_map(|p| {
+                Some(Direction {
+                    label: &p.label,
+                    family: p.family,
+                    values: p.tensor.as_f32("").ok()?,
+                })
+            })
+            .collect();
+        if touched.is_empty() {
+            return analyse_systematic(r, c, layout, &dirs);
+        }
+        let mut masked = c.to_vec();
+        for &t in touched.iter().filter(|&&t| t < rows) {
+            masked[t * cols..(t + 1) * cols].fill(f32::NAN);
+        }
+        analyse_systematic(r, &masked, layout, &dirs)
     }
 
     /// The first hook failing in `mode`.
@@ -1103,7 +1181,11 @@ impl PairSink for Comparison {
             None => self.judge.floor(pair.name),
         };
         let shape = pair.reference.shape.clone();
-        let (result, chain) = self.judge_pair(&pair, floor);
+        let parts = match pair.mode {
+            Mode::Replay => self.parts.remove(pair.name).unwrap_or_default(),
+            Mode::Chained => Vec::new(),
+        };
+        let (result, chain) = self.judge_pair(&pair, floor, &parts);
         if let Some(c) = chain {
             self.chain.insert(pair.name.to_string(), c);
         }
@@ -1254,6 +1336,10 @@ impl PairSink for Comparison {
         out
     }
 
+    fn components(&mut self, name: &str, parts: Vec<Part>) {
+        self.parts.insert(name.to_string(), parts);
+    }
+
     fn missing(&mut self, name: &str, mode: Mode, why: &str) {
         let rec = self.record_mut(name, &[], &[]);
         *rec.slot(mode) = Some(ModeResult {
@@ -1265,6 +1351,7 @@ impl PairSink for Comparison {
             flips: None,
             drift_from: None,
             plain_error: None,
+            systematic: None,
         });
     }
 
@@ -1371,6 +1458,7 @@ mod tests {
             selection_bias: HashMap::new(),
             groups: None,
             bias_unknown: false,
+            heads: None,
         }
     }
 

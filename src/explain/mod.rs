@@ -14,6 +14,7 @@
 //! [`case`] writes the captured step as a self-contained case for `glmdiff step` (`--repro`).
 
 pub mod case;
+pub mod directions;
 pub mod fault;
 pub mod fit_attn;
 pub mod fit_route;
@@ -54,24 +55,35 @@ pub struct CapturedStep {
 }
 
 /// A [`PairSink`] in front of a [`Comparison`] that keeps the first failing replay step
-/// ([`Capture::captured`]). Until it has one it copies each replayed step's inputs (one step at
-/// a time) and each replay pair's tensors; afterwards it only passes pairs on.
-pub struct Capture<'c> {
+/// ([`Capture::captured`]) and, with [`Capture::with_directions`], hands the comparison the
+/// directions of the bug families of each replayed step ([`directions`]). Until it has a failing
+/// step it copies each replayed step's inputs (one step at a time) and each replay pair's
+/// tensors; afterwards it only passes pairs on (and copies inputs for the directions).
+pub struct Capture<'c, 'w> {
     inner: &'c mut Comparison,
     enabled: bool,
+    directions: Option<CpuEngine<'w>>,
     pending: Option<(Step, Vec<HostTensor>)>,
     captured: Option<CapturedStep>,
 }
 
-impl<'c> Capture<'c> {
+impl<'c, 'w> Capture<'c, 'w> {
     /// A capture in front of `inner`; when not `enabled` it only passes pairs on.
-    pub fn new(inner: &'c mut Comparison, enabled: bool) -> Capture<'c> {
+    pub fn new(inner: &'c mut Comparison, enabled: bool) -> Capture<'c, 'w> {
         Capture {
             inner,
             enabled,
+            directions: None,
             pending: None,
             captured: None,
         }
+    }
+
+    /// Also computes the bug families' directions of each replayed step on the CPU reference
+    /// of `weights` and hands them to the comparison before the step's pairs.
+    pub fn with_directions(mut self, weights: &'w Weights<'w>) -> Capture<'c, 'w> {
+        self.directions = Some(CpuEngine::new(weights));
+        self
     }
 
     /// The first failing replay step, if any.
@@ -80,13 +92,26 @@ impl<'c> Capture<'c> {
     }
 }
 
-impl PairSink for Capture<'_> {
+impl PairSink for Capture<'_, '_> {
     fn wants(&self, name: &str) -> bool {
         self.inner.wants(name)
     }
 
     fn record(&mut self, pair: Pair<'_>) -> Result<()> {
-        let keep = pair.mode == Mode::Replay && self.captured.is_none() && self.pending.is_some();
+        if let (Mode::Replay, Some(cpu), Some((step, values))) =
+            (pair.mode, &self.directions, &self.pending)
+        {
+            // A direction that cannot be computed leaves the hook to the other tests.
+            if let Ok(parts) = directions::parts(cpu, step, values, pair.name) {
+                if !parts.is_empty() {
+                    self.inner.components(pair.name, parts);
+                }
+            }
+        }
+        let keep = self.enabled
+            && pair.mode == Mode::Replay
+            && self.captured.is_none()
+            && self.pending.is_some();
         let kept = keep.then(|| {
             (
                 pair.name.to_string(),
@@ -122,7 +147,7 @@ impl PairSink for Capture<'_> {
     }
 
     fn wants_replay_inputs(&self) -> bool {
-        self.enabled && self.captured.is_none()
+        (self.enabled && self.captured.is_none()) || self.directions.is_some()
     }
 
     fn replay_inputs(&mut self, step: &Step, inputs: &[HostTensor]) {

@@ -756,6 +756,7 @@ fn mode_json(r: &Option<ModeResult>) -> Value {
             "flips": r.flips,
             "drift_from": r.drift_from,
             "plain_error": r.plain_error,
+            "systematic": r.systematic,
         }),
     }
 }

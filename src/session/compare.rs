@@ -138,6 +138,7 @@ fn traces_judge(
         selection_bias: HashMap::new(),
         groups: None,
         bias_unknown: true,
+        heads: None,
     };
     let Some(path) = &req.model else {
         notes.push(
@@ -162,6 +163,7 @@ fn traces_judge(
     judge.selection_bias = selection_bias(&weights, &plan)?;
     judge.groups = weights.hparams().groups;
     judge.bias_unknown = false;
+    judge.heads = Some(weights.hparams().n_head);
     Ok(judge)
 }
 

@@ -87,7 +87,8 @@ impl Pass<'_, '_> {
         let mut cmp = Comparison::new(judge, wants_with_scores(&cfg.hook), &cfg.tokens);
         let t0 = Instant::now();
         // Without --explain/--repro the capture copies nothing and only passes pairs on.
-        let mut sink = Capture::new(&mut cmp, cfg.explain || cfg.repro.is_some());
+        let mut sink = Capture::new(&mut cmp, cfg.explain || cfg.repro.is_some())
+            .with_directions(self.weights);
         let summary = run_pair(
             self.reference,
             candidate,
@@ -130,5 +131,6 @@ fn run_judge(
         selection_bias: selection_bias(weights, &cfg.plan)?,
         groups: weights.hparams().groups,
         bias_unknown: false,
+        heads: Some(weights.hparams().n_head),
     })
 }

@@ -69,6 +69,7 @@ pub fn step(req: &StepRequest, hypotheses: &dyn Progress) -> Result<StepReport> 
         selection_bias: HashMap::new(),
         groups: weights.hparams().groups,
         bias_unknown: false,
+        heads: Some(weights.hparams().n_head),
     };
     let hook = stored.hook.clone();
     let mut cmp = Comparison::new(judge, Box::new(|_| true), &tokens);

@@ -99,6 +99,20 @@ pub struct Swap {
     pub tolerance: f64,
 }
 
+/// A direction along which a family of bugs moves a hook's value, computed by the reference
+/// from the same inputs: the error's coefficient on it is the bug's size
+/// (`compare::systematic`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Part {
+    /// What a coefficient on it means (`expert 5`, `softmax scale`).
+    pub label: String,
+    /// Parts of one family are tested together (the threshold rises with their number).
+    pub family: &'static str,
+    /// The direction, the hook's shape: the expert's weighted contribution to the routed sum, or
+    /// the change of the output per relative change of the parameter.
+    pub tensor: HostTensor,
+}
+
 /// Receives (reference, candidate) pairs.
 pub trait PairSink {
     /// Whether the sink compares hook `name` (asked before anything is downloaded).
@@ -163,6 +177,11 @@ pub trait PairSink {
     /// not excused as drift. Default: ignored.
     fn followed(&mut self, selection: &str, mode: Mode, rows: &[usize]) {
         let _ = (selection, mode, rows);
+    }
+    /// Replay: the directions of known bug families at hook `name` (its pair follows), for the
+    /// systematic test. Default: ignored.
+    fn components(&mut self, name: &str, parts: Vec<Part>) {
+        let _ = (name, parts);
     }
     /// Chained: the reference's own chain (its own selections everywhere) at hook `name`, where
     /// it differs from the chain that follows the candidate's near ties, whose pair was handed

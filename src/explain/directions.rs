@@ -1,0 +1,193 @@
+//! The directions of bug families at a replayed step, for the systematic test
+//! (`compare::systematic`): computed by the CPU reference from the inputs replay fed both sides.
+//!
+//! - `moe_routed` (a routed-experts step): each routed expert's weighted contribution
+//!   `C_e[t] = sum_k [ids[t,k] = e] w[t,k] Y_e(x_t)` (`[T, hidden]`, zero on rows that do not
+//!   route to `e`). The routed sum is `sum_e C_e`; an expert whose output is scaled by `1 + a`
+//!   (a wrong block scale in its down projection, a wrong per-expert scale) adds `a C_e`.
+//! - `attn_heads` (an attention step): `D = (f(s (1 + h)) - f(s)) / h`, the change of the
+//!   heads per relative change of the softmax scale `s` (`h` = [`SCALE_STEP`]): a scale off by
+//!   `1 + a` (a YaRN mscale applied once more or missing, a wrong head dimension) adds about
+//!   `a D`.
+//!
+//! - `q_pe_rope`, `k_pe_rope` (a RoPE step): `D = (f(theta (1 + h)) - f(theta)) / h`, the
+//!   change of the rotated values per relative change of the frequency base (YaRN's ramp and
+//!   factor recomputed for the moved base, as an engine with that base computes them): a wrong
+//!   `rope_theta` adds about `a D`.
+//!
+//! Cost: the experts' outputs once more (each routed expert on its own tokens), one more
+//! attention per replayed layer.
+
+use anyhow::{bail, Result};
+
+use crate::engine::cpu::math::rotate_pairs;
+use crate::engine::cpu::{mla_host, CpuEngine};
+use crate::engine::{HostTensor, MlaInputs};
+use crate::model::steps::{Op, Step};
+use crate::model::{rope, RopeSlice};
+use crate::trace::Part;
+
+/// The relative step of the softmax scale and the RoPE base for their directions.
+pub const SCALE_STEP: f64 = 0.01;
+
+/// The directions of the bug families of `step` at `hook`, from the step's replay `inputs`
+/// (one per `step.inputs`); empty for a step without a family.
+pub fn parts(
+    cpu: &CpuEngine<'_>,
+    step: &Step,
+    inputs: &[HostTensor],
+    hook: &str,
+) -> Result<Vec<Part>> {
+    if step.outputs.first().map(String::as_str) != Some(hook) {
+        return Ok(Vec::new());
+    }
+    match &step.op {
+        Op::MoeExperts { layer } if inputs.len() >= 3 => {
+            experts(cpu, *layer, &inputs[0], &inputs[1], &inputs[2])
+        }
+        Op::Attention { layer } if inputs.len() >= 4 => softmax_scale(cpu, *layer, inputs),
+        Op::Rope(slice) if !inputs.is_empty() => rope_theta(cpu, slice, &inputs[0]),
+        _ => Ok(Vec::new()),
+    }
+}
+
+/// Each routed expert's weighted contribution to the routed sum (module documentation).
+fn experts(
+    cpu: &CpuEngine<'_>,
+    layer: usize,
+    x: &HostTensor,
+    ids: &HostTensor,
+    w: &HostTensor,
+) -> Result<Vec<Part>> {
+    let (t, hidden) = x.dims2("moe input")?;
+    let (ti, k) = ids.dims2("moe_topk_ids")?;
+    if ti != t || w.shape != ids.shape {
+        bail!(
+            "systematic: layer {layer} experts: input {:?}, ids {:?}, weights {:?} disagree",
+            x.shape,
+            ids.shape,
+            w.shape
+        );
+    }
+    let (xv, idv, wv) = (x.as_f32("x")?, ids.as_i32("ids")?, w.as_f32("w")?);
+    let n_expert = cpu.weights().hparams().n_expert;
+    let mut out = Vec::new();
+    for e in 0..n_expert {
+        // The (token, weight) pairs routed to e, in token order.
+        let routed: Vec<(usize, f32)> = (0..t * k)
+            .filter(|&i| idv[i] == e as i32)
+            .map(|i| (i / k, wv[i]))
+            .collect();
+        if routed.is_empty() {
+            continue;
+        }
+        let xs: Vec<f32> = routed
+            .iter()
+            .flat_map(|&(tok, _)| xv[tok * hidden..(tok + 1) * hidden].iter().copied())
+            .collect();
+        let rows = cpu.expert_rows(layer, e)?;
+        let y = cpu.expert_output(&rows, &xs, routed.len())?; // [n_e, hidden]
+        let mut c = vec![0f32; t * hidden]; // [T, hidden]
+        for (j, &(tok, wt)) in routed.iter().enumerate() {
+            for (a, &v) in c[tok * hidden..(tok + 1) * hidden]
+                .iter_mut()
+                .zip(&y[j * hidden..(j + 1) * hidden])
+            {
+                *a += wt * v;
+            }
+        }
+        out.push(Part {
+            label: format!("expert {e}"),
+            family: "expert",
+            tensor: HostTensor::f32(vec![t, hidden], c)?,
+        });
+    }
+    Ok(out)
+}
+
+/// The direction of a softmax-scale change at an attention step (module documentation).
+fn softmax_scale(cpu: &CpuEngine<'_>, layer: usize, inputs: &[HostTensor]) -> Result<Vec<Part>> {
+    let hp = cpu.weights().hparams();
+    let kv_b = cpu.host_kv_b(layer)?;
+    let scale = rope::softmax_scale(hp);
+    let inp = || MlaInputs {
+        q_b: &inputs[0],
+        q_pe: &inputs[1],
+        kv_norm: &inputs[2],
+        k_pe: &inputs[3],
+        selection: inputs.get(4),
+    };
+    let (base, _) = mla_host(hp, layer, inp(), &kv_b, scale, false)?;
+    let (moved, _) = mla_host(hp, layer, inp(), &kv_b, scale * (1.0 + SCALE_STEP), false)?;
+    let d: Vec<f32> = moved
+        .as_f32("attn_heads")?
+        .iter()
+        .zip(base.as_f32("attn_heads")?)
+        .map(|(&a, &b)| ((f64::from(a) - f64::from(b)) / SCALE_STEP) as f32)
+        .collect();
+    Ok(vec![Part {
+        label: "softmax scale".to_string(),
+        family: "softmax scale",
+        tensor: HostTensor::f32(base.shape.clone(), d)?,
+    }])
+}
+
+/// The rotated values of a RoPE step (`[T, heads * stride]` input) with `inv_freq` and the
+/// cos/sin factor `factor`, as the reference rotates (interleaved pairs), flat.
+fn rotate(x: &HostTensor, s: &RopeSlice, inv_freq: &[f64], factor: f64) -> Result<Vec<f32>> {
+    let (t, n) = x.dims2("rope input")?;
+    let rd = inv_freq.len() * 2;
+    if n != s.heads * s.stride || s.offset + rd > s.stride {
+        bail!(
+            "systematic: rope: input [{t}, {n}] does not hold {} heads of {} with {rd} rotated values at {}",
+            s.heads,
+            s.stride,
+            s.offset
+        );
+    }
+    let xv = x.as_f32("rope input")?;
+    let mut out = Vec::with_capacity(t * s.heads * rd);
+    for pos in 0..t {
+        let cs: Vec<(f64, f64)> = inv_freq
+            .iter()
+            .map(|&f| {
+                let a = pos as f64 * f;
+                (a.cos() * factor, a.sin() * factor)
+            })
+            .collect();
+        for h in 0..s.heads {
+            let start = pos * n + h * s.stride + s.offset;
+            let mut pair = xv[start..start + rd].to_vec();
+            rotate_pairs(&mut pair, &cs);
+            out.extend(pair);
+        }
+    }
+    Ok(out)
+}
+
+/// The direction of a RoPE frequency-base change at a RoPE step (module documentation).
+fn rope_theta(cpu: &CpuEngine<'_>, s: &RopeSlice, x: &HostTensor) -> Result<Vec<Part>> {
+    let params = &cpu.weights().hparams().rope;
+    let factor = rope::attention_factor(params);
+    let mut moved_params = params.clone();
+    moved_params.base *= 1.0 + SCALE_STEP;
+    let base = rotate(x, s, &rope::inv_freq(params), factor)?;
+    let moved = rotate(x, s, &rope::inv_freq(&moved_params), factor)?;
+    let d: Vec<f32> = moved
+        .iter()
+        .zip(&base)
+        .map(|(&a, &b)| ((f64::from(a) - f64::from(b)) / SCALE_STEP) as f32)
+        .collect();
+    let (t, _) = x.dims2("rope input")?;
+    let rd = base.len() / (t * s.heads).max(1);
+    let shape = if s.keep_head_axis {
+        vec![t, s.heads, rd]
+    } else {
+        vec![t, s.heads * rd]
+    };
+    Ok(vec![Part {
+        label: "rope theta".to_string(),
+        family: "rope theta",
+        tensor: HostTensor::f32(shape, d)?,
+    }])
+}
