@@ -349,6 +349,7 @@ impl Case {
             candidate: get(format!("candidate.{}", h.hook))?,
             error: h.error.unwrap_or(f64::INFINITY),
             allowed: h.allowed,
+            noise: None,
         })
     }
 }

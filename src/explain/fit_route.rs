@@ -386,6 +386,7 @@ mod tests {
             candidate: c,
             error: 0.0,
             allowed: 0.0,
+            noise: None,
         }
     }
 

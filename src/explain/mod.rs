@@ -35,6 +35,12 @@ use crate::quant::GgmlType;
 use crate::trace::{Mode, Pair, PairSink, Swap};
 use crate::util::progress::Progress;
 
+/// How much closer than the noise a hypothesis must come to reproduce a candidate whose hook
+/// failed on a systematic component within the floor ([`CapturedStep::noise`]): the right
+/// fault, fitted, leaves the noise (up to its own fit's error); a wrong one leaves most of the
+/// component.
+pub const NOISE_SLACK: f64 = 1.25;
+
 /// The step behind the first failing replay hook, with everything needed to recompute it.
 #[derive(Clone, Debug)]
 pub struct CapturedStep {
@@ -52,6 +58,10 @@ pub struct CapturedStep {
     pub error: f64,
     /// The error allowed there (the floor).
     pub allowed: f64,
+    /// When the hook failed on a systematic component within the floor
+    /// (`compare::systematic`): the error left once that component is removed, what rounding
+    /// leaves. A hypothesis then reproduces the candidate only as closely as that.
+    pub noise: Option<f64>,
 }
 
 /// A [`PairSink`] in front of a [`Comparison`] that keeps the first failing replay step
@@ -135,6 +145,11 @@ impl PairSink for Capture<'_, '_> {
                     candidate,
                     error: res.error,
                     allowed: res.allowed,
+                    noise: res
+                        .systematic
+                        .as_ref()
+                        .filter(|s| s.finding.is_some() && res.error <= res.allowed)
+                        .and_then(|s| s.residual),
                 });
                 self.pending = None;
             }
@@ -521,7 +536,9 @@ pub fn explain(
             kind,
             hook: hook.to_string(),
             residual: r,
-            reproduces: r <= captured.allowed && r < reference_residual,
+            reproduces: r <= captured.allowed
+                && r < reference_residual
+                && captured.noise.is_none_or(|n| r <= NOISE_SLACK * n),
             param: fit.map(|f| f.param.to_string()),
             fitted: fit.map(|f| f.fitted),
             nominal: fit.map(|f| f.nominal),

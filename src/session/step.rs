@@ -95,6 +95,7 @@ pub fn step(req: &StepRequest, hypotheses: &dyn Progress) -> Result<StepReport> 
                 candidate,
                 error: record.replay.as_ref().map_or(f64::NAN, |r| r.error),
                 allowed: record.replay.as_ref().map_or(stored.allowed, |r| r.allowed),
+                noise: None,
                 ..stored
             };
             Some(explain(&here, &weights, &tokens, hypotheses)?)
