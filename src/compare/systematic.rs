@@ -534,7 +534,7 @@ mod tests {
     #[test]
     fn a_one_percent_gain_is_found_by_hand() {
         // e = 0.01 r plus one rounding: the gain is 1.01 to within the rounding's noise.
-        let (r, c) = pair(12, 256, 3);
+        let (r, _) = pair(12, 256, 3);
         let c: Vec<f32> = r.iter().map(|&x| round_bf16(x * 1.01)).collect();
         let s = analyse(
             &r,

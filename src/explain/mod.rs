@@ -630,6 +630,23 @@ pub fn explain(
                 }
             }
         }
+        // A dense MLP whose gate and up were exchanged after their projections (the
+        // projections' hooks agree, `silu(up) * gate` does not): the SwiGLU of its inputs
+        // exchanged.
+        Op::SwiGlu if step.inputs.len() == 2 => {
+            if let (Some(g), Some(u)) = (input(&step.inputs[0]), input(&step.inputs[1])) {
+                match cpu.swiglu(u, g) {
+                    Ok(out) => {
+                        let f = Fault::new(
+                            FaultKind::GateUpSwapMlp(fault::MlpPart::Dense),
+                            step.layer.map(|l| vec![l]),
+                        );
+                        push(f.to_string(), &out, None, &mut unchanged);
+                    }
+                    Err(e) => notes.push(format!("gate/up exchange: {e:#}")),
+                }
+            }
+        }
         _ if [point::Q_B, point::Q_PE_ROPE, point::ATTN_HEADS]
             .contains(&crate::compare::floors::point_of(hook)) =>
         {

@@ -658,15 +658,30 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
 
     /// `dsa_topk:K` keeps `K` keys (the layer is the one begun last, as for RoPE).
     fn top_k(&self, scores: &E::Tensor, k: usize) -> Result<E::Tensor> {
-        let k = self
-            .kinds_now()
-            .into_iter()
-            .find_map(|f| match f {
-                FaultKind::DsaTopK(n) => Some(*n),
-                _ => None,
-            })
-            .unwrap_or(k);
-        self.inner.top_k(scores, k)
+        let n = self.kinds_now().into_iter().find_map(|f| match f {
+            FaultKind::DsaTopK(n) => Some(*n),
+            _ => None,
+        });
+        let n = match n {
+            None => return self.inner.top_k(scores, k),
+            Some(n) if n >= k => return self.inner.top_k(scores, n),
+            Some(n) => n,
+        };
+        // Fewer keys than the model's top-k: each row is padded with -1 to the hook's width
+        // `min(index_topk, T)`, as the trace format keeps it (docs/hooks.md).
+        let picked = self.to_host(&self.inner.top_k(scores, n)?)?;
+        let (t, have) = picked.dims2("indexer_topk")?;
+        let width = k.min(self.to_host(scores)?.shape.last().copied().unwrap_or(k));
+        if have >= width {
+            return self.to_engine(&picked);
+        }
+        let ids = picked.as_i32("indexer_topk")?;
+        let mut out = Vec::with_capacity(t * width);
+        for row in ids.chunks(have.max(1)).take(t) {
+            out.extend_from_slice(row);
+            out.extend(std::iter::repeat_n(-1, width - have));
+        }
+        self.to_engine(&HostTensor::i32(vec![t, width], out)?)
     }
 
     fn mla_attention(
