@@ -2,6 +2,7 @@ mod bench_layer;
 mod cli;
 mod common;
 mod dequant;
+mod engine_bugs;
 mod engines;
 mod faults;
 mod faults_attn;

@@ -10,6 +10,9 @@
 //!   `1 + a` (a YaRN mscale applied once more or missing, a wrong head dimension) adds about
 //!   `a D`.
 //!
+//!   At the same step, the direction of a RoPE base change inside its inputs (`q_pe`, `k_pe`
+//!   rotated back and forward by the moved base's angles): where a trace lacks the rotated
+//!   values (RoPE fused into attention), a wrong base shows first at `attn_heads`.
 //! - `q_pe_rope`, `k_pe_rope` (a RoPE step): `D = (f(theta (1 + h)) - f(theta)) / h`, the
 //!   change of the rotated values per relative change of the frequency base (YaRN's ramp and
 //!   factor recomputed for the moved base, as an engine with that base computes them): a wrong
@@ -125,11 +128,72 @@ fn softmax_scale(cpu: &CpuEngine<'_>, layer: usize, inputs: &[HostTensor]) -> Re
         .zip(base.as_f32("attn_heads")?)
         .map(|(&a, &b)| ((f64::from(a) - f64::from(b)) / SCALE_STEP) as f32)
         .collect();
-    Ok(vec![Part {
+    let mut parts = vec![Part {
         label: "softmax scale".to_string(),
         family: "softmax scale",
         tensor: HostTensor::f32(base.shape.clone(), d)?,
-    }])
+    }];
+    // The RoPE base inside the step's inputs: q_pe and k_pe rotated back by the model's
+    // angles and forward by the moved base's (a trace without q_pe_rope/k_pe_rope, whose
+    // RoPE is fused into its attention, shows a wrong base only here).
+    let params = &hp.rope;
+    let mut moved_params = params.clone();
+    moved_params.base *= 1.0 + SCALE_STEP;
+    let (old, new) = (rope::inv_freq(params), rope::inv_freq(&moved_params));
+    let q_pe = rerotate(&inputs[1], &old, &new)?;
+    let k_pe = rerotate(&inputs[3], &old, &new)?;
+    let moved_inp = MlaInputs {
+        q_b: &inputs[0],
+        q_pe: &q_pe,
+        kv_norm: &inputs[2],
+        k_pe: &k_pe,
+        selection: inputs.get(4),
+    };
+    let (moved, _) = mla_host(hp, layer, moved_inp, &kv_b, scale, false)?;
+    let d: Vec<f32> = moved
+        .as_f32("attn_heads")?
+        .iter()
+        .zip(base.as_f32("attn_heads")?)
+        .map(|(&a, &b)| ((f64::from(a) - f64::from(b)) / SCALE_STEP) as f32)
+        .collect();
+    parts.push(Part {
+        label: "rope theta".to_string(),
+        family: "rope theta",
+        tensor: HostTensor::f32(base.shape.clone(), d)?,
+    });
+    Ok(parts)
+}
+
+/// Rotated RoPE values (`[T, ...]`, every row a run of interleaved pairs at position `t`)
+/// turned back by the angles of `old` and forward by those of `new` (the magnitude factor
+/// cancels).
+fn rerotate(x: &HostTensor, old: &[f64], new: &[f64]) -> Result<HostTensor> {
+    let t = x.shape.first().copied().unwrap_or(0);
+    let v = x.as_f32("rope values")?;
+    let n = v.len() / t.max(1);
+    let rd = old.len() * 2;
+    if rd == 0 || n % rd != 0 || new.len() != old.len() {
+        bail!(
+            "systematic: rope: rows of {n} values do not hold pairs of {rd} rotated values ({:?})",
+            x.shape
+        );
+    }
+    let mut out = v.to_vec();
+    for (pos, row) in out.chunks_mut(n).enumerate() {
+        // The rotation by (new - old) angles.
+        let cs: Vec<(f64, f64)> = old
+            .iter()
+            .zip(new)
+            .map(|(&a, &b)| {
+                let d = pos as f64 * (b - a);
+                (d.cos(), d.sin())
+            })
+            .collect();
+        for chunk in row.chunks_mut(rd) {
+            rotate_pairs(chunk, &cs);
+        }
+    }
+    HostTensor::f32(x.shape.clone(), out)
 }
 
 /// The rotated values of a RoPE step (`[T, heads * stride]` input) with `inv_freq` and the

@@ -336,6 +336,14 @@ fn named(kind: &FaultKind, hp: &HParams, fitted: f64) -> Option<String> {
             if let Some(m) = yarn_mscale(hp) {
                 known.push((1.0 / (m * m), "yarn_mscale:none (1 / mscale^2)".into()));
                 known.push((m * m, "YaRN's mscale^2 applied twice".into()));
+                known.push((
+                    m,
+                    "YaRN's mscale applied once more (mscale^3 in the softmax scale)".into(),
+                ));
+                known.push((
+                    1.0 / m,
+                    "YaRN's mscale applied once (mscale, not mscale^2)".into(),
+                ));
             }
         }
         FaultKind::IndexerScale(_) | FaultKind::IndexerWprojScale(_) => {
