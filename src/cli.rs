@@ -196,6 +196,7 @@ pub struct RunArgs {
     /// bias_unused, group_limit:off|N[,K], expert_scale:E,F, gate_up_swap:dense|shared.
     /// Attention, norms and projections: weight_scale:GLOB,F, softmax_scale:F,
     /// yarn_mscale:none|twice, rope_theta:X, dsa_topk:K, indexer_scale:F, indexer_wproj_scale:F,
+    /// indexer_relu:off,
     /// norm_one_plus[:GLOB], kv_b_split:kv.
     #[arg(long, value_name = "KIND[@LAYERS]")]
     pub inject: Vec<String>,

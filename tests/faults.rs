@@ -102,6 +102,13 @@ fn kind_cases() -> Vec<KindCase> {
         (
             GLM,
             GLM_LONG,
+            "indexer_relu:off@1".into(),
+            "blk.1.indexer_scores",
+            "indexer_relu:off@1".into(),
+        ),
+        (
+            GLM,
+            GLM_LONG,
             "scale_latent@2".into(),
             "blk.2.attn_heads",
             "scale_latent@2".into(),

@@ -391,6 +391,7 @@ pub fn hypotheses_and_untestable(step: &Step, weights: &Weights<'_>) -> (Vec<Fau
         }
         Op::IndexerScores { .. } => {
             v.push(at(FaultKind::IndexerRopeNeox));
+            v.push(at(FaultKind::IndexerNoRelu));
             // Fitted (one factor: both multiply every score).
             v.push(at(FaultKind::IndexerScale(1.0)));
             v.push(at(FaultKind::IndexerWprojScale(1.0)));

@@ -34,18 +34,20 @@ impl CpuEngine<'_> {
         a: &HostTensor,
         cq: &HostTensor,
     ) -> Result<HostTensor> {
-        self.indexer_scores_with(layer, a, cq, rotate_pairs)
+        self.indexer_scores_with(layer, a, cq, rotate_pairs, true)
     }
 
     /// The DSA index scores with `rotate` applied to the pe parts of the indexer's q and k in
     /// place of the interleaved RoPE [`rotate_pairs`] (what an engine with another RoPE layout
-    /// computes); [`CpuEngine::indexer_scores_cpu`] passes [`rotate_pairs`].
+    /// computes), and without the ReLU on each head's `q.k` unless `relu`;
+    /// [`CpuEngine::indexer_scores_cpu`] passes [`rotate_pairs`] and the ReLU.
     pub fn indexer_scores_with(
         &self,
         layer: usize,
         a: &HostTensor,
         cq: &HostTensor,
         rotate: Rotate,
+        relu: bool,
     ) -> Result<HostTensor> {
         let hp = self.weights.hparams();
         let Some(ix) = &hp.indexer else {
@@ -80,7 +82,8 @@ impl CpuEngine<'_> {
                 let mut acc = 0f64;
                 for h in 0..ni {
                     let qk = dot(&qrow[h * di..(h + 1) * di], ks);
-                    acc += f64::from(hw[qt * ni + h]) * scale * qk.max(0.0);
+                    let qk = if relu { qk.max(0.0) } else { qk };
+                    acc += f64::from(hw[qt * ni + h]) * scale * qk;
                 }
                 *o = acc as f32;
             }

@@ -629,13 +629,16 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
         let neox = self
             .find(Some(layer), |k| matches!(k, FaultKind::IndexerRopeNeox))
             .is_some();
+        let no_relu = self
+            .find(Some(layer), |k| matches!(k, FaultKind::IndexerNoRelu))
+            .is_some();
         let tables = attn::rope_tables(self.weights.hparams(), self.kinds_at(Some(layer)))
             .map(|(f, a)| CpuEngine::with_rope(self.weights, f, a));
         let factor = attn::indexer_factor(self.kinds_at(Some(layer)));
-        if !neox && tables.is_none() && factor.is_none() {
+        if !neox && !no_relu && tables.is_none() && factor.is_none() {
             return self.inner.indexer_scores(layer, a, cq);
         }
-        let mut out = if neox || tables.is_some() {
+        let mut out = if neox || no_relu || tables.is_some() {
             let rotate = if neox {
                 host::rotate_halves
             } else {
@@ -643,7 +646,7 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
             };
             let (a, cq) = (self.to_host(a)?, self.to_host(cq)?);
             let eng = tables.as_ref().unwrap_or(&self.host);
-            eng.indexer_scores_with(layer, &a, &cq, rotate)?
+            eng.indexer_scores_with(layer, &a, &cq, rotate, !no_relu)?
         } else {
             self.to_host(&self.inner.indexer_scores(layer, a, cq)?)?
         };

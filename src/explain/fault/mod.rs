@@ -47,6 +47,12 @@ pub enum FaultKind {
     /// `indexer_rope_neox`: the same in the DSA indexer (its selection changes only once a query
     /// sees more than `index_topk` keys).
     IndexerRopeNeox,
+    /// `indexer_relu:off`: the DSA index score summed over heads without the ReLU on each head's
+    /// `q.k` (`I = sum_h w_h q_h.k` instead of `sum_h w_h ReLU(q_h.k)`, DeepSeek-V3.2's
+    /// `inference/model.py` `Indexer` and transformers' `glm_moe_dsa` apply it): an indexer
+    /// kernel ported from a dense score path drops it, and negative head scores then cancel
+    /// positive ones, changing which keys are kept.
+    IndexerNoRelu,
     /// `scale_latent`: the attention softmax scale taken from the latent width
     /// (`1/sqrt(kv_lora + rope)`, the absorbed form's key width) instead of `1/sqrt(nope + rope)`.
     ScaleLatent,
@@ -287,6 +293,10 @@ pub const CATALOG: &[(&str, &str)] = &[
     ("rope_neox", "half-split (NeoX) RoPE in MLA"),
     ("indexer_rope_neox", "half-split RoPE in the DSA indexer"),
     (
+        "indexer_relu:off",
+        "DSA index scores without the ReLU per head",
+    ),
+    (
         "scale_latent",
         "attention softmax scale from the latent width",
     ),
@@ -411,6 +421,10 @@ impl FaultKind {
             "kv_b_concat" => no_arg(FaultKind::KvBConcat)?,
             "rope_neox" => no_arg(FaultKind::RopeNeox)?,
             "indexer_rope_neox" => no_arg(FaultKind::IndexerRopeNeox)?,
+            "indexer_relu" => match arg {
+                Some("off") => FaultKind::IndexerNoRelu,
+                _ => bail!("fault indexer_relu needs off: indexer_relu:off (the ReLU left out)"),
+            },
             "scale_latent" => no_arg(FaultKind::ScaleLatent)?,
             "softmax_gating" => no_arg(FaultKind::SoftmaxGating)?,
             "bias_in_weights" => no_arg(FaultKind::BiasInWeights)?,
@@ -657,6 +671,7 @@ impl fmt::Display for FaultKind {
             FaultKind::KvBConcat => f.write_str("kv_b_concat"),
             FaultKind::RopeNeox => f.write_str("rope_neox"),
             FaultKind::IndexerRopeNeox => f.write_str("indexer_rope_neox"),
+            FaultKind::IndexerNoRelu => f.write_str("indexer_relu:off"),
             FaultKind::ScaleLatent => f.write_str("scale_latent"),
             FaultKind::SoftmaxGating => f.write_str("softmax_gating"),
             FaultKind::BiasInWeights => f.write_str("bias_in_weights"),
@@ -845,7 +860,7 @@ impl Fault {
             Ok(())
         };
         match &self.kind {
-            FaultKind::IndexerRopeNeox => {
+            FaultKind::IndexerRopeNeox | FaultKind::IndexerNoRelu => {
                 let Some(ix) = &hp.indexer else {
                     bail!(
                         "--inject {me}: the model ({}) has no DSA indexer",
@@ -1074,6 +1089,7 @@ mod tests {
             "kv_b_concat",
             "rope_neox@1",
             "indexer_rope_neox@0,2",
+            "indexer_relu:off@1",
             "expert_swap:2,5@1",
             "expert_map:4=5,5=6,6=4",
             "layer_weights:0",
