@@ -299,8 +299,9 @@ impl Judge {
 /// Receives pairs, keeps their metrics and verdicts.
 pub struct Comparison {
     judge: Judge,
-    /// Replay: the bug families' directions of the next pair of a hook ([`PairSink::components`]).
-    parts: HashMap<String, Vec<Part>>,
+    /// The bug families' directions of the next pair of a hook in a mode
+    /// ([`PairSink::components`]).
+    parts: HashMap<(String, Mode), Vec<Part>>,
     wants: Box<dyn Fn(&str) -> bool>,
     tokens: Vec<u32>,
     records: Vec<HookRecord>,
@@ -1181,10 +1182,10 @@ impl PairSink for Comparison {
             None => self.judge.floor(pair.name),
         };
         let shape = pair.reference.shape.clone();
-        let parts = match pair.mode {
-            Mode::Replay => self.parts.remove(pair.name).unwrap_or_default(),
-            Mode::Chained => Vec::new(),
-        };
+        let parts = self
+            .parts
+            .remove(&(pair.name.to_string(), pair.mode))
+            .unwrap_or_default();
         let (result, chain) = self.judge_pair(&pair, floor, &parts);
         if let Some(c) = chain {
             self.chain.insert(pair.name.to_string(), c);
@@ -1336,8 +1337,8 @@ impl PairSink for Comparison {
         out
     }
 
-    fn components(&mut self, name: &str, parts: Vec<Part>) {
-        self.parts.insert(name.to_string(), parts);
+    fn components(&mut self, name: &str, mode: Mode, parts: Vec<Part>) {
+        self.parts.insert((name.to_string(), mode), parts);
     }
 
     fn missing(&mut self, name: &str, mode: Mode, why: &str) {

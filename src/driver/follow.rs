@@ -197,6 +197,26 @@ impl Follow {
         step_in_rounds(x.reference, step, inputs, x.tokens, &wants)
     }
 
+    /// The host values the chain feeds the step (the reference's own choices where it has
+    /// rounds of alternatives); `None` when one is not at hand.
+    fn chain_inputs<R: Engine>(&self, x: &FollowStep<'_, '_, R>) -> Option<Vec<HostTensor>> {
+        x.step
+            .inputs
+            .iter()
+            .map(|n| {
+                let start = || x.start.iter().find(|(s, _)| s == n).map(|(_, t)| t.clone());
+                match &self.env {
+                    Some(env) => env.get(n).map(|v| v.base.clone()).or_else(start),
+                    None => x
+                        .plain
+                        .get(n)
+                        .and_then(|t| x.plain.engine().download(t).ok())
+                        .or_else(start),
+                }
+            })
+            .collect()
+    }
+
     fn run<R: Engine>(
         &mut self,
         x: &FollowStep<'_, '_, R>,
@@ -206,6 +226,14 @@ impl Follow {
         summary: &mut PairSummary,
     ) -> Result<()> {
         let step = x.step;
+        if sink.wants_chained_inputs()
+            && step.op != Op::Alias
+            && step.outputs.iter().any(|o| sink.wants(o))
+        {
+            if let Some(inputs) = self.chain_inputs(x) {
+                sink.chained_inputs(step, &inputs);
+            }
+        }
         let RoundOutputs {
             mut outputs, notes, ..
         } = self.outputs(x, &*sink)?;

@@ -74,6 +74,7 @@ pub struct Capture<'c, 'w> {
     enabled: bool,
     directions: Option<CpuEngine<'w>>,
     pending: Option<(Step, Vec<HostTensor>)>,
+    pending_chained: Option<(Step, Vec<HostTensor>)>,
     captured: Option<CapturedStep>,
 }
 
@@ -85,6 +86,7 @@ impl<'c, 'w> Capture<'c, 'w> {
             enabled,
             directions: None,
             pending: None,
+            pending_chained: None,
             captured: None,
         }
     }
@@ -108,13 +110,15 @@ impl PairSink for Capture<'_, '_> {
     }
 
     fn record(&mut self, pair: Pair<'_>) -> Result<()> {
-        if let (Mode::Replay, Some(cpu), Some((step, values))) =
-            (pair.mode, &self.directions, &self.pending)
-        {
+        let inputs = match pair.mode {
+            Mode::Replay => &self.pending,
+            Mode::Chained => &self.pending_chained,
+        };
+        if let (Some(cpu), Some((step, values))) = (&self.directions, inputs) {
             // A direction that cannot be computed leaves the hook to the other tests.
             if let Ok(parts) = directions::parts(cpu, step, values, pair.name) {
                 if !parts.is_empty() {
-                    self.inner.components(pair.name, parts);
+                    self.inner.components(pair.name, pair.mode, parts);
                 }
             }
         }
@@ -163,6 +167,14 @@ impl PairSink for Capture<'_, '_> {
 
     fn wants_replay_inputs(&self) -> bool {
         (self.enabled && self.captured.is_none()) || self.directions.is_some()
+    }
+
+    fn wants_chained_inputs(&self) -> bool {
+        self.directions.is_some()
+    }
+
+    fn chained_inputs(&mut self, step: &Step, inputs: &[HostTensor]) {
+        self.pending_chained = Some((step.clone(), inputs.to_vec()));
     }
 
     fn replay_inputs(&mut self, step: &Step, inputs: &[HostTensor]) {

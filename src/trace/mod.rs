@@ -178,10 +178,21 @@ pub trait PairSink {
     fn followed(&mut self, selection: &str, mode: Mode, rows: &[usize]) {
         let _ = (selection, mode, rows);
     }
-    /// Replay: the directions of known bug families at hook `name` (its pair follows), for the
-    /// systematic test. Default: ignored.
-    fn components(&mut self, name: &str, parts: Vec<Part>) {
-        let _ = (name, parts);
+    /// The directions of known bug families at hook `name` in `mode` (its pair follows), for
+    /// the systematic test. Default: ignored.
+    fn components(&mut self, name: &str, mode: Mode, parts: Vec<Part>) {
+        let _ = (name, mode, parts);
+    }
+    /// Whether the sink takes the inputs of the reference chain's steps
+    /// ([`PairSink::chained_inputs`]): asked before each chained step. Default: no.
+    fn wants_chained_inputs(&self) -> bool {
+        false
+    }
+    /// The host values the reference's chain (the one compared in chained mode) fed `step`
+    /// (one per `step.inputs`, in order), handed over before the step's chained pairs.
+    /// Default: ignored.
+    fn chained_inputs(&mut self, step: &Step, inputs: &[HostTensor]) {
+        let _ = (step, inputs);
     }
     /// Chained: the reference's own chain (its own selections everywhere) at hook `name`, where
     /// it differs from the chain that follows the candidate's near ties, whose pair was handed
