@@ -25,7 +25,7 @@ use anyhow::{bail, Result};
 
 use crate::engine::cpu::math::rotate_pairs;
 use crate::engine::cpu::{mla_host, CpuEngine};
-use crate::engine::{HostTensor, MlaInputs};
+use crate::engine::{Engine, HostTensor, MlaInputs};
 use crate::model::steps::{Op, Step};
 use crate::model::{rope, RopeSlice};
 use crate::trace::Part;
@@ -122,16 +122,10 @@ fn softmax_scale(cpu: &CpuEngine<'_>, layer: usize, inputs: &[HostTensor]) -> Re
     };
     let (base, _) = mla_host(hp, layer, inp(), &kv_b, scale, false)?;
     let (moved, _) = mla_host(hp, layer, inp(), &kv_b, scale * (1.0 + SCALE_STEP), false)?;
-    let d: Vec<f32> = moved
-        .as_f32("attn_heads")?
-        .iter()
-        .zip(base.as_f32("attn_heads")?)
-        .map(|(&a, &b)| ((f64::from(a) - f64::from(b)) / SCALE_STEP) as f32)
-        .collect();
     let mut parts = vec![Part {
         label: "softmax scale".to_string(),
         family: "softmax scale",
-        tensor: HostTensor::f32(base.shape.clone(), d)?,
+        tensor: per_step(&moved, &base)?,
     }];
     // The RoPE base inside the step's inputs: q_pe and k_pe rotated back by the model's
     // angles and forward by the moved base's (a trace without q_pe_rope/k_pe_rope, whose
@@ -150,16 +144,10 @@ fn softmax_scale(cpu: &CpuEngine<'_>, layer: usize, inputs: &[HostTensor]) -> Re
         selection: inputs.get(4),
     };
     let (moved, _) = mla_host(hp, layer, moved_inp, &kv_b, scale, false)?;
-    let d: Vec<f32> = moved
-        .as_f32("attn_heads")?
-        .iter()
-        .zip(base.as_f32("attn_heads")?)
-        .map(|(&a, &b)| ((f64::from(a) - f64::from(b)) / SCALE_STEP) as f32)
-        .collect();
     parts.push(Part {
         label: "rope theta".to_string(),
         family: "rope theta",
-        tensor: HostTensor::f32(base.shape.clone(), d)?,
+        tensor: per_step(&moved, &base)?,
     });
     Ok(parts)
 }
@@ -196,62 +184,33 @@ fn rerotate(x: &HostTensor, old: &[f64], new: &[f64]) -> Result<HostTensor> {
     HostTensor::f32(x.shape.clone(), out)
 }
 
-/// The rotated values of a RoPE step (`[T, heads * stride]` input) with `inv_freq` and the
-/// cos/sin factor `factor`, as the reference rotates (interleaved pairs), flat.
-fn rotate(x: &HostTensor, s: &RopeSlice, inv_freq: &[f64], factor: f64) -> Result<Vec<f32>> {
-    let (t, n) = x.dims2("rope input")?;
-    let rd = inv_freq.len() * 2;
-    if n != s.heads * s.stride || s.offset + rd > s.stride {
-        bail!(
-            "systematic: rope: input [{t}, {n}] does not hold {} heads of {} with {rd} rotated values at {}",
-            s.heads,
-            s.stride,
-            s.offset
-        );
-    }
-    let xv = x.as_f32("rope input")?;
-    let mut out = Vec::with_capacity(t * s.heads * rd);
-    for pos in 0..t {
-        let cs: Vec<(f64, f64)> = inv_freq
-            .iter()
-            .map(|&f| {
-                let a = pos as f64 * f;
-                (a.cos() * factor, a.sin() * factor)
-            })
-            .collect();
-        for h in 0..s.heads {
-            let start = pos * n + h * s.stride + s.offset;
-            let mut pair = xv[start..start + rd].to_vec();
-            rotate_pairs(&mut pair, &cs);
-            out.extend(pair);
-        }
-    }
-    Ok(out)
-}
-
 /// The direction of a RoPE frequency-base change at a RoPE step (module documentation).
 fn rope_theta(cpu: &CpuEngine<'_>, s: &RopeSlice, x: &HostTensor) -> Result<Vec<Part>> {
-    let params = &cpu.weights().hparams().rope;
-    let factor = rope::attention_factor(params);
+    let weights = cpu.weights();
+    let params = &weights.hparams().rope;
     let mut moved_params = params.clone();
     moved_params.base *= 1.0 + SCALE_STEP;
-    let base = rotate(x, s, &rope::inv_freq(params), factor)?;
-    let moved = rotate(x, s, &rope::inv_freq(&moved_params), factor)?;
-    let d: Vec<f32> = moved
-        .iter()
-        .zip(&base)
-        .map(|(&a, &b)| ((f64::from(a) - f64::from(b)) / SCALE_STEP) as f32)
-        .collect();
-    let (t, _) = x.dims2("rope input")?;
-    let rd = base.len() / (t * s.heads).max(1);
-    let shape = if s.keep_head_axis {
-        vec![t, s.heads, rd]
-    } else {
-        vec![t, s.heads * rd]
-    };
+    let moved_engine = CpuEngine::with_rope(
+        weights,
+        rope::inv_freq(&moved_params),
+        rope::attention_factor(params),
+    );
+    let base = cpu.rope(x, s)?;
+    let moved = moved_engine.rope(x, s)?;
     Ok(vec![Part {
         label: "rope theta".to_string(),
         family: "rope theta",
-        tensor: HostTensor::f32(shape, d)?,
+        tensor: per_step(&moved, &base)?,
     }])
+}
+
+/// `(moved - base) / SCALE_STEP`: the change of an output per relative change of a parameter.
+fn per_step(moved: &HostTensor, base: &HostTensor) -> Result<HostTensor> {
+    let d: Vec<f32> = moved
+        .as_f32("moved output")?
+        .iter()
+        .zip(base.as_f32("output")?)
+        .map(|(&a, &b)| ((f64::from(a) - f64::from(b)) / SCALE_STEP) as f32)
+        .collect();
+    HostTensor::f32(base.shape.clone(), d)
 }
