@@ -209,3 +209,34 @@ fn engine_bugs_are_named_at_their_hook_and_explained_with_their_parameter() {
     assert!(checked >= 20, "only {checked} engine-bug dumps");
     assert!(bad.is_empty(), "{}", bad.join("\n\n"));
 }
+
+/// A subtle bug's `--repro` case gives the same verdict in `glmdiff step` as in `run`: the
+/// step's bug-family directions are recomputed from the case's inputs.
+#[test]
+fn a_subtle_bug_repro_case_fails_in_step_too() {
+    let dir = tempfile::tempdir().unwrap();
+    for kind in [
+        "softmax_scale-1p02",
+        "expert_scale-1p02-L1",
+        "o_proj_scale-1p01-L1",
+    ] {
+        let trace = crate::common::fixtures("engine-bugs")
+            .join("glm5-tiny")
+            .join(format!("glm5-tiny.dsa.cuda-bf16.{kind}.trace.safetensors"));
+        let gguf = crate::common::fixtures("models")
+            .join("glm5-tiny")
+            .join("glm5-tiny-f32.gguf");
+        let case = dir.path().join(kind);
+        let (rc, _, text) = run(
+            dir.path(),
+            &gguf,
+            &trace,
+            &["--mode", "replay", "--repro", case.to_str().unwrap()],
+        );
+        assert_eq!(rc, 1, "{kind}: {text}");
+        let o = crate::common::glmdiff_in(dir.path(), &["step", case.to_str().unwrap()]);
+        let text = crate::common::output_text(&o);
+        assert_eq!(o.status.code(), Some(1), "{kind}: {text}");
+        assert!(text.contains("systematic:"), "{kind}: {text}");
+    }
+}

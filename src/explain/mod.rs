@@ -24,7 +24,7 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 use self::fault::{Fault, FaultEngine, FaultKind, Mscale};
-use crate::compare::{compare, Comparison, Status};
+use crate::compare::{compare, Comparison, ModeResult, Status};
 use crate::driver::exec_step;
 use crate::engine::cpu::CpuEngine;
 use crate::engine::{Engine, HostTensor};
@@ -34,6 +34,15 @@ use crate::model::{Gating, Weights};
 use crate::quant::GgmlType;
 use crate::trace::{Mode, Pair, PairSink, Swap};
 use crate::util::progress::Progress;
+
+/// The noise a hook that failed on a systematic component within its floor leaves once the
+/// component is removed ([`CapturedStep::noise`]); `None` for any other result.
+pub fn noise(r: &ModeResult) -> Option<f64> {
+    r.systematic
+        .as_ref()
+        .filter(|s| s.finding.is_some() && r.error <= r.allowed)
+        .and_then(|s| s.residual)
+}
 
 /// How much closer than the noise a hypothesis must come to reproduce a candidate whose hook
 /// failed on a systematic component within the floor ([`CapturedStep::noise`]): the right
@@ -149,11 +158,7 @@ impl PairSink for Capture<'_, '_> {
                     candidate,
                     error: res.error,
                     allowed: res.allowed,
-                    noise: res
-                        .systematic
-                        .as_ref()
-                        .filter(|s| s.finding.is_some() && res.error <= res.allowed)
-                        .and_then(|s| s.residual),
+                    noise: noise(res),
                 });
                 self.pending = None;
             }

@@ -13,7 +13,7 @@ use crate::compare::{Comparison, Judge, Precision};
 use crate::engine::cpu::CpuEngine;
 use crate::engine::{Engine, HostTensor};
 use crate::explain::case::{output_on, Case};
-use crate::explain::{explain, residual, CapturedStep, Explanation};
+use crate::explain::{explain, noise, residual, CapturedStep, Explanation};
 use crate::model::Weights;
 use crate::report::run::EngineDesc;
 use crate::report::step::StepReport;
@@ -73,6 +73,13 @@ pub fn step(req: &StepRequest, hypotheses: &dyn Progress) -> Result<StepReport> 
     };
     let hook = stored.hook.clone();
     let mut cmp = Comparison::new(judge, Box::new(|_| true), &tokens);
+    // The bug families' directions of the step, as `run` hands them over (the systematic test).
+    let values: Vec<HostTensor> = stored.inputs.iter().map(|(_, t)| t.clone()).collect();
+    if let Ok(parts) = crate::explain::directions::parts(&cpu, &stored.step, &values, &hook) {
+        if !parts.is_empty() {
+            cmp.components(&hook, Mode::Replay, parts);
+        }
+    }
     cmp.record(Pair {
         name: &hook,
         mode: Mode::Replay,
@@ -95,7 +102,7 @@ pub fn step(req: &StepRequest, hypotheses: &dyn Progress) -> Result<StepReport> 
                 candidate,
                 error: record.replay.as_ref().map_or(f64::NAN, |r| r.error),
                 allowed: record.replay.as_ref().map_or(stored.allowed, |r| r.allowed),
-                noise: None,
+                noise: record.replay.as_ref().and_then(noise),
                 ..stored
             };
             Some(explain(&here, &weights, &tokens, hypotheses)?)
