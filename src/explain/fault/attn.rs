@@ -220,21 +220,7 @@ pub(super) fn check(
     if global {
         scopes.push(None);
     }
-    let need_indexer = || -> Result<usize> {
-        let Some(ix) = &hp.indexer else {
-            bail!(
-                "--inject {me}: the model ({}) has no DSA indexer",
-                hp.arch.as_str()
-            );
-        };
-        if !layers
-            .iter()
-            .any(|&l| ix.full.get(l).copied().unwrap_or(false))
-        {
-            bail!("--inject {me}: no layer among {layers:?} runs its own indexer");
-        }
-        Ok(ix.top_k)
-    };
+    let need_indexer = || super::need_indexer(me, weights, layers).map(|ix| ix.top_k);
     match kind {
         FaultKind::WeightScale { glob, .. } => {
             let mut hit = 0;

@@ -845,34 +845,11 @@ impl Fault {
             }
         }
         let layers: Vec<usize> = run.clone().filter(|&l| self.at(Some(l))).collect();
-        let moe: Vec<usize> = layers
-            .iter()
-            .copied()
-            .filter(|&l| !hp.is_dense(l))
-            .collect();
-        let need_moe = || -> Result<()> {
-            if moe.is_empty() {
-                bail!(
-                    "--inject {me}: no MoE layer among {layers:?} (dense layers 0..{} have no router or routed experts)",
-                    hp.n_dense
-                );
-            }
-            Ok(())
-        };
+        let moe = moe_layers(weights, &layers);
+        let need_moe = || need_moe(&me, weights, &layers);
         match &self.kind {
             FaultKind::IndexerRopeNeox | FaultKind::IndexerNoRelu => {
-                let Some(ix) = &hp.indexer else {
-                    bail!(
-                        "--inject {me}: the model ({}) has no DSA indexer",
-                        hp.arch.as_str()
-                    );
-                };
-                if !layers
-                    .iter()
-                    .any(|&l| ix.full.get(l).copied().unwrap_or(false))
-                {
-                    bail!("--inject {me}: no layer among {layers:?} runs its own indexer");
-                }
+                need_indexer(&me, weights, &layers)?;
             }
             FaultKind::SoftmaxGating => {
                 need_moe()?;
@@ -1031,6 +1008,49 @@ impl Fault {
         }
         Ok(())
     }
+}
+
+/// The MoE layers among `layers`.
+fn moe_layers(weights: &Weights<'_>, layers: &[usize]) -> Vec<usize> {
+    let hp = weights.hparams();
+    layers
+        .iter()
+        .copied()
+        .filter(|&l| !hp.is_dense(l))
+        .collect()
+}
+
+/// Checks that fault `me` has an MoE layer among `layers` to apply to.
+fn need_moe(me: &str, weights: &Weights<'_>, layers: &[usize]) -> Result<()> {
+    if moe_layers(weights, layers).is_empty() {
+        bail!(
+            "--inject {me}: no MoE layer among {layers:?} (dense layers 0..{} have no router or routed experts)",
+            weights.hparams().n_dense
+        );
+    }
+    Ok(())
+}
+
+/// The model's DSA indexer, checked to run in one of `layers` for fault `me`.
+fn need_indexer<'a>(
+    me: &str,
+    weights: &'a Weights<'_>,
+    layers: &[usize],
+) -> Result<&'a crate::model::hparams::IndexerParams> {
+    let hp = weights.hparams();
+    let Some(ix) = &hp.indexer else {
+        bail!(
+            "--inject {me}: the model ({}) has no DSA indexer",
+            hp.arch.as_str()
+        );
+    };
+    if !layers
+        .iter()
+        .any(|&l| ix.full.get(l).copied().unwrap_or(false))
+    {
+        bail!("--inject {me}: no layer among {layers:?} runs its own indexer");
+    }
+    Ok(ix)
 }
 
 /// The tensors layer `l`'s steps read.

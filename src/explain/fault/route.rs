@@ -18,20 +18,8 @@ pub(super) fn check(
     layers: &[usize],
 ) -> Result<()> {
     let hp = weights.hparams();
-    let moe: Vec<usize> = layers
-        .iter()
-        .copied()
-        .filter(|&l| !hp.is_dense(l))
-        .collect();
-    let need_moe = || -> Result<()> {
-        if moe.is_empty() {
-            bail!(
-                "--inject {me}: no MoE layer among {layers:?} (dense layers 0..{} have no router or routed experts)",
-                hp.n_dense
-            );
-        }
-        Ok(())
-    };
+    let moe = super::moe_layers(weights, layers);
+    let need_moe = || super::need_moe(me, weights, layers);
     match kind {
         FaultKind::RoutedScale(r) => {
             need_moe()?;
