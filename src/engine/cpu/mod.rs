@@ -66,6 +66,39 @@ impl<'w> CpuEngine<'w> {
         }
     }
 
+    /// RoPE of slice `s` of `x` with `rotate` applied to each head's rotated values in place
+    /// of the interleaved pairs [`math::rotate_pairs`] (what an engine with another RoPE layout
+    /// computes); [`Engine::rope`] passes [`math::rotate_pairs`].
+    pub fn rope_with(&self, x: &HostTensor, s: &RopeSlice, rotate: Rotate) -> Result<HostTensor> {
+        let (t, n) = x.dims2("rope input")?;
+        let rd = self.inv_freq.len() * 2;
+        if n != s.heads * s.stride || s.offset + rd > s.stride {
+            bail!(
+                "engine: cpu: rope: input [{t}, {n}] does not hold {} heads of {} with {rd} rotated values at {}",
+                s.heads,
+                s.stride,
+                s.offset
+            );
+        }
+        let xv = x.as_f32("rope input")?;
+        let mut out = Vec::with_capacity(t * s.heads * rd);
+        for pos in 0..t {
+            let cs = self.cos_sin(pos);
+            for h in 0..s.heads {
+                let start = pos * n + h * s.stride + s.offset;
+                let mut pair = xv[start..start + rd].to_vec();
+                rotate(&mut pair, &cs);
+                out.extend(pair);
+            }
+        }
+        let shape = if s.keep_head_axis {
+            vec![t, s.heads, rd]
+        } else {
+            vec![t, s.heads * rd]
+        };
+        HostTensor::f32(shape, out)
+    }
+
     /// The weights the engine reads.
     pub fn weights(&self) -> &'w Weights<'w> {
         self.weights
@@ -194,33 +227,7 @@ impl Engine for CpuEngine<'_> {
     }
 
     fn rope(&self, x: &HostTensor, s: &RopeSlice) -> Result<HostTensor> {
-        let (t, n) = x.dims2("rope input")?;
-        let rd = self.inv_freq.len() * 2;
-        if n != s.heads * s.stride || s.offset + rd > s.stride {
-            bail!(
-                "engine: cpu: rope: input [{t}, {n}] does not hold {} heads of {} with {rd} rotated values at {}",
-                s.heads,
-                s.stride,
-                s.offset
-            );
-        }
-        let xv = x.as_f32("rope input")?;
-        let mut out = Vec::with_capacity(t * s.heads * rd);
-        for pos in 0..t {
-            let cs = self.cos_sin(pos);
-            for h in 0..s.heads {
-                let start = pos * n + h * s.stride + s.offset;
-                let mut pair = xv[start..start + rd].to_vec();
-                math::rotate_pairs(&mut pair, &cs);
-                out.extend(pair);
-            }
-        }
-        let shape = if s.keep_head_axis {
-            vec![t, s.heads, rd]
-        } else {
-            vec![t, s.heads * rd]
-        };
-        HostTensor::f32(shape, out)
+        self.rope_with(x, s, math::rotate_pairs)
     }
 
     fn indexer_scores(&self, layer: usize, a: &HostTensor, cq: &HostTensor) -> Result<HostTensor> {

@@ -594,33 +594,8 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
             };
         }
         let eng = tables.as_ref().unwrap_or(&self.host);
-        let hx = self.to_host(x)?;
-        let (t, n) = hx.dims2("rope input")?;
-        let rd = self.weights.hparams().qk_rope;
-        if n != s.heads * s.stride || s.offset + rd > s.stride {
-            bail!(
-                "fault: rope: input [{t}, {n}] does not hold {} heads of {}",
-                s.heads,
-                s.stride
-            );
-        }
-        let xv = hx.as_f32("rope input")?;
-        let mut out = Vec::with_capacity(t * s.heads * rd);
-        for pos in 0..t {
-            let cs = eng.cos_sin(pos);
-            for h in 0..s.heads {
-                let start = pos * n + h * s.stride + s.offset;
-                let mut v = xv[start..start + rd].to_vec();
-                host::rotate_halves(&mut v, &cs);
-                out.extend(v);
-            }
-        }
-        let shape = if s.keep_head_axis {
-            vec![t, s.heads, rd]
-        } else {
-            vec![t, s.heads * rd]
-        };
-        self.to_engine(&HostTensor::f32(shape, out)?)
+        let out = eng.rope_with(&self.to_host(x)?, s, host::rotate_halves)?;
+        self.to_engine(&out)
     }
 
     /// `rope_theta` and `yarn_mscale` change the indexer's RoPE too (one RoPE per engine);
