@@ -469,8 +469,11 @@ fn compare_with_the_model_has_runs_margins() {
         (a.0 - b.0).abs() < 1e-9,
         "margins: run {a:?}, compare {b:?}"
     );
+    // The tolerance is bounded below by the largest difference between the two sides' scores in
+    // the row: run's reference computes them, compare reads the golden trace's f32 values, which
+    // moves that bound in its last digits.
     assert!(
-        (a.1 - b.1).abs() < 1e-6 * a.1,
+        (a.1 - b.1).abs() < 1e-4 * a.1,
         "tolerances: run {a:?}, compare {b:?}"
     );
     assert_eq!(a.2, b.2);

@@ -12,7 +12,11 @@
 //!   non-causal key makes it infinite);
 //! - the row's tolerance is `rel_tol * rms(finite scores of the row)`, where `rel_tol` is the
 //!   relative error allowed at the score hook in that mode (its floor, or in chained mode the
-//!   larger of the floor and the error the scores really show there);
+//!   larger of the floor and the error the scores really show there); where the candidate's
+//!   own scores of the row are at hand, at least twice the largest difference between the two
+//!   sides' scores in that row: a flip that gap allows is made by the scores' own error, which
+//!   the score hook judges (an engine whose selection disagrees with its own scores still
+//!   flips with a clear gap);
 //! - with group-limited routing (`n_group` groups of experts, the `used` best by the sum of
 //!   their two best scores, as `moe.rs` `route_token` selects), an expert also enters or leaves
 //!   with its group: for `e` and `l` in different groups the pair's gap is the smaller of their
@@ -85,6 +89,9 @@ pub struct Scores<'a> {
     /// `bias[a] - bias[b]` that the reference's own selections imply ([`implied_bias`]); a
     /// pair's gap is then the smallest any such bias leaves.
     pub implied: Option<&'a [f64]>,
+    /// The candidate's own scores of the same `[rows, cols]` (without bias), when its trace
+    /// has them: they bound a row's tolerance from below (module documentation).
+    pub candidate: Option<&'a [f32]>,
 }
 
 /// What the reference's own selections say about a selection bias it added to `scores` (an
@@ -282,11 +289,23 @@ impl<'a> RowScores<'a> {
         } else {
             (finite.iter().map(|x| x * x).sum::<f64>() / finite.len() as f64).sqrt()
         };
+        // What the scores' own error moved in this row: twice the largest difference between
+        // the two sides' finite scores bounds the change of any gap between two of them.
+        let own = s
+            .candidate
+            .and_then(|c| c.get(t * s.cols..(t + 1) * s.cols))
+            .map_or(0.0, |c| {
+                row.iter()
+                    .zip(c)
+                    .filter(|(a, b)| a.is_finite() && b.is_finite())
+                    .map(|(&a, &b)| (f64::from(a) - f64::from(b)).abs())
+                    .fold(0.0, f64::max)
+            });
         let mut r = RowScores {
             row,
             s,
             group_scores: None,
-            tolerance: s.rel_tol * rms,
+            tolerance: (s.rel_tol * rms).max(2.0 * own),
         };
         r.group_scores = s.groups.filter(|&(g, _)| g > 0).map(|(g, _)| {
             let size = (s.cols / g).max(1);
@@ -548,6 +567,7 @@ mod tests {
             rel_tol: 0.1, // tolerance 0.071937
             groups: None,
             implied: None,
+            candidate: None,
         };
         // Candidate {0, 2}: 2 entered, 1 left: margin |0.5 - 0.9| = 0.4 > 0.072: confident.
         let st = judge_flips(&[0, 1], &[0, 2], 2, Some(&s));
@@ -587,6 +607,7 @@ mod tests {
             rel_tol: 0.1, // tolerance 0.0747
             groups: None,
             implied: None,
+            candidate: None,
         };
         // Only 2 for 1 is within it (gap 0.05); 2 for 0 is 0.15, 3 for 1 is 0.4.
         let sw = near_tie_swaps(&s, 0, &[0, 1], 4);
@@ -610,6 +631,7 @@ mod tests {
             rel_tol: 0.1,
             groups: None,
             implied: None,
+            candidate: None,
         };
         let sw = near_tie_swaps(&s, 0, &[0, -1], 4);
         let pairs: Vec<(i32, i32)> = sw.iter().map(|x| (x.left[0], x.entered[0])).collect();
@@ -634,6 +656,7 @@ mod tests {
             rel_tol: 0.1, // rms = sqrt(1.6825 / 8) = 0.45860: tolerance 0.04586
             groups: Some((4, 2)),
             implied: None,
+            candidate: None,
         };
         let st = judge_flips(&[0, 2], &[0, 4], 2, Some(&s));
         let m = st.margins.unwrap().0;
@@ -678,6 +701,7 @@ mod tests {
             rel_tol: 0.05,
             groups: None,
             implied: Some(&g),
+            candidate: None,
         };
         let st = judge_flips(&[1, 1], &[0, 0], 1, Some(&s));
         let f = st.first.unwrap();
@@ -687,5 +711,40 @@ mod tests {
         assert_eq!(f.token, 1);
         assert!((f.margin - 0.07).abs() < 1e-6, "{f:?}");
         assert!(implied_bias(&[0.5, 0.4, 0.4, 0.5], 2, &[1, 0], 1, 1e-9).is_none());
+    }
+
+    #[test]
+    fn candidate_scores_bound_the_tolerance() {
+        // Reference row [1.0, 0.9, 0.5, 0.1], top-2 {0, 1}; the candidate's own scores moved
+        // key 2 up by 0.45 and key 1 down by 0.05: it chose {0, 2}. rms = sqrt(2.07 / 4) =
+        // 0.7194; by the relative tolerance 0.01 alone (0.0072) the gap 0.4 is confident.
+        let r = [1.0f32, 0.9, 0.5, 0.1];
+        let s = Scores {
+            values: &r,
+            cols: 4,
+            bias: None,
+            rel_tol: 0.01,
+            groups: None,
+            implied: None,
+            candidate: None,
+        };
+        assert_eq!(judge_flips(&[0, 1], &[0, 2], 2, Some(&s)).confident, 1);
+        // With the candidate's own scores the tolerance is 2 * 0.45 = 0.9 >= 0.4: its scores'
+        // error made the flip (the score hook judges that error).
+        let c = [1.0f32, 0.85, 0.95, 0.1];
+        let s = Scores {
+            candidate: Some(&c),
+            ..s
+        };
+        let st = judge_flips(&[0, 1], &[0, 2], 2, Some(&s));
+        assert_eq!((st.near_tie, st.confident), (1, 0));
+        assert!((st.first.unwrap().tolerance - 0.9).abs() < 1e-6);
+        // Scores that agree leave the relative tolerance: a selection that disagrees with the
+        // candidate's own scores is confident.
+        let s = Scores {
+            candidate: Some(&r),
+            ..s
+        };
+        assert_eq!(judge_flips(&[0, 1], &[0, 2], 2, Some(&s)).confident, 1);
     }
 }

@@ -309,7 +309,7 @@ pub struct Comparison {
     logits: Vec<(Mode, LogitsReport)>,
     /// The latest reference scores per (mode, score point): hook name, values, and the relative
     /// error allowed there (for judging flips).
-    scores: HashMap<(Mode, &'static str), (String, HostTensor, f64)>,
+    scores: HashMap<(Mode, &'static str), KeptScores>,
     /// Replay: hooks the candidate lacks that the reference computed inside a segment.
     inside: HashMap<String, Inside>,
     /// Chained: what each hook passes on downstream (compared ones, and those the candidate
@@ -382,6 +382,19 @@ fn masked_error(reference: &HostTensor, candidate: &HostTensor, skip: &BTreeSet<
     } else {
         0.0
     }
+}
+
+/// The latest score hook of one kind in one mode, kept for the selection after it.
+#[derive(Clone, Debug)]
+struct KeptScores {
+    /// Hook name.
+    hook: String,
+    /// The reference's scores.
+    reference: HostTensor,
+    /// The candidate's own scores, where it has them.
+    candidate: Option<HostTensor>,
+    /// The relative error the scores may carry (module documentation, Margins).
+    rel: f64,
 }
 
 /// A hook inside a segment (replay): what it carries, and where its segment started.
@@ -585,7 +598,12 @@ impl Comparison {
             "moe_topk_ids" => "moe_probs",
             _ => return None,
         };
-        let (hook, t, rel) = self.scores.get(&(mode, sp))?;
+        let KeptScores {
+            hook,
+            reference: t,
+            candidate,
+            rel,
+        } = self.scores.get(&(mode, sp))?;
         let src_layer = split_blk(hook).map(|(l, _)| l)?;
         if sp == "moe_probs" && src_layer != layer {
             return None;
@@ -608,6 +626,10 @@ impl Comparison {
             } else {
                 None
             },
+            candidate: candidate
+                .as_ref()
+                .filter(|c| c.shape == t.shape)
+                .and_then(|c| c.as_f32(hook).ok()),
         })
     }
 
@@ -653,15 +675,30 @@ impl Comparison {
         })
     }
 
-    /// Keeps the reference's scores of a score hook for judging the selection after it.
-    fn keep_scores(&mut self, name: &str, mode: Mode, reference: HostTensor, rel: f64) {
+    /// Keeps the reference's scores of a score hook (and the candidate's, when compared) for
+    /// judging the selection after it.
+    fn keep_scores(
+        &mut self,
+        name: &str,
+        mode: Mode,
+        reference: HostTensor,
+        candidate: Option<HostTensor>,
+        rel: f64,
+    ) {
         let sp: &'static str = match point_of(name) {
             "moe_probs" => "moe_probs",
             "indexer_scores" => "indexer_scores",
             _ => return,
         };
-        self.scores
-            .insert((mode, sp), (name.to_string(), reference, rel));
+        self.scores.insert(
+            (mode, sp),
+            KeptScores {
+                hook: name.to_string(),
+                reference,
+                candidate,
+                rel,
+            },
+        );
     }
 
     /// Judges one pair; in chained mode also what the hook passes on downstream.
@@ -1216,7 +1253,7 @@ impl PairSink for Comparison {
             score_floor
         };
         let (name, mode) = (pair.name, pair.mode);
-        self.keep_scores(name, mode, pair.reference, rel);
+        self.keep_scores(name, mode, pair.reference, Some(pair.candidate), rel);
         let rec = self.record_mut(name, &shape, pair.inputs);
         if let Some((_, from, through)) = segment {
             let first = through.first().cloned().unwrap_or_default();
@@ -1305,7 +1342,7 @@ impl PairSink for Comparison {
             }
         };
         if matches!(point_of(name), "moe_probs" | "indexer_scores") {
-            self.keep_scores(name, mode, reference.clone(), rel);
+            self.keep_scores(name, mode, reference.clone(), None, rel);
         }
     }
 
