@@ -216,7 +216,8 @@ impl Precision {
     ///
     /// - the first word: the storage ([`Precision::of_dtype`]: `tf32` and `fp8` name the
     ///   operands of products over f32 and bf16 storage);
-    /// - `f64 accumulation` anywhere: sums in f64 (f64 storage accumulates in f64), else f32;
+    /// - `f64 accumulation` anywhere: sums in f64 (f64 storage accumulates in f64); `f16
+    ///   accumulation` or `bf16 accumulation`: sums in that format; else f32;
     /// - `X products`: operands rounded to X where X is coarser than the storage;
     /// - `q8` anywhere: 8-bit activations;
     /// - the router: `X router` (`from a Y matrix` after it: the matrix in Y, else in X), or,
@@ -245,6 +246,13 @@ impl Precision {
         }
         let finer = |a: Dtype, b: Dtype| a.unit_roundoff() < b.unit_roundoff();
         for w in all.windows(2) {
+            // `f16 accumulation`, `bf16 accumulation`: sums kept in that format (cuBLAS's
+            // half-precision compute type), coarser than the f32 every other engine keeps.
+            if w[1] == "accumulation" {
+                if let Some(d @ (Dtype::F16 | Dtype::Bf16)) = Dtype::parse(&w[0]) {
+                    p.accumulate = d;
+                }
+            }
             if w[1] == "products" {
                 if let Some(d) = Dtype::parse(&w[0]) {
                     if finer(p.storage, d) {
@@ -385,6 +393,24 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// llama.cpp's CUDA backend multiplies F16 weights through cuBLAS's half compute type:
+    /// f16 operands, f16 sums; its dtype text reads back to the same precision.
+    #[test]
+    fn half_accumulation() {
+        let p = Precision::parse("f32 storage, f16 accumulation, f16 products").unwrap();
+        assert_eq!(
+            (p.storage, p.accumulate, p.operands),
+            (Dtype::F32, Dtype::F16, Some(Dtype::F16))
+        );
+        assert_eq!(Precision::parse(&p.to_string()), Some(p));
+        let q = Precision::parse("f32 storage, f32 accumulation, tf32 products, q8 activations")
+            .unwrap();
+        assert_eq!(
+            (q.accumulate, q.operands, q.q8_activations),
+            (Dtype::F32, Some(Dtype::Tf32), true)
+        );
     }
 
     /// tf32 is f32 storage whose products round their operands to a 10-bit mantissa, not f32;

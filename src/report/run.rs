@@ -260,8 +260,13 @@ pub fn render_at(
     for n in h.notes.iter().chain(&h.cache) {
         let _ = writeln!(s, "note: {n}");
     }
-    for o in c.overrides() {
-        let _ = writeln!(s, "override: {}", override_line(&o));
+    // A trace's per-step precision map is said once, in a note; its globs are in the JSON.
+    for o in c
+        .overrides()
+        .iter()
+        .filter(|o| o.source != "the trace's precision")
+    {
+        let _ = writeln!(s, "override: {}", override_line(o));
     }
     let _ = writeln!(s);
 

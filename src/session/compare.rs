@@ -134,7 +134,7 @@ fn traces_judge(
         candidate: trace_side_precision(candidate, "candidate trace", &flags, notes)?,
         infos: HashMap::new(),
         tol: req.hooks.tol.clone(),
-        precision: overrides_with_trace(&flags, Some(candidate), notes),
+        precision: overrides_with_trace(&flags, Some(candidate), notes)?,
         selection_bias: HashMap::new(),
         groups: None,
         bias_unknown: true,

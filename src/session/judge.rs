@@ -60,31 +60,79 @@ pub(super) fn precision_overrides(p: &[(String, String)]) -> Result<Vec<Precisio
         .collect()
 }
 
-/// Precision overrides a trace declares: `indexer_dtype` (e.g. `fp8` for an FP8 DSA indexer)
-/// sets the precision of `blk.*.indexer_*`. `--precision` flags come first and win.
-pub(super) fn trace_precision(t: &TraceFile, notes: &mut Vec<String>) -> Vec<PrecisionOverride> {
+/// Precision overrides a trace declares, in this order (the first matching glob wins, after
+/// `--precision` flags):
+///
+/// - `precision`: a JSON object of hook globs to dtype texts (`{"blk.*.q_a": "f32 storage, f32
+///   accumulation, q8 activations"}`), for an engine whose precision differs from step to step
+///   (llama.cpp: each product's activations are rounded to the format its weight asks for);
+/// - `indexer_dtype` (e.g. `fp8` for an FP8 DSA indexer): the precision of `blk.*.indexer_*`.
+///
+/// A `precision` that is not such an object, or names a dtype no precision is read from, is
+/// an error: it would decide verdicts.
+pub(super) fn trace_precision(
+    t: &TraceFile,
+    notes: &mut Vec<String>,
+) -> Result<Vec<PrecisionOverride>> {
+    let mut out = Vec::new();
+    if let Some(raw) = t.metadata().get("precision") {
+        let map = serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(raw)
+            .ok()
+            .with_context(|| {
+                format!(
+                    "{}: metadata precision is not a JSON object of hook globs to dtypes: {raw:?}",
+                    t.path().display()
+                )
+            })?;
+        for (glob, v) in &map {
+            let d = v.as_str().with_context(|| {
+                format!(
+                    "{}: metadata precision: the value of {glob:?} is not a string: {v}",
+                    t.path().display()
+                )
+            })?;
+            let p = precision_of(d).with_context(|| {
+                format!(
+                    "{}: metadata precision: {glob:?} = {d:?} names no precision (its first word must be f64, f32, tf32, bf16, f16 or fp8)",
+                    t.path().display()
+                )
+            })?;
+            out.push(PrecisionOverride {
+                glob: glob.clone(),
+                precision: p,
+                dtype: d.to_string(),
+                source: "the trace's precision".to_string(),
+            });
+        }
+        if !map.is_empty() {
+            notes.push(format!(
+                "the trace's precision sets the candidate's precision per step ({} hook globs; the JSON lists them)",
+                map.len()
+            ));
+        }
+    }
     let Some(d) = t.metadata().get("indexer_dtype") else {
-        return Vec::new();
+        return Ok(out);
     };
     match precision_of(d) {
         Some(p) => {
             notes.push(format!(
                 "the trace's indexer_dtype {d:?} sets the candidate's precision of blk.*.indexer_*"
             ));
-            vec![PrecisionOverride {
+            out.push(PrecisionOverride {
                 glob: "blk.*.indexer_*".to_string(),
                 precision: p,
                 dtype: d.clone(),
                 source: "the trace's indexer_dtype".to_string(),
-            }]
+            });
         }
         None => {
             notes.push(format!(
                 "the trace's indexer_dtype {d:?} is not a known precision; ignored"
             ));
-            Vec::new()
         }
     }
+    Ok(out)
 }
 
 /// Hooks whose values say nothing about an engine's storage precision: the embedding (a gather
@@ -270,13 +318,13 @@ pub(super) fn overrides_with_trace(
     flags: &[PrecisionOverride],
     trace: Option<&TraceFile>,
     notes: &mut Vec<String>,
-) -> Vec<PrecisionOverride> {
+) -> Result<Vec<PrecisionOverride>> {
     let mut p = flags.to_vec();
     if let Some(t) = trace {
-        p.extend(trace_precision(t, notes));
+        p.extend(trace_precision(t, notes)?);
         notes.extend(not_captured_note(t));
     }
-    p
+    Ok(p)
 }
 
 /// The hooks a comparison keeps: `--hook` globs (all standard hooks without them), plus the

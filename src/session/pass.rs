@@ -127,7 +127,7 @@ fn run_judge(
         candidate,
         infos: hook_infos(&cfg.plan.steps, weights),
         tol: cfg.tol.clone(),
-        precision: overrides_with_trace(&cfg.precision, trace, notes),
+        precision: overrides_with_trace(&cfg.precision, trace, notes)?,
         selection_bias: selection_bias(weights, &cfg.plan)?,
         groups: weights.hparams().groups,
         bias_unknown: false,
