@@ -526,6 +526,21 @@ pub fn residual(candidate: &HostTensor, hypothesis: &HostTensor) -> f64 {
     })
 }
 
+/// The most ids any row of a selection keeps (-1 is padding); `None` for a tensor of no ids.
+fn kept_per_row(ids: &HostTensor) -> Option<usize> {
+    let v = ids.as_i32("").ok()?;
+    let w = *ids.shape.last()?;
+    v.chunks(w.max(1))
+        .map(|r| r.iter().filter(|&&x| x >= 0).count())
+        .max()
+        .filter(|&k| k > 0)
+}
+
+/// Whether `k` differs from what the selection step keeps.
+fn hypotheses_topk_differs(step: &Step, k: usize) -> bool {
+    matches!(step.op, Op::TopK { k: model } if model != k)
+}
+
 /// Tests every hypothesis that concerns the captured step (module documentation), reporting
 /// each one tested to `progress`.
 pub fn explain(
@@ -562,7 +577,15 @@ pub fn explain(
             nominal: fit.map(|f| f.nominal),
         });
     };
-    let (faults, untestable) = hypotheses_and_untestable(step, weights);
+    let (mut faults, untestable) = hypotheses_and_untestable(step, weights);
+    // A selection that keeps another number of keys than the model's: that number, read off the
+    // candidate (its fullest row), besides the model's neighbours.
+    if let (Op::TopK { .. }, Some(k)) = (&step.op, kept_per_row(cand)) {
+        let f = Fault::new(FaultKind::DsaTopK(k), step.layer.map(|l| vec![l]));
+        if !faults.iter().any(|x| x.kind == f.kind) && hypotheses_topk_differs(step, k) {
+            faults.push(f);
+        }
+    }
     if !untestable.is_empty() {
         notes.push(format!(
             "not testable with these weights: {}",
