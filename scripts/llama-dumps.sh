@@ -5,7 +5,7 @@
 #
 # Builds llama.cpp and tools/llama-dump (tools/llama-dump/build.sh), then dumps every fixture GGUF's
 # short and long prompt (the token ids of fixtures/models/*/*.trace.safetensors) with an F32 and an F16
-# KV cache (with --cuda also with flash attention on), and the override-planted bugs of
+# KV cache, flash attention off and on, and the override-planted bugs of
 # PLANTS below. Writes OUT_DIR/*.safetensors and OUT_DIR/dumps.tsv (file, model, prompt, options).
 set -euo pipefail
 [ $# -ge 3 ] || { sed -n '2,9p' "$0" >&2; exit 2; }
@@ -13,11 +13,14 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 src=$1 build=$2 out=$3
 shift 3
 bash "$root/tools/llama-dump/build.sh" "$src" "$build" "$@"
-dump=$build/glmdiff-llama-dump
-gpu=()
-fa_modes=(off)
-if [ "${1:-}" = "--cuda" ]; then gpu=(--gpu-layers -1); fa_modes=(off on); fi
+dump=$(cd "$build" && pwd)/glmdiff-llama-dump
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
+gpu=()
+fa_modes=(off on)
+if [ "${1:-}" = "--cuda" ]; then gpu=(--gpu-layers -1); fi
+cd "$root"
+failed=0
 tokens() {  # the token ids of a fixture trace, from its safetensors metadata
     python3 - "$1" <<'PY'
 import json, struct, sys
@@ -35,11 +38,10 @@ one() {  # name gguf prompt args...
     m=$(basename "$(dirname "$gguf")")
     "$dump" "$root/$gguf" --tokens "$(tokens "$root/fixtures/models/$m/$m.$prompt.trace.safetensors")" \
         --out "$out/$name.safetensors" "${gpu[@]}" "$@" 2> "$out/$name.log" \
-        || { echo "FAILED: $name"; tail -5 "$out/$name.log"; return 0; }
+        || { echo "FAILED: $name"; tail -5 "$out/$name.log"; failed=$((failed + 1)); return 0; }
     printf '%s\t%s\t%s\t%s\n' "$name.safetensors" "$gguf" "$prompt" "$*" >> "$tsv"
 }
 for g in fixtures/models/*/*.gguf; do
-    (cd "$root" && [ -f "$g" ]) || continue
     for prompt in short long; do
         for kv in f32 f16; do
             for fa in "${fa_modes[@]}"; do
@@ -66,4 +68,5 @@ while read -r name gguf ov; do
     [ -n "$name" ] || continue
     one "plant.$name" "fixtures/models/$gguf" long --kv-type f32 --override-kv "$ov"
 done <<< "$PLANTS"
-echo "dumps: $(wc -l < "$tsv") in $out"
+echo "dumps: $(wc -l < "$tsv") in $out, $failed failed"
+[ "$failed" = 0 ]

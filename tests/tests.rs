@@ -11,6 +11,7 @@ mod gpu;
 mod hook_script;
 mod hook_subsets;
 mod inputs;
+mod llama_cpp;
 mod malformed;
 mod outputs;
 mod reference;

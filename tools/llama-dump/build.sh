@@ -6,20 +6,28 @@
 # LLAMA_CPP_SRC: a llama.cpp checkout (or llama-cpp-python's sdist vendor/llama.cpp). BUILD_DIR gets
 # llama.cpp's build and BUILD_DIR/glmdiff-llama-dump. --cuda builds llama.cpp's CUDA backend for one
 # architecture (default 90, Hopper; 120 for Blackwell RTX PRO); llama.cpp's tools, tests, examples and
-# server are not built. The llama.cpp commit is taken from git, or from $LLAMA_COMMIT.
+# server are not built. The llama.cpp commit is $LLAMA_COMMIT, or git's when LLAMA_CPP_SRC is a checkout.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 [ $# -ge 2 ] || { sed -n '2,9p' "$0" >&2; exit 2; }
-src=$(cd "$1" && pwd) || { echo "build.sh: no directory $1" >&2; exit 2; }
+src=$(cd "$1" && pwd -P) || { echo "build.sh: no directory $1" >&2; exit 2; }
 build=$2
 shift 2
 cuda=OFF arch=90
 if [ "${1:-}" = "--cuda" ]; then
     cuda=ON
-    [ -n "${2:-}" ] && arch=$2
+    shift
+    if [ -n "${1:-}" ]; then arch=$1; shift; fi
+    case $arch in (*[!0-9]*|'') echo "build.sh: --cuda $arch: expected an architecture number (90, 120)" >&2; exit 2;; esac
 fi
+[ $# -eq 0 ] || { echo "build.sh: unexpected argument $1 (usage: build.sh LLAMA_CPP_SRC BUILD_DIR [--cuda [ARCH]])" >&2; exit 2; }
 [ -f "$src/include/llama.h" ] || { echo "build.sh: $src is not a llama.cpp source tree (no include/llama.h)" >&2; exit 2; }
-commit=${LLAMA_COMMIT:-$(git -C "$src" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
+# the commit of the source tree itself only (not of a checkout it was unpacked into)
+top=$(git -C "$src" rev-parse --show-toplevel 2>/dev/null || true)
+if [ -z "${LLAMA_COMMIT:-}" ] && [ "$top" = "$src" ]; then
+    LLAMA_COMMIT=$(git -C "$src" rev-parse --short=12 HEAD)
+fi
+commit=${LLAMA_COMMIT:-unknown}
 mkdir -p "$build"
 gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)

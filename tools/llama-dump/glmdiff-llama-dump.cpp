@@ -30,6 +30,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <new>
+#include <stdexcept>
 #include <set>
 #include <string>
 #include <vector>
@@ -125,6 +127,7 @@ static void reshape(Captured & c, std::vector<int64_t> want, const char * hook) 
     int64_t have = 1, need = 1;
     for (int64_t d : c.shape) have *= d;
     for (int64_t d : want) need *= d ? d : 1;
+    if (std::count(want.begin(), want.end(), 0) > 1) die("hook %s: more than one free dimension", hook);
     for (int64_t & d : want)
         if (d == 0) {
             d = need > 0 && have % need == 0 ? have / need : -1;
@@ -158,10 +161,6 @@ static void cut_columns(Captured & c, int64_t keep) {
 // ---------------------------------------------------------------------------------------------------
 // The capture: which llama.cpp nodes are wanted, and every occurrence of them in graph order.
 
-struct Occurrence {
-    Captured value;
-};
-
 struct State {
     int64_t n_tokens = 0;
     std::set<std::string> wanted;  // base names (without -L)
@@ -171,11 +170,18 @@ struct State {
     std::map<const ggml_tensor *, int> kqv_out;
     std::map<int, Captured> attn_out;
     bool interrupted = false;
+    // flash attention as llama.cpp resolved it (a FLASH_ATTN_EXT node was computed), and whether that
+    // node ran on the CPU (a head size the GPU backend has no kernel for)
+    bool fa_seen = false, fa_on_cpu = false;
 };
 
 static volatile sig_atomic_t g_interrupted = 0;
 
-static void on_signal(int) { g_interrupted = 1; }
+// The first Ctrl-C stops the run at the next node (and nothing is written); a second one kills.
+static void on_signal(int sig) {
+    g_interrupted = 1;
+    signal(sig, SIG_DFL);
+}
 
 static bool split_name(const char * name, std::string & base, int & layer) {
     const char * dash = strrchr(name, '-');
@@ -195,9 +201,14 @@ static bool split_name(const char * name, std::string & base, int & layer) {
 
 // Size filters for names that also label large intermediates: indexer_score is taken only as the
 // [n_kv, T] matrix of masked scores (not the per-head [heads, n_kv, T] products).
+// Views of names that label a computed twin (the pre-RoPE q_pe and k_pe, the un-normed kv_cmpr, the
+// reshaped q) are not kept: they are never a hook.
 static bool shape_ok(const std::string & base, const ggml_tensor * t, int64_t n_tokens) {
     if (base == "indexer_score") {
         return t->ne[1] == n_tokens && t->ne[2] == 1 && t->ne[3] == 1 && t->ne[0] >= n_tokens;
+    }
+    if (base == "q_pe" || base == "k_pe" || base == "kv_cmpr" || base == "q" || base == "qr") {
+        return t->op != GGML_OP_VIEW && t->op != GGML_OP_RESHAPE && t->op != GGML_OP_PERMUTE;
     }
     return true;
 }
@@ -206,7 +217,11 @@ static bool eval_cb(ggml_tensor * t, bool ask, void * user) {
     State * s = (State *) user;
     if (g_interrupted) {
         s->interrupted = true;
-        return false;  // stops the graph's computation
+        return false;  // (answered to the data call) stops the graph's computation
+    }
+    if (ask && t->op == GGML_OP_FLASH_ATTN_EXT) {
+        s->fa_seen = true;
+        if (!t->buffer || ggml_backend_buffer_is_host(t->buffer)) s->fa_on_cpu = true;
     }
     std::string base;
     int layer;
@@ -225,7 +240,7 @@ static bool eval_cb(ggml_tensor * t, bool ask, void * user) {
     } else {
         s->seen[{ base, layer }].push_back(read_tensor(t));
     }
-    return true;
+    return !g_interrupted;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -353,6 +368,16 @@ static std::vector<llama_token> parse_tokens(const char * s) {
     return ids;
 }
 
+static int parse_int(const std::string & flag, const char * v, long lo) {
+    char * end = nullptr;
+    errno = 0;
+    long x = strtol(v, &end, 10);
+    if (end == v || *end != '\0' || errno || x < lo || x > INT32_MAX) die("%s %s: expected an integer >= %ld", flag.c_str(), v, lo);
+    return (int) x;
+}
+
+static ggml_type kv_type_of(const std::string & s);
+
 static Args parse_args(int argc, char ** argv) {
     Args a;
     for (int i = 1; i < argc; i++) {
@@ -366,8 +391,8 @@ static Args parse_args(int argc, char ** argv) {
         else if (k == "--out") a.out = val();
         else if (k == "--kv-type") a.kv_type = val();
         else if (k == "--flash-attn") a.flash_attn = val();
-        else if (k == "--gpu-layers") a.gpu_layers = atoi(val());
-        else if (k == "--threads") a.threads = atoi(val());
+        else if (k == "--gpu-layers") a.gpu_layers = parse_int(k, val(), -1);
+        else if (k == "--threads") a.threads = parse_int(k, val(), 1);
         else if (k == "--override-kv") a.overrides.push_back(val());
         else if (k == "-h" || k == "--help") {
             usage();
@@ -381,6 +406,9 @@ static Args parse_args(int argc, char ** argv) {
         exit(2);
     }
     if (!a.tokens.empty() && !a.prompt.empty()) die("give --tokens or --prompt, not both");
+    kv_type_of(a.kv_type);  // checked before the (long) model load
+    if (a.flash_attn != "on" && a.flash_attn != "off" && a.flash_attn != "auto")
+        die("--flash-attn %s: expected off, on or auto", a.flash_attn.c_str());
     return a;
 }
 
@@ -430,6 +458,7 @@ static llama_model_kv_override parse_override(const std::string & s) {
 
 struct WeightTypes {
     std::map<std::string, ggml_type> type_of;  // every tensor's type
+    std::set<std::string> keys;                // every metadata key
     uint32_t index_topk = 0;
     std::string arch;
 };
@@ -443,8 +472,27 @@ static WeightTypes weight_types(const std::string & path) {
     if (ak >= 0 && gguf_get_kv_type(g, ak) == GGUF_TYPE_STRING) w.arch = gguf_get_val_str(g, ak);
     int64_t tk = gguf_find_key(g, (w.arch + ".attention.indexer.top_k").c_str());
     if (tk >= 0 && gguf_get_kv_type(g, tk) == GGUF_TYPE_UINT32) w.index_topk = gguf_get_val_u32(g, tk);
+    for (int64_t i = 0; i < gguf_get_n_kv(g); i++) w.keys.insert(gguf_get_key(g, i));
     for (int64_t i = 0; i < gguf_get_n_tensors(g); i++) w.type_of[gguf_get_tensor_name(g, i)] = gguf_get_tensor_type(g, i);
+    // a split model (NAME-00001-of-0000N.gguf): llama.cpp opens the first shard and finds the others;
+    // every shard's tensor types are read, for the precision of every layer
+    int64_t ck = gguf_find_key(g, "split.count"), nk = gguf_find_key(g, "split.no");
+    int count = ck >= 0 && gguf_get_kv_type(g, ck) == GGUF_TYPE_UINT16 ? gguf_get_val_u16(g, ck) : 1;
+    int no = nk >= 0 && gguf_get_kv_type(g, nk) == GGUF_TYPE_UINT16 ? gguf_get_val_u16(g, nk) : 0;
     gguf_free(g);
+    if (count > 1) {
+        if (no != 0) die("%s is shard %d of %d: give the first shard (llama.cpp loads the others from it)", path.c_str(), no + 1, count);
+        char prefix[4096], shard[4096];
+        if (!llama_split_prefix(prefix, sizeof prefix, path.c_str(), 0, count))
+            die("%s: a split model (split.count %d) whose name is not NAME-00001-of-%05d.gguf", path.c_str(), count, count);
+        for (int i = 1; i < count; i++) {
+            llama_split_path(shard, sizeof shard, prefix, i, count);
+            gguf_context * s = gguf_init_from_file(shard, p);
+            if (!s) die("%s: shard %d of %d, %s, is missing or not a GGUF file", path.c_str(), i + 1, count, shard);
+            for (int64_t j = 0; j < gguf_get_n_tensors(s); j++) w.type_of[gguf_get_tensor_name(s, j)] = gguf_get_tensor_type(s, j);
+            gguf_free(s);
+        }
+    }
     return w;
 }
 
@@ -494,7 +542,21 @@ static std::string base_name(const std::string & p) {
     return s == std::string::npos ? p : p.substr(s + 1);
 }
 
+static int run(int argc, char ** argv);
+
 int main(int argc, char ** argv) {
+    try {
+        return run(argc, argv);
+    } catch (const std::bad_alloc &) {
+        remove_tmp();
+        die("out of host memory while holding the captured activations (a shorter prompt needs less)");
+    } catch (const std::exception & e) {
+        remove_tmp();
+        die("%s", e.what());
+    }
+}
+
+static int run(int argc, char ** argv) {
     Args a = parse_args(argc, argv);
     {
         FILE * f = fopen(a.model.c_str(), "rb");
@@ -509,6 +571,12 @@ int main(int argc, char ** argv) {
             std::string outreal = std::string(ro) + "/" + base_name(a.out);
             if (outreal == rm) die("--out %s is the model file: refusing to overwrite an input", a.out.c_str());
         }
+    }
+    {
+        // the output's directory must exist and be writable before the (long) run
+        size_t slash = a.out.find_last_of('/');
+        std::string dir = slash == std::string::npos ? "." : a.out.substr(0, slash == 0 ? 1 : slash);
+        if (access(dir.c_str(), W_OK) != 0) die("--out %s: directory %s is not writable: %s", a.out.c_str(), dir.c_str(), strerror(errno));
     }
     signal(SIGINT, on_signal);
     signal(SIGTERM, on_signal);
@@ -537,13 +605,21 @@ int main(int argc, char ** argv) {
     // buffer that supports no op of the graph and scheduling aborts
     mp.use_extra_bufts = false;
     mp.kv_overrides = ov.empty() ? nullptr : ov.data();
+    for (size_t i = 0; i + 1 < ov.size(); i++)
+        if (!wt.keys.count(ov[i].key))
+            fprintf(stderr, "glmdiff-llama-dump: warning: --override-kv %s: %s has no such key; llama.cpp applies it only if it reads that key\n",
+                    ov[i].key, a.model.c_str());
+    mp.progress_callback = [](float, void *) { return !g_interrupted; };
+    fprintf(stderr, "glmdiff-llama-dump: loading %s\n", a.model.c_str());
     llama_model * model = llama_model_load_from_file(a.model.c_str(), mp);
+    if (g_interrupted) die("interrupted; nothing written");
     if (!model) die("llama.cpp could not load %s (its log above says why)", a.model.c_str());
     const llama_vocab * vocab = llama_model_get_vocab(model);
 
     if (!a.prompt.empty()) {
         int n = -llama_tokenize(vocab, a.prompt.c_str(), (int) a.prompt.size(), nullptr, 0, false, false);
         a.tokens.resize(n);
+        if (n <= 0) die("--prompt %s: no tokens", a.prompt.c_str());
         if (llama_tokenize(vocab, a.prompt.c_str(), (int) a.prompt.size(), a.tokens.data(), n, false, false) != n)
             die("tokenizing the prompt failed");
     }
@@ -571,6 +647,9 @@ int main(int argc, char ** argv) {
     else if (a.flash_attn == "off") cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
     else if (a.flash_attn == "auto") cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_AUTO;
     else die("--flash-attn %s: expected off, on or auto", a.flash_attn.c_str());
+    // a CPU run stays on the CPU (a CUDA build otherwise offloads large products of host weights)
+    if (a.gpu_layers == 0) cp.op_offload = false;
+    cp.abort_callback = [](void *) { return (bool) g_interrupted; };
     cp.cb_eval = eval_cb;
     cp.cb_eval_user_data = &st;
     cp.no_perf = true;
@@ -586,6 +665,8 @@ int main(int argc, char ** argv) {
         batch.logits[i] = 1;  // every row's logits: the last layer keeps all rows
     }
     batch.n_tokens = (int32_t) T;
+    fprintf(stderr, "glmdiff-llama-dump: running %" PRId64 " tokens through %d layers (%s KV cache, flash attention %s)\n", T,
+            llama_model_n_layer(model), a.kv_type.c_str(), a.flash_attn.c_str());
     int rc = llama_decode(ctx, batch);
     if (st.interrupted || g_interrupted) die("interrupted; nothing written");
     if (rc != 0) die("llama_decode failed (%d) on %s", rc, a.model.c_str());
@@ -601,7 +682,6 @@ int main(int argc, char ** argv) {
     const int64_t n_head = meta_u32("attention.head_count", 0);
     const int64_t q_lora = meta_u32("attention.q_lora_rank", 0);
     const int64_t rope = meta_u32("rope.dimension_count", 0);
-    const int64_t k_used = meta_u32("expert_used_count", 0);
     const int64_t n_run = n_layer;
     const int64_t n_dense = meta_u32("leading_dense_block_count", 0);
     const int64_t n_expert = meta_u32("expert_count", 0);  // llama_model_n_layer leaves the MTP (nextn) blocks out
@@ -612,7 +692,7 @@ int main(int argc, char ** argv) {
         auto it = st.seen.find({ base, layer });
         return it == st.seen.end() ? nullptr : &it->second;
     };
-    auto put = [&](const std::string & hook, Captured c, std::vector<int64_t> shape) {
+    auto put = [&](const std::string & hook, Captured && c, std::vector<int64_t> shape) {
         reshape(c, shape, hook.c_str());
         out[hook] = std::move(c);
     };
@@ -629,11 +709,12 @@ int main(int argc, char ** argv) {
         return r;
     };
 
-    if (auto * c = last("embd", -1)) put("token_embd", *c, { T, n_embd });
+    if (auto * c = last("embd", -1)) put("token_embd", std::move(*c), { T, n_embd });
     for (int il = 0; il < n_run; il++) {
         const std::string p = "blk." + std::to_string(il) + ".";
+        // each captured node becomes one hook: moved, not copied
         auto hook = [&](const std::string & name, Captured * c, std::vector<int64_t> shape) {
-            if (c) put(p + name, *c, shape);
+            if (c) put(p + name, std::move(*c), shape);
         };
         hook("attn_norm", last("attn_norm", il), { T, n_embd });
         // q LoRA: glm-dsa names both steps "qr" and q_b "q"; deepseek2 names all three "q" (then a view)
@@ -664,20 +745,26 @@ int main(int argc, char ** argv) {
         hook("kv_a_norm", with_op("kv_cmpr", il, "VIEW", false), { T, 0 });
         hook("k_pe_rope", with_op("k_pe", il, "ROPE", true), { T, rope });
         if (auto * c = last("indexer_score", il)) {
-            Captured s = *c;
+            Captured s = std::move(*c);
             reshape(s, { T, s.shape[3] }, "indexer_scores");
             cut_columns(s, T);
             out[p + "indexer_scores"] = s;
         }
         if (auto * c = last("top_k", il)) {
-            Captured s = *c;
+            Captured s = std::move(*c);
             const int64_t k = s.shape[3];
             reshape(s, { T, k }, "indexer_topk");
             // cells are positions (a fresh cache, one sequence): a selected cell after the query's own
             // position was masked (-inf) and only fills a row shorter than top-k
-            for (int64_t t = 0; t < T; t++)
+            // llama.cpp's top-k returns its ids in no promised order (the CPU swaps the first two, CUB's
+            // top-k is unsorted): the kept ids go first in each row, so that cutting to the hook's width
+            // never drops one
+            for (int64_t t = 0; t < T; t++) {
+                int32_t * row = &s.i32[t * k];
                 for (int64_t j = 0; j < k; j++)
-                    if (s.i32[t * k + j] > t) s.i32[t * k + j] = -1;
+                    if (row[j] > t) row[j] = -1;
+                std::stable_partition(row, row + k, [](int32_t x) { return x >= 0; });
+            }
             // the hook's width is min(the model's index_topk, T): a smaller top-k (an override) is padded
             int64_t width = std::min<int64_t>(wt.index_topk ? wt.index_topk : k, T);
             if (width > k) {
@@ -694,26 +781,30 @@ int main(int argc, char ** argv) {
         if (st.attn_out.count(il)) hook("attn_out", &st.attn_out[il], { T, n_embd });
         hook("ffn_inp", last("ffn_inp", il), { T, n_embd });
         hook("ffn_norm", last("ffn_norm", il), { T, n_embd });
-        hook("ffn_gate", last("ffn_gate", il), { T, 0 });
-        hook("ffn_up", last("ffn_up", il), { T, 0 });
-        hook("ffn_act", last("ffn_swiglu", il), { T, 0 });
+        // in MoE layers these names label the shared expert's steps, which have no hook of their own
+        if (il < n_dense || n_expert == 0) {
+            hook("ffn_gate", last("ffn_gate", il), { T, 0 });
+            hook("ffn_up", last("ffn_up", il), { T, 0 });
+            hook("ffn_act", last("ffn_swiglu", il), { T, 0 });
+        }
         hook("moe_logits", last("ffn_moe_logits", il), { T, 0 });
         hook("moe_probs", last("ffn_moe_probs", il), { T, 0 });
-        hook("moe_topk_ids", last("ffn_moe_topk", il), { T, k_used });
+        hook("moe_topk_ids", last("ffn_moe_topk", il), { T, 0 });  // its own width (an override may change it)
         // the routing weights as used: the last of weights, normalised, scaled
         {
             Captured * w = nullptr;
             for (const char * n : { "ffn_moe_weights", "ffn_moe_weights_norm", "ffn_moe_weights_scaled" })
                 if (auto * c = last(n, il)) w = c;
-            hook("moe_weights", w, { T, k_used });
+            hook("moe_weights", w, { T, 0 });
         }
         hook("moe_routed", last("ffn_moe_out", il), { T, n_embd });
         hook("ffn_shexp", last("ffn_shexp", il), { T, n_embd });
         hook("ffn_out", last("ffn_out", il), { T, n_embd });
         hook("l_out", last("l_out", il), { T, n_embd });
     }
-    if (auto * c = last("result_norm", -1)) put("result_norm", *c, { T, n_embd });
-    if (auto * c = last("result_output", -1)) put("logits", *c, { T, n_vocab });
+    if (auto * c = last("result_norm", -1)) put("result_norm", std::move(*c), { T, n_embd });
+    if (auto * c = last("result_output", -1)) put("logits", std::move(*c), { T, n_vocab });
+    st.seen.clear();
 
     // ---- what llama.cpp did not compute as a node of its own in this run
     std::vector<std::string> per_layer = { "attn_norm", "q_b", "q_pe_rope", "kv_a", "kv_a_norm", "k_pe_rope",
@@ -781,16 +872,15 @@ int main(int argc, char ** argv) {
                 o.cuda = cuda;
                 for (auto & w : weights) ty(b + w + ".weight", o);
                 const bool weights16 = o.acc16;
-                if (kv) {
-                    if (!cuda) {
-                        o.add(kvt);
-                    } else if (point == "attn_heads" && a.flash_attn == "on") {
-                        o.any = true;
-                        o.rank(2);
-                    } else {
-                        o.add(kvt == GGML_TYPE_F32 ? GGML_TYPE_F32 : kvt);
-                        if (point == "indexer_scores") o.acc16 = weights16;  // the scores sum in f32
-                    }
+                if (kv && point == "attn_heads" && st.fa_seen) {
+                    // flash attention casts K and V to F16; ggml-cpu's kernel sums softmax·V in f16
+                    // for short batches, ggml-cuda's in f32
+                    o.any = true;
+                    o.rank(2);
+                    if (!cuda || st.fa_on_cpu) o.acc16 = true;
+                } else if (kv) {
+                    o.add(kvt);
+                    if (cuda && point == "indexer_scores") o.acc16 = weights16;  // the scores sum in f32
                 }
                 if (o.any) per_point[point][il] = o.text();
             };
@@ -836,6 +926,9 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "glmdiff-llama-dump: --gpu-layers %d but this llama.cpp build has no CUDA device: %s\n", a.gpu_layers,
                 backend == "CPU" ? "ran on the CPU" : "the precision of its backend is not modelled: written as the CPU's");
 
+    // flash attention as llama.cpp ran it (with --flash-attn auto it decides itself)
+    const std::string fa_text = std::string(st.fa_seen ? "on" : "off") + (a.flash_attn == "auto" ? " (auto)" : "") +
+                                (st.fa_seen && st.fa_on_cpu && cuda ? " (on the CPU)" : "");
     std::string toks = "[";
     for (int64_t i = 0; i < T; i++) toks += (i ? "," : "") + std::to_string(a.tokens[i]);
     toks += "]";
@@ -850,14 +943,14 @@ int main(int argc, char ** argv) {
         { "architecture", wt.arch },
         { "tokens", toks },
         { "engine", std::string("llama.cpp ") + GLMDIFF_LLAMA_COMMIT + " " + backend + ", KV cache " + a.kv_type +
-                        ", flash attention " + a.flash_attn + (ovs.empty() ? "" : ", overrides " + ovs) },
+                        ", flash attention " + fa_text + (ovs.empty() ? "" : ", overrides " + ovs) },
         { "dtype", dtype },
         { "mode", "chained" },
         { "hook_script", TOOL_VERSION },
         { "llama_cpp_commit", GLMDIFF_LLAMA_COMMIT },
         { "llama_cpp_backend", backend },
         { "llama_cpp_kv_cache_type", a.kv_type },
-        { "llama_cpp_flash_attn", a.flash_attn },
+        { "llama_cpp_flash_attn", fa_text },
     };
     if (!precision.empty()) {
         std::string pm = "{";
