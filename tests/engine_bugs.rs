@@ -7,7 +7,7 @@
 //! softmax scales) are under their hooks' bf16 floors of relative L2: only the systematic test
 //! (`compare::systematic`) names them.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use serde_json::Value;
 
@@ -75,20 +75,7 @@ fn dumps() -> Vec<(PathBuf, PathBuf, serde_json::Map<String, Value>)> {
         .collect()
 }
 
-fn run(dir: &Path, gguf: &Path, trace: &Path, extra: &[&str]) -> (i32, Value, String) {
-    let json = dir.join("r.json");
-    let against = format!("trace:{}", trace.display());
-    let mut args = vec![
-        "run",
-        gguf.to_str().unwrap(),
-        "--against",
-        &against,
-        "--json",
-        json.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    crate::common::outcome(crate::common::glmdiff_in(dir, &args), &json)
-}
+use crate::common::run_trace as run;
 
 /// The planted layer and point of `expect_first_divergence` (`blk.1.attn_out`).
 fn layer_point(hook: &str) -> (Option<usize>, &str) {

@@ -9,8 +9,6 @@
 
 use std::path::{Path, PathBuf};
 
-use serde_json::Value;
-
 fn pairs() -> Vec<(PathBuf, PathBuf)> {
     crate::common::trace_pairs(
         &crate::common::fixtures("llama-cpp"),
@@ -18,20 +16,7 @@ fn pairs() -> Vec<(PathBuf, PathBuf)> {
     )
 }
 
-fn run(dir: &Path, gguf: &Path, trace: &Path, extra: &[&str]) -> (i32, Value, String) {
-    let json = dir.join("r.json");
-    let against = format!("trace:{}", trace.display());
-    let mut args = vec![
-        "run",
-        gguf.to_str().unwrap(),
-        "--against",
-        &against,
-        "--json",
-        json.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    crate::common::outcome(crate::common::glmdiff_in(dir, &args), &json)
-}
+use crate::common::run_trace as run;
 
 fn is_plant(trace: &Path) -> bool {
     trace

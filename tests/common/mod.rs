@@ -108,6 +108,28 @@ pub fn outcome(o: std::process::Output, json: &Path) -> (i32, serde_json::Value,
     (o.status.code().unwrap_or(-1), j, text)
 }
 
+/// `glmdiff run GGUF --against trace:TRACE --json DIR/r.json EXTRA...` with its cache in `dir`:
+/// exit code, the JSON and the text printed.
+pub fn run_trace(
+    dir: &Path,
+    gguf: &Path,
+    trace: &Path,
+    extra: &[&str],
+) -> (i32, serde_json::Value, String) {
+    let json = dir.join("r.json");
+    let against = format!("trace:{}", trace.display());
+    let mut args = vec![
+        "run",
+        gguf.to_str().unwrap(),
+        "--against",
+        &against,
+        "--json",
+        json.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    outcome(glmdiff_in(dir, &args), &json)
+}
+
 /// Runs glmdiff with `args` and its reference cache in `cache`.
 pub fn glmdiff_in(cache: &Path, args: &[&str]) -> std::process::Output {
     std::process::Command::new(glmdiff_bin())
