@@ -3,8 +3,9 @@
 //!
 //! What it does the way serving engines do:
 //! - weights stay as their raw GGUF blocks on the device (uploaded once per tensor, the next
-//!   layer's while the current one runs: `prefetch`) and are dequantized per step into scratch by the bit-exact kernels of `cuda/dequant*.cu`, a chunk of
-//!   rows at a time, then multiplied with cuBLAS SGEMM (pedantic math: no TF32);
+//!   layer's while the current one runs: `prefetch`) and are dequantized per step into scratch
+//!   by the bit-exact kernels of `cuda/dequant*.cu`, a chunk of rows at a time, then multiplied
+//!   with cuBLAS SGEMM (pedantic math: no TF32);
 //! - only the experts a step routes to are dequantized (a stacked expert tensor is read as one
 //!   expert's row range of its raw bytes);
 //! - MLA runs in the *absorbed* form: `W_UK` folded into the query (`q_lat = q_nope · W_UK`),
@@ -19,9 +20,10 @@
 //!
 //! Rooms: `tensor` (device tensors, launch configurations, the `launch!` macro), `gemm`
 //! (cuBLAS and the chunked projections), `weights` (raw-block residency, dequantization into
-//! scratch), `prefetch` (the next layer's raw blocks uploaded behind the current one), `attention` (RoPE, the DSA indexer, MLA), `moe` (router, experts, SwiGLU); this
-//! file holds the engine and its [`Engine`] implementation, which delegates to them; [`multi`]
-//! spreads the layers over several devices.
+//! scratch), `prefetch` (the next layer's raw blocks uploaded behind the current one),
+//! `attention` (RoPE, the DSA indexer, MLA), `moe` (router, experts, SwiGLU); this file holds
+//! the engine and its [`Engine`] implementation, which delegates to them; [`multi`] spreads the
+//! layers over several devices.
 
 mod attention;
 mod gemm;
@@ -229,7 +231,9 @@ impl Engine for CudaEngine<'_> {
             let ty = self.weights.tensor(name)?.info.ty;
             self.gpu
                 .dequant_view(ty, OutFormat::F32, &raw.as_view(), &mut out.slice_mut(0..n))
-                .with_context(|| format!("engine: cuda: dequantizing {name} rows of {ids:?}"))?;
+                .with_context(|| {
+                    format!("engine: cuda: dequantizing {} rows of {name}", ids.len())
+                })?;
         }
         Ok(self.tensor_f32(vec![ids.len(), hidden], self.finish(out)?))
     }

@@ -8,7 +8,7 @@
 //! free memory before anything runs, and says what each needs when it does not. Each engine
 //! also prefetches the next layer of its own range (the first layer of a range while the
 //! previous device runs the last of its own) when its free memory holds it
-//! ([`super::prefetch`]); a device without that room uploads on demand. Hand-offs go
+//! (`engine::cuda`'s `prefetch`); a device without that room uploads on demand. Hand-offs go
 //! through the host (a download and an upload of the tensors a step needs); they are counted.
 
 use std::borrow::Cow;
