@@ -35,7 +35,12 @@ const MAX_NOTES: usize = 4;
 /// Whether prefetching is on unless told otherwise: off when the environment variable
 /// `GLMDIFF_NO_PREFETCH` is set to anything but the empty string or `0`.
 pub fn prefetch_by_default() -> bool {
-    !matches!(std::env::var("GLMDIFF_NO_PREFETCH"), Ok(v) if !v.is_empty() && v != "0")
+    !turned_off(std::env::var("GLMDIFF_NO_PREFETCH").ok().as_deref())
+}
+
+/// Whether a value of `GLMDIFF_NO_PREFETCH` turns prefetching off.
+fn turned_off(v: Option<&str>) -> bool {
+    v.is_some_and(|v| !v.is_empty() && v != "0")
 }
 
 /// What prefetching did over an engine's life.
@@ -432,5 +437,111 @@ impl CudaEngine<'_> {
         p.summary.fallbacks += 1;
         p.note(format!("{name} uploaded on demand: {why}"));
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(p: &mut Prefetch, name: &str, layer: usize, arrived: bool) {
+        let id = p.next_id;
+        p.next_id += 1;
+        let state = if arrived {
+            State::Arrived(Outcome::Failed("test".into()))
+        } else {
+            State::Issued
+        };
+        p.pending
+            .insert(name.to_string(), Entry { id, layer, state });
+    }
+
+    fn names(p: &Prefetch) -> Vec<String> {
+        let mut v: Vec<String> = p.pending.keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    /// The host-side bookkeeping: beginning a layer drops the prefetches of every other layer,
+    /// ending one drops its leftovers; the uploader is told to drop queued jobs (a new
+    /// generation) only when no job under way is still wanted; outcomes nobody waits for are
+    /// dropped, not filed.
+    #[test]
+    fn layers_begun_and_ended_keep_only_wanted_prefetches() {
+        let mut p = Prefetch::new(true);
+        entry(&mut p, "blk.1.a", 1, false);
+        entry(&mut p, "blk.1.b", 1, true);
+        entry(&mut p, "blk.2.a", 2, false);
+        // Layer 1 begins: layer 2's issued job is dropped, but layer 1's are still under way:
+        // no new generation.
+        p.begin(1, &["blk.1.a".to_string()]);
+        assert_eq!(names(&p), ["blk.1.a", "blk.1.b"]);
+        assert_eq!((p.begun, p.generation), (Some(1), 0));
+        assert_eq!(p.begun_weights, ["blk.1.a"]);
+        // Its outcome, when it comes back, is not filed under any entry.
+        p.place(Done {
+            id: 2,
+            outcome: Outcome::Cancelled,
+        });
+        assert_eq!(names(&p), ["blk.1.a", "blk.1.b"]);
+        // Layer 1 ends with its two tensors never taken: both dropped; one was under way and
+        // none is left: a new generation.
+        p.end(1);
+        assert!(p.pending.is_empty() && p.begun.is_none() && p.begun_weights.is_empty());
+        assert_eq!(p.generation, 1);
+        // A layer begun with only arrived entries of another: dropped, no new generation.
+        entry(&mut p, "blk.3.a", 3, true);
+        p.begin(4, &[]);
+        assert!(p.pending.is_empty());
+        assert_eq!(p.generation, 1);
+        // An outcome filed under its issued entry.
+        entry(&mut p, "blk.5.a", 5, false);
+        let id = p.next_id - 1;
+        p.place(Done {
+            id,
+            outcome: Outcome::Failed("x".into()),
+        });
+        assert!(matches!(
+            p.pending["blk.5.a"].state,
+            State::Arrived(Outcome::Failed(_))
+        ));
+    }
+
+    #[test]
+    fn the_environment_turns_prefetch_off() {
+        assert!(!turned_off(None));
+        assert!(!turned_off(Some("")));
+        assert!(!turned_off(Some("0")));
+        assert!(turned_off(Some("1")));
+        assert!(turned_off(Some("yes")));
+    }
+
+    #[test]
+    fn summaries_of_several_devices_add_up() {
+        let mut a = PrefetchSummary {
+            on: true,
+            tensors: 3,
+            bytes: 100,
+            fallbacks: 1,
+            notes: vec!["x".into()],
+        };
+        let b = PrefetchSummary {
+            on: false,
+            tensors: 2,
+            bytes: 50,
+            fallbacks: 2,
+            notes: vec!["x".into(), "y".into()],
+        };
+        a.merge(&b);
+        assert_eq!(
+            a,
+            PrefetchSummary {
+                on: true,
+                tensors: 5,
+                bytes: 150,
+                fallbacks: 3,
+                notes: vec!["x".into(), "y".into()],
+            }
+        );
     }
 }
