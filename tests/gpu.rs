@@ -765,6 +765,153 @@ mod device {
         }
     }
 
+    /// Every hook's values bit for bit (f32 compared as bit patterns: NaN too).
+    fn same_bits(a: &HostTensor, b: &HostTensor) -> bool {
+        a.shape == b.shape
+            && match (&a.data, &b.data) {
+                (HostData::F32(x), HostData::F32(y)) => {
+                    x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
+                }
+                (HostData::I32(x), HostData::I32(y)) => x == y,
+                _ => false,
+            }
+    }
+
+    /// Names of the hooks of `a` and `b` that differ in bits (or that one lacks).
+    fn differing(
+        a: &std::collections::BTreeMap<String, HostTensor>,
+        b: &std::collections::BTreeMap<String, HostTensor>,
+    ) -> Vec<String> {
+        let mut v: Vec<String> = a
+            .iter()
+            .filter(|(n, t)| b.get(*n).is_none_or(|u| !same_bits(t, u)))
+            .map(|(n, _)| n.clone())
+            .collect();
+        v.extend(b.keys().filter(|n| !a.contains_key(*n)).cloned());
+        v
+    }
+
+    /// Prefetch changes where the bytes come from, not the results: every hook of a chained
+    /// run of the whole model (the CUDA engine on one device, and as a two-device run on the
+    /// one GPU) is bit-identical with prefetch on and off (and off twice, so a difference is
+    /// prefetch's, not the engine's own nondeterminism); with prefetch on, the later layers'
+    /// raw tensors come from the prefetch with no fallback, and the engine counts weight bytes
+    /// both ways. Then `run --json` reports `upload_s` and `upload_bytes` for every layer, with
+    /// prefetch on and with `GLMDIFF_NO_PREFETCH=1` (whose note says so).
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_prefetch_is_bit_identical_and_timed() {
+        use glmdiff::driver::{run, Plan};
+        use glmdiff::engine::cuda::multi::MultiCudaEngine;
+        use glmdiff::trace::{HookFilter, TraceSink};
+
+        let gpus = [gpu(), gpu()];
+        for m in [
+            "models/glm5-tiny-q/glm5-tiny-q-mixed.gguf",
+            "models/dsv3-tiny-q/dsv3-tiny-q-mixed.gguf",
+            "models/glm5-tiny/glm5-tiny-f16.gguf",
+        ] {
+            let model = Model::open(&fixtures(m)).unwrap();
+            let w = Weights::new(&model).unwrap();
+            let plan = Plan::full(&w).unwrap();
+            let n_vocab = w.n_vocab() as u32;
+            let tokens: Vec<u32> = (0..16u32).map(|i| (i * 37 + 11) % n_vocab).collect();
+            let hooks = |e: &dyn Fn(&mut TraceSink) -> glmdiff::engine::UploadStats| {
+                let mut sink = TraceSink::new(HookFilter::default());
+                let up = e(&mut sink);
+                (sink.into_tensors(), up)
+            };
+            // One device.
+            let one = |on: bool| {
+                let e = CudaEngine::new(&gpus[0], &w, GpuDtype::F32)
+                    .unwrap()
+                    .with_prefetch(on);
+                let (t, up) = hooks(&|sink: &mut TraceSink| {
+                    run(&e, &w, &tokens, &plan, sink).unwrap();
+                    e.take_upload_stats()
+                });
+                (t, up, e.prefetch_summary())
+            };
+            let (off, up_off, pf_off) = one(false);
+            let (off2, _, _) = one(false);
+            let (on, up_on, pf_on) = one(true);
+            eprintln!(
+                "== {m}: {} hooks; off: {up_off:?} {pf_off:?}; on: {up_on:?} {pf_on:?}",
+                off.len()
+            );
+            assert!(off.contains_key("logits") && off.len() > 20, "{m}");
+            let d = differing(&off, &off2);
+            assert!(d.is_empty(), "{m}: the engine differs from itself: {d:?}");
+            let d = differing(&off, &on);
+            assert!(d.is_empty(), "{m}: prefetch changed {d:?}");
+            assert!(!pf_off.on && pf_off.tensors == 0, "{m}: {pf_off:?}");
+            assert!(
+                pf_on.on && pf_on.tensors > 0 && pf_on.bytes > 0,
+                "{m}: {pf_on:?}"
+            );
+            assert_eq!(pf_on.fallbacks, 0, "{m}: {pf_on:?}");
+            assert!(up_off.bytes > 0 && up_on.bytes > 0, "{m}");
+            // Two engines on the GPU, layers split between them.
+            let two = |on: bool| {
+                let e = MultiCudaEngine::new(&gpus, &w, GpuDtype::F32)
+                    .unwrap()
+                    .with_prefetch(on);
+                let (t, _) = hooks(&|sink: &mut TraceSink| {
+                    run(&e, &w, &tokens, &plan, sink).unwrap();
+                    e.take_upload_stats()
+                });
+                (t, e.prefetch_summary())
+            };
+            let (two_off, _) = two(false);
+            let (two_on, pf_two) = two(true);
+            eprintln!("   two devices, on: {pf_two:?}");
+            let d = differing(&two_off, &two_on);
+            assert!(d.is_empty(), "{m}: prefetch changed {d:?} on two devices");
+            assert_eq!(pf_two.fallbacks, 0, "{m}: {pf_two:?}");
+        }
+
+        // The CLI: the per-layer figures in the JSON, on and off.
+        let dir = tempfile::tempdir().unwrap();
+        let json = dir.path().join("r.json");
+        let f = fixtures("models/glm5-tiny-q/glm5-tiny-q-mixed.gguf");
+        for off in [false, true] {
+            let mut c = std::process::Command::new(crate::common::glmdiff_bin());
+            c.args([
+                "run",
+                f.to_str().unwrap(),
+                "--prompt",
+                "The capital of France is Paris, and the capital of Italy is",
+                "--against",
+                "cuda",
+                "--no-cache",
+                "--json",
+                json.to_str().unwrap(),
+            ]);
+            if off {
+                c.env("GLMDIFF_NO_PREFETCH", "1");
+            } else {
+                c.env_remove("GLMDIFF_NO_PREFETCH");
+            }
+            let (rc, j, text) = crate::common::outcome(c.output().expect("run glmdiff"), &json);
+            eprintln!("== run, prefetch off: {off}: exit {rc}\n{text}");
+            assert_eq!(rc, 0, "{text}");
+            let times = j["layer_times"].as_array().expect("layer_times");
+            let layers: Vec<&serde_json::Value> =
+                times.iter().filter(|t| !t["layer"].is_null()).collect();
+            assert_eq!(layers.len(), 2, "{text}");
+            for t in &layers {
+                let up = t["upload_s"].as_f64().expect("upload_s");
+                let total = t["chained_s"].as_f64().unwrap() + t["replay_s"].as_f64().unwrap();
+                assert!(up >= 0.0 && up <= total, "{t}");
+                assert!(t["upload_bytes"].as_u64().expect("upload_bytes") > 0, "{t}");
+            }
+            assert!(text.contains("candidate weight uploads"), "{text}");
+            let notes = j["notes"].to_string();
+            assert_eq!(notes.contains("prefetch off"), off, "{notes}");
+            assert!(!notes.contains("uploaded on demand instead"), "{notes}");
+        }
+    }
+
     /// A bad device ordinal lists the devices; the CLI checks the fixtures clean.
     #[test]
     #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]

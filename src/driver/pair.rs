@@ -26,7 +26,9 @@
 //!
 //! Both engines are told the weights of the layers they run (`Engine::begin_layer` and the other
 //! residency hooks, see [`super`]); a candidate engine that only replays is told only of the
-//! layers whose steps it replays.
+//! layers whose steps it replays (and of the next of those as the one to prefetch). After each
+//! of its steps the candidate engine is asked what it spent on weight uploads
+//! (`Engine::take_upload_stats`), which the layer's time records apart.
 //!
 //! Every output the sink wants is downloaded, handed to the sink as a (reference, candidate) pair
 //! and dropped: nothing accumulates here, so memory stays bounded by a layer's activations.
@@ -96,8 +98,15 @@ pub fn run_pair<R: Engine, C: Engine>(
         _ => None,
     };
     let mut summary = PairSummary::default();
-    // The weight hooks of a candidate engine that only replays (no runner of its own).
-    let mut cand_residency = Residency::default();
+    // The weight hooks of a candidate engine that only replays (no runner of its own): it
+    // begins the layers with a step it replays.
+    let mut cand_residency = Residency::only(
+        plan.steps
+            .iter()
+            .filter(|s| s.op != Op::Alias && step_wanted(s, &*sink, weights))
+            .filter_map(|s| s.layer)
+            .collect(),
+    );
     // The candidate's replayed selections (engine candidates), by hook name.
     let mut cand_sel: HashMap<String, HostTensor> = HashMap::new();
     // Replay against a trace: across the hooks it lacks.
@@ -155,7 +164,9 @@ pub fn run_pair<R: Engine, C: Engine>(
                         cand_values.insert(n, c.engine().download(&t)?);
                     }
                 }
-                summary.time(layer).chained += t0.elapsed().as_secs_f64();
+                let t = summary.time(layer);
+                t.chained += t0.elapsed().as_secs_f64();
+                t.add_upload(c.engine().take_upload_stats());
             }
             let value = |n: &str| -> Result<Option<HostTensor>> {
                 match &candidate {
@@ -209,12 +220,14 @@ pub fn run_pair<R: Engine, C: Engine>(
                                     }
                                 }
                             } else {
+                                let t0 = Instant::now();
                                 if cand.is_none() {
                                     cand_residency.enter(*c, plan, step)?;
                                 }
-                                let t0 = Instant::now();
                                 let out = replay_step(*c, step, &inputs.values, tokens, &wants)?;
-                                summary.time(layer).replay += t0.elapsed().as_secs_f64();
+                                let t = summary.time(layer);
+                                t.replay += t0.elapsed().as_secs_f64();
+                                t.add_upload(c.take_upload_stats());
                                 for (n, t) in &out {
                                     if is_selection(n) {
                                         cand_sel.insert(n.clone(), t.clone());

@@ -4,7 +4,7 @@
 use anyhow::Result;
 
 use super::exec_step;
-use crate::engine::{Engine, HostTensor};
+use crate::engine::{Engine, HostTensor, UploadStats};
 use crate::model::steps::{expert_hook, hook, point, Op, Step};
 use crate::model::Weights;
 use crate::trace::PairSink;
@@ -34,6 +34,20 @@ pub struct LayerTime {
     pub chained: f64,
     /// The candidate engine's replayed steps (0 without them).
     pub replay: f64,
+    /// The part of `chained + replay` the candidate engine spent on its weights before computing
+    /// (on-demand uploads, waits for a prefetch, issuing the next layer's prefetch:
+    /// `Engine::take_upload_stats`); its compute is the rest.
+    pub upload: f64,
+    /// Bytes of weights the candidate engine's steps of the layer took into use.
+    pub upload_bytes: u64,
+}
+
+impl LayerTime {
+    /// Adds an engine's upload figures.
+    pub(super) fn add_upload(&mut self, u: UploadStats) {
+        self.upload += u.wait;
+        self.upload_bytes += u.bytes;
+    }
 }
 
 impl PairSummary {

@@ -1,6 +1,8 @@
 //! The weight residency hooks of one engine's walk of a plan (see the [`super`] documentation):
-//! which of [`Engine::begin_model`], [`Engine::begin_layer`], [`Engine::end_layer`] and
-//! [`Engine::end_model`] are due before a step and at the end.
+//! which of [`Engine::begin_model`], [`Engine::begin_layer`], [`Engine::prefetch_layer`],
+//! [`Engine::end_layer`] and [`Engine::end_model`] are due before a step and at the end.
+
+use std::collections::BTreeSet;
 
 use anyhow::{Context, Result};
 
@@ -14,11 +16,33 @@ use crate::model::Step;
 pub(crate) struct Residency {
     model: bool,
     layer: Option<usize>,
+    /// The layers the walk begins, when not every layer of the plan (a candidate that replays
+    /// only some steps).
+    only: Option<BTreeSet<usize>>,
 }
 
 impl Residency {
+    /// The hooks of a walk that begins only the layers `layers` of its plan.
+    pub(crate) fn only(layers: BTreeSet<usize>) -> Residency {
+        Residency {
+            only: Some(layers),
+            ..Residency::default()
+        }
+    }
+
+    /// The layer the walk begins after `layer`: the next of the plan's layers (of those it
+    /// begins), none after the last.
+    fn next_layer(&self, plan: &Plan, layer: usize) -> Option<usize> {
+        let mut later = plan.layer_weights.range(layer + 1..).map(|(&l, _)| l);
+        match &self.only {
+            None => later.next(),
+            Some(only) => later.find(|l| only.contains(l)),
+        }
+    }
+
     /// Readies `engine` for `step`: begins the model before the walk's first step, and when the
-    /// step's layer differs from the one begun, ends that one and begins the step's.
+    /// step's layer differs from the one begun, ends that one, begins the step's and tells the
+    /// engine which layer comes next ([`Engine::prefetch_layer`]).
     pub(crate) fn enter<E: Engine>(&mut self, engine: &E, plan: &Plan, step: &Step) -> Result<()> {
         if !self.model {
             engine
@@ -37,6 +61,11 @@ impl Residency {
                     .begin_layer(l, plan.weights_of_layer(l))
                     .with_context(|| format!("driver: begin_layer {l}"))?;
                 self.layer = Some(l);
+                if let Some(n) = self.next_layer(plan, l) {
+                    engine
+                        .prefetch_layer(n, plan.weights_of_layer(n))
+                        .with_context(|| format!("driver: prefetch_layer {n}"))?;
+                }
             }
         }
         Ok(())
@@ -66,7 +95,7 @@ mod tests {
     use super::super::{pair, prefix_values, run, run_from, NoProgress};
     use super::*;
     use crate::engine::cpu::CpuEngine;
-    use crate::engine::{ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
+    use crate::engine::{ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing, UploadStats};
     use crate::model::names::{self, blk};
     use crate::model::testutil::{tensor_names, tiny_hparams, tiny_model};
     use crate::model::{Arch, RopeSlice, Weights};
@@ -84,6 +113,13 @@ mod tests {
         events: RefCell<Vec<String>>,
         global: RefCell<Option<Vec<String>>>,
         layer: RefCell<Option<(usize, Vec<String>)>>,
+        /// Every `prefetch_layer` call: the layer and the names given.
+        prefetched: RefCell<Vec<(usize, Vec<String>)>>,
+        /// Every `begin_layer` call: the layer and the names given.
+        begun: RefCell<Vec<(usize, Vec<String>)>>,
+        /// Upload figures not yet taken: each `begin_layer L` adds `1000 * (L + 1)` bytes and
+        /// `L + 1` ms.
+        uploads: RefCell<UploadStats>,
     }
 
     impl<'w> Recording<'w> {
@@ -94,6 +130,9 @@ mod tests {
                 events: Default::default(),
                 global: Default::default(),
                 layer: Default::default(),
+                prefetched: Default::default(),
+                begun: Default::default(),
+                uploads: Default::default(),
             }
         }
 
@@ -153,6 +192,11 @@ mod tests {
                 bail!("begin_layer {layer} outside the model or inside another layer");
             }
             *self.layer.borrow_mut() = Some((layer, weights.to_vec()));
+            self.begun.borrow_mut().push((layer, weights.to_vec()));
+            *self.uploads.borrow_mut() += UploadStats {
+                wait: (layer + 1) as f64 * 1e-3,
+                bytes: 1000 * (layer as u64 + 1),
+            };
             self.events
                 .borrow_mut()
                 .push(format!("begin_layer {layer}"));
@@ -164,6 +208,20 @@ mod tests {
                 other => bail!("end_layer {layer} while {other:?} was begun"),
             }
             self.events.borrow_mut().push(format!("end_layer {layer}"));
+            Ok(())
+        }
+        fn take_upload_stats(&self) -> UploadStats {
+            std::mem::take(&mut *self.uploads.borrow_mut())
+        }
+        fn prefetch_layer(&self, layer: usize, weights: &[String]) -> Result<()> {
+            match &*self.layer.borrow() {
+                Some((l, _)) if *l < layer => {}
+                other => bail!("prefetch_layer {layer} while {other:?} was begun"),
+            }
+            self.prefetched.borrow_mut().push((layer, weights.to_vec()));
+            self.events
+                .borrow_mut()
+                .push(format!("prefetch_layer {layer}"));
             Ok(())
         }
         fn upload(&self, t: &HostTensor) -> Result<HostTensor> {
@@ -281,6 +339,7 @@ mod tests {
         let full = [
             "begin_model token_embd.weight output_norm.weight output.weight",
             "begin_layer 0",
+            "prefetch_layer 1",
             "end_layer 0",
             "begin_layer 1",
             "end_layer 1",
@@ -371,5 +430,163 @@ mod tests {
                 "end_model"
             ]
         );
+    }
+
+    /// `prefetch_layer` names the next layer the walk begins, right after each `begin_layer`,
+    /// with the names that layer's `begin_layer` gets: every next layer of a chained run, never
+    /// past the plan's last layer (a prefix plan, a plan that ends before the model does), and
+    /// for a candidate that only replays some layers, the next of those (skipping the layers it
+    /// does not begin).
+    #[test]
+    fn prefetch_names_the_next_layer_the_walk_begins() {
+        let mut hp = tiny_hparams(Arch::GlmDsa);
+        hp.n_layer = 3;
+        hp.n_block = 3;
+        if let Some(ix) = &mut hp.indexer {
+            ix.full = vec![true; 3];
+        }
+        let model = tiny_model(&hp);
+        let w = Weights::new(&model).unwrap();
+
+        // Chained, the whole model.
+        let engine = Recording::new(&w);
+        let plan = Plan::full(&w).unwrap();
+        run(
+            &engine,
+            &w,
+            &TOKENS,
+            &plan,
+            &mut TraceSink::new(HookFilter::default()),
+        )
+        .unwrap();
+        assert_eq!(
+            engine.events()[1..8],
+            [
+                "begin_layer 0",
+                "prefetch_layer 1",
+                "end_layer 0",
+                "begin_layer 1",
+                "prefetch_layer 2",
+                "end_layer 1",
+                "begin_layer 2",
+            ]
+        );
+        let prefetched = engine.prefetched.borrow().clone();
+        assert_eq!(
+            prefetched.iter().map(|(l, _)| *l).collect::<Vec<_>>(),
+            [1, 2]
+        );
+        for (l, names) in &prefetched {
+            assert_eq!(names, plan.weights_of_layer(*l), "layer {l}");
+            let begun = engine.begun.borrow();
+            let (_, at_begin) = begun.iter().find(|(b, _)| b == l).unwrap();
+            assert_eq!(names, at_begin, "layer {l}");
+        }
+
+        // Layers 0..2 only: layer 2 is past the plan, never prefetched; the prefix of a plan
+        // from layer 2 likewise.
+        for plan in [
+            Plan::new(&w, 2, false).unwrap(),
+            Plan::range(&w, 2..3, true).unwrap(),
+        ] {
+            let engine = Recording::new(&w);
+            let mut sink = TraceSink::new(HookFilter::default());
+            if plan.first_layer == 0 {
+                run(&engine, &w, &TOKENS, &plan, &mut sink).unwrap();
+            } else {
+                prefix_values(&engine, &w, &TOKENS, &plan, &NoProgress).unwrap();
+            }
+            let got: Vec<usize> = engine.prefetched.borrow().iter().map(|(l, _)| *l).collect();
+            assert_eq!(got, [1], "{:?}", engine.events());
+        }
+
+        // A replay-only candidate that replays layers 0 and 2: it begins those two and is
+        // told of layer 2 while in layer 0; the reference walks every layer.
+        let (reference, candidate) = (Recording::new(&w), Recording::new(&w));
+        let mut sink = CountPairs(
+            HookFilter {
+                layers: None,
+                globs: vec!["blk.0.attn_out".to_string(), "blk.2.attn_out".to_string()],
+            },
+            0,
+        );
+        pair::run_pair(
+            &reference,
+            pair::Candidate::Engine(&candidate),
+            &w,
+            &TOKENS,
+            &Plan::range(&w, 0..3, false).unwrap(),
+            &[],
+            pair::Modes {
+                replay: true,
+                chained: false,
+            },
+            &mut sink,
+            &NoProgress,
+        )
+        .unwrap();
+        assert_eq!(sink.1, 2);
+        assert_eq!(
+            candidate.events(),
+            [
+                "begin_model token_embd.weight",
+                "begin_layer 0",
+                "prefetch_layer 2",
+                "end_layer 0",
+                "begin_layer 2",
+                "end_layer 2",
+                "end_model",
+            ]
+        );
+        let got: Vec<usize> = reference
+            .prefetched
+            .borrow()
+            .iter()
+            .map(|(l, _)| *l)
+            .collect();
+        assert_eq!(got, [1, 2]);
+    }
+
+    /// The pair driver takes the candidate engine's upload figures after its steps and files
+    /// them under the layer of the step (chained, and replay-only where the candidate begins
+    /// layers through its own residency); the reference's are not the candidate's.
+    #[test]
+    fn pair_files_the_candidates_uploads_by_layer() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let model = tiny_model(&hp);
+        let w = Weights::new(&model).unwrap();
+        let plan = Plan::full(&w).unwrap();
+        for modes in [
+            pair::Modes::BOTH,
+            pair::Modes {
+                replay: true,
+                chained: false,
+            },
+        ] {
+            let (reference, candidate) = (Recording::new(&w), Recording::new(&w));
+            let mut sink = CountPairs(HookFilter::default(), 0);
+            let summary = pair::run_pair(
+                &reference,
+                pair::Candidate::Engine(&candidate),
+                &w,
+                &TOKENS,
+                &plan,
+                &[],
+                modes,
+                &mut sink,
+                &NoProgress,
+            )
+            .unwrap();
+            let got: Vec<(Option<usize>, u64, f64)> = summary
+                .layer_times
+                .iter()
+                .map(|t| (t.layer, t.upload_bytes, t.upload))
+                .collect();
+            assert_eq!(
+                got,
+                [(None, 0, 0.0), (Some(0), 1000, 1e-3), (Some(1), 2000, 2e-3)],
+                "{modes:?}"
+            );
+        }
     }
 }

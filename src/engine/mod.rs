@@ -22,7 +22,9 @@
 //!   `Step::weights`) and [`Engine::end_layer`] before the next layer begins or the tail runs,
 //!   and [`Engine::end_model`] after the last step. Layers come in increasing order, one begun at
 //!   a time, and every call that reads a layer's weights falls between that layer's begin and
-//!   end. A walk that fails stops without the end calls (an engine frees what it holds when
+//!   end. Right after beginning a layer, a walk calls [`Engine::prefetch_layer`] with the next
+//!   layer it will begin (none after its last), so that an engine can start moving that layer's
+//!   weights while the current one computes. A walk that fails stops without the end calls (an engine frees what it holds when
 //!   dropped); an engine used by two walks at once (the same engine as reference and candidate)
 //!   sees both walks' calls interleaved. The defaults do nothing.
 //! - Every method takes inputs in the hook shapes of `docs/hooks.md` and returns its
@@ -87,6 +89,24 @@ pub struct ExpertsOut<T> {
     pub experts: Vec<(usize, T)>,
 }
 
+/// What an engine did to put weights where its steps read them, since it was last asked
+/// ([`Engine::take_upload_stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct UploadStats {
+    /// Seconds its steps spent on weights before computing: uploading them on demand, waiting
+    /// for a prefetched tensor to arrive, issuing a prefetch.
+    pub wait: f64,
+    /// Bytes of weights its steps took into use (uploaded on demand or prefetched).
+    pub bytes: u64,
+}
+
+impl std::ops::AddAssign for UploadStats {
+    fn add_assign(&mut self, o: UploadStats) {
+        self.wait += o.wait;
+        self.bytes += o.bytes;
+    }
+}
+
 /// One step kind per method. See the module documentation for the contract.
 pub trait Engine {
     /// The engine's tensor (host memory, device buffer, ...).
@@ -123,6 +143,22 @@ pub trait Engine {
     fn end_layer(&self, layer: usize) -> Result<()> {
         let _ = layer;
         Ok(())
+    }
+    /// Right after [`Engine::begin_layer`]: layer `layer` is the next one the walk begins, and
+    /// `weights` are its tensors (as `begin_layer` will be given them). An engine may start
+    /// moving them (say, to a device) while the current layer's steps run, and must still
+    /// accept a walk that never begins `layer` (it fails first). A failure to prefetch is the
+    /// engine's to absorb (it loads the weights when they are read instead), not an error.
+    /// Default: nothing.
+    fn prefetch_layer(&self, layer: usize, weights: &[String]) -> Result<()> {
+        let _ = (layer, weights);
+        Ok(())
+    }
+    /// What the engine did to put weights in place since the last call (drained): the driver
+    /// calls it after each of the engine's steps to split a layer's time into weight uploads
+    /// and compute. Default: nothing (an engine that reads its weights where they lie).
+    fn take_upload_stats(&self) -> UploadStats {
+        UploadStats::default()
     }
 
     /// Copies a host tensor into the engine.

@@ -282,6 +282,12 @@ impl GgufFile {
         &self.path
     }
 
+    /// Whether the bytes are a map of the file at [`GgufFile::path`] (not a buffer held in
+    /// memory): then a tensor's bytes can also be read from that file.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.backing, Backing::Mmap(_))
+    }
+
     /// GGUF version (2 or 3).
     pub fn version(&self) -> u32 {
         self.version

@@ -314,7 +314,8 @@ impl Gpu {
             .map_err(|e| self.oom(e, n * std::mem::size_of::<T>(), what))
     }
 
-    fn oom(&self, e: DriverError, bytes: usize, what: &str) -> anyhow::Error {
+    /// The error for a failed allocation of `bytes` for `what`: asked and free memory.
+    pub(crate) fn oom(&self, e: DriverError, bytes: usize, what: &str) -> anyhow::Error {
         let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
         let free = self.memory().map_or("unknown".to_string(), |(f, t)| {
             format!("{} of {}", gib(f), gib(t))

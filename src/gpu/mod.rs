@@ -8,7 +8,8 @@
 //! modules are cached per device and on disk (keyed by source, options, NVRTC version).
 //!
 //! [`nvrtc`] compiles, [`tables`] writes the CPU's lookup tables as CUDA source, [`dequant`]
-//! launches the dequant kernels and the on-device comparison.
+//! launches the dequant kernels and the on-device comparison, [`upload`] puts file ranges on a
+//! device from a thread of its own (pinned staging, a copy stream) behind the compute.
 
 pub mod tables;
 
@@ -19,6 +20,8 @@ pub mod dequant;
 mod device;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
+#[cfg(feature = "cuda")]
+pub mod upload;
 
 #[cfg(feature = "cuda")]
 pub use device::{probe_libraries, DeviceInfo, Gpu};

@@ -20,6 +20,7 @@
 
 use std::fmt;
 use std::ops::Range;
+use std::path::Path;
 
 use anyhow::{bail, Result};
 
@@ -118,6 +119,18 @@ impl<'m> WeightSlice<'m> {
     pub fn data(&self) -> Result<&'m [u8]> {
         self.model
             .row_data(self.tensor, self.rows.start as u64..self.rows.end as u64)
+    }
+
+    /// Where [`WeightSlice::data`] lies in the model's files: the shard's path, the byte offset
+    /// in it and the length; `None` for a model held in memory.
+    pub fn file_range(&self) -> Result<Option<(&'m Path, u64, u64)>> {
+        let shard = self.model.shard_of(self.tensor)?;
+        if !shard.is_mapped() {
+            return Ok(None);
+        }
+        let rb = self.tensor.info.row_bytes();
+        let offset = shard.data_start() + self.tensor.info.offset + self.rows.start as u64 * rb;
+        Ok(Some((shard.path(), offset, self.n_rows() as u64 * rb)))
     }
 
     /// The slice dequantized to host f32, `[n_rows(), cols]` row-major (parallel over blocks,
@@ -696,6 +709,78 @@ mod tests {
             }
             KvB::Legacy(_) => panic!("the split pair is there"),
         }
+    }
+
+    /// `file_range` names the bytes `data` gives: read from the file at that offset they are
+    /// the same, for every tensor (whole and one expert's rows) of a model in two shards (each
+    /// with its own data section); a model held in memory has no file range.
+    #[test]
+    #[cfg(unix)]
+    fn file_ranges_are_where_the_data_lies() {
+        use crate::gguf::{GgufWriter, Value, KEY_SPLIT_COUNT, KEY_SPLIT_NO, KEY_SPLIT_TENSORS};
+        use std::os::unix::fs::FileExt;
+
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let mem = crate::model::testutil::tiny_model(&hp);
+        let wm = Weights::new(&mem).unwrap();
+        assert!(wm
+            .tensor_desc("blk.0.attn_q_a.weight")
+            .unwrap()
+            .file_range()
+            .unwrap()
+            .is_none());
+
+        // The same tensors in two shards, metadata in the first.
+        let dir = tempfile::tempdir().unwrap();
+        let all: Vec<String> = mem.tensors().map(|t| t.info.name.clone()).collect();
+        let half = all.len() / 2;
+        for (k, names) in [&all[..half], &all[half..]].iter().enumerate() {
+            let mut w = GgufWriter::new();
+            if k == 0 {
+                for (key, v) in mem.metadata() {
+                    w.add(key, v.clone()).unwrap();
+                }
+            }
+            w.add(KEY_SPLIT_NO, Value::U16(k as u16)).unwrap();
+            w.add(KEY_SPLIT_COUNT, Value::U16(2)).unwrap();
+            w.add(KEY_SPLIT_TENSORS, Value::I32(all.len() as i32))
+                .unwrap();
+            for n in names.iter() {
+                let t = mem.tensor(n).unwrap();
+                w.add_tensor(n, &t.info.ne, t.info.ty).unwrap();
+            }
+            let bytes = w
+                .to_bytes(&mut |info, out| {
+                    out.write_all(mem.tensor_data(mem.tensor(&info.name)?)?)?;
+                    Ok(())
+                })
+                .unwrap();
+            std::fs::write(
+                dir.path().join(format!("m-0000{}-of-00002.gguf", k + 1)),
+                bytes,
+            )
+            .unwrap();
+        }
+        let model = Model::open(&dir.path().join("m-00001-of-00002.gguf")).unwrap();
+        assert_eq!(model.shards().len(), 2);
+        let w = Weights::new(&model).unwrap();
+        let expert = w.expert_desc("blk.1.ffn_up_exps.weight", 2).unwrap();
+        let mut slices = vec![expert];
+        slices.extend(all.iter().map(|n| w.tensor_desc(n).unwrap()));
+        let mut shards_seen = std::collections::BTreeSet::new();
+        for s in slices {
+            let (path, offset, len) = s.file_range().unwrap().expect("a mapped file");
+            let data = s.data().unwrap();
+            assert_eq!(len as usize, data.len(), "{}", s.name());
+            let mut buf = vec![0u8; data.len()];
+            std::fs::File::open(path)
+                .unwrap()
+                .read_exact_at(&mut buf, offset)
+                .unwrap();
+            assert_eq!(buf, data, "{} rows {:?}", s.name(), s.rows);
+            shards_seen.insert(path.to_path_buf());
+        }
+        assert_eq!(shards_seen.len(), 2);
     }
 
     /// Fused `ffn_gate_up_exps` (`[hidden, 2*n_ff_exp, E]`): expert e's gate is rows

@@ -66,8 +66,8 @@ pub struct Header {
     pub repro: Option<String>,
 }
 
-/// `per layer: ...`: the mean and the slowest layer of each side's step time, or `None`
-/// without layers.
+/// `per layer: ...`: the mean and the slowest layer of each side's step time, and of the part
+/// of the candidate's spent on its weights (with the bytes a layer), or `None` without layers.
 fn layer_time_line(times: &[LayerTime], width: Option<usize>) -> Option<String> {
     let layers: Vec<&LayerTime> = times.iter().filter(|t| t.layer.is_some()).collect();
     if layers.is_empty() {
@@ -86,7 +86,7 @@ fn layer_time_line(times: &[LayerTime], width: Option<usize>) -> Option<String> 
             f(slow)
         ))
     };
-    let parts: Vec<String> = [
+    let mut parts: Vec<String> = [
         part("reference", |t| t.reference),
         part("candidate chained", |t| t.chained),
         part("candidate replay", |t| t.replay),
@@ -94,6 +94,30 @@ fn layer_time_line(times: &[LayerTime], width: Option<usize>) -> Option<String> 
     .into_iter()
     .flatten()
     .collect();
+    // The part of the candidate's time spent on its weights (inside chained and replay).
+    let bytes: u64 = layers.iter().map(|t| t.upload_bytes).sum();
+    let upload: f64 = layers.iter().map(|t| t.upload).sum();
+    if bytes > 0 || upload > 0.0 {
+        let n = layers.len() as f64;
+        let slow = layers
+            .iter()
+            .max_by(|a, b| a.upload.total_cmp(&b.upload))
+            .copied()
+            .copied()
+            .unwrap_or_default();
+        let per = bytes as f64 / n;
+        let size = if per >= 1e9 {
+            format!("{:.2} GB", per / 1e9)
+        } else {
+            format!("{:.1} MB", per / 1e6)
+        };
+        parts.push(format!(
+            "candidate weight uploads {:.3} s (slowest: layer {} {:.3} s; {size} a layer)",
+            upload / n,
+            slow.layer.unwrap_or(0),
+            slow.upload
+        ));
+    }
     Some(wrap_items(
         &format!("per layer (mean over {}): ", layers.len()),
         &parts,
@@ -873,6 +897,8 @@ pub fn to_json(h: &Header, c: &Comparison) -> Value {
             "reference_s": t.reference,
             "chained_s": t.chained,
             "replay_s": t.replay,
+            "upload_s": t.upload,
+            "upload_bytes": t.upload_bytes,
         })).collect::<Vec<_>>(),
     })
 }
@@ -914,4 +940,46 @@ pub fn error_plot(h: &Header, c: &Comparison) -> super::plot::ErrorPlot {
 /// Writes the error-per-layer plot as SVG (atomically).
 pub fn write_plot(h: &Header, c: &Comparison, path: &std::path::Path) -> anyhow::Result<()> {
     super::plot::write_svg(&error_plot(h, c), path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(layer: Option<usize>, r: f64, c: f64, up: f64, bytes: u64) -> LayerTime {
+        LayerTime {
+            layer,
+            reference: r,
+            chained: c,
+            replay: 0.0,
+            upload: up,
+            upload_bytes: bytes,
+        }
+    }
+
+    /// The per-layer line: each side's mean and slowest layer (global steps left out), the
+    /// candidate's weight uploads with the bytes a layer, and nothing about uploads for a
+    /// candidate that makes none.
+    #[test]
+    fn layer_times_show_the_candidates_uploads_apart() {
+        let times = [
+            t(None, 9.0, 9.0, 9.0, 9_000_000_000),
+            t(Some(0), 0.3, 0.6, 0.5, 5_000_000_000),
+            t(Some(1), 0.4, 0.2, 0.01, 5_240_000_000),
+        ];
+        assert_eq!(
+            layer_time_line(&times, None).unwrap(),
+            "per layer (mean over 2): reference 0.350 s (slowest: layer 1 0.400 s), candidate chained 0.400 s (slowest: layer 0 0.600 s), candidate weight uploads 0.255 s (slowest: layer 0 0.500 s; 5.12 GB a layer)"
+        );
+        let small = [t(Some(3), 0.1, 0.1, 0.0, 3_000_000)];
+        assert!(layer_time_line(&small, None).unwrap().ends_with(
+            "candidate weight uploads 0.000 s (slowest: layer 3 0.000 s; 3.0 MB a layer)"
+        ));
+        let none = [t(Some(0), 0.1, 0.0, 0.0, 0)];
+        assert_eq!(
+            layer_time_line(&none, None).unwrap(),
+            "per layer (mean over 1): reference 0.100 s (slowest: layer 0 0.100 s)"
+        );
+        assert!(layer_time_line(&[t(None, 1.0, 1.0, 1.0, 1)], None).is_none());
+    }
 }

@@ -110,6 +110,19 @@ fn cuda(p: &Pass<'_, '_>, device: usize, devices: &[usize]) -> Result<Passed> {
     let multi = MultiCudaEngine::new(&gpus, p.weights, dtype)?;
     let precision = multi.precision();
     let mut passed = engine(p, &multi, format!("cuda:{device}"), precision)?;
+    let pf = multi.prefetch_summary();
+    if !pf.on {
+        passed.notes.push(
+            "each layer's weights uploaded as its steps read them: prefetch off (GLMDIFF_NO_PREFETCH)"
+                .to_string(),
+        );
+    } else if pf.fallbacks > 0 {
+        passed.notes.push(format!(
+            "prefetch: {} weight tensors uploaded on demand instead: {}",
+            pf.fallbacks,
+            pf.notes.join("; ")
+        ));
+    }
     if devices.len() > 1 {
         let (n, bytes) = multi.handoffs();
         passed.notes.push(format!(

@@ -18,7 +18,9 @@ use serde::Serialize;
 
 use super::count_ids;
 use super::reads::{reads_of, Read};
-use crate::engine::{Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
+use crate::engine::{
+    Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing, UploadStats,
+};
 use crate::model::names;
 use crate::model::steps::{Op, Step};
 use crate::model::{RopeSlice, Weights};
@@ -150,6 +152,14 @@ impl<E: Engine<Tensor = HostTensor>> Engine for Counted<'_, E> {
 
     fn end_layer(&self, layer: usize) -> Result<()> {
         self.inner.end_layer(layer)
+    }
+
+    fn prefetch_layer(&self, layer: usize, weights: &[String]) -> Result<()> {
+        self.inner.prefetch_layer(layer, weights)
+    }
+
+    fn take_upload_stats(&self) -> UploadStats {
+        self.inner.take_upload_stats()
     }
 
     fn upload(&self, t: &HostTensor) -> Result<HostTensor> {

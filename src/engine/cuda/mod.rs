@@ -2,9 +2,10 @@
 //! as the CPU reference, so that `glmdiff run --against cuda` compares the two step by step.
 //!
 //! What it does the way serving engines do:
-//! - weights stay as their raw GGUF blocks on the device (uploaded once per tensor) and are
-//!   dequantized per step into scratch by the bit-exact kernels of `cuda/dequant*.cu`, a chunk of
-//!   rows at a time, then multiplied with cuBLAS SGEMM (pedantic math: no TF32);
+//! - weights stay as their raw GGUF blocks on the device (uploaded once per tensor, the next
+//!   layer's while the current one runs: `prefetch`) and are dequantized per step into scratch
+//!   by the bit-exact kernels of `cuda/dequant*.cu`, a chunk of rows at a time, then multiplied
+//!   with cuBLAS SGEMM (pedantic math: no TF32);
 //! - only the experts a step routes to are dequantized (a stacked expert tensor is read as one
 //!   expert's row range of its raw bytes);
 //! - MLA runs in the *absorbed* form: `W_UK` folded into the query (`q_lat = q_nope · W_UK`),
@@ -19,34 +20,41 @@
 //!
 //! Rooms: `tensor` (device tensors, launch configurations, the `launch!` macro), `gemm`
 //! (cuBLAS and the chunked projections), `weights` (raw-block residency, dequantization into
-//! scratch), `attention` (RoPE, the DSA indexer, MLA), `moe` (router, experts, SwiGLU); this
-//! file holds the engine and its [`Engine`] implementation, which delegates to them; [`multi`]
-//! spreads the layers over several devices.
+//! scratch), `prefetch` (the next layer's raw blocks uploaded behind the current one),
+//! `attention` (RoPE, the DSA indexer, MLA), `moe` (router, experts, SwiGLU); this file holds
+//! the engine and its [`Engine`] implementation, which delegates to them; [`multi`] spreads the
+//! layers over several devices.
 
 mod attention;
 mod gemm;
 mod moe;
 pub mod multi;
+mod prefetch;
 mod tensor;
 mod weights;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::rc::Rc;
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use cudarc::cublas::sys::{cublasMath_t, cublasSetMathMode, cublasStatus_t};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::CudaSlice;
 
-use super::{Engine, ExpertInputs, ExpertsOut, HostData, HostTensor, MlaInputs, Routing};
+use super::{
+    Engine, ExpertInputs, ExpertsOut, HostData, HostTensor, MlaInputs, Routing, UploadStats,
+};
+use crate::gpu::dequant::OutFormat;
 use crate::gpu::Gpu;
 use crate::model::names::{self, blk};
 use crate::model::{rope, RopeSlice, Weights};
 use crate::precision::{Dtype, Precision};
 use tensor::{items, launch, rows_cfg, GpuData};
 
+pub use prefetch::{prefetch_by_default, PrefetchSummary, PREFETCH_RESERVE};
 pub use tensor::GpuTensor;
 
 /// The engine's compute precision (`run --dtype`).
@@ -93,6 +101,10 @@ pub struct CudaEngine<'w> {
     raw: RefCell<HashMap<String, Rc<CudaSlice<u8>>>>,
     /// f32 vectors (norm weights, biases) uploaded so far, by name.
     vectors: RefCell<HashMap<String, Rc<CudaSlice<f32>>>>,
+    /// The next layer's raw blocks on their way ([`prefetch`]).
+    prefetch: RefCell<prefetch::Prefetch>,
+    /// Weight uploads since the driver last asked ([`Engine::take_upload_stats`]).
+    upload_stats: Cell<UploadStats>,
 }
 
 impl<'w> CudaEngine<'w> {
@@ -124,6 +136,8 @@ impl<'w> CudaEngine<'w> {
             attn_factor: rope::attention_factor(&hp.rope),
             raw: RefCell::new(HashMap::new()),
             vectors: RefCell::new(HashMap::new()),
+            prefetch: RefCell::new(prefetch::Prefetch::new(prefetch::prefetch_by_default())),
+            upload_stats: Cell::new(UploadStats::default()),
         })
     }
 
@@ -131,6 +145,16 @@ impl<'w> CudaEngine<'w> {
     pub fn with_slot(mut self, slot: usize) -> CudaEngine<'w> {
         self.slot = slot;
         self
+    }
+
+    /// Counts `bytes` of weights put in place, and the time since `t0` spent on it.
+    fn count_upload(&self, t0: Instant, bytes: usize) {
+        let mut s = self.upload_stats.get();
+        s += UploadStats {
+            wait: t0.elapsed().as_secs_f64(),
+            bytes: bytes as u64,
+        };
+        self.upload_stats.set(s);
     }
 }
 
@@ -177,16 +201,39 @@ impl Engine for CudaEngine<'_> {
         }
     }
 
+    /// The prompt's rows of the table gathered on the host (raw blocks, in token order), one
+    /// upload, one dequant launch over them: the table itself never goes to the device.
     fn embed(&self, ids: &[u32]) -> Result<GpuTensor> {
         let name = names::TOKEN_EMBD;
         let (n_vocab, hidden) = self.weights.matrix_dims(name)?;
-        let mut out = self.zeros_f32(ids.len() * hidden, "embedding")?;
-        for (i, &id) in ids.iter().enumerate() {
-            if id as usize >= n_vocab {
-                bail!("engine: cuda: token id {id} at position {i} is outside the vocabulary of {n_vocab}");
+        if let Some((i, &id)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as usize >= n_vocab)
+        {
+            bail!("engine: cuda: token id {id} at position {i} is outside the vocabulary of {n_vocab}");
+        }
+        let n = ids.len() * hidden;
+        let mut out = self.zeros_f32(n, "embedding")?;
+        if n > 0 {
+            let t0 = Instant::now();
+            let rows = self.weights.embedding_rows_desc(ids)?;
+            let mut bytes =
+                Vec::with_capacity(rows.iter().map(|r| r.n_rows() * r.row_bytes()).sum());
+            for r in &rows {
+                bytes.extend_from_slice(
+                    r.data()
+                        .with_context(|| format!("engine: cuda: reading {name}"))?,
+                );
             }
-            let mut row = out.slice_mut(i * hidden..(i + 1) * hidden);
-            self.dequant_rows(name, id as usize..id as usize + 1, &mut row)?;
+            let raw = self.gpu.alloc_copy(&bytes, "embedding rows")?;
+            self.count_upload(t0, bytes.len());
+            let ty = self.weights.tensor(name)?.info.ty;
+            self.gpu
+                .dequant_view(ty, OutFormat::F32, &raw.as_view(), &mut out.slice_mut(0..n))
+                .with_context(|| {
+                    format!("engine: cuda: dequantizing {} rows of {name}", ids.len())
+                })?;
         }
         Ok(self.tensor_f32(vec![ids.len(), hidden], self.finish(out)?))
     }
@@ -305,11 +352,32 @@ impl Engine for CudaEngine<'_> {
         Ok(self.tensor_f32(a.shape.clone(), self.finish(y)?))
     }
 
-    /// A layer's quantized weights are uploaded as its steps first read them and freed when
-    /// the layer ends, so the device holds one layer (plus the embedding and output) at a time.
+    /// Prefetches of other layers are dropped (see [`prefetch`]).
+    fn begin_layer(&self, layer: usize, weights: &[String]) -> Result<()> {
+        self.prefetch.borrow_mut().begin(layer, weights);
+        Ok(())
+    }
+
+    /// A layer's quantized weights are uploaded as its steps first read them (or taken from
+    /// their prefetch) and freed when the layer ends, so the device holds the current layer
+    /// and the next one's prefetch (plus the output projection) at a time.
     fn end_layer(&self, layer: usize) -> Result<()> {
         self.forget(&format!("blk.{layer}."));
+        self.prefetch.borrow_mut().end(layer);
         Ok(())
+    }
+
+    /// Starts the uploads of the layer's raw blocks behind the current layer's work (see
+    /// [`prefetch`]); never an error.
+    fn prefetch_layer(&self, layer: usize, weights: &[String]) -> Result<()> {
+        let t0 = Instant::now();
+        self.prefetch_tensors(layer, weights);
+        self.count_upload(t0, 0);
+        Ok(())
+    }
+
+    fn take_upload_stats(&self) -> UploadStats {
+        self.upload_stats.take()
     }
 
     fn zeros_like(&self, x: &GpuTensor) -> Result<GpuTensor> {

@@ -5,7 +5,10 @@
 //! Each device holds one layer's raw weights at a time (its engine uploads them as the layer's
 //! steps read them and frees them at the layer's end), plus the embedding on the first device
 //! and the output projection on the last; [`plan_devices`] checks that this fits each device's
-//! free memory before anything runs, and says what each needs when it does not. Hand-offs go
+//! free memory before anything runs, and says what each needs when it does not. Each engine
+//! also prefetches the next layer of its own range (the first layer of a range while the
+//! previous device runs the last of its own) when its free memory holds it
+//! (`engine::cuda`'s `prefetch`); a device without that room uploads on demand. Hand-offs go
 //! through the host (a download and an upload of the tensors a step needs); they are counted.
 
 use std::borrow::Cow;
@@ -14,8 +17,10 @@ use std::ops::Range;
 
 use anyhow::{bail, Context, Result};
 
-use super::{CudaEngine, GpuDtype, GpuTensor};
-use crate::engine::{Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
+use super::{CudaEngine, GpuDtype, GpuTensor, PrefetchSummary};
+use crate::engine::{
+    Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing, UploadStats,
+};
 use crate::gpu::Gpu;
 use crate::model::steps::{embed_steps, layer_steps, tail_steps, weights_of};
 use crate::model::{RopeSlice, Weights};
@@ -174,6 +179,25 @@ impl<'w> MultiCudaEngine<'w> {
         &self.plan
     }
 
+    /// The same engines with prefetching on or off ([`CudaEngine::with_prefetch`]).
+    pub fn with_prefetch(mut self, on: bool) -> MultiCudaEngine<'w> {
+        self.engines = self
+            .engines
+            .into_iter()
+            .map(|e| e.with_prefetch(on))
+            .collect();
+        self
+    }
+
+    /// What prefetching did, over every device.
+    pub fn prefetch_summary(&self) -> PrefetchSummary {
+        let mut s = PrefetchSummary::default();
+        for e in &self.engines {
+            s.merge(&e.prefetch_summary());
+        }
+        s
+    }
+
     /// Tensors handed from one device to another so far, and their bytes.
     pub fn handoffs(&self) -> (u64, u64) {
         (self.handoffs.get(), self.handoff_bytes.get())
@@ -260,6 +284,24 @@ impl Engine for MultiCudaEngine<'_> {
 
     fn end_layer(&self, layer: usize) -> Result<()> {
         self.cur().end_layer(layer)
+    }
+
+    /// On the device that runs `layer` (which may not be the current one: the next device's
+    /// engine prefetches the first layer of its range while the last of the previous range
+    /// runs).
+    fn prefetch_layer(&self, layer: usize, weights: &[String]) -> Result<()> {
+        match self.layer_dev.get(layer) {
+            Some(&d) => self.engines[d].prefetch_layer(layer, weights),
+            None => Ok(()),
+        }
+    }
+
+    fn take_upload_stats(&self) -> UploadStats {
+        let mut s = UploadStats::default();
+        for e in &self.engines {
+            s += e.take_upload_stats();
+        }
+        s
     }
 
     fn embed(&self, ids: &[u32]) -> Result<GpuTensor> {

@@ -1,9 +1,10 @@
-//! Weight residency: the raw GGUF blocks of each tensor uploaded once and kept on the device by
-//! name (freed a layer at a time by `end_layer`), the f32 vectors (norm weights, biases), the
+//! Weight residency: the raw GGUF blocks of each tensor uploaded once (or taken from its
+//! prefetch) and kept on the device by name (freed a layer at a time by `end_layer`), the f32 vectors (norm weights, biases), the
 //! dequantization of a row range into scratch, and the absorbed MLA weights `W_UK`, `W_UV`.
 
 use std::ops::Range;
 use std::rc::Rc;
+use std::time::Instant;
 
 use anyhow::{Context, Result};
 use cudarc::driver::{CudaSlice, CudaViewMut, DeviceRepr};
@@ -22,17 +23,26 @@ impl CudaEngine<'_> {
             .retain(|k, _| !k.starts_with(prefix));
     }
 
-    /// The raw blocks of tensor `name` on the device (uploaded on first use).
+    /// The raw blocks of tensor `name` on the device: taken from its prefetch, or uploaded on
+    /// first use; the time and bytes are counted as the engine's weight uploads.
     pub(super) fn raw(&self, name: &str) -> Result<Rc<CudaSlice<u8>>> {
         if let Some(r) = self.raw.borrow().get(name) {
             return Ok(r.clone());
         }
-        let bytes = self
-            .weights
-            .tensor_desc(name)?
-            .data()
-            .with_context(|| format!("engine: cuda: reading {name}"))?;
-        let d = Rc::new(self.gpu.alloc_copy(bytes, name)?);
+        let t0 = Instant::now();
+        let d = match self.take_prefetched(name) {
+            Some(d) => d,
+            None => {
+                let bytes = self
+                    .weights
+                    .tensor_desc(name)?
+                    .data()
+                    .with_context(|| format!("engine: cuda: reading {name}"))?;
+                self.gpu.alloc_copy(bytes, name)?
+            }
+        };
+        self.count_upload(t0, d.len());
+        let d = Rc::new(d);
         self.raw.borrow_mut().insert(name.to_string(), d.clone());
         Ok(d)
     }
@@ -72,8 +82,10 @@ impl CudaEngine<'_> {
         if let Some(v) = self.vectors.borrow().get(name) {
             return Ok(v.clone());
         }
+        let t0 = Instant::now();
         let host = self.weights.vector_desc(name)?.dequantize()?;
         let d = Rc::new(self.gpu.alloc_copy(&host, name)?);
+        self.count_upload(t0, std::mem::size_of_val(host.as_slice()));
         self.vectors
             .borrow_mut()
             .insert(name.to_string(), d.clone());

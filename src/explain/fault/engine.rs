@@ -10,7 +10,9 @@ use super::route::{self, RouteChange};
 use super::{attn, host};
 use super::{Fault, FaultKind, MlpPart};
 use crate::engine::cpu::{mla_host, rms_norm_with, CpuEngine, Matrix, Rows};
-use crate::engine::{Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
+use crate::engine::{
+    Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing, UploadStats,
+};
 use crate::model::names::{self, blk};
 use crate::model::steps::{self, Op};
 use crate::model::{rope, RopeSlice, Weights};
@@ -494,6 +496,14 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
     fn end_layer(&self, layer: usize) -> Result<()> {
         self.layer.set(None);
         self.inner.end_layer(layer)
+    }
+
+    fn prefetch_layer(&self, layer: usize, weights: &[String]) -> Result<()> {
+        self.inner.prefetch_layer(layer, weights)
+    }
+
+    fn take_upload_stats(&self) -> UploadStats {
+        self.inner.take_upload_stats()
     }
 
     fn upload(&self, t: &HostTensor) -> Result<E::Tensor> {

@@ -1,0 +1,547 @@
+//! Prefetch: the raw blocks of the layer a walk begins next ([`Engine::prefetch_layer`]) put on
+//! the device by an [`Uploader`] (a thread of its own reading the model's files into pinned
+//! staging buffers, a copy stream of its own) while the current layer's steps run on the host
+//! and the compute stream; [`CudaEngine::raw`] takes a prefetched tensor instead of uploading it,
+//! after making the compute stream wait for its copies.
+//!
+//! Bounds: a tensor is prefetched only when the device's free memory holds the whole layer's
+//! raw blocks plus [`PREFETCH_RESERVE`] (the current layer's scratch), so the device holds at
+//! most two layers' raw blocks (the current one and the next) besides the globals; pinned host
+//! memory is the uploader's ring (`gpu::upload`). Prefetches the walk will not use (a layer that
+//! is not begun next, a tensor no step read) are dropped at the next `begin_layer` /
+//! `end_layer`, after their copies.
+//!
+//! Nothing here is an error: a layer that does not fit, an uploader that cannot start, a
+//! tensor whose upload fails, all leave the tensor to the on-demand upload of `raw`, as without
+//! prefetch, and say why in [`PrefetchSummary::notes`]. `GLMDIFF_NO_PREFETCH=1` (or
+//! [`CudaEngine::with_prefetch`]) turns prefetching off.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::CudaSlice;
+
+use super::CudaEngine;
+use crate::gpu::upload::{alloc_dst, Done, FileRange, Job, Outcome, Uploader};
+
+/// Free device memory a layer's prefetch leaves untouched: the current layer's scratch
+/// (dequantized weights, activations, cuBLAS workspace), as the several-device plan allows it.
+pub const PREFETCH_RESERVE: u64 = 2 << 30;
+/// Bytes of a tensor's first and last bytes compared between the memory map and the file.
+const FINGERPRINT: usize = 64;
+/// Distinct reasons kept in [`PrefetchSummary::notes`].
+const MAX_NOTES: usize = 4;
+
+/// Whether prefetching is on unless told otherwise: off when the environment variable
+/// `GLMDIFF_NO_PREFETCH` is set to anything but the empty string or `0`.
+pub fn prefetch_by_default() -> bool {
+    !turned_off(std::env::var("GLMDIFF_NO_PREFETCH").ok().as_deref())
+}
+
+/// Whether a value of `GLMDIFF_NO_PREFETCH` turns prefetching off.
+fn turned_off(v: Option<&str>) -> bool {
+    v.is_some_and(|v| !v.is_empty() && v != "0")
+}
+
+/// What prefetching did over an engine's life.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PrefetchSummary {
+    /// Whether prefetching was on.
+    pub on: bool,
+    /// Tensors a step took from a prefetch.
+    pub tensors: usize,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Tensors of a prefetched layer uploaded on demand instead (the layer did not fit, the
+    /// upload failed).
+    pub fallbacks: usize,
+    /// Why, a few distinct reasons.
+    pub notes: Vec<String>,
+}
+
+impl PrefetchSummary {
+    /// Adds another engine's figures (the devices of a several-device run).
+    pub fn merge(&mut self, o: &PrefetchSummary) {
+        self.on |= o.on;
+        self.tensors += o.tensors;
+        self.bytes += o.bytes;
+        self.fallbacks += o.fallbacks;
+        for n in &o.notes {
+            if !self.notes.contains(n) && self.notes.len() < MAX_NOTES {
+                self.notes.push(n.clone());
+            }
+        }
+    }
+}
+
+/// A prefetched tensor not yet taken.
+struct Entry {
+    id: u64,
+    layer: usize,
+    state: State,
+}
+
+enum State {
+    /// Queued or under way.
+    Issued,
+    /// Its outcome came back.
+    Arrived(Outcome),
+}
+
+/// The prefetch state of one engine.
+pub(super) struct Prefetch {
+    on: bool,
+    uploader: Option<Uploader>,
+    /// The uploader could not start, or stopped: no more prefetches.
+    dead: bool,
+    begun: Option<usize>,
+    /// The tensors of the layer begun (`begin_layer`'s names).
+    begun_weights: Vec<String>,
+    next_id: u64,
+    generation: u64,
+    pending: HashMap<String, Entry>,
+    summary: PrefetchSummary,
+}
+
+impl Prefetch {
+    pub(super) fn new(on: bool) -> Prefetch {
+        Prefetch {
+            on,
+            uploader: None,
+            dead: false,
+            begun: None,
+            begun_weights: Vec::new(),
+            next_id: 0,
+            generation: 0,
+            pending: HashMap::new(),
+            summary: PrefetchSummary {
+                on,
+                ..PrefetchSummary::default()
+            },
+        }
+    }
+
+    pub(super) fn set_on(&mut self, on: bool) {
+        self.on = on;
+        self.summary.on = on;
+    }
+
+    fn note(&mut self, why: String) {
+        if !self.summary.notes.contains(&why) && self.summary.notes.len() < MAX_NOTES {
+            self.summary.notes.push(why);
+        }
+    }
+
+    /// Drops an outcome after its copies.
+    fn retire(&self, o: Outcome) {
+        if let Some(u) = &self.uploader {
+            o.retire(u.compute());
+        }
+    }
+
+    /// Files an outcome that came back under its entry (or retires it: nobody waits for it).
+    fn place(&mut self, d: Done) {
+        match self.pending.values_mut().find(|e| e.id == d.id) {
+            Some(e) if matches!(e.state, State::Issued) => e.state = State::Arrived(d.outcome),
+            _ => self.retire(d.outcome),
+        }
+    }
+
+    /// Files every outcome already back.
+    fn drain(&mut self) {
+        while let Some(d) = self.uploader.as_ref().and_then(Uploader::try_recv) {
+            self.place(d);
+        }
+    }
+
+    /// Drops the entries of layers `keep` rejects; when no entry under way is left, the
+    /// uploader drops what it has not uploaded yet.
+    fn drop_layers(&mut self, keep: impl Fn(usize) -> bool) {
+        self.drain();
+        let names: Vec<String> = self
+            .pending
+            .iter()
+            .filter(|(_, e)| !keep(e.layer))
+            .map(|(n, _)| n.clone())
+            .collect();
+        let mut dropped_issued = false;
+        for n in names {
+            if let Some(e) = self.pending.remove(&n) {
+                match e.state {
+                    State::Issued => dropped_issued = true,
+                    State::Arrived(o) => self.retire(o),
+                }
+            }
+        }
+        let issued_left = self
+            .pending
+            .values()
+            .any(|e| matches!(e.state, State::Issued));
+        if dropped_issued && !issued_left {
+            self.generation += 1;
+            if let Some(u) = &self.uploader {
+                u.cancel_before(self.generation);
+            }
+        }
+    }
+
+    /// Layer `layer` (tensors `weights`) begins: prefetches of other layers are not wanted any
+    /// more.
+    pub(super) fn begin(&mut self, layer: usize, weights: &[String]) {
+        self.begun = Some(layer);
+        self.begun_weights = weights.to_vec();
+        self.drop_layers(|l| l == layer);
+    }
+
+    /// Layer `layer` ends: its prefetched tensors no step took are dropped.
+    pub(super) fn end(&mut self, layer: usize) {
+        self.begun = None;
+        self.begun_weights.clear();
+        self.drop_layers(|l| l != layer);
+    }
+}
+
+impl Drop for Prefetch {
+    fn drop(&mut self) {
+        let entries: Vec<Entry> = self.pending.drain().map(|(_, e)| e).collect();
+        for e in entries {
+            if let State::Arrived(o) = e.state {
+                self.retire(o);
+            }
+        }
+        // The uploader (a field) stops its thread and retires what is still under way.
+    }
+}
+
+/// A tensor to prefetch.
+struct Want {
+    name: String,
+    src: FileRange,
+    head: Vec<u8>,
+    tail: Vec<u8>,
+}
+
+impl CudaEngine<'_> {
+    /// The same engine with prefetching on or off (on by default unless `GLMDIFF_NO_PREFETCH`
+    /// says otherwise, [`prefetch_by_default`]).
+    pub fn with_prefetch(self, on: bool) -> Self {
+        self.prefetch.borrow_mut().set_on(on);
+        self
+    }
+
+    /// What prefetching did so far.
+    pub fn prefetch_summary(&self) -> PrefetchSummary {
+        self.prefetch.borrow().summary.clone()
+    }
+
+    /// The raw tensors of `weights` (layer `layer`) that are neither resident nor on their way,
+    /// with where their bytes are in the model's files.
+    fn prefetch_wants(&self, p: &Prefetch, weights: &[String]) -> Vec<Want> {
+        let raw = self.raw.borrow();
+        let mut v = Vec::new();
+        for name in weights {
+            if raw.contains_key(name) || p.pending.contains_key(name) {
+                continue;
+            }
+            // A tensor the model lacks is the step's to report; a 1-D tensor is uploaded as f32
+            // by `vector`, not as raw blocks.
+            let Ok(desc) = self.weights.tensor_desc(name) else {
+                continue;
+            };
+            if desc.tensor.info.ne.len() < 2 {
+                continue;
+            }
+            let (Ok(Some((path, offset, len))), Ok(data)) = (desc.file_range(), desc.data()) else {
+                continue;
+            };
+            if len == 0 || len as usize != data.len() {
+                continue;
+            }
+            let k = FINGERPRINT.min(data.len());
+            v.push(Want {
+                name: name.clone(),
+                src: FileRange {
+                    path: path.to_path_buf(),
+                    offset,
+                    len: data.len(),
+                },
+                head: data[..k].to_vec(),
+                tail: data[data.len() - k..].to_vec(),
+            });
+        }
+        v
+    }
+
+    /// Starts the uploads of layer `layer`'s raw tensors (see the module documentation); never
+    /// fails: what cannot be prefetched is uploaded on demand.
+    pub(super) fn prefetch_tensors(&self, layer: usize, weights: &[String]) {
+        let mut guard = self.prefetch.borrow_mut();
+        let p: &mut Prefetch = &mut guard;
+        if !p.on || p.dead {
+            return;
+        }
+        let begun = p.begun;
+        p.drop_layers(|l| Some(l) == begun || l == layer);
+        let wants = self.prefetch_wants(p, weights);
+        if wants.is_empty() {
+            return;
+        }
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let need: u64 = wants.iter().map(|w| w.src.len as u64).sum();
+        // The current layer's tensors still to be uploaded on demand need their room too.
+        let current: u64 = self
+            .prefetch_wants(p, &p.begun_weights)
+            .iter()
+            .map(|w| w.src.len as u64)
+            .sum();
+        match self.gpu.memory() {
+            Ok((free, _)) if free >= need + current + PREFETCH_RESERVE => {}
+            Ok((free, _)) => {
+                p.summary.fallbacks += wants.len();
+                p.note(format!(
+                    "layer {layer} not prefetched on cuda:{}: its {:.2} GiB, the current layer's {:.2} GiB still to upload and {:.0} GiB of reserve exceed the {:.2} GiB free",
+                    self.gpu.info.ordinal,
+                    gib(need),
+                    gib(current),
+                    gib(PREFETCH_RESERVE),
+                    gib(free)
+                ));
+                return;
+            }
+            Err(e) => {
+                p.summary.fallbacks += wants.len();
+                p.note(format!("layer {layer} not prefetched: {e:#}"));
+                return;
+            }
+        }
+        if p.uploader.is_none() {
+            match Uploader::start(self.gpu) {
+                Ok(u) => p.uploader = Some(u),
+                Err(e) => {
+                    p.dead = true;
+                    p.summary.fallbacks += wants.len();
+                    p.note(format!(
+                        "prefetch off on cuda:{}: {e:#}",
+                        self.gpu.info.ordinal
+                    ));
+                    return;
+                }
+            }
+        }
+        let n_wants = wants.len();
+        let mut ready = Vec::with_capacity(n_wants);
+        for w in wants {
+            match alloc_dst(self.gpu, w.src.len, &w.name) {
+                Ok(d) => ready.push((w, d)),
+                Err(e) => {
+                    p.note(format!("layer {layer} prefetched in part: {e:#}"));
+                    break;
+                }
+            }
+        }
+        // The copy stream starts after the allocations, in the compute stream's order.
+        // (Nothing was copied into the buffers yet: on failure they are freed as they are.)
+        let after = match self.gpu.stream().record_event(None) {
+            Ok(e) => Arc::new(e),
+            Err(e) => {
+                p.summary.fallbacks += n_wants;
+                p.note(format!("layer {layer} not prefetched: cuda: {e}"));
+                return;
+            }
+        };
+        let mut sent = 0;
+        for (w, dst) in ready {
+            let id = p.next_id;
+            p.next_id += 1;
+            let job = Job {
+                id,
+                generation: p.generation,
+                what: w.name.clone(),
+                src: w.src,
+                head: w.head,
+                tail: w.tail,
+                dst,
+                after: after.clone(),
+            };
+            let Some(u) = &p.uploader else { break };
+            match u.send(job) {
+                Ok(()) => {
+                    sent += 1;
+                    p.pending.insert(
+                        w.name,
+                        Entry {
+                            id,
+                            layer,
+                            state: State::Issued,
+                        },
+                    );
+                }
+                // No copy was issued into it: the buffer is freed as it is.
+                Err(_job) => {
+                    p.dead = true;
+                    p.note("the upload thread stopped".to_string());
+                    break;
+                }
+            }
+        }
+        p.summary.fallbacks += n_wants - sent;
+    }
+
+    /// Tensor `name` from its prefetch, the compute stream ordered after its copies; `None`
+    /// when it was not prefetched or its prefetch failed (then it is uploaded on demand).
+    /// Waits on the host only for a tensor still under way.
+    pub(super) fn take_prefetched(&self, name: &str) -> Option<CudaSlice<u8>> {
+        let mut guard = self.prefetch.borrow_mut();
+        let p: &mut Prefetch = &mut guard;
+        let entry = p.pending.remove(name)?;
+        let mut state = entry.state;
+        while matches!(state, State::Issued) {
+            match p.uploader.as_ref().and_then(Uploader::recv) {
+                Some(d) if d.id == entry.id => state = State::Arrived(d.outcome),
+                Some(d) => p.place(d),
+                None => {
+                    p.dead = true;
+                    state = State::Arrived(Outcome::Failed("the upload thread stopped".into()));
+                }
+            }
+        }
+        let outcome = match state {
+            State::Arrived(o) => o,
+            State::Issued => Outcome::Cancelled,
+        };
+        let why = match outcome {
+            Outcome::Ready(r) => {
+                let waited = if r.is_complete() {
+                    Ok(())
+                } else {
+                    r.wait_host()
+                };
+                match waited {
+                    Ok(()) => match r.take(self.gpu.stream()) {
+                        Ok(s) => {
+                            p.summary.tensors += 1;
+                            p.summary.bytes += s.len() as u64;
+                            return Some(s);
+                        }
+                        Err(e) => format!("{e:#}"),
+                    },
+                    Err(e) => {
+                        p.retire(Outcome::Ready(r));
+                        format!("{e:#}")
+                    }
+                }
+            }
+            Outcome::Failed(why) => why,
+            Outcome::Cancelled => "cancelled".to_string(),
+        };
+        p.summary.fallbacks += 1;
+        p.note(format!("{name} uploaded on demand: {why}"));
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(p: &mut Prefetch, name: &str, layer: usize, arrived: bool) {
+        let id = p.next_id;
+        p.next_id += 1;
+        let state = if arrived {
+            State::Arrived(Outcome::Failed("test".into()))
+        } else {
+            State::Issued
+        };
+        p.pending
+            .insert(name.to_string(), Entry { id, layer, state });
+    }
+
+    fn names(p: &Prefetch) -> Vec<String> {
+        let mut v: Vec<String> = p.pending.keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    /// The host-side bookkeeping: beginning a layer drops the prefetches of every other layer,
+    /// ending one drops its leftovers; the uploader is told to drop queued jobs (a new
+    /// generation) only when no job under way is still wanted; outcomes nobody waits for are
+    /// dropped, not filed.
+    #[test]
+    fn layers_begun_and_ended_keep_only_wanted_prefetches() {
+        let mut p = Prefetch::new(true);
+        entry(&mut p, "blk.1.a", 1, false);
+        entry(&mut p, "blk.1.b", 1, true);
+        entry(&mut p, "blk.2.a", 2, false);
+        // Layer 1 begins: layer 2's issued job is dropped, but layer 1's are still under way:
+        // no new generation.
+        p.begin(1, &["blk.1.a".to_string()]);
+        assert_eq!(names(&p), ["blk.1.a", "blk.1.b"]);
+        assert_eq!((p.begun, p.generation), (Some(1), 0));
+        assert_eq!(p.begun_weights, ["blk.1.a"]);
+        // Its outcome, when it comes back, is not filed under any entry.
+        p.place(Done {
+            id: 2,
+            outcome: Outcome::Cancelled,
+        });
+        assert_eq!(names(&p), ["blk.1.a", "blk.1.b"]);
+        // Layer 1 ends with its two tensors never taken: both dropped; one was under way and
+        // none is left: a new generation.
+        p.end(1);
+        assert!(p.pending.is_empty() && p.begun.is_none() && p.begun_weights.is_empty());
+        assert_eq!(p.generation, 1);
+        // A layer begun with only arrived entries of another: dropped, no new generation.
+        entry(&mut p, "blk.3.a", 3, true);
+        p.begin(4, &[]);
+        assert!(p.pending.is_empty());
+        assert_eq!(p.generation, 1);
+        // An outcome filed under its issued entry.
+        entry(&mut p, "blk.5.a", 5, false);
+        let id = p.next_id - 1;
+        p.place(Done {
+            id,
+            outcome: Outcome::Failed("x".into()),
+        });
+        assert!(matches!(
+            p.pending["blk.5.a"].state,
+            State::Arrived(Outcome::Failed(_))
+        ));
+    }
+
+    #[test]
+    fn the_environment_turns_prefetch_off() {
+        assert!(!turned_off(None));
+        assert!(!turned_off(Some("")));
+        assert!(!turned_off(Some("0")));
+        assert!(turned_off(Some("1")));
+        assert!(turned_off(Some("yes")));
+    }
+
+    #[test]
+    fn summaries_of_several_devices_add_up() {
+        let mut a = PrefetchSummary {
+            on: true,
+            tensors: 3,
+            bytes: 100,
+            fallbacks: 1,
+            notes: vec!["x".into()],
+        };
+        let b = PrefetchSummary {
+            on: false,
+            tensors: 2,
+            bytes: 50,
+            fallbacks: 2,
+            notes: vec!["x".into(), "y".into()],
+        };
+        a.merge(&b);
+        assert_eq!(
+            a,
+            PrefetchSummary {
+                on: true,
+                tensors: 5,
+                bytes: 150,
+                fallbacks: 3,
+                notes: vec!["x".into(), "y".into()],
+            }
+        );
+    }
+}
