@@ -158,6 +158,9 @@ pub struct Report {
     pub gguf_py: String,
     /// The libggml measured (its path as given), or `None`.
     pub libggml: Option<String>,
+    /// The build of glmdiff's dequantizers that ran (`base`, `avx2`, `avx512`:
+    /// [`quant::simd`]).
+    pub cpu_simd: String,
     /// One row per type, in type-id order.
     pub rows: Vec<Row>,
 }
@@ -368,6 +371,7 @@ pub fn run_with_progress(opts: &BenchDequantOptions, progress: &dyn Progress) ->
             Err(why) => why.clone(),
         },
         libggml: lib.map(|l| l.path().display().to_string()),
+        cpu_simd: quant::simd::detected().name().to_string(),
         rows,
     })
 }

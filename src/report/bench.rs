@@ -65,8 +65,8 @@ pub fn render_dequant(r: &dequant::Report) -> String {
     let mut s = t.to_string();
     s.push_str(&format!(
         "\n{} elements per type, f32 output, median of {} runs (gguf-py: {}) after a warm-up; \
-         cpu: {}; seed {:#x}; gguf-py: {}\n",
-        r.elements, r.reps, r.py_reps, r.cpu, r.seed, r.gguf_py
+         cpu: {} (glmdiff's {} build); seed {:#x}; gguf-py: {}\n",
+        r.elements, r.reps, r.py_reps, r.cpu, r.cpu_simd, r.seed, r.gguf_py
     ));
     match &r.libggml {
         Some(p) => s.push_str(&format!(
