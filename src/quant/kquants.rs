@@ -9,7 +9,7 @@
 //! products are exact in f32 (at most 11 + 8 + 6 significant bits), and the types with a min
 //! round once at the final `- ml`, so the output equals ggml and gguf-py bit for bit.
 
-use super::legacy::{blocks, KVALUES_IQ4NL_F32};
+use super::legacy::{blocks, IQ4NL_LEVELS};
 use super::simd::multiversion;
 use super::{f16_le, QK_K};
 
@@ -239,11 +239,11 @@ multiversion! {
     /// `ls = ((scales_l[ib/2] >> 4*(ib%2)) & 0xF) | ((scales_h >> 2ib) & 3) << 4`, `dl = d*(ls-32)`;
     /// `y[32ib+j] = dl*kv[qs[16ib+j] & 0xF]`, `y[32ib+16+j] = dl*kv[qs[16ib+j] >> 4]`
     /// with `kv` the IQ4_NL levels.
-    pub fn dequant_iq4_xs(src: &[u8], dst: &mut [f32]) = iq4_xs; max avx2
+    pub fn dequant_iq4_xs(src: &[u8], dst: &mut [f32]) = iq4_xs::<true>; base iq4_xs::<false>
 }
 
 #[inline(always)]
-fn iq4_xs(src: &[u8], dst: &mut [f32]) {
+fn iq4_xs<const SHIFT: bool>(src: &[u8], dst: &mut [f32]) {
     for (b, y) in blocks::<IQ4_XS_BYTES, QK_K>(src, dst) {
         let d = f16_le(&b[0..2]);
         let scales_h = u16::from_le_bytes([b[2], b[3]]);
@@ -251,13 +251,11 @@ fn iq4_xs(src: &[u8], dst: &mut [f32]) {
             let lo = (b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF;
             let hi = ((scales_h >> (2 * ib)) & 3) as u8;
             let dl = d * f32::from((lo | (hi << 4)) as i8 - 32);
-            // Exact products, so a table of dl*kv gives the same bits as dl*kv per element.
-            let table = KVALUES_IQ4NL_F32.map(|k| dl * k);
             let (y0, y1) = y[SUB32 * ib..SUB32 * ib + SUB32].split_at_mut(SUB16);
             let q = &b[8 + 16 * ib..8 + 16 * ib + 16];
             for ((a, c), &x) in y0.iter_mut().zip(y1.iter_mut()).zip(q) {
-                *a = table[usize::from(x & 0xF)];
-                *c = table[usize::from(x >> 4)];
+                *a = dl * IQ4NL_LEVELS.get::<SHIFT>(x & 0xF);
+                *c = dl * IQ4NL_LEVELS.get::<SHIFT>(x >> 4);
             }
         }
     }

@@ -34,16 +34,48 @@ pub(crate) const KVALUES_IQ4NL: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
-/// [`KVALUES_IQ4NL`] as f32 (each level is an exact small integer).
-pub(super) const KVALUES_IQ4NL_F32: [f32; 16] = {
-    let mut t = [0f32; 16];
-    let mut i = 0;
-    while i < 16 {
-        t[i] = KVALUES_IQ4NL[i] as f32;
-        i += 1;
+/// The sixteen levels of a 4-bit code that indexes a table of small integers (IQ4_NL, IQ4_XS,
+/// MXFP4, NVFP4), read one of two ways: [`Levels::get`]`::<false>` loads from an f32 table;
+/// `::<true>` shifts the level out of one of two words holding eight levels as bytes. A table
+/// load becomes a gather, or scalar loads, when the loop is vectorized; the shift becomes a
+/// variable shift and a blend, which AVX2 and AVX-512 have, so their builds of these bodies
+/// shift and the baseline's loads. Both give the same exact integer as f32.
+pub(super) struct Levels {
+    f32s: [f32; 16],
+    lo: u64,
+    hi: u64,
+}
+
+impl Levels {
+    /// The levels `l[0..16]`.
+    pub(super) const fn new(l: [i8; 16]) -> Levels {
+        let mut f32s = [0f32; 16];
+        let (mut lo, mut hi) = (0u64, 0u64);
+        let mut i = 0;
+        while i < 8 {
+            f32s[i] = l[i] as f32;
+            f32s[i + 8] = l[i + 8] as f32;
+            lo |= (l[i] as u8 as u64) << (8 * i);
+            hi |= (l[i + 8] as u8 as u64) << (8 * i);
+            i += 1;
+        }
+        Levels { f32s, lo, hi }
     }
-    t
-};
+
+    /// The level of code `q` (`q < 16`) as f32, by shifting (`SHIFT`) or by a table load.
+    #[inline(always)]
+    pub(super) fn get<const SHIFT: bool>(&self, q: u8) -> f32 {
+        if SHIFT {
+            let word = if q & 8 != 0 { self.hi } else { self.lo };
+            f32::from((word >> (u32::from(q & 7) * 8)) as u8 as i8)
+        } else {
+            self.f32s[usize::from(q & 0xF)]
+        }
+    }
+}
+
+/// [`KVALUES_IQ4NL`] as [`Levels`].
+pub(super) const IQ4NL_LEVELS: Levels = Levels::new(KVALUES_IQ4NL);
 
 /// Bit `j` for `j` in 0..32: testing `qh & BIT[j]` vectorizes where a per-lane shift would not.
 const BIT: [u32; QK] = {
@@ -199,17 +231,17 @@ fn q5_1(src: &[u8], dst: &mut [f32]) {
 multiversion! {
     /// IQ4_NL: block = f16 d, qs[16];
     /// `y[j] = d * kv[qs[j] & 0xF]`, `y[j+16] = d * kv[qs[j] >> 4]` with `kv` = [`KVALUES_IQ4NL`].
-    pub fn dequant_iq4_nl(src: &[u8], dst: &mut [f32]) = iq4_nl; max avx2
+    pub fn dequant_iq4_nl(src: &[u8], dst: &mut [f32]) = iq4_nl::<true>; base iq4_nl::<false>
 }
 
 #[inline(always)]
-fn iq4_nl(src: &[u8], dst: &mut [f32]) {
+fn iq4_nl<const SHIFT: bool>(src: &[u8], dst: &mut [f32]) {
     for (b, y) in blocks::<IQ4_NL_BYTES, QK>(src, dst) {
         let d = f16_le(&b[0..2]);
         let (lo, hi) = y.split_at_mut(HALF);
         for ((y0, y1), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&b[2..]) {
-            *y0 = d * KVALUES_IQ4NL_F32[usize::from(q & 0xF)];
-            *y1 = d * KVALUES_IQ4NL_F32[usize::from(q >> 4)];
+            *y0 = d * IQ4NL_LEVELS.get::<SHIFT>(q & 0xF);
+            *y1 = d * IQ4NL_LEVELS.get::<SHIFT>(q >> 4);
         }
     }
 }

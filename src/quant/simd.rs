@@ -132,11 +132,43 @@ pub(crate) fn with_cap<R>(cap: Level, f: impl FnOnce() -> R) -> R {
 ///
 /// With `max avx2` after the `;` it stops at AVX2: for the bodies that look values up in small
 /// tables, where LLVM's AVX-512 build gathers (slow on the CPUs measured) and runs slower than
-/// the AVX2 one.
+/// the AVX2 one. With `base other` after the `;` the baseline build runs `other` instead of
+/// `body` (the same values computed another way that suits narrow vectors better).
 macro_rules! multiversion {
     (
         $(#[$attr:meta])*
-        $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:ident;
+        $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:path;
+        base $base:path
+    ) => {
+        $(#[$attr])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(
+                    enable = "avx,avx2,bmi1,bmi2,f16c,fma,lzcnt,movbe,popcnt,avx512f,avx512bw,avx512cd,avx512dq,avx512vl"
+                )]
+                unsafe fn v4($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                #[target_feature(enable = "avx,avx2,bmi1,bmi2,f16c,fma,lzcnt,movbe,popcnt")]
+                unsafe fn v3($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                match $crate::quant::simd::level() {
+                    // SAFETY: `level()` is Avx512 only when the CPU reported every feature `v4`
+                    // enables (`detect`), and `v4` is the safe body compiled with them.
+                    $crate::quant::simd::Level::Avx512 => return unsafe { v4($($arg),*) },
+                    // SAFETY: as above, for the features of `v3`.
+                    $crate::quant::simd::Level::Avx2 => return unsafe { v3($($arg),*) },
+                    $crate::quant::simd::Level::Base => {}
+                }
+            }
+            $base($($arg),*)
+        }
+    };
+    (
+        $(#[$attr:meta])*
+        $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:path;
         max avx2
     ) => {
         $(#[$attr])*
@@ -159,7 +191,7 @@ macro_rules! multiversion {
     };
     (
         $(#[$attr:meta])*
-        $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:ident;
+        $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:path;
     ) => {
         $(#[$attr])*
         $vis fn $name($($arg: $ty),*) $(-> $ret)? {
