@@ -2,7 +2,7 @@
 //!
 //! glmdiff is built for the baseline of its target (x86-64: SSE2), so that one binary runs on
 //! every machine; the bodies of the dequantizers are plain Rust that LLVM auto-vectorizes, and
-//! wider vectors (AVX2, AVX-512) make them several times faster. [`multiversion!`] compiles a
+//! wider vectors (AVX2, AVX-512) make them several times faster. `multiversion!` compiles a
 //! body three times on x86-64: as is, and inside functions carrying
 //! `#[target_feature(enable = ...)]` for the x86-64-v3 (AVX2, FMA, F16C, BMI) and x86-64-v4
 //! (AVX-512 F/BW/CD/DQ/VL) levels, and picks one per call from the features the CPU reports
@@ -107,7 +107,7 @@ thread_local! {
 }
 
 /// The level a dequantizer runs at now: [`detected`] (in unit tests, at most the calling
-/// thread's cap, see [`with_cap`]).
+/// thread's cap, see `with_cap`).
 #[inline]
 pub fn level() -> Level {
     let l = detected();
