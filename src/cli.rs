@@ -334,7 +334,7 @@ pub struct SynthArgs {
 /// `glmdiff bench ...`.
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
-    /// Dequantization speed per type, single thread and all threads, against gguf-py and llama.cpp's C figures.
+    /// Dequantization speed per type, single thread and all threads, against libggml (llama.cpp's C) and gguf-py.
     Dequant(BenchDequantArgs),
     /// CPU reference time per layer (dequant vs arithmetic), bytes dequantized, peak RSS.
     Layer(BenchLayerArgs),
@@ -351,6 +351,15 @@ pub struct BenchDequantArgs {
     /// device-to-device copy measured in the same run).
     #[arg(long, value_name = "N", value_parser = parse_device)]
     pub device: Option<usize>,
+    /// Time llama.cpp's C dequantizers from this libggml-base shared library in the same run,
+    /// on the same bytes, one thread, and check their output against glmdiff's bit for bit
+    /// (a difference exits 1).
+    #[arg(long, value_name = "PATH", conflicts_with = "device")]
+    pub libggml: Option<PathBuf>,
+    /// Values per type (default 16777216: 64 MiB of f32 output, beyond most caches; a small
+    /// count such as 262144 keeps the output in cache and times the arithmetic alone).
+    #[arg(long, value_name = "N", value_parser = parse_elements, conflicts_with = "device")]
+    pub elements: Option<usize>,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -423,6 +432,16 @@ pub fn parse_device(s: &str) -> Result<usize> {
 /// Parses a random seed: an integer in 0..2^64.
 pub fn parse_seed(s: &str) -> Result<u64> {
     unsigned(s, "seed", "a seed is an integer in 0..2^64")
+}
+
+/// Parses `bench dequant --elements`: an integer from 1 (rounded down to whole blocks, at
+/// least one block, by the benchmark).
+pub fn parse_elements(s: &str) -> Result<usize> {
+    let n: usize = unsigned(s, "element count", "the element count is an integer from 1")?;
+    if n == 0 {
+        bail!("element count 0: the element count is an integer from 1");
+    }
+    Ok(n)
 }
 
 /// Parses one token count of `bench layer --tokens` (0 is refused by the command, which names

@@ -8,7 +8,8 @@
 //!    removes), the output guard (outputs never overwrite inputs), array files, the cache
 //!    directory and the FNV-1a hash, SplitMix64, top-k with ties, the progress trait. Imports
 //!    nothing from the crate.
-//! 2. [`quant`]: the GGML type table and the dequantizers. Imports nothing from the crate;
+//! 2. [`quant`]: the GGML type table and the dequantizers (each compiled for the baseline,
+//!    AVX2 and AVX-512 and chosen at run time, [`quant::simd`]). Imports nothing from the crate;
 //!    per-type facts of higher layers (CUDA kernel stems, how `synth` and `bench` draw blocks,
 //!    `synth`'s fallback type for rows that are not whole blocks) live in its rows as plain data
 //!    that those layers interpret.

@@ -1,3 +1,4 @@
+mod bench_dequant;
 mod bench_layer;
 mod cli;
 mod common;

@@ -1,15 +1,19 @@
 //! `glmdiff bench dequant`: dequantization speed per type, on one thread and on all threads,
-//! beside gguf-py measured in the same run on the same bytes and llama.cpp's C figures.
+//! beside libggml (llama.cpp's C) and gguf-py measured in the same run on the same bytes.
 //!
 //! For each type with a dequantizer, [`run`] builds `elements` values worth of random valid
 //! blocks ([`super::random_blocks`]), times [`quant::dequantize`] (one thread) and
-//! [`quant::dequantize_par`] (rayon's pool) as the median of `reps` runs after one warm-up,
-//! then spawns `python3` to time `gguf.quants.dequantize` on the same bytes (rows of
-//! [`PY_ROW_ELEMENTS`] values, the way a converter calls it). Rates are million elements per
-//! second and GB/s of f32 output.
+//! [`quant::dequantize_par`] (rayon's pool) as the median of `reps` runs after one warm-up.
+//! With a libggml ([`super::libggml`]) its row dequantizer is timed on one thread too, its
+//! repetitions alternating with glmdiff's (so a busy machine slows both alike), and its output
+//! is compared with glmdiff's bit for bit. Then `python3` is spawned to time
+//! `gguf.quants.dequantize` on the same bytes (rows of [`PY_ROW_ELEMENTS`] values, the way a
+//! converter calls it). Rates are million elements per second and GB/s of f32 output.
 
 use super::cpu_model;
+use super::libggml::LibGgml;
 use std::io::Write;
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
@@ -33,7 +37,8 @@ pub const DEFAULT_SEED: u64 = 0x0067_6C6D_6469_6666; // "glmdiff" in ASCII
 pub const PY_ROW_ELEMENTS: usize = 4096;
 
 /// llama.cpp's C `dequantize_row_*`, one thread of the reference 2-core machine, million
-/// elements/s (measured outside glmdiff; constants, not re-measured here).
+/// elements/s (measured outside glmdiff; constants, not re-measured here). Shown only when no
+/// libggml is measured in the run: its same-run figure supersedes them.
 pub const C_ANCHORS: &[(GgmlType, f64)] = &[
     (GgmlType::Q4_K, 1720.0),
     (GgmlType::Q5_K, 1721.0),
@@ -71,6 +76,8 @@ pub struct BenchDequantOptions {
     pub python: String,
     /// Seed of the random block generator (the same seed gives the same bytes).
     pub seed: u64,
+    /// A libggml-base shared library to time and compare against (`None`: the C anchors).
+    pub libggml: Option<PathBuf>,
 }
 
 impl Default for BenchDequantOptions {
@@ -83,6 +90,7 @@ impl Default for BenchDequantOptions {
             with_python: true,
             python: "python3".to_string(),
             seed: DEFAULT_SEED,
+            libggml: None,
         }
     }
 }
@@ -104,7 +112,20 @@ pub struct Row {
     pub multi_melem_s: f64,
     /// glmdiff, all threads: GB/s of f32 output.
     pub multi_gb_s: f64,
-    /// llama.cpp C one-thread figure for this type, if known ([`C_ANCHORS`]).
+    /// libggml's row dequantizer measured in this run on the same bytes, one thread: million
+    /// elements/s (median; `None` without `--libggml` or where ggml has no row function).
+    pub libggml_melem_s: Option<f64>,
+    /// `single_melem_s / libggml_melem_s`.
+    pub ratio_single_vs_libggml: Option<f64>,
+    /// Values whose bits differ between glmdiff and libggml (NaN equal to NaN; `None`: not
+    /// compared).
+    pub libggml_mismatches: Option<u64>,
+    /// The first value that differs, if any.
+    pub libggml_first_mismatch: Option<Mismatch>,
+    /// Why libggml was not measured for this type (`skipped: ...`), with `--libggml`.
+    pub libggml_note: Option<String>,
+    /// llama.cpp C one-thread figure for this type, if known ([`C_ANCHORS`]); only without a
+    /// libggml in the run.
     pub c_anchor_melem_s: Option<f64>,
     /// `single_melem_s / c_anchor_melem_s`.
     pub ratio_single_vs_c: Option<f64>,
@@ -135,8 +156,33 @@ pub struct Report {
     pub seed: u64,
     /// gguf-py version used, or `skipped: <reason>`.
     pub gguf_py: String,
+    /// The libggml measured (its path as given), or `None`.
+    pub libggml: Option<String>,
+    /// The build of glmdiff's dequantizers that ran (`base`, `avx2`, `avx512`:
+    /// [`quant::simd`]).
+    pub cpu_simd: String,
     /// One row per type, in type-id order.
     pub rows: Vec<Row>,
+}
+
+impl Report {
+    /// Whether libggml's output differs from glmdiff's for a type.
+    pub fn libggml_differs(&self) -> bool {
+        self.rows
+            .iter()
+            .any(|r| r.libggml_mismatches.is_some_and(|n| n > 0))
+    }
+}
+
+/// A value on which glmdiff and libggml disagree.
+#[derive(Clone, Debug, Serialize)]
+pub struct Mismatch {
+    /// Flat element index.
+    pub index: usize,
+    /// glmdiff's value.
+    pub glmdiff: f32,
+    /// libggml's value.
+    pub libggml: f32,
 }
 
 fn anchor(table: &[(GgmlType, f64)], ty: GgmlType) -> Option<f64> {
@@ -156,8 +202,58 @@ fn median_seconds(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64>
     Ok(t[t.len() / 2])
 }
 
+/// Median of `reps` timings (seconds) of `f` and of `g`, after one untimed warm-up call of
+/// each. The two alternate, and which goes first alternates too (`f g g f f g ...`): a run
+/// right after the other one inherits its dirty cache lines and costs a few percent more.
+fn median_seconds_pair(
+    reps: usize,
+    mut f: impl FnMut() -> Result<()>,
+    mut g: impl FnMut() -> Result<()>,
+) -> Result<(f64, f64)> {
+    f()?;
+    g()?;
+    let (mut tf, mut tg) = (Vec::new(), Vec::new());
+    let time = |h: &mut dyn FnMut() -> Result<()>, t: &mut Vec<f64>| -> Result<()> {
+        let start = Instant::now();
+        h()?;
+        t.push(start.elapsed().as_secs_f64());
+        Ok(())
+    };
+    for r in 0..reps.max(1) {
+        if r % 2 == 0 {
+            time(&mut f, &mut tf)?;
+            time(&mut g, &mut tg)?;
+        } else {
+            time(&mut g, &mut tg)?;
+            time(&mut f, &mut tf)?;
+        }
+    }
+    tf.sort_by(f64::total_cmp);
+    tg.sort_by(f64::total_cmp);
+    Ok((tf[tf.len() / 2], tg[tg.len() / 2]))
+}
+
+/// The number of values of `a` and `b` whose bits differ (NaN equal to NaN) and the first.
+fn bit_mismatches(a: &[f32], b: &[f32]) -> (u64, Option<Mismatch>) {
+    let same = |x: f32, y: f32| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
+    let mut n = 0u64;
+    let mut first = None;
+    for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+        if !same(x, y) {
+            n += 1;
+            first.get_or_insert(Mismatch {
+                index: i,
+                glmdiff: x,
+                libggml: y,
+            });
+        }
+    }
+    (n, first)
+}
+
 /// Runs the benchmark. Types without a dequantizer are left out; a missing or broken Python
-/// only fills the gguf-py columns with `skipped: <reason>`.
+/// only fills the gguf-py columns with `skipped: <reason>`. With a libggml, a library that
+/// cannot be opened or lacks the row function of a type asked is an error before any timing.
 pub fn run(opts: &BenchDequantOptions) -> Result<Report> {
     run_with_progress(opts, &NoProgress)
 }
@@ -173,6 +269,10 @@ pub fn run_with_progress(opts: &BenchDequantOptions, progress: &dyn Progress) ->
         .into_iter()
         .filter(|&ty| quant::dequant_fn(ty).is_some())
         .collect();
+    let lib = match &opts.libggml {
+        Some(p) => Some(LibGgml::open(p, &types)?),
+        None => None,
+    };
     progress.start("bench dequant", types.len() as u64);
     let mut rows = Vec::new();
     let py = if opts.with_python {
@@ -183,6 +283,7 @@ pub fn run_with_progress(opts: &BenchDequantOptions, progress: &dyn Progress) ->
     let mut rng = SplitMix64::new(opts.seed);
     let mut src: Vec<u8> = Vec::new();
     let mut dst: Vec<f32> = Vec::new();
+    let mut dst_c: Vec<f32> = Vec::new();
     for ty in types {
         progress.phase(&format!("bench dequant: {ty}"));
         let (bs, ts) = (ty.block_size(), ty.type_size());
@@ -191,11 +292,33 @@ pub fn run_with_progress(opts: &BenchDequantOptions, progress: &dyn Progress) ->
         dst.resize(n, 0.0);
         fill_blocks(ty, &mut rng, &mut src);
         let ctx = || format!("bench: dequantizing {n} elements of {ty}");
-        let single = median_seconds(opts.reps, || quant::dequantize(ty, &src, &mut dst))
-            .with_context(ctx)?;
+        let rate = |s: f64| n as f64 / s / 1e6;
+        let mut c = LibRow::default();
+        let single = match &lib {
+            Some(l) if l.has(ty) => {
+                dst_c.resize(n, 0.0);
+                let (single, c_s) = median_seconds_pair(
+                    opts.reps,
+                    || quant::dequantize(ty, &src, &mut dst),
+                    || l.dequantize(ty, &src, &mut dst_c),
+                )
+                .with_context(ctx)?;
+                let (mismatches, first) = bit_mismatches(&dst, &dst_c);
+                c.melem_s = Some(rate(c_s));
+                c.mismatches = Some(mismatches);
+                c.first = first;
+                single
+            }
+            Some(_) => {
+                c.note = Some(format!("skipped: libggml has no row conversion for {ty}"));
+                median_seconds(opts.reps, || quant::dequantize(ty, &src, &mut dst))
+                    .with_context(ctx)?
+            }
+            None => median_seconds(opts.reps, || quant::dequantize(ty, &src, &mut dst))
+                .with_context(ctx)?,
+        };
         let multi = median_seconds(opts.reps, || quant::dequantize_par(ty, &src, &mut dst))
             .with_context(ctx)?;
-        let rate = |s: f64| n as f64 / s / 1e6;
         let gbs = |s: f64| (n * std::mem::size_of::<f32>()) as f64 / s / 1e9;
         let (gguf_py_melem_s, gguf_py_note) = match &py {
             Err(why) => (None, Some(why.clone())),
@@ -212,7 +335,7 @@ pub fn run_with_progress(opts: &BenchDequantOptions, progress: &dyn Progress) ->
                 Err(why) => (None, Some(format!("skipped: {why}"))),
             },
         };
-        let c_anchor = anchor(C_ANCHORS, ty);
+        let c_anchor = anchor(C_ANCHORS, ty).filter(|_| lib.is_none());
         rows.push(Row {
             ty: ty.name().to_string(),
             elements: n,
@@ -221,6 +344,11 @@ pub fn run_with_progress(opts: &BenchDequantOptions, progress: &dyn Progress) ->
             single_gb_s: gbs(single),
             multi_melem_s: rate(multi),
             multi_gb_s: gbs(multi),
+            libggml_melem_s: c.melem_s,
+            ratio_single_vs_libggml: c.melem_s.map(|c| rate(single) / c),
+            libggml_mismatches: c.mismatches,
+            libggml_first_mismatch: c.first,
+            libggml_note: c.note,
             c_anchor_melem_s: c_anchor,
             ratio_single_vs_c: c_anchor.map(|c| rate(single) / c),
             gguf_py_melem_s,
@@ -242,8 +370,19 @@ pub fn run_with_progress(opts: &BenchDequantOptions, progress: &dyn Progress) ->
             Ok(p) => format!("gguf {} (numpy {})", p.gguf, p.numpy),
             Err(why) => why.clone(),
         },
+        libggml: lib.map(|l| l.path().display().to_string()),
+        cpu_simd: quant::simd::detected().name().to_string(),
         rows,
     })
+}
+
+/// libggml's figures for one type.
+#[derive(Default)]
+struct LibRow {
+    melem_s: Option<f64>,
+    mismatches: Option<u64>,
+    first: Option<Mismatch>,
+    note: Option<String>,
 }
 
 /// What the Python probe found.

@@ -5,6 +5,7 @@ pub mod dequant;
 #[cfg(feature = "cuda")]
 pub mod gpu_dequant;
 pub mod layer;
+pub mod libggml;
 pub mod random_blocks;
 
 /// The CPU model name from /proc/cpuinfo, or "unknown".

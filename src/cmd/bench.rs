@@ -22,6 +22,8 @@ pub fn run_dequant(args: &BenchDequantArgs) -> Result<Outcome> {
     }
     let opts = BenchDequantOptions {
         types,
+        libggml: args.libggml.clone(),
+        elements: args.elements.unwrap_or(dequant::DEFAULT_ELEMENTS),
         ..BenchDequantOptions::default()
     };
     let report =
@@ -31,7 +33,11 @@ pub fn run_dequant(args: &BenchDequantArgs) -> Result<Outcome> {
     } else {
         crate::report::emit(&crate::report::bench::render_dequant(&report));
     }
-    Ok(Outcome::Ok)
+    Ok(if report.libggml_differs() {
+        Outcome::Differs
+    } else {
+        Outcome::Ok
+    })
 }
 
 #[cfg(feature = "cuda")]

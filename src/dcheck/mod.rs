@@ -5,7 +5,8 @@
 //!   and the data the check returns build without the `cuda` feature, so that such a build
 //!   refuses bad names the same way before saying it cannot check.
 //! - `tensor` (feature `cuda`): one tensor, streamed in chunks of rows, the CPU one chunk ahead
-//!   on its own thread, hashes compared before any values travel.
+//!   on its own thread (its hash fused with its dequantization), hashes compared before any
+//!   values travel.
 //! - `devices` (feature `cuda`): the tensors on one device, or spread over several.
 
 #[cfg(feature = "cuda")]
@@ -65,7 +66,8 @@ pub struct TensorCheck {
     pub kernel_ms: f64,
     /// The kernels' throughput: (raw bytes read + f32 written) per second, GB/s.
     pub kernel_gbps: f64,
-    /// Wall time split (ms): CPU dequant (on its own thread), host-to-device copies, compare.
+    /// Wall time split (ms): CPU dequant and hash (on its own thread; plus the values made
+    /// again for a chunk whose hashes differ), host-to-device copies, compare.
     pub cpu_ms: f64,
     /// Host-to-device copies (ms).
     pub h2d_ms: f64,

@@ -1,13 +1,15 @@
 //! One tensor's raw GGUF bytes dequantized on the device and compared there
 //! with the CPU's dequantization of the same rows, streamed in chunks of rows so that a tensor of
-//! any size needs a bounded amount of host and device memory. The CPU dequantizes (and hashes)
-//! the next chunk on another thread while the device works on the current one.
+//! any size needs a bounded amount of host and device memory. The CPU hashes its dequantization
+//! of the next chunk on another thread while the device works on the current one.
 //!
 //! Only the raw blocks travel to the device: both sides hash their f32 values (an
 //! order-independent 64-bit hash, [`crate::gpu::dequant::hash_f32_host`]) and only a chunk whose
-//! hashes differ has the CPU's values copied over and compared value by value (mismatch count,
-//! first index, largest difference). A wrong kernel therefore costs a copy; a right one never
-//! does.
+//! hashes differ has the CPU's values made, copied over and compared value by value (mismatch
+//! count, first index, largest difference). A wrong kernel therefore costs a second
+//! dequantization and a copy; a right one never does. The CPU's hash is fused with its
+//! dequantization ([`crate::gpu::dequant::dequant_hash`]): each thread dequantizes a tile into
+//! a buffer of its own and hashes it there, so a chunk's values are never stored.
 
 use std::sync::mpsc;
 use std::time::Instant;
@@ -17,9 +19,9 @@ use cudarc::driver::sys::CUevent_flags;
 
 use super::{FirstMismatch, TensorCheck};
 use crate::gguf::{Model, TensorRef};
-use crate::gpu::dequant::{hash_f32_host, CompareStats};
+use crate::gpu::dequant::{dequant_hash, CompareStats};
 use crate::gpu::Gpu;
-use crate::quant::{dequantize_par, GgmlType};
+use crate::quant::{dequantize_to_vec, GgmlType};
 use crate::util::progress::Progress;
 
 /// Elements per chunk (256 MiB of f32 per side).
@@ -63,20 +65,15 @@ pub fn check_tensor(
     progress.start(&info.name, chunks.len() as u64);
     std::thread::scope(|scope| -> Result<()> {
         // The CPU side runs one chunk ahead on its own thread.
-        let (tx, rx) = mpsc::sync_channel::<Result<(u64, Vec<f32>, u64, f64)>>(1);
+        let (tx, rx) = mpsc::sync_channel::<Result<(u64, u64, f64)>>(1);
         let chunks_cpu = chunks.clone();
         scope.spawn(move || {
             for (a, b) in chunks_cpu {
                 let c0 = Instant::now();
-                let r = model.row_data(t, a..b).and_then(|raw| {
-                    let mut v = vec![0f32; ((b - a) * row_len) as usize];
-                    dequantize_par(ty, raw, &mut v)?;
-                    Ok(v)
-                });
-                let msg = r.map(|v| {
-                    let h = hash_f32_host(&v, a * row_len);
-                    (a, v, h, c0.elapsed().as_secs_f64() * 1e3)
-                });
+                let r = model
+                    .row_data(t, a..b)
+                    .and_then(|raw| dequant_hash(ty, raw, a * row_len));
+                let msg = r.map(|h| (a, h, c0.elapsed().as_secs_f64() * 1e3));
                 if tx.send(msg).is_err() {
                     return;
                 }
@@ -84,14 +81,14 @@ pub fn check_tensor(
         });
         let s = gpu.stream();
         for &(a, b) in &chunks {
-            let (a_cpu, cpu, cpu_hash, cpu_ms) = rx
+            let (a_cpu, cpu_hash, cpu_ms) = rx
                 .recv()
                 .context("dequant-check: the CPU side stopped")?
                 .with_context(what)?;
             debug_assert_eq!(a_cpu, a);
             out.cpu_ms += cpu_ms;
             let raw = model.row_data(t, a..b).with_context(what)?;
-            let n = cpu.len();
+            let n = ((b - a) * row_len) as usize;
             let h0 = Instant::now();
             let raw_d = gpu.alloc_copy(raw, "raw blocks")?;
             s.synchronize().context("cuda: synchronize")?;
@@ -103,16 +100,22 @@ pub fn check_tensor(
             let e1 = s.record_event(flags).context("cuda: event")?;
             out.kernel_ms += f64::from(e0.elapsed_ms(&e1).context("cuda: event timing")?);
             let c0 = Instant::now();
+            let mut cpu: Vec<f32> = Vec::new();
+            let mut remade_ms = 0.0;
             let chunk = if gpu.hash_f32(&gpu_d, a * row_len).with_context(what)? == cpu_hash {
                 CompareStats::default()
             } else {
-                // Hashes differ: the CPU's values go over and are compared one by one.
+                // Hashes differ: the CPU's values are made, go over and are compared one by one.
+                let v0 = Instant::now();
+                cpu = dequantize_to_vec(ty, raw, n).with_context(what)?;
+                remade_ms = v0.elapsed().as_secs_f64() * 1e3;
+                out.cpu_ms += remade_ms;
                 let h0 = Instant::now();
                 let cpu_d = gpu.alloc_copy(&cpu, "CPU values")?;
                 out.h2d_ms += h0.elapsed().as_secs_f64() * 1e3;
                 gpu.compare_f32(&gpu_d, &cpu_d).with_context(what)?
             };
-            out.compare_ms += c0.elapsed().as_secs_f64() * 1e3;
+            out.compare_ms += c0.elapsed().as_secs_f64() * 1e3 - remade_ms;
             let offset = a * row_len;
             if stats.first.is_none() {
                 if let Some(i) = chunk.first {
@@ -132,7 +135,7 @@ pub fn check_tensor(
                         col,
                         block: blk as u64,
                         raw: raw.iter().take(48).map(|b| format!("{b:02x}")).collect(),
-                        cpu: cpu[i as usize],
+                        cpu: cpu.get(i as usize).copied().unwrap_or(f32::NAN),
                         gpu: v[0],
                     });
                 }

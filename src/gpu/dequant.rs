@@ -6,6 +6,7 @@ use cudarc::driver::{
 };
 
 use super::{Gpu, COMPARE_SOURCE, DEQUANT_SOURCE};
+use crate::quant::simd::multiversion;
 use crate::quant::GgmlType;
 
 /// The kernel-name stem of `ty` (`dequant_<stem>_f32`) from its row of the type table, `None`
@@ -176,20 +177,69 @@ impl Gpu {
 /// The hash `hash_f32` computes on the device, on the host: the wrapping sum over `i` of
 /// `mix64(bits(v[i]) ^ (base + i) * GAMMA)`, every NaN as `0x7FC00000`.
 pub fn hash_f32_host(v: &[f32], base: u64) -> u64 {
-    use crate::util::rng::{mix64, GAMMA};
     use rayon::prelude::*;
     v.par_chunks(1 << 16)
         .enumerate()
-        .map(|(c, chunk)| {
-            let start = base.wrapping_add((c as u64) << 16);
-            chunk.iter().enumerate().fold(0u64, |acc, (i, &x)| {
-                let bits = if x.is_nan() { 0x7FC0_0000 } else { x.to_bits() };
-                acc.wrapping_add(mix64(
-                    u64::from(bits) ^ start.wrapping_add(i as u64).wrapping_mul(GAMMA),
-                ))
-            })
-        })
+        .map(|(c, chunk)| hash_run(chunk, base.wrapping_add((c as u64) << 16)))
         .reduce(|| 0u64, u64::wrapping_add)
+}
+
+multiversion! {
+    /// [`hash_f32_host`]'s sum over `v` alone, its first value at position `start`, on the
+    /// calling thread (each term is independent of the others, so any split of a run adds up
+    /// to the same hash). Vectorized: AVX-512 multiplies 64-bit lanes in one instruction.
+    fn hash_run(v: &[f32], start: u64) -> u64 = hash_run_body;
+}
+
+#[inline(always)]
+fn hash_run_body(v: &[f32], start: u64) -> u64 {
+    use crate::util::rng::{mix64, GAMMA};
+    let mut acc = 0u64;
+    for (i, &x) in v.iter().enumerate() {
+        let bits = if x.is_nan() { 0x7FC0_0000 } else { x.to_bits() };
+        let pos = start.wrapping_add(i as u64);
+        acc = acc.wrapping_add(mix64(u64::from(bits) ^ pos.wrapping_mul(GAMMA)));
+    }
+    acc
+}
+
+/// Values per tile of [`dequant_hash`]: 16 KiB of f32, which stay in L1 from the dequantizer
+/// writing them to the hash reading them; a multiple of every block size.
+const HASH_TILE: usize = 4096;
+/// Values per parallel task of [`dequant_hash`], as [`hash_f32_host`] splits its work.
+const HASH_TASK: usize = 1 << 16;
+
+/// [`hash_f32_host`] of the values [`crate::quant::dequantize`] gives for `src` (whole blocks
+/// of `ty`), the first at position `base`, without writing them out: rayon's tasks each
+/// dequantize a tile at a time into a buffer of their own and hash it there, so the values
+/// never reach memory and are read once, while in cache. dequant-check's CPU side: the values
+/// themselves are only needed when the device's hash differs.
+pub fn dequant_hash(ty: GgmlType, src: &[u8], base: u64) -> Result<u64> {
+    use rayon::prelude::*;
+    let (bs, ts) = (ty.block_size(), ty.type_size());
+    if bs == 0 || ts == 0 || bs > HASH_TILE || src.len() % ts != 0 {
+        bail!(
+            "quant: {ty}: {} bytes are not whole blocks of {ts} bytes",
+            src.len()
+        );
+    }
+    let tile_blocks = HASH_TILE / bs;
+    let task_blocks = (HASH_TASK / bs).max(1);
+    src.par_chunks(task_blocks * ts)
+        .enumerate()
+        .map(|(c, task)| {
+            let mut buf = [0f32; HASH_TILE];
+            let mut pos = base.wrapping_add((c * task_blocks * bs) as u64);
+            let mut h = 0u64;
+            for raw in task.chunks(tile_blocks * ts) {
+                let y = &mut buf[..raw.len() / ts * bs];
+                crate::quant::dequantize(ty, raw, y)?;
+                h = h.wrapping_add(hash_run(y, pos));
+                pos = pos.wrapping_add(y.len() as u64);
+            }
+            Ok(h)
+        })
+        .try_reduce(|| 0u64, |a, b| Ok(a.wrapping_add(b)))
 }
 
 impl Gpu {
@@ -232,7 +282,106 @@ impl CompareStats {
 
 #[cfg(test)]
 mod tests {
-    use super::hash_f32_host;
+    use super::{dequant_hash, hash_f32_host};
+    use crate::quant::simd::{with_cap, Level};
+    use crate::quant::{dequantize, GgmlType, TYPE_TABLE};
+    use crate::util::rng::SplitMix64;
+
+    fn random_bytes(seed: u64, n: usize) -> Vec<u8> {
+        let mut rng = SplitMix64::new(seed);
+        (0..n).map(|_| rng.next_u64() as u8).collect()
+    }
+
+    /// The fused dequantize-and-hash equals hashing [`dequantize`]'s values, for every type,
+    /// on raw random blocks (every scale pattern, NaN included), at lengths that are not whole
+    /// tiles or tasks and at an offset position.
+    #[test]
+    fn dequant_hash_equals_hash_of_values() {
+        for row in TYPE_TABLE.iter().filter(|r| r.dequant.is_some()) {
+            for blocks in [1, 17, (1 << 17) / row.block_size + 5] {
+                let src = random_bytes(row.ty.id().into(), blocks * row.type_size);
+                let mut y = vec![0f32; blocks * row.block_size];
+                dequantize(row.ty, &src, &mut y).unwrap();
+                for base in [0u64, 123_456_789] {
+                    let want = hash_f32_host(&y, base);
+                    let got = dequant_hash(row.ty, &src, base).unwrap();
+                    assert_eq!(got, want, "{} {blocks} blocks at {base}", row.name);
+                }
+            }
+        }
+        let e = dequant_hash(GgmlType::Q4_K, &[0u8; 145], 0).unwrap_err();
+        assert!(e.to_string().contains("145 bytes"), "{e}");
+    }
+
+    /// Every build of the hash gives the same sum, NaNs of any payload counted as one.
+    #[test]
+    fn hash_is_the_same_at_every_level() {
+        let mut rng = SplitMix64::new(5);
+        let v: Vec<f32> = (0..100_003)
+            .map(|_| f32::from_bits(rng.next_u64() as u32))
+            .collect();
+        let base = with_cap(Level::Base, || hash_f32_host(&v[..70_001], 99));
+        for l in [Level::Avx2, Level::Avx512] {
+            assert_eq!(with_cap(l, || hash_f32_host(&v[..70_001], 99)), base);
+        }
+        // Rayon's threads do not inherit the cap: the single-thread sum shows the level.
+        let by_hand = v[..3].iter().enumerate().fold(0u64, |a, (i, &x)| {
+            let bits = if x.is_nan() { 0x7FC0_0000 } else { x.to_bits() };
+            a.wrapping_add(crate::util::rng::mix64(
+                u64::from(bits) ^ (7 + i as u64).wrapping_mul(crate::util::rng::GAMMA),
+            ))
+        });
+        for l in [Level::Base, Level::Avx2, Level::Avx512] {
+            assert_eq!(with_cap(l, || super::hash_run(&v[..3], 7)), by_hand);
+            let a = with_cap(l, || super::hash_run(&v, 11));
+            assert_eq!(a, with_cap(Level::Base, || super::hash_run(&v, 11)));
+        }
+    }
+
+    /// Not a test: dequant-check's CPU side on 2^26 values (one chunk), as it was (dequantize
+    /// into a fresh vector, then hash it) and fused ([`dequant_hash`]), on all of rayon's
+    /// threads. `cargo test --release --lib dequant_hash_speed -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "a measurement; run by hand"]
+    fn dequant_hash_speed() {
+        use std::time::Instant;
+        let n = 1usize << 26;
+        for ty in [
+            GgmlType::Q4_K,
+            GgmlType::Q8_0,
+            GgmlType::Q6_K,
+            GgmlType::IQ4_XS,
+        ] {
+            let mut src = vec![0u8; n / ty.block_size() * ty.type_size()];
+            crate::bench::random_blocks::fill_blocks(ty, &mut SplitMix64::new(1), &mut src);
+            let median = |f: &mut dyn FnMut() -> u64| {
+                let mut t: Vec<f64> = (0..5)
+                    .map(|_| {
+                        let s = Instant::now();
+                        std::hint::black_box(f());
+                        s.elapsed().as_secs_f64()
+                    })
+                    .collect();
+                t.sort_by(f64::total_cmp);
+                n as f64 / t[2] / 1e6
+            };
+            let old = median(&mut || {
+                let v = crate::quant::dequantize_to_vec(ty, &src, n).unwrap();
+                hash_f32_host(&v, 0)
+            });
+            let fused = median(&mut || dequant_hash(ty, &src, 0).unwrap());
+            let dq = median(&mut || {
+                let v = crate::quant::dequantize_to_vec(ty, &src, n).unwrap();
+                v.len() as u64
+            });
+            println!(
+                "{ty}: {} threads: dequantize+hash {old:.0} Melem/s, fused {fused:.0} Melem/s \
+                 ({:.2}x); dequantize alone {dq:.0} Melem/s",
+                rayon::current_num_threads(),
+                fused / old
+            );
+        }
+    }
 
     /// The hash is a sum over (position, value): independent of how the host splits the work,
     /// sensitive to a value moving, NaN payloads equal.

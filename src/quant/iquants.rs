@@ -14,6 +14,7 @@ use super::grids::{
     IQ1S_DELTA, IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KMASK_IQ2XS,
     KSIGNS_IQ2XS,
 };
+use super::simd::multiversion;
 use super::{f16_le, QK_K};
 
 /// Bytes per block: `ggml-common.h` static_asserts (d is f16 unless noted).
@@ -78,9 +79,14 @@ fn half_step_scale(d: f32, scale: u32, factor: f32) -> f32 {
     d * (0.5 + scale as f32) * factor
 }
 
-/// IQ2_XXS (2.0625 bpw): per 32 values, 4 grid bytes and a u32 of 4x7 sign indices plus a 4-bit
-/// scale. ggml `dequantize_row_iq2_xxs`.
-pub fn dequant_iq2_xxs(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// IQ2_XXS (2.0625 bpw): per 32 values, 4 grid bytes and a u32 of 4x7 sign indices plus a 4-bit
+    /// scale. ggml `dequantize_row_iq2_xxs`.
+    pub fn dequant_iq2_xxs(src: &[u8], dst: &mut [f32]) = iq2_xxs; max avx2
+}
+
+#[inline(always)]
+fn iq2_xxs(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src
         .chunks_exact(IQ2XXS_BYTES)
         .zip(dst.chunks_exact_mut(QK_K))
@@ -97,9 +103,14 @@ pub fn dequant_iq2_xxs(src: &[u8], dst: &mut [f32]) {
     }
 }
 
-/// IQ2_XS (2.3125 bpw): u16 = 9-bit grid index | 7-bit sign index << 9; two 4-bit scales per 32.
-/// ggml `dequantize_row_iq2_xs`.
-pub fn dequant_iq2_xs(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// IQ2_XS (2.3125 bpw): u16 = 9-bit grid index | 7-bit sign index << 9; two 4-bit scales per 32.
+    /// ggml `dequantize_row_iq2_xs`.
+    pub fn dequant_iq2_xs(src: &[u8], dst: &mut [f32]) = iq2_xs; max avx2
+}
+
+#[inline(always)]
+fn iq2_xs(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src
         .chunks_exact(IQ2XS_BYTES)
         .zip(dst.chunks_exact_mut(QK_K))
@@ -120,9 +131,14 @@ pub fn dequant_iq2_xs(src: &[u8], dst: &mut [f32]) {
     }
 }
 
-/// IQ2_S (2.5625 bpw): 10-bit grid index (qs byte | 2 bits of qh), explicit sign bytes, two 4-bit
-/// scales per 32. ggml `dequantize_row_iq2_s`.
-pub fn dequant_iq2_s(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// IQ2_S (2.5625 bpw): 10-bit grid index (qs byte | 2 bits of qh), explicit sign bytes, two 4-bit
+    /// scales per 32. ggml `dequantize_row_iq2_s`.
+    pub fn dequant_iq2_s(src: &[u8], dst: &mut [f32]) = iq2_s;
+}
+
+#[inline(always)]
+fn iq2_s(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src.chunks_exact(IQ2S_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
         let d = f16_le(&b[0..2]);
         let (qs, rest) = b[2..].split_at(QK_K / GROUP);
@@ -146,9 +162,14 @@ pub fn dequant_iq2_s(src: &[u8], dst: &mut [f32]) {
     }
 }
 
-/// IQ3_XXS (3.0625 bpw): two 4-value grid bytes per group of 8; per 32, a u32 of 4x7 sign
-/// indices plus a 4-bit scale. ggml `dequantize_row_iq3_xxs`.
-pub fn dequant_iq3_xxs(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// IQ3_XXS (3.0625 bpw): two 4-value grid bytes per group of 8; per 32, a u32 of 4x7 sign
+    /// indices plus a 4-bit scale. ggml `dequantize_row_iq3_xxs`.
+    pub fn dequant_iq3_xxs(src: &[u8], dst: &mut [f32]) = iq3_xxs; max avx2
+}
+
+#[inline(always)]
+fn iq3_xxs(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src
         .chunks_exact(IQ3XXS_BYTES)
         .zip(dst.chunks_exact_mut(QK_K))
@@ -173,9 +194,14 @@ pub fn dequant_iq3_xxs(src: &[u8], dst: &mut [f32]) {
     }
 }
 
-/// IQ3_S (3.4375 bpw): 9-bit grid indices (qs byte | 1 bit of qh), explicit sign bytes, odd
-/// 4-bit scales `1 + 2*s` per 32. ggml `dequantize_row_iq3_s`.
-pub fn dequant_iq3_s(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// IQ3_S (3.4375 bpw): 9-bit grid indices (qs byte | 1 bit of qh), explicit sign bytes, odd
+    /// 4-bit scales `1 + 2*s` per 32. ggml `dequantize_row_iq3_s`.
+    pub fn dequant_iq3_s(src: &[u8], dst: &mut [f32]) = iq3_s;
+}
+
+#[inline(always)]
+fn iq3_s(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src.chunks_exact(IQ3S_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
         let d = f16_le(&b[0..2]);
         let (qs, rest) = b[2..].split_at(QK_K / 4);
@@ -211,9 +237,14 @@ fn iq1_delta(negative: bool) -> f32 {
     }
 }
 
-/// IQ1_S (1.5625 bpw): 11-bit indices into the ternary grid (qs byte | 3 bits of qh), per 32 an
-/// odd 3-bit scale and the sign of the 0.125 offset. ggml `dequantize_row_iq1_s`.
-pub fn dequant_iq1_s(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// IQ1_S (1.5625 bpw): 11-bit indices into the ternary grid (qs byte | 3 bits of qh), per 32 an
+    /// odd 3-bit scale and the sign of the 0.125 offset. ggml `dequantize_row_iq1_s`.
+    pub fn dequant_iq1_s(src: &[u8], dst: &mut [f32]) = iq1_s;
+}
+
+#[inline(always)]
+fn iq1_s(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src.chunks_exact(IQ1S_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
         let d = f16_le(&b[0..2]);
         let (qs, qh) = b[2..].split_at(QK_K / GROUP);
@@ -231,9 +262,14 @@ pub fn dequant_iq1_s(src: &[u8], dst: &mut [f32]) {
     }
 }
 
-/// IQ1_M (1.75 bpw): like IQ1_S with per-16 3-bit scales, a per-8 offset sign in qh, and the f16
-/// `d` assembled from the top nibbles of the four u16 scale words. ggml `dequantize_row_iq1_m`.
-pub fn dequant_iq1_m(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// IQ1_M (1.75 bpw): like IQ1_S with per-16 3-bit scales, a per-8 offset sign in qh, and the f16
+    /// `d` assembled from the top nibbles of the four u16 scale words. ggml `dequantize_row_iq1_m`.
+    pub fn dequant_iq1_m(src: &[u8], dst: &mut [f32]) = iq1_m;
+}
+
+#[inline(always)]
+fn iq1_m(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src.chunks_exact(IQ1M_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
         let (qs, rest) = b.split_at(QK_K / GROUP);
         let (qh, scales) = rest.split_at(QK_K / 16);

@@ -9,7 +9,8 @@
 //! products are exact in f32 (at most 11 + 8 + 6 significant bits), and the types with a min
 //! round once at the final `- ml`, so the output equals ggml and gguf-py bit for bit.
 
-use super::legacy::{blocks, KVALUES_IQ4NL_F32};
+use super::legacy::{blocks, IQ4NL_LEVELS};
+use super::simd::multiversion;
 use super::{f16_le, QK_K};
 
 /// Bytes per super-block (ggml `src/ggml-common.h` static_asserts).
@@ -57,10 +58,15 @@ fn k4_scales(d: f32, dmin: f32, s: &[u8; K_SCALE_SIZE]) -> ([f32; 8], [f32; 8]) 
     (sc.map(|v| d * f32::from(v)), m.map(|v| dmin * f32::from(v)))
 }
 
-/// Q4_K: block = f16 d, f16 dmin, scales[12], qs[128]. For element `e = 64g + 32t + l`:
-/// `q = t ? qs[32g+l] >> 4 : qs[32g+l] & 0xF`, `(sc, m) = get_scale_min_k4(2g+t)`,
-/// `y = (d*sc)*q - (dmin*m)`.
-pub fn dequant_q4_k(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// Q4_K: block = f16 d, f16 dmin, scales[12], qs[128]. For element `e = 64g + 32t + l`:
+    /// `q = t ? qs[32g+l] >> 4 : qs[32g+l] & 0xF`, `(sc, m) = get_scale_min_k4(2g+t)`,
+    /// `y = (d*sc)*q - (dmin*m)`.
+    pub fn dequant_q4_k(src: &[u8], dst: &mut [f32]) = q4_k;
+}
+
+#[inline(always)]
+fn q4_k(src: &[u8], dst: &mut [f32]) {
     for (b, y) in blocks::<Q4_K_BYTES, QK_K>(src, dst) {
         let (d, dmin) = (f16_le(&b[0..2]), f16_le(&b[2..4]));
         let (dl, ml) = k4_scales(d, dmin, &scale_bytes(b, 4));
@@ -77,9 +83,14 @@ pub fn dequant_q4_k(src: &[u8], dst: &mut [f32]) {
     }
 }
 
-/// Q5_K: block = f16 d, f16 dmin, scales[12], qh[32], qs[128]. As Q4_K with
-/// `q += 16` when `(qh[l] >> (2g+t)) & 1`; `y = (d*sc)*q - (dmin*m)`.
-pub fn dequant_q5_k(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// Q5_K: block = f16 d, f16 dmin, scales[12], qh[32], qs[128]. As Q4_K with
+    /// `q += 16` when `(qh[l] >> (2g+t)) & 1`; `y = (d*sc)*q - (dmin*m)`.
+    pub fn dequant_q5_k(src: &[u8], dst: &mut [f32]) = q5_k;
+}
+
+#[inline(always)]
+fn q5_k(src: &[u8], dst: &mut [f32]) {
     for (b, y) in blocks::<Q5_K_BYTES, QK_K>(src, dst) {
         let (d, dmin) = (f16_le(&b[0..2]), f16_le(&b[2..4]));
         let (dl, ml) = k4_scales(d, dmin, &scale_bytes(b, 4));
@@ -100,10 +111,15 @@ pub fn dequant_q5_k(src: &[u8], dst: &mut [f32]) {
     }
 }
 
-/// Q6_K: block = ql[128], qh[64], i8 scales[16], f16 d. For `e = 128h + 32k + l`:
-/// low 4 bits from `ql[64h + l + 32*(k&1)]` (low nibble for k<2, high for k>=2), high 2 bits
-/// `(qh[32h+l] >> 2k) & 3`, `q = (lo | hi<<4) - 32`, `y = (d * sc[8h + 2k + l/16]) * q`.
-pub fn dequant_q6_k(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// Q6_K: block = ql[128], qh[64], i8 scales[16], f16 d. For `e = 128h + 32k + l`:
+    /// low 4 bits from `ql[64h + l + 32*(k&1)]` (low nibble for k<2, high for k>=2), high 2 bits
+    /// `(qh[32h+l] >> 2k) & 3`, `q = (lo | hi<<4) - 32`, `y = (d * sc[8h + 2k + l/16]) * q`.
+    pub fn dequant_q6_k(src: &[u8], dst: &mut [f32]) = q6_k;
+}
+
+#[inline(always)]
+fn q6_k(src: &[u8], dst: &mut [f32]) {
     for (b, y) in blocks::<Q6_K_BYTES, QK_K>(src, dst) {
         let d = f16_le(&b[208..210]);
         let ds: [f32; 16] = std::array::from_fn(|i| d * f32::from(b[192 + i] as i8));
@@ -140,9 +156,14 @@ pub fn dequant_q6_k(src: &[u8], dst: &mut [f32]) {
     }
 }
 
-/// Q2_K: block = scales[16], qs[64], f16 d, f16 dmin. For `e = 128h + 32j + 16t + l`:
-/// `q = (qs[32h+16t+l] >> 2j) & 3`, `s = scales[8h+2j+t]`, `y = (d*(s&0xF))*q - dmin*(s>>4)`.
-pub fn dequant_q2_k(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// Q2_K: block = scales[16], qs[64], f16 d, f16 dmin. For `e = 128h + 32j + 16t + l`:
+    /// `q = (qs[32h+16t+l] >> 2j) & 3`, `s = scales[8h+2j+t]`, `y = (d*(s&0xF))*q - dmin*(s>>4)`.
+    pub fn dequant_q2_k(src: &[u8], dst: &mut [f32]) = q2_k;
+}
+
+#[inline(always)]
+fn q2_k(src: &[u8], dst: &mut [f32]) {
     for (b, y) in blocks::<Q2_K_BYTES, QK_K>(src, dst) {
         let (d, dmin) = (f16_le(&b[80..82]), f16_le(&b[82..84]));
         let dl: [f32; 16] = std::array::from_fn(|i| d * f32::from(b[i] & 0xF));
@@ -174,12 +195,17 @@ fn q3_k_scales(s: &[u8]) -> [i8; 16] {
     })
 }
 
-/// Q3_K: block = hmask[32], qs[64], scales[12], f16 d. Indexing as Q2_K;
-/// `q = ((qs[32h+16t+l] >> 2j) & 3) - (hmask[16t+l] bit (4h+j) ? 0 : 4)`, `y = (d*scale)*q`.
-///
-/// Two passes: the signed 3-bit values first (byte lanes), then one scale per 16 outputs;
-/// a single fused loop makes LLVM vectorize across the bit planes instead of along `l`.
-pub fn dequant_q3_k(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// Q3_K: block = hmask[32], qs[64], scales[12], f16 d. Indexing as Q2_K;
+    /// `q = ((qs[32h+16t+l] >> 2j) & 3) - (hmask[16t+l] bit (4h+j) ? 0 : 4)`, `y = (d*scale)*q`.
+    ///
+    /// Two passes: the signed 3-bit values first (byte lanes), then one scale per 16 outputs;
+    /// a single fused loop makes LLVM vectorize across the bit planes instead of along `l`.
+    pub fn dequant_q3_k(src: &[u8], dst: &mut [f32]) = q3_k;
+}
+
+#[inline(always)]
+fn q3_k(src: &[u8], dst: &mut [f32]) {
     for (b, y) in blocks::<Q3_K_BYTES, QK_K>(src, dst) {
         let d = f16_le(&b[108..110]);
         let dl = q3_k_scales(&b[96..108]).map(|s| d * f32::from(s));
@@ -208,11 +234,16 @@ pub fn dequant_q3_k(src: &[u8], dst: &mut [f32]) {
     }
 }
 
-/// IQ4_XS: block = f16 d, u16 scales_h, scales_l[4], qs[128]. For sub-block `ib` (0..8):
-/// `ls = ((scales_l[ib/2] >> 4*(ib%2)) & 0xF) | ((scales_h >> 2ib) & 3) << 4`, `dl = d*(ls-32)`;
-/// `y[32ib+j] = dl*kv[qs[16ib+j] & 0xF]`, `y[32ib+16+j] = dl*kv[qs[16ib+j] >> 4]`
-/// with `kv` the IQ4_NL levels.
-pub fn dequant_iq4_xs(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// IQ4_XS: block = f16 d, u16 scales_h, scales_l[4], qs[128]. For sub-block `ib` (0..8):
+    /// `ls = ((scales_l[ib/2] >> 4*(ib%2)) & 0xF) | ((scales_h >> 2ib) & 3) << 4`, `dl = d*(ls-32)`;
+    /// `y[32ib+j] = dl*kv[qs[16ib+j] & 0xF]`, `y[32ib+16+j] = dl*kv[qs[16ib+j] >> 4]`
+    /// with `kv` the IQ4_NL levels.
+    pub fn dequant_iq4_xs(src: &[u8], dst: &mut [f32]) = iq4_xs::<true>; base iq4_xs::<false>
+}
+
+#[inline(always)]
+fn iq4_xs<const SHIFT: bool>(src: &[u8], dst: &mut [f32]) {
     for (b, y) in blocks::<IQ4_XS_BYTES, QK_K>(src, dst) {
         let d = f16_le(&b[0..2]);
         let scales_h = u16::from_le_bytes([b[2], b[3]]);
@@ -220,13 +251,11 @@ pub fn dequant_iq4_xs(src: &[u8], dst: &mut [f32]) {
             let lo = (b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF;
             let hi = ((scales_h >> (2 * ib)) & 3) as u8;
             let dl = d * f32::from((lo | (hi << 4)) as i8 - 32);
-            // Exact products, so a table of dl*kv gives the same bits as dl*kv per element.
-            let table = KVALUES_IQ4NL_F32.map(|k| dl * k);
             let (y0, y1) = y[SUB32 * ib..SUB32 * ib + SUB32].split_at_mut(SUB16);
             let q = &b[8 + 16 * ib..8 + 16 * ib + 16];
             for ((a, c), &x) in y0.iter_mut().zip(y1.iter_mut()).zip(q) {
-                *a = table[usize::from(x & 0xF)];
-                *c = table[usize::from(x >> 4)];
+                *a = dl * IQ4NL_LEVELS.get::<SHIFT>(x & 0xF);
+                *c = dl * IQ4NL_LEVELS.get::<SHIFT>(x >> 4);
             }
         }
     }

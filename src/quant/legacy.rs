@@ -11,7 +11,10 @@
 //! The loops walk fixed-size arrays (see [`blocks`]) and zip the two output halves of a block
 //! with its packed bytes, so they compile without bounds checks and auto-vectorize.
 
+use std::sync::atomic::{compiler_fence, Ordering};
+
 use super::f16_le;
+use super::simd::multiversion;
 
 /// Elements per legacy block (`QK4_0 = QK4_1 = QK5_0 = QK5_1 = QK8_0 = QK4_NL`).
 const QK: usize = 32;
@@ -31,16 +34,48 @@ pub(crate) const KVALUES_IQ4NL: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
-/// [`KVALUES_IQ4NL`] as f32 (each level is an exact small integer).
-pub(super) const KVALUES_IQ4NL_F32: [f32; 16] = {
-    let mut t = [0f32; 16];
-    let mut i = 0;
-    while i < 16 {
-        t[i] = KVALUES_IQ4NL[i] as f32;
-        i += 1;
+/// The sixteen levels of a 4-bit code that indexes a table of small integers (IQ4_NL, IQ4_XS,
+/// MXFP4, NVFP4), read one of two ways: [`Levels::get`]`::<false>` loads from an f32 table;
+/// `::<true>` shifts the level out of one of two words holding eight levels as bytes. A table
+/// load becomes a gather, or scalar loads, when the loop is vectorized; the shift becomes a
+/// variable shift and a blend, which AVX2 and AVX-512 have, so their builds of these bodies
+/// shift and the baseline's loads. Both give the same exact integer as f32.
+pub(super) struct Levels {
+    f32s: [f32; 16],
+    lo: u64,
+    hi: u64,
+}
+
+impl Levels {
+    /// The levels `l[0..16]`.
+    pub(super) const fn new(l: [i8; 16]) -> Levels {
+        let mut f32s = [0f32; 16];
+        let (mut lo, mut hi) = (0u64, 0u64);
+        let mut i = 0;
+        while i < 8 {
+            f32s[i] = l[i] as f32;
+            f32s[i + 8] = l[i + 8] as f32;
+            lo |= (l[i] as u8 as u64) << (8 * i);
+            hi |= (l[i + 8] as u8 as u64) << (8 * i);
+            i += 1;
+        }
+        Levels { f32s, lo, hi }
     }
-    t
-};
+
+    /// The level of code `q` (`q < 16`) as f32, by shifting (`SHIFT`) or by a table load.
+    #[inline(always)]
+    pub(super) fn get<const SHIFT: bool>(&self, q: u8) -> f32 {
+        if SHIFT {
+            let word = if q & 8 != 0 { self.hi } else { self.lo };
+            f32::from((word >> (u32::from(q & 7) * 8)) as u8 as i8)
+        } else {
+            self.f32s[usize::from(q & 0xF)]
+        }
+    }
+}
+
+/// [`KVALUES_IQ4NL`] as [`Levels`].
+pub(super) const IQ4NL_LEVELS: Levels = Levels::new(KVALUES_IQ4NL);
 
 /// Bit `j` for `j` in 0..32: testing `qh & BIT[j]` vectorizes where a per-lane shift would not.
 const BIT: [u32; QK] = {
@@ -56,6 +91,11 @@ const BIT: [u32; QK] = {
 /// Pairs each `TS`-byte block of `src` with its `BS` outputs in `dst`, both as fixed-size
 /// arrays so that indexing inside a block needs no bounds checks. Trailing partial chunks
 /// (never present: callers pass whole blocks) are ignored.
+///
+/// Each step passes a compiler fence (no instruction: it only keeps LLVM from moving memory
+/// accesses from one block to another). Without it LLVM vectorizes short blocks *across*
+/// blocks, one lane per block, which turns every byte load into a gather and runs several
+/// times slower than vectorizing within the block, as the loops are written to be.
 #[inline(always)]
 pub(super) fn blocks<'a, const TS: usize, const BS: usize>(
     src: &'a [u8],
@@ -63,11 +103,19 @@ pub(super) fn blocks<'a, const TS: usize, const BS: usize>(
 ) -> impl Iterator<Item = (&'a [u8; TS], &'a mut [f32; BS])> {
     src.chunks_exact(TS)
         .zip(dst.chunks_exact_mut(BS))
-        .filter_map(|(b, y)| Some((b.first_chunk::<TS>()?, y.first_chunk_mut::<BS>()?)))
+        .filter_map(|(b, y)| {
+            compiler_fence(Ordering::SeqCst);
+            Some((b.first_chunk::<TS>()?, y.first_chunk_mut::<BS>()?))
+        })
 }
 
-/// Q8_0: block = f16 d, i8 qs[32]; `y[j] = qs[j] * d`.
-pub fn dequant_q8_0(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// Q8_0: block = f16 d, i8 qs[32]; `y[j] = qs[j] * d`.
+    pub fn dequant_q8_0(src: &[u8], dst: &mut [f32]) = q8_0;
+}
+
+#[inline(always)]
+fn q8_0(src: &[u8], dst: &mut [f32]) {
     for (b, y) in blocks::<Q8_0_BYTES, QK>(src, dst) {
         let d = f16_le(&b[0..2]);
         for (yi, &q) in y.iter_mut().zip(&b[2..]) {
@@ -76,22 +124,43 @@ pub fn dequant_q8_0(src: &[u8], dst: &mut [f32]) {
     }
 }
 
-/// Q4_0: block = f16 d, qs[16];
-/// `y[j] = ((qs[j] & 0xF) - 8) * d`, `y[j+16] = ((qs[j] >> 4) - 8) * d`.
-pub fn dequant_q4_0(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// Q4_0: block = f16 d, qs[16];
+    /// `y[j] = ((qs[j] & 0xF) - 8) * d`, `y[j+16] = ((qs[j] >> 4) - 8) * d`.
+    pub fn dequant_q4_0(src: &[u8], dst: &mut [f32]) = q4_0;
+}
+
+#[inline(always)]
+fn q4_0(src: &[u8], dst: &mut [f32]) {
     for (b, y) in blocks::<Q4_0_BYTES, QK>(src, dst) {
         let d = f16_le(&b[0..2]);
-        let (lo, hi) = y.split_at_mut(HALF);
-        for ((y0, y1), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&b[2..]) {
-            *y0 = f32::from(i16::from(q & 0xF) - 8) * d;
-            *y1 = f32::from(i16::from(q >> 4) - 8) * d;
+        let q = nibbles(&b[2..]);
+        for (yi, &qi) in y.iter_mut().zip(&q) {
+            *yi = f32::from(qi as i8 - 8) * d;
         }
     }
 }
 
-/// Q4_1: block = f16 d, f16 m, qs[16];
-/// `y[j] = (qs[j] & 0xF) * d + m`, `y[j+16] = (qs[j] >> 4) * d + m`.
-pub fn dequant_q4_1(src: &[u8], dst: &mut [f32]) {
+/// The 4-bit values of a legacy block: `q[j] = qs[j] & 0xF`, `q[j + 16] = qs[j] >> 4`.
+#[inline(always)]
+fn nibbles(qs: &[u8]) -> [u8; QK] {
+    let mut q = [0u8; QK];
+    let (lo, hi) = q.split_at_mut(HALF);
+    for ((q0, q1), &x) in lo.iter_mut().zip(hi.iter_mut()).zip(qs) {
+        *q0 = x & 0xF;
+        *q1 = x >> 4;
+    }
+    q
+}
+
+multiversion! {
+    /// Q4_1: block = f16 d, f16 m, qs[16];
+    /// `y[j] = (qs[j] & 0xF) * d + m`, `y[j+16] = (qs[j] >> 4) * d + m`.
+    pub fn dequant_q4_1(src: &[u8], dst: &mut [f32]) = q4_1;
+}
+
+#[inline(always)]
+fn q4_1(src: &[u8], dst: &mut [f32]) {
     for (b, y) in blocks::<Q4_1_BYTES, QK>(src, dst) {
         let d = f16_le(&b[0..2]);
         let m = f16_le(&b[2..4]);
@@ -123,9 +192,14 @@ fn q5_values(qh: u32, qs: &[u8]) -> [u8; QK] {
     q
 }
 
-/// Q5_0: block = f16 d, u32 qh (LE), qs[16]; `y[e] = (q[e] - 16) * d` with `q` as in
-/// ggml's `((qs & 0xF) | xh_0)` / `((qs >> 4) | xh_1)`.
-pub fn dequant_q5_0(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// Q5_0: block = f16 d, u32 qh (LE), qs[16]; `y[e] = (q[e] - 16) * d` with `q` as in
+    /// ggml's `((qs & 0xF) | xh_0)` / `((qs >> 4) | xh_1)`.
+    pub fn dequant_q5_0(src: &[u8], dst: &mut [f32]) = q5_0;
+}
+
+#[inline(always)]
+fn q5_0(src: &[u8], dst: &mut [f32]) {
     for (b, y) in blocks::<Q5_0_BYTES, QK>(src, dst) {
         let d = f16_le(&b[0..2]);
         let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
@@ -136,8 +210,13 @@ pub fn dequant_q5_0(src: &[u8], dst: &mut [f32]) {
     }
 }
 
-/// Q5_1: block = f16 d, f16 m, u32 qh (LE), qs[16]; `y[e] = q[e] * d + m`.
-pub fn dequant_q5_1(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// Q5_1: block = f16 d, f16 m, u32 qh (LE), qs[16]; `y[e] = q[e] * d + m`.
+    pub fn dequant_q5_1(src: &[u8], dst: &mut [f32]) = q5_1;
+}
+
+#[inline(always)]
+fn q5_1(src: &[u8], dst: &mut [f32]) {
     for (b, y) in blocks::<Q5_1_BYTES, QK>(src, dst) {
         let d = f16_le(&b[0..2]);
         let m = f16_le(&b[2..4]);
@@ -149,15 +228,20 @@ pub fn dequant_q5_1(src: &[u8], dst: &mut [f32]) {
     }
 }
 
-/// IQ4_NL: block = f16 d, qs[16];
-/// `y[j] = d * kv[qs[j] & 0xF]`, `y[j+16] = d * kv[qs[j] >> 4]` with `kv` = [`KVALUES_IQ4NL`].
-pub fn dequant_iq4_nl(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// IQ4_NL: block = f16 d, qs[16];
+    /// `y[j] = d * kv[qs[j] & 0xF]`, `y[j+16] = d * kv[qs[j] >> 4]` with `kv` = [`KVALUES_IQ4NL`].
+    pub fn dequant_iq4_nl(src: &[u8], dst: &mut [f32]) = iq4_nl::<true>; base iq4_nl::<false>
+}
+
+#[inline(always)]
+fn iq4_nl<const SHIFT: bool>(src: &[u8], dst: &mut [f32]) {
     for (b, y) in blocks::<IQ4_NL_BYTES, QK>(src, dst) {
         let d = f16_le(&b[0..2]);
         let (lo, hi) = y.split_at_mut(HALF);
         for ((y0, y1), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&b[2..]) {
-            *y0 = d * KVALUES_IQ4NL_F32[usize::from(q & 0xF)];
-            *y1 = d * KVALUES_IQ4NL_F32[usize::from(q >> 4)];
+            *y0 = d * IQ4NL_LEVELS.get::<SHIFT>(q & 0xF);
+            *y1 = d * IQ4NL_LEVELS.get::<SHIFT>(q >> 4);
         }
     }
 }

@@ -11,7 +11,8 @@
 //! an integer of at most 4 bits), including MXFP4's subnormal scales, so the output matches
 //! both references bit for bit. No flush-to-zero is involved: Rust never enables it.
 
-use super::legacy::blocks;
+use super::legacy::{blocks, Levels};
+use super::simd::multiversion;
 use super::{f16_le, QK_K};
 
 /// Bytes per block (ggml `src/ggml-common.h` static_asserts, gguf-py `GGML_QUANT_SIZES`).
@@ -30,6 +31,9 @@ const QK_NVFP4_SUB: usize = 16;
 pub(crate) const KVALUES_MXFP4: [f32; 16] = [
     0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0, -12.0,
 ];
+
+/// [`KVALUES_MXFP4`] as [`Levels`] (the same integers).
+const MXFP4_LEVELS: Levels = Levels::new([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]);
 
 /// Powers of three that shift the next base-3 digit of a TQ1_0 byte into its top bits.
 pub(crate) const POW3: [u8; 5] = [1, 3, 9, 27, 81];
@@ -95,10 +99,15 @@ fn tq1_digits(q: &[u8], y: &mut [f32], d: f32) {
     }
 }
 
-/// TQ1_0: block = qs[48], qh[4], f16 d. Bytes hold 5 (qs) or 4 (qh) base-3 digits; digit `n`
-/// of byte `m` is `t = ((u8(byte * 3^n) * 3) >> 8) - 1`, and `y = t * d` lands at
-/// `32n + m` (qs[0..32]), `160 + 16n + m` (qs[32..48]) and `240 + 4n + m` (qh).
-pub fn dequant_tq1_0(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// TQ1_0: block = qs[48], qh[4], f16 d. Bytes hold 5 (qs) or 4 (qh) base-3 digits; digit `n`
+    /// of byte `m` is `t = ((u8(byte * 3^n) * 3) >> 8) - 1`, and `y = t * d` lands at
+    /// `32n + m` (qs[0..32]), `160 + 16n + m` (qs[32..48]) and `240 + 4n + m` (qh).
+    pub fn dequant_tq1_0(src: &[u8], dst: &mut [f32]) = tq1_0; max avx2
+}
+
+#[inline(always)]
+fn tq1_0(src: &[u8], dst: &mut [f32]) {
     for (b, y) in blocks::<TQ1_0_BYTES, QK_K>(src, dst) {
         let d = f16_le(&b[52..54]);
         tq1_digits(&b[0..32], &mut y[0..160], d);
@@ -107,9 +116,14 @@ pub fn dequant_tq1_0(src: &[u8], dst: &mut [f32]) {
     }
 }
 
-/// TQ2_0: block = qs[64], f16 d. For `e = 128j + 32l + m`:
-/// `y = (((qs[32j+m] >> 2l) & 3) - 1) * d`.
-pub fn dequant_tq2_0(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// TQ2_0: block = qs[64], f16 d. For `e = 128j + 32l + m`:
+    /// `y = (((qs[32j+m] >> 2l) & 3) - 1) * d`.
+    pub fn dequant_tq2_0(src: &[u8], dst: &mut [f32]) = tq2_0;
+}
+
+#[inline(always)]
+fn tq2_0(src: &[u8], dst: &mut [f32]) {
     for (b, y) in blocks::<TQ2_0_BYTES, QK_K>(src, dst) {
         let d = f16_le(&b[64..66]);
         for (q, yj) in b[0..64].chunks_exact(32).zip(y.chunks_exact_mut(128)) {
@@ -123,32 +137,40 @@ pub fn dequant_tq2_0(src: &[u8], dst: &mut [f32]) {
     }
 }
 
-/// MXFP4: block = u8 e (E8M0), qs[16]; `d = 2^(e-128)`;
-/// `y[j] = kv[qs[j] & 0xF] * d`, `y[j+16] = kv[qs[j] >> 4] * d` (`kv` = doubled E2M1).
-pub fn dequant_mxfp4(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// MXFP4: block = u8 e (E8M0), qs[16]; `d = 2^(e-128)`;
+    /// `y[j] = kv[qs[j] & 0xF] * d`, `y[j+16] = kv[qs[j] >> 4] * d` (`kv` = doubled E2M1).
+    pub fn dequant_mxfp4(src: &[u8], dst: &mut [f32]) = mxfp4::<true>; base mxfp4::<false>
+}
+
+#[inline(always)]
+fn mxfp4<const SHIFT: bool>(src: &[u8], dst: &mut [f32]) {
     for (b, y) in blocks::<MXFP4_BYTES, QK_MXFP4>(src, dst) {
         let d = e8m0_to_f32_half(b[0]);
-        // Exact products, so a per-block table gives the same bits as kv*d per element.
-        let table = KVALUES_MXFP4.map(|k| k * d);
         let (lo, hi) = y.split_at_mut(QK_MXFP4 / 2);
         for ((y0, y1), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&b[1..]) {
-            *y0 = table[usize::from(q & 0xF)];
-            *y1 = table[usize::from(q >> 4)];
+            *y0 = MXFP4_LEVELS.get::<SHIFT>(q & 0xF) * d;
+            *y1 = MXFP4_LEVELS.get::<SHIFT>(q >> 4) * d;
         }
     }
 }
 
-/// NVFP4: block = u8 d[4] (UE4M3), qs[32]. For sub-block `s` (16 elements) and `j` in 0..8:
-/// `y[16s+j] = kv[qs[8s+j] & 0xF] * ue4m3(d[s])`, `y[16s+8+j] = kv[qs[8s+j] >> 4] * ue4m3(d[s])`.
-pub fn dequant_nvfp4(src: &[u8], dst: &mut [f32]) {
+multiversion! {
+    /// NVFP4: block = u8 d[4] (UE4M3), qs[32]. For sub-block `s` (16 elements) and `j` in 0..8:
+    /// `y[16s+j] = kv[qs[8s+j] & 0xF] * ue4m3(d[s])`, `y[16s+8+j] = kv[qs[8s+j] >> 4] * ue4m3(d[s])`.
+    pub fn dequant_nvfp4(src: &[u8], dst: &mut [f32]) = nvfp4::<false>; max avx2
+}
+
+#[inline(always)]
+fn nvfp4<const SHIFT: bool>(src: &[u8], dst: &mut [f32]) {
     for (b, y) in blocks::<NVFP4_BYTES, QK_NVFP4>(src, dst) {
         let subs = y.chunks_exact_mut(QK_NVFP4_SUB).zip(b[4..].chunks_exact(8));
         for ((ys, q), &ds) in subs.zip(&b[0..4]) {
             let d = UE4M3_HALF[usize::from(ds)];
             let (lo, hi) = ys.split_at_mut(QK_NVFP4_SUB / 2);
             for ((y0, y1), &x) in lo.iter_mut().zip(hi.iter_mut()).zip(q) {
-                *y0 = KVALUES_MXFP4[usize::from(x & 0xF)] * d;
-                *y1 = KVALUES_MXFP4[usize::from(x >> 4)] * d;
+                *y0 = MXFP4_LEVELS.get::<SHIFT>(x & 0xF) * d;
+                *y1 = MXFP4_LEVELS.get::<SHIFT>(x >> 4) * d;
             }
         }
     }

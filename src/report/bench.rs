@@ -10,47 +10,92 @@ fn fmt_opt(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".to_string(), |x| format!("{x:.digits$}"))
 }
 
-/// Renders a `bench dequant` report as a table, followed by the run's settings and any gguf-py notes.
+/// Renders a `bench dequant` report as a table, followed by the run's settings and any notes.
+/// With a libggml in the run its columns replace the C figures measured outside it.
 pub fn render_dequant(r: &dequant::Report) -> String {
     let multi_melem = format!("{}T Melem/s", r.threads);
     let multi_gb = format!("{}T GB/s", r.threads);
+    let with_lib = r.libggml.is_some();
     // Narrow: the figures measured outside this run go first, then the GB/s columns.
-    let mut t = Grid::new(&[
-        ("type", 0),
-        ("1T Melem/s", 0),
-        ("1T GB/s", 2),
-        (&multi_melem, 0),
-        (&multi_gb, 1),
-        ("C 1T (ref)", 3),
-        ("1T / C", 0),
+    let mut cols: Vec<(&str, u8)> = vec![("type", 0), ("1T Melem/s", 0)];
+    if with_lib {
+        cols.extend([("libggml 1T", 0), ("1T / libggml", 0), ("bit-exact", 0)]);
+    }
+    cols.extend([("1T GB/s", 2), (&multi_melem, 0), (&multi_gb, 1)]);
+    if !with_lib {
+        cols.extend([("C 1T (ref)", 3), ("1T / C", 0)]);
+    }
+    cols.extend([
         ("gguf-py Melem/s", 0),
         ("1T / gguf-py", 0),
         ("gguf-py (ref)", 4),
     ]);
+    let mut t = Grid::new(&cols);
     for row in &r.rows {
-        t.add_row(vec![
-            row.ty.clone(),
-            format!("{:.0}", row.single_melem_s),
+        let mut cells = vec![row.ty.clone(), format!("{:.0}", row.single_melem_s)];
+        if with_lib {
+            cells.extend([
+                fmt_opt(row.libggml_melem_s, 0),
+                fmt_opt(row.ratio_single_vs_libggml, 2),
+                match row.libggml_mismatches {
+                    None => "-".to_string(),
+                    Some(0) => "yes".to_string(),
+                    Some(n) => format!("NO ({n} differ)"),
+                },
+            ]);
+        }
+        cells.extend([
             format!("{:.2}", row.single_gb_s),
             format!("{:.0}", row.multi_melem_s),
             format!("{:.2}", row.multi_gb_s),
-            fmt_opt(row.c_anchor_melem_s, 0),
-            fmt_opt(row.ratio_single_vs_c, 2),
+        ]);
+        if !with_lib {
+            cells.extend([
+                fmt_opt(row.c_anchor_melem_s, 0),
+                fmt_opt(row.ratio_single_vs_c, 2),
+            ]);
+        }
+        cells.extend([
             fmt_opt(row.gguf_py_melem_s, 1),
             fmt_opt(row.ratio_single_vs_gguf_py, 0),
             fmt_opt(row.gguf_py_anchor_melem_s, 0),
         ]);
+        t.add_row(cells);
     }
     let mut s = t.to_string();
     s.push_str(&format!(
         "\n{} elements per type, f32 output, median of {} runs (gguf-py: {}) after a warm-up; \
-         cpu: {}; seed {:#x}; gguf-py: {}\n",
-        r.elements, r.reps, r.py_reps, r.cpu, r.seed, r.gguf_py
+         cpu: {} (glmdiff's {} build); seed {:#x}; gguf-py: {}\n",
+        r.elements, r.reps, r.py_reps, r.cpu, r.cpu_simd, r.seed, r.gguf_py
     ));
-    s.push_str(
-        "C and gguf-py (ref) are figures measured outside this run on the reference machine.\n",
-    );
+    match &r.libggml {
+        Some(p) => s.push_str(&format!(
+            "libggml: {p}, one thread, on the same bytes, its runs alternating with glmdiff's; \
+             bit-exact: its output equals glmdiff's bit for bit.\n"
+        )),
+        None => s.push_str(
+            "C (ref) is a figure measured outside this run on the reference machine \
+             (--libggml PATH measures llama.cpp's C in the run).\n",
+        ),
+    }
+    s.push_str("gguf-py (ref) is a figure measured outside this run on the reference machine.\n");
     for row in &r.rows {
+        if let Some(m) = &row.libggml_first_mismatch {
+            s.push_str(&format!(
+                "{}: libggml differs: {} values, the first at {}: glmdiff {:e} ({:#010x}), \
+                 libggml {:e} ({:#010x})\n",
+                row.ty,
+                row.libggml_mismatches.unwrap_or(0),
+                m.index,
+                m.glmdiff,
+                m.glmdiff.to_bits(),
+                m.libggml,
+                m.libggml.to_bits()
+            ));
+        }
+        if let Some(note) = &row.libggml_note {
+            s.push_str(&format!("{}: libggml {note}\n", row.ty));
+        }
         if let Some(note) = &row.gguf_py_note {
             if !note.starts_with("skipped: disabled") && r.gguf_py.starts_with("gguf") {
                 s.push_str(&format!("{}: gguf-py {note}\n", row.ty));
