@@ -193,30 +193,10 @@ macro_rules! multiversion {
         $(#[$attr:meta])*
         $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:path;
     ) => {
-        $(#[$attr])*
-        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(
-                    enable = "avx,avx2,bmi1,bmi2,f16c,fma,lzcnt,movbe,popcnt,avx512f,avx512bw,avx512cd,avx512dq,avx512vl"
-                )]
-                unsafe fn v4($($arg: $ty),*) $(-> $ret)? {
-                    $body($($arg),*)
-                }
-                #[target_feature(enable = "avx,avx2,bmi1,bmi2,f16c,fma,lzcnt,movbe,popcnt")]
-                unsafe fn v3($($arg: $ty),*) $(-> $ret)? {
-                    $body($($arg),*)
-                }
-                match $crate::quant::simd::level() {
-                    // SAFETY: `level()` is Avx512 only when the CPU reported every feature `v4`
-                    // enables (`detect`), and `v4` is the safe body compiled with them.
-                    $crate::quant::simd::Level::Avx512 => return unsafe { v4($($arg),*) },
-                    // SAFETY: as above, for the features of `v3`.
-                    $crate::quant::simd::Level::Avx2 => return unsafe { v3($($arg),*) },
-                    $crate::quant::simd::Level::Base => {}
-                }
-            }
-            $body($($arg),*)
+        $crate::quant::simd::multiversion! {
+            $(#[$attr])*
+            $vis fn $name($($arg: $ty),*) $(-> $ret)? = $body;
+            base $body
         }
     };
 }
