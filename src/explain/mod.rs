@@ -536,11 +536,6 @@ fn kept_per_row(ids: &HostTensor) -> Option<usize> {
         .filter(|&k| k > 0)
 }
 
-/// Whether `k` differs from what the selection step keeps.
-fn hypotheses_topk_differs(step: &Step, k: usize) -> bool {
-    matches!(step.op, Op::TopK { k: model } if model != k)
-}
-
 /// Tests every hypothesis that concerns the captured step (module documentation), reporting
 /// each one tested to `progress`.
 pub fn explain(
@@ -580,9 +575,9 @@ pub fn explain(
     let (mut faults, untestable) = hypotheses_and_untestable(step, weights);
     // A selection that keeps another number of keys than the model's: that number, read off the
     // candidate (its fullest row), besides the model's neighbours.
-    if let (Op::TopK { .. }, Some(k)) = (&step.op, kept_per_row(cand)) {
+    if let (Op::TopK { k: model }, Some(k)) = (&step.op, kept_per_row(cand)) {
         let f = Fault::new(FaultKind::DsaTopK(k), step.layer.map(|l| vec![l]));
-        if !faults.iter().any(|x| x.kind == f.kind) && hypotheses_topk_differs(step, k) {
+        if k != *model && !faults.iter().any(|x| x.kind == f.kind) {
             faults.push(f);
         }
     }
