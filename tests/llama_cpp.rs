@@ -152,3 +152,52 @@ fn override_planted_bugs_are_named_at_their_hook() {
     assert!(n >= 8, "only {n} planted llama.cpp dumps");
     assert!(bad.is_empty(), "{}", bad.join("\n\n"));
 }
+
+/// A copy of safetensors file `src` at `dst` with metadata key `key` set to `value` (the header
+/// rewritten, the data as it was).
+fn with_metadata(src: &Path, dst: &Path, key: &str, value: &str) {
+    let b = std::fs::read(src).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let mut h: serde_json::Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+    h["__metadata__"][key] = serde_json::Value::String(value.to_string());
+    let mut hb = serde_json::to_vec(&h).unwrap();
+    while hb.len() % 8 != 0 {
+        hb.push(b' ');
+    }
+    let mut out = (hb.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&hb);
+    out.extend_from_slice(&b[8 + n..]);
+    std::fs::write(dst, out).unwrap();
+}
+
+/// A `precision` map that is not an object of hook globs to dtypes decides nothing silently:
+/// exit 2, naming the file and what is wrong.
+#[test]
+fn a_malformed_precision_map_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let (trace, gguf) = pairs()
+        .into_iter()
+        .find(|(t, _)| {
+            glmdiff::trace::read_trace(t)
+                .unwrap()
+                .metadata
+                .contains_key("precision")
+        })
+        .expect("a dump with a precision map");
+    for (value, says) in [
+        ("[1, 2]", "is not a JSON object"),
+        (r#"{"blk.*.q_a": 3}"#, "is not a string"),
+        (r#"{"blk.*.q_a": "int4 storage"}"#, "names no precision"),
+    ] {
+        let bad = dir.path().join("bad.trace.safetensors");
+        with_metadata(&trace, &bad, "precision", value);
+        let (rc, _, text) = run(dir.path(), &gguf, &bad, &[]);
+        assert_eq!(rc, 2, "{value}: {text}");
+        assert!(
+            text.contains("metadata precision")
+                && text.contains(says)
+                && text.contains("bad.trace"),
+            "{value}: {text}"
+        );
+    }
+}
