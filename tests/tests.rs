@@ -3,6 +3,7 @@ mod bench_layer;
 mod cli;
 mod common;
 mod dequant;
+mod dsa_flips;
 mod engine_bugs;
 mod engines;
 mod faults;

@@ -3,6 +3,7 @@
 //! distributions ([`logits`]) and the order of hooks in a trace without its model ([`graph`]).
 //! Shared by `run`, `compare` and the golden tests. Nothing here prints.
 
+pub mod flipcount;
 pub mod floors;
 pub mod graph;
 pub mod logits;

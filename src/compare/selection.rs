@@ -70,6 +70,9 @@ pub struct FlipStats {
     /// Chained: differing rows downstream of a selection difference the reference's chain did
     /// not follow (that difference explains them; they are not judged again).
     pub drift: usize,
+    /// A wide selection (the DSA keys): its flips against what the scores' noise predicts
+    /// ([`super::flipcount`]).
+    pub count: Option<super::flipcount::FlipCount>,
 }
 
 /// The reference's scores of one selection: `[rows, cols]` values plus an optional per-column
@@ -165,6 +168,7 @@ pub fn judge_flips(
         judged: scores.is_some(),
         followed: 0,
         drift: 0,
+        count: None,
     };
     for (t, (rr, cr)) in reference.chunks(w).zip(candidate.chunks(w)).enumerate() {
         st.rows += 1;

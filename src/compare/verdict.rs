@@ -45,6 +45,7 @@ use std::collections::{BTreeSet, HashMap};
 use anyhow::Result;
 use serde::Serialize;
 
+use super::flipcount::FlipCount;
 use super::floors::{
     flip_tolerance, floor, point_of, segment_floor, Carried, HookInfo, Kind, Precision,
     TOKEN_FACTOR,
@@ -227,6 +228,9 @@ pub struct Judge {
     /// Attention heads of the model, when known: hooks with a head axis flattened into their
     /// columns (`q_b`, `attn_heads`) are tested for one head's gain.
     pub heads: Option<usize>,
+    /// The candidate is an engine glmdiff runs: in replay its selections are made from the
+    /// reference's scores (the step's input), not from its own.
+    pub engine_candidate: bool,
 }
 
 impl Judge {
@@ -905,6 +909,30 @@ impl Comparison {
                 };
                 st.drift = st.differing - judged.differing;
                 let mut judged = judged;
+                // A wide selection (the DSA keys) is also judged as a whole: its flips against
+                // what the scores' noise predicts (module flipcount).
+                let count = match &scores {
+                    Some(sc) if point_of(pair.name) == "indexer_topk" && !unjudgeable => {
+                        // The scores the candidate selected from: the reference's in replay of
+                        // an engine (its step's input), otherwise its own when at hand.
+                        let own = if !chained && self.judge.engine_candidate {
+                            Some(sc.values)
+                        } else {
+                            sc.candidate
+                        };
+                        let scores_hook = pair.name.replace("indexer_topk", "indexer_scores");
+                        let u = self
+                            .judge
+                            .candidate_precision(&scores_hook)
+                            .storage
+                            .unit_roundoff();
+                        Some(flip_count(
+                            sc, reference, candidate, width, &reached, own, u,
+                        ))
+                    }
+                    _ => None,
+                };
+                let count_failed = count.as_ref().is_some_and(|c| c.exceeded());
                 if unjudgeable {
                     // Counted as near ties, said so, never a divergence.
                     for x in [&mut st, &mut judged] {
@@ -944,7 +972,42 @@ impl Comparison {
                         pair.name, f.token, f.margin, f.tolerance
                     )
                 };
-                if judged.confident > 0 {
+                let count_note = count.as_ref().map_or(String::new(), |c| {
+                    let mut n = format!(
+                        "; {} key(s) left where the scores' {} noise ({:.1e} of their RMS) predicts {:.1} (at most {:.0}){}",
+                        c.observed,
+                        if c.measured { "measured" } else { "predicted" },
+                        c.noise,
+                        c.expected,
+                        c.bound,
+                        match (c.max_z, c.z_allowed) {
+                            (Some(z), Some(zl)) => format!(", largest margin {z:.1} sigma (at most {zl:.1})"),
+                            (Some(z), None) => format!(", largest margin {z:.1} sigma"),
+                            _ => String::new(),
+                        }
+                    );
+                    if let Some((t, gap, tol)) = c.first_not_top_k {
+                        n.push_str(&format!(
+                            "; the candidate's selection is not the top-k of the scores it selected from in {} of {} rows (first: token {t}, an unselected key scores {gap:.2e} above a selected one, ties allowed {tol:.2e})",
+                            c.not_top_k, c.own_rows
+                        ));
+                    }
+                    n
+                });
+                let what = format!("{what}{count_note}");
+                if judged.confident == 0 && count_failed {
+                    r.status = Status::Fail;
+                    r.note = Some(match count.as_ref() {
+                        Some(c) if c.not_top_k > 0 => what,
+                        Some(FlipCount {
+                            first_beyond_z: Some(t),
+                            ..
+                        }) => format!(
+                            "{what}; the flip at token {t} is wider than the scores' noise makes"
+                        ),
+                        _ => format!("{what}; more keys flip than the scores' noise makes"),
+                    });
+                } else if judged.confident > 0 {
                     r.status = Status::Fail;
                     r.note = Some(match judged.first_confident.as_ref() {
                         Some(c) => format!(
@@ -981,6 +1044,7 @@ impl Comparison {
                             .map(flip_origin);
                     }
                 }
+                st.count = count;
                 r.flips = Some(st);
             }
         }
@@ -1481,6 +1545,54 @@ impl PairSink for Comparison {
     }
 }
 
+/// The flips of DSA selection `candidate` against `reference` (`width` ids per row) as a whole,
+/// over the rows `reached` does not exclude ([`super::flipcount`]).
+fn flip_count(
+    sc: &Scores<'_>,
+    reference: &[i32],
+    candidate: &[i32],
+    width: usize,
+    reached: &dyn Fn(usize) -> bool,
+    own: Option<&[f32]>,
+    u: f64,
+) -> FlipCount {
+    use super::flipcount::{count_row, not_top_k, summarize, Row};
+    let (w, cols) = (width.max(1), sc.cols.max(1));
+    let mut rows = Vec::new();
+    let mut keys = 0usize;
+    for (t, (rr, cr)) in reference.chunks(w).zip(candidate.chunks(w)).enumerate() {
+        if reached(t) {
+            continue;
+        }
+        let Some(r) = sc.values.get(t * cols..(t + 1) * cols) else {
+            break;
+        };
+        keys += r.iter().filter(|x| x.is_finite()).count();
+        let row = Row {
+            reference: r,
+            candidate: sc.candidate.and_then(|c| c.get(t * cols..(t + 1) * cols)),
+            ref_ids: rr,
+            cand_ids: cr,
+        };
+        if let Some(c) = count_row(&row, sc.rel_tol) {
+            rows.push((t, c));
+        }
+    }
+    let (mut own_rows, mut bad) = (0usize, Vec::new());
+    if let Some(own) = own {
+        for (t, cr) in candidate.chunks(w).enumerate() {
+            let Some(o) = own.get(t * cols..(t + 1) * cols) else {
+                break;
+            };
+            own_rows += 1;
+            if let Some((gap, tol)) = not_top_k(o, cr, u) {
+                bad.push((t, gap, tol));
+            }
+        }
+    }
+    summarize(&rows, keys).with_own(own_rows, &bad)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1497,6 +1609,7 @@ mod tests {
             groups: None,
             bias_unknown: false,
             heads: None,
+            engine_candidate: false,
         }
     }
 

@@ -139,6 +139,7 @@ fn traces_judge(
         groups: None,
         bias_unknown: true,
         heads: None,
+        engine_candidate: false,
     };
     let Some(path) = &req.model else {
         notes.push(

@@ -132,5 +132,6 @@ fn run_judge(
         groups: weights.hparams().groups,
         bias_unknown: false,
         heads: Some(weights.hparams().n_head),
+        engine_candidate: trace.is_none(),
     })
 }

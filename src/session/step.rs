@@ -70,6 +70,7 @@ pub fn step(req: &StepRequest, hypotheses: &dyn Progress) -> Result<StepReport> 
         groups: weights.hparams().groups,
         bias_unknown: false,
         heads: Some(weights.hparams().n_head),
+        engine_candidate: true,
     };
     let hook = stored.hook.clone();
     let mut cmp = Comparison::new(judge, Box::new(|_| true), &tokens);

@@ -165,33 +165,32 @@ pub fn mla_host(
         let (qb, qpe) = (q_b.as_f32("q_b")?, q_pe.as_f32("q_pe_rope")?);
         let kpe = k_pe.as_f32("k_pe_rope")?;
 
-        // allowed[t][s]: causal, and in the DSA selection when there is one.
-        let mut allowed = vec![false; t * t];
-        match selection {
-            None => {
-                for qt in 0..t {
-                    allowed[qt * t..qt * t + qt + 1].fill(true);
-                }
-            }
+        // Per query, the keys it may see in ascending order: causal, and in the DSA selection
+        // when there is one. [T][<= T] (at most T * index_topk ids with a selection).
+        let keys_of: Vec<Vec<u32>> = match selection {
+            None => (0..t).map(|qt| (0..=qt as u32).collect()).collect(),
             Some(sel) => {
                 let (st, sk) = sel.dims2("attention selection")?;
                 if st != t {
                     bail!("engine: cpu: layer {layer} attention: selection has {st} rows for {t} tokens");
                 }
-                for (qt, row) in sel
-                    .as_i32("selection")?
-                    .chunks(sk.max(1))
+                sel.as_i32("selection")?
+                    .par_chunks(sk.max(1))
                     .enumerate()
                     .take(t)
-                {
-                    for &s in row {
-                        if s >= 0 && (s as usize) <= qt {
-                            allowed[qt * t + s as usize] = true;
-                        }
-                    }
-                }
+                    .map(|(qt, row)| {
+                        let mut k: Vec<u32> = row
+                            .iter()
+                            .filter(|&&s| s >= 0 && (s as usize) <= qt)
+                            .map(|&s| s as u32)
+                            .collect();
+                        k.sort_unstable();
+                        k.dedup();
+                        k
+                    })
+                    .collect()
             }
-        }
+        };
 
         // kv = c · kv_b^T: per head, nope K values then v V values. [T, H*(nope+v)]
         if kv_b.rows != h * (nope + v) || kv_b.cols != hp.kv_lora_rank {
@@ -206,30 +205,39 @@ pub fn mla_host(
         let kv = matmul(kv_norm.as_f32("kv_a_norm")?, t, kv_b);
         let kv_w = nope + v;
 
-        // Per head: outputs [T, v] and probabilities [T, T].
+        // Per head: outputs [T, v] and probabilities [T, T]. The head's K and V rows are first
+        // copied out of `kv` so that a query's keys are read contiguously ([T, nope], [T, v]);
+        // the arithmetic and its order are those of the definition (two dots, softmax, keys
+        // summed in ascending order).
         let per_head: Vec<(Vec<f32>, Vec<f32>)> = (0..h)
             .into_par_iter()
             .map(|head| {
+                let mut kh = vec![0f32; t * nope]; // [T, nope]
+                let mut vh = vec![0f32; t * v]; // [T, v]
+                for s in 0..t {
+                    let row = &kv[s * h * kv_w + head * kv_w..s * h * kv_w + (head + 1) * kv_w];
+                    kh[s * nope..(s + 1) * nope].copy_from_slice(&row[..nope]);
+                    vh[s * v..(s + 1) * v].copy_from_slice(&row[nope..]);
+                }
                 let mut o = vec![0f32; t * v];
                 let mut probs = vec![0f32; if want_probs { t * t } else { 0 }];
                 let mut p = Vec::with_capacity(t);
-                for qt in 0..t {
+                let mut acc = vec![0f64; v];
+                for (qt, keys) in keys_of.iter().enumerate() {
                     let q_nope = &qb[qt * h * qk + head * qk..qt * h * qk + head * qk + nope];
                     let q_rot = &qpe[(qt * h + head) * rd..(qt * h + head + 1) * rd];
-                    let keys: Vec<usize> = (0..t).filter(|&s| allowed[qt * t + s]).collect();
                     p.clear();
-                    for &s in &keys {
-                        let k_nope =
-                            &kv[s * h * kv_w + head * kv_w..s * h * kv_w + head * kv_w + nope];
+                    for &s in keys {
+                        let s = s as usize;
+                        let k_nope = &kh[s * nope..(s + 1) * nope];
                         let k_rot = &kpe[s * rd..(s + 1) * rd];
                         p.push((dot(q_nope, k_nope) + dot(q_rot, k_rot)) * scale);
                     }
                     softmax_in_place(&mut p);
-                    let mut acc = vec![0f64; v];
+                    acc.fill(0.0);
                     for (&s, &ps) in keys.iter().zip(&p) {
-                        let vs = &kv
-                            [s * h * kv_w + head * kv_w + nope..s * h * kv_w + (head + 1) * kv_w];
-                        for (a, &x) in acc.iter_mut().zip(vs) {
+                        let s = s as usize;
+                        for (a, &x) in acc.iter_mut().zip(&vh[s * v..(s + 1) * v]) {
                             *a += ps * f64::from(x);
                         }
                         if want_probs {
@@ -276,5 +284,251 @@ mod tests {
         assert_eq!(causal_top_k(&[1.0, 3.0, 3.0, 2.0], 2), vec![1, 2]);
         assert_eq!(causal_top_k(&[0.0, 0.0, 0.0], 2), vec![0, 1]);
         assert_eq!(causal_top_k(&[5.0], 4), vec![0]);
+    }
+}
+
+#[cfg(test)]
+mod timing {
+    use super::*;
+
+    /// The definition as first written (a mask of [T, T], keys strided in `kv`).
+    #[allow(clippy::too_many_lines)]
+    fn mla_host_naive(
+        hp: &HParams,
+        layer: usize,
+        x: MlaInputs<'_, HostTensor>,
+        kv_b: &Matrix,
+        scale: f64,
+        want_probs: bool,
+    ) -> Result<(HostTensor, Option<HostTensor>)> {
+        let MlaInputs {
+            q_b,
+            q_pe,
+            kv_norm,
+            k_pe,
+            selection,
+        } = x;
+        {
+            let (h, nope, rd, v) = (hp.n_head, hp.qk_nope, hp.qk_rope, hp.v_head);
+            let qk = hp.qk_head();
+            let (t, qcols) = q_b.dims2("attention q_b")?;
+            let expect = |x: &HostTensor, shape: Vec<usize>, what: &str| -> Result<()> {
+                if x.shape != shape {
+                    bail!("engine: cpu: layer {layer} attention: {what} has shape {:?}, expected {shape:?}", x.shape);
+                }
+                Ok(())
+            };
+            expect(q_b, vec![t, h * qk], "q_b")?;
+            let _ = qcols;
+            expect(q_pe, vec![t, h, rd], "q_pe_rope")?;
+            expect(kv_norm, vec![t, hp.kv_lora_rank], "kv_a_norm")?;
+            expect(k_pe, vec![t, rd], "k_pe_rope")?;
+            let (qb, qpe) = (q_b.as_f32("q_b")?, q_pe.as_f32("q_pe_rope")?);
+            let kpe = k_pe.as_f32("k_pe_rope")?;
+
+            // allowed[t][s]: causal, and in the DSA selection when there is one.
+            let mut allowed = vec![false; t * t];
+            match selection {
+                None => {
+                    for qt in 0..t {
+                        allowed[qt * t..qt * t + qt + 1].fill(true);
+                    }
+                }
+                Some(sel) => {
+                    let (st, sk) = sel.dims2("attention selection")?;
+                    if st != t {
+                        bail!("engine: cpu: layer {layer} attention: selection has {st} rows for {t} tokens");
+                    }
+                    for (qt, row) in sel
+                        .as_i32("selection")?
+                        .chunks(sk.max(1))
+                        .enumerate()
+                        .take(t)
+                    {
+                        for &s in row {
+                            if s >= 0 && (s as usize) <= qt {
+                                allowed[qt * t + s as usize] = true;
+                            }
+                        }
+                    }
+                }
+            }
+
+            // kv = c · kv_b^T: per head, nope K values then v V values. [T, H*(nope+v)]
+            if kv_b.rows != h * (nope + v) || kv_b.cols != hp.kv_lora_rank {
+                bail!(
+                    "engine: cpu: layer {layer} attention: kv_b is [{}, {}], expected [{}, {}]",
+                    kv_b.rows,
+                    kv_b.cols,
+                    h * (nope + v),
+                    hp.kv_lora_rank
+                );
+            }
+            let kv = matmul(kv_norm.as_f32("kv_a_norm")?, t, kv_b);
+            let kv_w = nope + v;
+
+            // Per head: outputs [T, v] and probabilities [T, T].
+            let per_head: Vec<(Vec<f32>, Vec<f32>)> = (0..h)
+                .into_par_iter()
+                .map(|head| {
+                    let mut o = vec![0f32; t * v];
+                    let mut probs = vec![0f32; if want_probs { t * t } else { 0 }];
+                    let mut p = Vec::with_capacity(t);
+                    for qt in 0..t {
+                        let q_nope = &qb[qt * h * qk + head * qk..qt * h * qk + head * qk + nope];
+                        let q_rot = &qpe[(qt * h + head) * rd..(qt * h + head + 1) * rd];
+                        let keys: Vec<usize> = (0..t).filter(|&s| allowed[qt * t + s]).collect();
+                        p.clear();
+                        for &s in &keys {
+                            let k_nope =
+                                &kv[s * h * kv_w + head * kv_w..s * h * kv_w + head * kv_w + nope];
+                            let k_rot = &kpe[s * rd..(s + 1) * rd];
+                            p.push((dot(q_nope, k_nope) + dot(q_rot, k_rot)) * scale);
+                        }
+                        softmax_in_place(&mut p);
+                        let mut acc = vec![0f64; v];
+                        for (&s, &ps) in keys.iter().zip(&p) {
+                            let vs = &kv[s * h * kv_w + head * kv_w + nope
+                                ..s * h * kv_w + (head + 1) * kv_w];
+                            for (a, &x) in acc.iter_mut().zip(vs) {
+                                *a += ps * f64::from(x);
+                            }
+                            if want_probs {
+                                probs[qt * t + s] = ps as f32;
+                            }
+                        }
+                        for (o, a) in o[qt * v..(qt + 1) * v].iter_mut().zip(&acc) {
+                            *o = *a as f32;
+                        }
+                    }
+                    (o, probs)
+                })
+                .collect();
+
+            let mut heads = vec![0f32; t * h * v];
+            for (head, (o, _)) in per_head.iter().enumerate() {
+                for qt in 0..t {
+                    heads[qt * h * v + head * v..qt * h * v + (head + 1) * v]
+                        .copy_from_slice(&o[qt * v..(qt + 1) * v]);
+                }
+            }
+            let probs = if want_probs {
+                let all: Vec<f32> = per_head.into_iter().flat_map(|(_, p)| p).collect();
+                Some(HostTensor::f32(vec![h, t, t], all)?)
+            } else {
+                None
+            };
+            Ok((HostTensor::f32(vec![t, h * v], heads)?, probs))
+        }
+    }
+
+    /// Runs `mla_host` and the naive definition on random inputs of `t` tokens with the
+    /// dimensions of the model at `path` and a DSA selection of `min(2048, t/2)` keys, checks
+    /// that they agree bit for bit, and returns (naive, new) CPU seconds.
+    fn against_naive(path: &str, t: usize) -> (f64, f64) {
+        let model = crate::gguf::Model::open(std::path::Path::new(&path)).unwrap();
+        let hp = HParams::from_metadata(&model).unwrap();
+        let (h, qk, rd, kvl) = (hp.n_head, hp.qk_head(), hp.qk_rope, hp.kv_lora_rank);
+        let mut seed = 1u64;
+        let mut rnd = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+                })
+                .collect()
+        };
+        let q_b = HostTensor::f32(vec![t, h * qk], rnd(t * h * qk)).unwrap();
+        let q_pe = HostTensor::f32(vec![t, h, rd], rnd(t * h * rd)).unwrap();
+        let kv_norm = HostTensor::f32(vec![t, kvl], rnd(t * kvl)).unwrap();
+        let k_pe = HostTensor::f32(vec![t, rd], rnd(t * rd)).unwrap();
+        let kv_b = Matrix {
+            rows: h * (hp.qk_nope + hp.v_head),
+            cols: kvl,
+            data: rnd(h * (hp.qk_nope + hp.v_head) * kvl),
+        };
+        let k = 2048.min(t / 2).max(1);
+        let sel: Vec<i32> = (0..t)
+            .flat_map(|q| (0..k).map(move |i| if i <= q { (q - i) as i32 } else { -1 }))
+            .collect();
+        let sel = HostTensor::i32(vec![t, k], sel).unwrap();
+        let cpu = || {
+            let mut ru = std::mem::MaybeUninit::<libc::rusage>::uninit();
+            // SAFETY: getrusage writes the struct.
+            unsafe { libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr()) };
+            // SAFETY: initialised by the call above.
+            let ru = unsafe { ru.assume_init() };
+            ru.ru_utime.tv_sec as f64 + ru.ru_utime.tv_usec as f64 * 1e-6
+        };
+        let c0 = cpu();
+        let (o0, _) = mla_host_naive(
+            &hp,
+            0,
+            MlaInputs {
+                q_b: &q_b,
+                q_pe: &q_pe,
+                kv_norm: &kv_norm,
+                k_pe: &k_pe,
+                selection: Some(&sel),
+            },
+            &kv_b,
+            0.07,
+            false,
+        )
+        .unwrap();
+        let c1 = cpu();
+        let t0 = std::time::Instant::now();
+        let (o, _) = mla_host(
+            &hp,
+            0,
+            MlaInputs {
+                q_b: &q_b,
+                q_pe: &q_pe,
+                kv_norm: &kv_norm,
+                k_pe: &k_pe,
+                selection: Some(&sel),
+            },
+            &kv_b,
+            0.07,
+            false,
+        )
+        .unwrap();
+        let o = o.as_f32("o").unwrap();
+        let h64: u64 = o.iter().fold(0xcbf29ce484222325, |a, x| {
+            (a ^ u64::from(x.to_bits())).wrapping_mul(0x100000001b3)
+        });
+        let c2 = cpu();
+        eprintln!(
+            "mla T={t} k={k}: {:.3} s wall, cpu naive {:.2} s new {:.2} s, hash {h64:016x}",
+            t0.elapsed().as_secs_f64(),
+            c1 - c0,
+            c2 - c1
+        );
+        assert_eq!(o0.as_f32("o").unwrap(), o);
+        (c1 - c0, c2 - c1)
+    }
+
+    /// The per-head copy of K and V and the per-query key lists change no value.
+    #[test]
+    fn mla_equals_the_naive_definition() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/fixtures/models/glm5-tiny/glm5-tiny-f32.gguf"
+        );
+        for t in [1, 7, 40] {
+            against_naive(path, t);
+        }
+    }
+
+    /// Timing at a model's dimensions: `GLMDIFF_MLA_MODEL=F.gguf GLMDIFF_MLA_T=1024 cargo test
+    /// --release --lib mla_timing -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn mla_timing() {
+        let path = std::env::var("GLMDIFF_MLA_MODEL").unwrap();
+        let t: usize = std::env::var("GLMDIFF_MLA_T").unwrap().parse().unwrap();
+        against_naive(&path, t);
     }
 }
