@@ -62,11 +62,11 @@ run() {
     if want fixtures; then
     echo "== dequant-check: quant fixtures (every type), and the 3-shard split"
     "$bin" --wide dequant-check fixtures/quant/all_types.gguf --all --json "$logs/fixtures.json" 2>&1 | tee "$logs/fixtures.txt"
-    summary+=("dequant-check fixtures: exit ${PIPESTATUS[0]}, $(tail -n 1 "$logs/fixtures.txt" | cut -c1-160)")
+    summary+=("dequant-check fixtures: exit ${PIPESTATUS[0]}, $(grep -m1 ' elements: ' "$logs/fixtures.txt" | cut -c1-160)")
     "$bin" --wide dequant-check fixtures/quant/split/all_types-00002-of-00003.gguf --all > "$logs/split.txt" 2>&1
-    summary+=("dequant-check split: exit $?, $(tail -n 1 "$logs/split.txt" | cut -c1-120)")
+    summary+=("dequant-check split: exit $?, $(grep -m1 ' elements: ' "$logs/split.txt" | cut -c1-120)")
     "$bin" --wide dequant-check fixtures/quant/all_types.gguf --all --devices 0,0 > "$logs/spread.txt" 2>&1
-    summary+=("dequant-check --devices 0,0: exit $?, $(grep -m1 -E 'devices:' "$logs/spread.txt" | cut -c1-80) $(tail -n 1 "$logs/spread.txt" | cut -c1-100)")
+    summary+=("dequant-check --devices 0,0: exit $?, $(grep -m1 -E 'devices:' "$logs/spread.txt" | cut -c1-80) $(grep -m1 ' elements: ' "$logs/spread.txt" | cut -c1-100)")
     fi
 
     if want synth; then
@@ -74,10 +74,16 @@ run() {
     local tmp; tmp=$(mktemp -d)
     "$bin" synth --arch glm-dsa --dims glm5 --layers ${SYNTH_LAYERS:-4} --out "$tmp/glm5.gguf" 2>&1 | tail -n 2
     ls -la "$tmp/glm5.gguf"
-    "$bin" --wide dequant-check "$tmp/glm5.gguf" --all --json "$logs/synth.json" > "$logs/synth.txt" 2>&1
+    "$bin" --wide dequant-check "$tmp/glm5.gguf" --all --project glm5 --json "$logs/synth.json" > "$logs/synth.txt" 2>&1
     local rc=$?
-    tail -n 3 "$logs/synth.txt"
-    summary+=("dequant-check synth GLM-5 ($(du -h "$tmp/glm5.gguf" | cut -f1)): exit $rc, $(tail -n 1 "$logs/synth.txt" | cut -c1-200)")
+    grep -E ' elements: |^staging|^rates|^projection' "$logs/synth.txt"
+    summary+=("dequant-check synth GLM-5 ($(du -h "$tmp/glm5.gguf" | cut -f1)): exit $rc, $(grep -m1 ' elements: ' "$logs/synth.txt" | cut -c1-200)")
+    summary+=("  $(grep -m1 '^rates' "$logs/synth.txt")" "  $(grep -m1 '^projection' "$logs/synth.txt")")
+    # The same with pageable copies, to compare.
+    GLMDIFF_DCHECK_PAGEABLE=1 "$bin" --wide dequant-check "$tmp/glm5.gguf" --all --project glm5 > "$logs/synth-pageable.txt" 2>&1
+    rc=$?
+    summary+=("dequant-check synth GLM-5, pageable: exit $rc, $(grep -m1 ' elements: ' "$logs/synth-pageable.txt" | cut -c1-200)")
+    summary+=("  $(grep -m1 '^rates' "$logs/synth-pageable.txt")" "  $(grep -m1 '^projection' "$logs/synth-pageable.txt")")
     rm -rf "$tmp"
     fi
 

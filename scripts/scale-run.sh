@@ -23,9 +23,18 @@ echo "== synth: GLM-5 dimensions, $layers blocks"
 r=$(t "$out/synth.txt" "$bin" synth --arch glm-dsa --dims glm5 --layers "$layers" --out "$tmp/glm5.gguf")
 summary+=("synth $layers blocks ($(du -h "$tmp/glm5.gguf" | cut -f1)): $r")
 
-echo "== dequant-check --all --devices $devices"
-r=$(t "$out/dequant-check.txt" "$bin" --wide dequant-check "$tmp/glm5.gguf" --all --devices "$devices")
-summary+=("dequant-check --all --devices $devices: $r; $(tail -n 1 "$out/dequant-check.txt" | cut -c1-220)")
+# Pinned staging (the default), then pageable copies (GLMDIFF_DCHECK_PAGEABLE=1) to compare;
+# each with its rates and its projection to the full GLM-5 (--project glm5).
+for staging in pinned pageable; do
+    echo "== dequant-check --all --devices $devices --project glm5 ($staging)"
+    if [ "$staging" = pageable ]; then export GLMDIFF_DCHECK_PAGEABLE=1; else unset GLMDIFF_DCHECK_PAGEABLE; fi
+    r=$(t "$out/dequant-check-$staging.txt" "$bin" --wide dequant-check "$tmp/glm5.gguf" --all --devices "$devices" --project glm5)
+    grep -E ' elements: |^staging|^rates|^projection' "$out/dequant-check-$staging.txt"
+    summary+=("dequant-check --all --devices $devices ($staging): $r; $(grep -m1 ' elements: ' "$out/dequant-check-$staging.txt" | cut -c1-220)")
+    summary+=("  $(grep -m1 '^rates' "$out/dequant-check-$staging.txt")")
+    summary+=("  $(grep -m1 '^projection' "$out/dequant-check-$staging.txt")")
+done
+unset GLMDIFF_DCHECK_PAGEABLE
 
 for mode in both; do
     echo "== run --against cuda --devices $devices --mode $mode"

@@ -102,6 +102,10 @@ pub struct DequantCheckArgs {
     /// device taking the next when it is done); replaces --device.
     #[arg(long, value_name = "LIST", value_delimiter = ',', allow_hyphen_values = true, value_parser = parse_device)]
     pub devices: Vec<usize>,
+    /// Also project the measured rates to a full model: glm5 (GLM-5, 744B values, 402 GB in
+    /// UD-Q4_K_XL).
+    #[arg(long, value_name = "MODEL")]
+    pub project: Option<String>,
     /// Write the results as JSON (`-`: stdout, the report then on stderr). Written atomically.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,

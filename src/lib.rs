@@ -54,8 +54,9 @@
 //! 18. [`wcheck`]: `weights-check`, a GGUF tensor by tensor against its HF checkpoint or another
 //!     GGUF (mapping, streamed comparison, diagnosis); uses `hf`, `gguf`, `quant`, `model`, `util`.
 //! 19. [`dcheck`]: `dequant-check`: the tensors asked, and (feature `cuda`) their raw blocks
-//!     dequantized on the device and compared there with the CPU's, streamed in chunks, on one
-//!     device or spread over several; uses `gpu`, `gguf`, `quant`, `util`.
+//!     dequantized on the device and compared there with the CPU's, streamed in chunks through
+//!     pinned staging on a copy stream, on one device or spread over several; the measured
+//!     rates and projections to a whole model; uses `gpu`, `gguf`, `quant`, `util`.
 //! 20. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
 //!     the layers below return; uses `compare`, `explain`, `regress`, `dcheck`, `bench`,
 //!     `wcheck`, `synth` (the summary of a file written), `driver` (layer timings), `model`,

@@ -666,6 +666,49 @@ fn dequant_check_refuses_names_and_globs_the_model_lacks() {
     unchanged(&[&m], &before);
 }
 
+/// `dequant-check --project` names a model whose size glmdiff does not know, or none: exit 2
+/// before the model is read or a device looked for (so with or without CUDA), naming the models
+/// it knows.
+#[test]
+fn dequant_check_refuses_a_project_model_it_does_not_know() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let m = copy(dir.path(), GLM5);
+    let before = snapshot(&[&m]);
+    let ms = m.to_str().unwrap();
+    for bad in ["glm6", "GLM5", ""] {
+        let o = glmdiff(
+            cache.path(),
+            &["dequant-check", ms, "--all", "--project", bad],
+        );
+        input_error(
+            &o,
+            &[
+                &format!("dequant-check: --project {bad:?} is not a model of known size"),
+                "known: glm5",
+            ],
+        );
+    }
+    // Checked first: a model that is not there is not what the error names.
+    let gone = dir.path().join("gone.gguf");
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "dequant-check",
+            gone.to_str().unwrap(),
+            "--all",
+            "--project",
+            "x",
+        ],
+    );
+    input_error(&o, &["--project \"x\""]);
+    // No value at all: clap's error, exit 2.
+    let o = glmdiff(cache.path(), &["dequant-check", ms, "--all", "--project"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("--project <MODEL>"), "{}", text(&o));
+    unchanged(&[&m], &before);
+}
+
 /// `--tokens -1` suggested `-- -1`, which fails too; negative ids and ids past the vocabulary
 /// now say that token ids are integers in 0..vocab (464 for the fixture).
 #[test]

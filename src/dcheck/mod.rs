@@ -7,15 +7,26 @@
 //! - `tensor` (feature `cuda`): one tensor, streamed in chunks of rows, the CPU one chunk ahead
 //!   on its own thread (its hash fused with its dequantization), hashes compared before any
 //!   values travel.
+//! - `tensor` (feature `cuda`): one device's pipeline over a sequence of tensors, streamed in
+//!   chunks of rows: the raw blocks of the next chunks read into pinned staging and copied on
+//!   a copy stream of their own ([`crate::gpu::upload`]) while the device dequantizes and
+//!   hashes the current one and the CPU hashes its side on its own thread (its hash fused with
+//!   its dequantization); hashes compared before any values travel. [`Staging::Pageable`]
+//!   copies from the mapped file instead, as before, to compare.
 //! - `devices` (feature `cuda`): the tensors on one device, or spread over several.
+//! - [`project`]: the measured rates of each side and the time a whole model would take at
+//!   them (no device needed).
 
 #[cfg(feature = "cuda")]
 mod devices;
+pub mod project;
 #[cfg(feature = "cuda")]
 mod tensor;
 
 #[cfg(feature = "cuda")]
-pub use tensor::{check_tensor, CHUNK_ELEMS};
+pub use tensor::{check_tensor, DeviceCheck};
+
+use std::ops::Range;
 
 use anyhow::{bail, Result};
 use serde::Serialize;
@@ -23,6 +34,57 @@ use serde::Serialize;
 use crate::gguf::Model;
 use crate::util::glob;
 use crate::util::progress::Progress;
+use project::{Busy, FullModel, Projection, Rates};
+
+/// Elements per chunk (256 MiB of f32 per side).
+pub const CHUNK_ELEMS: u64 = 1 << 26;
+
+/// The environment variable that makes dequant-check copy from pageable memory
+/// ([`Staging::Pageable`]) when set to anything but the empty string or `0`.
+pub const PAGEABLE_ENV: &str = "GLMDIFF_DCHECK_PAGEABLE";
+
+/// How a chunk's raw blocks reach the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Staging {
+    /// Read from the model's files into a ring of pinned buffers by an upload thread and copied
+    /// on a copy stream of their own, a few chunks ahead of the device ([`crate::gpu::upload`]).
+    Pinned,
+    /// Copied by the device loop itself from the mapped file (pageable memory), synchronously.
+    Pageable,
+}
+
+impl Staging {
+    /// [`Staging::Pageable`] when [`PAGEABLE_ENV`] says so, else [`Staging::Pinned`].
+    pub fn from_env() -> Staging {
+        Staging::from_value(std::env::var(PAGEABLE_ENV).ok().as_deref())
+    }
+
+    /// The staging a value of [`PAGEABLE_ENV`] asks for: pageable when set to anything but the
+    /// empty string or `0`.
+    pub fn from_value(v: Option<&str>) -> Staging {
+        match v {
+            Some(v) if !v.is_empty() && v != "0" => Staging::Pageable,
+            _ => Staging::Pinned,
+        }
+    }
+}
+
+/// Rows per chunk for rows of `row_len` values and `row_bytes` raw bytes: at most `max_elems`
+/// values and `max_bytes` raw bytes (one staging buffer), and at least one row.
+pub fn chunk_rows(row_len: u64, row_bytes: u64, max_elems: u64, max_bytes: u64) -> u64 {
+    (max_elems / row_len.max(1))
+        .min(max_bytes / row_bytes.max(1))
+        .max(1)
+}
+
+/// The chunks of `n_rows` rows, `per` rows at most each, in order.
+pub fn row_chunks(n_rows: u64, per: u64) -> Vec<Range<u64>> {
+    let per = per.max(1);
+    (0..n_rows.div_ceil(per))
+        .map(|i| i * per..((i + 1) * per).min(n_rows))
+        .collect()
+}
 
 /// The first differing value of a tensor, and the block it comes from.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -66,14 +128,27 @@ pub struct TensorCheck {
     pub kernel_ms: f64,
     /// The kernels' throughput: (raw bytes read + f32 written) per second, GB/s.
     pub kernel_gbps: f64,
-    /// Wall time split (ms): CPU dequant and hash (on its own thread; plus the values made
-    /// again for a chunk whose hashes differ), host-to-device copies, compare.
+    /// CPU dequant and hash (ms, on its own thread; plus the values made again for a chunk
+    /// whose hashes differ).
     pub cpu_ms: f64,
-    /// Host-to-device copies (ms).
+    /// Host-to-device copies (ms): with pinned staging the copy stream's time (device events),
+    /// with pageable copies the host's; plus the CPU's values copied for a chunk whose hashes
+    /// differ.
     pub h2d_ms: f64,
+    /// Reading the raw bytes from the file into pinned staging (ms, the upload thread; 0 with
+    /// pageable copies, which read the mapped file as they copy).
+    pub read_ms: f64,
+    /// Dequant and hash kernels (ms, device events).
+    pub gpu_ms: f64,
+    /// The device loop's waits for the chunks' uploads (ms): with pinned staging, for an
+    /// upload still under way; with pageable copies, the copies themselves.
+    pub wait_upload_ms: f64,
+    /// The device loop's waits for the CPU's hashes (ms).
+    pub wait_cpu_ms: f64,
     /// On-device comparison (ms).
     pub compare_ms: f64,
-    /// Whole check (ms).
+    /// The device loop's time on this tensor's chunks (ms; the next tensor's first chunks are
+    /// already on their way meanwhile).
     pub wall_ms: f64,
 }
 
@@ -88,15 +163,39 @@ pub struct Skipped {
     pub why: String,
 }
 
-/// What a check found: the device line, one result per tensor checked, the tensors skipped.
+/// What a check found: the device line, one result per tensor checked, the tensors skipped,
+/// what each device's pipeline did, the rates and projections.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Checked {
     /// The device (or devices, with how many tensors each checked in how long).
     pub device: String,
+    /// How the raw blocks reached the device(s), in words.
+    pub staging: String,
     /// One result per tensor checked, in the order asked.
     pub checks: Vec<TensorCheck>,
     /// Tensors not checked.
     pub skipped: Vec<Skipped>,
+    /// Each device's pipeline.
+    pub per_device: Vec<Busy>,
+    /// The whole check (ms).
+    pub wall_ms: f64,
+    /// The rates measured (`None` when no value was checked).
+    pub rates: Option<Rates>,
+    /// The model at hand when only part of it was checked, then the `--project` model.
+    pub projections: Vec<Projection>,
+    /// The `--project` model, with its source.
+    pub project: Option<FullModel>,
+}
+
+/// How to check.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Options {
+    /// CUDA device ordinals: the first alone, or spread over all when there are several.
+    pub devices: Vec<usize>,
+    /// How the raw blocks reach the device.
+    pub staging: Staging,
+    /// A full model to project the measured rates to.
+    pub project: Option<&'static FullModel>,
 }
 
 impl Checked {
@@ -149,22 +248,68 @@ pub fn select(
     Ok(out)
 }
 
-/// Checks the tensors `names` of `model` (from [`select`]) on `devices` (the first alone, or
-/// spread over all when there are several), reporting chunks (one device) or tensors (several)
-/// to `progress`. Without the `cuda` feature, an error that says so.
+/// Checks the tensors `names` of `model` (from [`select`]) as `options` say (the first device
+/// alone, or spread over all when there are several), reporting chunks (one device) or tensors
+/// (several) to `progress`. Without the `cuda` feature, an error that says so.
 pub fn check(
     model: &Model,
     names: &[String],
-    devices: &[usize],
+    options: &Options,
     progress: &(dyn Progress + Sync),
 ) -> Result<Checked> {
     #[cfg(feature = "cuda")]
     {
-        devices::check(model, names, devices, progress)
+        devices::check(model, names, options, progress)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (model, names, devices, progress);
+        let _ = (model, names, options, progress);
         bail!("dequant-check: this glmdiff was built without the `cuda` feature")
+    }
+}
+
+/// The values and raw bytes of every tensor of `model` that has a dequantizer (what `--all`
+/// checks).
+pub fn checkable_size(model: &Model) -> (u64, u64) {
+    model
+        .tensors()
+        .filter(|t| t.info.ty.info().kernel.is_some())
+        .fold((0, 0), |(v, b), t| {
+            (v + t.info.n_elements(), b + t.info.nbytes)
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Chunks hold at most 2^26 values and one staging buffer of raw bytes, at least a row,
+    /// and cover every row once, in order.
+    #[test]
+    fn chunks_are_bounded_by_values_and_bytes() {
+        let mib = 1u64 << 20;
+        // Q4_K rows of 6144 values (3456 bytes): 10922 rows by values (37.7 MB of raw bytes).
+        assert_eq!(chunk_rows(6144, 3456, CHUNK_ELEMS, 256 * mib), 10922);
+        // F32: 2^26 values are 256 MiB, both bounds at once.
+        assert_eq!(chunk_rows(4096, 16384, CHUNK_ELEMS, 256 * mib), 16384);
+        // F64 rows of 4096 values (32 KiB): the staging buffer halves the chunk.
+        assert_eq!(chunk_rows(4096, 32768, CHUNK_ELEMS, 256 * mib), 8192);
+        // A row larger than either bound is a chunk of its own; empty rows do not divide by 0.
+        assert_eq!(chunk_rows(1 << 27, 1 << 29, CHUNK_ELEMS, 256 * mib), 1);
+        assert_eq!(chunk_rows(0, 0, CHUNK_ELEMS, 256 * mib), CHUNK_ELEMS);
+        assert_eq!(row_chunks(10, 4), vec![0..4, 4..8, 8..10]);
+        assert_eq!(row_chunks(8, 4), vec![0..4, 4..8]);
+        assert_eq!(row_chunks(0, 4), Vec::<Range<u64>>::new());
+        assert_eq!(row_chunks(3, 0), vec![0..1, 1..2, 2..3]);
+    }
+
+    /// `GLMDIFF_DCHECK_PAGEABLE`: any value but empty or `0` asks for pageable copies.
+    #[test]
+    fn pageable_by_the_environment_value() {
+        assert_eq!(Staging::from_value(None), Staging::Pinned);
+        assert_eq!(Staging::from_value(Some("")), Staging::Pinned);
+        assert_eq!(Staging::from_value(Some("0")), Staging::Pinned);
+        assert_eq!(Staging::from_value(Some("1")), Staging::Pageable);
+        assert_eq!(Staging::from_value(Some("yes")), Staging::Pageable);
     }
 }

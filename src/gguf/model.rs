@@ -287,6 +287,23 @@ impl Model {
         self.shard_of(t)?.row_data(t.info, rows)
     }
 
+    /// Where [`Model::row_data`]`(t, rows)` lies in the model's files: the shard's path, the
+    /// byte offset in it and the length; `None` for a shard held in memory (not a map of a
+    /// file). `t` must come from this model.
+    pub fn row_file_range(
+        &self,
+        t: TensorRef<'_>,
+        rows: Range<u64>,
+    ) -> Result<Option<(&Path, u64, u64)>> {
+        let shard = self.shard_of(t)?;
+        let data = shard.row_data(t.info, rows.clone())?;
+        if !shard.is_mapped() {
+            return Ok(None);
+        }
+        let offset = shard.data_start() + t.info.offset + rows.start * t.info.row_bytes();
+        Ok(Some((shard.path(), offset, data.len() as u64)))
+    }
+
     /// Drops the mapped pages of rows `rows` of `t` from the resident set (see
     /// [`GgufFile::release_rows`]).
     pub fn release_rows(&self, t: TensorRef<'_>, rows: Range<u64>) {
@@ -329,5 +346,42 @@ mod tests {
         assert_eq!(parse_split_name(Path::new("model.gguf")), None);
         assert_eq!(parse_split_name(Path::new("m-1-of-2.gguf")), None);
         assert_eq!(split_file_name("a", 3, 12), "a-00003-of-00012.gguf");
+    }
+
+    /// Every tensor's row ranges of the 3-shard split fixture, read from the file
+    /// `row_file_range` names at its offset, are the bytes `row_data` maps; rows past the end are
+    /// an error; a shard held in memory has no file.
+    #[test]
+    fn row_file_ranges_are_where_the_rows_lie() {
+        use std::os::unix::fs::FileExt;
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/quant/split");
+        let m = Model::open(&dir.join("all_types-00002-of-00003.gguf")).unwrap();
+        let mut shards_seen = std::collections::BTreeSet::new();
+        for t in m.tensors() {
+            let n = t.info.n_rows();
+            for rows in [0..n, 0..n.min(1), n / 2..n, n..n] {
+                let want = m.row_data(t, rows.clone()).unwrap();
+                let (path, offset, len) = m.row_file_range(t, rows.clone()).unwrap().unwrap();
+                assert_eq!(len as usize, want.len(), "{} {rows:?}", t.info.name);
+                let mut got = vec![0u8; want.len()];
+                std::fs::File::open(path)
+                    .unwrap()
+                    .read_exact_at(&mut got, offset)
+                    .unwrap();
+                assert_eq!(got, want, "{} {rows:?}", t.info.name);
+                shards_seen.insert(path.to_path_buf());
+            }
+            let e = m.row_file_range(t, 0..n + 1).unwrap_err().to_string();
+            assert!(e.contains("out of range"), "{e}");
+        }
+        assert_eq!(shards_seen.len(), 3);
+        let bytes = std::fs::read(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/quant/all_types.gguf"),
+        )
+        .unwrap();
+        let mem =
+            Model::from_shards(vec![GgufFile::from_bytes("mem.gguf", bytes).unwrap()]).unwrap();
+        let t = mem.tensors().next().unwrap();
+        assert!(mem.row_file_range(t, 0..1).unwrap().is_none());
     }
 }

@@ -245,6 +245,13 @@ pub fn dequant_hash(ty: GgmlType, src: &[u8], base: u64) -> Result<u64> {
 impl Gpu {
     /// [`hash_f32_host`] of `v` on the device.
     pub fn hash_f32(&self, v: &CudaSlice<f32>, base: u64) -> Result<u64> {
+        let out = self.hash_f32_launch(v, base)?;
+        self.hash_read(&out)
+    }
+
+    /// Launches [`Gpu::hash_f32`]'s kernel on the stream and returns the device counter it
+    /// sums into, without waiting; [`Gpu::hash_read`] reads it.
+    pub fn hash_f32_launch(&self, v: &CudaSlice<f32>, base: u64) -> Result<CudaSlice<u64>> {
         let s = self.stream();
         let mut out = self.alloc_zeroed::<u64>(1, "hash")?;
         let n = v.len() as u64;
@@ -254,7 +261,18 @@ impl Gpu {
         // SAFETY: `v` holds n values; `out` one counter; blocks are multiples of 32 threads
         // (the warp reduction needs whole warps).
         unsafe { b.launch(grid(self, n)) }.context("cuda: launching hash_f32")?;
-        Ok(s.clone_dtoh(&out).context("cuda: reading the hash")?[0])
+        Ok(out)
+    }
+
+    /// The hash [`Gpu::hash_f32_launch`] left in `out` (waits for the stream's work before it).
+    pub fn hash_read(&self, out: &CudaSlice<u64>) -> Result<u64> {
+        let v = self
+            .stream()
+            .clone_dtoh(out)
+            .context("cuda: reading the hash")?;
+        v.first()
+            .copied()
+            .context("cuda: reading the hash: no value")
     }
 }
 

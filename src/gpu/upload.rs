@@ -1,6 +1,7 @@
 //! Uploads behind compute: byte ranges of files put on a device by a host thread of their own,
 //! through pinned staging memory and a copy stream of their own, while the caller's thread and
-//! the device's compute stream go on with other work.
+//! the device's compute stream go on with other work. The CUDA engine's prefetch
+//! (`engine::cuda::prefetch`) and dequant-check's pipeline (`dcheck`) both use it.
 //!
 //! # How
 //! [`Uploader::start`] creates a non-blocking copy stream (no implicit synchronisation with the
@@ -11,8 +12,9 @@
 //! issues an asynchronous host-to-device copy of the chunk on the copy stream and records the
 //! buffer's event after it. A buffer is refilled only once its event says the copy out of it is
 //! done, so at most [`STAGING_SLOTS`] x [`STAGING_BYTES`] of pinned memory is in use whatever the
-//! sizes. After a job's last chunk the thread records its `done` event and hands the device
-//! buffer back ([`Outcome::Ready`]).
+//! sizes. Before a job's first copy the thread records its `start` event, after its last chunk
+//! its `done` event, and hands the device buffer back ([`Outcome::Ready`]); the two events and
+//! the host time of the reads time the upload ([`Ready::take_timed`], [`CopyTiming`]).
 //!
 //! # Ordering (the caller's side of the contract)
 //! - The device buffer of a job is allocated by the caller on the compute stream
@@ -94,7 +96,36 @@ pub struct Job {
 /// A job's device buffer with every copy into it issued.
 pub struct Ready {
     dst: CudaSlice<u8>,
+    /// Recorded on the copy stream before the job's first copy (after its wait for the
+    /// allocation); `done` after its last. Both time the copies.
+    start: CudaEvent,
     done: CudaEvent,
+    /// Host seconds the upload thread spent reading the job's bytes from the file.
+    read_s: f64,
+}
+
+/// How long a job's copies took: taken with [`Ready::take_timed`], read once they are finished.
+pub struct CopyTiming {
+    start: CudaEvent,
+    done: CudaEvent,
+    /// Bytes copied.
+    pub bytes: usize,
+    /// Host seconds the upload thread spent reading the bytes from the file into pinned
+    /// staging memory (positional reads, [`READERS`] threads a chunk).
+    pub read_s: f64,
+}
+
+impl CopyTiming {
+    /// Device milliseconds from the job's first copy to the end of its last (a job longer than
+    /// a staging buffer includes the copy stream's waits for the next chunk's read). Waits for
+    /// the copies when they are not finished.
+    pub fn copy_ms(&self) -> Result<f64> {
+        let ms = self
+            .start
+            .elapsed_ms(&self.done)
+            .context("cuda: timing an upload's copies")?;
+        Ok(f64::from(ms))
+    }
 }
 
 impl Ready {
@@ -112,10 +143,24 @@ impl Ready {
 
     /// The buffer, for use on `compute`: that stream is made to wait for the copies first.
     pub fn take(self, compute: &CudaStream) -> Result<CudaSlice<u8>> {
+        Ok(self.take_timed(compute)?.0)
+    }
+
+    /// [`Ready::take`], with the events and figures that time the upload.
+    pub fn take_timed(self, compute: &CudaStream) -> Result<(CudaSlice<u8>, CopyTiming)> {
         compute
             .wait(&self.done)
             .context("cuda: ordering compute after an upload")?;
-        Ok(self.dst)
+        let bytes = self.dst.len();
+        Ok((
+            self.dst,
+            CopyTiming {
+                start: self.start,
+                done: self.done,
+                bytes,
+                read_s: self.read_s,
+            },
+        ))
     }
 }
 
@@ -365,18 +410,27 @@ impl Worker {
     /// copies already issued into it.
     fn upload(&mut self, mut job: Job) -> Outcome {
         let mut issued = false;
-        match self.copy_chunks(&mut job, &mut issued) {
-            Ok(true) => match self
-                .ctx
-                .new_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC))
-                .and_then(|e| e.record(&self.copy.stream).map(|()| e))
-            {
-                Ok(done) => Outcome::Ready(Ready { dst: job.dst, done }),
-                Err(e) => {
-                    self.abandon(job.dst, issued);
-                    Outcome::Failed(format!("cuda: recording an upload's end: {e}"))
+        let mut timing = (None, 0.0);
+        match self.copy_chunks(&mut job, &mut issued, &mut timing) {
+            Ok(true) => {
+                // A job without bytes has no first copy: its two events are recorded together.
+                let start = match timing.0.take() {
+                    Some(e) => Ok(e),
+                    None => self.timing_event(),
+                };
+                match start.and_then(|start| self.timing_event().map(|done| (start, done))) {
+                    Ok((start, done)) => Outcome::Ready(Ready {
+                        dst: job.dst,
+                        start,
+                        done,
+                        read_s: timing.1,
+                    }),
+                    Err(e) => {
+                        self.abandon(job.dst, issued);
+                        Outcome::Failed(format!("cuda: recording an upload's end: {e}"))
+                    }
                 }
-            },
+            }
             Ok(false) => {
                 self.abandon(job.dst, issued);
                 Outcome::Cancelled
@@ -394,6 +448,11 @@ impl Worker {
         }
     }
 
+    /// A timing event recorded on the copy stream now.
+    fn timing_event(&self) -> Result<CudaEvent, cudarc::driver::DriverError> {
+        timing_event(&self.ctx, &self.copy.stream)
+    }
+
     /// Frees `dst` after the copies issued into it (the compute stream, where its free is
     /// ordered, waits for them).
     fn abandon(&self, dst: CudaSlice<u8>, issued: bool) {
@@ -405,8 +464,14 @@ impl Worker {
         drop(dst);
     }
 
-    /// Ok(true): every chunk copied; Ok(false): cancelled on the way.
-    fn copy_chunks(&mut self, job: &mut Job, issued: &mut bool) -> Result<bool, String> {
+    /// Ok(true): every chunk copied; Ok(false): cancelled on the way. `timing` gets the event
+    /// recorded before the first copy and the seconds spent reading the file.
+    fn copy_chunks(
+        &mut self,
+        job: &mut Job,
+        issued: &mut bool,
+        timing: &mut (Option<CudaEvent>, f64),
+    ) -> Result<bool, String> {
         if job.dst.len() < job.src.len {
             return Err(format!(
                 "the device buffer holds {} bytes, not {}",
@@ -435,13 +500,22 @@ impl Worker {
                 .as_mut_slice()
                 .map_err(|e| format!("cuda: staging buffer: {e}"))?;
             let buf = &mut buf[..r.len()];
+            let t0 = std::time::Instant::now();
             read_parts(file, offset, buf, READERS)
                 .map_err(|e| format!("reading {}: {e}", path.display()))?;
+            timing.1 += t0.elapsed().as_secs_f64();
             if !agrees(&job.head, 0, buf, r.start) || !agrees(&job.tail, tail_at, buf, r.start) {
                 return Err(format!(
                     "the file's bytes differ from those mapped when the model was opened (was {} changed?)",
                     path.display()
                 ));
+            }
+            if timing.0.is_none() {
+                // After the first read, so the copy stream's time starts with the first copy.
+                timing.0 = Some(
+                    timing_event(&self.ctx, &self.copy.stream)
+                        .map_err(|e| format!("cuda: recording an upload's start: {e}"))?,
+                );
             }
             let (ptr, rec) = job.dst.device_ptr_mut(&self.copy.stream);
             // SAFETY: `ptr + r.start .. + r.len()` lies inside `dst` (checked: dst holds at least
@@ -461,6 +535,16 @@ impl Worker {
         }
         Ok(true)
     }
+}
+
+/// A timing event (blocking: a host wait on it sleeps) of `ctx` recorded on `stream` now.
+fn timing_event(
+    ctx: &Arc<CudaContext>,
+    stream: &CudaStream,
+) -> Result<CudaEvent, cudarc::driver::DriverError> {
+    let e = ctx.new_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC))?;
+    e.record(stream)?;
+    Ok(e)
 }
 
 /// `path` opened for reading, once.
