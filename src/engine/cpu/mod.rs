@@ -20,7 +20,7 @@ use std::ops::Range;
 
 use anyhow::{bail, Context, Result};
 
-use super::{Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
+use super::{AttentionOut, Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
 use crate::model::names::{self, blk};
 use crate::model::{rope, RopeSlice, Weights};
 use crate::precision::Precision;
@@ -247,6 +247,17 @@ impl Engine for CpuEngine<'_> {
         self.mla_cpu(layer, x, want_probs)
     }
 
+    fn mla_attention_rows(
+        &self,
+        layer: usize,
+        x: MlaInputs<'_, HostTensor>,
+        rows: &[usize],
+        want_probs: bool,
+    ) -> Result<Option<AttentionOut<HostTensor>>> {
+        self.mla_cpu_rows(layer, x, Some(rows), want_probs)
+            .map(Some)
+    }
+
     fn moe_route(&self, layer: usize, logits: &HostTensor) -> Result<Routing<HostTensor>> {
         self.moe_route_cpu(layer, logits)
     }
@@ -258,6 +269,25 @@ impl Engine for CpuEngine<'_> {
         want_expert: &dyn Fn(usize) -> bool,
     ) -> Result<ExpertsOut<HostTensor>> {
         self.moe_experts_cpu(layer, x.x, x.ids, x.weights, want_expert)
+    }
+
+    fn moe_experts_rows(
+        &self,
+        layer: usize,
+        x: ExpertInputs<'_, HostTensor>,
+        rows: &[usize],
+        want_expert: &dyn Fn(usize) -> bool,
+    ) -> Result<Option<ExpertsOut<HostTensor>>> {
+        self.moe_experts_tokens(
+            layer,
+            x.x,
+            x.ids,
+            x.weights,
+            Some(rows),
+            want_expert,
+            &|e| self.expert_rows(layer, e),
+        )
+        .map(Some)
     }
 
     fn mlp(&self, x: &HostTensor, gate: &str, up: &str, down: &str) -> Result<HostTensor> {
