@@ -345,7 +345,9 @@ mod tests {
     use crate::engine::cpu::CpuEngine;
     use crate::explain::fault::{Fault, FaultEngine, FaultKind};
     use crate::gguf::Model;
-    use crate::model::Weights;
+    use crate::model::steps::layer_steps;
+    use crate::model::testutil::tiny_hparams;
+    use crate::model::{Arch, Weights};
     use crate::trace::{Mode, Pair, PairSink};
 
     /// A tensor as its shape and the bits of its values.
@@ -499,7 +501,6 @@ mod tests {
             let (whole, whole_work) = pass(&cpu, &cand, &w, &tokens, false);
             let (rows, work) = pass(&cpu, &cand, &w, &tokens, true);
             let (default, default_work) = pass(&whole_steps, &cand, &w, &tokens, true);
-            eprintln!("{file}: whole {whole_work:?}\nrows {work:?}\ndefault {default_work:?}");
             assert!(
                 whole.iter().any(|e| matches!(e, Event::Followed(..))),
                 "{file}"
@@ -539,5 +540,58 @@ mod tests {
                 whole_work.replay_whole.steps
             );
         }
+    }
+
+    fn f(shape: Vec<usize>, v: Vec<f32>) -> HostTensor {
+        HostTensor::f32(shape, v).unwrap()
+    }
+
+    /// Rows differ bit for bit: a zero of the other sign differs, the same NaN does not; other
+    /// shapes or kinds of values are no row-wise difference at all.
+    #[test]
+    fn rows_differ_bit_for_bit() {
+        let a = f(vec![3, 2], vec![0.0, 1.0, f32::NAN, 2.0, 3.0, 4.0]);
+        let b = f(vec![3, 2], vec![-0.0, 1.0, f32::NAN, 2.0, 3.0, 4.5]);
+        assert_eq!(rows_differing(&a, &b), Some(vec![0, 2]));
+        assert_eq!(rows_differing(&a, &a), Some(vec![]));
+        assert_eq!(rows_differing(&a, &f(vec![2, 3], vec![0.0; 6])), None);
+        let i = HostTensor::i32(vec![3, 2], vec![0; 6]).unwrap();
+        assert_eq!(rows_differing(&a, &i), None);
+    }
+
+    /// A changed key reaches every later query; a changed query or selection row only itself;
+    /// the experts' rows are the union of their inputs' changed rows; other steps are not
+    /// restricted.
+    #[test]
+    fn the_rows_a_change_reaches() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let steps = layer_steps(&hp, 1);
+        let of = |op: fn(&Op) -> bool| steps.iter().find(|s| op(&s.op)).unwrap().clone();
+        let attn = of(|o| matches!(o, Op::Attention { .. }));
+        let experts = of(|o| matches!(o, Op::MoeExperts { .. }));
+        let zero = f(vec![5, 1], vec![0.0; 5]);
+        let row = |r: usize| {
+            let mut v = vec![0.0; 5];
+            v[r] = 1.0;
+            f(vec![5, 1], v)
+        };
+        let (r1, r2, r3) = (row(1), row(2), row(3));
+        let base = [&zero; 5];
+        let reached = |inputs: [&HostTensor; 5]| rows_reached(&attn, &inputs, &base);
+        assert_eq!(
+            reached([&zero, &zero, &r2, &zero, &zero]),
+            Some(vec![2, 3, 4])
+        );
+        assert_eq!(reached([&zero, &zero, &zero, &r3, &zero]), Some(vec![3, 4]));
+        assert_eq!(reached([&r1, &zero, &zero, &zero, &r3]), Some(vec![1, 3]));
+        let base = [&zero; 3];
+        assert_eq!(
+            rows_reached(&experts, &[&r1, &zero, &r3], &base),
+            Some(vec![1, 3])
+        );
+        let other = f(vec![4, 1], vec![0.0; 4]);
+        assert_eq!(rows_reached(&experts, &[&r1, &other, &r3], &base), None);
+        let norm = of(|o| matches!(o, Op::RmsNorm { .. }));
+        assert_eq!(rows_reached(&norm, &[&r1], &[&zero]), None);
     }
 }
