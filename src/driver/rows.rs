@@ -162,7 +162,9 @@ fn attention<'k, E: Engine>(
     known: &dyn Fn(&str) -> Option<&'k HostTensor>,
     wants: &dyn Fn(&str) -> bool,
 ) -> Result<Option<Vec<(String, HostTensor)>>> {
-    let heads_name = &step.outputs[0];
+    let (Some(heads_name), true) = (step.outputs.first(), inputs.len() >= 4) else {
+        return Ok(None);
+    };
     let probs_name = hook(layer, point::ATTN_PROBS);
     let want_heads = wants(heads_name);
     let want_probs = wants(&probs_name);
@@ -241,7 +243,10 @@ fn experts<'k, E: Engine>(
     known: &dyn Fn(&str) -> Option<&'k HostTensor>,
     wants: &dyn Fn(&str) -> bool,
 ) -> Result<Option<Vec<(String, HostTensor)>>> {
-    let routed_name = &step.outputs[0];
+    let (Some(routed_name), true) = (step.outputs.first(), inputs.len() == 3 && base.len() == 3)
+    else {
+        return Ok(None);
+    };
     let want_routed = wants(routed_name);
     let known_routed = known(routed_name);
     if want_routed && known_routed.is_none() {
