@@ -21,13 +21,18 @@
 //! the user's output shows: where a hook of the followed chain differs from it, its value is
 //! handed over too ([`PairSink::plain_chain`]). Until the first selection taken or alternative
 //! tried both chains are one: the followed chain then reads the runner's values and computes
-//! nothing; from there it runs its own steps on the reference engine from host values.
+//! nothing; from there it runs its own steps on the reference engine from host values, except
+//! that a step whose inputs are the own chain's bit for bit takes the own chain's outputs, and
+//! an attention or expert step whose inputs differ from them in some rows is computed in the
+//! rows that reach only ([`super::rows`]).
 
 use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
 
 use anyhow::{Context, Result};
 
-use super::replay::{is_selection, PairSummary};
+use super::replay::{is_selection, PairSummary, ReferenceWork};
+use super::rows;
 use super::segment::{collapse, step_in_rounds, RoundOutputs, Rounds, Variants};
 use super::{Plan, Runner};
 use crate::engine::cpu::selected_weights;
@@ -49,6 +54,8 @@ pub(super) struct Follow {
     /// one (its values are then the runner's).
     env: Option<HashMap<String, Variants>>,
     rounds: Rounds,
+    /// Whether steps are computed only where the chain differs from the own chain.
+    only_changed: bool,
 }
 
 /// What one step of the followed chain is given.
@@ -84,8 +91,10 @@ fn is_score(name: &str) -> bool {
 }
 
 impl Follow {
-    /// The followed chain over `plan`'s steps, from the first.
-    pub(super) fn new(plan: &Plan) -> Follow {
+    /// The followed chain over `plan`'s steps, from the first; with `only_changed`, a step
+    /// whose inputs are the own chain's takes its outputs, and one whose inputs differ from
+    /// them in some rows is computed in those rows only ([`super::rows`]).
+    pub(super) fn new(plan: &Plan, only_changed: bool) -> Follow {
         let mut last_use = HashMap::new();
         for (i, s) in plan.steps.iter().enumerate() {
             for n in &s.inputs {
@@ -97,6 +106,7 @@ impl Follow {
             next: 0,
             env: None,
             rounds: Rounds::default(),
+            only_changed,
         }
     }
 
@@ -143,6 +153,7 @@ impl Follow {
         &self,
         x: &FollowStep<'_, '_, R>,
         sink: &dyn PairSink,
+        work: &mut ReferenceWork,
     ) -> Result<RoundOutputs> {
         let step = x.step;
         let declared = |n: &str| step.outputs.iter().any(|o| o == n);
@@ -194,7 +205,82 @@ impl Follow {
             })
             .collect::<Result<Vec<_>>>()?;
         let wants = |n: &str| declared(n) || sink.wants(n) || is_selection(n);
-        step_in_rounds(x.reference, step, inputs, x.tokens, &wants)
+        let t0 = Instant::now();
+        if let Some((out, rows)) = self.own_chain_outputs(x, &inputs, &wants)? {
+            let took = t0.elapsed().as_secs_f64();
+            match rows {
+                Some(n) => work.followed_rows.add(n, took),
+                None => work.followed_reused.add(0, took),
+            }
+            let via = inputs.iter().flat_map(|v| v.via.iter().cloned()).collect();
+            return Ok(RoundOutputs {
+                outputs: out
+                    .into_iter()
+                    .map(|(n, t)| (n, t, BTreeMap::new()))
+                    .collect(),
+                notes: Vec::new(),
+                via,
+            });
+        }
+        let out = step_in_rounds(x.reference, step, inputs, x.tokens, &wants)?;
+        if step.op != Op::Alias {
+            work.followed_whole
+                .add(x.tokens.len(), t0.elapsed().as_secs_f64());
+        }
+        Ok(out)
+    }
+
+    /// The step's outputs from the own chain's, when the chain's inputs (without rounds of
+    /// alternatives) are the own chain's bit for bit (`None` rows: nothing computed), or differ
+    /// from them in rows that [`rows::recompute`] recomputes (`Some(rows recomputed)`); `None`
+    /// when the step must run whole.
+    #[allow(clippy::type_complexity)]
+    fn own_chain_outputs<R: Engine>(
+        &self,
+        x: &FollowStep<'_, '_, R>,
+        inputs: &[Variants],
+        wants: &dyn Fn(&str) -> bool,
+    ) -> Result<Option<(Vec<(String, HostTensor)>, Option<usize>)>> {
+        let step = x.step;
+        if !self.only_changed || step.op == Op::Alias || inputs.iter().any(|v| !v.alt.is_empty()) {
+            return Ok(None);
+        }
+        let mut base = Vec::with_capacity(step.inputs.len());
+        for n in &step.inputs {
+            match x.plain.get(n) {
+                Some(t) => base.push(x.plain.engine().download(t)?),
+                None => return Ok(None),
+            }
+        }
+        // The own chain's outputs of the step: declared ones from the runner, optional ones
+        // (only those the sink wants) from what it handed over.
+        let mut known: Vec<(String, HostTensor)> = Vec::new();
+        for o in &step.outputs {
+            match x.plain.get(o) {
+                Some(t) => known.push((o.clone(), x.plain.engine().download(t)?)),
+                None => return Ok(None),
+            }
+        }
+        known.extend(
+            x.plain_out
+                .iter()
+                .filter(|(n, _)| !step.outputs.contains(n))
+                .cloned(),
+        );
+        let chain: Vec<&HostTensor> = inputs.iter().map(|v| &v.base).collect();
+        let base: Vec<&HostTensor> = base.iter().collect();
+        let same = chain
+            .iter()
+            .zip(&base)
+            .all(|(a, b)| rows::rows_differing(a, b).is_some_and(|r| r.is_empty()));
+        if same {
+            known.retain(|(n, _)| wants(n));
+            return Ok(Some((known, None)));
+        }
+        Ok(
+            rows::recompute(x.reference, step, &chain, &base, &known, wants)?
+                .map(|r| (r.outputs, Some(r.rows))),
+        )
     }
 
     /// The host values the chain feeds the step (the reference's own choices where it has
@@ -236,7 +322,7 @@ impl Follow {
         }
         let RoundOutputs {
             mut outputs, notes, ..
-        } = self.outputs(x, &*sink)?;
+        } = self.outputs(x, &*sink, &mut summary.reference_work)?;
         // Rows of the rounds kept, once a hook the candidate has decided them.
         let mut decided: Option<Vec<(usize, usize)>> = None;
         // The candidate's selection, when it lacks it: alternatives are tried after the step.

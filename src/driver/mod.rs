@@ -26,6 +26,7 @@ mod follow;
 pub mod pair;
 mod replay;
 mod residency;
+mod rows;
 mod segment;
 
 use std::collections::{BTreeMap, HashMap, HashSet};

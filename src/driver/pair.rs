@@ -16,8 +16,9 @@
 //! candidate (its own selection from the reference's scores), so that attention and expert
 //! arithmetic are checked on the keys and experts the candidate really used; when that differs
 //! from the reference's selection the reference recomputes the step with the candidate's
-//! selection, so both sides still start from the same inputs. The selection step itself is
-//! judged on its own.
+//! selection, so both sides still start from the same inputs (only in the rows the changed
+//! selection reaches, spliced into its own outputs: [`super::rows`]). The selection step itself
+//! is judged on its own.
 //!
 //! Against a trace, replay runs in [`super::segment`]: where the trace lacks a step's input,
 //! the reference computes it from the trace's nearest hooks upstream, so a segment of steps is
@@ -43,8 +44,9 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 
 use super::follow::{Follow, FollowStep};
-pub use super::replay::{is_selection, LayerTime, PairSummary};
+pub use super::replay::{is_selection, LayerTime, PairSummary, ReferenceWork, Work};
 use super::replay::{replay_step, step_wanted};
+use super::rows;
 use super::segment::TraceReplay;
 use super::{check_tokens, Plan, Progress, Residency, Runner, StepProgress};
 use crate::engine::{Engine, HostTensor};
@@ -91,6 +93,27 @@ pub fn run_pair<R: Engine, C: Engine>(
     sink: &mut dyn PairSink,
     progress: &dyn Progress,
 ) -> Result<PairSummary> {
+    run_pair_with(
+        reference, candidate, weights, tokens, plan, start, modes, sink, progress, true,
+    )
+}
+
+/// [`run_pair`], where the reference recomputes a replayed step with the candidate's selection
+/// and runs the followed chain only where they change ([`super::rows`]) when `only_changed`, and
+/// whole otherwise (what tests compare it with: the results are the same bit for bit).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run_pair_with<R: Engine, C: Engine>(
+    reference: &R,
+    candidate: Candidate<'_, C>,
+    weights: &Weights<'_>,
+    tokens: &[u32],
+    plan: &Plan,
+    start: &[(String, HostTensor)],
+    modes: Modes,
+    sink: &mut dyn PairSink,
+    progress: &dyn Progress,
+    only_changed: bool,
+) -> Result<PairSummary> {
     check_tokens(weights, tokens)?;
     let mut refr = Runner::new(reference, plan, tokens, start, &[])?;
     let mut cand = match (&candidate, modes.chained) {
@@ -115,7 +138,7 @@ pub fn run_pair<R: Engine, C: Engine>(
         _ => None,
     };
     // Chained: the reference's chain that follows the candidate's near-tie selections.
-    let mut follow = Follow::new(plan);
+    let mut follow = Follow::new(plan, only_changed);
     let mut steps = StepProgress::start(progress, plan);
     while let Some(step) = refr.peek() {
         steps.before(step);
@@ -134,7 +157,11 @@ pub fn run_pair<R: Engine, C: Engine>(
             refr.step(&wants)?
         };
         let ref_out: Vec<(String, HostTensor)> = wanted_outputs(&refr, step, &*sink)?;
-        summary.time(layer).reference += t0.elapsed().as_secs_f64();
+        let took = t0.elapsed().as_secs_f64();
+        summary.time(layer).reference += took;
+        if step.op != Op::Alias {
+            summary.reference_work.plain.add(tokens.len(), took);
+        }
         let ref_extra: Vec<(String, HostTensor)> = ref_extra
             .into_iter()
             .filter(|(n, _)| sink.wants(n))
@@ -234,13 +261,22 @@ pub fn run_pair<R: Engine, C: Engine>(
                                     }
                                 }
                                 // The reference recomputes the step when the candidate's
-                                // selection differs from its own.
-                                let reference_side: Vec<(String, HostTensor)> = if inputs
-                                    .substituted
-                                {
-                                    replay_step(reference, step, &inputs.values, tokens, &wants)?
+                                // selection differs from its own: only the rows it reaches
+                                // where it can.
+                                let own = ref_out.iter().chain(&ref_extra).cloned().collect();
+                                let reference_side = if inputs.substituted {
+                                    recompute_reference(
+                                        reference,
+                                        step,
+                                        &inputs,
+                                        own,
+                                        tokens,
+                                        &*sink,
+                                        only_changed,
+                                        &mut summary,
+                                    )?
                                 } else {
-                                    ref_out.iter().chain(&ref_extra).cloned().collect()
+                                    own
                                 };
                                 let reference_side: Vec<(String, HostTensor)> = reference_side
                                     .into_iter()
@@ -287,8 +323,21 @@ pub fn run_pair<R: Engine, C: Engine>(
 struct ReplayInputs {
     /// One host value per step input.
     values: Vec<HostTensor>,
+    /// Per input, the reference's own value where the candidate's replaced it.
+    replaced: Vec<Option<HostTensor>>,
     /// A selection input was replaced by the candidate's, and differs from the reference's.
     substituted: bool,
+}
+
+impl ReplayInputs {
+    /// The reference's own inputs (what its own step ran on).
+    fn base(&self) -> Vec<&HostTensor> {
+        self.values
+            .iter()
+            .zip(&self.replaced)
+            .map(|(v, r)| r.as_ref().unwrap_or(v))
+            .collect()
+    }
 }
 
 /// The host values of `step`'s inputs that replay feeds both sides of an engine candidate: the
@@ -300,6 +349,7 @@ fn replay_inputs<R: Engine>(
 ) -> Result<std::result::Result<ReplayInputs, String>> {
     let mut r = ReplayInputs {
         values: Vec::with_capacity(step.inputs.len()),
+        replaced: Vec::with_capacity(step.inputs.len()),
         substituted: false,
     };
     let reference_value = |n: &str| -> Result<HostTensor> {
@@ -314,11 +364,52 @@ fn replay_inputs<R: Engine>(
             Some(c) if step.op != Op::Alias && *c != own => {
                 r.substituted = true;
                 r.values.push(c.clone());
+                r.replaced.push(Some(own));
             }
-            _ => r.values.push(own),
+            _ => {
+                r.values.push(own);
+                r.replaced.push(None);
+            }
         }
     }
     Ok(Ok(r))
+}
+
+/// The reference's outputs of a replayed step whose selection the candidate's replaced (`own`:
+/// its outputs from its own inputs, those `sink` wants): recomputed only in the rows the
+/// candidate's selection reaches where it can ([`rows::recompute`], with `only_changed`), whole
+/// otherwise. Its time counts as the reference's.
+#[allow(clippy::too_many_arguments)]
+fn recompute_reference<R: Engine>(
+    reference: &R,
+    step: &Step,
+    inputs: &ReplayInputs,
+    own: Vec<(String, HostTensor)>,
+    tokens: &[u32],
+    sink: &dyn PairSink,
+    only_changed: bool,
+    summary: &mut PairSummary,
+) -> Result<Vec<(String, HostTensor)>> {
+    let t0 = Instant::now();
+    let sink_wants = |n: &str| sink.wants(n);
+    let rows = if only_changed {
+        let values: Vec<&HostTensor> = inputs.values.iter().collect();
+        rows::recompute(reference, step, &values, &inputs.base(), &own, &sink_wants)?
+    } else {
+        None
+    };
+    let (out, work, n) = match rows {
+        Some(r) => (r.outputs, &mut summary.reference_work.replay_rows, r.rows),
+        None => {
+            let wants = |n: &str| sink.wants(n) || is_selection(n);
+            let out = replay_step(reference, step, &inputs.values, tokens, &wants)?;
+            (out, &mut summary.reference_work.replay_whole, tokens.len())
+        }
+    };
+    let took = t0.elapsed().as_secs_f64();
+    work.add(n, took);
+    summary.time(step.layer).reference += took;
+    Ok(out)
 }
 
 /// The outputs of the step `runner` just ran that `sink` wants, downloaded.

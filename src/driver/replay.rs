@@ -20,6 +20,49 @@ pub struct PairSummary {
     pub missing: usize,
     /// Wall time of each side's steps per layer (global steps under `None`), in order.
     pub layer_times: Vec<LayerTime>,
+    /// What the reference computed, by cause.
+    pub reference_work: ReferenceWork,
+}
+
+/// The steps the reference engine computed in a pass, by cause (every cause's time is also in
+/// [`LayerTime::reference`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ReferenceWork {
+    /// Its own chain: every step of the plan once.
+    pub plain: Work,
+    /// Replayed steps recomputed whole with the candidate's selection.
+    pub replay_whole: Work,
+    /// Replayed steps recomputed only in the rows the candidate's selection reaches.
+    pub replay_rows: Work,
+    /// Steps of the chain that follows the candidate's near ties, computed whole once it left
+    /// the reference's own chain.
+    pub followed_whole: Work,
+    /// Steps of that chain computed only in the rows where its inputs differ from the own
+    /// chain's.
+    pub followed_rows: Work,
+    /// Steps of that chain whose inputs are the own chain's bit for bit: its outputs taken,
+    /// nothing computed.
+    pub followed_reused: Work,
+}
+
+/// Steps computed, the rows they computed and the time they took.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Work {
+    /// Steps.
+    pub steps: usize,
+    /// Rows of the first axis computed, summed over the steps.
+    pub rows: usize,
+    /// Seconds.
+    pub seconds: f64,
+}
+
+impl Work {
+    /// Adds one step of `rows` rows that took `seconds`.
+    pub(super) fn add(&mut self, rows: usize, seconds: f64) {
+        self.steps += 1;
+        self.rows += rows;
+        self.seconds += seconds;
+    }
 }
 
 /// Wall time of one layer's steps on each side, seconds: a step's time includes the downloads

@@ -71,6 +71,9 @@ pub struct ExpertInputs<'a, T> {
     pub weights: &'a T,
 }
 
+/// Outputs of the attention step: attn_heads, and the probabilities when asked for.
+pub type AttentionOut<T> = (T, Option<T>);
+
 /// Router outputs of one MoE layer (hooks `moe_probs`, `moe_topk_ids`, `moe_weights`).
 pub struct Routing<T> {
     /// `[T, E]` probabilities (sigmoid or softmax of the logits).
@@ -205,6 +208,21 @@ pub trait Engine {
         x: MlaInputs<'_, Self::Tensor>,
         want_probs: bool,
     ) -> Result<(Self::Tensor, Option<Self::Tensor>)>;
+    /// [`Engine::mla_attention`] for the query rows `rows` only (ascending, distinct, each
+    /// `< T`) against all `T` keys: attn_heads `[rows.len(), H*v]` and, when `want_probs`, the
+    /// probabilities `[H, rows.len(), T]`, row `i` bit for bit row `rows[i]` of the whole step
+    /// from the same inputs. `None` when the engine computes only whole steps (the default):
+    /// the caller then runs the whole step.
+    fn mla_attention_rows(
+        &self,
+        layer: usize,
+        x: MlaInputs<'_, Self::Tensor>,
+        rows: &[usize],
+        want_probs: bool,
+    ) -> Result<Option<AttentionOut<Self::Tensor>>> {
+        let _ = (layer, x, rows, want_probs);
+        Ok(None)
+    }
     /// Router logits of MoE layer `layer`: `x · W^T` with its router matrix `ffn_gate_inp`
     /// (`[E, hidden]`), `[T, hidden]` -> `[T, E]`.
     ///
@@ -226,6 +244,21 @@ pub trait Engine {
         x: ExpertInputs<'_, Self::Tensor>,
         want_expert: &dyn Fn(usize) -> bool,
     ) -> Result<ExpertsOut<Self::Tensor>>;
+    /// [`Engine::moe_experts`] for the token rows `rows` only (ascending, distinct, each `< T`):
+    /// `routed` `[rows.len(), hidden]` and, per expert `e` with `want_expert(e)` that a token of
+    /// `rows` selects, its outputs for those tokens (`[n_e, hidden]`, token order), bit for bit
+    /// the same rows of the whole step from the same inputs. `None` when the engine computes
+    /// only whole steps (the default): the caller then runs the whole step.
+    fn moe_experts_rows(
+        &self,
+        layer: usize,
+        x: ExpertInputs<'_, Self::Tensor>,
+        rows: &[usize],
+        want_expert: &dyn Fn(usize) -> bool,
+    ) -> Result<Option<ExpertsOut<Self::Tensor>>> {
+        let _ = (layer, x, rows, want_expert);
+        Ok(None)
+    }
     /// SwiGLU MLP `down(silu(gate x) * up x)` with three GGUF matrices (shared expert).
     fn mlp(&self, x: &Self::Tensor, gate: &str, up: &str, down: &str) -> Result<Self::Tensor>;
     /// `silu(a) * b`, elementwise.

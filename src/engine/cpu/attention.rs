@@ -122,9 +122,29 @@ impl CpuEngine<'_> {
         x: MlaInputs<'_, HostTensor>,
         want_probs: bool,
     ) -> Result<(HostTensor, Option<HostTensor>)> {
+        self.mla_cpu_rows(layer, x, None, want_probs)
+    }
+
+    /// [`CpuEngine::mla_cpu`] for the query rows `rows` only (all when `None`; see
+    /// [`crate::engine::Engine::mla_attention_rows`]).
+    pub(super) fn mla_cpu_rows(
+        &self,
+        layer: usize,
+        x: MlaInputs<'_, HostTensor>,
+        rows: Option<&[usize]>,
+        want_probs: bool,
+    ) -> Result<(HostTensor, Option<HostTensor>)> {
         let kv_b = self.host_kv_b(layer)?;
         let scale = rope::softmax_scale(self.weights.hparams());
-        mla_host(self.weights.hparams(), layer, x, &kv_b, scale, want_probs)
+        mla_queries(
+            self.weights.hparams(),
+            layer,
+            x,
+            &kv_b,
+            scale,
+            want_probs,
+            rows,
+        )
     }
 }
 
@@ -139,6 +159,22 @@ pub fn mla_host(
     kv_b: &Matrix,
     scale: f64,
     want_probs: bool,
+) -> Result<(HostTensor, Option<HostTensor>)> {
+    mla_queries(hp, layer, x, kv_b, scale, want_probs, None)
+}
+
+/// [`mla_host`] for the query rows `rows` (ascending, distinct, each `< T`; all when `None`)
+/// against every key: heads `[n, H*v]` and probabilities `[H, n, T]` for the `n` rows. Each
+/// query row is computed the same way whichever others are, so a row is bit for bit the
+/// whole step's.
+fn mla_queries(
+    hp: &HParams,
+    layer: usize,
+    x: MlaInputs<'_, HostTensor>,
+    kv_b: &Matrix,
+    scale: f64,
+    want_probs: bool,
+    rows: Option<&[usize]>,
 ) -> Result<(HostTensor, Option<HostTensor>)> {
     let MlaInputs {
         q_b,
@@ -164,6 +200,16 @@ pub fn mla_host(
         expect(k_pe, vec![t, rd], "k_pe_rope")?;
         let (qb, qpe) = (q_b.as_f32("q_b")?, q_pe.as_f32("q_pe_rope")?);
         let kpe = k_pe.as_f32("k_pe_rope")?;
+        let queries: Vec<usize> = match rows {
+            None => (0..t).collect(),
+            Some(r) => {
+                check_rows(r, t).map_err(|e| {
+                    anyhow::anyhow!("engine: cpu: layer {layer} attention: query {e}")
+                })?;
+                r.to_vec()
+            }
+        };
+        let n = queries.len();
 
         // Per query, the keys it may see in ascending order: causal, and in the DSA selection
         // when there is one. [T][<= T] (at most T * index_topk ids with a selection).
@@ -205,10 +251,10 @@ pub fn mla_host(
         let kv = matmul(kv_norm.as_f32("kv_a_norm")?, t, kv_b);
         let kv_w = nope + v;
 
-        // Per head: outputs [T, v] and probabilities [T, T]. The head's K and V rows are first
-        // copied out of `kv` so that a query's keys are read contiguously ([T, nope], [T, v]);
-        // the arithmetic and its order are those of the definition (two dots, softmax, keys
-        // summed in ascending order).
+        // Per head: outputs [n, v] and probabilities [n, T] of the query rows. The head's K and
+        // V rows are first copied out of `kv` so that a query's keys are read contiguously
+        // ([T, nope], [T, v]); the arithmetic and its order are those of the definition (two
+        // dots, softmax, keys summed in ascending order).
         let per_head: Vec<(Vec<f32>, Vec<f32>)> = (0..h)
             .into_par_iter()
             .map(|head| {
@@ -219,11 +265,12 @@ pub fn mla_host(
                     kh[s * nope..(s + 1) * nope].copy_from_slice(&row[..nope]);
                     vh[s * v..(s + 1) * v].copy_from_slice(&row[nope..]);
                 }
-                let mut o = vec![0f32; t * v];
-                let mut probs = vec![0f32; if want_probs { t * t } else { 0 }];
+                let mut o = vec![0f32; n * v];
+                let mut probs = vec![0f32; if want_probs { n * t } else { 0 }];
                 let mut p = Vec::with_capacity(t);
                 let mut acc = vec![0f64; v];
-                for (qt, keys) in keys_of.iter().enumerate() {
+                for (i, &qt) in queries.iter().enumerate() {
+                    let keys = &keys_of[qt];
                     let q_nope = &qb[qt * h * qk + head * qk..qt * h * qk + head * qk + nope];
                     let q_rot = &qpe[(qt * h + head) * rd..(qt * h + head + 1) * rd];
                     p.clear();
@@ -241,10 +288,10 @@ pub fn mla_host(
                             *a += ps * f64::from(x);
                         }
                         if want_probs {
-                            probs[qt * t + s] = ps as f32;
+                            probs[i * t + s] = ps as f32;
                         }
                     }
-                    for (o, a) in o[qt * v..(qt + 1) * v].iter_mut().zip(&acc) {
+                    for (o, a) in o[i * v..(i + 1) * v].iter_mut().zip(&acc) {
                         *o = *a as f32;
                     }
                 }
@@ -252,21 +299,38 @@ pub fn mla_host(
             })
             .collect();
 
-        let mut heads = vec![0f32; t * h * v];
+        let mut heads = vec![0f32; n * h * v];
         for (head, (o, _)) in per_head.iter().enumerate() {
-            for qt in 0..t {
-                heads[qt * h * v + head * v..qt * h * v + (head + 1) * v]
-                    .copy_from_slice(&o[qt * v..(qt + 1) * v]);
+            for i in 0..n {
+                heads[i * h * v + head * v..i * h * v + (head + 1) * v]
+                    .copy_from_slice(&o[i * v..(i + 1) * v]);
             }
         }
         let probs = if want_probs {
             let all: Vec<f32> = per_head.into_iter().flat_map(|(_, p)| p).collect();
-            Some(HostTensor::f32(vec![h, t, t], all)?)
+            Some(HostTensor::f32(vec![h, n, t], all)?)
         } else {
             None
         };
-        Ok((HostTensor::f32(vec![t, h * v], heads)?, probs))
+        Ok((HostTensor::f32(vec![n, h * v], heads)?, probs))
     }
+}
+
+/// Checks that `rows` are ascending, distinct and below `t`; the error says which is not, as
+/// `row R of T` for the caller to prefix.
+pub(super) fn check_rows(rows: &[usize], t: usize) -> std::result::Result<(), String> {
+    for (i, &r) in rows.iter().enumerate() {
+        if r >= t {
+            return Err(format!("row {r} of {t}"));
+        }
+        if i > 0 && rows[i - 1] >= r {
+            return Err(format!(
+                "rows {} then {r}: not ascending and distinct",
+                rows[i - 1]
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Indices of the `min(k, row.len())` largest values of `row`, largest first; ties go to the

@@ -20,7 +20,7 @@ use std::ops::Range;
 
 use anyhow::{bail, Context, Result};
 
-use super::{Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
+use super::{AttentionOut, Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
 use crate::model::names::{self, blk};
 use crate::model::{rope, RopeSlice, Weights};
 use crate::precision::Precision;
@@ -247,6 +247,17 @@ impl Engine for CpuEngine<'_> {
         self.mla_cpu(layer, x, want_probs)
     }
 
+    fn mla_attention_rows(
+        &self,
+        layer: usize,
+        x: MlaInputs<'_, HostTensor>,
+        rows: &[usize],
+        want_probs: bool,
+    ) -> Result<Option<AttentionOut<HostTensor>>> {
+        self.mla_cpu_rows(layer, x, Some(rows), want_probs)
+            .map(Some)
+    }
+
     fn moe_route(&self, layer: usize, logits: &HostTensor) -> Result<Routing<HostTensor>> {
         self.moe_route_cpu(layer, logits)
     }
@@ -258,6 +269,25 @@ impl Engine for CpuEngine<'_> {
         want_expert: &dyn Fn(usize) -> bool,
     ) -> Result<ExpertsOut<HostTensor>> {
         self.moe_experts_cpu(layer, x.x, x.ids, x.weights, want_expert)
+    }
+
+    fn moe_experts_rows(
+        &self,
+        layer: usize,
+        x: ExpertInputs<'_, HostTensor>,
+        rows: &[usize],
+        want_expert: &dyn Fn(usize) -> bool,
+    ) -> Result<Option<ExpertsOut<HostTensor>>> {
+        self.moe_experts_tokens(
+            layer,
+            x.x,
+            x.ids,
+            x.weights,
+            Some(rows),
+            want_expert,
+            &|e| self.expert_rows(layer, e),
+        )
+        .map(Some)
     }
 
     fn mlp(&self, x: &HostTensor, gate: &str, up: &str, down: &str) -> Result<HostTensor> {
@@ -282,5 +312,166 @@ impl Engine for CpuEngine<'_> {
             .map(|(&x, &y)| (f64::from(x) + f64::from(y)) as f32)
             .collect();
         HostTensor::f32(a.shape.clone(), out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::driver::{run, Plan};
+    use crate::model::testutil::{tiny_hparams, tiny_model};
+    use crate::model::Arch;
+    use crate::trace::{HookFilter, TraceSink};
+
+    const TOKENS: [u32; 7] = [3, 1, 4, 1, 5, 9, 2];
+
+    /// Every hook of a run of the tiny GLM-5 model, optional ones included.
+    fn hooks(w: &Weights<'_>) -> BTreeMap<String, HostTensor> {
+        let mut sink = TraceSink::new(HookFilter {
+            layers: None,
+            globs: vec!["*".into()],
+        });
+        run(
+            &CpuEngine::new(w),
+            w,
+            &TOKENS,
+            &Plan::full(w).unwrap(),
+            &mut sink,
+        )
+        .unwrap();
+        sink.into_tensors()
+    }
+
+    /// Rows `rows` of `t` (first axis), or of its second axis when `heads` (`[H, T, T]`).
+    fn rows_of(t: &HostTensor, rows: &[usize], heads: bool) -> Vec<f32> {
+        let v = t.as_f32("").unwrap();
+        if heads {
+            let (h, n, m) = (t.shape[0], t.shape[1], t.shape[2]);
+            (0..h)
+                .flat_map(|hd| rows.iter().map(move |&r| (hd * n + r) * m))
+                .flat_map(|s| v[s..s + m].iter().copied())
+                .collect()
+        } else {
+            let w = t.len() / t.shape[0];
+            rows.iter()
+                .flat_map(|&r| v[r * w..(r + 1) * w].iter().copied())
+                .collect()
+        }
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Attention and the routed experts computed for some rows give exactly those rows of the
+    /// whole step: the heads, the probabilities, the routed sum and each expert's outputs for
+    /// the tokens among the rows.
+    #[test]
+    fn some_rows_are_those_rows_of_the_whole_step() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let model = tiny_model(&hp);
+        let w = Weights::new(&model).unwrap();
+        let e = CpuEngine::new(&w);
+        let h = hooks(&w);
+        let rows = [1usize, 4, 6];
+        let x = |l: usize| MlaInputs {
+            q_b: &h[&format!("blk.{l}.q_b")],
+            q_pe: &h[&format!("blk.{l}.q_pe_rope")],
+            kv_norm: &h[&format!("blk.{l}.kv_a_norm")],
+            k_pe: &h[&format!("blk.{l}.k_pe_rope")],
+            selection: h.get(&format!("blk.{l}.indexer_topk")),
+        };
+        for l in 0..hp.n_layer {
+            let (heads, probs) = e.mla_attention(l, x(l), true).unwrap();
+            let (part, part_probs) = e.mla_attention_rows(l, x(l), &rows, true).unwrap().unwrap();
+            assert_eq!(part.shape, vec![rows.len(), heads.shape[1]]);
+            assert_eq!(
+                bits(part.as_f32("").unwrap()),
+                bits(&rows_of(&heads, &rows, false))
+            );
+            let (probs, part_probs) = (probs.unwrap(), part_probs.unwrap());
+            assert_eq!(part_probs.shape, vec![hp.n_head, rows.len(), TOKENS.len()]);
+            assert_eq!(
+                bits(part_probs.as_f32("").unwrap()),
+                bits(&rows_of(&probs, &rows, true))
+            );
+        }
+        let l = 1;
+        let ids = &h["blk.1.moe_topk_ids"];
+        let inputs = || ExpertInputs {
+            x: &h["blk.1.ffn_norm"],
+            ids,
+            weights: &h["blk.1.moe_weights"],
+        };
+        let whole = e.moe_experts(l, inputs(), &|_| true).unwrap();
+        let part = e
+            .moe_experts_rows(l, inputs(), &rows, &|_| true)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            bits(part.routed.as_f32("").unwrap()),
+            bits(&rows_of(&whole.routed, &rows, false))
+        );
+        let k = hp.n_expert_used;
+        let idv = ids.as_i32("").unwrap();
+        let mut seen = 0;
+        for (ex, out) in &whole.experts {
+            // The positions of the rows' tokens among the expert's tokens.
+            let toks: Vec<usize> = (0..TOKENS.len())
+                .filter(|t| idv[t * k..(t + 1) * k].contains(&(*ex as i32)))
+                .collect();
+            let at: Vec<usize> = (0..toks.len())
+                .filter(|&i| rows.contains(&toks[i]))
+                .collect();
+            match part.experts.iter().find(|(pe, _)| pe == ex) {
+                Some((_, p)) => {
+                    assert_eq!(bits(p.as_f32("").unwrap()), bits(&rows_of(out, &at, false)));
+                    seen += 1;
+                }
+                None => assert!(at.is_empty(), "expert {ex}"),
+            }
+        }
+        assert_eq!(seen, part.experts.len());
+        assert!(seen > 0);
+    }
+
+    /// Rows outside the step or out of order are an error naming the step, never a panic.
+    #[test]
+    fn rows_outside_the_step_or_out_of_order_are_errors() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let model = tiny_model(&hp);
+        let w = Weights::new(&model).unwrap();
+        let e = CpuEngine::new(&w);
+        let h = hooks(&w);
+        let x = || MlaInputs {
+            q_b: &h["blk.1.q_b"],
+            q_pe: &h["blk.1.q_pe_rope"],
+            kv_norm: &h["blk.1.kv_a_norm"],
+            k_pe: &h["blk.1.k_pe_rope"],
+            selection: h.get("blk.1.indexer_topk"),
+        };
+        let inputs = || ExpertInputs {
+            x: &h["blk.1.ffn_norm"],
+            ids: &h["blk.1.moe_topk_ids"],
+            weights: &h["blk.1.moe_weights"],
+        };
+        for (rows, why) in [
+            (&[2usize, 7][..], "row 7 of 7"),
+            (&[3, 1][..], "rows 3 then 1: not ascending and distinct"),
+            (&[2, 2][..], "rows 2 then 2: not ascending and distinct"),
+        ] {
+            let err = e.mla_attention_rows(1, x(), rows, false).unwrap_err();
+            assert_eq!(
+                format!("{err:#}"),
+                format!("engine: cpu: layer 1 attention: query {why}")
+            );
+            let err = e.moe_experts_rows(1, inputs(), rows, &|_| false).err();
+            assert_eq!(
+                format!("{:#}", err.unwrap()),
+                format!("engine: cpu: layer 1 experts: token {why}")
+            );
+        }
     }
 }

@@ -171,6 +171,24 @@ impl<'w> CpuEngine<'w> {
         want_expert: &dyn Fn(usize) -> bool,
         expert: &dyn Fn(usize) -> Result<[Rows<'w>; 3]>,
     ) -> Result<ExpertsOut<HostTensor>> {
+        self.moe_experts_tokens(layer, x, ids, weights, None, want_expert, expert)
+    }
+
+    /// [`CpuEngine::moe_experts_with`] for the token rows `rows` only (all when `None`; see
+    /// [`crate::engine::Engine::moe_experts_rows`]). A token's row is the same whichever others
+    /// are computed: each expert's products are one dot product per value, and a token's sum
+    /// runs over its own experts in ascending order.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn moe_experts_tokens(
+        &self,
+        layer: usize,
+        x: &HostTensor,
+        ids: &HostTensor,
+        weights: &HostTensor,
+        rows: Option<&[usize]>,
+        want_expert: &dyn Fn(usize) -> bool,
+        expert: &dyn Fn(usize) -> Result<[Rows<'w>; 3]>,
+    ) -> Result<ExpertsOut<HostTensor>> {
         let hp = self.weights.hparams();
         let (t, hidden) = x.dims2("moe input")?;
         let (ti, k) = ids.dims2("moe_topk_ids")?;
@@ -187,9 +205,18 @@ impl<'w> CpuEngine<'w> {
             ids.as_i32("moe_topk_ids")?,
             weights.as_f32("moe_weights")?,
         );
-        // routed[e] = (token, weight) in token order.
-        let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); hp.n_expert];
-        for tok in 0..t {
+        let tokens: Vec<usize> = match rows {
+            None => (0..t).collect(),
+            Some(r) => {
+                super::attention::check_rows(r, t).map_err(|e| {
+                    anyhow::anyhow!("engine: cpu: layer {layer} experts: token {e}")
+                })?;
+                r.to_vec()
+            }
+        };
+        // routed[e] = (output row, token, weight) in token order.
+        let mut routed: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); hp.n_expert];
+        for (i, &tok) in tokens.iter().enumerate() {
             for j in 0..k {
                 let e = idv[tok * k + j];
                 if e < 0 || e as usize >= hp.n_expert {
@@ -198,10 +225,10 @@ impl<'w> CpuEngine<'w> {
                         hp.n_expert
                     );
                 }
-                routed[e as usize].push((tok, wv[tok * k + j]));
+                routed[e as usize].push((i, tok, wv[tok * k + j]));
             }
         }
-        let mut acc = vec![0f64; t * hidden];
+        let mut acc = vec![0f64; tokens.len() * hidden];
         let mut extra = Vec::new();
         for (e, toks) in routed.iter().enumerate() {
             if toks.is_empty() {
@@ -210,7 +237,7 @@ impl<'w> CpuEngine<'w> {
             let n = toks.len();
             let xs: Vec<f32> = toks
                 .iter()
-                .flat_map(|&(tok, _)| xv[tok * hidden..(tok + 1) * hidden].iter().copied())
+                .flat_map(|&(_, tok, _)| xv[tok * hidden..(tok + 1) * hidden].iter().copied())
                 .collect(); // [n, hidden]
             let rows = expert(e)?;
             if rows[0].cols() != hidden {
@@ -220,9 +247,9 @@ impl<'w> CpuEngine<'w> {
                 );
             }
             let y = self.expert_output(&rows, &xs, n)?; // [n, hidden]
-            for (i, &(tok, w)) in toks.iter().enumerate() {
+            for (i, &(row, _, w)) in toks.iter().enumerate() {
                 let w = f64::from(w);
-                for (a, &v) in acc[tok * hidden..(tok + 1) * hidden]
+                for (a, &v) in acc[row * hidden..(row + 1) * hidden]
                     .iter_mut()
                     .zip(&y[i * hidden..(i + 1) * hidden])
                 {
@@ -235,7 +262,7 @@ impl<'w> CpuEngine<'w> {
         }
         let out = acc.iter().map(|&v| v as f32).collect();
         Ok(ExpertsOut {
-            routed: HostTensor::f32(vec![t, hidden], out)?,
+            routed: HostTensor::f32(vec![tokens.len(), hidden], out)?,
             experts: extra,
         })
     }

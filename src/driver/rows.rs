@@ -1,0 +1,602 @@
+//! A step recomputed only in the rows where its inputs changed.
+//!
+//! The reference has run a step from some inputs (its own) and holds the outputs; the same step
+//! is wanted from inputs that differ from those in a few rows (the candidate's selection in
+//! replay, a near tie taken by the followed chain). The routed experts compute each token's row
+//! from that token's rows of `x`, the ids and the weights alone; attention computes query row
+//! `t` from query row `t`, selection row `t` and the keys and values of positions `0..=t`. So
+//! the outputs differ from the ones at hand only in the rows the changed inputs reach, and only
+//! those are recomputed ([`Engine::moe_experts_rows`], [`Engine::mla_attention_rows`]) and
+//! spliced in: bit for bit what the whole step computes, at the cost of the rows that changed.
+//! An engine that computes only whole steps, inputs of another shape, a step of another kind,
+//! or changes that reach every row leave the whole step to the caller ([`recompute`] returns
+//! `None`).
+
+use std::collections::BTreeSet;
+
+use anyhow::{bail, Result};
+
+use crate::engine::{Engine, ExpertInputs, HostData, HostTensor, MlaInputs};
+use crate::model::steps::{expert_hook, hook, point, Op, Step};
+
+/// The rows of the first axis in which `a` and `b` differ bit for bit (`-0.0` and `0.0` differ,
+/// a NaN equals the same NaN), or `None` when their shapes or kinds of values differ.
+pub(super) fn rows_differing(a: &HostTensor, b: &HostTensor) -> Option<Vec<usize>> {
+    if a.shape != b.shape {
+        return None;
+    }
+    let rows = a.shape.first().copied().unwrap_or(0);
+    let width = a.len().checked_div(rows).unwrap_or(0).max(1);
+    let differ: Vec<usize> = match (&a.data, &b.data) {
+        (HostData::F32(x), HostData::F32(y)) => (0..rows)
+            .filter(|&t| {
+                let span = t * width..(t + 1) * width;
+                x[span.clone()]
+                    .iter()
+                    .zip(&y[span])
+                    .any(|(p, q)| p.to_bits() != q.to_bits())
+            })
+            .collect(),
+        (HostData::I32(x), HostData::I32(y)) => (0..rows)
+            .filter(|&t| x[t * width..(t + 1) * width] != y[t * width..(t + 1) * width])
+            .collect(),
+        _ => return None,
+    };
+    Some(differ)
+}
+
+/// What [`recompute`] gives.
+pub(super) struct Recomputed {
+    /// The outputs asked for, in the order the whole step gives them.
+    pub(super) outputs: Vec<(String, HostTensor)>,
+    /// The rows recomputed.
+    pub(super) rows: usize,
+}
+
+/// The output rows of `step` that inputs differing from `base` in `inputs` reach, ascending, or
+/// `None` when `step` is not one that [`recompute`] restricts or an input changed shape.
+pub(super) fn rows_reached(
+    step: &Step,
+    inputs: &[&HostTensor],
+    base: &[&HostTensor],
+) -> Option<Vec<usize>> {
+    if inputs.len() != step.inputs.len() || base.len() != inputs.len() {
+        return None;
+    }
+    let mut per_input = Vec::with_capacity(inputs.len());
+    for (a, b) in inputs.iter().zip(base) {
+        per_input.push(rows_differing(a, b)?);
+    }
+    let rows = inputs.first()?.shape.first().copied()?;
+    let mut reached: BTreeSet<usize> = BTreeSet::new();
+    match step.op {
+        Op::MoeExperts { .. } => reached.extend(per_input.into_iter().flatten()),
+        Op::Attention { .. } => {
+            // q_b, q_pe_rope, kv_a_norm, k_pe_rope[, indexer_topk]: a changed key or value at
+            // position s reaches every query from s on.
+            for (i, r) in per_input.into_iter().enumerate() {
+                match i {
+                    2 | 3 => {
+                        if let Some(&s) = r.first() {
+                            reached.extend(s..rows);
+                        }
+                    }
+                    _ => reached.extend(r),
+                }
+            }
+        }
+        _ => return None,
+    }
+    Some(reached.into_iter().collect())
+}
+
+/// The outputs of `step` from `inputs` that `wants` asks for (declared outputs, then optional
+/// hooks, as [`super::replay::replay_step`] returns them), computed in the rows where `inputs`
+/// differ from `base` only and taken from `known` elsewhere. `known` holds what the step gave
+/// from `base`: at least every output `wants` asks for. `None` when the step is left whole to
+/// the caller (module documentation).
+pub(super) fn recompute<E: Engine>(
+    engine: &E,
+    step: &Step,
+    inputs: &[&HostTensor],
+    base: &[&HostTensor],
+    known: &[(String, HostTensor)],
+    wants: &dyn Fn(&str) -> bool,
+) -> Result<Option<Recomputed>> {
+    let Some(rows) = rows_reached(step, inputs, base) else {
+        return Ok(None);
+    };
+    let n_rows = inputs.first().and_then(|t| t.shape.first()).copied();
+    if n_rows.is_none_or(|n| rows.len() >= n) {
+        return Ok(None);
+    }
+    let known_of = |name: &str| known.iter().find(|(n, _)| n == name).map(|(_, t)| t);
+    let out = match step.op {
+        Op::Attention { layer } => attention(engine, layer, step, inputs, &rows, &known_of, wants)?,
+        Op::MoeExperts { layer } => {
+            experts(engine, layer, step, inputs, base, &rows, &known_of, wants)?
+        }
+        _ => None,
+    };
+    Ok(out.map(|outputs| Recomputed {
+        outputs,
+        rows: rows.len(),
+    }))
+}
+
+/// A known output with the rows `rows` replaced by those of `part` (`[rows.len(), ..]`).
+fn splice(known: &HostTensor, part: &HostTensor, rows: &[usize]) -> Result<HostTensor> {
+    let n = known.shape.first().copied().unwrap_or(0);
+    let width = known.len().checked_div(n).unwrap_or(0);
+    if part.shape.first() != Some(&rows.len()) || part.len() != rows.len() * width {
+        bail!(
+            "driver: rows {rows:?} of shape {:?} cannot come from shape {:?}",
+            known.shape,
+            part.shape
+        );
+    }
+    let mut out = known.clone();
+    match (&mut out.data, &part.data) {
+        (HostData::F32(o), HostData::F32(p)) => {
+            for (i, &t) in rows.iter().enumerate() {
+                o[t * width..(t + 1) * width].copy_from_slice(&p[i * width..(i + 1) * width]);
+            }
+        }
+        (HostData::I32(o), HostData::I32(p)) => {
+            for (i, &t) in rows.iter().enumerate() {
+                o[t * width..(t + 1) * width].copy_from_slice(&p[i * width..(i + 1) * width]);
+            }
+        }
+        _ => bail!("driver: rows {rows:?}: f32 and i32 values do not mix"),
+    }
+    Ok(out)
+}
+
+/// Attention in the query rows `rows`, spliced into the known heads and probabilities.
+fn attention<'k, E: Engine>(
+    engine: &E,
+    layer: usize,
+    step: &Step,
+    inputs: &[&HostTensor],
+    rows: &[usize],
+    known: &dyn Fn(&str) -> Option<&'k HostTensor>,
+    wants: &dyn Fn(&str) -> bool,
+) -> Result<Option<Vec<(String, HostTensor)>>> {
+    let (Some(heads_name), true) = (step.outputs.first(), inputs.len() >= 4) else {
+        return Ok(None);
+    };
+    let probs_name = hook(layer, point::ATTN_PROBS);
+    let want_heads = wants(heads_name);
+    let want_probs = wants(&probs_name);
+    let known_heads = known(heads_name);
+    let known_probs = known(&probs_name);
+    if (want_heads && known_heads.is_none()) || (want_probs && known_probs.is_none()) {
+        return Ok(None);
+    }
+    let up = inputs
+        .iter()
+        .map(|t| engine.upload(t))
+        .collect::<Result<Vec<_>>>()?;
+    let x = MlaInputs {
+        q_b: &up[0],
+        q_pe: &up[1],
+        kv_norm: &up[2],
+        k_pe: &up[3],
+        selection: up.get(4),
+    };
+    let Some((heads, probs)) = engine.mla_attention_rows(layer, x, rows, want_probs)? else {
+        return Ok(None);
+    };
+    let mut out = Vec::new();
+    if let (true, Some(k)) = (want_heads, known_heads) {
+        out.push((
+            heads_name.clone(),
+            splice(k, &engine.download(&heads)?, rows)?,
+        ));
+    }
+    if let (true, Some(k), Some(p)) = (want_probs, known_probs, probs) {
+        out.push((probs_name, splice_probs(k, &engine.download(&p)?, rows)?));
+    }
+    Ok(Some(out))
+}
+
+/// Known probabilities `[H, T, T]` with the query rows `rows` of every head taken from `part`
+/// (`[H, rows.len(), T]`).
+fn splice_probs(known: &HostTensor, part: &HostTensor, rows: &[usize]) -> Result<HostTensor> {
+    let (&[h, t, t2], &[ph, pn, pt]) = (known.shape.as_slice(), part.shape.as_slice()) else {
+        bail!(
+            "driver: attention probabilities of shapes {:?} and {:?}",
+            known.shape,
+            part.shape
+        );
+    };
+    if (ph, pn, pt) != (h, rows.len(), t2) || rows.iter().any(|&r| r >= t) {
+        bail!(
+            "driver: query rows {rows:?} of probabilities {:?} cannot come from {:?}",
+            known.shape,
+            part.shape
+        );
+    }
+    let (k, p) = (known.as_f32("attn_probs")?, part.as_f32("attn_probs")?);
+    let mut out = k.to_vec();
+    for head in 0..h {
+        for (i, &qt) in rows.iter().enumerate() {
+            let dst = (head * t + qt) * t2;
+            let src = (head * pn + i) * t2;
+            out[dst..dst + t2].copy_from_slice(&p[src..src + t2]);
+        }
+    }
+    HostTensor::f32(known.shape.clone(), out)
+}
+
+/// The routed experts in the token rows `rows`, spliced into the known routed sum and expert
+/// outputs. An expert's output lists the tokens routed to it in token order: each row comes
+/// from the recomputed tokens or from the known output, whose routing is the base's.
+#[allow(clippy::too_many_arguments)]
+fn experts<'k, E: Engine>(
+    engine: &E,
+    layer: usize,
+    step: &Step,
+    inputs: &[&HostTensor],
+    base: &[&HostTensor],
+    rows: &[usize],
+    known: &dyn Fn(&str) -> Option<&'k HostTensor>,
+    wants: &dyn Fn(&str) -> bool,
+) -> Result<Option<Vec<(String, HostTensor)>>> {
+    let (Some(routed_name), true) = (step.outputs.first(), inputs.len() == 3 && base.len() == 3)
+    else {
+        return Ok(None);
+    };
+    let want_routed = wants(routed_name);
+    let known_routed = known(routed_name);
+    if want_routed && known_routed.is_none() {
+        return Ok(None);
+    }
+    let (t, k) = inputs[1].dims2("moe_topk_ids")?;
+    let new_ids = inputs[1].as_i32("moe_topk_ids")?;
+    let base_ids = base[1].as_i32("moe_topk_ids")?;
+    let up = inputs
+        .iter()
+        .map(|x| engine.upload(x))
+        .collect::<Result<Vec<_>>>()?;
+    let x = ExpertInputs {
+        x: &up[0],
+        ids: &up[1],
+        weights: &up[2],
+    };
+    let want_expert = |e: usize| wants(&expert_hook(layer, e));
+    let Some(part) = engine.moe_experts_rows(layer, x, rows, &want_expert)? else {
+        return Ok(None);
+    };
+    let mut out = Vec::new();
+    if let (true, Some(kr)) = (want_routed, known_routed) {
+        out.push((
+            routed_name.clone(),
+            splice(kr, &engine.download(&part.routed)?, rows)?,
+        ));
+    }
+    let recomputed: BTreeSet<usize> = rows.iter().copied().collect();
+    // The experts the whole step would list: every one some token selects, ascending.
+    let selected: BTreeSet<i32> = new_ids.iter().copied().collect();
+    for e in selected {
+        let Ok(e) = usize::try_from(e) else {
+            return Ok(None);
+        };
+        let name = expert_hook(layer, e);
+        if !wants(&name) {
+            continue;
+        }
+        let count = |ids: &[i32], tok: usize| {
+            ids[tok * k..(tok + 1) * k]
+                .iter()
+                .filter(|&&x| x == e as i32)
+                .count()
+        };
+        let from_part = part
+            .experts
+            .iter()
+            .find(|(pe, _)| *pe == e)
+            .map(|(_, v)| engine.download(v))
+            .transpose()?;
+        let from_known = known(&name);
+        let mut values: Vec<f32> = Vec::new();
+        let mut width: Option<usize> = None;
+        let (mut next_part, mut next_known) = (0usize, 0usize);
+        for tok in 0..t {
+            let n = count(new_ids, tok);
+            let (src, next) = if recomputed.contains(&tok) {
+                // The known output's rows of this token (its base routing) are replaced.
+                next_known += count(base_ids, tok);
+                (from_part.as_ref(), &mut next_part)
+            } else {
+                (from_known, &mut next_known)
+            };
+            if n == 0 {
+                continue;
+            }
+            let Some(src) = src else {
+                return Ok(None);
+            };
+            let (sn, sw) = src.dims2(&name)?;
+            if *next + n > sn || width.is_some_and(|w| w != sw) {
+                return Ok(None);
+            }
+            width = Some(sw);
+            values.extend_from_slice(&src.as_f32(&name)?[*next * sw..(*next + n) * sw]);
+            *next += n;
+        }
+        let used = |t: Option<&HostTensor>, n: usize| {
+            t.map_or(0, |t| t.shape.first().copied().unwrap_or(0)) == n
+        };
+        if !used(from_part.as_ref(), next_part) || !used(from_known, next_known) {
+            return Ok(None);
+        }
+        let Some(width) = width else {
+            continue;
+        };
+        let n = values.len() / width.max(1);
+        out.push((name, HostTensor::f32(vec![n, width], values)?));
+    }
+    Ok(Some(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::driver::pair::{run_pair_with, Candidate, Modes, ReferenceWork};
+    use crate::driver::{NoProgress, Plan};
+    use crate::engine::cpu::CpuEngine;
+    use crate::explain::fault::{Fault, FaultEngine, FaultKind};
+    use crate::gguf::Model;
+    use crate::model::steps::layer_steps;
+    use crate::model::testutil::tiny_hparams;
+    use crate::model::{Arch, Weights};
+    use crate::trace::{Mode, Pair, PairSink};
+
+    /// A tensor as its shape and the bits of its values.
+    type Bits = (Vec<usize>, Vec<u32>);
+
+    fn bits(t: &HostTensor) -> Bits {
+        let v = match &t.data {
+            HostData::F32(x) => x.iter().map(|v| v.to_bits()).collect(),
+            HostData::I32(x) => x.iter().map(|&v| v as u32).collect(),
+        };
+        (t.shape.clone(), v)
+    }
+
+    /// Everything a pass hands a sink, in order, values as bits.
+    #[derive(Debug, PartialEq)]
+    enum Event {
+        Pair(String, Mode, Bits, Bits, Option<String>),
+        Missing(String, Mode, String),
+        ReplayInputs(Vec<String>, Vec<Bits>),
+        ReferenceOnly(String, Mode, Bits),
+        Followed(String, Mode, Vec<usize>),
+        Plain(String, Bits, Bits),
+    }
+
+    /// Wants every hook (optional ones too), takes every row whose selection differs as a near
+    /// tie (so that the chained side follows the candidate) and logs everything.
+    #[derive(Default)]
+    struct Log(Vec<Event>);
+
+    impl PairSink for Log {
+        fn wants(&self, _: &str) -> bool {
+            true
+        }
+        fn record(&mut self, p: Pair<'_>) -> anyhow::Result<()> {
+            let e = Event::Pair(
+                p.name.to_string(),
+                p.mode,
+                bits(&p.reference),
+                bits(&p.candidate),
+                p.note,
+            );
+            self.0.push(e);
+            Ok(())
+        }
+        fn missing(&mut self, name: &str, mode: Mode, why: &str) {
+            self.0
+                .push(Event::Missing(name.to_string(), mode, why.to_string()));
+        }
+        fn wants_replay_inputs(&self) -> bool {
+            true
+        }
+        fn replay_inputs(&mut self, step: &Step, inputs: &[HostTensor]) {
+            let e = Event::ReplayInputs(step.outputs.clone(), inputs.iter().map(bits).collect());
+            self.0.push(e);
+        }
+        fn reference_only(&mut self, name: &str, mode: Mode, _: &[String], r: &HostTensor) {
+            self.0
+                .push(Event::ReferenceOnly(name.to_string(), mode, bits(r)));
+        }
+        fn near_tie_rows(
+            &self,
+            _: &str,
+            _: Mode,
+            reference: &HostTensor,
+            candidate: &HostTensor,
+        ) -> Vec<usize> {
+            rows_differing(reference, candidate).unwrap_or_default()
+        }
+        fn followed(&mut self, selection: &str, mode: Mode, rows: &[usize]) {
+            self.0
+                .push(Event::Followed(selection.to_string(), mode, rows.to_vec()));
+        }
+        fn plain_chain(&mut self, name: &str, reference: &HostTensor, candidate: &HostTensor) {
+            self.0.push(Event::Plain(
+                name.to_string(),
+                bits(reference),
+                bits(candidate),
+            ));
+        }
+    }
+
+    /// Both modes of a pass of `reference` against `cand` on `tokens`: what the sink got and
+    /// what the reference computed.
+    fn pass<R: Engine, C: Engine>(
+        reference: &R,
+        cand: &C,
+        w: &Weights<'_>,
+        tokens: &[u32],
+        only_changed: bool,
+    ) -> (Vec<Event>, ReferenceWork) {
+        let plan = Plan::full(w).unwrap();
+        let mut log = Log::default();
+        let s = run_pair_with(
+            reference,
+            Candidate::Engine(cand),
+            w,
+            tokens,
+            &plan,
+            &[],
+            Modes::BOTH,
+            &mut log,
+            &NoProgress,
+            only_changed,
+        )
+        .unwrap();
+        (log.0, s.reference_work)
+    }
+
+    fn fixture(rel: &str) -> Model {
+        Model::open(&Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)).unwrap()
+    }
+
+    /// A candidate that selects other DSA keys (layer 0) or other experts in some rows: the
+    /// reference recomputes its replayed attention and expert steps only in the rows the
+    /// candidate's selection changes, and the followed chain only where it differs from the
+    /// reference's own, and every pair, note, missing hook, replay input, followed row and
+    /// plain-chain value is bit for bit what recomputing whole steps gives: with the rows of the
+    /// CPU engine, and with an engine that computes only whole steps (the trait's default).
+    #[test]
+    fn recomputing_the_changed_rows_gives_the_whole_steps_bit_for_bit() {
+        let cases: [(&str, Vec<Fault>); 3] = [
+            (
+                "fixtures/models/glm5-tiny/glm5-tiny-f32.gguf",
+                vec![
+                    Fault::new(FaultKind::IndexerRopeNeox, Some(vec![0])),
+                    Fault::new(FaultKind::BiasUnused, None),
+                ],
+            ),
+            (
+                "fixtures/models/glm5-tiny-q/glm5-tiny-q-mixed.gguf",
+                vec![
+                    Fault::new(FaultKind::BiasUnused, None),
+                    Fault::new(FaultKind::IndexerRopeNeox, Some(vec![1])),
+                ],
+            ),
+            (
+                "fixtures/models/dsv3-tiny/dsv3-tiny-f32.gguf",
+                vec![Fault::new(FaultKind::BiasUnused, None)],
+            ),
+        ];
+        for (file, faults) in cases {
+            let model = fixture(file);
+            let w = Weights::new(&model).unwrap();
+            let cpu = CpuEngine::new(&w);
+            let cand = FaultEngine::new(&cpu, &w, faults);
+            let whole_steps = FaultEngine::new(&cpu, &w, Vec::new());
+            let tokens: Vec<u32> = (0..21u32)
+                .map(|i| (i * 7 + 3) % w.n_vocab() as u32)
+                .collect();
+            let t = tokens.len();
+            let (whole, whole_work) = pass(&cpu, &cand, &w, &tokens, false);
+            let (rows, work) = pass(&cpu, &cand, &w, &tokens, true);
+            let (default, default_work) = pass(&whole_steps, &cand, &w, &tokens, true);
+            assert!(
+                whole.iter().any(|e| matches!(e, Event::Followed(..))),
+                "{file}"
+            );
+            assert_eq!(whole.len(), rows.len(), "{file}");
+            for (a, b) in whole.iter().zip(&rows) {
+                assert_eq!(a, b, "{file}");
+            }
+            assert_eq!(whole, default, "{file}");
+            // The rows were restricted: fewer than whole steps, and every recomputed step of the
+            // whole run is one of the restricted run.
+            assert!(work.replay_rows.steps > 0, "{file}: {work:?}");
+            assert!(work.replay_rows.rows < work.replay_rows.steps * t, "{file}");
+            assert_eq!(
+                work.replay_rows.steps + work.replay_whole.steps,
+                whole_work.replay_whole.steps,
+                "{file}"
+            );
+            assert_eq!(whole_work.replay_rows.steps, 0);
+            assert_eq!(
+                whole_work.followed_rows.steps + whole_work.followed_reused.steps,
+                0
+            );
+            assert!(
+                work.followed_rows.steps + work.followed_reused.steps > 0,
+                "{file}"
+            );
+            assert_eq!(
+                work.followed_rows.steps + work.followed_reused.steps + work.followed_whole.steps,
+                whole_work.followed_whole.steps,
+                "{file}"
+            );
+            // The engine without rows recomputes whole replayed steps.
+            assert_eq!(default_work.replay_rows.steps, 0, "{file}");
+            assert_eq!(
+                default_work.replay_whole.steps,
+                whole_work.replay_whole.steps
+            );
+        }
+    }
+
+    fn f(shape: Vec<usize>, v: Vec<f32>) -> HostTensor {
+        HostTensor::f32(shape, v).unwrap()
+    }
+
+    /// Rows differ bit for bit: a zero of the other sign differs, the same NaN does not; other
+    /// shapes or kinds of values are no row-wise difference at all.
+    #[test]
+    fn rows_differ_bit_for_bit() {
+        let a = f(vec![3, 2], vec![0.0, 1.0, f32::NAN, 2.0, 3.0, 4.0]);
+        let b = f(vec![3, 2], vec![-0.0, 1.0, f32::NAN, 2.0, 3.0, 4.5]);
+        assert_eq!(rows_differing(&a, &b), Some(vec![0, 2]));
+        assert_eq!(rows_differing(&a, &a), Some(vec![]));
+        assert_eq!(rows_differing(&a, &f(vec![2, 3], vec![0.0; 6])), None);
+        let i = HostTensor::i32(vec![3, 2], vec![0; 6]).unwrap();
+        assert_eq!(rows_differing(&a, &i), None);
+    }
+
+    /// A changed key reaches every later query; a changed query or selection row only itself;
+    /// the experts' rows are the union of their inputs' changed rows; other steps are not
+    /// restricted.
+    #[test]
+    fn the_rows_a_change_reaches() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let steps = layer_steps(&hp, 1);
+        let of = |op: fn(&Op) -> bool| steps.iter().find(|s| op(&s.op)).unwrap().clone();
+        let attn = of(|o| matches!(o, Op::Attention { .. }));
+        let experts = of(|o| matches!(o, Op::MoeExperts { .. }));
+        let zero = f(vec![5, 1], vec![0.0; 5]);
+        let row = |r: usize| {
+            let mut v = vec![0.0; 5];
+            v[r] = 1.0;
+            f(vec![5, 1], v)
+        };
+        let (r1, r2, r3) = (row(1), row(2), row(3));
+        let base = [&zero; 5];
+        let reached = |inputs: [&HostTensor; 5]| rows_reached(&attn, &inputs, &base);
+        assert_eq!(
+            reached([&zero, &zero, &r2, &zero, &zero]),
+            Some(vec![2, 3, 4])
+        );
+        assert_eq!(reached([&zero, &zero, &zero, &r3, &zero]), Some(vec![3, 4]));
+        assert_eq!(reached([&r1, &zero, &zero, &zero, &r3]), Some(vec![1, 3]));
+        let base = [&zero; 3];
+        assert_eq!(
+            rows_reached(&experts, &[&r1, &zero, &r3], &base),
+            Some(vec![1, 3])
+        );
+        let other = f(vec![4, 1], vec![0.0; 4]);
+        assert_eq!(rows_reached(&experts, &[&r1, &other, &r3], &base), None);
+        let norm = of(|o| matches!(o, Op::RmsNorm { .. }));
+        assert_eq!(rows_reached(&norm, &[&r1], &[&zero]), None);
+    }
+}
