@@ -106,7 +106,7 @@ fn dequant_check_without_a_gpu_says_so() {
     let err = String::from_utf8_lossy(&o.stderr).into_owned();
     if has_cuda {
         assert_eq!(o.status.code(), Some(0), "{out}{err}");
-        let joined = out.replace('\n', " ");
+        let joined = crate::common::joined(&out);
         assert!(
             joined.contains("GLM-5 UD-Q4_K_XL's 744 G values (402 GB) would take"),
             "{out}"
