@@ -7,6 +7,7 @@ pub mod gpu_dequant;
 pub mod layer;
 pub mod libggml;
 pub mod random_blocks;
+mod scratch;
 
 /// The CPU model name from /proc/cpuinfo, or "unknown".
 pub(crate) fn cpu_model() -> String {
