@@ -5,7 +5,7 @@
 #   scripts/gpu-test.sh run       on the GPU machine, from the repository root, with .gpu carried:
 #                                 GPU tests and the ignored unit tests, dequant-check on the quant fixtures and on a synthetic
 #                                 GLM-5-dimension UD-Q4_K_XL model, the regression suite against the CUDA
-#                                 engine, the dequant benchmark, compute-sanitizer over the dequant and
+#                                 engine, the dequant benchmark and `bench run` (GLM-5 dimensions, 16 tokens), compute-sanitizer over the dequant and
 #                                 forward kernels; logs in $OUT/gpu-logs.tgz (default ./gpu-out), a summary last.
 #                                 GPU_STEPS="tests bench" runs only those parts.
 set -uo pipefail
@@ -97,6 +97,9 @@ run() {
     echo "== bench dequant --device 0"
     "$bin" bench dequant --device 0 2>&1 | tee "$logs/bench.txt"
     summary+=("bench dequant --device 0: $(grep -E 'copy' "$logs/bench.txt" | head -n 1)")
+    echo "== bench run --against cuda: GLM-5 dimensions (one dense and one MoE layer), 16 tokens"
+    "$bin" --wide bench run --against cuda --tokens 16 --reps 2 --project glm5 2>&1 | tee "$logs/bench-run.txt"
+    summary+=("bench run --against cuda, 16 tokens, GLM-5 projected: exit ${PIPESTATUS[0]}, $(grep -m1 -E '(reference|candidate) \([0-9.]+x\)' "$logs/bench-run.txt" | tr -s ' ')")
     fi
 
     if ! want sanitizer; then

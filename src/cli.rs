@@ -342,6 +342,8 @@ pub enum BenchCommand {
     Dequant(BenchDequantArgs),
     /// CPU reference time per layer (dequant vs arithmetic), bytes dequantized, peak RSS.
     Layer(BenchLayerArgs),
+    /// `run`'s pipeline timed per layer and side against floors, projected to a whole model.
+    Run(BenchRunArgs),
 }
 
 /// `glmdiff bench dequant`.
@@ -382,6 +384,50 @@ pub struct BenchLayerArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `glmdiff bench run`.
+#[derive(Debug, Args)]
+#[command(allow_negative_numbers = true)]
+pub struct BenchRunArgs {
+    /// A model to run (default: a synthetic GLM-5-dimension model, one dense and one MoE
+    /// layer, written to a temporary file).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Token counts to time (comma separated).
+    #[arg(long, value_delimiter = ',', default_value = "16,1024,4096", allow_hyphen_values = true, value_parser = parse_token_count)]
+    pub tokens: Vec<usize>,
+    /// Layers A..B (end exclusive) to time (default: from 0 through the first MoE layer).
+    #[arg(long, value_name = "A..B", allow_hyphen_values = true, value_parser = parse_range)]
+    pub layers: Option<Range<u64>>,
+    /// The candidate: auto (cuda when a device is present, else cpu), cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto", value_name = "ENGINE", value_parser = Against::parse)]
+    pub against: Against,
+    /// Modes, as for run: both, replay or chained.
+    #[arg(long, value_enum, default_value = "both")]
+    pub mode: ModeChoice,
+    /// The CUDA engine's precision, as for run: f32 or bf16.
+    #[arg(long, value_enum, default_value = "f32")]
+    pub dtype: CudaDtype,
+    /// Project the whole run to this model's layer counts: glm5 (3 dense + 75 MoE) or
+    /// deepseek-v3 (3 + 58) (default: the model's own).
+    #[arg(long, value_name = "MODEL")]
+    pub project: Option<String>,
+    /// Timed passes per token count (the fastest kept per layer).
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = parse_reps)]
+    pub reps: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Parses a count of timed passes (at least 1).
+pub fn parse_reps(s: &str) -> Result<usize> {
+    const RULE: &str = "repetitions are integers from 1";
+    match unsigned(s, "repetition count", RULE)? {
+        0 => bail!("repetition count 0: {RULE}"),
+        n => Ok(n),
+    }
 }
 
 /// Parses `A..B` (end exclusive), `A..` is not allowed: both ends are needed.

@@ -47,8 +47,9 @@
 //! 14. [`tokenizer`]: byte-level BPE from GGUF metadata; uses only `gguf`.
 //! 15. [`synth`]: synthetic GGUFs; uses `tokenizer`, `model`, `gguf`, `quant`, `util`.
 //! 16. [`bench`](mod@bench): benchmarks that measure and return data (the layer benchmark
-//!     wraps the CPU reference in its own counting decorator); uses `synth`, `driver`, `gpu`
-//!     (the GPU dequant benchmark), `trace`, `engine`, `model`, `gguf`, `quant`, `util`.
+//!     wraps the CPU reference in its own counting decorator; `bench run` times `run`'s
+//!     pipeline through a trait `session` implements); uses `synth`, `driver`, `gpu` (the GPU
+//!     dequant benchmark, the copy floors), `trace`, `engine`, `model`, `gguf`, `quant`, `util`.
 //! 17. [`hf`]: Hugging Face checkpoints (config, shards, BF16/F16/F32/FP8 block-scaled reads).
 //!     Imports nothing from the crate.
 //! 18. [`wcheck`]: `weights-check`, a GGUF tensor by tensor against its HF checkpoint or another
@@ -61,11 +62,13 @@
 //!     the layers below return; uses `compare`, `explain`, `regress`, `dcheck`, `bench`,
 //!     `wcheck`, `synth` (the summary of a file written), `driver` (layer timings), `model`,
 //!     `trace`, `util`.
-//! 21. [`session`]: the pipelines of `run`, `compare`, `step`, `trace` and `regress`: plain
-//!     values checked into a configuration before any work, then one run that returns data
-//!     (what must be said at once goes through a callback); uses `driver`, `explain`, `compare`,
-//!     `engine`, `trace`, `regress`, `gpu`, `tokenizer`, `model`, `gguf`, `tensor`, `util`, and
-//!     the data types `report` prints (`Header`, `EngineDesc`, `StepReport`, `NextToken`).
+//! 21. [`session`]: the pipelines of `run`, `compare`, `step`, `trace` and `regress` (and
+//!     `run`'s as `bench run` times it): plain values checked into a configuration before any
+//!     work, then one run that returns data (what must be said at once goes through a
+//!     callback); uses `driver`, `explain`, `compare`, `engine`, `trace`, `regress`, `gpu`,
+//!     `tokenizer`, `bench` (the pipeline trait it implements), `model`, `gguf`, `tensor`,
+//!     `util`, and the data types `report` prints (`Header`, `EngineDesc`, `StepReport`,
+//!     `NextToken`).
 //! 22. [`cli`]: the flags; uses `session` (the typed choices of `run`) and `compare` (dtype words).
 //! 23. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
 //!     (with the output guard before any work) and handing results to `report`, then choosing

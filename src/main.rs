@@ -56,6 +56,7 @@ fn main() -> ExitCode {
         Command::WeightsCheck(a) => cmd::weights_check::run(a),
         Command::Bench(BenchCommand::Dequant(a)) => cmd::bench::run_dequant(a),
         Command::Bench(BenchCommand::Layer(a)) => cmd::bench::run_layer(a),
+        Command::Bench(BenchCommand::Run(a)) => cmd::bench::run_run(a),
     };
     match result {
         Ok(Outcome::Ok) => ExitCode::SUCCESS,

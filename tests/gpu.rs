@@ -1193,4 +1193,86 @@ mod device {
         assert!(out.contains("every value bit-exact"), "{out}");
         eprintln!("{out}");
     }
+
+    /// `bench run --against cuda` on the quantized fixtures (f32 and bf16): the copy floors of
+    /// every layer timed are there, from pinned and from pageable memory, each of the layer's
+    /// bytes (its tensors, computed here from their dimensions and block table); every row
+    /// carries them with the upload / copy quotient; the CUDA engine took weights into use.
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_bench_run_has_copy_floors() {
+        for (m, dtype) in [
+            ("models/glm5-tiny-q/glm5-tiny-q-mixed.gguf", "f32"),
+            ("models/dsv3-tiny-q/dsv3-tiny-q-mixed.gguf", "bf16"),
+        ] {
+            let f = fixtures(m);
+            let o = glmdiff(&[
+                "bench",
+                "run",
+                "--model",
+                f.to_str().unwrap(),
+                "--tokens",
+                "4,16",
+                "--against",
+                "cuda",
+                "--dtype",
+                dtype,
+                "--reps",
+                "2",
+                "--json",
+            ]);
+            let err = String::from_utf8_lossy(&o.stderr).into_owned();
+            assert_eq!(o.status.code(), Some(0), "{m}: {err}");
+            let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+            eprintln!("== {m}: {}", j["copies"]);
+            assert_eq!(j["settings"]["candidate"], serde_json::json!({ "cuda": 0 }));
+            assert_eq!(j["settings"]["dtype"], dtype);
+            let copies = &j["copies"];
+            assert!(
+                copies["device"].as_str().unwrap().starts_with("cuda:0"),
+                "{copies}"
+            );
+            let model = Model::open(&f).unwrap();
+            let start = j["layer_start"].as_u64().unwrap() as usize;
+            let floors = copies["layers"].as_array().unwrap();
+            assert_eq!(
+                floors.len() as u64,
+                j["layer_end"].as_u64().unwrap() - start as u64
+            );
+            for (i, c) in floors.iter().enumerate() {
+                let l = start + i;
+                let prefix = format!("blk.{l}.");
+                let want: u64 = model
+                    .tensors()
+                    .filter(|t| t.info.name.starts_with(&prefix))
+                    .map(|t| {
+                        let n: u64 = t.info.ne.iter().product();
+                        n / t.info.ty.block_size() as u64 * t.info.ty.type_size() as u64
+                    })
+                    .sum();
+                assert_eq!(c["layer"].as_u64(), Some(l as u64));
+                assert_eq!(c["bytes"].as_u64(), Some(want), "{m} layer {l}");
+                let (pinned, pageable) = (
+                    c["pinned_s"].as_f64().unwrap(),
+                    c["pageable_s"].as_f64().unwrap(),
+                );
+                assert!(pinned > 0.0 && pageable > 0.0, "{c}");
+                let gbps = want as f64 / pinned / 1e9;
+                assert!((c["pinned_gbps"].as_f64().unwrap() - gbps).abs() <= 1e-9 * gbps);
+            }
+            let mut uploaded = 0;
+            for run in j["runs"].as_array().unwrap() {
+                for (row, c) in run["layers"].as_array().unwrap().iter().zip(floors) {
+                    assert_eq!(row["copy_pinned_s"], c["pinned_s"]);
+                    assert_eq!(row["copy_pageable_s"], c["pageable_s"]);
+                    let up = row["upload_s"].as_f64().unwrap();
+                    let q = up / c["pinned_s"].as_f64().unwrap();
+                    let r = row["ratios"]["upload_over_copy"].as_f64().unwrap();
+                    assert!((r - q).abs() <= 1e-12 * q.max(1e-300), "{row}");
+                    uploaded += row["upload_bytes"].as_u64().unwrap();
+                }
+            }
+            assert!(uploaded > 0, "{m}: no weight bytes taken into use");
+        }
+    }
 }

@@ -1,5 +1,6 @@
 mod bench_dequant;
 mod bench_layer;
+mod bench_run;
 mod cli;
 mod common;
 mod dequant;

@@ -41,16 +41,18 @@
 //! and the file-backed part equals the bytes the run read, never the model's size.
 
 mod counted;
-mod procfs;
+pub(crate) mod procfs;
 mod reads;
 mod work;
 
 use super::cpu_model;
+use super::scratch::ScratchModel;
+pub use super::scratch::SynthInfo;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use serde::Serialize;
 
 pub use counted::{Counted, WeightCounts};
@@ -65,7 +67,7 @@ use crate::gguf::Model;
 use crate::model::names;
 use crate::model::steps::point;
 use crate::model::{Arch, Weights};
-use crate::synth::{self, Dims, SynthOptions, TypeMix};
+use crate::synth::{Dims, SynthOptions, TypeMix};
 use crate::trace::Sink;
 use crate::util::progress::{NoProgress, Progress};
 use crate::util::rng::{SplitMix64, GAMMA};
@@ -143,21 +145,6 @@ impl BenchLayerOptions {
             sample_interval: DEFAULT_SAMPLE_INTERVAL,
         })
     }
-}
-
-/// The synthetic model of a run.
-#[derive(Clone, Debug, Serialize)]
-pub struct SynthInfo {
-    /// What was written (architecture, dimensions, layers, types).
-    pub description: String,
-    /// Where it was written.
-    pub path: String,
-    /// File size, bytes.
-    pub file_bytes: u64,
-    /// Time to write it, seconds.
-    pub write_s: f64,
-    /// Whether the temporary directory is gone after the run.
-    pub removed: bool,
 }
 
 /// Kind of a layer.
@@ -332,39 +319,18 @@ pub fn run_with_progress(
     let load_before = procfs::load_average();
     let rss_start = procfs::rss().unwrap_or_default();
     let Some(path) = &opts.model else {
-        let dir = TempDir::create(&opts.temp_parent)?;
-        let path = dir.path().join(SYNTH_FILE);
-        let s = &opts.synth;
-        let description = format!(
-            "synthetic {} ({} dims, {} layers of which {} dense, {} MTP, {} types, seed {})",
-            s.arch.as_str(),
-            s.dims.name,
-            s.dims.n_layer,
-            s.dims.n_dense,
-            s.dims.nextn,
-            mix_name(s.mix),
-            s.seed
-        );
-        let planned = synth::prepare(s)?.0.file_len();
-        progress(&format!(
-            "bench: writing {description}, {} bytes, to {}",
-            planned,
-            path.display()
-        ));
-        let t0 = Instant::now();
-        let summary = synth::write_with_progress(s, &path, written)?;
-        let write_s = t0.elapsed().as_secs_f64();
-        let result = measure(&path, opts, progress);
-        let dir_path = dir.path().to_path_buf();
-        drop(dir);
+        let scratch = ScratchModel::write(
+            &opts.synth,
+            &opts.temp_parent,
+            TEMP_PREFIX,
+            SYNTH_FILE,
+            progress,
+            written,
+        )?;
+        let result = measure(scratch.path(), opts, progress);
+        let synth = scratch.finish();
         let mut report = result?;
-        report.synth = Some(SynthInfo {
-            description,
-            path: path.display().to_string(),
-            file_bytes: summary.file_bytes,
-            write_s,
-            removed: !dir_path.exists(),
-        });
+        report.synth = Some(synth);
         report.load_before = load_before;
         report.rss_start = rss_start;
         return Ok(report);
@@ -462,16 +428,8 @@ fn measure(
     })
 }
 
-/// The command-line spelling of a type mix.
-fn mix_name(mix: TypeMix) -> String {
-    match mix {
-        TypeMix::UdQ4KXl => "ud-q4_k_xl".to_string(),
-        TypeMix::Single(t) => t.name().to_lowercase(),
-    }
-}
-
 /// `t` random token ids below `n_vocab` (the same for the same seed and count).
-fn token_ids(seed: u64, t: usize, n_vocab: usize) -> Vec<u32> {
+pub(crate) fn token_ids(seed: u64, t: usize, n_vocab: usize) -> Vec<u32> {
     let mut rng = SplitMix64::new(seed ^ (t as u64).wrapping_mul(GAMMA));
     (0..t)
         .map(|_| (rng.next_u64() % n_vocab.max(1) as u64) as u32)
@@ -623,6 +581,18 @@ fn timed_run<'m>(
     })
 }
 
+/// The floor of layer `layer` on `t` tokens whose routing is `routed` (expert -> tokens routed
+/// to it; empty for a dense layer): the slices the layer reads dequantized and multiplied by
+/// plain kernels (see the module documentation).
+pub(crate) fn layer_floor(
+    weights: &Weights<'_>,
+    layer: usize,
+    t: usize,
+    routed: &BTreeMap<usize, usize>,
+) -> Result<Floor> {
+    floor(weights.model(), &layer_reads(weights, layer, t, routed)?)
+}
+
 /// Keeps the best of two timed runs of the same tokens: per layer the row with the lower wall
 /// time, and separately the lower floor; memory peaks are the higher of the two (counts,
 /// routing and expected bytes are the same in both runs).
@@ -659,7 +629,7 @@ fn best_of(a: Run, b: Run) -> Run {
 }
 
 /// Tokens per expert from `[T, K]` routing ids (each token selects distinct experts).
-fn count_ids(ids: &[i32]) -> BTreeMap<usize, usize> {
+pub(crate) fn count_ids(ids: &[i32]) -> BTreeMap<usize, usize> {
     let mut m = BTreeMap::new();
     for &e in ids {
         *m.entry(e.max(0) as usize).or_insert(0) += 1;
@@ -705,24 +675,3 @@ fn by_kind(layers: &[LayerRow]) -> Vec<KindRow> {
 
 /// The name of the benchmark's temporary directories: `glmdiff-bench-layer-PID-NANOS`.
 const TEMP_PREFIX: &str = "glmdiff-bench-layer-";
-
-/// A directory removed (with its contents) when dropped, or by the interrupt handler (it is
-/// registered as in flight). Those of dead processes are removed when a new one is made.
-struct TempDir(crate::util::atomic::InFlightDir);
-
-impl TempDir {
-    fn create(parent: &Path) -> Result<TempDir> {
-        crate::util::atomic::remove_stale_in(parent, TEMP_PREFIX);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
-        let p = parent.join(format!("{TEMP_PREFIX}{}-{nanos:09}", std::process::id()));
-        let d = crate::util::atomic::InFlightDir::create(&p)
-            .with_context(|| format!("bench: layer: creating {}", p.display()))?;
-        Ok(TempDir(d))
-    }
-
-    fn path(&self) -> &Path {
-        self.0.path()
-    }
-}

@@ -1,12 +1,16 @@
 //! Benchmarks: measured rates with baselines taken in the same run. These functions measure
 //! and return report structs; [`crate::report::bench`] renders them and the caller prints.
 
+#[cfg(feature = "cuda")]
+pub mod copy;
 pub mod dequant;
 #[cfg(feature = "cuda")]
 pub mod gpu_dequant;
 pub mod layer;
 pub mod libggml;
 pub mod random_blocks;
+pub mod run;
+mod scratch;
 
 /// The CPU model name from /proc/cpuinfo, or "unknown".
 pub(crate) fn cpu_model() -> String {

@@ -1,11 +1,12 @@
-//! `glmdiff bench dequant` and `glmdiff bench layer`.
+//! `glmdiff bench dequant`, `glmdiff bench layer` and `glmdiff bench run`.
 
 use anyhow::{bail, Context, Result};
 
 use super::Outcome;
 use crate::bench::dequant::{self, BenchDequantOptions};
 use crate::bench::layer::{self, BenchLayerOptions};
-use crate::cli::{BenchDequantArgs, BenchLayerArgs};
+use crate::bench::run::{BenchRunOptions, Depth};
+use crate::cli::{BenchDequantArgs, BenchLayerArgs, BenchRunArgs};
 use crate::quant::GgmlType;
 
 /// Runs `glmdiff bench dequant`.
@@ -75,6 +76,39 @@ pub fn run_layer(args: &BenchLayerArgs) -> Result<Outcome> {
         crate::report::print_json(&report)?;
     } else {
         crate::report::emit(&crate::report::bench::render_layer(&report));
+    }
+    Ok(Outcome::Ok)
+}
+
+/// Runs `glmdiff bench run`: the candidate, the depth and the flags checked before any work,
+/// progress on stderr (when it is a terminal), the table (or JSON) on stdout.
+pub fn run_run(args: &BenchRunArgs) -> Result<Outcome> {
+    if args.tokens.is_empty() || args.tokens.contains(&0) {
+        bail!(
+            "bench: --tokens {:?}: give one or more token counts, each at least 1",
+            args.tokens
+        );
+    }
+    let mut pipeline =
+        crate::session::bench::RunPipeline::new(&args.against, args.mode, args.dtype)?;
+    let mut opts = BenchRunOptions::new(args.model.clone(), args.tokens.clone())?;
+    opts.layers = args
+        .layers
+        .as_ref()
+        .map(|r| r.start as usize..r.end as usize);
+    opts.project = args.project.as_deref().map(Depth::named).transpose()?;
+    opts.reps = args.reps;
+    let report = crate::bench::run::run(
+        &opts,
+        &mut pipeline,
+        &mut |msg| crate::report::progress::line(msg),
+        &crate::report::progress::Bar::new(),
+        &crate::report::progress::Bar::bytes(),
+    )?;
+    if args.json {
+        crate::report::print_json(&report)?;
+    } else {
+        crate::report::emit(&crate::report::bench::render_run(&report));
     }
     Ok(Outcome::Ok)
 }

@@ -1,10 +1,10 @@
-//! Text rendering of `glmdiff bench dequant` and `glmdiff bench layer`: the tables and the notes
-//! under them. [`crate::bench`] measures and returns the reports; this module only formats them.
+//! Text rendering of `glmdiff bench dequant`, `glmdiff bench layer` and `glmdiff bench run`:
+//! the tables and the notes under them. [`crate::bench`] measures and returns the reports; this module only formats them.
 
 #[cfg(feature = "cuda")]
 use super::table;
 use super::{human_bytes, Grid};
-use crate::bench::{dequant, layer};
+use crate::bench::{dequant, layer, run};
 
 fn fmt_opt(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".to_string(), |x| format!("{x:.digits$}"))
@@ -275,6 +275,249 @@ pub fn render_layer(r: &layer::Report) -> String {
         r.sample_ms
     ));
     s
+}
+
+fn opt_ms(v: Option<f64>) -> String {
+    v.map(ms).unwrap_or_else(|| "-".into())
+}
+
+fn ratio(v: Option<f64>) -> String {
+    fmt_opt(v, 2)
+}
+
+/// Renders a `bench run` report: the setting, a table per layer and token count (each side's
+/// time, the floors and the ratios), the projection to the whole depth, memory, and what the
+/// columns mean.
+pub fn render_run(r: &run::Report) -> String {
+    let mut s = String::new();
+    let st = &r.settings;
+    s.push_str(&format!(
+        "model: {} ({}, {}); layers timed: {}..{} of {} ({} dense)\n",
+        r.model,
+        human_bytes(r.model_bytes),
+        r.arch,
+        r.layer_start,
+        r.layer_end,
+        r.n_layer,
+        r.n_dense
+    ));
+    s.push_str(&format!(
+        "pipeline: glmdiff run --against {} --mode {}{}; candidate: {}\n",
+        st.spec,
+        st.mode,
+        st.dtype
+            .as_ref()
+            .map(|d| format!(" --dtype {d}"))
+            .unwrap_or_default(),
+        r.candidate
+    ));
+    if let Some(syn) = &r.synth {
+        s.push_str(&format!(
+            "{}: {} written in {:.1} s; temporary directory removed: {}\n",
+            syn.description,
+            human_bytes(syn.file_bytes),
+            syn.write_s,
+            if syn.removed { "yes" } else { "NO" }
+        ));
+    }
+    if let Some(c) = &r.copies {
+        s.push_str(&format!("copy floors on {}:", c.device));
+        for f in &c.layers {
+            s.push_str(&format!(
+                " layer {} {} MiB pinned {:.1} GB/s, pageable {:.1} GB/s;",
+                f.layer,
+                mib(f.bytes),
+                f.pinned_gbps,
+                f.pageable_gbps
+            ));
+        }
+        s.pop();
+        s.push('\n');
+    }
+    s.push_str(&format!(
+        "cpu: {}; {} threads; load average before {}, after {}\n\n",
+        r.cpu, r.threads, r.load_before, r.load_after
+    ));
+    s.push_str(&run_layer_table(r));
+    s.push_str("\n\n");
+    s.push_str(&run_projection_table(r));
+    s.push_str("\n\n");
+    s.push_str(&run_memory_table(r));
+    s.push('\n');
+    for n in &r.notes {
+        s.push_str(&format!("note: {n}\n"));
+    }
+    for run in r.runs.iter().filter(|run| run.differs) {
+        s.push_str(&format!(
+            "note: {} tokens: the comparison found a difference (glmdiff run with the same settings shows it)\n",
+            run.tokens
+        ));
+    }
+    s.push_str(&format!(
+        "\nBest of {} timed passes per token count (per layer: lowest wall; floors: lowest of as many), {}; \
+         token ids random (seed {:#x}).\n",
+        r.reps,
+        if r.warmup {
+            "each token count after an untimed reference run of the same tokens (warm-up; its routing gives the floors' experts)"
+        } else {
+            "without warm-up"
+        },
+        r.seed
+    ));
+    s.push_str(
+        "Times are per layer. wall: the pass over the layer (both sides one after the other, downloads,\n\
+         the comparison; layer 0 holds the embedding). reference, candidate (chain + replay) and upload\n\
+         (the candidate's wait for its weights, part of candidate) as the driver records them. floor:\n\
+         the CPU reference's dequantize_par + matmul of the layer's slices (touched experts) with the same\n\
+         tokens. copy: the layer's raw GGUF bytes host-to-device from pinned and pageable memory.\n\
+         Projection: the sum over kinds of layers at the depth x mean wall per layer; each side's the\n\
+         same of its time; bound by: the side whose projected time is larger, and its ratio to the other.\n\
+         Memory: VmHWM (reset before each pass), RssAnon and RssFile sampled during the passes.\n",
+    );
+    s
+}
+
+fn run_layer_table(r: &run::Report) -> String {
+    // The copy columns only with copies measured (a CUDA candidate).
+    let copies = r.copies.is_some();
+    let mut cols = vec![
+        ("tokens", 0),
+        ("layer", 0),
+        ("wall ms", 0),
+        ("reference ms", 0),
+        ("candidate ms", 0),
+        ("upload ms", 2),
+        ("upload MiB", 5),
+        ("floor ms", 1),
+        ("ref / floor", 0),
+    ];
+    if copies {
+        cols.extend([
+            ("copy pinned ms", 3),
+            ("copy pageable ms", 4),
+            ("upload / copy", 1),
+        ]);
+    }
+    cols.extend([("cand / ref", 0), ("experts", 6)]);
+    let mut t = Grid::new(&cols);
+    for run in &r.runs {
+        for l in &run.layers {
+            let mut cells = vec![
+                run.tokens.to_string(),
+                format!("{} {}", l.layer, l.kind.label()),
+                ms(l.wall_s),
+                ms(l.reference_s),
+                ms(l.candidate_s),
+                ms(l.upload_s),
+                mib(l.upload_bytes),
+                opt_ms(l.floor_s),
+                ratio(l.ratios.reference_over_floor),
+            ];
+            if copies {
+                cells.extend([
+                    opt_ms(l.copy_pinned_s),
+                    opt_ms(l.copy_pageable_s),
+                    ratio(l.ratios.upload_over_copy),
+                ]);
+            }
+            cells.extend([
+                ratio(l.ratios.candidate_over_reference),
+                match l.kind {
+                    layer::LayerKind::Dense => "-".to_string(),
+                    layer::LayerKind::Moe => l.experts.to_string(),
+                },
+            ]);
+            t.add_row(cells);
+        }
+    }
+    t.to_string()
+}
+
+/// Seconds with three significant digits below 100.
+fn secs(x: f64) -> String {
+    match x {
+        x if x < 1.0 => format!("{x:.3}"),
+        x if x < 10.0 => format!("{x:.2}"),
+        x if x < 100.0 => format!("{x:.1}"),
+        x => format!("{x:.0}"),
+    }
+}
+
+fn run_projection_table(r: &run::Report) -> String {
+    let d = &r.depth;
+    let mut t = Grid::new(&[
+        ("tokens", 0),
+        ("dense layers x s", 2),
+        ("MoE layers x s", 1),
+        ("whole run s", 0),
+        ("reference s", 0),
+        ("candidate s", 0),
+        ("bound by", 0),
+    ]);
+    for run in &r.runs {
+        let Some(p) = &run.projection else {
+            t.add_row(vec![run.tokens.to_string(), "-".into(), "-".into()]);
+            continue;
+        };
+        let term = |k: layer::LayerKind| {
+            p.terms
+                .iter()
+                .find(|t| t.kind == k)
+                .map_or("-".to_string(), |t| {
+                    format!("{} x {}", t.count, secs(t.wall_s))
+                })
+        };
+        t.add_row(vec![
+            run.tokens.to_string(),
+            term(layer::LayerKind::Dense),
+            term(layer::LayerKind::Moe),
+            secs(p.total_s),
+            secs(p.reference_s),
+            secs(p.candidate_s),
+            format!(
+                "{} ({})",
+                match p.bound {
+                    run::Side::Reference => "reference",
+                    run::Side::Candidate => "candidate",
+                },
+                p.bound_ratio
+                    .map_or("the other side takes no time".to_string(), |x| format!(
+                        "{x:.2}x"
+                    ))
+            ),
+        ]);
+    }
+    format!(
+        "projected to {} ({} dense + {} MoE layers):\n{t}",
+        d.name, d.dense, d.moe
+    )
+}
+
+fn run_memory_table(r: &run::Report) -> String {
+    let mut m = Grid::new(&[
+        ("tokens", 0),
+        ("pipeline s", 0),
+        ("VmHWM MiB", 0),
+        ("peak RssAnon MiB", 0),
+        ("peak RssFile MiB", 1),
+        ("RssAnon before", 2),
+    ]);
+    for run in &r.runs {
+        let mem = &run.memory;
+        m.add_row(vec![
+            run.tokens.to_string(),
+            format!("{:.3}", run.pipeline_s),
+            if mem.hwm_reset {
+                mib(mem.vm_hwm)
+            } else {
+                format!("{} (not reset)", mib(mem.vm_hwm))
+            },
+            mib(mem.peak_anon),
+            mib(mem.peak_file),
+            mib(mem.rss_before.rss_anon),
+        ]);
+    }
+    m.to_string()
 }
 
 /// Renders `bench dequant --device`.

@@ -17,9 +17,12 @@
 //! - [`mod@step`]: a `--repro` case re-run.
 //! - [`mod@trace`]: the reference's hooks into a trace file, and the most likely next tokens.
 //! - [`regress`]: each case of a suite run as `run` runs it, its expectations checked.
+//! - [`bench`]: `run`'s pipeline as `bench run` times it (the benchmark itself is
+//!   [`crate::bench::run`]'s).
 //!
 //! Nothing here prints: what must be said at once is handed to [`Watch::say`].
 
+pub mod bench;
 pub mod candidate;
 pub mod compare;
 pub mod config;
