@@ -67,8 +67,6 @@ use crate::synth::{Dims, SynthOptions};
 use crate::trace::Sink;
 use crate::util::progress::{NoProgress, Progress};
 
-/// Token counts timed by default.
-pub const DEFAULT_TOKENS: [usize; 3] = [16, 1024, 4096];
 /// Timed passes per token count: the machine is shared, so the best of a few is kept.
 pub const DEFAULT_REPS: usize = 3;
 /// Seed of the random token ids.

@@ -378,7 +378,8 @@ pub fn render_run(r: &run::Report) -> String {
 }
 
 fn run_layer_table(r: &run::Report) -> String {
-    // The copy columns only with copies measured (a CUDA candidate).
+    // Uploads only with a CUDA candidate (a CPU candidate has none), copies only when measured.
+    let cuda = matches!(r.settings.candidate, run::CandidateKind::Cuda(_));
     let copies = r.copies.is_some();
     let mut cols = vec![
         ("tokens", 0),
@@ -386,11 +387,11 @@ fn run_layer_table(r: &run::Report) -> String {
         ("wall ms", 0),
         ("reference ms", 0),
         ("candidate ms", 0),
-        ("upload ms", 2),
-        ("upload MiB", 5),
-        ("floor ms", 1),
-        ("ref / floor", 0),
     ];
+    if cuda {
+        cols.extend([("upload ms", 2), ("upload MiB", 5)]);
+    }
+    cols.extend([("floor ms", 1), ("ref / floor", 0)]);
     if copies {
         cols.extend([
             ("copy pinned ms", 3),
@@ -408,11 +409,11 @@ fn run_layer_table(r: &run::Report) -> String {
                 ms(l.wall_s),
                 ms(l.reference_s),
                 ms(l.candidate_s),
-                ms(l.upload_s),
-                mib(l.upload_bytes),
-                opt_ms(l.floor_s),
-                ratio(l.ratios.reference_over_floor),
             ];
+            if cuda {
+                cells.extend([ms(l.upload_s), mib(l.upload_bytes)]);
+            }
+            cells.extend([opt_ms(l.floor_s), ratio(l.ratios.reference_over_floor)]);
             if copies {
                 cells.extend([
                     opt_ms(l.copy_pinned_s),
@@ -595,5 +596,104 @@ mod tests {
             assert!(l.chars().count() <= 100, "{l}\n{text}");
         }
         assert!(text.contains("| IQ2_XXS") && text.contains("86%"), "{text}");
+    }
+
+    /// A `bench run` report with a CUDA candidate (copy columns, uploads) at 100 columns: every
+    /// line fits, the copy floors, the projection and the bound are there.
+    #[test]
+    fn run_report_with_copies_fits_100_columns() {
+        use crate::bench::run::*;
+        let row = |layer: usize, kind: layer::LayerKind| {
+            let mut r = LayerRow {
+                layer,
+                kind,
+                wall_s: 0.512,
+                reference_s: 0.361,
+                chained_s: 0.05,
+                replay_s: 0.012,
+                candidate_s: 0.062,
+                upload_s: 0.004,
+                upload_bytes: 5_500_000_000,
+                experts: 112,
+                floor: Some(layer::Floor {
+                    dequant_s: 0.1,
+                    matmul_s: 0.15,
+                }),
+                floor_s: Some(0.25),
+                copy_pinned_s: Some(0.11),
+                copy_pageable_s: Some(0.45),
+                ratios: Ratios::default(),
+            };
+            r.ratios = ratios(&r);
+            r
+        };
+        let layers = vec![
+            row(0, layer::LayerKind::Dense),
+            row(1, layer::LayerKind::Moe),
+        ];
+        let kinds = by_kind(&layers);
+        let depth = Depth::named("glm5").unwrap();
+        let run = TokenRun {
+            tokens: 4096,
+            pipeline_s: 3.2,
+            projection: project(&depth, &kinds),
+            layers,
+            kinds,
+            memory: Memory::default(),
+            differs: false,
+        };
+        let r = Report {
+            cpu: "AMD EPYC 9654 96-Core Processor".into(),
+            threads: 16,
+            load_before: "0.10 0.20 0.30".into(),
+            load_after: "1.10 1.20 1.30".into(),
+            model: "/tmp/glmdiff-bench-run-1234-000000001/bench-run.gguf".into(),
+            model_bytes: 8_034_558_848,
+            arch: "glm-dsa".into(),
+            synth: None,
+            layer_start: 0,
+            layer_end: 2,
+            n_layer: 2,
+            n_dense: 1,
+            settings: Settings {
+                candidate: CandidateKind::Cuda(0),
+                spec: "cuda:0".into(),
+                mode: "both".into(),
+                dtype: Some("bf16".into()),
+                choice: None,
+            },
+            candidate: "cuda:0 NVIDIA H200 sm_90 (139.8 GiB, 132 SMs), bf16 weights".into(),
+            seed: 1,
+            warmup: true,
+            reps: 3,
+            sample_ms: 5.0,
+            copies: Some(Copies {
+                device: "cuda:0 NVIDIA H200 sm_90 (139.8 GiB, 132 SMs)".into(),
+                chunk_bytes: 256 << 20,
+                layers: vec![CopyFloor {
+                    layer: 0,
+                    bytes: 600_000_000,
+                    pinned_s: 0.011,
+                    pageable_s: 0.045,
+                    pinned_gbps: 54.5,
+                    pageable_gbps: 13.3,
+                }],
+            }),
+            depth,
+            runs: vec![run],
+            notes: vec!["a note".into()],
+        };
+        let text = crate::report::layout::fit_text(&render_run(&r), Some(100));
+        for l in text.lines() {
+            assert!(l.chars().count() <= 100, "{l}\n{text}");
+        }
+        for want in [
+            "copy floors on cuda:0",
+            "projected to glm5 (3 dense + 75 MoE layers)",
+            "reference (",
+            "note: a note",
+        ] {
+            assert!(text.contains(want), "{want}: {text}");
+        }
     }
 }
