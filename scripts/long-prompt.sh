@@ -6,7 +6,8 @@
 # correct candidate: must exit 0), with the wall time, the host's peak RSS (/usr/bin/time -v),
 # each side's time per layer and the DSA selection's flips against its noise; then the planted
 # indexer bugs of LONG_PLANTS on layer 0 (must exit 1, named at the indexer).
-# Carry .gpu (scripts/gpu-test.sh prepare). Logs and a summary in $OUT (default ./long-out).
+# Carry .gpu (scripts/gpu-test.sh prepare). Each result is printed as it comes; logs and the
+# summary in $OUT (default ./long-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-long-out}
@@ -19,11 +20,13 @@ mkdir -p "$scratch"
 model=${MODEL:-$scratch/glm5-long.gguf}
 layers=${LONG_LAYERS:-2}
 summary=()
+# say LINE: keeps LINE for the summary and prints it at once (a run cut short still shows it).
+say() { summary+=("$1"); echo "$1"; }
 
 if [ ! -f "$model" ]; then
     s=$SECONDS
     "$bin" synth --arch glm-dsa --dims glm5 --layers "$layers" --out "$model" > "$out/synth.txt" 2>&1
-    summary+=("synth $layers layers: $((SECONDS - s)) s, $(du -h "$model" | cut -f1)")
+    say "synth $layers layers: $((SECONDS - s)) s, $(du -h "$model" | cut -f1)"
 fi
 vocab=$("$bin" --wide inspect "$model" 2>/dev/null | awk -F'|' '$2 ~ /^ *vocab_size *$/ {gsub(/ /, "", $3); print $3}')
 vocab=${vocab:-154880}
@@ -41,9 +44,9 @@ one() {
     rss=$(awk '/Maximum resident/ {print int($NF / 1024)}' "$out/$label.time")
     local verdict=ok
     [ "$rc" = "$expect" ] || verdict=UNEXPECTED
-    summary+=("$label: exit $rc (expected $expect: $verdict), $((SECONDS - s)) s wall, peak host RSS ${rss} MiB")
-    summary+=("  $(grep -m1 -E '^(OK|FAIL|DIFF)' "$log" | cut -c1-160)")
-    summary+=("  $(grep -m1 'first divergence' "$log" | cut -c1-200)")
+    say "$label: exit $rc (expected $expect: $verdict), $((SECONDS - s)) s wall, peak host RSS ${rss} MiB"
+    say "  $(grep -m1 -E '^(OK|FAIL|DIFF)' "$log" | cut -c1-160)"
+    say "  $(grep -m1 'first divergence' "$log" | cut -c1-200)"
     python3 - "$out/$label.json" <<'PY' >> "$out/$label.flips" 2>/dev/null
 import json, sys
 d = json.load(open(sys.argv[1]))
@@ -61,7 +64,7 @@ for r in d.get("records", []):
                   "near_tie", f.get("near_tie"), "confident", f.get("confident"), "margins", f.get("margins"),
                   "count", json.dumps(c))
 PY
-    while read -r l; do summary+=("  $l"); done < <(cut -c1-400 "$out/$label.flips")
+    while read -r l; do say "  $l"; done < <(cut -c1-400 "$out/$label.flips")
 }
 
 for n in ${LONG_TOKENS:-4096}; do
@@ -74,4 +77,4 @@ for n in ${LONG_TOKENS:-4096}; do
             --mode "${PLANT_MODE:-replay}" --inject "$p"
     done
 done
-printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
+printf '%s\n' "${summary[@]}" > "$out/summary.txt"
