@@ -255,6 +255,52 @@ fn reference_is_bit_identical_for_1_and_2_threads() {
     }
 }
 
+/// Every hook, optional ones included, is bit-identical whichever SIMD build of the reference's
+/// kernels runs: `glmdiff trace` of every golden pair's GGUF and prompt with `GLMDIFF_CPU_SIMD`
+/// at `base` (SSE2: no fused multiply-add), `avx2` and `avx512` (a cap above what the CPU has
+/// runs the widest it has, so on any machine at least two builds meet).
+#[test]
+fn reference_is_bit_identical_at_every_simd_build() {
+    let dir = tempfile::tempdir().unwrap();
+    let bits = |t: &TraceTensor| -> Vec<u64> {
+        match &t.values {
+            TraceValues::Float(v) => v.iter().map(|x| x.to_bits()).collect(),
+            TraceValues::Int(v) => v.iter().map(|&x| x as u64).collect(),
+        }
+    };
+    for (trace_path, gguf) in golden_pairs() {
+        let tokens = read_trace(&trace_path).unwrap().tokens().unwrap();
+        let ids: Vec<String> = tokens.iter().map(u32::to_string).collect();
+        let run_at = |level: &str| -> Trace {
+            let out = dir.path().join(format!("{level}.safetensors"));
+            let r = std::process::Command::new(env!("CARGO_BIN_EXE_glmdiff"))
+                .args(["trace", gguf.to_str().unwrap(), "--tokens", &ids.join(",")])
+                .args(["--hook", "*", "--out", out.to_str().unwrap()])
+                .env("GLMDIFF_CPU_SIMD", level)
+                .output()
+                .unwrap();
+            assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+            read_trace(&out).unwrap()
+        };
+        let base = run_at("base");
+        assert!(base.tensors.keys().any(|k| k.ends_with(".attn_probs")));
+        for level in ["avx2", "avx512"] {
+            let other = run_at(level);
+            assert_eq!(
+                base.tensors.keys().collect::<Vec<_>>(),
+                other.tensors.keys().collect::<Vec<_>>()
+            );
+            for (name, a) in &base.tensors {
+                assert!(
+                    bits(a) == bits(&other.tensors[name]),
+                    "{}: {name} differs between the base and {level} builds",
+                    gguf.display()
+                );
+            }
+        }
+    }
+}
+
 fn glmdiff(args: &[&str]) -> std::process::Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_glmdiff"))
         .args(args)

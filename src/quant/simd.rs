@@ -9,7 +9,9 @@
 //! ([`level`], detected once). The source is the same in all three, and every dequantizer's
 //! arithmetic is exact or rounds once (see each module), so every build gives the same bits:
 //! the unit test `every_level_gives_the_same_bits` checks it on random blocks of every type.
-//! No FMA contraction happens: Rust never fuses a multiply and an add on its own.
+//! No FMA contraction happens: Rust never fuses a multiply and an add on its own (a body that
+//! wants one asks with `mul_add` in its FMA builds only, as the CPU reference's matrix product
+//! does where a fused multiply-add gives the same bits).
 //!
 //! Other architectures get the body alone.
 
@@ -133,12 +135,14 @@ pub(crate) fn with_cap<R>(cap: Level, f: impl FnOnce() -> R) -> R {
 /// With `max avx2` after the `;` it stops at AVX2: for the bodies that look values up in small
 /// tables, where LLVM's AVX-512 build gathers (slow on the CPUs measured) and runs slower than
 /// the AVX2 one. With `base other` after the `;` the baseline build runs `other` instead of
-/// `body` (the same values computed another way that suits narrow vectors better).
+/// `body` (the same values computed another way that suits narrow vectors better). With
+/// `avx2 b3 base b1` after the `;` the AVX2 build runs `b3` and the baseline build `b1`, `body`
+/// being the AVX-512 build's (e.g. the same kernel with a tile sized to each level's registers).
 macro_rules! multiversion {
     (
         $(#[$attr:meta])*
         $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:path;
-        base $base:path
+        avx2 $v3body:path, base $base:path
     ) => {
         $(#[$attr])*
         $vis fn $name($($arg: $ty),*) $(-> $ret)? {
@@ -152,7 +156,7 @@ macro_rules! multiversion {
                 }
                 #[target_feature(enable = "avx,avx2,bmi1,bmi2,f16c,fma,lzcnt,movbe,popcnt")]
                 unsafe fn v3($($arg: $ty),*) $(-> $ret)? {
-                    $body($($arg),*)
+                    $v3body($($arg),*)
                 }
                 match $crate::quant::simd::level() {
                     // SAFETY: `level()` is Avx512 only when the CPU reported every feature `v4`
@@ -164,6 +168,17 @@ macro_rules! multiversion {
                 }
             }
             $base($($arg),*)
+        }
+    };
+    (
+        $(#[$attr:meta])*
+        $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:path;
+        base $base:path
+    ) => {
+        $crate::quant::simd::multiversion! {
+            $(#[$attr])*
+            $vis fn $name($($arg: $ty),*) $(-> $ret)? = $body;
+            avx2 $body, base $base
         }
     };
     (

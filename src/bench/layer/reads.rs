@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 use super::{Floor, FLOOR_ACTIVATION, FLOOR_CHUNK_ELEMS};
-use crate::engine::cpu::math::{self, ROW_TASK_ELEMS};
+use crate::engine::cpu::math;
 use crate::engine::cpu::Matrix;
 use crate::gguf::{Model, TensorRef};
 use crate::model::names::{self, blk};
@@ -36,10 +36,10 @@ impl Read<'_> {
         self.tokens as u64 * self.values()
     }
 
-    /// Rows per task of the CPU reference: as many as fit in [`ROW_TASK_ELEMS`] values, at
-    /// least one.
+    /// Rows per task of the CPU reference with this read's tokens
+    /// ([`math::rows_per_task`]).
     pub(super) fn rows_per_task(&self) -> u64 {
-        (ROW_TASK_ELEMS as u64 / self.t.info.row_len().max(1)).max(1)
+        math::rows_per_task(self.tokens, self.t.info.row_len() as usize) as u64
     }
 
     /// Dequantization tasks for these rows: tasks of [`Read::rows_per_task`] whole rows, one per

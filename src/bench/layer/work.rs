@@ -3,11 +3,11 @@
 //! The CPU reference dequantizes a few weight rows per rayon task and multiplies them at once, so
 //! the two kinds of work interleave on every thread, and the engine, which measures nothing,
 //! cannot be asked how long each took. After a timed run, [`time`] redoes the reads the
-//! counting decorator logged in the same tasks (whole rows, at most
-//! [`ROW_TASK_ELEMS`](crate::engine::cpu::math::ROW_TASK_ELEMS) values each; [`Read::tasks`]):
-//! per task the rows are dequantized by [`quant::dequantize`] into a per-thread buffer, then
-//! every row meets every token of the read through [`math::dot`], the reference's own kernels
-//! on the same bytes, with a [`ThreadTimer`] around each half.
+//! counting decorator logged in the same tasks (whole rows,
+//! [`rows_per_task`](crate::engine::cpu::math::rows_per_task) each; [`Read::tasks`]): per task
+//! the rows are dequantized by [`quant::dequantize`] into a per-thread buffer, then every row
+//! meets every token of the read through [`gemm::products`], the reference's own kernels on
+//! the same bytes, with a [`ThreadTimer`] around each half.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -17,7 +17,7 @@ use rayon::prelude::*;
 
 use super::reads::Read;
 use super::FLOOR_ACTIVATION;
-use crate::engine::cpu::math;
+use crate::engine::cpu::math::gemm;
 use crate::gguf::Model;
 use crate::quant;
 
@@ -91,8 +91,8 @@ pub(super) fn time(model: &Model, reads: &[Read<'_>]) -> Result<(u64, u64)> {
         let per_task = r.rows_per_task();
         let x = vec![FLOOR_ACTIVATION; r.tokens * cols]; // [tokens, cols]
         (0..r.tasks()).into_par_iter().try_for_each_init(
-            || (Vec::new(), Vec::new()),
-            |(buf, out): &mut (Vec<f32>, Vec<f32>), task| -> Result<()> {
+            || (Vec::new(), Vec::new(), gemm::Scratch::default()),
+            |(buf, out, scratch): &mut (Vec<f32>, Vec<f32>, gemm::Scratch), task| -> Result<()> {
                 let r0 = r.rows.start + task * per_task;
                 let rows = r0..(r0 + per_task).min(r.rows.end);
                 let bytes = model.row_data(r.t, rows.clone())?;
@@ -102,14 +102,11 @@ pub(super) fn time(model: &Model, reads: &[Read<'_>]) -> Result<(u64, u64)> {
                     .with_context(|| format!("bench: layer: rows {rows:?} of {}", r.t.info.name))?;
                 dq.fetch_add(timer.elapsed_ns(), Ordering::Relaxed);
                 if r.tokens > 0 {
-                    // [rows, tokens]: one weight row against every token, as the reference.
-                    out.resize(rows.count() * r.tokens, 0.0);
+                    // [rows, tokens]: the task's rows against every token, as the reference.
+                    let n = rows.count();
+                    out.resize(n * r.tokens, 0.0);
                     let timer = ThreadTimer::start();
-                    for (o, w) in out.chunks_exact_mut(r.tokens).zip(buf.chunks_exact(cols)) {
-                        for (tok, v) in o.iter_mut().enumerate() {
-                            *v = math::dot(&x[tok * cols..(tok + 1) * cols], w) as f32;
-                        }
-                    }
+                    gemm::products(&x, r.tokens, buf, n, cols, out, scratch);
                     mm.fetch_add(timer.elapsed_ns(), Ordering::Relaxed);
                     std::hint::black_box(&out);
                 }

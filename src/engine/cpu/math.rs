@@ -7,18 +7,23 @@
 //! adds into [`LANES`] f64 accumulators, element `i` into accumulator `i % LANES`, which are then
 //! combined pairwise in a fixed tree. The order depends only on the vector length, never on the
 //! thread count: threads only split *independent outputs* (rows of a matmul, heads, tokens), so
-//! results are bit-identical for any `RAYON_NUM_THREADS`. No fused multiply-add is used (Rust
-//! never contracts `a * b + c` on its own), so results do not depend on the CPU either.
+//! results are bit-identical for any `RAYON_NUM_THREADS`. The matrix products compute many dot
+//! products at once ([`gemm`]: tiles of tokens by weight rows, fused multiply-adds in the AVX2
+//! and AVX-512 builds), each with exactly [`dot`]'s operations in [`dot`]'s order: since every
+//! product is exact, a fused multiply-add rounds where the add does, so results do not depend
+//! on the CPU or its SIMD build either (Rust never contracts `a * b + c` on its own elsewhere).
 
 use anyhow::Result;
 use rayon::prelude::*;
 
 use super::weights::{Matrix, RowSource};
 
+pub mod gemm;
+
 /// Weight rows a step multiplies with: read from the file and dequantized as they are used (the
 /// reference), or a dense host matrix (another realisation of the same description, e.g. the
-/// weights a faulty loader would have built). Both multiply with the same [`dot`], so
-/// equal values give bit-identical products.
+/// weights a faulty loader would have built). Both multiply with the same kernel
+/// ([`gemm::products`], every element [`dot`]'s), so equal values give bit-identical products.
 pub enum Rows<'m> {
     /// Rows of a GGUF tensor.
     Source(RowSource<'m>),
@@ -48,7 +53,7 @@ impl Rows<'_> {
 pub const LANES: usize = 8;
 
 /// Combines the lanes in a fixed pairwise tree: ((a0+a1)+(a2+a3))+((a4+a5)+(a6+a7)).
-#[inline]
+#[inline(always)]
 fn combine(acc: [f64; LANES]) -> f64 {
     ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
 }
@@ -72,67 +77,116 @@ pub fn dot(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// `x · W^T` for `x` `[t, w.cols]`: writes columns `col0..col0+w.rows` of `out` (`[t, out_cols]`).
-/// Parallel over the rows of `w` (each output element is one [`dot`]), in tasks of
-/// [`ROW_TASK_ELEMS`] weight values; the values do not depend on the split.
+/// Parallel over the rows of `w` in tasks of [`rows_per_task`] rows, each element the [`dot`] of
+/// its token and its row ([`gemm::products`]); the values do not depend on the split.
 pub fn matmul_into(x: &[f32], t: usize, w: &Matrix, out: &mut [f32], out_cols: usize, col0: usize) {
     let k = w.cols;
     debug_assert_eq!(x.len(), t * k);
-    let rows_per_task = (ROW_TASK_ELEMS / k.max(1)).max(1);
+    let n = rows_per_task(t, k);
     let tt = t.max(1);
-    // [w.rows, t]: one row of W against every token, so the weight row stays in cache.
+    // [w.rows, t]: each task's rows against every token.
     let mut tr = vec![0f32; w.rows * tt];
-    tr.par_chunks_mut(rows_per_task * tt)
+    tr.par_chunks_mut(n * tt)
         .enumerate()
-        .for_each(|(task, o)| {
-            for (i, orow) in o.chunks_exact_mut(tt).enumerate() {
-                let wr = w.row(task * rows_per_task + i);
-                for (tok, v) in orow.iter_mut().enumerate().take(t) {
-                    *v = dot(&x[tok * k..(tok + 1) * k], wr) as f32;
+        .for_each_init(gemm::Scratch::default, |s, (task, o)| {
+            let r0 = task * n;
+            let m = o.len() / tt;
+            gemm::products(x, t, &w.data[r0 * k..(r0 + m) * k], m, k, o, s);
+        });
+    transpose_into(&tr, w.rows, t, out, out_cols, col0);
+}
+
+/// Values of weight rows dequantized by one task of [`matmul_rows`] with fewer tokens than a
+/// token block of [`gemm`] (256 KiB of f32, so the rows are still in cache when their dot
+/// products run, and many tasks share the dequantization).
+pub const ROW_TASK_ELEMS: usize = 1 << 16;
+
+/// Values of weight rows per task with a token block or more: the tokens' activations are read
+/// from memory once per task, so a task takes more rows (1 MiB of f32).
+pub const ROW_TASK_ELEMS_MANY_TOKENS: usize = 1 << 18;
+
+/// Fewest rows of one task: with fewer, converting the task's tokens to f64 and the tiles'
+/// set-up weigh on the products (measured on a 2-core Zen 4 VM, AVX-512, 16 tokens of 6144
+/// values: 17 GFLOP/s per thread with tasks of 8 rows, 26 with 16).
+pub const ROW_TASK_MIN_ROWS: usize = 16;
+
+/// Most rows of one task (bounds the lanes a token block keeps in cache).
+pub const ROW_TASK_MAX_ROWS: usize = 64;
+
+/// Weight rows of `cols` values per task of [`matmul_rows`] and [`matmul_into`] with `t`
+/// tokens: [`ROW_TASK_ELEMS`] values with fewer tokens than [`gemm::TOKEN_BLOCK`], else
+/// [`ROW_TASK_ELEMS_MANY_TOKENS`], between [`ROW_TASK_MIN_ROWS`] and [`ROW_TASK_MAX_ROWS`]
+/// rows, a multiple of 4 (the tiles' rows). Only the speed depends on it.
+pub fn rows_per_task(t: usize, cols: usize) -> usize {
+    let elems = if t >= gemm::TOKEN_BLOCK {
+        ROW_TASK_ELEMS_MANY_TOKENS
+    } else {
+        ROW_TASK_ELEMS
+    };
+    (elems / cols.max(1)).clamp(ROW_TASK_MIN_ROWS, ROW_TASK_MAX_ROWS) / 4 * 4
+}
+
+/// Token rows per piece of [`transpose_into`]'s parallel loop.
+const TRANSPOSE_TOKENS: usize = 16;
+
+/// Writes `tr` (`[rows, t]`) transposed into columns `col0..col0+rows` of `out` (`[t, out_cols]`),
+/// in parallel over blocks of tokens.
+fn transpose_into(
+    tr: &[f32],
+    rows: usize,
+    t: usize,
+    out: &mut [f32],
+    out_cols: usize,
+    col0: usize,
+) {
+    if t == 0 || rows == 0 {
+        return;
+    }
+    out[..t * out_cols]
+        .par_chunks_mut(TRANSPOSE_TOKENS * out_cols)
+        .enumerate()
+        .for_each(|(b, o)| {
+            let t0 = b * TRANSPOSE_TOKENS;
+            let tb = o.len() / out_cols;
+            for r in 0..rows {
+                for (i, &v) in tr[r * t + t0..r * t + t0 + tb].iter().enumerate() {
+                    o[i * out_cols + col0 + r] = v;
                 }
             }
         });
-    for r in 0..w.rows {
-        for tok in 0..t {
-            out[tok * out_cols + col0 + r] = tr[r * tt + tok];
-        }
-    }
 }
 
-/// Values of weight rows dequantized by one task of [`matmul_rows`] (256 KiB of f32, so the rows
-/// are still in cache when their dot products run).
-pub const ROW_TASK_ELEMS: usize = 1 << 16;
+/// Scratch of one thread's tasks of [`matmul_rows`]: the dequantized rows and [`gemm`]'s own.
+#[derive(Default)]
+struct RowsScratch {
+    rows: Vec<f32>,
+    gemm: gemm::Scratch,
+}
 
 /// `x · W^T` for weight rows read from a quantized tensor: `[t, src.cols]` -> `[t, src.rows]`.
-/// Each task dequantizes a few rows into a per-thread buffer and uses them at once, so neither
-/// the whole f32 matrix nor large temporary allocations ever exist.
+/// Each task dequantizes [`rows_per_task`] rows into a per-thread buffer and multiplies them at
+/// once with every token ([`gemm::products`]), so neither the whole f32 matrix nor large
+/// temporary allocations ever exist.
 pub fn matmul_rows(x: &[f32], t: usize, src: &RowSource<'_>) -> Result<Vec<f32>> {
     let k = src.cols;
     debug_assert_eq!(x.len(), t * k);
-    let rows_per_task = (ROW_TASK_ELEMS / k.max(1)).max(1);
+    let n = rows_per_task(t, k);
     let tt = t.max(1);
-    // [src.rows, t]: one weight row against every token.
+    // [src.rows, t]: each task's rows against every token.
     let mut tr = vec![0f32; src.rows * tt];
-    tr.par_chunks_mut(rows_per_task * tt)
-        .enumerate()
-        .try_for_each_init(Vec::new, |buf: &mut Vec<f32>, (task, o)| -> Result<()> {
-            let r0 = task * rows_per_task;
-            let n = o.len() / tt;
-            buf.resize(n * k, 0.0);
-            src.dequantize_into(r0..r0 + n, buf)?;
-            for (i, orow) in o.chunks_exact_mut(tt).enumerate() {
-                let wr = &buf[i * k..(i + 1) * k];
-                for (tok, v) in orow.iter_mut().enumerate().take(t) {
-                    *v = dot(&x[tok * k..(tok + 1) * k], wr) as f32;
-                }
-            }
+    tr.par_chunks_mut(n * tt).enumerate().try_for_each_init(
+        RowsScratch::default,
+        |s: &mut RowsScratch, (task, o)| -> Result<()> {
+            let r0 = task * n;
+            let m = o.len() / tt;
+            s.rows.resize(m * k, 0.0);
+            src.dequantize_into(r0..r0 + m, &mut s.rows)?;
+            gemm::products(x, t, &s.rows, m, k, o, &mut s.gemm);
             Ok(())
-        })?;
+        },
+    )?;
     let mut out = vec![0f32; t * src.rows];
-    for r in 0..src.rows {
-        for tok in 0..t {
-            out[tok * src.rows + r] = tr[r * tt + tok];
-        }
-    }
+    transpose_into(&tr, src.rows, t, &mut out, src.rows, 0);
     Ok(out)
 }
 
@@ -223,6 +277,7 @@ pub fn rotate_pairs(x: &mut [f32], cos_sin: &[(f64, f64)]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::util::rng::SplitMix64;
 
     #[test]
     fn rms_norm_by_hand() {
@@ -266,6 +321,183 @@ mod tests {
             matmul(&[1.0, 1.0, 0.0, 1.0], 2, &w),
             vec![3.0, 7.0, 2.0, 4.0]
         );
+    }
+
+    /// `x · W^T` by [`dot`] alone, `[t, rows]`: the definition the matrix products keep.
+    fn by_dot(x: &[f32], t: usize, w: &[f32], rows: usize, k: usize) -> Vec<u32> {
+        (0..t * rows)
+            .map(|i| {
+                let (tok, r) = (i / rows, i % rows);
+                (dot(&x[tok * k..(tok + 1) * k], &w[r * k..(r + 1) * k]) as f32).to_bits()
+            })
+            .collect()
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    fn pool(n: usize) -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build()
+            .unwrap()
+    }
+
+    /// [`matmul`] and [`matmul_into`] are [`dot`] per element, bit for bit, in a 1-thread and a
+    /// 3-thread pool, with token counts on both sides of the task size's switch (63, 64, 65) and
+    /// row counts that leave a last task and a last tile short; `matmul_into` writes only its
+    /// columns.
+    #[test]
+    fn matmul_is_dot_per_element_for_any_split() {
+        let mut rng = SplitMix64::new(11);
+        for &(t, k, rows) in &[
+            (1, 9, 5),
+            (3, 1000, 77),
+            (17, 6144, 13),
+            (63, 257, 150),
+            (64, 257, 150),
+            (65, 1031, 131),
+        ] {
+            let (x, w) = (gemm_data(&mut rng, t * k), gemm_data(&mut rng, rows * k));
+            let (x, w) = gemm::tests::cancelling(&mut rng, x, w, k);
+            let want = by_dot(&x, t, &w, rows, k);
+            let m = Matrix {
+                rows,
+                cols: k,
+                data: w.clone(),
+            };
+            for threads in [1, 3] {
+                let got = pool(threads).install(|| matmul(&x, t, &m));
+                assert!(
+                    bits(&got) == want,
+                    "t={t} k={k} rows={rows} threads={threads}"
+                );
+                // Into columns 2.. of a wider output: the others keep their values.
+                let cols = rows + 3;
+                let mut out = vec![-1.0f32; t * cols];
+                pool(threads).install(|| matmul_into(&x, t, &m, &mut out, cols, 2));
+                for tok in 0..t {
+                    let row = &out[tok * cols..(tok + 1) * cols];
+                    assert_eq!(bits(&row[2..2 + rows]), want[tok * rows..(tok + 1) * rows]);
+                    assert!(row[..2].iter().chain(&row[2 + rows..]).all(|&v| v == -1.0));
+                }
+            }
+        }
+    }
+
+    fn gemm_data(rng: &mut SplitMix64, n: usize) -> Vec<f32> {
+        gemm::tests::wild(rng, n)
+    }
+
+    /// [`matmul_rows`] over a GGUF tensor (F32 rows, so the dequantized values are the stored
+    /// ones) is [`dot`] per element with the tensor's rows, for few and many tokens and any
+    /// thread count.
+    #[test]
+    fn matmul_rows_is_dot_per_element() {
+        use crate::model::testutil::{build, metadata, tensor_names, tiny_hparams};
+        use crate::model::{names, Arch, Weights};
+        let mut hp = tiny_hparams(Arch::Deepseek2);
+        hp.hidden = 70;
+        let model = build(&hp, &metadata(&hp), &tensor_names(&hp), 150);
+        let weights = Weights::new(&model).unwrap();
+        let src = RowSource::new(weights.matrix_desc(names::OUTPUT).unwrap());
+        let (rows, k) = (src.rows, src.cols);
+        assert_eq!((rows, k), (150, 70));
+        let mut w = vec![0f32; rows * k];
+        src.dequantize_into(0..rows, &mut w).unwrap();
+        let mut rng = SplitMix64::new(12);
+        for t in [1, 5, 64, 70] {
+            let x = gemm_data(&mut rng, t * k);
+            let want = by_dot(&x, t, &w, rows, k);
+            for threads in [1, 3] {
+                let got = pool(threads).install(|| matmul_rows(&x, t, &src)).unwrap();
+                assert!(bits(&got) == want, "t={t} threads={threads}");
+            }
+        }
+    }
+
+    /// Tasks are whole tiles of rows (a multiple of 4), 16 to 64 rows, larger with a token
+    /// block or more.
+    #[test]
+    fn rows_per_task_by_hand() {
+        assert_eq!(rows_per_task(16, 6144), 16); // 65536 / 6144 = 10, raised to 16
+        assert_eq!(rows_per_task(64, 6144), 40); // 262144 / 6144 = 42 -> 40
+        assert_eq!(rows_per_task(4096, 12288), 20); // 21 -> 20
+        assert_eq!(rows_per_task(4096, 16384), 16);
+        assert_eq!(rows_per_task(1, 2048), 32);
+        assert_eq!(rows_per_task(256, 2048), 64); // 128, capped
+        assert_eq!(rows_per_task(1, 1 << 20), 16);
+        assert_eq!(rows_per_task(0, 0), 64);
+    }
+
+    /// Thread CPU time of the calling thread, seconds.
+    fn thread_cpu_s() -> f64 {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes one timespec through a pointer to a live local.
+        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+    }
+
+    /// The products as they were computed before [`gemm`]: tasks of [`ROW_TASK_ELEMS`] values
+    /// of rows, each row against every token with [`dot`] (`[rows, t]`).
+    fn one_dot_at_a_time(x: &[f32], t: usize, w: &Matrix) -> Vec<f32> {
+        let k = w.cols;
+        let per_task = (ROW_TASK_ELEMS / k).max(1);
+        let mut tr = vec![0f32; w.rows * t];
+        tr.par_chunks_mut(per_task * t)
+            .enumerate()
+            .for_each(|(task, o)| {
+                for (i, orow) in o.chunks_exact_mut(t).enumerate() {
+                    let wr = w.row(task * per_task + i);
+                    for (tok, v) in orow.iter_mut().enumerate() {
+                        *v = dot(&x[tok * k..(tok + 1) * k], wr) as f32;
+                    }
+                }
+            });
+        tr
+    }
+
+    /// Speed of `[t, 6144] x [6144 -> 2048]` on one thread, GFLOP/s of thread CPU time (best of
+    /// 3), at each SIMD build, against one [`dot`] at a time:
+    /// `cargo test --release --lib matmul_speed -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn matmul_speed() {
+        use crate::quant::simd::with_cap;
+        let (k, rows) = (6144, 2048);
+        let mut rng = SplitMix64::new(5);
+        let w = Matrix {
+            rows,
+            cols: k,
+            data: (0..rows * k).map(|_| rng.uniform() - 0.5).collect(),
+        };
+        let one = pool(1);
+        for t in [16, 256, 1024] {
+            let x: Vec<f32> = (0..t * k).map(|_| rng.uniform() - 0.5).collect();
+            let gflop = 2.0 * (t * rows * k) as f64 * 1e-9;
+            let best = |f: &(dyn Fn() -> Vec<f32> + Sync)| {
+                one.install(|| {
+                    (0..3)
+                        .map(|_| {
+                            let c = thread_cpu_s();
+                            std::hint::black_box(f());
+                            gflop / (thread_cpu_s() - c)
+                        })
+                        .fold(0.0, f64::max)
+                })
+            };
+            let old = best(&|| one_dot_at_a_time(&x, t, &w));
+            let mut line = format!("t={t:5}: one dot at a time {old:6.1} GFLOP/s");
+            for l in gemm::tests::levels() {
+                let g = best(&|| with_cap(l, || matmul(&x, t, &w)));
+                line += &format!(", {} {g:6.1} ({:.1}x)", l.name(), g / old);
+            }
+            println!("{line}");
+        }
     }
 
     #[test]
