@@ -3,7 +3,6 @@
 //! on the reference's scores; a correct engine's flips stay within what its scores' noise
 //! predicts.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use glmdiff::engine::{HostData, HostTensor};
@@ -69,24 +68,7 @@ fn skip_boundary(src: &Path, dst: &Path) -> usize {
             changed += 1;
         }
     }
-    let mut extra: BTreeMap<String, String> = t
-        .metadata
-        .iter()
-        .filter(|(k, _)| {
-            !matches!(
-                k.as_str(),
-                "glmdiff_trace"
-                    | "glmdiff_version"
-                    | "model"
-                    | "architecture"
-                    | "tokens"
-                    | "engine"
-                    | "dtype"
-                    | "mode"
-            )
-        })
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
+    let mut extra = crate::common::subset::extra_metadata(&t.metadata);
     extra.insert("doctored".into(), "top-k skips the boundary key".into());
     let meta = TraceMeta {
         model: t.metadata["model"].clone(),

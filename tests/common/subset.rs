@@ -88,23 +88,7 @@ pub fn write_subset(src: &Path, dst: &Path, keep: &dyn Fn(&str) -> bool, why: &s
         }
     }
     let m = &t.metadata;
-    let mut extra: BTreeMap<String, String> = m
-        .iter()
-        .filter(|(k, _)| {
-            !matches!(
-                k.as_str(),
-                "glmdiff_trace"
-                    | "glmdiff_version"
-                    | "model"
-                    | "architecture"
-                    | "tokens"
-                    | "engine"
-                    | "dtype"
-                    | "mode"
-            )
-        })
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
+    let mut extra = extra_metadata(m);
     if !left_out.is_empty() {
         let map: serde_json::Map<String, serde_json::Value> = left_out
             .into_iter()
@@ -125,4 +109,25 @@ pub fn write_subset(src: &Path, dst: &Path, keep: &dyn Fn(&str) -> bool, why: &s
         extra,
     };
     write_trace(dst, &kept, &meta).unwrap();
+}
+
+/// The metadata keys of a trace that `write_trace` does not write itself (everything but the
+/// keys `TraceMeta` has fields for): what a copy carries over.
+pub fn extra_metadata(m: &std::collections::HashMap<String, String>) -> BTreeMap<String, String> {
+    m.iter()
+        .filter(|(k, _)| {
+            !matches!(
+                k.as_str(),
+                "glmdiff_trace"
+                    | "glmdiff_version"
+                    | "model"
+                    | "architecture"
+                    | "tokens"
+                    | "engine"
+                    | "dtype"
+                    | "mode"
+            )
+        })
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
 }
