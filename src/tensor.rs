@@ -89,6 +89,20 @@ impl HostTensor {
         Ok(())
     }
 
+    /// Whether `other` has the same shape, kind and bits of every value (unlike `==`, which
+    /// takes `0.0` and `-0.0` for equal and a NaN for unequal to itself): what the same
+    /// arithmetic on both gives the same bits for.
+    pub fn same_bits(&self, other: &HostTensor) -> bool {
+        self.shape == other.shape
+            && match (&self.data, &other.data) {
+                (HostData::F32(a), HostData::F32(b)) => {
+                    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+                }
+                (HostData::I32(a), HostData::I32(b)) => a == b,
+                _ => false,
+            }
+    }
+
     /// `(rows, cols)` of a 2-D tensor, or an error naming `what`.
     pub fn dims2(&self, what: &str) -> Result<(usize, usize)> {
         match self.shape[..] {

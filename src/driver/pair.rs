@@ -50,7 +50,7 @@ use super::rows;
 use super::segment::TraceReplay;
 use super::{check_tokens, Plan, Progress, Residency, Runner, StepProgress};
 use crate::engine::{Engine, HostTensor};
-use crate::model::steps::{Op, Step};
+use crate::model::steps::{expert_hook, Op, Step};
 use crate::model::Weights;
 use crate::trace::{Mode, Pair, PairSink, TraceFile};
 
@@ -151,9 +151,22 @@ pub(super) fn run_pair_with<R: Engine, C: Engine>(
             _ => None,
         };
         let layer = step.layer;
+        // The reference's own per-expert outputs, for a sink that takes them (with the inputs
+        // they were computed from).
+        let own_experts = match step.op {
+            Op::MoeExperts { layer } if sink.wants_reference_experts(step) => {
+                Some((layer, own_inputs(&refr, reference, step)?))
+            }
+            _ => None,
+        };
         let t0 = Instant::now();
         let ref_extra = {
-            let wants = |n: &str| sink.wants(n);
+            let wants = |n: &str| {
+                sink.wants(n)
+                    || own_experts
+                        .as_ref()
+                        .is_some_and(|(l, _)| expert_of(*l, n).is_some())
+            };
             refr.step(&wants)?
         };
         let ref_out: Vec<(String, HostTensor)> = wanted_outputs(&refr, step, &*sink)?;
@@ -162,11 +175,28 @@ pub(super) fn run_pair_with<R: Engine, C: Engine>(
         if step.op != Op::Alias {
             summary.reference_work.plain.add(tokens.len(), took);
         }
-        let ref_extra: Vec<(String, HostTensor)> = ref_extra
-            .into_iter()
-            .filter(|(n, _)| sink.wants(n))
-            .map(|(n, t)| Ok((n, reference.download(&t)?)))
-            .collect::<Result<_>>()?;
+        let mut experts = Vec::new();
+        let mut wanted_extra = Vec::new();
+        for (n, t) in ref_extra {
+            let own = own_experts.as_ref().and_then(|(l, _)| expert_of(*l, &n));
+            let wanted = sink.wants(&n);
+            if own.is_none() && !wanted {
+                continue;
+            }
+            let host = reference.download(&t)?;
+            match (own, wanted) {
+                (Some(e), true) => {
+                    experts.push((e, host.clone()));
+                    wanted_extra.push((n, host));
+                }
+                (Some(e), false) => experts.push((e, host)),
+                (None, _) => wanted_extra.push((n, host)),
+            }
+        }
+        if let Some((_, inputs)) = &own_experts {
+            sink.reference_experts(step, inputs, experts);
+        }
+        let ref_extra: Vec<(String, HostTensor)> = wanted_extra;
 
         if modes.chained {
             // The candidate's outputs of the step: what the sink wants, and its selections
@@ -317,6 +347,36 @@ pub(super) fn run_pair_with<R: Engine, C: Engine>(
     }
     steps.finish();
     Ok(summary)
+}
+
+/// Host copies of the values the runner's next step, `step`, reads.
+fn own_inputs<R: Engine>(
+    refr: &Runner<'_, R>,
+    reference: &R,
+    step: &Step,
+) -> Result<Vec<HostTensor>> {
+    step.inputs
+        .iter()
+        .map(|n| {
+            let t = refr.get(n).with_context(|| {
+                format!(
+                    "driver: step {:?} needs {n}, which no earlier step produced",
+                    step.outputs
+                )
+            })?;
+            reference.download(t)
+        })
+        .collect()
+}
+
+/// The expert whose output hook `name` is in layer `layer` (`blk.{layer}.exp.{e}.out`).
+fn expert_of(layer: usize, name: &str) -> Option<usize> {
+    let e: usize = name
+        .strip_prefix(&format!("blk.{layer}.exp."))?
+        .strip_suffix(".out")?
+        .parse()
+        .ok()?;
+    (expert_hook(layer, e) == name).then_some(e)
 }
 
 /// The inputs replay feeds both sides of one step.

@@ -18,8 +18,13 @@
 //!   factor recomputed for the moved base, as an engine with that base computes them): a wrong
 //!   `rope_theta` adds about `a D`.
 //!
-//! Cost: the experts' outputs once more (each routed expert on its own tokens), one more
-//! attention per replayed layer.
+//! Cost: what the reference already computed from the same inputs is taken from it
+//! ([`Own`]): the attention's output (the base of both attention directions) and each routed
+//! expert's outputs where the expert got the same tokens with the same values; the rest is
+//! computed here: two more attentions per attention step (the scale and the base moved), and
+//! the outputs of experts whose tokens changed (the candidate's routing in replay).
+
+use std::collections::HashMap;
 
 use anyhow::{bail, Result};
 
@@ -33,34 +38,64 @@ use crate::trace::Part;
 /// The relative step of the softmax scale and the RoPE base for their directions.
 pub const SCALE_STEP: f64 = 0.01;
 
+/// What the reference computed itself at a step, which the directions reuse instead of
+/// computing again (each only where it is what they would compute: the same arithmetic on the
+/// same bits).
+#[derive(Clone, Copy, Default)]
+pub struct Own<'a> {
+    /// The reference's output at the hook, from exactly the inputs the directions are asked
+    /// for (the reference side of the hook's pair).
+    pub output: Option<&'a HostTensor>,
+    /// A routed-experts step's own run: the inputs it read (`x`, ids, weights) and each
+    /// expert's unweighted outputs on its tokens (`[n_e, hidden]`, tokens in order), by expert.
+    pub experts: Option<(&'a [HostTensor], &'a HashMap<usize, HostTensor>)>,
+}
+
 /// The directions of the bug families of `step` at `hook`, from the step's replay `inputs`
-/// (one per `step.inputs`); empty for a step without a family.
+/// (one per `step.inputs`); empty for a step without a family. What `own` holds is taken
+/// instead of computed where it is the same.
 pub fn parts(
     cpu: &CpuEngine<'_>,
     step: &Step,
     inputs: &[HostTensor],
     hook: &str,
+    own: Own<'_>,
 ) -> Result<Vec<Part>> {
     if step.outputs.first().map(String::as_str) != Some(hook) {
         return Ok(Vec::new());
     }
     match &step.op {
-        Op::MoeExperts { layer } if inputs.len() >= 3 => {
-            experts(cpu, *layer, &inputs[0], &inputs[1], &inputs[2])
+        Op::MoeExperts { layer } if inputs.len() >= 3 => experts(
+            cpu,
+            *layer,
+            [&inputs[0], &inputs[1], &inputs[2]],
+            own.experts,
+        ),
+        Op::Attention { layer } if inputs.len() >= 4 => {
+            softmax_scale(cpu, *layer, inputs, own.output)
         }
-        Op::Attention { layer } if inputs.len() >= 4 => softmax_scale(cpu, *layer, inputs),
         Op::Rope(slice) if !inputs.is_empty() => rope_theta(cpu, slice, &inputs[0]),
         _ => Ok(Vec::new()),
     }
 }
 
-/// Each routed expert's weighted contribution to the routed sum (module documentation).
+/// The tokens routed to each expert (`ids` `[T, k]`), in token order.
+fn routed_tokens(ids: &[i32], k: usize) -> HashMap<i32, Vec<usize>> {
+    let mut m: HashMap<i32, Vec<usize>> = HashMap::new();
+    for (i, &e) in ids.iter().enumerate() {
+        m.entry(e).or_default().push(i / k.max(1));
+    }
+    m
+}
+
+/// Each routed expert's weighted contribution to the routed sum (module documentation), from
+/// the step's inputs `[x, ids, w]`; an expert's outputs are taken from `own` (the reference's
+/// run: its inputs and outputs) where its `x` has the same bits and the expert the same tokens.
 fn experts(
     cpu: &CpuEngine<'_>,
     layer: usize,
-    x: &HostTensor,
-    ids: &HostTensor,
-    w: &HostTensor,
+    [x, ids, w]: [&HostTensor; 3],
+    own: Option<(&[HostTensor], &HashMap<usize, HostTensor>)>,
 ) -> Result<Vec<Part>> {
     let (t, hidden) = x.dims2("moe input")?;
     let (ti, k) = ids.dims2("moe_topk_ids")?;
@@ -74,6 +109,14 @@ fn experts(
     }
     let (xv, idv, wv) = (x.as_f32("x")?, ids.as_i32("ids")?, w.as_f32("w")?);
     let n_expert = cpu.weights().hparams().n_expert;
+    // The reference's own run, when it read the same x: its tokens per expert and outputs.
+    let own = own.and_then(|(inputs, outputs)| {
+        let (ox, oids) = (inputs.first()?, inputs.get(1)?);
+        if !ox.same_bits(x) || oids.shape.get(1) != Some(&k) {
+            return None;
+        }
+        Some((routed_tokens(oids.as_i32("ids").ok()?, k), outputs))
+    });
     let mut out = Vec::new();
     for e in 0..n_expert {
         // The (token, weight) pairs routed to e, in token order.
@@ -84,12 +127,26 @@ fn experts(
         if routed.is_empty() {
             continue;
         }
-        let xs: Vec<f32> = routed
-            .iter()
-            .flat_map(|&(tok, _)| xv[tok * hidden..(tok + 1) * hidden].iter().copied())
-            .collect();
-        let rows = cpu.expert_rows(layer, e)?;
-        let y = cpu.expert_output(&rows, &xs, routed.len())?; // [n_e, hidden]
+        let same_tokens = |toks: &Vec<usize>| toks.iter().copied().eq(routed.iter().map(|r| r.0));
+        let reused = own.as_ref().and_then(|(tokens, outputs)| {
+            let y = outputs.get(&e)?;
+            (tokens.get(&(e as i32)).is_some_and(same_tokens) && y.shape == [routed.len(), hidden])
+                .then(|| y.as_f32("expert output").ok())
+                .flatten()
+        });
+        let computed;
+        let y: &[f32] = match reused {
+            Some(y) => y,
+            None => {
+                let xs: Vec<f32> = routed
+                    .iter()
+                    .flat_map(|&(tok, _)| xv[tok * hidden..(tok + 1) * hidden].iter().copied())
+                    .collect();
+                let rows = cpu.expert_rows(layer, e)?;
+                computed = cpu.expert_output(&rows, &xs, routed.len())?; // [n_e, hidden]
+                &computed
+            }
+        };
         let mut c = vec![0f32; t * hidden]; // [T, hidden]
         for (j, &(tok, wt)) in routed.iter().enumerate() {
             for (a, &v) in c[tok * hidden..(tok + 1) * hidden]
@@ -109,7 +166,13 @@ fn experts(
 }
 
 /// The direction of a softmax-scale change at an attention step (module documentation).
-fn softmax_scale(cpu: &CpuEngine<'_>, layer: usize, inputs: &[HostTensor]) -> Result<Vec<Part>> {
+/// `own`: the reference's output from the same inputs (the base), when it has the base's shape.
+fn softmax_scale(
+    cpu: &CpuEngine<'_>,
+    layer: usize,
+    inputs: &[HostTensor],
+    own: Option<&HostTensor>,
+) -> Result<Vec<Part>> {
     let hp = cpu.weights().hparams();
     let kv_b = cpu.host_kv_b(layer)?;
     let scale = rope::softmax_scale(hp);
@@ -120,12 +183,19 @@ fn softmax_scale(cpu: &CpuEngine<'_>, layer: usize, inputs: &[HostTensor]) -> Re
         k_pe: &inputs[3],
         selection: inputs.get(4),
     };
-    let (base, _) = mla_host(hp, layer, inp(), &kv_b, scale, false)?;
     let (moved, _) = mla_host(hp, layer, inp(), &kv_b, scale * (1.0 + SCALE_STEP), false)?;
+    let computed;
+    let base = match own.filter(|o| o.shape == moved.shape) {
+        Some(o) => o,
+        None => {
+            computed = mla_host(hp, layer, inp(), &kv_b, scale, false)?.0;
+            &computed
+        }
+    };
     let mut parts = vec![Part {
         label: "softmax scale".to_string(),
         family: "softmax scale",
-        tensor: per_step(&moved, &base)?,
+        tensor: per_step(&moved, base)?,
     }];
     // The RoPE base inside the step's inputs: q_pe and k_pe rotated back by the model's
     // angles and forward by the moved base's (a trace without q_pe_rope/k_pe_rope, whose
@@ -147,7 +217,7 @@ fn softmax_scale(cpu: &CpuEngine<'_>, layer: usize, inputs: &[HostTensor]) -> Re
     parts.push(Part {
         label: "rope theta".to_string(),
         family: "rope theta",
-        tensor: per_step(&moved, &base)?,
+        tensor: per_step(&moved, base)?,
     });
     Ok(parts)
 }
@@ -213,4 +283,122 @@ fn per_step(moved: &HostTensor, base: &HostTensor) -> Result<HostTensor> {
         .map(|(&a, &b)| ((f64::from(a) - f64::from(b)) / SCALE_STEP) as f32)
         .collect();
     HostTensor::f32(base.shape.clone(), d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::ExpertInputs;
+    use crate::gguf::Model;
+    use crate::model::Weights;
+    use crate::util::rng::SplitMix64;
+    use std::path::Path;
+
+    fn model() -> Model {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures/models/glm5-tiny-q/glm5-tiny-q-mixed.gguf");
+        Model::open(&p).unwrap()
+    }
+
+    fn random(rng: &mut SplitMix64, shape: Vec<usize>) -> HostTensor {
+        let n = shape.iter().product();
+        HostTensor::f32(shape, (0..n).map(|_| rng.uniform() - 0.5).collect()).unwrap()
+    }
+
+    fn same(a: &[Part], b: &[Part]) -> bool {
+        a.len() == b.len()
+            && a.iter().zip(b).all(|(x, y)| {
+                x.label == y.label && x.family == y.family && x.tensor.same_bits(&y.tensor)
+            })
+    }
+
+    /// The expert directions from the reference's own outputs are the computed ones bit for
+    /// bit, also when the routing changed for some tokens (those experts are computed), and
+    /// an own run from other values of `x` is not taken.
+    #[test]
+    fn own_expert_outputs_give_the_same_directions() {
+        let m = model();
+        let w = Weights::new(&m).unwrap();
+        let cpu = CpuEngine::new(&w);
+        let hp = w.hparams();
+        let layer = hp.n_dense; // the first MoE layer
+        let (t, k, hidden) = (6, hp.n_expert_used, hp.hidden);
+        let mut rng = SplitMix64::new(11);
+        let x = random(&mut rng, vec![t, hidden]);
+        let ids: Vec<i32> = (0..t * k)
+            .map(|i| ((i / k * 3 + i % k) % hp.n_expert) as i32)
+            .collect();
+        let ids = HostTensor::i32(vec![t, k], ids).unwrap();
+        let wts = random(&mut rng, vec![t, k]);
+        let own = cpu
+            .moe_experts(
+                layer,
+                ExpertInputs {
+                    x: &x,
+                    ids: &ids,
+                    weights: &wts,
+                },
+                &|_| true,
+            )
+            .unwrap();
+        let outputs: HashMap<usize, HostTensor> = own.experts.into_iter().collect();
+        let inputs = [x.clone(), ids.clone(), wts.clone()];
+        let computed = experts(&cpu, layer, [&x, &ids, &wts], None).unwrap();
+        assert!(!computed.is_empty());
+        let reused = experts(&cpu, layer, [&x, &ids, &wts], Some((&inputs, &outputs))).unwrap();
+        assert!(same(&computed, &reused));
+
+        // Token 0 routed elsewhere: its old and new experts get other tokens.
+        let mut moved = ids.as_i32("ids").unwrap().to_vec();
+        moved[0] = ((moved[0] as usize + k) % hp.n_expert) as i32;
+        let moved = HostTensor::i32(vec![t, k], moved).unwrap();
+        let want = experts(&cpu, layer, [&x, &moved, &wts], None).unwrap();
+        let got = experts(&cpu, layer, [&x, &moved, &wts], Some((&inputs, &outputs))).unwrap();
+        assert!(same(&want, &got));
+        assert!(!same(&want, &computed));
+
+        // Outputs of other inputs are not taken.
+        let other = random(&mut rng, vec![t, hidden]);
+        let want = experts(&cpu, layer, [&other, &ids, &wts], None).unwrap();
+        let got = experts(&cpu, layer, [&other, &ids, &wts], Some((&inputs, &outputs))).unwrap();
+        assert!(same(&want, &got));
+    }
+
+    /// The attention directions with the reference's output as their base are the computed
+    /// ones bit for bit.
+    #[test]
+    fn own_attention_output_gives_the_same_directions() {
+        let m = model();
+        let w = Weights::new(&m).unwrap();
+        let cpu = CpuEngine::new(&w);
+        let hp = w.hparams();
+        let t = 5;
+        let mut rng = SplitMix64::new(12);
+        let inputs = vec![
+            random(&mut rng, vec![t, hp.n_head * hp.qk_head()]),
+            random(&mut rng, vec![t, hp.n_head, hp.qk_rope]),
+            random(&mut rng, vec![t, hp.kv_lora_rank]),
+            random(&mut rng, vec![t, hp.qk_rope]),
+        ];
+        let kv_b = cpu.host_kv_b(0).unwrap();
+        let (base, _) = mla_host(
+            hp,
+            0,
+            MlaInputs {
+                q_b: &inputs[0],
+                q_pe: &inputs[1],
+                kv_norm: &inputs[2],
+                k_pe: &inputs[3],
+                selection: None,
+            },
+            &kv_b,
+            rope::softmax_scale(hp),
+            false,
+        )
+        .unwrap();
+        let computed = softmax_scale(&cpu, 0, &inputs, None).unwrap();
+        let reused = softmax_scale(&cpu, 0, &inputs, Some(&base)).unwrap();
+        assert_eq!(computed.len(), 2);
+        assert!(same(&computed, &reused));
+    }
 }

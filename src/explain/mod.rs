@@ -20,6 +20,8 @@ pub mod fit_attn;
 pub mod fit_route;
 pub mod search;
 
+use std::collections::HashMap;
+
 use anyhow::{Context, Result};
 use serde::Serialize;
 
@@ -32,8 +34,9 @@ use crate::model::names::{self, blk};
 use crate::model::steps::{point, Op, Step};
 use crate::model::{Gating, Weights};
 use crate::quant::GgmlType;
-use crate::trace::{Mode, Pair, PairSink, Swap};
+use crate::trace::{Mode, Pair, PairSink, Part, Swap};
 use crate::util::progress::Progress;
+use directions::Own;
 
 /// The noise a hook that failed on a systematic component within its floor leaves once the
 /// component is removed ([`CapturedStep::noise`]); `None` for any other result.
@@ -73,6 +76,10 @@ pub struct CapturedStep {
     pub noise: Option<f64>,
 }
 
+/// The reference's own run of a routed-experts step: the step's outputs (its key), the inputs
+/// it read and each expert's outputs.
+type OwnExperts = (Vec<String>, Vec<HostTensor>, HashMap<usize, HostTensor>);
+
 /// A [`PairSink`] in front of a [`Comparison`] that keeps the first failing replay step
 /// ([`Capture::captured`]) and, with [`Capture::with_directions`], hands the comparison the
 /// directions of the bug families of each replayed step ([`directions`]). Until it has a failing
@@ -85,6 +92,14 @@ pub struct Capture<'c, 'w> {
     pending: Option<(Step, Vec<HostTensor>)>,
     pending_chained: Option<(Step, Vec<HostTensor>)>,
     captured: Option<CapturedStep>,
+    /// The reference's own run of the last routed-experts step: its outputs (first output
+    /// name), inputs and each expert's outputs.
+    own_experts: Option<OwnExperts>,
+    /// The last directions computed: the hook, the inputs they were computed from, and the
+    /// parts (chained and replay read the same inputs until the chains part).
+    last: Option<(String, Vec<HostTensor>, Vec<Part>)>,
+    /// See [`Capture::with_directions`].
+    exact_replay: bool,
 }
 
 impl<'c, 'w> Capture<'c, 'w> {
@@ -97,13 +112,26 @@ impl<'c, 'w> Capture<'c, 'w> {
             pending: None,
             pending_chained: None,
             captured: None,
+            own_experts: None,
+            last: None,
+            exact_replay: false,
         }
     }
 
     /// Also computes the bug families' directions of each replayed step on the CPU reference
     /// of `weights` and hands them to the comparison before the step's pairs.
-    pub fn with_directions(mut self, weights: &'w Weights<'w>) -> Capture<'c, 'w> {
+    ///
+    /// `exact_replay`: the reference side of every replay pair is the reference's output from
+    /// exactly the inputs handed over before it (an engine candidate: true; against a trace a
+    /// segment may take a row from another selection's round), so the directions take it as
+    /// their base instead of computing it again.
+    pub fn with_directions(
+        mut self,
+        weights: &'w Weights<'w>,
+        exact_replay: bool,
+    ) -> Capture<'c, 'w> {
         self.directions = Some(CpuEngine::new(weights));
+        self.exact_replay = exact_replay;
         self
     }
 
@@ -124,9 +152,34 @@ impl PairSink for Capture<'_, '_> {
             Mode::Chained => &self.pending_chained,
         };
         if let (Some(cpu), Some((step, values))) = (&self.directions, inputs) {
+            // The same hook from inputs of the same bits (chained, then replay, before the
+            // chains part) has the same directions.
+            let same = self.last.as_ref().filter(|(hook, from, _)| {
+                hook == pair.name
+                    && from.len() == values.len()
+                    && from.iter().zip(values).all(|(a, b)| a.same_bits(b))
+            });
+            let parts = match same {
+                Some((_, _, parts)) => Ok(parts.clone()),
+                None => {
+                    let own = Own {
+                        output: (self.exact_replay && pair.mode == Mode::Replay)
+                            .then_some(&pair.reference),
+                        experts: self
+                            .own_experts
+                            .as_ref()
+                            .filter(|(outputs, _, _)| *outputs == step.outputs)
+                            .map(|(_, inputs, experts)| (inputs.as_slice(), experts)),
+                    };
+                    directions::parts(cpu, step, values, pair.name, own)
+                }
+            };
             // A direction that cannot be computed leaves the hook to the other tests.
-            if let Ok(parts) = directions::parts(cpu, step, values, pair.name) {
+            if let Ok(parts) = parts {
                 if !parts.is_empty() {
+                    if same.is_none() {
+                        self.last = Some((pair.name.to_string(), values.clone(), parts.clone()));
+                    }
                     self.inner.components(pair.name, pair.mode, parts);
                 }
             }
@@ -176,6 +229,23 @@ impl PairSink for Capture<'_, '_> {
 
     fn wants_chained_inputs(&self) -> bool {
         self.directions.is_some()
+    }
+
+    fn wants_reference_experts(&self, _step: &Step) -> bool {
+        self.directions.is_some()
+    }
+
+    fn reference_experts(
+        &mut self,
+        step: &Step,
+        inputs: &[HostTensor],
+        experts: Vec<(usize, HostTensor)>,
+    ) {
+        self.own_experts = Some((
+            step.outputs.clone(),
+            inputs.to_vec(),
+            experts.into_iter().collect(),
+        ));
     }
 
     fn chained_inputs(&mut self, step: &Step, inputs: &[HostTensor]) {

@@ -88,7 +88,7 @@ impl Pass<'_, '_> {
         let t0 = Instant::now();
         // Without --explain/--repro the capture copies nothing and only passes pairs on.
         let mut sink = Capture::new(&mut cmp, cfg.explain || cfg.repro.is_some())
-            .with_directions(self.weights);
+            .with_directions(self.weights, trace.is_none());
         let summary = run_pair(
             self.reference,
             candidate,

@@ -76,7 +76,9 @@ pub fn step(req: &StepRequest, hypotheses: &dyn Progress) -> Result<StepReport> 
     let mut cmp = Comparison::new(judge, Box::new(|_| true), &tokens);
     // The bug families' directions of the step, as `run` hands them over (the systematic test).
     let values: Vec<HostTensor> = stored.inputs.iter().map(|(_, t)| t.clone()).collect();
-    if let Ok(parts) = crate::explain::directions::parts(&cpu, &stored.step, &values, &hook) {
+    if let Ok(parts) =
+        crate::explain::directions::parts(&cpu, &stored.step, &values, &hook, Default::default())
+    {
         if !parts.is_empty() {
             cmp.components(&hook, Mode::Replay, parts);
         }

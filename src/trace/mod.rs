@@ -183,6 +183,25 @@ pub trait PairSink {
     fn components(&mut self, name: &str, mode: Mode, parts: Vec<Part>) {
         let _ = (name, mode, parts);
     }
+    /// Whether the sink takes the reference's own run of routed-experts step `step`
+    /// ([`PairSink::reference_experts`]): asked before the reference runs it, so that the
+    /// reference keeps each expert's outputs only for a sink that does. Default: no.
+    fn wants_reference_experts(&self, step: &Step) -> bool {
+        let _ = step;
+        false
+    }
+    /// The reference's own run of routed-experts step `step`: the host values it read (one per
+    /// `step.inputs`, in order) and each routed expert's unweighted outputs (`[n_e, hidden]`,
+    /// its tokens in token order), by expert, whether or not their hooks are compared.
+    /// Handed over after the reference ran the step, before its pairs. Default: ignored.
+    fn reference_experts(
+        &mut self,
+        step: &Step,
+        inputs: &[HostTensor],
+        experts: Vec<(usize, HostTensor)>,
+    ) {
+        let _ = (step, inputs, experts);
+    }
     /// Whether the sink takes the inputs of the reference chain's steps
     /// ([`PairSink::chained_inputs`]): asked before each chained step. Default: no.
     fn wants_chained_inputs(&self) -> bool {
