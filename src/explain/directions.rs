@@ -174,7 +174,7 @@ fn softmax_scale(
     own: Option<&HostTensor>,
 ) -> Result<Vec<Part>> {
     let hp = cpu.weights().hparams();
-    let kv_b = cpu.host_kv_b(layer)?;
+    let kv_b = cpu.kv_b(layer)?;
     let scale = rope::softmax_scale(hp);
     let inp = || MlaInputs {
         q_b: &inputs[0],

@@ -134,7 +134,7 @@ impl CpuEngine<'_> {
         rows: Option<&[usize]>,
         want_probs: bool,
     ) -> Result<(HostTensor, Option<HostTensor>)> {
-        let kv_b = self.host_kv_b(layer)?;
+        let kv_b = self.kv_b(layer)?;
         let scale = rope::softmax_scale(self.weights.hparams());
         mla_queries(
             self.weights.hparams(),

@@ -17,6 +17,7 @@ mod moe;
 pub mod weights;
 
 use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Context, Result};
 
@@ -37,6 +38,9 @@ pub struct CpuEngine<'w> {
     inv_freq: Vec<f64>,
     /// cos/sin factor (YaRN attention factor; 1 without scaling).
     attn_factor: f64,
+    /// The last layer's assembled kv_b ([`CpuEngine::kv_b`]): a layer's attention, its
+    /// recomputations and the directions read it several times.
+    kv_b: Mutex<Option<(usize, Arc<Matrix>)>>,
 }
 
 impl<'w> CpuEngine<'w> {
@@ -47,6 +51,7 @@ impl<'w> CpuEngine<'w> {
             weights,
             inv_freq: rope::inv_freq(&hp.rope),
             attn_factor: rope::attention_factor(&hp.rope),
+            kv_b: Mutex::new(None),
         }
     }
 
@@ -63,6 +68,7 @@ impl<'w> CpuEngine<'w> {
             weights,
             inv_freq,
             attn_factor,
+            kv_b: Mutex::new(None),
         }
     }
 

@@ -4,12 +4,14 @@
 //! layout.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 
 use super::CpuEngine;
 use crate::model::{KvB, WeightSlice};
 use crate::quant;
+use rayon::prelude::*;
 
 /// A dense f32 matrix, row-major: `data[r * cols + c]`, PyTorch shape `[rows, cols]`.
 #[derive(Clone, Debug, PartialEq)]
@@ -86,15 +88,25 @@ pub fn assemble_kv_b(
     v: usize,
     kv_lora: usize,
 ) -> Vec<f32> {
-    let mut out = Vec::with_capacity(h * (nope + v) * kv_lora);
-    for head in 0..h {
-        let kh = &k_b[head * kv_lora * nope..(head + 1) * kv_lora * nope]; // [kv_lora, nope]
-        for d in 0..nope {
-            out.extend((0..kv_lora).map(|c| kh[c * nope + d]));
-        }
-        out.extend_from_slice(&v_b[head * v * kv_lora..(head + 1) * v * kv_lora]);
-        // [v, kv_lora]
+    let per_head = (nope + v) * kv_lora;
+    let mut out = vec![0f32; h * per_head];
+    if per_head == 0 {
+        return out;
     }
+    // One head per task: its K rows transposed from [kv_lora, nope], its V rows ([v, kv_lora])
+    // copied.
+    out.par_chunks_mut(per_head)
+        .enumerate()
+        .for_each(|(head, o)| {
+            let kh = &k_b[head * kv_lora * nope..(head + 1) * kv_lora * nope]; // [kv_lora, nope]
+            let (ko, vo) = o.split_at_mut(nope * kv_lora);
+            for (d, row) in ko.chunks_exact_mut(kv_lora).enumerate() {
+                for (c, x) in row.iter_mut().enumerate() {
+                    *x = kh[c * nope + d];
+                }
+            }
+            vo.copy_from_slice(&v_b[head * v * kv_lora..(head + 1) * v * kv_lora]);
+        });
     out
 }
 
@@ -116,6 +128,23 @@ impl<'w> CpuEngine<'w> {
             cols: hidden,
             data,
         })
+    }
+
+    /// Layer `layer`'s kv_b as [`CpuEngine::host_kv_b`] assembles it, kept for the next call
+    /// with the same layer (one layer at a time: 59 MB at GLM-5 size).
+    pub fn kv_b(&self, layer: usize) -> Result<Arc<Matrix>> {
+        if let Ok(kept) = self.kv_b.lock() {
+            if let Some((l, m)) = kept.as_ref() {
+                if *l == layer {
+                    return Ok(Arc::clone(m));
+                }
+            }
+        }
+        let m = Arc::new(self.host_kv_b(layer)?);
+        if let Ok(mut kept) = self.kv_b.lock() {
+            *kept = Some((layer, Arc::clone(&m)));
+        }
+        Ok(m)
     }
 
     /// The kv_b projection of layer `layer` in HF `kv_b_proj` layout, `[H*(nope+v), kv_lora]`:
