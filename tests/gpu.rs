@@ -280,6 +280,40 @@ mod device {
         }
     }
 
+    /// The device side's time is its kernels' alone: a pipeline on a device whose kernels are
+    /// not loaded yet loads them before its loop (`load_ms`, in no rate: a cold NVRTC cache
+    /// costs seconds, which once sat inside the first chunk's timing span and made the device
+    /// side look like the bound), and a second run on the same pipeline loads nothing. The
+    /// kernels of the quant fixtures' ~30 small tensors take well under the module load (a
+    /// 1.5 MB cubin, from the disk cache at best); before the fix the load was inside
+    /// `gpu_ms`, so `gpu_ms` exceeded it. Bit-exact both times, both stagings.
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_dcheck_kernel_time_holds_no_kernel_load() {
+        let model = Model::open(&fixtures("quant/all_types.gguf")).unwrap();
+        let ts = checkable(&model);
+        for staging in [Staging::Pinned, Staging::Pageable] {
+            // A device of its own: nothing loaded on it yet.
+            let g = gpu();
+            let mut dc = DeviceCheck::new(&g, staging);
+            let out = run_pipeline(&mut dc, &model, &ts).unwrap();
+            assert!(out.iter().all(|c| c.mismatches == 0), "{staging:?}");
+            let first = dc.busy().clone();
+            eprintln!("{staging:?}, first run: {first:?}");
+            assert!(first.load_ms > 0.0, "{first:?}");
+            assert!(
+                first.gpu_ms > 0.0 && first.gpu_ms < first.load_ms,
+                "the kernels' span holds the kernel load: {first:?}"
+            );
+            let out = run_pipeline(&mut dc, &model, &ts).unwrap();
+            assert!(out.iter().all(|c| c.mismatches == 0), "{staging:?}");
+            let second = dc.busy().clone();
+            assert_eq!(second.load_ms, first.load_ms, "loaded again: {second:?}");
+            assert_eq!(second.values, 2 * first.values);
+            assert_eq!(second.copy_bytes, 2 * first.copy_bytes);
+        }
+    }
+
     /// A model file replaced while it is open (the map keeps the old bytes, the upload thread
     /// reads the new file): the pinned pipeline refuses the chunk whose first bytes changed,
     /// naming the tensor, the file, the offset and the length, exit-2 material, not a wrong

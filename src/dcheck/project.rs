@@ -67,7 +67,9 @@ pub struct Busy {
     pub bytes: u64,
     /// CPU side: its thread's time dequantizing and hashing (ms).
     pub cpu_ms: f64,
-    /// Device side: dequant and hash kernels (ms, device events).
+    /// Device side: dequant and hash kernels (ms, device events recorded just before the
+    /// dequant launch and just after the hash launch; kernels loaded and buffers allocated
+    /// beforehand, so the span holds nothing else).
     pub gpu_ms: f64,
     /// Bytes copied to the device.
     pub copy_bytes: u64,
@@ -84,6 +86,9 @@ pub struct Busy {
     pub wait_cpu_ms: f64,
     /// The device loop from start to end (ms).
     pub wall_ms: f64,
+    /// Loading the kernels before the device loop starts (ms: an NVRTC compile on a cold
+    /// cache, the disk cache's read otherwise); in `wall_ms` and the rates neither.
+    pub load_ms: f64,
 }
 
 /// A side of the check.

@@ -18,11 +18,19 @@
 //! count, first index, largest difference). A wrong kernel therefore costs a second
 //! dequantization and a copy; a right one never does.
 //!
-//! Ordering: a chunk's device buffer is allocated on the compute stream and the copy stream
-//! waits for that allocation (an event) before copying into it; the compute stream waits for
-//! the copies' event before the kernels read it; a staging buffer is refilled only once the
-//! copy out of it is done (the upload thread's ring). With [`Staging::Pageable`] the device
-//! loop copies each chunk from the mapped file itself, synchronously (to compare).
+//! Ordering: a chunk's device buffer is taken on the compute stream (allocated, or one a
+//! finished chunk gave back) and the copy stream waits for that point (an event) before copying
+//! into it, so a reused buffer is overwritten only after the kernels that read it; the compute
+//! stream waits for the copies' event before the kernels read it; a staging buffer is refilled
+//! only once the copy out of it is done (the upload thread's ring). With [`Staging::Pageable`]
+//! the device loop copies each chunk from the mapped file itself, synchronously (to compare).
+//!
+//! Nothing is allocated or compiled chunk by chunk: the kernels are loaded (an NVRTC compile
+//! on a cold cache takes seconds) and the hash counter and timing events made before the
+//! pipeline starts ([`Busy::load_ms`]); the raw-block buffers (at most one per chunk in
+//! flight) and the values buffer are kept and reused. The device side's time is then the
+//! span of its kernels alone: events recorded just before the dequant launch and just after
+//! the hash launch, with nothing but those launches between them.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -33,14 +41,14 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaEvent, CudaSlice};
 
 use super::project::Busy;
 use super::{
     chunk_rows, row_chunks, FirstMismatch, Staging, TensorCheck, CHUNK_ELEMS, PAGEABLE_ENV,
 };
 use crate::gguf::{Model, TensorRef};
-use crate::gpu::dequant::{dequant_hash, CompareStats};
+use crate::gpu::dequant::{dequant_hash, CompareStats, OutFormat};
 use crate::gpu::upload::{
     alloc_dst, CopyTiming, FileRange, Job, Outcome, Uploader, READERS, STAGING_BYTES, STAGING_SLOTS,
 };
@@ -76,6 +84,21 @@ pub struct DeviceCheck<'g> {
     /// Jobs sent to the upload thread whose outcome has not been received.
     outstanding: usize,
     busy: Busy,
+    /// Made once, before the first run's pipeline.
+    prepared: Option<Prepared>,
+    /// Raw-block device buffers that finished chunks gave back, for the next chunks.
+    spare: Vec<CudaSlice<u8>>,
+    /// The device's values of a chunk, reused chunk after chunk.
+    values: Option<CudaSlice<f32>>,
+}
+
+/// What the pipeline makes once, before its first chunk.
+struct Prepared {
+    /// The hash counter the hash kernel sums into.
+    hash: CudaSlice<u64>,
+    /// Recorded before the dequant launch, between it and the hash launch, after the hash
+    /// launch.
+    events: [CudaEvent; 3],
 }
 
 /// A chunk of a tensor.
@@ -194,6 +217,54 @@ impl<'g> DeviceCheck<'g> {
                 device: gpu.info.to_string(),
                 ..Busy::default()
             },
+            prepared: None,
+            spare: Vec::new(),
+            values: None,
+        }
+    }
+
+    /// Loads the kernels and makes the hash counter and the timing events, once; the time it
+    /// took goes to [`Busy::load_ms`] (in no rate).
+    fn prepare(&mut self) -> Result<()> {
+        if self.prepared.is_some() {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let gpu = self.gpu;
+        gpu.load_dequant_kernels()
+            .context("dequant-check: loading the kernels")?;
+        let hash = gpu.alloc_zeroed::<u64>(1, "hash")?;
+        let event = || {
+            gpu.context()
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .context("cuda: creating a timing event")
+        };
+        let events = [event()?, event()?, event()?];
+        self.prepared = Some(Prepared { hash, events });
+        self.busy.load_ms += t0.elapsed().as_secs_f64() * 1e3;
+        Ok(())
+    }
+
+    /// A device buffer for `len` raw bytes: a spare one that holds them, else a new one of a
+    /// whole staging buffer's size (or `len` when larger; a spare too small gives way, so that
+    /// no more buffers live than chunks in flight).
+    fn raw_buffer(&mut self, len: usize, what: &str) -> Result<CudaSlice<u8>> {
+        match take_spare(&mut self.spare, len, |b| b.len()) {
+            Some(b) => Ok(b),
+            None => alloc_dst(self.gpu, len.max(STAGING_BYTES), what),
+        }
+    }
+
+    /// The values buffer, for at least `n` values (allocated zeroed when there is none or it is
+    /// too small: at least a chunk's values).
+    fn values_buffer(&mut self, n: usize) -> Result<CudaSlice<f32>> {
+        match self.values.take() {
+            Some(v) if v.len() >= n => Ok(v),
+            old => {
+                drop(old);
+                let cap = usize::try_from(self.chunk_elems).unwrap_or(usize::MAX);
+                self.gpu.alloc_zeroed::<f32>(n.max(cap), "GPU values")
+            }
         }
     }
 
@@ -245,6 +316,9 @@ impl<'g> DeviceCheck<'g> {
         progress: &dyn Progress,
         done: &mut dyn FnMut(usize, TensorCheck) -> Result<()>,
     ) -> Result<()> {
+        // Kernels compiled and loaded before the clock starts: a cold NVRTC cache costs seconds
+        // that belong to no side of the pipeline.
+        self.prepare()?;
         let t0 = Instant::now();
         let stop = AtomicBool::new(false);
         let r = std::thread::scope(|scope| -> Result<()> {
@@ -364,12 +438,12 @@ impl<'g> DeviceCheck<'g> {
                 rows: rows.clone(),
             })
             .map_err(|_| anyhow!("dequant-check: the CPU side stopped"))?;
-        let Some(u) = &self.uploader else {
+        if self.uploader.is_none() {
             return Ok(InFlight {
                 spec,
                 src: Src::Pageable,
             });
-        };
+        }
         let what = || {
             format!(
                 "dequant-check: {} rows {}..{}",
@@ -387,8 +461,9 @@ impl<'g> DeviceCheck<'g> {
         let raw = model.row_data(t, rows.clone()).with_context(what)?;
         let len = usize::try_from(len).context("dequant-check: a chunk larger than memory")?;
         let k = FINGERPRINT.min(raw.len());
-        let dst = alloc_dst(self.gpu, len, &t.info.name)?;
-        // The copy stream starts after the allocation, in the compute stream's order.
+        let dst = self.raw_buffer(len, &t.info.name)?;
+        // The copy stream starts after the allocation (or the kernels that read a reused
+        // buffer last), in the compute stream's order.
         let after = Arc::new(
             self.gpu
                 .stream()
@@ -411,6 +486,10 @@ impl<'g> DeviceCheck<'g> {
             dst,
             after,
         };
+        let u = self
+            .uploader
+            .as_ref()
+            .context("dequant-check: an upload without its thread")?;
         // A job that comes back was not started: its buffer has no copy to wait for.
         u.send(job)
             .map_err(|_| anyhow!("dequant-check: {}: the upload thread stopped", t.info.name))?;
@@ -468,11 +547,11 @@ impl<'g> DeviceCheck<'g> {
             }
             Src::Pageable => {
                 let raw = model.row_data(t, rows.clone()).with_context(what)?;
-                let d = self.gpu.alloc_copy(raw, "raw blocks")?;
-                self.gpu
-                    .stream()
-                    .synchronize()
-                    .context("cuda: synchronize")?;
+                let mut d = self.raw_buffer(raw.len(), "raw blocks")?;
+                let s = self.gpu.stream();
+                s.memcpy_htod(raw, &mut d.slice_mut(..raw.len()))
+                    .context("cuda: copying raw blocks to the device")?;
+                s.synchronize().context("cuda: synchronize")?;
                 let ms = w0.elapsed().as_secs_f64() * 1e3;
                 a.out.h2d_ms += ms;
                 self.busy.copy_ms += ms;
@@ -505,20 +584,52 @@ impl<'g> DeviceCheck<'g> {
         }
         let what = || format!("dequant-check: {} ({ty})", info.name);
         let (raw_d, timing) = self.raw_on_device(model, &c, a)?;
+        let len = usize::try_from((rows.end - rows.start) * info.row_bytes())
+            .context("dequant-check: a chunk larger than memory")?;
+        if raw_d.len() < len {
+            bail!(
+                "{}: rows {}..{}: a device buffer of {} bytes for {len}",
+                what(),
+                rows.start,
+                rows.end,
+                raw_d.len()
+            );
+        }
+        let mut vals = self.values_buffer(n)?;
         let gpu = self.gpu;
         let s = gpu.stream();
         let offset = rows.start * row_len;
-        let mut gpu_d = gpu.alloc_zeroed::<f32>(n, "GPU values")?;
-        let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-        let e0 = s.record_event(flags).context("cuda: event")?;
-        gpu.dequant_f32(ty, &raw_d, &mut gpu_d).with_context(what)?;
-        let e1 = s.record_event(flags).context("cuda: event")?;
-        let hash_d = gpu.hash_f32_launch(&gpu_d, offset).with_context(what)?;
-        let e2 = s.record_event(flags).context("cuda: event")?;
-        let gpu_hash = gpu.hash_read(&hash_d).with_context(what)?;
-        drop(raw_d);
-        a.out.kernel_ms += f64::from(e0.elapsed_ms(&e1).context("cuda: event timing")?);
-        let gpu_ms = f64::from(e0.elapsed_ms(&e2).context("cuda: event timing")?);
+        let p = self
+            .prepared
+            .as_mut()
+            .context("dequant-check: the pipeline was not prepared")?;
+        // Nothing but the two launches between the first and the last event: no allocation, no
+        // compile (both done before), so the span is the kernels' own time.
+        p.events[0].record(s).context("cuda: event")?;
+        gpu.dequant_view(
+            ty,
+            OutFormat::F32,
+            &raw_d.slice(..len),
+            &mut vals.slice_mut(..n),
+        )
+        .with_context(what)?;
+        p.events[1].record(s).context("cuda: event")?;
+        gpu.hash_f32_into(&vals.slice(..n), offset, &mut p.hash)
+            .with_context(what)?;
+        p.events[2].record(s).context("cuda: event")?;
+        let gpu_hash = gpu.hash_read(&p.hash).with_context(what)?;
+        // The kernels that read it are done (the read above waited for them); the compute
+        // stream orders its next copy after them anyway.
+        self.spare.push(raw_d);
+        let elapsed = |a: usize, b: usize| -> Result<f64> {
+            Ok(f64::from(
+                p.events[a]
+                    .elapsed_ms(&p.events[b])
+                    .context("cuda: event timing")?,
+            ))
+        };
+        a.out.kernel_ms += elapsed(0, 1)?;
+        let gpu_ms = elapsed(0, 2)?;
         a.out.gpu_ms += gpu_ms;
         self.busy.gpu_ms += gpu_ms;
         if let Some(tm) = timing {
@@ -555,13 +666,14 @@ impl<'g> DeviceCheck<'g> {
             let h0 = Instant::now();
             let cpu_d = gpu.alloc_copy(&cpu, "CPU values")?;
             a.out.h2d_ms += h0.elapsed().as_secs_f64() * 1e3;
-            gpu.compare_f32(&gpu_d, &cpu_d).with_context(what)?
+            gpu.compare_f32_views(&vals.slice(..n), &cpu_d.as_view())
+                .with_context(what)?
         };
         a.out.compare_ms += c0.elapsed().as_secs_f64() * 1e3 - remade_ms;
         if a.stats.first.is_none() {
             if let Some(i) = chunk.first {
                 let v = s
-                    .clone_dtoh(&gpu_d.slice(i as usize..i as usize + 1))
+                    .clone_dtoh(&vals.slice(i as usize..i as usize + 1))
                     .context("cuda: reading the first differing value")?;
                 let idx = offset + i;
                 let (row, col) = (idx / row_len, idx % row_len);
@@ -584,6 +696,7 @@ impl<'g> DeviceCheck<'g> {
             }
         }
         a.stats.merge(chunk, offset);
+        self.values = Some(vals);
         Ok(())
     }
 }
@@ -632,6 +745,19 @@ impl Acc {
     }
 }
 
+/// A buffer of `spare` that holds `len` bytes (`size` says how many a buffer holds), taken out;
+/// `None` when none does, after dropping one spare, so that a caller that then allocates keeps
+/// no more buffers than it has chunks in flight.
+fn take_spare<T>(spare: &mut Vec<T>, len: usize, size: impl Fn(&T) -> usize) -> Option<T> {
+    match spare.iter().position(|b| size(b) >= len) {
+        Some(i) => Some(spare.swap_remove(i)),
+        None => {
+            spare.pop();
+            None
+        }
+    }
+}
+
 /// The CPU thread: each chunk's raw bytes from the map, dequantized and hashed (fused), in the
 /// order sent; stops when told, when the jobs end or when nobody takes its results.
 fn cpu_side(
@@ -661,5 +787,48 @@ fn cpu_side(
         {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Raw-block buffers through a pipeline of `AHEAD + 1` chunks in flight: a chunk takes a
+    /// spare that holds it or allocates one of a staging buffer's size (its own size when
+    /// larger), and gives it back when checked. Chunks of a few sizes, then a row larger than a
+    /// staging buffer, then small ones again: buffers are allocated only at the start and when
+    /// a chunk outgrows them, and never more live than chunks in flight.
+    #[test]
+    fn raw_buffers_are_reused_and_bounded() {
+        let big = STAGING_BYTES + 1000;
+        let mut sizes = vec![37 << 20, 55 << 20, 4096, STAGING_BYTES, 71 << 20];
+        sizes = sizes.repeat(20);
+        sizes.extend([big, 37 << 20, big, 5, 6, 7, 8]);
+        let mut spare: Vec<usize> = Vec::new();
+        let mut flight: VecDeque<(usize, usize)> = VecDeque::new();
+        let (mut allocated, mut most_live) = (Vec::new(), 0);
+        for (k, &len) in sizes.iter().enumerate() {
+            let buf = take_spare(&mut spare, len, |b| *b).unwrap_or_else(|| {
+                let b = len.max(STAGING_BYTES);
+                allocated.push((k, b));
+                b
+            });
+            assert!(buf >= len, "chunk {k}: {buf} bytes for {len}");
+            flight.push_back((len, buf));
+            most_live = most_live.max(flight.len() + spare.len());
+            if flight.len() > AHEAD {
+                if let Some((_, b)) = flight.pop_front() {
+                    spare.push(b);
+                }
+            }
+        }
+        assert!(most_live <= AHEAD + 1, "{most_live} buffers live");
+        // Three at the start; then each of the two larger rows replaces one; the small chunks
+        // after them fit what there is.
+        let at: Vec<usize> = allocated.iter().map(|a| a.0).collect();
+        assert_eq!(at, [0, 1, 2, 100, 102], "{allocated:?}");
+        assert!(allocated[..3].iter().all(|a| a.1 == STAGING_BYTES));
+        assert!(allocated[3..].iter().all(|a| a.1 == big));
     }
 }

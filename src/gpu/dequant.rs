@@ -134,19 +134,29 @@ impl Gpu {
 
     /// Compares `gpu` with `cpu` on the device (equal bits, or both NaN).
     pub fn compare_f32(&self, gpu: &CudaSlice<f32>, cpu: &CudaSlice<f32>) -> Result<CompareStats> {
+        self.compare("compare_f32", &gpu.as_view(), &cpu.as_view())
+    }
+
+    /// [`Gpu::compare_f32`] of two views (e.g. the first values of a buffer reused chunk after
+    /// chunk).
+    pub fn compare_f32_views(
+        &self,
+        gpu: &CudaView<'_, f32>,
+        cpu: &CudaView<'_, f32>,
+    ) -> Result<CompareStats> {
         self.compare("compare_f32", gpu, cpu)
     }
 
     /// Compares 16-bit patterns on the device (exact equality).
     pub fn compare_u16(&self, gpu: &CudaSlice<u16>, cpu: &CudaSlice<u16>) -> Result<CompareStats> {
-        self.compare("compare_u16", gpu, cpu)
+        self.compare("compare_u16", &gpu.as_view(), &cpu.as_view())
     }
 
     fn compare<T: cudarc::driver::DeviceRepr>(
         &self,
         kernel: &str,
-        gpu: &CudaSlice<T>,
-        cpu: &CudaSlice<T>,
+        gpu: &CudaView<'_, T>,
+        cpu: &CudaView<'_, T>,
     ) -> Result<CompareStats> {
         if gpu.len() != cpu.len() {
             bail!("cuda: comparing {} values with {}", gpu.len(), cpu.len());
@@ -252,16 +262,41 @@ impl Gpu {
     /// Launches [`Gpu::hash_f32`]'s kernel on the stream and returns the device counter it
     /// sums into, without waiting; [`Gpu::hash_read`] reads it.
     pub fn hash_f32_launch(&self, v: &CudaSlice<f32>, base: u64) -> Result<CudaSlice<u64>> {
-        let s = self.stream();
         let mut out = self.alloc_zeroed::<u64>(1, "hash")?;
+        self.hash_f32_into(&v.as_view(), base, &mut out)?;
+        Ok(out)
+    }
+
+    /// Zeroes the counter `out` (at least one value) and launches [`Gpu::hash_f32`]'s kernel
+    /// over `v` into it on the stream, without waiting or allocating; [`Gpu::hash_read`] reads
+    /// it.
+    pub fn hash_f32_into(
+        &self,
+        v: &CudaView<'_, f32>,
+        base: u64,
+        out: &mut CudaSlice<u64>,
+    ) -> Result<()> {
+        if out.is_empty() {
+            bail!("cuda: hash_f32 needs a counter to sum into");
+        }
+        let s = self.stream();
+        s.memset_zeros(out).context("cuda: zeroing the hash")?;
         let n = v.len() as u64;
         let f = self.function("compare", COMPARE_SOURCE, "hash_f32")?;
         let mut b = s.launch_builder(&f);
-        b.arg(v).arg(&n).arg(&base).arg(&mut out);
-        // SAFETY: `v` holds n values; `out` one counter; blocks are multiples of 32 threads
-        // (the warp reduction needs whole warps).
+        b.arg(v).arg(&n).arg(&base).arg(out);
+        // SAFETY: `v` holds n values; `out` at least one counter (checked); blocks are
+        // multiples of 32 threads (the warp reduction needs whole warps).
         unsafe { b.launch(grid(self, n)) }.context("cuda: launching hash_f32")?;
-        Ok(out)
+        Ok(())
+    }
+
+    /// Compiles (or takes from the disk cache) and loads the dequant and comparison kernel
+    /// families now, so that their first launches do not wait for NVRTC (a cold cache costs
+    /// seconds: a caller that times its launches loads them first).
+    pub fn load_dequant_kernels(&self) -> Result<()> {
+        self.load_family("dequant", DEQUANT_SOURCE)?;
+        self.load_family("compare", COMPARE_SOURCE)
     }
 
     /// The hash [`Gpu::hash_f32_launch`] left in `out` (waits for the stream's work before it).

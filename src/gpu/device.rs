@@ -271,29 +271,34 @@ impl Gpu {
         source: &str,
         function: &str,
     ) -> Result<CudaFunction> {
-        let module = {
-            let mut m = self
-                .modules
-                .lock()
-                .map_err(|_| anyhow::anyhow!("cuda: module cache poisoned"))?;
-            match m.get(name) {
-                Some(x) => x.clone(),
-                None => {
-                    let cubin = nvrtc::compile_cached(&family_source(source), name, &self.options)?;
-                    let module =
-                        self.ctx
-                            .load_module(Ptx::from_binary(cubin))
-                            .with_context(|| {
-                                format!("cuda: loading module {name} for {}", self.options.arch)
-                            })?;
-                    m.insert(name, module.clone());
-                    module
-                }
-            }
-        };
-        module
+        self.module(name, source)?
             .load_function(function)
             .with_context(|| format!("cuda: kernel {function} not found in {name}"))
+    }
+
+    /// Compiles (NVRTC, or the disk cache) and loads kernel family `name` (source `source`)
+    /// now, unless it is loaded already: a caller that times its launches does it first, so
+    /// that no compile falls inside its timings.
+    pub fn load_family(&self, name: &'static str, source: &str) -> Result<()> {
+        self.module(name, source).map(|_| ())
+    }
+
+    /// The module of family `name`, compiled and loaded on first use.
+    fn module(&self, name: &'static str, source: &str) -> Result<Arc<CudaModule>> {
+        let mut m = self
+            .modules
+            .lock()
+            .map_err(|_| anyhow::anyhow!("cuda: module cache poisoned"))?;
+        if let Some(x) = m.get(name) {
+            return Ok(x.clone());
+        }
+        let cubin = nvrtc::compile_cached(&family_source(source), name, &self.options)?;
+        let module = self
+            .ctx
+            .load_module(Ptx::from_binary(cubin))
+            .with_context(|| format!("cuda: loading module {name} for {}", self.options.arch))?;
+        m.insert(name, module.clone());
+        Ok(module)
     }
 
     /// A device copy of `host`; out of memory says how much was asked and how much is free.

@@ -18,8 +18,9 @@
 //!
 //! # Ordering (the caller's side of the contract)
 //! - The device buffer of a job is allocated by the caller on the compute stream
-//!   ([`alloc_dst`]), and the job carries an event recorded on the compute stream after that
-//!   allocation: the copy stream waits for it before its first copy.
+//!   ([`alloc_dst`]), or is one an earlier job gave back, and the job carries an event recorded
+//!   on the compute stream after that allocation and after the work that used the buffer last:
+//!   the copy stream waits for it before its first copy.
 //! - The compute stream must wait for `done` before it reads the buffer ([`Ready::take`] does
 //!   it); the buffer is then an ordinary compute-stream allocation, freed in that stream's order.
 //! - A buffer that copies were issued into and that is dropped unused is first made to wait for
@@ -87,9 +88,12 @@ pub struct Job {
     pub head: Vec<u8>,
     /// See `head`.
     pub tail: Vec<u8>,
-    /// The device buffer, `src.len` bytes, allocated on the compute stream ([`alloc_dst`]).
+    /// The device buffer, at least `src.len` bytes (the first `src.len` are filled), allocated
+    /// on the compute stream ([`alloc_dst`]) or taken back from an earlier job once the compute
+    /// stream's work with it is issued (`after` comes after that work).
     pub dst: CudaSlice<u8>,
-    /// Recorded on the compute stream after `dst` was allocated.
+    /// Recorded on the compute stream after `dst` was allocated (and after any work that
+    /// still uses it).
     pub after: Arc<CudaEvent>,
 }
 
@@ -102,6 +106,8 @@ pub struct Ready {
     done: CudaEvent,
     /// Host seconds the upload thread spent reading the job's bytes from the file.
     read_s: f64,
+    /// Bytes copied (the job's `src.len`; the buffer may be larger).
+    bytes: usize,
 }
 
 /// How long a job's copies took: taken with [`Ready::take_timed`], read once they are finished.
@@ -151,7 +157,7 @@ impl Ready {
         compute
             .wait(&self.done)
             .context("cuda: ordering compute after an upload")?;
-        let bytes = self.dst.len();
+        let bytes = self.bytes;
         Ok((
             self.dst,
             CopyTiming {
@@ -424,6 +430,7 @@ impl Worker {
                         start,
                         done,
                         read_s: timing.1,
+                        bytes: job.src.len,
                     }),
                     Err(e) => {
                         self.abandon(job.dst, issued);

@@ -29,13 +29,13 @@ fn si(x: f64, unit: &str) -> String {
 }
 
 /// The rates line.
-fn rates_line(r: &Rates, waited_upload_s: f64, waited_cpu_s: f64) -> String {
+fn rates_line(r: &Rates, waited_upload_s: f64, waited_cpu_s: f64, load_s: f64) -> String {
     let read = match r.read_bytes_s {
         Some(b) => format!(", file reads {}", si(b, "B/s")),
         None => String::new(),
     };
     format!(
-        "rates: CPU hash {}, GPU {}, copies {}{read}; end to end {} ({}); the device waited {waited_upload_s:.1} s for uploads, {waited_cpu_s:.1} s for the CPU",
+        "rates: CPU hash {}, GPU {}, copies {}{read}; end to end {} ({}); the device waited {waited_upload_s:.1} s for uploads, {waited_cpu_s:.1} s for the CPU; kernels loaded in {load_s:.1} s before (in no rate)",
         si(r.cpu_values_s, " values/s"),
         si(r.gpu_values_s, " values/s"),
         si(r.copy_bytes_s, "B/s"),
@@ -158,7 +158,8 @@ pub fn render(r: &Checked) -> String {
             rates_line(
                 rates,
                 waited(&|b| b.wait_upload_ms),
-                waited(&|b| b.wait_cpu_ms)
+                waited(&|b| b.wait_cpu_ms),
+                waited(&|b| b.load_ms)
             )
         );
     }
@@ -233,6 +234,7 @@ mod tests {
                 device: "cuda:0".into(),
                 wait_upload_ms: 400.0,
                 wait_cpu_ms: 41_200.0,
+                load_ms: 15_800.0,
                 ..Busy::default()
             }],
             wall_ms: 3300.0,
@@ -272,7 +274,8 @@ mod tests {
             text.contains(
                 "rates: CPU hash 7.80 G values/s, GPU 412 G values/s, copies 48.2 GB/s, \
                  file reads 9.10 GB/s; end to end 6.10 G values/s (3.41 GB/s); the device \
-                 waited 0.4 s for uploads, 41.2 s for the CPU"
+                 waited 0.4 s for uploads, 41.2 s for the CPU; kernels loaded in 15.8 s before \
+                 (in no rate)"
             ),
             "{text}"
         );
