@@ -100,6 +100,8 @@ pub struct Capture<'c, 'w> {
     last: Option<(String, Vec<HostTensor>, Vec<Part>)>,
     /// See [`Capture::with_directions`].
     exact_replay: bool,
+    /// See [`Capture::with_directions`].
+    chained_directions: bool,
 }
 
 impl<'c, 'w> Capture<'c, 'w> {
@@ -115,6 +117,7 @@ impl<'c, 'w> Capture<'c, 'w> {
             own_experts: None,
             last: None,
             exact_replay: false,
+            chained_directions: false,
         }
     }
 
@@ -124,14 +127,19 @@ impl<'c, 'w> Capture<'c, 'w> {
     /// `exact_replay`: the reference side of every replay pair is the reference's output from
     /// exactly the inputs handed over before it (an engine candidate: true; against a trace a
     /// segment may take a row from another selection's round), so the directions take it as
-    /// their base instead of computing it again.
+    /// their base instead of computing it again. `chained`: the directions of chained pairs
+    /// too. Without them a chained pair is still tested for its overall and head gains; an
+    /// engine candidate replays every step it runs, so with replay on the families' components
+    /// are tested where a step's own error shows them first.
     pub fn with_directions(
         mut self,
         weights: &'w Weights<'w>,
         exact_replay: bool,
+        chained: bool,
     ) -> Capture<'c, 'w> {
         self.directions = Some(CpuEngine::new(weights));
         self.exact_replay = exact_replay;
+        self.chained_directions = chained;
         self
     }
 
@@ -228,7 +236,7 @@ impl PairSink for Capture<'_, '_> {
     }
 
     fn wants_chained_inputs(&self) -> bool {
-        self.directions.is_some()
+        self.directions.is_some() && self.chained_directions
     }
 
     fn wants_reference_experts(&self, _step: &Step) -> bool {

@@ -87,8 +87,11 @@ impl Pass<'_, '_> {
         let mut cmp = Comparison::new(judge, wants_with_scores(&cfg.hook), &cfg.tokens);
         let t0 = Instant::now();
         // Without --explain/--repro the capture copies nothing and only passes pairs on.
-        let mut sink = Capture::new(&mut cmp, cfg.explain || cfg.repro.is_some())
-            .with_directions(self.weights, trace.is_none());
+        let mut sink = Capture::new(&mut cmp, cfg.explain || cfg.repro.is_some()).with_directions(
+            self.weights,
+            trace.is_none(),
+            trace.is_some() || !cfg.mode.modes().replay,
+        );
         let summary = run_pair(
             self.reference,
             candidate,
