@@ -10,7 +10,8 @@
 //! chain and replay, and the part of those the candidate spent waiting for its weight uploads,
 //! with the bytes). The pass's wall time per layer is taken from the layer progress the driver
 //! reports (a mark at every layer's end, [`Marks`]), so it holds everything the pass did over
-//! the layer: both sides one after the other, downloads, the comparison; the first layer run
+//! the layer: each step's two sides at the same time (the reference on its threads, the
+//! candidate on its device), downloads, the comparison; the first layer run
 //! from 0 also holds the embedding.
 //!
 //! For each token count (random token ids, fixed seed) an untimed reference run of the layers

@@ -38,7 +38,7 @@
 //! lacks is handed to the sink on its own ([`PairSink::reference_only`]: its scores judge a
 //! selection's flips, its steps compose a segment's floor).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -49,8 +49,8 @@ use super::replay::{replay_step, step_wanted};
 use super::rows;
 use super::segment::TraceReplay;
 use super::{check_tokens, Plan, Progress, Residency, Runner, StepProgress};
-use crate::engine::{Engine, HostTensor};
-use crate::model::steps::{expert_hook, Op, Step};
+use crate::engine::{Engine, HostTensor, UploadStats};
+use crate::model::steps::{expert_hook, hook, point, Op, Step};
 use crate::model::Weights;
 use crate::trace::{Mode, Pair, PairSink, TraceFile};
 
@@ -82,7 +82,7 @@ pub enum Candidate<'a, C: Engine> {
 /// Runs `plan` on `reference` and `candidate` for `tokens`, starting from `start` (the plan's
 /// free inputs, given to both sides), in `modes`; hands every wanted hook to `sink`.
 #[allow(clippy::too_many_arguments)]
-pub fn run_pair<R: Engine, C: Engine>(
+pub fn run_pair<R: Engine + Sync, C: Engine>(
     reference: &R,
     candidate: Candidate<'_, C>,
     weights: &Weights<'_>,
@@ -92,7 +92,10 @@ pub fn run_pair<R: Engine, C: Engine>(
     modes: Modes,
     sink: &mut dyn PairSink,
     progress: &dyn Progress,
-) -> Result<PairSummary> {
+) -> Result<PairSummary>
+where
+    R::Tensor: Send,
+{
     run_pair_with(
         reference, candidate, weights, tokens, plan, start, modes, sink, progress, true,
     )
@@ -102,7 +105,7 @@ pub fn run_pair<R: Engine, C: Engine>(
 /// and runs the followed chain only where they change ([`super::rows`]) when `only_changed`, and
 /// whole otherwise (what tests compare it with: the results are the same bit for bit).
 #[allow(clippy::too_many_arguments)]
-pub(super) fn run_pair_with<R: Engine, C: Engine>(
+pub(super) fn run_pair_with<R: Engine + Sync, C: Engine>(
     reference: &R,
     candidate: Candidate<'_, C>,
     weights: &Weights<'_>,
@@ -113,7 +116,10 @@ pub(super) fn run_pair_with<R: Engine, C: Engine>(
     sink: &mut dyn PairSink,
     progress: &dyn Progress,
     only_changed: bool,
-) -> Result<PairSummary> {
+) -> Result<PairSummary>
+where
+    R::Tensor: Send,
+{
     check_tokens(weights, tokens)?;
     let mut refr = Runner::new(reference, plan, tokens, start, &[])?;
     let mut cand = match (&candidate, modes.chained) {
@@ -159,32 +165,120 @@ pub(super) fn run_pair_with<R: Engine, C: Engine>(
             }
             _ => None,
         };
-        let t0 = Instant::now();
-        let ref_extra = {
-            let wants = |n: &str| {
+        // The names the reference's step hands out, asked of the sink here (it stays on this
+        // thread while the reference runs on another).
+        let ref_wants: HashSet<String> = step_names(step, weights)
+            .into_iter()
+            .filter(|n| {
                 sink.wants(n)
                     || own_experts
                         .as_ref()
                         .is_some_and(|(l, _)| expert_of(*l, n).is_some())
-            };
-            refr.step(&wants)?
+            })
+            .collect();
+        // The candidate's replay of the step, from the inputs taken above.
+        let replay_now = match (&candidate, &replay_inputs) {
+            (Candidate::Engine(c), Some(Ok(inputs))) if step.op != Op::Alias => Some((*c, inputs)),
+            _ => None,
         };
-        let ref_out: Vec<(String, HostTensor)> = wanted_outputs(&refr, step, &*sink)?;
-        let took = t0.elapsed().as_secs_f64();
+        // The reference's step (CPU threads) and the candidate's (its device) at the same time:
+        // neither reads the other's values until both are done.
+        let (ref_done, cand_done) = std::thread::scope(|scope| {
+            let refr = &mut refr;
+            let ref_wants = &ref_wants;
+            let ref_side = scope.spawn(move || -> Result<RefStep> {
+                let t0 = Instant::now();
+                let extra = refr.step(&|n: &str| ref_wants.contains(n))?;
+                let mut out = Vec::new();
+                for n in step.outputs.iter().filter(|n| ref_wants.contains(*n)) {
+                    let t = refr.get(n).with_context(|| {
+                        format!("driver: output {n} of the step just run is gone")
+                    })?;
+                    out.push((n.clone(), reference.download(t)?));
+                }
+                let extra = extra
+                    .into_iter()
+                    .filter(|(n, _)| ref_wants.contains(n))
+                    .map(|(n, t)| Ok((n, reference.download(&t)?)))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(RefStep {
+                    out,
+                    extra,
+                    seconds: t0.elapsed().as_secs_f64(),
+                })
+            });
+            let cand_side = (|| -> Result<CandStep> {
+                let mut done = CandStep::default();
+                if modes.chained {
+                    if let (Candidate::Engine(_), Some(c)) = (&candidate, &mut cand) {
+                        let t0 = Instant::now();
+                        let extra = {
+                            let wants = |n: &str| sink.wants(n);
+                            c.step(&wants)?
+                        };
+                        for n in &step.outputs {
+                            if sink.wants(n) || is_selection(n) {
+                                let t = c.get(n).with_context(|| {
+                                    format!("driver: output {n} of the step just run is gone")
+                                })?;
+                                done.chained.insert(n.clone(), c.engine().download(t)?);
+                            }
+                        }
+                        for (n, t) in extra {
+                            if sink.wants(&n) {
+                                done.chained.insert(n, c.engine().download(&t)?);
+                            }
+                        }
+                        done.chained_seconds = t0.elapsed().as_secs_f64();
+                        done.chained_upload = Some(c.engine().take_upload_stats());
+                    }
+                }
+                if let Some((c, inputs)) = replay_now {
+                    let t0 = Instant::now();
+                    if cand.is_none() {
+                        cand_residency.enter(c, plan, step)?;
+                    }
+                    let wants = |n: &str| sink.wants(n) || is_selection(n);
+                    done.replay = Some(replay_step(c, step, &inputs.values, tokens, &wants)?);
+                    done.replay_seconds = t0.elapsed().as_secs_f64();
+                    done.replay_upload = Some(c.take_upload_stats());
+                }
+                Ok(done)
+            })();
+            let ref_done = ref_side
+                .join()
+                .unwrap_or_else(|_| Err(anyhow::anyhow!("driver: the reference's step panicked")));
+            (ref_done, cand_side)
+        });
+        let RefStep {
+            out: ref_out,
+            extra: ref_extra,
+            seconds: took,
+        } = ref_done?;
+        let mut cand_done = cand_done?;
         summary.time(layer).reference += took;
         if step.op != Op::Alias {
             summary.reference_work.plain.add(tokens.len(), took);
         }
+        {
+            let t = summary.time(layer);
+            t.chained += cand_done.chained_seconds;
+            t.replay += cand_done.replay_seconds;
+            for u in [
+                cand_done.chained_upload.take(),
+                cand_done.replay_upload.take(),
+            ]
+            .into_iter()
+            .flatten()
+            {
+                t.add_upload(u);
+            }
+        }
         let mut experts = Vec::new();
         let mut wanted_extra = Vec::new();
-        for (n, t) in ref_extra {
+        for (n, host) in ref_extra {
             let own = own_experts.as_ref().and_then(|(l, _)| expert_of(*l, &n));
-            let wanted = sink.wants(&n);
-            if own.is_none() && !wanted {
-                continue;
-            }
-            let host = reference.download(&t)?;
-            match (own, wanted) {
+            match (own, sink.wants(&n)) {
                 (Some(e), true) => {
                     experts.push((e, host.clone()));
                     wanted_extra.push((n, host));
@@ -199,32 +293,7 @@ pub(super) fn run_pair_with<R: Engine, C: Engine>(
         let ref_extra: Vec<(String, HostTensor)> = wanted_extra;
 
         if modes.chained {
-            // The candidate's outputs of the step: what the sink wants, and its selections
-            // (the followed chain takes its near ties).
-            let mut cand_values: HashMap<String, HostTensor> = HashMap::new();
-            if let (Candidate::Engine(_), Some(c)) = (&candidate, &mut cand) {
-                let t0 = Instant::now();
-                let extra = {
-                    let wants = |n: &str| sink.wants(n);
-                    c.step(&wants)?
-                };
-                for n in &step.outputs {
-                    if sink.wants(n) || is_selection(n) {
-                        let t = c.get(n).with_context(|| {
-                            format!("driver: output {n} of the step just run is gone")
-                        })?;
-                        cand_values.insert(n.clone(), c.engine().download(t)?);
-                    }
-                }
-                for (n, t) in extra {
-                    if sink.wants(&n) {
-                        cand_values.insert(n, c.engine().download(&t)?);
-                    }
-                }
-                let t = summary.time(layer);
-                t.chained += t0.elapsed().as_secs_f64();
-                t.add_upload(c.engine().take_upload_stats());
-            }
+            let cand_values = &cand_done.chained;
             let value = |n: &str| -> Result<Option<HostTensor>> {
                 match &candidate {
                     Candidate::Trace(tr) => tr.get(n),
@@ -264,9 +333,8 @@ pub(super) fn run_pair_with<R: Engine, C: Engine>(
                     if step.op != Op::Alias && sink.wants_replay_inputs() {
                         sink.replay_inputs(step, &inputs.values);
                     }
-                    let wants = |n: &str| sink.wants(n) || is_selection(n);
                     match &candidate {
-                        Candidate::Engine(c) => {
+                        Candidate::Engine(_) => {
                             if step.op == Op::Alias {
                                 // No arithmetic: the candidate's selection keeps its new name.
                                 if let (Some(src), Some(out)) =
@@ -277,14 +345,13 @@ pub(super) fn run_pair_with<R: Engine, C: Engine>(
                                     }
                                 }
                             } else {
-                                let t0 = Instant::now();
-                                if cand.is_none() {
-                                    cand_residency.enter(*c, plan, step)?;
-                                }
-                                let out = replay_step(*c, step, &inputs.values, tokens, &wants)?;
-                                let t = summary.time(layer);
-                                t.replay += t0.elapsed().as_secs_f64();
-                                t.add_upload(c.take_upload_stats());
+                                // Computed beside the reference's step above.
+                                let out = cand_done.replay.take().with_context(|| {
+                                    format!(
+                                        "driver: the candidate's replay of {:?} is gone",
+                                        step.outputs
+                                    )
+                                })?;
                                 for (n, t) in &out {
                                     if is_selection(n) {
                                         cand_sel.insert(n.clone(), t.clone());
@@ -347,6 +414,47 @@ pub(super) fn run_pair_with<R: Engine, C: Engine>(
     }
     steps.finish();
     Ok(summary)
+}
+
+/// The reference's side of one step, run beside the candidate's.
+struct RefStep {
+    /// Its outputs the sink wants, on the host.
+    out: Vec<(String, HostTensor)>,
+    /// Its optional hooks asked for, on the host.
+    extra: Vec<(String, HostTensor)>,
+    /// Seconds it took.
+    seconds: f64,
+}
+
+/// The candidate engine's side of one step, run beside the reference's.
+#[derive(Default)]
+struct CandStep {
+    /// Chained: the outputs the sink wants and its selections, on the host.
+    chained: HashMap<String, HostTensor>,
+    /// Seconds of the chained step.
+    chained_seconds: f64,
+    /// The chained step's uploads.
+    chained_upload: Option<UploadStats>,
+    /// The replayed step's outputs (the sink's and the selections), on the host.
+    replay: Option<Vec<(String, HostTensor)>>,
+    /// Seconds of the replayed step.
+    replay_seconds: f64,
+    /// The replayed step's uploads.
+    replay_upload: Option<UploadStats>,
+}
+
+/// Every name step `step` can hand out: its outputs and its optional hooks (the attention's
+/// probabilities, each expert's outputs).
+fn step_names(step: &Step, weights: &Weights<'_>) -> Vec<String> {
+    let mut v = step.outputs.clone();
+    match step.op {
+        Op::Attention { layer } => v.push(hook(layer, point::ATTN_PROBS)),
+        Op::MoeExperts { layer } => {
+            v.extend((0..weights.hparams().n_expert).map(|e| expert_hook(layer, e)))
+        }
+        _ => {}
+    }
+    v
 }
 
 /// Host copies of the values the runner's next step, `step`, reads.
@@ -470,24 +578,6 @@ fn recompute_reference<R: Engine>(
     work.add(n, took);
     summary.time(step.layer).reference += took;
     Ok(out)
-}
-
-/// The outputs of the step `runner` just ran that `sink` wants, downloaded.
-fn wanted_outputs<E: Engine>(
-    runner: &Runner<'_, E>,
-    step: &Step,
-    sink: &dyn PairSink,
-) -> Result<Vec<(String, HostTensor)>> {
-    let mut v = Vec::new();
-    for n in &step.outputs {
-        if sink.wants(n) {
-            let t = runner
-                .get(n)
-                .with_context(|| format!("driver: output {n} of the step just run is gone"))?;
-            v.push((n.clone(), runner.engine().download(t)?));
-        }
-    }
-    Ok(v)
 }
 
 /// How a candidate output that is not there is described.

@@ -87,8 +87,8 @@ impl Residency {
 
 #[cfg(test)]
 mod tests {
-    use std::cell::RefCell;
     use std::ops::Range;
+    use std::sync::Mutex;
 
     use anyhow::bail;
 
@@ -110,16 +110,16 @@ mod tests {
     struct Recording<'w> {
         cpu: CpuEngine<'w>,
         weights: &'w Weights<'w>,
-        events: RefCell<Vec<String>>,
-        global: RefCell<Option<Vec<String>>>,
-        layer: RefCell<Option<(usize, Vec<String>)>>,
+        events: Mutex<Vec<String>>,
+        global: Mutex<Option<Vec<String>>>,
+        layer: Mutex<Option<(usize, Vec<String>)>>,
         /// Every `prefetch_layer` call: the layer and the names given.
-        prefetched: RefCell<Vec<(usize, Vec<String>)>>,
+        prefetched: Mutex<Vec<(usize, Vec<String>)>>,
         /// Every `begin_layer` call: the layer and the names given.
-        begun: RefCell<Vec<(usize, Vec<String>)>>,
+        begun: Mutex<Vec<(usize, Vec<String>)>>,
         /// Upload figures not yet taken: each `begin_layer L` adds `1000 * (L + 1)` bytes and
         /// `L + 1` ms.
-        uploads: RefCell<UploadStats>,
+        uploads: Mutex<UploadStats>,
     }
 
     impl<'w> Recording<'w> {
@@ -137,12 +137,12 @@ mod tests {
         }
 
         fn events(&self) -> Vec<String> {
-            self.events.borrow().clone()
+            self.events.lock().unwrap().clone()
         }
 
         fn uses(&self, name: &str) -> Result<()> {
-            let global = self.global.borrow();
-            let layer = self.layer.borrow();
+            let global = self.global.lock().unwrap();
+            let layer = self.layer.lock().unwrap();
             let announced = global.as_ref().is_some_and(|g| g.iter().any(|n| n == name))
                 || layer
                     .as_ref()
@@ -154,7 +154,7 @@ mod tests {
         }
 
         fn in_layer(&self, layer: usize, names: &[String]) -> Result<()> {
-            let begun = self.layer.borrow().as_ref().map(|(l, _)| *l);
+            let begun = self.layer.lock().unwrap().as_ref().map(|(l, _)| *l);
             if begun != Some(layer) {
                 bail!("a step of layer {layer} ran while layer {begun:?} was begun");
             }
@@ -171,56 +171,66 @@ mod tests {
             self.cpu.precision()
         }
         fn begin_model(&self, weights: &[String]) -> Result<()> {
-            if self.global.borrow().is_some() {
+            if self.global.lock().unwrap().is_some() {
                 bail!("begin_model twice");
             }
-            *self.global.borrow_mut() = Some(weights.to_vec());
+            *self.global.lock().unwrap() = Some(weights.to_vec());
             self.events
-                .borrow_mut()
+                .lock()
+                .unwrap()
                 .push(format!("begin_model {}", weights.join(" ")));
             Ok(())
         }
         fn end_model(&self) -> Result<()> {
-            if self.layer.borrow().is_some() || self.global.borrow_mut().take().is_none() {
+            if self.layer.lock().unwrap().is_some() || self.global.lock().unwrap().take().is_none()
+            {
                 bail!("end_model with a layer begun or no model");
             }
-            self.events.borrow_mut().push("end_model".into());
+            self.events.lock().unwrap().push("end_model".into());
             Ok(())
         }
         fn begin_layer(&self, layer: usize, weights: &[String]) -> Result<()> {
-            if self.global.borrow().is_none() || self.layer.borrow().is_some() {
+            if self.global.lock().unwrap().is_none() || self.layer.lock().unwrap().is_some() {
                 bail!("begin_layer {layer} outside the model or inside another layer");
             }
-            *self.layer.borrow_mut() = Some((layer, weights.to_vec()));
-            self.begun.borrow_mut().push((layer, weights.to_vec()));
-            *self.uploads.borrow_mut() += UploadStats {
+            *self.layer.lock().unwrap() = Some((layer, weights.to_vec()));
+            self.begun.lock().unwrap().push((layer, weights.to_vec()));
+            *self.uploads.lock().unwrap() += UploadStats {
                 wait: (layer + 1) as f64 * 1e-3,
                 bytes: 1000 * (layer as u64 + 1),
             };
             self.events
-                .borrow_mut()
+                .lock()
+                .unwrap()
                 .push(format!("begin_layer {layer}"));
             Ok(())
         }
         fn end_layer(&self, layer: usize) -> Result<()> {
-            match self.layer.borrow_mut().take() {
+            match self.layer.lock().unwrap().take() {
                 Some((l, _)) if l == layer => {}
                 other => bail!("end_layer {layer} while {other:?} was begun"),
             }
-            self.events.borrow_mut().push(format!("end_layer {layer}"));
+            self.events
+                .lock()
+                .unwrap()
+                .push(format!("end_layer {layer}"));
             Ok(())
         }
         fn take_upload_stats(&self) -> UploadStats {
-            std::mem::take(&mut *self.uploads.borrow_mut())
+            std::mem::take(&mut *self.uploads.lock().unwrap())
         }
         fn prefetch_layer(&self, layer: usize, weights: &[String]) -> Result<()> {
-            match &*self.layer.borrow() {
+            match &*self.layer.lock().unwrap() {
                 Some((l, _)) if *l < layer => {}
                 other => bail!("prefetch_layer {layer} while {other:?} was begun"),
             }
-            self.prefetched.borrow_mut().push((layer, weights.to_vec()));
+            self.prefetched
+                .lock()
+                .unwrap()
+                .push((layer, weights.to_vec()));
             self.events
-                .borrow_mut()
+                .lock()
+                .unwrap()
                 .push(format!("prefetch_layer {layer}"));
             Ok(())
         }
@@ -471,14 +481,14 @@ mod tests {
                 "begin_layer 2",
             ]
         );
-        let prefetched = engine.prefetched.borrow().clone();
+        let prefetched = engine.prefetched.lock().unwrap().clone();
         assert_eq!(
             prefetched.iter().map(|(l, _)| *l).collect::<Vec<_>>(),
             [1, 2]
         );
         for (l, names) in &prefetched {
             assert_eq!(names, plan.weights_of_layer(*l), "layer {l}");
-            let begun = engine.begun.borrow();
+            let begun = engine.begun.lock().unwrap();
             let (_, at_begin) = begun.iter().find(|(b, _)| b == l).unwrap();
             assert_eq!(names, at_begin, "layer {l}");
         }
@@ -496,7 +506,13 @@ mod tests {
             } else {
                 prefix_values(&engine, &w, &TOKENS, &plan, &NoProgress).unwrap();
             }
-            let got: Vec<usize> = engine.prefetched.borrow().iter().map(|(l, _)| *l).collect();
+            let got: Vec<usize> = engine
+                .prefetched
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|(l, _)| *l)
+                .collect();
             assert_eq!(got, [1], "{:?}", engine.events());
         }
 
@@ -540,7 +556,8 @@ mod tests {
         );
         let got: Vec<usize> = reference
             .prefetched
-            .borrow()
+            .lock()
+            .unwrap()
             .iter()
             .map(|(l, _)| *l)
             .collect();

@@ -436,13 +436,16 @@ mod tests {
 
     /// Both modes of a pass of `reference` against `cand` on `tokens`: what the sink got and
     /// what the reference computed.
-    fn pass<R: Engine, C: Engine>(
+    fn pass<R: Engine + Sync, C: Engine>(
         reference: &R,
         cand: &C,
         w: &Weights<'_>,
         tokens: &[u32],
         only_changed: bool,
-    ) -> (Vec<Event>, ReferenceWork) {
+    ) -> (Vec<Event>, ReferenceWork)
+    where
+        R::Tensor: Send,
+    {
         let plan = Plan::full(w).unwrap();
         let mut log = Log::default();
         let s = run_pair_with(

@@ -365,11 +365,12 @@ pub fn render_run(r: &run::Report) -> String {
         r.seed
     ));
     s.push_str(
-        "Times are per layer. wall: the pass over the layer (both sides one after the other, downloads,\n\
-         the comparison; layer 0 holds the embedding). reference, candidate (chain + replay) and upload\n\
-         (the candidate's wait for its weights, part of candidate) as the driver records them. floor:\n\
-         the CPU reference's dequantize_par + matmul of the layer's slices (touched experts) with the same\n\
-         tokens. copy: the layer's raw GGUF bytes host-to-device from pinned and pageable memory.\n\
+        "Times are per layer. wall: the pass over the layer (each step's two sides at the same time,\n\
+         downloads, the comparison; layer 0 holds the embedding). reference, candidate (chain +\n\
+         replay) and upload (the candidate's wait for its weights, part of candidate) as the driver\n\
+         records them. floor: the CPU reference's dequantize_par + matmul of the layer's slices\n\
+         (touched experts) with the same tokens. copy: the layer's raw GGUF bytes host-to-device from\n\
+         pinned and pageable memory.\n\
          Projection: the sum over kinds of layers at the depth x mean wall per layer; each side's the\n\
          same of its time; bound by: the side whose projected time is larger, and its ratio to the other.\n\
          Memory: VmHWM (reset before each pass), RssAnon and RssFile sampled during the passes.\n",

@@ -1,8 +1,8 @@
 //! [`FaultEngine`]: any engine with faults injected into the steps they concern.
 
-use std::cell::Cell;
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::Mutex;
 
 use anyhow::{bail, Context, Result};
 
@@ -32,7 +32,7 @@ pub struct FaultEngine<'a, 'w, E: Engine> {
     weights: &'w Weights<'w>,
     host: CpuEngine<'w>,
     faults: Vec<Fault>,
-    layer: Cell<Option<usize>>,
+    layer: Mutex<Option<usize>>,
 }
 
 impl<'a, 'w, E: Engine> FaultEngine<'a, 'w, E> {
@@ -43,7 +43,15 @@ impl<'a, 'w, E: Engine> FaultEngine<'a, 'w, E> {
             weights,
             host: CpuEngine::new(weights),
             faults,
-            layer: Cell::new(None),
+            layer: Mutex::new(None),
+        }
+    }
+
+    /// Sets the layer begun last, returning the one before.
+    fn set_layer(&self, layer: Option<usize>) -> Option<usize> {
+        match self.layer.lock() {
+            Ok(mut l) => std::mem::replace(&mut *l, layer),
+            Err(poisoned) => std::mem::replace(&mut *poisoned.into_inner(), layer),
         }
     }
 
@@ -225,7 +233,7 @@ impl<'a, 'w, E: Engine> FaultEngine<'a, 'w, E> {
 
     /// The layer of the step being run (RoPE): the one begun last.
     fn current_layer(&self) -> Option<usize> {
-        self.layer.get()
+        self.layer.lock().map_or(None, |l| *l)
     }
 
     /// Whether a fault concerns the RoPE step now (every layer when outside a walk).
@@ -373,7 +381,7 @@ impl<'a, 'w, E: Engine> FaultEngine<'a, 'w, E> {
         let out_name = steps::hook(mtp, steps::point::L_OUT);
         let names = steps::weights_of(&steps, self.weights);
         self.inner.begin_layer(mtp, &names)?;
-        let before = self.layer.replace(Some(mtp));
+        let before = self.set_layer(Some(mtp));
         let mut env: HashMap<String, E::Tensor> = HashMap::new();
         let result = (|| -> Result<()> {
             for s in &steps {
@@ -397,7 +405,7 @@ impl<'a, 'w, E: Engine> FaultEngine<'a, 'w, E> {
             }
             Ok(())
         })();
-        self.layer.set(before);
+        self.set_layer(before);
         result.with_context(|| format!("fault run_mtp: the MTP block blk.{mtp} as a layer"))?;
         self.inner.end_layer(mtp)?;
         env.remove(&out_name)
@@ -489,12 +497,12 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
     }
 
     fn begin_layer(&self, layer: usize, weights: &[String]) -> Result<()> {
-        self.layer.set(Some(layer));
+        self.set_layer(Some(layer));
         self.inner.begin_layer(layer, weights)
     }
 
     fn end_layer(&self, layer: usize) -> Result<()> {
-        self.layer.set(None);
+        self.set_layer(None);
         self.inner.end_layer(layer)
     }
 
