@@ -28,6 +28,7 @@ use serde::Serialize;
 use self::fault::{Fault, FaultEngine, FaultKind, Mscale};
 use crate::compare::{compare, Comparison, ModeResult, Status};
 use crate::driver::exec_step;
+use crate::driver::pair::Modes;
 use crate::engine::cpu::CpuEngine;
 use crate::engine::{Engine, HostTensor};
 use crate::model::names::{self, blk};
@@ -102,6 +103,8 @@ pub struct Capture<'c, 'w> {
     exact_replay: bool,
     /// See [`Capture::with_directions`].
     chained_directions: bool,
+    /// Replay runs (a chained pair's directions are kept for its replay pair).
+    replay: bool,
 }
 
 impl<'c, 'w> Capture<'c, 'w> {
@@ -118,6 +121,7 @@ impl<'c, 'w> Capture<'c, 'w> {
             last: None,
             exact_replay: false,
             chained_directions: false,
+            replay: false,
         }
     }
 
@@ -127,19 +131,20 @@ impl<'c, 'w> Capture<'c, 'w> {
     /// `exact_replay`: the reference side of every replay pair is the reference's output from
     /// exactly the inputs handed over before it (an engine candidate: true; against a trace a
     /// segment may take a row from another selection's round), so the directions take it as
-    /// their base instead of computing it again. `chained`: the directions of chained pairs
-    /// too. Without them a chained pair is still tested for its overall and head gains; an
-    /// engine candidate replays every step it runs, so with replay on the families' components
-    /// are tested where a step's own error shows them first.
+    /// their base instead of computing it again. `modes`: the pass's. Chained pairs get
+    /// directions too, except against an engine with replay on: a chained pair is then still
+    /// tested for its overall and head gains, and the families' components where a step's own
+    /// error shows them first (an engine candidate replays every step it runs).
     pub fn with_directions(
         mut self,
         weights: &'w Weights<'w>,
         exact_replay: bool,
-        chained: bool,
+        modes: Modes,
     ) -> Capture<'c, 'w> {
         self.directions = Some(CpuEngine::new(weights));
         self.exact_replay = exact_replay;
-        self.chained_directions = chained;
+        self.chained_directions = modes.chained && !(exact_replay && modes.replay);
+        self.replay = modes.replay;
         self
     }
 
@@ -161,14 +166,18 @@ impl PairSink for Capture<'_, '_> {
         };
         if let (Some(cpu), Some((step, values))) = (&self.directions, inputs) {
             // The same hook from inputs of the same bits (chained, then replay, before the
-            // chains part) has the same directions.
-            let same = self.last.as_ref().filter(|(hook, from, _)| {
-                hook == pair.name
-                    && from.len() == values.len()
-                    && from.iter().zip(values).all(|(a, b)| a.same_bits(b))
-            });
+            // chains part) has the same directions: the chained pair's are kept for the replay
+            // pair that comes next, and taken by it.
+            let same = match pair.mode {
+                Mode::Replay => self.last.take().filter(|(hook, from, _)| {
+                    hook == pair.name
+                        && from.len() == values.len()
+                        && from.iter().zip(values).all(|(a, b)| a.same_bits(b))
+                }),
+                Mode::Chained => None,
+            };
             let parts = match same {
-                Some((_, _, parts)) => Ok(parts.clone()),
+                Some((_, _, parts)) => Ok(parts),
                 None => {
                     let own = Own {
                         output: (self.exact_replay && pair.mode == Mode::Replay)
@@ -185,7 +194,7 @@ impl PairSink for Capture<'_, '_> {
             // A direction that cannot be computed leaves the hook to the other tests.
             if let Ok(parts) = parts {
                 if !parts.is_empty() {
-                    if same.is_none() {
+                    if pair.mode == Mode::Chained && self.replay {
                         self.last = Some((pair.name.to_string(), values.clone(), parts.clone()));
                     }
                     self.inner.components(pair.name, pair.mode, parts);

@@ -90,7 +90,7 @@ impl Pass<'_, '_> {
         let mut sink = Capture::new(&mut cmp, cfg.explain || cfg.repro.is_some()).with_directions(
             self.weights,
             trace.is_none(),
-            trace.is_some() || !cfg.mode.modes().replay,
+            cfg.mode.modes(),
         );
         let summary = run_pair(
             self.reference,
