@@ -476,7 +476,7 @@ mod tests {
             data: (0..rows * k).map(|_| rng.uniform() - 0.5).collect(),
         };
         let one = pool(1);
-        for t in [16, 256, 1024] {
+        for t in [4, 16, 32, 256, 1024] {
             let x: Vec<f32> = (0..t * k).map(|_| rng.uniform() - 0.5).collect();
             let gflop = 2.0 * (t * rows * k) as f64 * 1e-9;
             let best = |f: &(dyn Fn() -> Vec<f32> + Sync)| {

@@ -350,4 +350,68 @@ mod tests {
         assert_eq!(ids, vec![2, 1]);
         assert!((w[0] - 1.25).abs() < 1e-6 && (w[1] - 2.5 / 3.0).abs() < 1e-6);
     }
+
+    /// Thread CPU time of the calling thread, seconds.
+    fn thread_cpu_s() -> f64 {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes one timespec through a pointer to a live local.
+        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+    }
+
+    /// Time of one routed expert of a real-size model (`[gate, up, down]` dequantized and
+    /// multiplied, [`CpuEngine::expert_output`]) on one thread, ms of thread CPU time per expert
+    /// (best of 3 over 4 experts), for a few token counts at each SIMD build:
+    /// `GLMDIFF_EXPERT_SPEED_MODEL=m.gguf GLMDIFF_EXPERT_SPEED_LAYER=3 cargo test --release --lib
+    /// expert_speed -- --ignored --nocapture` (the layer must be MoE; returns early without the
+    /// model).
+    #[test]
+    #[ignore]
+    fn expert_speed() {
+        use crate::quant::simd::{detected, with_cap, Level};
+        let Ok(path) = std::env::var("GLMDIFF_EXPERT_SPEED_MODEL") else {
+            eprintln!("expert_speed: GLMDIFF_EXPERT_SPEED_MODEL not set, skipped");
+            return;
+        };
+        let layer: usize = std::env::var("GLMDIFF_EXPERT_SPEED_LAYER")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(3);
+        let model = crate::gguf::Model::open(std::path::Path::new(&path)).unwrap();
+        let weights = crate::model::Weights::new(&model).unwrap();
+        let cpu = CpuEngine::new(&weights);
+        let hidden = weights.hparams().hidden;
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let mut rng = crate::util::rng::SplitMix64::new(11);
+        let experts = [0usize, 1, 2, 3];
+        let levels = [Level::Base, Level::Avx2, Level::Avx512];
+        for l in levels.into_iter().filter(|&l| l <= detected()) {
+            let mut line = format!("{:6}:", l.name());
+            for t in [1usize, 2, 3, 4, 5, 6, 8, 16] {
+                let xs: Vec<f32> = (0..t * hidden).map(|_| rng.uniform() - 0.5).collect();
+                let best = one.install(|| {
+                    with_cap(l, || {
+                        (0..3)
+                            .map(|_| {
+                                let c = thread_cpu_s();
+                                for &e in &experts {
+                                    let rows = cpu.expert_rows(layer, e).unwrap();
+                                    std::hint::black_box(cpu.expert_output(&rows, &xs, t).unwrap());
+                                }
+                                (thread_cpu_s() - c) / experts.len() as f64
+                            })
+                            .fold(f64::INFINITY, f64::min)
+                    })
+                });
+                line += &format!(" t={t} {:.1} ms", best * 1e3);
+            }
+            println!("{line}");
+        }
+    }
 }

@@ -27,11 +27,36 @@
 //!
 //! # Blocking
 //! A call multiplies `n` weight rows (a task of the caller: dequantized rows still in cache)
-//! with `t` tokens. The rows are converted to f64 once per call. Tokens go in blocks of
-//! [`TOKEN_BLOCK`] and columns in blocks of [`COL_BLOCK`]: per pair of blocks the tokens'
-//! columns are converted into a small f64 buffer (from cache), then for each tile of
-//! [`TILE_TOKENS`] tokens by `TR` rows the tile's lanes are loaded into registers, advanced over
-//! the block's columns and stored back. A tile loads `TILE_TOKENS + TR` vectors of [`LANES`]
+//! with `t` tokens, by one of two paths that give the same bits.
+//!
+//! *The direct path*, with fewer than [`SMALL_TOKENS`] tokens (32; [`SMALL_TOKENS_BASE`], 3,
+//! in the baseline build): the tokens' columns are converted to f64 once per call, then for
+//! each group of `TR` rows and each tile of up to [`TILE_TOKENS`] tokens (2 when `TR` is
+//! below 4: the accumulators of 4 tokens by 2 rows would take all 16 AVX2 registers) one pass
+//! over all the columns loads the weights straight from the f32 rows, converting them in
+//! registers, into accumulators that stay in registers from the first column to the last
+//! (and are combined after it, from memory: combined in registers, LLVM split them in halves).
+//! With few tokens each weight value serves 1 to 4 products, so converting the rows into a
+//! buffer first (786 KB for 16 rows of 6144, with the 393 KB of f32 rows: over L2) cost more
+//! than the products. The rows short of a last group of `TR` go one at a time. Measured on a
+//! 2-core Zen 4 VM (shared, noisy; thread CPU time), a task of 16 rows of 6144 values in
+//! cache (`tests::small_tokens_speed`), ns per weight value, direct against blocked: AVX-512
+//! t = 1: 0.07-0.08 / 0.26-0.32, t = 4: 0.17-0.19 / 0.36-0.47, t = 16: 0.71 / 1.05-1.13,
+//! t = 48: 2.5 / 2.9; AVX2 t = 1: 0.08 / 0.27, t = 4: 0.25 / 0.6, t = 16: 1.4 / 2.2-2.4; the
+//! baseline build within the noise of the blocked path up to t = 2, slower from t = 3 (10-40%).
+//! `[t, 6144] x [6144 -> 2048]` on one thread (`math::tests::matmul_speed`), AVX-512: t = 4
+//! 11.7 -> 21.1 GFLOP/s, t = 16 20.5 -> 34.0; AVX2 7.9 -> 12.3, 11.0 -> 20.1. One routed
+//! expert of GLM-5 (gate and up 6144 -> 2048 Q4_K, down 2048 -> 6144 Q6_K, dequantization
+//! included, `moe::tests::expert_speed`), AVX-512, ms: t = 1 14-16 -> 8-10, t = 4 21-23 ->
+//! 11-14, t = 16 51-57 -> 33-37. The direct path still won at 48 and 63 tokens (by 10-20%
+//! with AVX-512), but its converted tokens (t x 8 B per column) no longer fit in L2 from about
+//! 20 tokens of 6144 columns, which costs more when many threads share L3: 32 keeps a margin.
+//!
+//! *The blocked path*, with more tokens: the rows are converted to f64 once per call. Tokens
+//! go in blocks of [`TOKEN_BLOCK`] and columns in blocks of [`COL_BLOCK`]: per pair of blocks
+//! the tokens' columns are converted into a small f64 buffer (from cache), then for each tile
+//! of [`TILE_TOKENS`] tokens by `TR` rows the tile's lanes are loaded into registers, advanced
+//! over the block's columns and stored back. A tile loads `TILE_TOKENS + TR` vectors of [`LANES`]
 //! values per `TILE_TOKENS * TR` multiply-adds; the weight tile stays in L1, the token block
 //! and the lanes in L2, and the activations are read from memory once per call, so a caller
 //! with many tokens gives each call many rows ([`super::rows_per_task`]).
@@ -47,15 +72,23 @@ pub const TILE_TOKENS: usize = 4;
 pub const TOKEN_BLOCK: usize = 64;
 /// Columns per block, a multiple of [`LANES`].
 pub const COL_BLOCK: usize = 256;
+/// Fewest tokens [`products`] gives the blocked path in the AVX2 and AVX-512 builds: with
+/// fewer it takes the direct path (see the module documentation).
+pub const SMALL_TOKENS: usize = 32;
+/// [`SMALL_TOKENS`] of the baseline build.
+pub const SMALL_TOKENS_BASE: usize = 3;
 
 /// Working memory of [`products`], kept by a thread from one call to the next.
 #[derive(Default)]
 pub struct Scratch {
-    /// The call's weight rows in f64, padded: `[rows rounded up to TR, cols rounded up to LANES]`.
+    /// The call's weight rows in f64, padded: `[rows rounded up to TR, cols rounded up to LANES]`
+    /// (the blocked path).
     w: Vec<f64>,
-    /// One block of tokens' columns in f64: `[tokens, block columns]`.
+    /// One block of tokens' columns in f64: `[tokens, block columns]` (the blocked path); all
+    /// the tokens' columns, padded: `[t, cols rounded up to LANES]` (the direct path).
     x: Vec<f64>,
-    /// The lanes of one token block's outputs: `[tokens, padded rows]`.
+    /// The lanes of one token block's outputs: `[tokens, padded rows]` (the blocked path); of
+    /// one group of rows: `[t, TR]` (the direct path).
     lanes: Vec<[f64; LANES]>,
 }
 
@@ -86,7 +119,8 @@ fn madd<const FMA: bool>(a: f64, b: f64, c: f64) -> f64 {
 }
 
 /// [`products`] with tiles of [`TILE_TOKENS`] tokens by `TR` rows, fused multiply-adds when
-/// `FMA`.
+/// `FMA`: the direct path with fewer than [`SMALL_TOKENS`] tokens ([`SMALL_TOKENS_BASE`]
+/// without `FMA`, the baseline build), else the blocked one.
 #[inline(always)]
 fn products_tiled<const TR: usize, const FMA: bool>(
     x: &[f32],
@@ -97,6 +131,24 @@ fn products_tiled<const TR: usize, const FMA: bool>(
     out: &mut [f32],
     s: &mut Scratch,
 ) {
+    let small = if FMA { SMALL_TOKENS } else { SMALL_TOKENS_BASE };
+    products_path::<TR, FMA>(x, t, w, n, k, out, s, t < small);
+}
+
+/// [`products_tiled`] by the direct path when `direct`, else by the blocked one (the tests
+/// run both at every token count).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn products_path<const TR: usize, const FMA: bool>(
+    x: &[f32],
+    t: usize,
+    w: &[f32],
+    n: usize,
+    k: usize,
+    out: &mut [f32],
+    s: &mut Scratch,
+    direct: bool,
+) {
     debug_assert!(x.len() >= t * k && w.len() >= n * k && out.len() >= n * t);
     if t == 0 || n == 0 {
         return;
@@ -106,6 +158,156 @@ fn products_tiled<const TR: usize, const FMA: bool>(
         out[..n * t].fill(0.0);
         return;
     }
+    if direct {
+        products_direct::<TR, FMA>(x, t, w, n, k, out, s);
+    } else {
+        products_blocked::<TR, FMA>(x, t, w, n, k, out, s);
+    }
+}
+
+/// The direct path (few tokens): the tokens' columns converted to f64 once, then for each
+/// group of `TR` rows and each tile of up to [`TILE_TOKENS`] tokens one pass over all the
+/// columns, the weights converted in registers. `t`, `n` and `k` are not 0.
+#[inline(always)]
+fn products_direct<const TR: usize, const FMA: bool>(
+    x: &[f32],
+    t: usize,
+    w: &[f32],
+    n: usize,
+    k: usize,
+    out: &mut [f32],
+    s: &mut Scratch,
+) {
+    let kp = k.div_ceil(LANES) * LANES;
+    let Scratch { x: xf, lanes, .. } = s;
+    xf.resize(t * kp, 0.0);
+    for (d, src) in xf.chunks_exact_mut(kp).zip(x.chunks_exact(k)).take(t) {
+        for (d, &v) in d.iter_mut().zip(src) {
+            *d = f64::from(v);
+        }
+        d[k..].fill(0.0);
+    }
+    let xf = &xf[..t * kp];
+    let full = n / TR * TR;
+    for r0 in (0..full).step_by(TR) {
+        let wr = &w[r0 * k..(r0 + TR) * k];
+        direct_rows::<TR, FMA>(xf, t, kp, wr, k, &mut out[r0 * t..], lanes);
+    }
+    // The rows short of a group, one at a time.
+    for r in full..n {
+        let wr = &w[r * k..(r + 1) * k];
+        direct_rows::<1, FMA>(xf, t, kp, wr, k, &mut out[r * t..], lanes);
+    }
+}
+
+/// `out[j * t + i]` for the `TR` rows `w` (`[TR, k]`) and the `t` tokens `x` (`[t, kp]` in f64,
+/// padded), in tiles of up to [`TILE_TOKENS`] tokens with 4 rows, 2 with fewer (the
+/// accumulators of 2 tokens by 2 rows fill 8 of AVX2's 16 registers, those of 4 by 2 all of
+/// them); the lanes wait in `lanes` to be combined.
+#[inline(always)]
+fn direct_rows<const TR: usize, const FMA: bool>(
+    x: &[f64],
+    t: usize,
+    kp: usize,
+    w: &[f32],
+    k: usize,
+    out: &mut [f32],
+    lanes: &mut Vec<[f64; LANES]>,
+) {
+    lanes.resize(t * TR, [0.0; LANES]);
+    let tt = if TR >= 4 { TILE_TOKENS } else { 2 };
+    let mut i0 = 0;
+    while i0 < t {
+        let (xt, lt) = (&x[i0 * kp..], &mut lanes[i0 * TR..]);
+        let m = (t - i0).min(tt);
+        match m {
+            1 => direct::<1, TR, FMA>(xt, kp, w, k, lt),
+            2 => direct::<2, TR, FMA>(xt, kp, w, k, lt),
+            3 => direct::<3, TR, FMA>(xt, kp, w, k, lt),
+            _ => direct::<TILE_TOKENS, TR, FMA>(xt, kp, w, k, lt),
+        }
+        i0 += m;
+    }
+    for (i, l) in lanes[..t * TR].chunks_exact(TR).enumerate() {
+        for (j, l) in l.iter().enumerate() {
+            out[j * t + i] = combine(*l) as f32;
+        }
+    }
+}
+
+/// The lanes of `TT` tokens by `TR` rows over all `k` columns, each from 0, into
+/// `lanes[i * TR + j]` (token `i`, row `j`): token `i`'s columns in f64 at `x[i * xs..]`,
+/// padded with zeros to a multiple of [`LANES`]; row `j`'s in f32 at `w[j * k..(j + 1) * k]`,
+/// their last partial chunk padded with zeros here. (Combining the lanes here, in registers,
+/// makes LLVM split the accumulators into halves.)
+#[inline(always)]
+fn direct<const TT: usize, const TR: usize, const FMA: bool>(
+    x: &[f64],
+    xs: usize,
+    w: &[f32],
+    k: usize,
+    lanes: &mut [[f64; LANES]],
+) {
+    let mut acc = [[[0f64; LANES]; TR]; TT];
+    let kf = k / LANES * LANES;
+    let rows: [&[f32]; TR] = std::array::from_fn(|j| &w[j * k..(j + 1) * k]);
+    let toks: [&[f64]; TT] = std::array::from_fn(|i| &x[i * xs..(i + 1) * xs]);
+    for c in (0..kf).step_by(LANES) {
+        let mut xv = [[0f64; LANES]; TT];
+        for (v, xr) in xv.iter_mut().zip(&toks) {
+            v.copy_from_slice(&xr[c..c + LANES]);
+        }
+        let mut wv = [[0f64; LANES]; TR];
+        for (v, wr) in wv.iter_mut().zip(&rows) {
+            for (d, &s) in v.iter_mut().zip(&wr[c..c + LANES]) {
+                *d = f64::from(s);
+            }
+        }
+        for i in 0..TT {
+            for j in 0..TR {
+                for l in 0..LANES {
+                    acc[i][j][l] = madd::<FMA>(xv[i][l], wv[j][l], acc[i][j][l]);
+                }
+            }
+        }
+    }
+    if kf < k {
+        // The last partial chunk, zeros on both operands after the rows' end.
+        let mut xv = [[0f64; LANES]; TT];
+        for (v, xr) in xv.iter_mut().zip(&toks) {
+            v.copy_from_slice(&xr[kf..kf + LANES]);
+        }
+        let mut wv = [[0f64; LANES]; TR];
+        for (v, wr) in wv.iter_mut().zip(&rows) {
+            for (d, &s) in v.iter_mut().zip(&wr[kf..]) {
+                *d = f64::from(s);
+            }
+        }
+        for i in 0..TT {
+            for j in 0..TR {
+                for l in 0..LANES {
+                    acc[i][j][l] = madd::<FMA>(xv[i][l], wv[j][l], acc[i][j][l]);
+                }
+            }
+        }
+    }
+    for (i, a) in acc.iter().enumerate() {
+        lanes[i * TR..(i + 1) * TR].copy_from_slice(a);
+    }
+}
+
+/// The blocked path: the rows converted to f64 once, then token blocks by column blocks by
+/// tiles. `t`, `n` and `k` are not 0.
+#[inline(always)]
+fn products_blocked<const TR: usize, const FMA: bool>(
+    x: &[f32],
+    t: usize,
+    w: &[f32],
+    n: usize,
+    k: usize,
+    out: &mut [f32],
+    s: &mut Scratch,
+) {
     let kp = k.div_ceil(LANES) * LANES;
     let np = n.div_ceil(TR) * TR;
     s.w.resize(np * kp, 0.0);
@@ -278,16 +480,65 @@ pub(super) mod tests {
         a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
     }
 
-    /// At every SIMD build the CPU has, every element of [`products`] is bit for bit the [`dot`]
-    /// of its token and row, for token counts around the tile and the block (1, 2, 3, 5, 17,
-    /// 64, 67), column counts around the lanes and the column block (1, 7, 8, 9, 64, 257, 1000,
-    /// 6144) and odd and even row counts; the scratch is reused across shapes, as a thread's is.
+    multiversion! {
+        /// [`products`] by the direct path when `direct`, else by the blocked one, whatever
+        /// the number of tokens.
+        #[allow(clippy::too_many_arguments)]
+        fn products_by(
+            x: &[f32],
+            t: usize,
+            w: &[f32],
+            n: usize,
+            k: usize,
+            out: &mut [f32],
+            s: &mut Scratch,
+            direct: bool,
+        ) = products_path::<4, true>;
+        avx2 products_path::<2, true>, base products_path::<1, false>
+    }
+
+    /// The outputs of [`products`] (`[n, t]`), then of its direct and its blocked path, at SIMD
+    /// build `l`, each started from NaN, with one scratch reused as a thread's is.
+    fn every_path(
+        l: Level,
+        x: &[f32],
+        t: usize,
+        w: &[f32],
+        n: usize,
+        k: usize,
+        s: &mut Scratch,
+    ) -> [(&'static str, Vec<f32>); 3] {
+        let mut run = |f: &mut dyn FnMut(&mut [f32], &mut Scratch)| {
+            let mut out = vec![f32::NAN; n * t];
+            with_cap(l, || f(&mut out, s));
+            out
+        };
+        [
+            ("products", run(&mut |o, s| products(x, t, w, n, k, o, s))),
+            (
+                "direct",
+                run(&mut |o, s| products_by(x, t, w, n, k, o, s, true)),
+            ),
+            (
+                "blocked",
+                run(&mut |o, s| products_by(x, t, w, n, k, o, s, false)),
+            ),
+        ]
+    }
+
+    /// At every SIMD build the CPU has, every element of [`products`], and of its direct and
+    /// its blocked path each at every token count, is bit for bit the [`dot`] of its token and
+    /// row, for token counts around the tiles, the paths' switches and the block (1 to 9, 17,
+    /// 31, 32, 64, 67), column counts around the lanes and the column block (1, 7, 8, 9, 64,
+    /// 257, 1000, 6144) and row counts that are and are not multiples of the tiles' rows; the
+    /// scratch is reused across shapes and paths, as a thread's is.
     #[test]
     fn products_are_dot_bit_for_bit_at_every_level() {
         let mut rng = SplitMix64::new(0x9e37);
         let (mut order_sensitive, mut outputs) = (0, 0);
+        let mut s = Scratch::default();
         for &k in &[1usize, 7, 8, 9, 64, 257, 1000, 6144] {
-            for &t in &[1usize, 2, 3, 5, 17, 64, 67] {
+            for &t in &[1usize, 2, 3, 4, 5, 6, 7, 8, 9, 17, 31, 32, 64, 67] {
                 for &n in &[1usize, 2, 3, 4, 5, 8, 9] {
                     if k * t * n > 6144 * 67 * 5 {
                         continue;
@@ -312,17 +563,17 @@ pub(super) mod tests {
                         })
                         .count();
                     for l in levels() {
-                        let mut s = Scratch::default();
-                        let mut out = vec![f32::NAN; n * t];
-                        with_cap(l, || products(&x, t, &w, n, k, &mut out, &mut s));
-                        for (i, (&a, &b)) in out.iter().zip(&want).enumerate() {
-                            assert!(
-                                bits_equal(a, b),
-                                "{}: t={t} k={k} n={n} row {} token {}: {a:e} vs dot {b:e}",
-                                l.name(),
-                                i / t,
-                                i % t
-                            );
+                        for (path, out) in every_path(l, &x, t, &w, n, k, &mut s) {
+                            for (i, (&a, &b)) in out.iter().zip(&want).enumerate() {
+                                assert!(
+                                    bits_equal(a, b),
+                                    "{} {path}: t={t} k={k} n={n} row {} token {}: {a:e} vs \
+                                     dot {b:e}",
+                                    l.name(),
+                                    i / t,
+                                    i % t
+                                );
+                            }
                         }
                     }
                 }
@@ -335,7 +586,7 @@ pub(super) mod tests {
     }
 
     /// Infinities and NaN go through as in [`dot`]: inf stays inf, inf - inf and 0 * inf give
-    /// NaN, at every level (NaN compared as NaN: its payload is not part of the contract).
+    /// NaN, at every level and on both paths (NaN compared as NaN: its payload is not part of the contract).
     #[test]
     fn infinities_and_nan_as_dot() {
         let k = 19;
@@ -356,12 +607,10 @@ pub(super) mod tests {
             .collect();
         assert!(want.iter().any(|v| v.is_infinite()) && want.iter().any(|v| v.is_nan()));
         for l in levels() {
-            let mut out = vec![0f32; 9];
-            with_cap(l, || {
-                products(&x, 3, &w, 3, k, &mut out, &mut Scratch::default())
-            });
-            for (a, b) in out.iter().zip(&want) {
-                assert!(bits_equal(*a, *b), "{}: {a} vs {b}", l.name());
+            for (path, out) in every_path(l, &x, 3, &w, 3, k, &mut Scratch::default()) {
+                for (a, b) in out.iter().zip(&want) {
+                    assert!(bits_equal(*a, *b), "{} {path}: {a} vs {b}", l.name());
+                }
             }
         }
     }
@@ -376,5 +625,65 @@ pub(super) mod tests {
         products(&[], 0, &[1.0; 4], 2, 2, &mut out, &mut Scratch::default());
         products(&[1.0; 4], 2, &[], 0, 2, &mut out, &mut Scratch::default());
         assert_eq!(out, vec![7.0; 2]);
+    }
+
+    /// Thread CPU time of the calling thread, seconds.
+    fn thread_cpu_s() -> f64 {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes one timespec through a pointer to a live local.
+        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+    }
+
+    /// Speed of the direct and the blocked path with few tokens, as a task of a routed
+    /// expert's matrix product gets them (16 rows of 6144 values, in cache), at each SIMD
+    /// build: ns per weight value of thread CPU time (best of 7 runs of 64 calls), and which
+    /// path [`products`] takes:
+    /// `cargo test --release --lib small_tokens_speed -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn small_tokens_speed() {
+        let (n, k, calls) = (16, 6144, 64);
+        let mut rng = SplitMix64::new(3);
+        let w: Vec<f32> = (0..n * k).map(|_| rng.uniform() - 0.5).collect();
+        let mut s = Scratch::default();
+        for l in levels() {
+            for t in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 48, 63] {
+                let x: Vec<f32> = (0..t * k).map(|_| rng.uniform() - 0.5).collect();
+                let mut out = vec![0f32; n * t];
+                let mut time = |direct: bool| {
+                    (0..7)
+                        .map(|_| {
+                            let c = thread_cpu_s();
+                            for _ in 0..calls {
+                                with_cap(l, || {
+                                    products_by(&x, t, &w, n, k, &mut out, &mut s, direct)
+                                });
+                                std::hint::black_box(&mut out);
+                            }
+                            (thread_cpu_s() - c) * 1e9 / (calls * n * k) as f64
+                        })
+                        .fold(f64::INFINITY, f64::min)
+                };
+                let (d, b) = (time(true), time(false));
+                println!(
+                    "{:6} t={t:2}: direct {d:.3} ns/value, blocked {b:.3} ({:.2}x){}",
+                    l.name(),
+                    b / d,
+                    if t < if l == Level::Base {
+                        SMALL_TOKENS_BASE
+                    } else {
+                        SMALL_TOKENS
+                    } {
+                        "  <- products"
+                    } else {
+                        ""
+                    }
+                );
+            }
+        }
     }
 }
