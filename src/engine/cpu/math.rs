@@ -54,7 +54,7 @@ pub const LANES: usize = 8;
 
 /// Combines the lanes in a fixed pairwise tree: ((a0+a1)+(a2+a3))+((a4+a5)+(a6+a7)).
 #[inline(always)]
-fn combine(acc: [f64; LANES]) -> f64 {
+pub(super) fn combine(acc: [f64; LANES]) -> f64 {
     ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
 }
 

@@ -410,7 +410,7 @@ fn tile<const TT: usize, const TR: usize, const FMA: bool>(
 }
 
 #[cfg(test)]
-pub(super) mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::engine::cpu::math::dot;
     use crate::quant::simd::{detected, with_cap, Level};
