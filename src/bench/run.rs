@@ -303,6 +303,8 @@ pub struct LayerRow {
     pub upload_s: f64,
     /// Weight bytes the candidate took into use.
     pub upload_bytes: u64,
+    /// The comparison of the layer's pairs after both sides' steps (`run`'s `compare_s`).
+    pub compare_s: f64,
     /// Routed experts the reference's tokens touched (0 for a dense layer).
     pub experts: usize,
     /// The CPU reference's floor (dequant + matmul), when measured.
@@ -825,6 +827,7 @@ fn layer_rows(
                 candidate_s: t.chained + t.replay,
                 upload_s: t.upload,
                 upload_bytes: t.upload_bytes,
+                compare_s: t.compare,
                 experts: routing.get(&l).map_or(0, BTreeMap::len),
                 floor: None,
                 floor_s: None,
@@ -1203,6 +1206,7 @@ mod tests {
             candidate_s: 0.375,
             upload_s: 0.0625,
             upload_bytes: 1 << 30,
+            compare_s: 0.125,
             experts: 8,
             floor: None,
             floor_s: Some(0.5),

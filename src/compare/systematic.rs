@@ -46,6 +46,7 @@
 //! Positions where either side is non-finite are left out (the `-inf` mask of the DSA scores).
 //! Nothing here prints.
 
+use rayon::prelude::*;
 use serde::Serialize;
 
 /// Smallest gain named: `|g - 1|` below this is not a bug worth a verdict (a correct engine's
@@ -356,6 +357,7 @@ pub fn analyse(
     if let Some(h) = layout.heads.filter(|&h| h > 1 && cols % h == 0) {
         let w = cols / h;
         let v: Vec<Gain> = (0..h)
+            .into_par_iter()
             .filter_map(|k| {
                 let mut it = (0..layout.rows)
                     .flat_map(move |t| (t * cols + k * w)..(t * cols + (k + 1) * w));
@@ -367,8 +369,10 @@ pub fn analyse(
     // The bug families' directions: each coefficient against its own noise, and against the
     // spread of its family's coefficients (each expert's weights were rounded once: a correct
     // engine's experts scatter around 1 by that, consistently over their tokens).
+    // One fit per direction, each on its own thread (a routed-experts step has one per expert
+    // the tokens chose); the order of `parts` is kept.
     let fitted: Vec<(&Direction<'_>, Gain)> = parts
-        .iter()
+        .par_iter()
         .filter(|d| d.values.len() == n)
         .filter_map(|d| {
             let x: Vec<f64> = d.values.iter().map(|&v| f64::from(v)).collect();

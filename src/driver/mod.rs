@@ -28,6 +28,7 @@ mod replay;
 mod residency;
 mod rows;
 mod segment;
+mod timed;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;

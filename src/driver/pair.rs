@@ -38,6 +38,7 @@
 //! lacks is handed to the sink on its own ([`PairSink::reference_only`]: its scores judge a
 //! selection's flips, its steps compose a segment's floor).
 
+use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
@@ -48,6 +49,7 @@ pub use super::replay::{is_selection, LayerTime, PairSummary, ReferenceWork, Wor
 use super::replay::{replay_step, step_wanted};
 use super::rows;
 use super::segment::TraceReplay;
+use super::timed::Timed;
 use super::{check_tokens, Plan, Progress, Residency, Runner, StepProgress};
 use crate::engine::{Engine, HostTensor, UploadStats};
 use crate::model::steps::{expert_hook, hook, point, Op, Step};
@@ -121,6 +123,13 @@ where
     R::Tensor: Send,
 {
     check_tokens(weights, tokens)?;
+    // The sink's own time (the comparison), kept apart from either side's.
+    let spent = Cell::new(0.0);
+    let mut timed = Timed {
+        inner: sink,
+        spent: &spent,
+    };
+    let sink: &mut dyn PairSink = &mut timed;
     let mut refr = Runner::new(reference, plan, tokens, start, &[])?;
     let mut cand = match (&candidate, modes.chained) {
         (Candidate::Engine(c), true) => Some(Runner::new(*c, plan, tokens, start, &[])?),
@@ -148,6 +157,7 @@ where
     let mut steps = StepProgress::start(progress, plan);
     while let Some(step) = refr.peek() {
         steps.before(step);
+        let compared_before = spent.get();
         // Replay inputs are taken before the reference moves on (its step may drop them), and
         // only for steps with a wanted hook: nothing else leaves the reference.
         let replay_inputs = match &candidate {
@@ -302,7 +312,7 @@ where
             };
             let plain_out: Vec<(String, HostTensor)> =
                 ref_out.iter().chain(&ref_extra).cloned().collect();
-            let t0 = Instant::now();
+            let (t0, f0) = (Instant::now(), spent.get());
             follow.step(
                 FollowStep {
                     reference,
@@ -318,7 +328,9 @@ where
                 sink,
                 &mut summary,
             )?;
-            summary.time(layer).reference += t0.elapsed().as_secs_f64();
+            // The followed chain's steps are the reference's; its pairs' comparison is not.
+            summary.time(layer).reference +=
+                (t0.elapsed().as_secs_f64() - (spent.get() - f0)).max(0.0);
         }
 
         if let Some(inputs) = replay_inputs {
@@ -402,6 +414,7 @@ where
         if let Some(tr) = &mut trace_replay {
             tr.step(reference, weights, step, tokens, start, sink, &mut summary)?;
         }
+        summary.time(layer).compare += spent.get() - compared_before;
         summary.steps += 1;
         steps.after(step);
     }

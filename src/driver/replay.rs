@@ -83,6 +83,9 @@ pub struct LayerTime {
     pub upload: f64,
     /// Bytes of weights the candidate engine's steps of the layer took into use.
     pub upload_bytes: u64,
+    /// The comparison of the layer's pairs (metrics, verdicts, the bug families' directions),
+    /// after both sides' steps; not part of `reference`.
+    pub compare: f64,
 }
 
 impl LayerTime {

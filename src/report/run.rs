@@ -118,6 +118,7 @@ fn layer_time_line(times: &[LayerTime], width: Option<usize>) -> Option<String> 
             slow.upload
         ));
     }
+    parts.extend(part("comparison", |t| t.compare));
     Some(wrap_items(
         &format!("per layer (mean over {}): ", layers.len()),
         &parts,
@@ -899,6 +900,7 @@ pub fn to_json(h: &Header, c: &Comparison) -> Value {
             "replay_s": t.replay,
             "upload_s": t.upload,
             "upload_bytes": t.upload_bytes,
+            "compare_s": t.compare,
         })).collect::<Vec<_>>(),
     })
 }
@@ -954,6 +956,7 @@ mod tests {
             replay: 0.0,
             upload: up,
             upload_bytes: bytes,
+            compare: 0.0,
         }
     }
 
@@ -981,5 +984,12 @@ mod tests {
             "per layer (mean over 1): reference 0.100 s (slowest: layer 0 0.100 s)"
         );
         assert!(layer_time_line(&[t(None, 1.0, 1.0, 1.0, 1)], None).is_none());
+        // The comparison's own time, last.
+        let mut compared = t(Some(2), 0.2, 0.0, 0.0, 0);
+        compared.compare = 0.05;
+        assert_eq!(
+            layer_time_line(&[compared], None).unwrap(),
+            "per layer (mean over 1): reference 0.200 s (slowest: layer 2 0.200 s), comparison 0.050 s (slowest: layer 2 0.050 s)"
+        );
     }
 }
