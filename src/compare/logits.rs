@@ -7,6 +7,7 @@
 //! H`), i.e. its logits carry less than half the information the reference's do. That is the
 //! failure glmdiff was made for: top tokens near -5, known tokens at -20, no preference left.
 
+use rayon::prelude::*;
 use serde::Serialize;
 
 /// The candidate is flat when `ln V - H_cand < FLAT_GAP_RATIO * (ln V - H_ref)`.
@@ -113,29 +114,30 @@ pub fn analyse(
     k: usize,
 ) -> LogitsReport {
     let vocab = vocab.max(1);
-    let mut positions = Vec::new();
-    for (t, (r, c)) in reference
-        .chunks_exact(vocab)
-        .zip(candidate.chunks_exact(vocab))
+    // One position per task (each on its own, in order).
+    let positions: Vec<PositionLogits> = reference
+        .par_chunks_exact(vocab)
+        .zip(candidate.par_chunks_exact(vocab))
         .enumerate()
-    {
-        let (lr, lc) = (log_softmax(r), log_softmax(c));
-        let next = tokens.get(t + 1).copied().filter(|&n| (n as usize) < vocab);
-        let side = |lp: &[f64]| SideView {
-            top: top_k(lp, k),
-            entropy: entropy(lp),
-            next_logprob: next.map(|n| lp[n as usize]),
-        };
-        let (sr, sc) = (side(&lr), side(&lc));
-        positions.push(PositionLogits {
-            position: t,
-            next_token: next,
-            kl: kl(&lr, &lc),
-            top1_agree: sr.top.first().map(|x| x.0) == sc.top.first().map(|x| x.0),
-            reference: sr,
-            candidate: sc,
-        });
-    }
+        .map(|(t, (r, c))| {
+            let (lr, lc) = (log_softmax(r), log_softmax(c));
+            let next = tokens.get(t + 1).copied().filter(|&n| (n as usize) < vocab);
+            let side = |lp: &[f64]| SideView {
+                top: top_k(lp, k),
+                entropy: entropy(lp),
+                next_logprob: next.map(|n| lp[n as usize]),
+            };
+            let (sr, sc) = (side(&lr), side(&lc));
+            PositionLogits {
+                position: t,
+                next_token: next,
+                kl: kl(&lr, &lc),
+                top1_agree: sr.top.first().map(|x| x.0) == sc.top.first().map(|x| x.0),
+                reference: sr,
+                candidate: sc,
+            }
+        })
+        .collect();
     let n = positions.len().max(1) as f64;
     let mean = |f: &dyn Fn(&PositionLogits) -> f64| positions.iter().map(f).sum::<f64>() / n;
     let mean_next = |f: &dyn Fn(&PositionLogits) -> Option<f64>| {

@@ -158,37 +158,58 @@ impl Systematic {
     }
 }
 
-/// The two-way clustered variance of a sum of per-element scores `s_i` (`(index, score)`):
+/// The two-way clustered variance of a sum of per-element scores `s_i`, filled one score at a
+/// time (in index order, which fixes the bits of every sum; [`Clusters::variance`]):
 /// `V_rows + V_cols - V_elements`, never below either one-way estimate; a way with fewer than
 /// [`MIN_CLUSTERS`] clusters is inflated by `G / (G - 1)`, and a way with one cluster carries
 /// no information of its own.
-fn clustered(scores: &[(usize, f64)], layout: Layout) -> f64 {
-    let (rows, cols) = (layout.rows.max(1), layout.cols.max(1));
-    let mut by_row = vec![0f64; rows];
-    let mut by_col = vec![0f64; cols];
-    let mut v_el = 0.0;
-    for &(i, s) in scores {
-        by_row[(i / cols).min(rows - 1)] += s;
-        by_col[i % cols] += s;
-        v_el += s * s;
+struct Clusters {
+    rows: usize,
+    cols: usize,
+    by_row: Vec<f64>,
+    by_col: Vec<f64>,
+    v_el: f64,
+}
+
+impl Clusters {
+    fn new(layout: Layout) -> Clusters {
+        let (rows, cols) = (layout.rows.max(1), layout.cols.max(1));
+        Clusters {
+            rows,
+            cols,
+            by_row: vec![0f64; rows],
+            by_col: vec![0f64; cols],
+            v_el: 0.0,
+        }
     }
-    let one_way = |sums: &[f64]| -> (f64, usize) {
-        let g = sums.iter().filter(|&&s| s != 0.0).count();
-        let v: f64 = sums.iter().map(|s| s * s).sum();
-        let v = if g > 1 && g < MIN_CLUSTERS {
-            v * g as f64 / (g as f64 - 1.0)
-        } else {
-            v
+
+    #[inline]
+    fn add(&mut self, i: usize, s: f64) {
+        self.by_row[(i / self.cols).min(self.rows - 1)] += s;
+        self.by_col[i % self.cols] += s;
+        self.v_el += s * s;
+    }
+
+    fn variance(&self) -> f64 {
+        let one_way = |sums: &[f64]| -> (f64, usize) {
+            let g = sums.iter().filter(|&&s| s != 0.0).count();
+            let v: f64 = sums.iter().map(|s| s * s).sum();
+            let v = if g > 1 && g < MIN_CLUSTERS {
+                v * g as f64 / (g as f64 - 1.0)
+            } else {
+                v
+            };
+            (v, g)
         };
-        (v, g)
-    };
-    let (v_row, g_row) = one_way(&by_row);
-    let (v_col, g_col) = one_way(&by_col);
-    match (g_row > 1, g_col > 1) {
-        (true, true) => (v_row + v_col - v_el).max(v_row).max(v_col),
-        (true, false) => v_row.max(v_el),
-        (false, true) => v_col.max(v_el),
-        (false, false) => v_el,
+        let (v_row, g_row) = one_way(&self.by_row);
+        let (v_col, g_col) = one_way(&self.by_col);
+        let v_el = self.v_el;
+        match (g_row > 1, g_col > 1) {
+            (true, true) => (v_row + v_col - v_el).max(v_row).max(v_col),
+            (true, false) => v_row.max(v_el),
+            (false, true) => v_col.max(v_el),
+            (false, false) => v_el,
+        }
     }
 }
 
@@ -206,27 +227,27 @@ fn sigma_of(a: f64, se: f64) -> f64 {
 /// Fits the gain of the error `e` on the reference `r` over `idx` (flat indices into
 /// `[rows, cols]`) and its clustered standard error. `None` when the group has no signal
 /// (`sum r^2 = 0`).
-fn fit(
-    r: &[f64],
-    e: &[f64],
-    layout: Layout,
-    idx: &mut dyn Iterator<Item = usize>,
-    group: Group,
-) -> Option<Gain> {
-    let members: Vec<usize> = idx
-        .filter(|&i| r[i].is_finite() && e[i].is_finite())
-        .collect();
-    let rr: f64 = members.iter().map(|&i| r[i] * r[i]).sum();
-    let er: f64 = members.iter().map(|&i| e[i] * r[i]).sum();
+fn fit(r: &[f64], e: &[f64], layout: Layout, over: Over, group: Group) -> Option<Gain> {
+    // Two passes over the group's finite elements in index order (the order fixes the sums'
+    // bits): the sums of the fit, then the scores into their clusters.
+    let (mut rr, mut er) = (0.0f64, 0.0f64);
+    over.each(layout, &mut |i| {
+        if r[i].is_finite() && e[i].is_finite() {
+            rr += r[i] * r[i];
+            er += e[i] * r[i];
+        }
+    });
     if rr <= 0.0 {
         return None;
     }
     let a = er / rr;
-    let scores: Vec<(usize, f64)> = members
-        .iter()
-        .map(|&i| (i, r[i] * (e[i] - a * r[i])))
-        .collect();
-    let se = clustered(&scores, layout).sqrt() / rr;
+    let mut c = Clusters::new(layout);
+    over.each(layout, &mut |i| {
+        if r[i].is_finite() && e[i].is_finite() {
+            c.add(i, r[i] * (e[i] - a * r[i]));
+        }
+    });
+    let se = c.variance().sqrt() / rr;
     Some(Gain {
         group,
         gain: 1.0 + a,
@@ -235,16 +256,39 @@ fn fit(
     })
 }
 
+/// The elements a [`fit`] runs over, in index order.
+#[derive(Clone, Copy)]
+enum Over {
+    /// All `rows * cols` of them.
+    All,
+    /// Head `k` of `heads`: columns `k * w .. (k + 1) * w` of every row (`w = cols / heads`).
+    Head(usize, usize),
+}
+
+impl Over {
+    #[inline]
+    fn each(self, layout: Layout, f: &mut dyn FnMut(usize)) {
+        let cols = layout.cols;
+        match self {
+            Over::All => (0..layout.rows * cols).for_each(f),
+            Over::Head(k, heads) => {
+                let w = cols / heads.max(1);
+                for t in 0..layout.rows {
+                    (t * cols + k * w..t * cols + (k + 1) * w).for_each(&mut *f);
+                }
+            }
+        }
+    }
+}
+
 /// Fits the error `e` on the reference `r` and a direction `p` jointly (`e = a r + b p + u`)
 /// and returns `b` as a [`Gain`] (`1 + b`) with its clustered standard error: the direction's
 /// coefficient beyond what an overall gain explains. `None` when the two are (nearly)
 /// collinear or `p` is zero.
 fn fit_part(r: &[f64], p: &[f64], e: &[f64], layout: Layout, group: Group) -> Option<Gain> {
-    let members: Vec<usize> = (0..e.len())
-        .filter(|&i| r[i].is_finite() && e[i].is_finite() && p[i].is_finite())
-        .collect();
+    let member = |i: usize| r[i].is_finite() && e[i].is_finite() && p[i].is_finite();
     let (mut rr, mut rp, mut pp, mut er, mut ep) = (0.0, 0.0, 0.0, 0.0, 0.0);
-    for &i in &members {
+    for i in (0..e.len()).filter(|&i| member(i)) {
         rr += r[i] * r[i];
         rp += r[i] * p[i];
         pp += p[i] * p[i];
@@ -259,11 +303,11 @@ fn fit_part(r: &[f64], p: &[f64], e: &[f64], layout: Layout, group: Group) -> Op
     let a = (pp * er - rp * ep) / det;
     let b = (rr * ep - rp * er) / det;
     let (w0, w1) = (-rp / det, rr / det);
-    let scores: Vec<(usize, f64)> = members
-        .iter()
-        .map(|&i| (i, (w0 * r[i] + w1 * p[i]) * (e[i] - a * r[i] - b * p[i])))
-        .collect();
-    let se = clustered(&scores, layout).sqrt();
+    let mut c = Clusters::new(layout);
+    for i in (0..e.len()).filter(|&i| member(i)) {
+        c.add(i, (w0 * r[i] + w1 * p[i]) * (e[i] - a * r[i] - b * p[i]));
+    }
+    let se = c.variance().sqrt();
     Some(Gain {
         group,
         gain: 1.0 + b,
@@ -351,18 +395,13 @@ pub fn analyse(
     if ev.iter().filter(|x| x.is_finite()).count() < MIN_ELEMENTS || rows_with_values < MIN_ROWS {
         return None;
     }
-    let overall = fit(&rv, &ev, layout, &mut (0..n), Group::All)?;
+    let overall = fit(&rv, &ev, layout, Over::All, Group::All)?;
     let cols = layout.cols;
     let mut groups: Vec<(Vec<Gain>, usize)> = Vec::new();
     if let Some(h) = layout.heads.filter(|&h| h > 1 && cols % h == 0) {
-        let w = cols / h;
         let v: Vec<Gain> = (0..h)
             .into_par_iter()
-            .filter_map(|k| {
-                let mut it = (0..layout.rows)
-                    .flat_map(move |t| (t * cols + k * w)..(t * cols + (k + 1) * w));
-                fit(&rv, &ev, layout, &mut it, Group::Head(k))
-            })
+            .filter_map(|k| fit(&rv, &ev, layout, Over::Head(k, h), Group::Head(k)))
             .collect();
         groups.push((v, h));
     }
