@@ -7,7 +7,7 @@
 //! # MLA: the definition, computed in blocks
 //! Per head and query row, over the row's keys `s` (causal, and in the DSA selection when
 //! there is one) in ascending order:
-//! `score_s = (dot(q_nope, k_nope_s) + dot(q_rot, k_rot_s)) * scale` ([`dot`]: two dots, two
+//! `score_s = (dot(q_nope, k_nope_s) + dot(q_rot, k_rot_s)) * scale` ([`dot`](super::math::dot): two dots, two
 //! lane sets combined, added, then scaled), [`softmax_in_place`] of the scores, then `acc[d] = acc[d] + p_s * f64(v_s[d])` from
 //! `acc = +0`, rounded to f32 once. The code computes exactly these operations on exactly
 //! these values, arranged for speed:
@@ -45,7 +45,9 @@
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::math::{dot, layer_norm, matmul, rotate_pairs, softmax_in_place, LANES};
+#[cfg(test)]
+use super::math::dot;
+use super::math::{dot64, layer_norm, matmul, rotate_pairs, softmax_in_place, LANES};
 use super::weights::Matrix;
 use super::CpuEngine;
 use crate::engine::{HostTensor, MlaInputs};
@@ -55,6 +57,44 @@ use crate::model::rope;
 use crate::model::HParams;
 
 mod tiles;
+
+/// `I(t, s) = sum_h hw[t, h] * scale * ReLU(q_h(t) . k(s))` for `s <= t` (`-inf` above the
+/// diagonal; no ReLU unless `relu`), from `q` `[T, nI*dI]`, `k` `[T, dI]` and `hw` `[T, nI]`:
+/// each dot is [`dot`](super::math::dot)'s of the f32 values (on their f64 copies, made once: [`dot64`]), the
+/// heads summed in order, so the bits are those of one `dot` at a time.
+#[allow(clippy::too_many_arguments)]
+fn index_scores(
+    q: &[f32],
+    k: &[f32],
+    hw: &[f32],
+    t: usize,
+    ni: usize,
+    di: usize,
+    scale: f64,
+    relu: bool,
+) -> Vec<f32> {
+    let kf: Vec<f64> = k.iter().map(|&v| f64::from(v)).collect(); // [T, dI]
+    let mut out = vec![f32::NEG_INFINITY; t * t];
+    out.par_chunks_mut(t.max(1))
+        .enumerate()
+        .for_each(|(qt, row)| {
+            let qf: Vec<f64> = q[qt * ni * di..(qt + 1) * ni * di]
+                .iter()
+                .map(|&v| f64::from(v))
+                .collect(); // [nI, dI]
+            for (s, o) in row.iter_mut().enumerate().take(qt + 1) {
+                let ks = &kf[s * di..(s + 1) * di];
+                let mut acc = 0f64;
+                for h in 0..ni {
+                    let qk = dot64(&qf[h * di..(h + 1) * di], ks);
+                    let qk = if relu { qk.max(0.0) } else { qk };
+                    acc += f64::from(hw[qt * ni + h]) * scale * qk;
+                }
+                *o = acc as f32;
+            }
+        });
+    out
+}
 
 /// A RoPE rotation of one head's rotated values by `cos_sin[i] = (cos, sin)` per frequency, in
 /// place ([`rotate_pairs`] is the interleaved layout every engine must use).
@@ -114,20 +154,7 @@ impl CpuEngine<'_> {
             rotate(&mut k[pos * di..pos * di + rope_dim], &cs);
         }
         let scale = 1.0 / ((ni * di) as f64).sqrt();
-        let mut out = vec![f32::NEG_INFINITY; t * t];
-        out.par_chunks_mut(t).enumerate().for_each(|(qt, row)| {
-            let qrow = &q[qt * ni * di..(qt + 1) * ni * di];
-            for (s, o) in row.iter_mut().enumerate().take(qt + 1) {
-                let ks = &k[s * di..(s + 1) * di];
-                let mut acc = 0f64;
-                for h in 0..ni {
-                    let qk = dot(&qrow[h * di..(h + 1) * di], ks);
-                    let qk = if relu { qk.max(0.0) } else { qk };
-                    acc += f64::from(hw[qt * ni + h]) * scale * qk;
-                }
-                *o = acc as f32;
-            }
-        });
+        let out = index_scores(&q, &k, &hw, t, ni, di, scale, relu); // [T, T]
         HostTensor::f32(vec![t, t], out)
     }
 
@@ -644,6 +671,50 @@ pub fn causal_top_k(row: &[f32], k: usize) -> Vec<usize> {
 
 #[cfg(test)]
 mod tests {
+    /// The index scores are one `dot` of the f32 values at a time, bit for bit: against the
+    /// definition as written, on values over the whole exponent range and cancelling sums,
+    /// with and without the ReLU, widths not a multiple of the lanes.
+    #[test]
+    fn index_scores_are_the_definition() {
+        use super::{dot, index_scores};
+        use crate::engine::cpu::math::gemm::tests::{cancelling, wild};
+        use crate::util::rng::SplitMix64;
+        let mut rng = SplitMix64::new(29);
+        for (t, ni, di) in [(1usize, 1usize, 1usize), (5, 3, 7), (9, 4, 16), (13, 2, 37)] {
+            let q = wild(&mut rng, t * ni * di);
+            let k = wild(&mut rng, t * di);
+            let (q, k) = cancelling(&mut rng, q, k, di);
+            let hw: Vec<f32> = (0..t * ni).map(|_| rng.uniform() - 0.3).collect();
+            for relu in [true, false] {
+                let scale = 1.0 / ((ni * di) as f64).sqrt();
+                let got = index_scores(&q, &k, &hw, t, ni, di, scale, relu);
+                for qt in 0..t {
+                    for s in 0..t {
+                        let want = if s > qt {
+                            f32::NEG_INFINITY
+                        } else {
+                            let mut acc = 0f64;
+                            for h in 0..ni {
+                                let qk = dot(
+                                    &q[qt * ni * di + h * di..qt * ni * di + (h + 1) * di],
+                                    &k[s * di..(s + 1) * di],
+                                );
+                                let qk = if relu { qk.max(0.0) } else { qk };
+                                acc += f64::from(hw[qt * ni + h]) * scale * qk;
+                            }
+                            acc as f32
+                        };
+                        assert_eq!(
+                            got[qt * t + s].to_bits(),
+                            want.to_bits(),
+                            "t={t} ni={ni} di={di} qt={qt} s={s}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     use super::causal_top_k;
 
     #[test]

@@ -76,6 +76,25 @@ pub fn dot(a: &[f32], b: &[f32]) -> f64 {
     combine(acc)
 }
 
+/// [`dot`] of f32 values already converted to f64 (exactly): the same products in the same
+/// lanes and order, so the same bits, without converting at every call.
+#[inline]
+pub fn dot64(a: &[f64], b: &[f64]) -> f64 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0f64; LANES];
+    let mut ca = a.chunks_exact(LANES);
+    let mut cb = b.chunks_exact(LANES);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    for (l, (x, y)) in ca.remainder().iter().zip(cb.remainder()).enumerate() {
+        acc[l] += *x * *y;
+    }
+    combine(acc)
+}
+
 /// `x · W^T` for `x` `[t, w.cols]`: writes columns `col0..col0+w.rows` of `out` (`[t, out_cols]`).
 /// Parallel over the rows of `w` in tasks of [`rows_per_task`] rows, each element the [`dot`] of
 /// its token and its row ([`gemm::products`]); the values do not depend on the split.
