@@ -6,7 +6,7 @@
 // (`dl = d * sc`, `ml = dmin * m`) are formed first as f32 and the quant is multiplied by `dl`
 // afterwards (`dl * q`, never `d * (sc * q)`); types with a min subtract `ml` last. With
 // --fmad=false each product and difference rounds separately, as in Rust. Helpers carry a `kq_`
-// prefix: this file shares one translation unit with the other dequant families.
+// prefix (each dequant family is compiled after dequant.cu, whose names they must not take).
 
 // ---- Q2_K ------------------------------------------------------------------------------------
 // kquants.rs `dequant_q2_k`, ggml `dequantize_row_q2_K`.

@@ -16,6 +16,7 @@
 //! order, rows equal as sets, mean and smallest Jaccard similarity, and the differing rows.
 //! Everything is accumulated in f64.
 
+use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::tensor::{HostData, HostTensor};
@@ -128,11 +129,9 @@ pub fn compare(reference: &HostTensor, candidate: &HostTensor) -> Result<Metrics
         ));
     }
     match (&reference.data, &candidate.data) {
-        (HostData::F32(b), HostData::F32(a)) => Ok(Metrics::Float(float_metrics(
-            &reference.shape,
-            a.iter().map(|&x| f64::from(x)),
-            b.iter().map(|&x| f64::from(x)),
-        ))),
+        (HostData::F32(b), HostData::F32(a)) => {
+            Ok(Metrics::Float(float_metrics(&reference.shape, a, b)))
+        }
         (HostData::I32(b), HostData::I32(a)) => {
             let width = reference.shape.last().copied().unwrap_or(1);
             Ok(Metrics::Ids(id_metrics(a, b, width)))
@@ -146,15 +145,77 @@ pub fn compare(reference: &HostTensor, candidate: &HostTensor) -> Result<Metrics
     }
 }
 
-/// Float metrics of candidate `a` against reference `b` (same length, shape `shape`).
-pub fn float_metrics(
-    shape: &[usize],
-    a: impl Iterator<Item = f64>,
-    b: impl Iterator<Item = f64>,
-) -> FloatMetrics {
-    let n_all: usize = shape.iter().product();
+/// Whole rows of about this many elements make one chunk of [`float_metrics`]: each chunk is
+/// summed in index order and the chunks' sums in chunk order, so the bits do not depend on how
+/// many threads run them.
+const CHUNK_ELEMENTS: usize = 1 << 16;
+
+/// One chunk's share of [`FloatMetrics`]: its rows' sums and counts.
+#[derive(Default)]
+struct Chunk {
+    n: usize,
+    nan: [usize; 2],
+    inf: [usize; 2],
+    nonfinite_mismatch: usize,
+    /// `sum d^2`, `sum b^2`, `sum a^2`, `sum a b`.
+    sums: [f64; 4],
+    bmax: f64,
+    /// The first largest `|d|` and its flat index.
+    max_abs: f64,
+    at: usize,
+    row_d2: Vec<f64>,
+    row_b2: Vec<f64>,
+}
+
+/// Float metrics of candidate `a` against reference `b` (same length, shape `shape`), in
+/// chunks of whole rows on the threads.
+pub fn float_metrics(shape: &[usize], a: &[f32], b: &[f32]) -> FloatMetrics {
+    let n_all: usize = shape.iter().product::<usize>().min(a.len()).min(b.len());
     let rows = shape.first().copied().unwrap_or(1).max(1);
-    let per_row = n_all / rows.max(1);
+    let per_row = (n_all / rows).max(1);
+    let chunk_rows = (CHUNK_ELEMENTS / per_row).max(1);
+    let chunks: Vec<Chunk> = (0..rows.div_ceil(chunk_rows))
+        .into_par_iter()
+        .map(|k| {
+            let (r0, r1) = (k * chunk_rows, ((k + 1) * chunk_rows).min(rows));
+            let mut c = Chunk {
+                row_d2: vec![0f64; r1 - r0],
+                row_b2: vec![0f64; r1 - r0],
+                ..Chunk::default()
+            };
+            // The last row takes whatever is left of a length that is not rows * per_row.
+            let end = if r1 == rows { n_all } else { r1 * per_row };
+            for i in (r0 * per_row).min(end)..end {
+                let (x, y) = (f64::from(a[i]), f64::from(b[i]));
+                c.nan[0] += usize::from(y.is_nan());
+                c.nan[1] += usize::from(x.is_nan());
+                c.inf[0] += usize::from(y.is_infinite());
+                c.inf[1] += usize::from(x.is_infinite());
+                if !y.is_finite() || !x.is_finite() {
+                    // Same infinity on both sides: a mask. Anything else: a mismatch.
+                    if !(x == y && x.is_infinite()) {
+                        c.nonfinite_mismatch += 1;
+                    }
+                    continue;
+                }
+                c.n += 1;
+                let d = x - y;
+                if d.abs() > c.max_abs {
+                    c.max_abs = d.abs();
+                    c.at = i;
+                }
+                c.bmax = c.bmax.max(y.abs());
+                c.sums[0] += d * d;
+                c.sums[1] += y * y;
+                c.sums[2] += x * x;
+                c.sums[3] += x * y;
+                let r = (i / per_row).min(rows - 1) - r0;
+                c.row_d2[r] += d * d;
+                c.row_b2[r] += y * y;
+            }
+            c
+        })
+        .collect();
     let mut m = FloatMetrics {
         n: 0,
         max_abs: 0.0,
@@ -169,37 +230,28 @@ pub fn float_metrics(
         per_token: Vec::new(),
         per_token_judged: Vec::new(),
     };
-    let (mut d2, mut b2, mut a2, mut ab, mut bmax) = (0f64, 0f64, 0f64, 0f64, 0f64);
-    let mut at = 0usize;
-    let mut row_d2 = vec![0f64; rows];
-    let mut row_b2 = vec![0f64; rows];
-    for (i, (x, y)) in a.zip(b).enumerate() {
-        m.nan[0] += usize::from(y.is_nan());
-        m.nan[1] += usize::from(x.is_nan());
-        m.inf[0] += usize::from(y.is_infinite());
-        m.inf[1] += usize::from(x.is_infinite());
-        if !y.is_finite() || !x.is_finite() {
-            // Same infinity on both sides: a mask. Anything else: a mismatch.
-            if !(x == y && x.is_infinite()) {
-                m.nonfinite_mismatch += 1;
-            }
-            continue;
+    let (mut sums, mut bmax, mut at) = ([0f64; 4], 0f64, 0usize);
+    let mut row_d2 = Vec::with_capacity(rows);
+    let mut row_b2 = Vec::with_capacity(rows);
+    for c in chunks {
+        m.n += c.n;
+        for k in 0..2 {
+            m.nan[k] += c.nan[k];
+            m.inf[k] += c.inf[k];
         }
-        m.n += 1;
-        let d = x - y;
-        if d.abs() > m.max_abs {
-            m.max_abs = d.abs();
-            at = i;
+        m.nonfinite_mismatch += c.nonfinite_mismatch;
+        for (s, x) in sums.iter_mut().zip(c.sums) {
+            *s += x;
         }
-        bmax = bmax.max(y.abs());
-        d2 += d * d;
-        b2 += y * y;
-        a2 += x * x;
-        ab += x * y;
-        let r = (i / per_row.max(1)).min(rows - 1);
-        row_d2[r] += d * d;
-        row_b2[r] += y * y;
+        bmax = bmax.max(c.bmax);
+        if c.max_abs > m.max_abs {
+            m.max_abs = c.max_abs;
+            at = c.at;
+        }
+        row_d2.extend(c.row_d2);
+        row_b2.extend(c.row_b2);
     }
+    let [d2, b2, a2, ab] = sums;
     m.max_abs_at = unravel(at, shape);
     m.max_rel = ratio(m.max_abs, bmax);
     m.nmse = ratio(d2, b2);
@@ -350,6 +402,56 @@ mod tests {
         assert!((m.cosine - 5.0 / 26f64.sqrt()).abs() < 1e-15);
         assert_eq!(m.per_token, vec![0.0, f64::INFINITY]);
         assert_eq!(m.worst_token(), Some((1, f64::INFINITY)));
+    }
+
+    /// In chunks on the threads, the metrics of a tensor of many chunks are what one pass in
+    /// index order gives: counts, the first largest difference and where, the sums to their
+    /// rounding.
+    #[test]
+    fn chunked_metrics_are_one_pass() {
+        let (rows, cols) = (97, 3001);
+        let mut s = 7u64;
+        let mut next = || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 11) as f64 / (1u64 << 53) as f64 - 0.5) as f32
+        };
+        let mut b: Vec<f32> = (0..rows * cols).map(|_| next()).collect();
+        let mut a: Vec<f32> = b.iter().map(|&x| x + 1e-3 * next()).collect();
+        // Two equal largest differences, in different chunks: the first one is named.
+        for i in [40_000, 250_000] {
+            (a[i], b[i]) = (5.25, 0.25);
+        }
+        a[7] = f32::NAN;
+        let m = float_metrics(&[rows, cols], &a, &b);
+        let (mut d2, mut b2, mut n, mut max_abs, mut at) = (0f64, 0f64, 0, 0f64, 0);
+        let mut per = vec![(0f64, 0f64); rows];
+        for i in 0..rows * cols {
+            let (x, y) = (f64::from(a[i]), f64::from(b[i]));
+            if !x.is_finite() {
+                continue;
+            }
+            n += 1;
+            let d = x - y;
+            if d.abs() > max_abs {
+                (max_abs, at) = (d.abs(), i);
+            }
+            d2 += d * d;
+            b2 += y * y;
+            per[i / cols].0 += d * d;
+            per[i / cols].1 += y * y;
+        }
+        assert_eq!((m.n, m.nan, m.nonfinite_mismatch), (n, [0, 1], 1));
+        assert_eq!(
+            (m.max_abs, m.max_abs_at.clone()),
+            (max_abs, unravel(at, &[rows, cols]))
+        );
+        assert_eq!(at, 40_000);
+        assert!((m.nmse - d2 / b2).abs() <= 1e-12 * m.nmse);
+        for (t, &(d, y)) in per.iter().enumerate() {
+            assert!((m.per_token[t] - (d / y).sqrt()).abs() <= 1e-12 * m.per_token[t]);
+        }
     }
 
     #[test]

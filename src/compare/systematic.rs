@@ -44,6 +44,15 @@
 //! rounding of its few intermediate activations, which a column-clustered estimate takes as
 //! independent. Rounding can produce those, so they are not named.
 //! Positions where either side is non-finite are left out (the `-inf` mask of the DSA scores).
+//!
+//! Cost: every sum runs over chunks of whole rows on the threads (`CHUNK_ELEMENTS`), each
+//! chunk in index order and the chunks' sums in chunk order, so the bits do not depend on the
+//! thread count; nothing is copied to f64 (a 4096-token hook holds 100M values). A direction
+//! that is zero outside some rows (an expert's tokens) is fitted in time proportional to its
+//! rows: outside them a score is `w0 r (e - a r)`, whose sums by row, by column and squared
+//! follow from the hook's totals of `r^2`, `e r`, `r^4`, `r^3 e` and `r^2 e^2`, less the rows'
+//! own share (`tests::chunked_and_sparse_fits_are_the_definition` checks both against the
+//! element-by-element definition).
 //! Nothing here prints.
 
 use rayon::prelude::*;
@@ -158,38 +167,197 @@ impl Systematic {
     }
 }
 
-/// The two-way clustered variance of a sum of per-element scores `s_i`, filled one score at a
-/// time (in index order, which fixes the bits of every sum; [`Clusters::variance`]):
+/// Whole rows of about this many elements make one chunk of the passes over a hook. The
+/// chunks, not the threads, fix the order of every sum (each chunk in index order, the chunks'
+/// sums in chunk order): the bits do not depend on how many threads run them.
+const CHUNK_ELEMENTS: usize = 1 << 16;
+
+/// A hook's values as the fits read them: the reference `r` and the candidate `c`, flat
+/// `[rows, cols]`, in chunks of whole rows.
+#[derive(Clone, Copy)]
+struct Values<'a> {
+    r: &'a [f32],
+    c: &'a [f32],
+    layout: Layout,
+    /// Rows per chunk.
+    chunk_rows: usize,
+}
+
+impl<'a> Values<'a> {
+    fn new(r: &'a [f32], c: &'a [f32], layout: Layout) -> Values<'a> {
+        Values {
+            r,
+            c,
+            layout,
+            chunk_rows: (CHUNK_ELEMENTS / layout.cols.max(1)).max(1),
+        }
+    }
+
+    /// The chunks' row ranges, in order.
+    fn chunks(&self) -> Vec<std::ops::Range<usize>> {
+        let rows = self.layout.rows;
+        (0..rows.div_ceil(self.chunk_rows))
+            .map(|k| k * self.chunk_rows..((k + 1) * self.chunk_rows).min(rows))
+            .collect()
+    }
+
+    /// Element `i` as `(r, e)` with `e = c - r` in f64, when both sides are finite (a member of
+    /// every fit; the `-inf` mask of the DSA scores is not).
+    #[inline]
+    fn member(&self, i: usize) -> Option<(f64, f64)> {
+        let (r, c) = (self.r[i], self.c[i]);
+        (r.is_finite() && c.is_finite()).then(|| (f64::from(r), f64::from(c) - f64::from(r)))
+    }
+}
+
+/// Sums over a hook's members (both sides finite), by chunk then combined in chunk order
+/// ([`CHUNK_ELEMENTS`]): everything the fits of the whole tensor, of its heads and of its
+/// row-sparse directions take from it.
+struct Totals {
+    /// Members.
+    members: usize,
+    /// Rows with at least one member.
+    rows_with_values: usize,
+    /// `sum r^2`, `sum e r`.
+    rr: f64,
+    er: f64,
+    /// Per head block (when the layout has heads): `sum r^2`, `sum e r`.
+    head_rr: Vec<f64>,
+    head_er: Vec<f64>,
+    /// Per row: `sum r^2`, `sum e r` (for row-sparse directions).
+    row_rr: Vec<f64>,
+    row_er: Vec<f64>,
+    /// Per column: `sum r^2`, `sum e r` (for row-sparse directions; empty without them).
+    col_rr: Vec<f64>,
+    col_er: Vec<f64>,
+    /// `sum r^4`, `sum r^3 e`, `sum r^2 e^2` (for row-sparse directions).
+    r4: f64,
+    r3e: f64,
+    r2e2: f64,
+}
+
+/// The heads of a layout whose columns split evenly into them (more than one).
+fn heads_of(layout: Layout) -> Option<usize> {
+    layout
+        .heads
+        .filter(|&h| h > 1 && layout.cols % h == 0 && layout.cols > 0)
+}
+
+impl Totals {
+    /// One pass over `v`; the per-column sums only when `columns`.
+    fn new(v: &Values<'_>, columns: bool) -> Totals {
+        let cols = v.layout.cols.max(1);
+        let heads = heads_of(v.layout).unwrap_or(0);
+        let w = cols.checked_div(heads).unwrap_or(cols);
+        struct Part {
+            members: usize,
+            rows_with_values: usize,
+            s: [f64; 5],
+            head: Vec<[f64; 2]>,
+            row: Vec<[f64; 2]>,
+            col: Vec<[f64; 2]>,
+        }
+        let parts: Vec<Part> = v
+            .chunks()
+            .into_par_iter()
+            .map(|range| {
+                let mut p = Part {
+                    members: 0,
+                    rows_with_values: 0,
+                    s: [0.0; 5],
+                    head: vec![[0.0; 2]; heads],
+                    row: Vec::with_capacity(range.len()),
+                    col: if columns {
+                        vec![[0.0; 2]; cols]
+                    } else {
+                        Vec::new()
+                    },
+                };
+                for t in range {
+                    let (mut rr, mut er, mut any) = (0.0, 0.0, false);
+                    for j in 0..cols {
+                        let Some((r, e)) = v.member(t * cols + j) else {
+                            continue;
+                        };
+                        any = true;
+                        p.members += 1;
+                        let (r2, re) = (r * r, e * r);
+                        rr += r2;
+                        er += re;
+                        if heads > 0 {
+                            let h = &mut p.head[j / w];
+                            h[0] += r2;
+                            h[1] += re;
+                        }
+                        if columns {
+                            let c = &mut p.col[j];
+                            c[0] += r2;
+                            c[1] += re;
+                            p.s[2] += r2 * r2;
+                            p.s[3] += r2 * re;
+                            p.s[4] += re * re;
+                        }
+                    }
+                    p.rows_with_values += usize::from(any);
+                    p.s[0] += rr;
+                    p.s[1] += er;
+                    p.row.push([rr, er]);
+                }
+                p
+            })
+            .collect();
+        let mut t = Totals {
+            members: 0,
+            rows_with_values: 0,
+            rr: 0.0,
+            er: 0.0,
+            head_rr: vec![0.0; heads],
+            head_er: vec![0.0; heads],
+            row_rr: Vec::with_capacity(v.layout.rows),
+            row_er: Vec::with_capacity(v.layout.rows),
+            col_rr: if columns { vec![0.0; cols] } else { Vec::new() },
+            col_er: if columns { vec![0.0; cols] } else { Vec::new() },
+            r4: 0.0,
+            r3e: 0.0,
+            r2e2: 0.0,
+        };
+        for p in parts {
+            t.members += p.members;
+            t.rows_with_values += p.rows_with_values;
+            t.rr += p.s[0];
+            t.er += p.s[1];
+            t.r4 += p.s[2];
+            t.r3e += p.s[3];
+            t.r2e2 += p.s[4];
+            for (k, h) in p.head.iter().enumerate() {
+                t.head_rr[k] += h[0];
+                t.head_er[k] += h[1];
+            }
+            for r in &p.row {
+                t.row_rr.push(r[0]);
+                t.row_er.push(r[1]);
+            }
+            for (j, c) in p.col.iter().enumerate() {
+                t.col_rr[j] += c[0];
+                t.col_er[j] += c[1];
+            }
+        }
+        t
+    }
+}
+
+/// The two-way clustered variance of a sum of per-element scores `s_i` from their sums by row
+/// and by column and the sum of their squares ([`Clusters::variance`]):
 /// `V_rows + V_cols - V_elements`, never below either one-way estimate; a way with fewer than
 /// [`MIN_CLUSTERS`] clusters is inflated by `G / (G - 1)`, and a way with one cluster carries
 /// no information of its own.
 struct Clusters {
-    rows: usize,
-    cols: usize,
     by_row: Vec<f64>,
     by_col: Vec<f64>,
     v_el: f64,
 }
 
 impl Clusters {
-    fn new(layout: Layout) -> Clusters {
-        let (rows, cols) = (layout.rows.max(1), layout.cols.max(1));
-        Clusters {
-            rows,
-            cols,
-            by_row: vec![0f64; rows],
-            by_col: vec![0f64; cols],
-            v_el: 0.0,
-        }
-    }
-
-    #[inline]
-    fn add(&mut self, i: usize, s: f64) {
-        self.by_row[(i / self.cols).min(self.rows - 1)] += s;
-        self.by_col[i % self.cols] += s;
-        self.v_el += s * s;
-    }
-
     fn variance(&self) -> f64 {
         let one_way = |sums: &[f64]| -> (f64, usize) {
             let g = sums.iter().filter(|&&s| s != 0.0).count();
@@ -213,6 +381,53 @@ impl Clusters {
     }
 }
 
+/// The clusters of the scores `score(i, j, r, e)` of the members in columns `cols` of every
+/// row (`j` the column within the block), in chunks ([`CHUNK_ELEMENTS`]).
+fn clusters(
+    v: &Values<'_>,
+    cols: std::ops::Range<usize>,
+    score: &(dyn Fn(usize, usize, f64, f64) -> f64 + Sync),
+) -> Clusters {
+    let width = v.layout.cols;
+    let w = cols.len();
+    let parts: Vec<(Vec<f64>, Vec<f64>, f64)> = v
+        .chunks()
+        .into_par_iter()
+        .map(|range| {
+            let mut by_row = Vec::with_capacity(range.len());
+            let mut by_col = vec![0f64; w];
+            let mut v_el = 0f64;
+            for t in range {
+                let mut row = 0f64;
+                for (j, col) in by_col.iter_mut().enumerate() {
+                    let i = t * width + cols.start + j;
+                    if let Some((r, e)) = v.member(i) {
+                        let s = score(i, j, r, e);
+                        row += s;
+                        *col += s;
+                        v_el += s * s;
+                    }
+                }
+                by_row.push(row);
+            }
+            (by_row, by_col, v_el)
+        })
+        .collect();
+    let mut c = Clusters {
+        by_row: Vec::with_capacity(v.layout.rows),
+        by_col: vec![0f64; w],
+        v_el: 0.0,
+    };
+    for (rows, by_col, v_el) in parts {
+        c.by_row.extend(rows);
+        for (a, b) in c.by_col.iter_mut().zip(&by_col) {
+            *a += b;
+        }
+        c.v_el += v_el;
+    }
+    c
+}
+
 /// `|a| / se`, infinite for a nonzero coefficient without noise.
 fn sigma_of(a: f64, se: f64) -> f64 {
     if se > 0.0 {
@@ -224,29 +439,20 @@ fn sigma_of(a: f64, se: f64) -> f64 {
     }
 }
 
-/// Fits the gain of the error `e` on the reference `r` over `idx` (flat indices into
-/// `[rows, cols]`) and its clustered standard error. `None` when the group has no signal
-/// (`sum r^2 = 0`).
-fn fit(r: &[f64], e: &[f64], layout: Layout, over: Over, group: Group) -> Option<Gain> {
-    // Two passes over the group's finite elements in index order (the order fixes the sums'
-    // bits): the sums of the fit, then the scores into their clusters.
-    let (mut rr, mut er) = (0.0f64, 0.0f64);
-    over.each(layout, &mut |i| {
-        if r[i].is_finite() && e[i].is_finite() {
-            rr += r[i] * r[i];
-            er += e[i] * r[i];
-        }
-    });
+/// Fits the gain of the error on the reference over columns `cols` of every row (the whole
+/// tensor, or one head's block), given the block's sums `rr = sum r^2` and `er = sum e r`,
+/// and its clustered standard error. `None` when the group has no signal (`sum r^2 = 0`).
+fn fit(
+    v: &Values<'_>,
+    cols: std::ops::Range<usize>,
+    (rr, er): (f64, f64),
+    group: Group,
+) -> Option<Gain> {
     if rr <= 0.0 {
         return None;
     }
     let a = er / rr;
-    let mut c = Clusters::new(layout);
-    over.each(layout, &mut |i| {
-        if r[i].is_finite() && e[i].is_finite() {
-            c.add(i, r[i] * (e[i] - a * r[i]));
-        }
-    });
+    let c = clusters(v, cols, &|_, _, r, e| r * (e - a * r));
     let se = c.variance().sqrt() / rr;
     Some(Gain {
         group,
@@ -256,45 +462,9 @@ fn fit(r: &[f64], e: &[f64], layout: Layout, over: Over, group: Group) -> Option
     })
 }
 
-/// The elements a [`fit`] runs over, in index order.
-#[derive(Clone, Copy)]
-enum Over {
-    /// All `rows * cols` of them.
-    All,
-    /// Head `k` of `heads`: columns `k * w .. (k + 1) * w` of every row (`w = cols / heads`).
-    Head(usize, usize),
-}
-
-impl Over {
-    #[inline]
-    fn each(self, layout: Layout, f: &mut dyn FnMut(usize)) {
-        let cols = layout.cols;
-        match self {
-            Over::All => (0..layout.rows * cols).for_each(f),
-            Over::Head(k, heads) => {
-                let w = cols / heads.max(1);
-                for t in 0..layout.rows {
-                    (t * cols + k * w..t * cols + (k + 1) * w).for_each(&mut *f);
-                }
-            }
-        }
-    }
-}
-
-/// Fits the error `e` on the reference `r` and a direction `p` jointly (`e = a r + b p + u`)
-/// and returns `b` as a [`Gain`] (`1 + b`) with its clustered standard error: the direction's
-/// coefficient beyond what an overall gain explains. `None` when the two are (nearly)
-/// collinear or `p` is zero.
-fn fit_part(r: &[f64], p: &[f64], e: &[f64], layout: Layout, group: Group) -> Option<Gain> {
-    let member = |i: usize| r[i].is_finite() && e[i].is_finite() && p[i].is_finite();
-    let (mut rr, mut rp, mut pp, mut er, mut ep) = (0.0, 0.0, 0.0, 0.0, 0.0);
-    for i in (0..e.len()).filter(|&i| member(i)) {
-        rr += r[i] * r[i];
-        rp += r[i] * p[i];
-        pp += p[i] * p[i];
-        er += e[i] * r[i];
-        ep += e[i] * p[i];
-    }
+/// The joint fit `e = a r + b p + u` from its sums: `a`, `b` and the weights of `b`'s scores
+/// (`(w0 r + w1 p) u`). `None` when the two are (nearly) collinear or `p` is zero.
+fn joint(rr: f64, rp: f64, pp: f64, er: f64, ep: f64) -> Option<(f64, f64, f64, f64)> {
     let det = rr * pp - rp * rp;
     if pp <= 0.0 || rr <= 0.0 || det <= 1e-12 * rr * pp {
         return None;
@@ -302,11 +472,49 @@ fn fit_part(r: &[f64], p: &[f64], e: &[f64], layout: Layout, group: Group) -> Op
     // (X'X)^-1 = [[pp, -rp], [-rp, rr]] / det; its second row gives b and its scores.
     let a = (pp * er - rp * ep) / det;
     let b = (rr * ep - rp * er) / det;
-    let (w0, w1) = (-rp / det, rr / det);
-    let mut c = Clusters::new(layout);
-    for i in (0..e.len()).filter(|&i| member(i)) {
-        c.add(i, (w0 * r[i] + w1 * p[i]) * (e[i] - a * r[i] - b * p[i]));
+    Some((a, b, -rp / det, rr / det))
+}
+
+/// Fits the error on the reference and a dense direction `p` (the hook's size) jointly
+/// (`e = a r + b p + u`) and returns `b` as a [`Gain`] (`1 + b`) with its clustered standard
+/// error: the direction's coefficient beyond what an overall gain explains. `None` when the
+/// two are (nearly) collinear or `p` is zero.
+fn fit_part(v: &Values<'_>, p: &[f32], group: Group) -> Option<Gain> {
+    let cols = v.layout.cols;
+    let sums: Vec<[f64; 5]> = v
+        .chunks()
+        .into_par_iter()
+        .map(|range| {
+            let mut s = [0f64; 5];
+            let span = range.start * cols..range.end * cols;
+            for (i, &x) in span.clone().zip(&p[span]) {
+                let x = f64::from(x);
+                if let (Some((r, e)), true) = (v.member(i), x.is_finite()) {
+                    s[0] += r * r;
+                    s[1] += r * x;
+                    s[2] += x * x;
+                    s[3] += e * r;
+                    s[4] += e * x;
+                }
+            }
+            s
+        })
+        .collect();
+    let mut s = [0f64; 5];
+    for x in &sums {
+        for (a, b) in s.iter_mut().zip(x) {
+            *a += b;
+        }
     }
+    let (a, b, w0, w1) = joint(s[0], s[1], s[2], s[3], s[4])?;
+    let c = clusters(v, 0..cols, &|i, _, r, e| {
+        let x = f64::from(p[i]);
+        if x.is_finite() {
+            (w0 * r + w1 * x) * (e - a * r - b * x)
+        } else {
+            0.0
+        }
+    });
     let se = c.variance().sqrt();
     Some(Gain {
         group,
@@ -316,15 +524,121 @@ fn fit_part(r: &[f64], p: &[f64], e: &[f64], layout: Layout, group: Group) -> Op
     })
 }
 
-/// A bug family's direction at a hook (flat, the hook's size), computed by the reference.
+/// [`fit_part`] for a direction that is zero outside rows `rows` (ascending, distinct), its
+/// values there `p` (`[rows.len(), cols]`), in time proportional to those rows: the sums
+/// outside them come from the hook's [`Totals`] (by row, by column, and of `r^4`, `r^3 e`,
+/// `r^2 e^2`) less the rows' own share, since there a member's score is `w0 r (e - a r)`.
+fn fit_sparse(v: &Values<'_>, t: &Totals, rows: &[usize], p: &[f32], group: Group) -> Option<Gain> {
+    let cols = v.layout.cols;
+    // Sums over the support's members: of the joint fit where p is finite, and of r^2 and e r
+    // where it is not (those members leave the fit).
+    let (mut rp, mut pp, mut ep, mut rr_out, mut er_out) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    for (k, &row) in rows.iter().enumerate() {
+        for j in 0..cols {
+            let Some((r, e)) = v.member(row * cols + j) else {
+                continue;
+            };
+            let x = f64::from(p[k * cols + j]);
+            if x.is_finite() {
+                rp += r * x;
+                pp += x * x;
+                ep += e * x;
+            } else {
+                rr_out += r * r;
+                er_out += e * r;
+            }
+        }
+    }
+    let (rr, er) = (t.rr - rr_out, t.er - er_out);
+    let (a, b, w0, w1) = joint(rr, rp, pp, er, ep)?;
+    // Outside the support: by row from the row totals, by column and squared from the column
+    // and global totals less the support's share.
+    let mut by_row: Vec<f64> = t
+        .row_rr
+        .iter()
+        .zip(&t.row_er)
+        .map(|(&rr, &er)| w0 * (er - a * rr))
+        .collect();
+    let mut by_col: Vec<f64> = t
+        .col_rr
+        .iter()
+        .zip(&t.col_er)
+        .map(|(&rr, &er)| w0 * (er - a * rr))
+        .collect();
+    let mut v_el = w0 * w0 * (t.r2e2 - 2.0 * a * t.r3e + a * a * t.r4);
+    for (k, &row) in rows.iter().enumerate() {
+        let mut sum = 0f64;
+        for (j, col) in by_col.iter_mut().enumerate() {
+            let Some((r, e)) = v.member(row * cols + j) else {
+                continue;
+            };
+            let off = w0 * r * (e - a * r);
+            let x = f64::from(p[k * cols + j]);
+            let s = if x.is_finite() {
+                (w0 * r + w1 * x) * (e - a * r - b * x)
+            } else {
+                0.0
+            };
+            *col += s - off;
+            v_el += s * s - off * off;
+            sum += s;
+        }
+        by_row[row] = sum;
+    }
+    let c = Clusters {
+        by_row,
+        by_col,
+        v_el: v_el.max(0.0),
+    };
+    let se = c.variance().sqrt();
+    Some(Gain {
+        group,
+        gain: 1.0 + b,
+        se,
+        sigma: sigma_of(b, se),
+    })
+}
+
+/// A bug family's direction at a hook, computed by the reference: the hook's size, or zero
+/// outside some rows (an expert's contribution, on the tokens routed to it).
 #[derive(Clone, Copy, Debug)]
 pub struct Direction<'a> {
     /// What a coefficient on it means (`expert 5`, `softmax scale`).
     pub label: &'a str,
     /// Its family: the threshold rises with the number of directions of one family.
     pub family: &'a str,
-    /// The values.
+    /// The values: flat, the hook's size; or `[rows.len(), cols]` when `rows` is given.
     pub values: &'a [f32],
+    /// The rows the values are for (ascending, distinct), zero in the others; `None`: every
+    /// row.
+    pub rows: Option<&'a [usize]>,
+}
+
+impl Direction<'_> {
+    /// Whether its values have the size its rows say for a hook of `layout`.
+    fn fits(&self, layout: Layout) -> bool {
+        match self.rows {
+            None => self.values.len() == layout.rows * layout.cols,
+            Some(rows) => {
+                self.values.len() == rows.len() * layout.cols
+                    && rows.windows(2).all(|w| w[0] < w[1])
+                    && rows.last().is_none_or(|&r| r < layout.rows)
+            }
+        }
+    }
+
+    /// Its value at flat index `i` (`row_pos`: for each row, its place in `rows`).
+    fn at(&self, i: usize, cols: usize, row_pos: &[Option<usize>]) -> f64 {
+        match self.rows {
+            None => self.values.get(i).map_or(0.0, |&v| f64::from(v)),
+            Some(_) => row_pos
+                .get(i / cols.max(1))
+                .copied()
+                .flatten()
+                .and_then(|k| self.values.get(k * cols + i % cols.max(1)))
+                .map_or(0.0, |&v| f64::from(v)),
+        }
+    }
 }
 
 /// Smallest coefficient on a bug family's direction that is named (an expert's output scaled
@@ -376,32 +690,24 @@ pub fn analyse(
     if r.len() != n || c.len() != n || n == 0 {
         return None;
     }
-    let rv: Vec<f64> = r.iter().map(|&x| f64::from(x)).collect();
-    let ev: Vec<f64> = c
-        .iter()
-        .zip(r)
-        .map(|(&a, &b)| {
-            if a.is_finite() && b.is_finite() {
-                f64::from(a) - f64::from(b)
-            } else {
-                f64::NAN
-            }
-        })
-        .collect();
-    let rows_with_values = ev
-        .chunks(layout.cols.max(1))
-        .filter(|row| row.iter().any(|x| x.is_finite()))
-        .count();
-    if ev.iter().filter(|x| x.is_finite()).count() < MIN_ELEMENTS || rows_with_values < MIN_ROWS {
+    let v = Values::new(r, c, layout);
+    let parts: Vec<&Direction<'_>> = parts.iter().filter(|d| d.fits(layout)).collect();
+    let sparse = parts.iter().any(|d| d.rows.is_some());
+    let totals = Totals::new(&v, sparse);
+    if totals.members < MIN_ELEMENTS || totals.rows_with_values < MIN_ROWS {
         return None;
     }
-    let overall = fit(&rv, &ev, layout, Over::All, Group::All)?;
     let cols = layout.cols;
+    let overall = fit(&v, 0..cols, (totals.rr, totals.er), Group::All)?;
     let mut groups: Vec<(Vec<Gain>, usize)> = Vec::new();
-    if let Some(h) = layout.heads.filter(|&h| h > 1 && cols % h == 0) {
+    if let Some(h) = heads_of(layout) {
+        let w = cols / h;
         let v: Vec<Gain> = (0..h)
             .into_par_iter()
-            .filter_map(|k| fit(&rv, &ev, layout, Over::Head(k, h), Group::Head(k)))
+            .filter_map(|k| {
+                let sums = (totals.head_rr[k], totals.head_er[k]);
+                fit(&v, k * w..(k + 1) * w, sums, Group::Head(k))
+            })
             .collect();
         groups.push((v, h));
     }
@@ -412,10 +718,12 @@ pub fn analyse(
     // the tokens chose); the order of `parts` is kept.
     let fitted: Vec<(&Direction<'_>, Gain)> = parts
         .par_iter()
-        .filter(|d| d.values.len() == n)
-        .filter_map(|d| {
-            let x: Vec<f64> = d.values.iter().map(|&v| f64::from(v)).collect();
-            let g = fit_part(&rv, &x, &ev, layout, Group::Part(d.label.to_string()))?;
+        .filter_map(|&d| {
+            let group = Group::Part(d.label.to_string());
+            let g = match d.rows {
+                None => fit_part(&v, d.values, group),
+                Some(rows) => fit_sparse(&v, &totals, rows, d.values, group),
+            }?;
             Some((d, g))
         })
         .collect();
@@ -479,41 +787,7 @@ pub fn analyse(
         .into_iter()
         .max_by(|a, b| a.1.total_cmp(&b.1))
         .map(|(g, _)| g);
-    let residual = finding.as_ref().map(|f| {
-        let (mut d2, mut r2) = (0.0, 0.0);
-        for i in 0..n {
-            if !ev[i].is_finite() {
-                continue;
-            }
-            let j = i % cols.max(1);
-            let inside = match &f.group {
-                Group::All => true,
-                Group::Head(k) => layout
-                    .heads
-                    .is_some_and(|h| j / (cols / h.max(1)).max(1) == *k),
-                Group::Part(_) => false,
-            };
-            let u = match &f.group {
-                Group::Part(label) => {
-                    let x = parts
-                        .iter()
-                        .find(|d| d.label == label.as_str())
-                        .and_then(|d| d.values.get(i))
-                        .map_or(0.0, |&v| f64::from(v));
-                    ev[i] - (f.gain - 1.0) * x
-                }
-                _ if inside => ev[i] - (f.gain - 1.0) * rv[i],
-                _ => ev[i],
-            };
-            d2 += u * u;
-            r2 += rv[i] * rv[i];
-        }
-        if r2 > 0.0 {
-            (d2 / r2).sqrt()
-        } else {
-            0.0
-        }
-    });
+    let residual = finding.as_ref().map(|f| residual(&v, f, &parts));
     Some(Systematic {
         overall,
         worst_group: worst.map(|(g, _)| g),
@@ -521,6 +795,58 @@ pub fn analyse(
         finding,
         residual,
     })
+}
+
+/// The relative L2 error left once finding `f` is removed from the error (chunked like the
+/// fits).
+fn residual(v: &Values<'_>, f: &Gain, parts: &[&Direction<'_>]) -> f64 {
+    let (layout, cols) = (v.layout, v.layout.cols.max(1));
+    let a = f.gain - 1.0;
+    let part = match &f.group {
+        Group::Part(label) => parts.iter().find(|d| d.label == label.as_str()).copied(),
+        _ => None,
+    };
+    // For a row-sparse direction, each row's place among its rows.
+    let mut row_pos: Vec<Option<usize>> = Vec::new();
+    if let Some(rows) = part.and_then(|d| d.rows) {
+        row_pos = vec![None; layout.rows];
+        for (k, &t) in rows.iter().enumerate() {
+            row_pos[t] = Some(k);
+        }
+    }
+    let block = |j: usize| match (&f.group, layout.heads) {
+        (Group::All, _) => true,
+        (Group::Head(k), Some(h)) => j / (cols / h.max(1)).max(1) == *k,
+        _ => false,
+    };
+    let sums: Vec<(f64, f64)> = v
+        .chunks()
+        .into_par_iter()
+        .map(|range| {
+            let (mut d2, mut r2) = (0f64, 0f64);
+            for i in range.start * cols..range.end * cols {
+                let Some((r, e)) = v.member(i) else {
+                    continue;
+                };
+                let u = match part {
+                    Some(d) => e - a * d.at(i, cols, &row_pos),
+                    None if block(i % cols) => e - a * r,
+                    None => e,
+                };
+                d2 += u * u;
+                r2 += r * r;
+            }
+            (d2, r2)
+        })
+        .collect();
+    let (d2, r2) = sums
+        .iter()
+        .fold((0.0, 0.0), |(a, b), (d, r)| (a + d, b + r));
+    if r2 > 0.0 {
+        (d2 / r2).sqrt()
+    } else {
+        0.0
+    }
 }
 
 #[cfg(test)]
@@ -717,6 +1043,7 @@ mod tests {
                 label: l,
                 family: "expert",
                 values: v,
+                rows: None,
             })
             .collect();
         let r: Vec<f32> = base.iter().map(|&x| x as f32).collect();
@@ -750,6 +1077,34 @@ mod tests {
             "{:?}",
             s.describe()
         );
+        // The same directions held on their rows only: the same finding and residual.
+        let rows_of: Vec<Vec<usize>> = (0..8)
+            .map(|e| (0..rows).filter(|t| t % 8 == e).collect())
+            .collect();
+        let held: Vec<Vec<f32>> = rows_of
+            .iter()
+            .map(|rs| {
+                rs.iter()
+                    .flat_map(|&t| r[t * cols..(t + 1) * cols].iter().copied())
+                    .collect()
+            })
+            .collect();
+        let sparse: Vec<Direction<'_>> = (0..8)
+            .map(|e| Direction {
+                label: &labels[e],
+                family: "expert",
+                values: &held[e],
+                rows: Some(&rows_of[e]),
+            })
+            .collect();
+        let t = analyse(&r, &c, layout, &sparse).unwrap();
+        let g = t.finding.clone().expect("found");
+        assert_eq!(g.group, f.group);
+        assert!(
+            close(g.gain, f.gain, 1e-12) && close(g.se, f.se, 1e-9),
+            "{g:?} {f:?}"
+        );
+        assert!(close(t.residual.unwrap(), s.residual.unwrap(), 1e-12));
     }
 
     #[test]
@@ -798,5 +1153,203 @@ mod tests {
         assert!(analyse(&[1.0, 2.0, 3.0, 4.0], &[1.1, 2.2, 3.3, 4.4], small, &[]).is_none());
         assert!(analyse(&r, &c[..3], layout, &[]).is_none());
         assert!(analyse(&vec![0.0; 144], &vec![0.0; 144], layout, &[]).is_none());
+    }
+
+    /// The fits by their definition, one element at a time in index order: the two-way
+    /// clustered variance filled score by score (module documentation).
+    mod definition {
+        use super::super::*;
+
+        fn variance(by_row: &[f64], by_col: &[f64], v_el: f64) -> f64 {
+            Clusters {
+                by_row: by_row.to_vec(),
+                by_col: by_col.to_vec(),
+                v_el,
+            }
+            .variance()
+        }
+
+        /// `(a, se)` of the gain of `e` on `r` over the elements `inside` selects.
+        pub fn gain(
+            r: &[f64],
+            e: &[f64],
+            l: Layout,
+            inside: &dyn Fn(usize) -> bool,
+        ) -> Option<(f64, f64)> {
+            let m = |i: usize| inside(i) && r[i].is_finite() && e[i].is_finite();
+            let (mut rr, mut er) = (0.0, 0.0);
+            for i in (0..r.len()).filter(|&i| m(i)) {
+                rr += r[i] * r[i];
+                er += e[i] * r[i];
+            }
+            if rr <= 0.0 {
+                return None;
+            }
+            let a = er / rr;
+            let (mut by_row, mut by_col, mut v_el) = (vec![0.0; l.rows], vec![0.0; l.cols], 0.0);
+            for i in (0..r.len()).filter(|&i| m(i)) {
+                let s = r[i] * (e[i] - a * r[i]);
+                by_row[i / l.cols] += s;
+                by_col[i % l.cols] += s;
+                v_el += s * s;
+            }
+            Some((a, variance(&by_row, &by_col, v_el).sqrt() / rr))
+        }
+
+        /// `(b, se)` of the joint fit `e = a r + b p + u`.
+        pub fn part(r: &[f64], p: &[f64], e: &[f64], l: Layout) -> Option<(f64, f64)> {
+            let m = |i: usize| r[i].is_finite() && e[i].is_finite() && p[i].is_finite();
+            let (mut rr, mut rp, mut pp, mut er, mut ep) = (0.0, 0.0, 0.0, 0.0, 0.0);
+            for i in (0..r.len()).filter(|&i| m(i)) {
+                rr += r[i] * r[i];
+                rp += r[i] * p[i];
+                pp += p[i] * p[i];
+                er += e[i] * r[i];
+                ep += e[i] * p[i];
+            }
+            let det = rr * pp - rp * rp;
+            let a = (pp * er - rp * ep) / det;
+            let b = (rr * ep - rp * er) / det;
+            let (w0, w1) = (-rp / det, rr / det);
+            let (mut by_row, mut by_col, mut v_el) = (vec![0.0; l.rows], vec![0.0; l.cols], 0.0);
+            for i in (0..r.len()).filter(|&i| m(i)) {
+                let s = (w0 * r[i] + w1 * p[i]) * (e[i] - a * r[i] - b * p[i]);
+                by_row[i / l.cols] += s;
+                by_col[i % l.cols] += s;
+                v_el += s * s;
+            }
+            Some((b, variance(&by_row, &by_col, v_el).sqrt()))
+        }
+    }
+
+    /// Within `rel` of each other, relatively.
+    fn close(a: f64, b: f64, rel: f64) -> bool {
+        (a - b).abs() <= rel * a.abs().max(b.abs()).max(1e-300)
+    }
+
+    /// The chunked fits (parallel, sums combined by chunk) and the row-sparse directions' fits
+    /// from the hook's totals give what the definition gives element by element, on a hook of
+    /// several chunks with masked and non-finite values, heads, dense and row-sparse
+    /// directions (one with a non-finite value on its rows, one on a single row).
+    #[test]
+    fn chunked_and_sparse_fits_are_the_definition() {
+        let (rows, cols, heads) = (300, 1024, 8);
+        let l = Layout {
+            rows,
+            cols,
+            heads: Some(heads),
+        };
+        assert!(rows * cols > 4 * CHUNK_ELEMENTS);
+        let n = rows * cols;
+        let mut r: Vec<f32> = noise(31, n).iter().map(|&x| x as f32).collect();
+        let wobble = noise(32, n);
+        let mut c: Vec<f32> = r
+            .iter()
+            .zip(&wobble)
+            .enumerate()
+            .map(|(i, (&x, &w))| {
+                // Head 3 a little scaled, everything a little noisy.
+                let g = if (i % cols) / (cols / heads) == 3 {
+                    1.003
+                } else {
+                    1.0
+                };
+                (f64::from(x) * g + 1e-3 * w) as f32
+            })
+            .collect();
+        r[17] = f32::NEG_INFINITY;
+        c[17] = f32::NEG_INFINITY;
+        c[70_000] = f32::NAN;
+        r[200_001] = f32::INFINITY;
+        // Directions: one dense, three zero outside some rows.
+        let dense: Vec<f32> = noise(33, n).iter().map(|&x| x as f32).collect();
+        let support =
+            |k: usize| -> Vec<usize> { (0..rows).filter(|t| (t * 7 + k) % 5 == 0).collect() };
+        let sparse_rows = [support(0), support(1), vec![123]];
+        let sparse_vals: Vec<Vec<f32>> = sparse_rows
+            .iter()
+            .enumerate()
+            .map(|(k, rs)| {
+                let mut v: Vec<f32> = noise(40 + k as u64, rs.len() * cols)
+                    .iter()
+                    .map(|&x| x as f32)
+                    .collect();
+                if k == 1 {
+                    v[5] = f32::INFINITY;
+                }
+                v
+            })
+            .collect();
+        let labels = ["d", "s0", "s1", "s2"];
+        let mut dirs = vec![Direction {
+            label: labels[0],
+            family: "f",
+            values: &dense,
+            rows: None,
+        }];
+        for k in 0..3 {
+            dirs.push(Direction {
+                label: labels[k + 1],
+                family: "f",
+                values: &sparse_vals[k],
+                rows: Some(&sparse_rows[k]),
+            });
+        }
+        let got = analyse(&r, &c, l, &dirs).unwrap();
+
+        let rv: Vec<f64> = r.iter().map(|&x| f64::from(x)).collect();
+        let ev: Vec<f64> = c
+            .iter()
+            .zip(&r)
+            .map(|(&a, &b)| {
+                if a.is_finite() && b.is_finite() {
+                    f64::from(a) - f64::from(b)
+                } else {
+                    f64::NAN
+                }
+            })
+            .collect();
+        let (a, se) = definition::gain(&rv, &ev, l, &|_| true).unwrap();
+        assert!(
+            close(got.overall.gain, 1.0 + a, 1e-12),
+            "{:?} {a}",
+            got.overall
+        );
+        assert!(close(got.overall.se, se, 1e-9), "{:?} {se}", got.overall);
+        let w = cols / heads;
+        let worst = got.worst_group.clone().unwrap();
+        assert_eq!(worst.group, Group::Head(3));
+        let (a3, se3) = definition::gain(&rv, &ev, l, &|i| (i % cols) / w == 3).unwrap();
+        assert!(close(worst.gain, 1.0 + a3, 1e-12), "{worst:?} {a3}");
+        assert!(close(worst.sigma, (a3 - a).abs() / se3, 1e-9), "{worst:?}");
+        // Each direction, dense in the definition.
+        let mut want = Vec::new();
+        let dense_of = |k: usize| -> Vec<f64> {
+            let mut p = vec![0f64; n];
+            for (j, &t) in sparse_rows[k].iter().enumerate() {
+                for x in 0..cols {
+                    p[t * cols + x] = f64::from(sparse_vals[k][j * cols + x]);
+                }
+            }
+            p
+        };
+        let pd: Vec<f64> = dense.iter().map(|&x| f64::from(x)).collect();
+        want.push(definition::part(&rv, &pd, &ev, l).unwrap());
+        for k in 0..3 {
+            want.push(definition::part(&rv, &dense_of(k), &ev, l).unwrap());
+        }
+        let v = Values::new(&r, &c, l);
+        let totals = Totals::new(&v, true);
+        for (k, d) in dirs.iter().enumerate() {
+            let g = Group::Part(d.label.to_string());
+            let fitted = match d.rows {
+                None => fit_part(&v, d.values, g),
+                Some(rows) => fit_sparse(&v, &totals, rows, d.values, g),
+            }
+            .unwrap();
+            let (b, se) = want[k];
+            assert!(close(fitted.gain - 1.0, b, 1e-9), "{k}: {fitted:?} {b}");
+            assert!(close(fitted.se, se, 1e-8), "{k}: {fitted:?} {se}");
+        }
     }
 }

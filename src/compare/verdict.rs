@@ -43,6 +43,7 @@
 use std::collections::{BTreeSet, HashMap};
 
 use anyhow::Result;
+use rayon::prelude::*;
 use serde::Serialize;
 
 use super::flipcount::FlipCount;
@@ -369,16 +370,25 @@ fn masked_error(reference: &HostTensor, candidate: &HostTensor, skip: &BTreeSet<
         return f64::NAN;
     }
     let w = r.len() / rows;
-    let (mut d2, mut r2) = (0f64, 0f64);
-    for t in (0..rows).filter(|t| !skip.contains(t)) {
-        for (&a, &b) in r[t * w..(t + 1) * w].iter().zip(&c[t * w..(t + 1) * w]) {
-            if a.is_finite() && b.is_finite() {
-                let (a, b) = (f64::from(a), f64::from(b));
-                d2 += (b - a) * (b - a);
-                r2 += a * a;
+    // By row on the threads, the rows' sums added in row order.
+    let sums: Vec<(f64, f64)> = (0..rows)
+        .into_par_iter()
+        .filter(|t| !skip.contains(t))
+        .map(|t| {
+            let (mut d2, mut r2) = (0f64, 0f64);
+            for (&a, &b) in r[t * w..(t + 1) * w].iter().zip(&c[t * w..(t + 1) * w]) {
+                if a.is_finite() && b.is_finite() {
+                    let (a, b) = (f64::from(a), f64::from(b));
+                    d2 += (b - a) * (b - a);
+                    r2 += a * a;
+                }
             }
-        }
-    }
+            (d2, r2)
+        })
+        .collect();
+    let (d2, r2) = sums
+        .iter()
+        .fold((0f64, 0f64), |(x, y), (d, r)| (x + d, y + r));
     if r2 > 0.0 {
         (d2 / r2).sqrt()
     } else if d2 > 0.0 {
@@ -409,15 +419,21 @@ struct Inside {
     through: Vec<String>,
 }
 
-/// `|t|`, the L2 norm of a float tensor's finite values (0 for ids).
+/// `|t|`, the L2 norm of a float tensor's finite values (0 for ids); summed in chunks on the
+/// threads, the chunks' sums in order.
 fn l2(t: &HostTensor) -> f64 {
     t.as_f32("")
         .map(|v| {
-            v.iter()
-                .filter(|x| x.is_finite())
-                .map(|&x| f64::from(x) * f64::from(x))
-                .sum::<f64>()
-                .sqrt()
+            let sums: Vec<f64> = v
+                .par_chunks(1 << 16)
+                .map(|c| {
+                    c.iter()
+                        .filter(|x| x.is_finite())
+                        .map(|&x| f64::from(x) * f64::from(x))
+                        .sum::<f64>()
+                })
+                .collect();
+            sums.iter().sum::<f64>().sqrt()
         })
         .unwrap_or(0.0)
 }
@@ -1098,6 +1114,7 @@ impl Comparison {
                     label: &p.label,
                     family: p.family,
                     values: p.tensor.as_f32("").ok()?,
+                    rows: p.rows.as_deref(),
                 })
             })
             .collect();

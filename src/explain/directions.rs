@@ -3,7 +3,8 @@
 //!
 //! - `moe_routed` (a routed-experts step): each routed expert's weighted contribution
 //!   `C_e[t] = sum_k [ids[t,k] = e] w[t,k] Y_e(x_t)` (`[T, hidden]`, zero on rows that do not
-//!   route to `e`). The routed sum is `sum_e C_e`; an expert whose output is scaled by `1 + a`
+//!   route to `e`: held on its tokens' rows only, `[n_e, hidden]` with the rows named, so that
+//!   a long prompt's 256 experts take `T k hidden` values, not `256 T hidden`). The routed sum is `sum_e C_e`; an expert whose output is scaled by `1 + a`
 //!   (a wrong block scale in its down projection, a wrong per-expert scale) adds `a C_e`.
 //! - `attn_heads` (an attention step): `D = (f(s (1 + h)) - f(s)) / h`, the change of the
 //!   heads per relative change of the softmax scale `s` (`h` = [`SCALE_STEP`]): a scale off by
@@ -21,15 +22,16 @@
 //! Cost: what the reference already computed from the same inputs is taken from it
 //! ([`Own`]): the attention's output (the base of both attention directions) and each routed
 //! expert's outputs where the expert got the same tokens with the same values; the rest is
-//! computed here: two more attentions per attention step (the scale and the base moved), and
-//! the outputs of experts whose tokens changed (the candidate's routing in replay).
+//! computed here: two more attentions per attention step (the scale and the base moved, from
+//! one product `kv = kv_a_norm kv_b^T`, [`CpuEngine::kv_product`]), and the outputs of experts
+//! whose tokens changed (the candidate's routing in replay).
 
 use std::collections::HashMap;
 
 use anyhow::{bail, Result};
 
 use crate::engine::cpu::math::rotate_pairs;
-use crate::engine::cpu::{mla_host, CpuEngine};
+use crate::engine::cpu::{mla_host_kv, CpuEngine};
 use crate::engine::{Engine, HostTensor, MlaInputs};
 use crate::model::steps::{Op, Step};
 use crate::model::{rope, RopeSlice};
@@ -147,19 +149,27 @@ fn experts(
                 &computed
             }
         };
-        let mut c = vec![0f32; t * hidden]; // [T, hidden]
+        // Its tokens' rows only, zero in the others ([n_rows, hidden]); a token routed to it
+        // twice (a candidate's selection in replay) adds both into its row.
+        let mut rows: Vec<usize> = Vec::new();
+        let mut c: Vec<f32> = Vec::with_capacity(routed.len() * hidden);
         for (j, &(tok, wt)) in routed.iter().enumerate() {
-            for (a, &v) in c[tok * hidden..(tok + 1) * hidden]
-                .iter_mut()
-                .zip(&y[j * hidden..(j + 1) * hidden])
-            {
-                *a += wt * v;
+            let y = &y[j * hidden..(j + 1) * hidden];
+            if rows.last() == Some(&tok) {
+                let at = c.len() - hidden;
+                for (a, &v) in c[at..].iter_mut().zip(y) {
+                    *a += wt * v;
+                }
+            } else {
+                rows.push(tok);
+                c.extend(y.iter().map(|&v| wt * v));
             }
         }
         out.push(Part {
             label: format!("expert {e}"),
             family: "expert",
-            tensor: HostTensor::f32(vec![t, hidden], c)?,
+            tensor: HostTensor::f32(vec![rows.len(), hidden], c)?,
+            rows: Some(rows),
         });
     }
     Ok(out)
@@ -174,7 +184,8 @@ fn softmax_scale(
     own: Option<&HostTensor>,
 ) -> Result<Vec<Part>> {
     let hp = cpu.weights().hparams();
-    let kv_b = cpu.kv_b(layer)?;
+    // The keys and values before the heads' split, once for both attentions (and the base's).
+    let kv = cpu.kv_product(layer, &inputs[2])?;
     let scale = rope::softmax_scale(hp);
     let inp = || MlaInputs {
         q_b: &inputs[0],
@@ -183,12 +194,12 @@ fn softmax_scale(
         k_pe: &inputs[3],
         selection: inputs.get(4),
     };
-    let (moved, _) = mla_host(hp, layer, inp(), &kv_b, scale * (1.0 + SCALE_STEP), false)?;
+    let (moved, _) = mla_host_kv(hp, layer, inp(), &kv, scale * (1.0 + SCALE_STEP), false)?;
     let computed;
     let base = match own.filter(|o| o.shape == moved.shape) {
         Some(o) => o,
         None => {
-            computed = mla_host(hp, layer, inp(), &kv_b, scale, false)?.0;
+            computed = mla_host_kv(hp, layer, inp(), &kv, scale, false)?.0;
             &computed
         }
     };
@@ -196,6 +207,7 @@ fn softmax_scale(
         label: "softmax scale".to_string(),
         family: "softmax scale",
         tensor: per_step(&moved, base)?,
+        rows: None,
     }];
     // The RoPE base inside the step's inputs: q_pe and k_pe rotated back by the model's
     // angles and forward by the moved base's (a trace without q_pe_rope/k_pe_rope, whose
@@ -213,11 +225,12 @@ fn softmax_scale(
         k_pe: &k_pe,
         selection: inputs.get(4),
     };
-    let (moved, _) = mla_host(hp, layer, moved_inp, &kv_b, scale, false)?;
+    let (moved, _) = mla_host_kv(hp, layer, moved_inp, &kv, scale, false)?;
     parts.push(Part {
         label: "rope theta".to_string(),
         family: "rope theta",
         tensor: per_step(&moved, base)?,
+        rows: None,
     });
     Ok(parts)
 }
@@ -271,6 +284,7 @@ fn rope_theta(cpu: &CpuEngine<'_>, s: &RopeSlice, x: &HostTensor) -> Result<Vec<
         label: "rope theta".to_string(),
         family: "rope theta",
         tensor: per_step(&moved, &base)?,
+        rows: None,
     }])
 }
 
@@ -288,6 +302,7 @@ fn per_step(moved: &HostTensor, base: &HostTensor) -> Result<HostTensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::cpu::mla_host;
     use crate::engine::ExpertInputs;
     use crate::gguf::Model;
     use crate::model::Weights;

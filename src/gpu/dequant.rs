@@ -5,7 +5,7 @@ use cudarc::driver::{
     CudaSlice, CudaView, CudaViewMut, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
-use super::{Gpu, COMPARE_SOURCE, DEQUANT_SOURCE};
+use super::{Gpu, COMPARE_SOURCE, DEQUANT_FAMILIES};
 use crate::quant::simd::multiversion;
 use crate::quant::GgmlType;
 
@@ -55,6 +55,24 @@ fn grid(gpu: &Gpu, n: u64) -> LaunchConfig {
 
 fn stem(ty: GgmlType) -> Result<&'static str> {
     kernel_stem(ty).with_context(|| format!("cuda: no dequant kernel for type {ty}"))
+}
+
+/// The kernel family `(name, source)` holding the dequant kernels of kernel stem `stem`
+/// (`cuda/dequant_kquants.cu`, `cuda/dequant_iquants.cu` or `cuda/dequant_scalar.cu`).
+pub fn dequant_family(stem: &str) -> (&'static str, &'static str) {
+    const K: [&str; 6] = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"];
+    const IQ: [&str; 11] = [
+        "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0",
+        "mxfp4", "nvfp4",
+    ];
+    let k = if K.contains(&stem) {
+        1
+    } else if IQ.contains(&stem) {
+        2
+    } else {
+        0
+    };
+    DEQUANT_FAMILIES[k]
 }
 
 /// Checks that `n_bytes` are whole blocks of `ty` and returns the element count.
@@ -119,8 +137,10 @@ impl Gpu {
             bail!("cuda: {ty}: output at {ptr:#x} is not 16-byte aligned");
         }
         drop(_rec);
-        let name = format!("dequant_{}_{}", stem(ty)?, format.suffix());
-        let f = self.function("dequant", DEQUANT_SOURCE, &name)?;
+        let stem = stem(ty)?;
+        let name = format!("dequant_{stem}_{}", format.suffix());
+        let (family, source) = dequant_family(stem);
+        let f = self.function(family, source, &name)?;
         let mut b = s.launch_builder(&f);
         b.arg(src).arg(dst).arg(&n);
         // SAFETY: the kernel reads n / QK whole blocks from `src` (checked: src holds exactly
@@ -295,8 +315,13 @@ impl Gpu {
     /// families now, so that their first launches do not wait for NVRTC (a cold cache costs
     /// seconds: a caller that times its launches loads them first).
     pub fn load_dequant_kernels(&self) -> Result<()> {
-        self.load_family("dequant", DEQUANT_SOURCE)?;
-        self.load_family("compare", COMPARE_SOURCE)
+        let mut families = DEQUANT_FAMILIES.to_vec();
+        families.push(("compare", COMPARE_SOURCE));
+        self.compile_ahead(&families);
+        for (name, source) in families {
+            self.load_family(name, source)?;
+        }
+        Ok(())
     }
 
     /// The hash [`Gpu::hash_f32_launch`] left in `out` (waits for the stream's work before it).
@@ -335,7 +360,8 @@ impl CompareStats {
 
 #[cfg(test)]
 mod tests {
-    use super::{dequant_hash, hash_f32_host};
+    use super::{dequant_family, dequant_hash, hash_f32_host};
+    use crate::gpu::DEQUANT_FAMILIES;
     use crate::quant::simd::{with_cap, Level};
     use crate::quant::{dequantize, GgmlType, TYPE_TABLE};
     use crate::util::rng::SplitMix64;
@@ -343,6 +369,26 @@ mod tests {
     fn random_bytes(seed: u64, n: usize) -> Vec<u8> {
         let mut rng = SplitMix64::new(seed);
         (0..n).map(|_| rng.next_u64() as u8).collect()
+    }
+
+    /// Every type with a kernel is instantiated in exactly the family its launches load, and
+    /// in no other.
+    #[test]
+    fn each_kernel_is_in_its_family() {
+        for row in TYPE_TABLE.iter() {
+            let Some(stem) = row.kernel else { continue };
+            let (family, _) = dequant_family(stem);
+            for (name, source) in DEQUANT_FAMILIES {
+                let made = [
+                    format!("DEQUANT_KERNELS8({stem},"),
+                    format!("SCALAR_KERNELS({stem},"),
+                ]
+                .iter()
+                .filter(|m| source.lines().any(|l| l.starts_with(m.as_str())))
+                .count();
+                assert_eq!(made, usize::from(name == family), "{stem} in {name}");
+            }
+        }
     }
 
     /// The fused dequantize-and-hash equals hashing [`dequantize`]'s values, for every type,

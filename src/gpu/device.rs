@@ -207,7 +207,13 @@ pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    /// Families being compiled on threads of their own ([`Gpu::compile_ahead`]): their
+    /// CUBINs, taken by the first load.
+    pending: Mutex<HashMap<&'static str, Compiling>>,
 }
+
+/// A kernel family's compile on its own thread.
+type Compiling = std::thread::JoinHandle<Result<Vec<u8>>>;
 
 impl Gpu {
     /// Opens device `ordinal`; a bad ordinal lists the devices there are.
@@ -242,6 +248,7 @@ impl Gpu {
             ctx,
             stream,
             modules: Mutex::new(HashMap::new()),
+            pending: Mutex::new(HashMap::new()),
         })
     }
 
@@ -283,6 +290,33 @@ impl Gpu {
         self.module(name, source).map(|_| ())
     }
 
+    /// Starts compiling (NVRTC, or reading the disk cache) each of `families` (`(name,
+    /// source)`) not loaded or started yet, each on a thread of its own, and returns at once:
+    /// NVRTC compiles one source on one thread, so families compile side by side, and beside
+    /// whatever the caller does until their first use, which waits for its own.
+    pub fn compile_ahead(&self, families: &[(&'static str, &'static str)]) {
+        let loaded: Vec<&'static str> = match self.modules.lock() {
+            Ok(m) => m.keys().copied().collect(),
+            Err(_) => return,
+        };
+        let Ok(mut pending) = self.pending.lock() else {
+            return;
+        };
+        for &(name, source) in families {
+            if loaded.contains(&name) || pending.contains_key(name) {
+                continue;
+            }
+            let options = self.options.clone();
+            let started = std::thread::Builder::new()
+                .name(format!("nvrtc-{name}"))
+                .spawn(move || nvrtc::compile_shared(&family_source(source), name, &options));
+            // A thread that cannot start leaves the family to its first use.
+            if let Ok(handle) = started {
+                pending.insert(name, handle);
+            }
+        }
+    }
+
     /// The module of family `name`, compiled and loaded on first use.
     fn module(&self, name: &'static str, source: &str) -> Result<Arc<CudaModule>> {
         let mut m = self
@@ -292,7 +326,13 @@ impl Gpu {
         if let Some(x) = m.get(name) {
             return Ok(x.clone());
         }
-        let cubin = nvrtc::compile_cached(&family_source(source), name, &self.options)?;
+        let ahead = self.pending.lock().ok().and_then(|mut p| p.remove(name));
+        let cubin = match ahead {
+            Some(handle) => handle.join().map_err(|_| {
+                anyhow::anyhow!("cuda: the compile of kernel family {name} panicked")
+            })??,
+            None => nvrtc::compile_shared(&family_source(source), name, &self.options)?,
+        };
         let module = self
             .ctx
             .load_module(Ptx::from_binary(cubin))

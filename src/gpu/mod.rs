@@ -33,15 +33,32 @@ pub(crate) const LIB_HINT: &str = "install the NVIDIA driver (libcuda.so.1) and 
 /// The kernel families embedded in the binary, in the order NVRTC sees them (each family is
 /// compiled as one source: `common.cuh`, the generated tables, then the family's file).
 pub const COMMON_SOURCE: &str = include_str!("../../cuda/common.cuh");
-/// The dequant kernels: the kernel macro and the scalar and 32-element types, then the K-quant
-/// and i-quant families.
-pub const DEQUANT_SOURCE: &str = concat!(
+/// The dequant kernels of the scalar types and 32-element blocks: the kernel macros
+/// (`dequant.cu`), then their instances. Each dequant family is compiled on its own, so that
+/// the three compile side by side ([`Gpu::compile_ahead`]).
+pub const DEQUANT_SCALAR_SOURCE: &str = concat!(
+    include_str!("../../cuda/dequant.cu"),
+    "\n",
+    include_str!("../../cuda/dequant_scalar.cu"),
+);
+/// The K-quant dequant kernels (Q2_K..Q6_K, IQ4_XS) after the kernel macros.
+pub const DEQUANT_K_SOURCE: &str = concat!(
     include_str!("../../cuda/dequant.cu"),
     "\n",
     include_str!("../../cuda/dequant_kquants.cu"),
+);
+/// The i-quant, ternary and FP4 dequant kernels after the kernel macros.
+pub const DEQUANT_IQ_SOURCE: &str = concat!(
+    include_str!("../../cuda/dequant.cu"),
     "\n",
     include_str!("../../cuda/dequant_iquants.cu"),
 );
+/// The dequant kernel families, `(name, source)`.
+pub const DEQUANT_FAMILIES: [(&str, &str); 3] = [
+    ("dequant_scalar", DEQUANT_SCALAR_SOURCE),
+    ("dequant_k", DEQUANT_K_SOURCE),
+    ("dequant_iq", DEQUANT_IQ_SOURCE),
+];
 /// On-device comparison kernels.
 pub const COMPARE_SOURCE: &str = include_str!("../../cuda/compare.cu");
 /// The forward-pass kernels of the CUDA engine (all but the projections, which are cuBLAS).

@@ -3,6 +3,7 @@
 
 use std::ffi::{CStr, CString};
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use anyhow::{bail, Context, Result};
 use cudarc::nvrtc::{result as nr, sys as ns};
@@ -102,10 +103,37 @@ pub fn compile_cached(source: &str, name: &str, opts: &CompileOptions) -> Result
     Ok(cubin)
 }
 
+/// A compile of one source with one set of options, shared by the process's devices.
+type Shared = Arc<OnceLock<std::result::Result<Vec<u8>, String>>>;
+
+/// [`compile_cached`], once per process for a given family, source and options: devices of one
+/// architecture that ask at the same time wait for the one compile (and share its error).
+pub fn compile_shared(source: &str, name: &str, opts: &CompileOptions) -> Result<Vec<u8>> {
+    static COMPILES: Mutex<Vec<(String, u64, Shared)>> = Mutex::new(Vec::new());
+    let key = crate::util::hash::fnv1a64(format!("{source}\n{opts}").as_bytes());
+    let shared = {
+        let mut all = COMPILES
+            .lock()
+            .map_err(|_| anyhow::anyhow!("cuda: the compile registry is poisoned"))?;
+        match all.iter().find(|(n, k, _)| n == name && *k == key) {
+            Some((_, _, s)) => Arc::clone(s),
+            None => {
+                let s: Shared = Arc::default();
+                all.push((name.to_string(), key, Arc::clone(&s)));
+                s
+            }
+        }
+    };
+    shared
+        .get_or_init(|| compile_cached(source, name, opts).map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gpu::{family_source, COMPARE_SOURCE, DEQUANT_SOURCE, FORWARD_SOURCE};
+    use crate::gpu::{family_source, COMPARE_SOURCE, DEQUANT_FAMILIES, FORWARD_SOURCE};
 
     /// Every kernel family compiles for sm_90 and sm_120 (NVRTC needs no GPU, only libnvrtc).
     /// Ignored by `cargo test`, so that a machine without libnvrtc counts it as ignored, never
@@ -120,11 +148,9 @@ mod tests {
         );
         for arch in [(9, 0), (12, 0)] {
             let opts = CompileOptions::for_capability(arch.0, arch.1);
-            for (name, src) in [
-                ("dequant.cu", DEQUANT_SOURCE),
-                ("compare.cu", COMPARE_SOURCE),
-                ("forward.cu", FORWARD_SOURCE),
-            ] {
+            let mut families = DEQUANT_FAMILIES.to_vec();
+            families.extend([("compare", COMPARE_SOURCE), ("forward", FORWARD_SOURCE)]);
+            for (name, src) in families {
                 let cubin = compile_cubin(&family_source(src), name, &opts)
                     .unwrap_or_else(|e| panic!("{e:#}"));
                 assert!(cubin.len() > 1000, "{name} for {}", opts.arch);

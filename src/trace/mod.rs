@@ -108,9 +108,13 @@ pub struct Part {
     pub label: String,
     /// Parts of one family are tested together (the threshold rises with their number).
     pub family: &'static str,
-    /// The direction, the hook's shape: the expert's weighted contribution to the routed sum, or
-    /// the change of the output per relative change of the parameter.
+    /// The direction: the expert's weighted contribution to the routed sum, or the change of
+    /// the output per relative change of the parameter. The hook's shape, or `[rows.len(),
+    /// ...]` when `rows` is given.
     pub tensor: HostTensor,
+    /// The hook's rows the tensor holds (ascending, distinct; the direction is zero in the
+    /// others: an expert's tokens), or `None` for every row.
+    pub rows: Option<Vec<usize>>,
 }
 
 /// Receives (reference, candidate) pairs.

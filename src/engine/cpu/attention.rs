@@ -42,6 +42,8 @@
 //! definition as first written, 21.8 s); of what is left, about a third is the softmax's
 //! `exp` and most of the rest the two kernels in equal parts.
 
+use std::sync::Arc;
+
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
@@ -50,6 +52,7 @@ use super::math::dot;
 use super::math::{dot64, layer_norm, matmul, rotate_pairs, softmax_in_place, LANES};
 use super::weights::Matrix;
 use super::CpuEngine;
+use super::KeptKv;
 use crate::engine::{HostTensor, MlaInputs};
 use crate::model::hparams::INDEXER_K_NORM_EPS;
 use crate::model::names::{self, blk};
@@ -201,18 +204,74 @@ impl CpuEngine<'_> {
         rows: Option<&[usize]>,
         want_probs: bool,
     ) -> Result<(HostTensor, Option<HostTensor>)> {
-        let kv_b = self.kv_b(layer)?;
+        let kv = self.kv_product(layer, x.kv_norm)?;
         let scale = rope::softmax_scale(self.weights.hparams());
         mla_queries(
             self.weights.hparams(),
             layer,
             x,
-            &kv_b,
+            Kv::Product(&kv),
             scale,
             want_probs,
             rows,
         )
     }
+
+    /// `kv = kv_a_norm kv_b^T` of layer `layer` with its own kv_b (`[T, H*(nope+v)]`, per head
+    /// `nope` K values then `v` V values): kept for the next call with the same layer and the
+    /// same bits of `kv_norm` (a step's recomputation in rows, the directions' attentions).
+    pub fn kv_product(&self, layer: usize, kv_norm: &HostTensor) -> Result<Arc<Vec<f32>>> {
+        if let Ok(kept) = self.kv.lock() {
+            if let Some(k) = kept.as_ref() {
+                if k.layer == layer && k.kv_norm.same_bits(kv_norm) {
+                    return Ok(Arc::clone(&k.kv));
+                }
+            }
+        }
+        let hp = self.weights.hparams();
+        let kv_b = self.kv_b(layer)?;
+        let kv = Arc::new(kv_of(hp, layer, kv_norm, &kv_b)?);
+        if let Ok(mut kept) = self.kv.lock() {
+            *kept = Some(KeptKv {
+                layer,
+                kv_norm: kv_norm.clone(),
+                kv: Arc::clone(&kv),
+            });
+        }
+        Ok(kv)
+    }
+}
+
+/// `kv = kv_norm kv_b^T` (`[T, H*(nope+v)]`), kv_b checked against the model's widths.
+fn kv_of(hp: &HParams, layer: usize, kv_norm: &HostTensor, kv_b: &Matrix) -> Result<Vec<f32>> {
+    let (h, nope, v) = (hp.n_head, hp.qk_nope, hp.v_head);
+    if kv_b.rows != h * (nope + v) || kv_b.cols != hp.kv_lora_rank {
+        bail!(
+            "engine: cpu: layer {layer} attention: kv_b is [{}, {}], expected [{}, {}]",
+            kv_b.rows,
+            kv_b.cols,
+            h * (nope + v),
+            hp.kv_lora_rank
+        );
+    }
+    let (t, width) = kv_norm.dims2("kv_a_norm")?;
+    if width != hp.kv_lora_rank {
+        bail!(
+            "engine: cpu: layer {layer} attention: kv_a_norm has shape {:?}, expected [{t}, {}]",
+            kv_norm.shape,
+            hp.kv_lora_rank
+        );
+    }
+    Ok(matmul(kv_norm.as_f32("kv_a_norm")?, t, kv_b))
+}
+
+/// Where an attention's `kv` comes from: kv_b (the product is computed), or the product.
+#[derive(Clone, Copy)]
+pub enum Kv<'a> {
+    /// `[H*(nope+v), kv_lora]`: `kv = kv_a_norm kv_b^T` is computed.
+    B(&'a Matrix),
+    /// The product itself, `[T, H*(nope+v)]` ([`CpuEngine::kv_product`]).
+    Product(&'a [f32]),
 }
 
 /// Naive MLA of layer `layer` on host tensors with a given kv_b (HF `kv_b_proj` layout
@@ -227,7 +286,20 @@ pub fn mla_host(
     scale: f64,
     want_probs: bool,
 ) -> Result<(HostTensor, Option<HostTensor>)> {
-    mla_queries(hp, layer, x, kv_b, scale, want_probs, None)
+    mla_queries(hp, layer, x, Kv::B(kv_b), scale, want_probs, None)
+}
+
+/// [`mla_host`] from the keys and values before the heads' split, `kv = kv_a_norm kv_b^T`
+/// (`[T, H*(nope+v)]`, [`CpuEngine::kv_product`]), instead of kv_b: the same bits.
+pub fn mla_host_kv(
+    hp: &HParams,
+    layer: usize,
+    x: MlaInputs<'_, HostTensor>,
+    kv: &[f32],
+    scale: f64,
+    want_probs: bool,
+) -> Result<(HostTensor, Option<HostTensor>)> {
+    mla_queries(hp, layer, x, Kv::Product(kv), scale, want_probs, None)
 }
 
 /// [`mla_host`] for the query rows `rows` (ascending, distinct, each `< T`; all when `None`)
@@ -238,7 +310,7 @@ fn mla_queries(
     hp: &HParams,
     layer: usize,
     x: MlaInputs<'_, HostTensor>,
-    kv_b: &Matrix,
+    kv: Kv<'_>,
     scale: f64,
     want_probs: bool,
     rows: Option<&[usize]>,
@@ -309,23 +381,30 @@ fn mla_queries(
         };
 
         // kv = c · kv_b^T: per head, nope K values then v V values. [T, H*(nope+v)]
-        if kv_b.rows != h * (nope + v) || kv_b.cols != hp.kv_lora_rank {
-            bail!(
-                "engine: cpu: layer {layer} attention: kv_b is [{}, {}], expected [{}, {}]",
-                kv_b.rows,
-                kv_b.cols,
-                h * (nope + v),
-                hp.kv_lora_rank
-            );
-        }
-        let kv = matmul(kv_norm.as_f32("kv_a_norm")?, t, kv_b);
+        let computed;
+        let kv: &[f32] = match kv {
+            Kv::B(kv_b) => {
+                computed = kv_of(hp, layer, kv_norm, kv_b)?;
+                &computed
+            }
+            Kv::Product(kv) => {
+                if kv.len() != t * h * (nope + v) {
+                    bail!(
+                        "engine: cpu: layer {layer} attention: kv holds {} values, expected {t} x {}",
+                        kv.len(),
+                        h * (nope + v)
+                    );
+                }
+                kv
+            }
+        };
         let dims = Dims { h, nope, rd, v };
         let (heads, probs) = attend(
             dims,
             Inputs {
                 qb,
                 qpe,
-                kv: &kv,
+                kv,
                 kpe,
                 t,
             },
@@ -1075,7 +1154,7 @@ mod timing {
                                             &hp,
                                             0,
                                             x(),
-                                            &kv_b,
+                                            Kv::B(&kv_b),
                                             0.07,
                                             want_probs,
                                             rows.as_deref(),

@@ -26,7 +26,7 @@ use crate::model::names::{self, blk};
 use crate::model::{rope, RopeSlice, Weights};
 use crate::precision::Precision;
 
-pub use attention::{causal_top_k, mla_host, Rotate};
+pub use attention::{causal_top_k, mla_host, mla_host_kv, Rotate};
 pub use math::Rows;
 pub use moe::{route_token, selected_weights};
 pub use weights::{assemble_kv_b, Matrix, RowSource};
@@ -41,6 +41,19 @@ pub struct CpuEngine<'w> {
     /// The last layer's assembled kv_b ([`CpuEngine::kv_b`]): a layer's attention, its
     /// recomputations and the directions read it several times.
     kv_b: Mutex<Option<(usize, Arc<Matrix>)>>,
+    /// The last attention's keys and values before the heads' split ([`CpuEngine::kv_product`]),
+    /// with the layer and `kv_a_norm` they came from: a step's recomputation and the directions'
+    /// two attentions read the same product.
+    kv: Mutex<Option<KeptKv>>,
+}
+
+/// One kept `kv = kv_a_norm kv_b^T` ([`CpuEngine::kv_product`]).
+pub(super) struct KeptKv {
+    pub(super) layer: usize,
+    /// The `kv_a_norm` it was computed from (compared bit for bit).
+    pub(super) kv_norm: HostTensor,
+    /// `[T, H*(nope+v)]`.
+    pub(super) kv: Arc<Vec<f32>>,
 }
 
 impl<'w> CpuEngine<'w> {
@@ -52,6 +65,7 @@ impl<'w> CpuEngine<'w> {
             inv_freq: rope::inv_freq(&hp.rope),
             attn_factor: rope::attention_factor(&hp.rope),
             kv_b: Mutex::new(None),
+            kv: Mutex::new(None),
         }
     }
 
@@ -69,6 +83,7 @@ impl<'w> CpuEngine<'w> {
             inv_freq,
             attn_factor,
             kv_b: Mutex::new(None),
+            kv: Mutex::new(None),
         }
     }
 

@@ -47,7 +47,7 @@ use cudarc::driver::CudaSlice;
 use super::{
     Engine, ExpertInputs, ExpertsOut, HostData, HostTensor, MlaInputs, Routing, UploadStats,
 };
-use crate::gpu::dequant::OutFormat;
+use crate::gpu::dequant::{dequant_family, kernel_stem, OutFormat};
 use crate::gpu::Gpu;
 use crate::model::names::{self, blk};
 use crate::model::{rope, RopeSlice, Weights};
@@ -123,6 +123,19 @@ impl<'w> CudaEngine<'w> {
         if st != cublasStatus_t::CUBLAS_STATUS_SUCCESS {
             bail!("cuda: cuBLAS: setting math mode {mode:?}: {st:?}");
         }
+        // Its kernel families compile now, side by side and beside the caller's work until
+        // their first launch (a cold cache costs seconds each): the forward kernels and the
+        // dequant families of the model's types.
+        let mut families = vec![("forward", crate::gpu::FORWARD_SOURCE)];
+        for t in weights.model().tensors() {
+            if let Some(stem) = kernel_stem(t.info.ty) {
+                let f = dequant_family(stem);
+                if !families.contains(&f) {
+                    families.push(f);
+                }
+            }
+        }
+        gpu.compile_ahead(&families);
         let hp = weights.hparams();
         let freq = rope::inv_freq(&hp.rope);
         Ok(CudaEngine {
