@@ -6,15 +6,15 @@
 # correct candidate: must exit 0), with the wall time, the host's peak RSS (/usr/bin/time -v),
 # each side's time per layer and the DSA selection's flips against its noise; then the planted
 # indexer bugs of LONG_PLANTS on layer 0 (must exit 1, named at the indexer).
-# Carry .gpu (scripts/gpu-test.sh prepare). Each result is printed as it comes; logs and the
-# summary in $OUT (default ./long-out).
+# Carry .gpu (scripts/gpu-test.sh prepare); LONG_BIN names another binary. Each result is
+# printed as it comes; logs and the summary in $OUT (default ./long-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-long-out}
 mkdir -p "$out"
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
 export GLMDIFF_CACHE_DIR=${GLMDIFF_CACHE_DIR:-$(mktemp -d)}
-bin=.gpu/glmdiff
+bin=${LONG_BIN:-.gpu/glmdiff}
 scratch=${SCRATCH:-/tmp/glmdiff-long}
 mkdir -p "$scratch"
 model=${MODEL:-$scratch/glm5-long.gguf}

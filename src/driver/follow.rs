@@ -23,8 +23,8 @@
 //! tried both chains are one: the followed chain then reads the runner's values and computes
 //! nothing; from there it runs its own steps on the reference engine from host values, except
 //! that a step whose inputs are the own chain's bit for bit takes the own chain's outputs, and
-//! an attention or expert step whose inputs differ from them in some rows is computed in the
-//! rows that reach only ([`super::rows`]).
+//! an attention, expert or row-wise step whose inputs differ from them in some rows is
+//! computed in the rows that reach only ([`super::rows`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;

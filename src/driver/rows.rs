@@ -4,10 +4,14 @@
 //! is wanted from inputs that differ from those in a few rows (the candidate's selection in
 //! replay, a near tie taken by the followed chain). The routed experts compute each token's row
 //! from that token's rows of `x`, the ids and the weights alone; attention computes query row
-//! `t` from query row `t`, selection row `t` and the keys and values of positions `0..=t`. So
-//! the outputs differ from the ones at hand only in the rows the changed inputs reach, and only
-//! those are recomputed ([`Engine::moe_experts_rows`], [`Engine::mla_attention_rows`]) and
-//! spliced in: bit for bit what the whole step computes, at the cost of the rows that changed.
+//! `t` from query row `t`, selection row `t` and the keys and values of positions `0..=t`; a
+//! row-wise step (a norm, a projection, the router, the shared MLP, SwiGLU, a sum) computes row
+//! `t` from row `t` of its inputs. So the outputs differ from the ones at hand only in the rows
+//! the changed inputs reach, and only those are recomputed ([`Engine::moe_experts_rows`],
+//! [`Engine::mla_attention_rows`], a row-wise step on those rows of its inputs where
+//! [`Engine::rows_independent`]) and spliced in: bit for bit what the whole step computes, at
+//! the cost of the rows that changed. (At 4096 tokens a bf16 candidate's DSA selection takes
+//! near ties in about half the rows: the chain that follows it then computes half a layer.)
 //! An engine that computes only whole steps, inputs of another shape, a step of another kind,
 //! or changes that reach every row leave the whole step to the caller ([`recompute`] returns
 //! `None`).
@@ -71,6 +75,12 @@ pub(super) fn rows_reached(
     let mut reached: BTreeSet<usize> = BTreeSet::new();
     match step.op {
         Op::MoeExperts { .. } => reached.extend(per_input.into_iter().flatten()),
+        _ if row_wise(&step.op) => {
+            if inputs.iter().any(|t| t.shape.first() != Some(&rows)) {
+                return None;
+            }
+            reached.extend(per_input.into_iter().flatten());
+        }
         Op::Attention { .. } => {
             // q_b, q_pe_rope, kv_a_norm, k_pe_rope[, indexer_topk]: a changed key or value at
             // position s reaches every query from s on.
@@ -116,12 +126,89 @@ pub(super) fn recompute<E: Engine>(
         Op::MoeExperts { layer } => {
             experts(engine, layer, step, inputs, base, &rows, &known_of, wants)?
         }
+        _ if row_wise(&step.op) => by_rows(engine, step, inputs, &rows, &known_of, wants)?,
         _ => None,
     };
     Ok(out.map(|outputs| Recomputed {
         outputs,
         rows: rows.len(),
     }))
+}
+
+/// Whether each output row of `op` is computed from the same row of its inputs alone: norms,
+/// projections, the router, the shared MLP, SwiGLU, sums (not RoPE or the causal top-k, which
+/// read the row's position, nor the indexer scores and attention, which mix rows).
+fn row_wise(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::RmsNorm { .. }
+            | Op::Linear { .. }
+            | Op::RouterLogits { .. }
+            | Op::MoeRoute { .. }
+            | Op::Mlp { .. }
+            | Op::SwiGlu
+            | Op::Add
+            | Op::ZerosLike
+    )
+}
+
+/// Rows `rows` of `t` (`[rows.len(), ..]`).
+fn gather(t: &HostTensor, rows: &[usize]) -> Result<HostTensor> {
+    let n = t.shape.first().copied().unwrap_or(0);
+    let width = t.len().checked_div(n).unwrap_or(0);
+    if rows.iter().any(|&r| r >= n) {
+        bail!("driver: rows {rows:?} of shape {:?}", t.shape);
+    }
+    let mut shape = t.shape.clone();
+    shape[0] = rows.len();
+    fn pick<T: Copy>(v: &[T], rows: &[usize], width: usize) -> Vec<T> {
+        rows.iter()
+            .flat_map(|&r| v[r * width..(r + 1) * width].iter().copied())
+            .collect()
+    }
+    match &t.data {
+        HostData::F32(v) => HostTensor::f32(shape, pick(v, rows, width)),
+        HostData::I32(v) => HostTensor::i32(shape, pick(v, rows, width)),
+    }
+}
+
+/// A row-wise step ([`row_wise`]) in the rows `rows`: run on those rows of its inputs, its
+/// outputs spliced into the known ones. Only for an engine whose rows are independent
+/// ([`Engine::rows_independent`]): then a row's bits are the whole step's.
+fn by_rows<'k, E: Engine>(
+    engine: &E,
+    step: &Step,
+    inputs: &[&HostTensor],
+    rows: &[usize],
+    known: &dyn Fn(&str) -> Option<&'k HostTensor>,
+    wants: &dyn Fn(&str) -> bool,
+) -> Result<Option<Vec<(String, HostTensor)>>> {
+    if !engine.rows_independent() {
+        return Ok(None);
+    }
+    if rows.is_empty() {
+        // Nothing reached: the known outputs as they are.
+        let mut out = Vec::new();
+        for n in step.outputs.iter().filter(|n| wants(n)) {
+            let Some(k) = known(n) else {
+                return Ok(None);
+            };
+            out.push((n.clone(), k.clone()));
+        }
+        return Ok(Some(out));
+    }
+    let part: Vec<HostTensor> = inputs
+        .iter()
+        .map(|t| gather(t, rows))
+        .collect::<Result<_>>()?;
+    let mut out = Vec::new();
+    for (n, p) in super::replay::replay_step(engine, step, &part, &[], wants)? {
+        let Some(k) = known(&n) else {
+            return Ok(None);
+        };
+        out.push((n, splice(k, &p, rows)?));
+    }
+    Ok(Some(out))
 }
 
 /// A known output with the rows `rows` replaced by those of `part` (`[rows.len(), ..]`).
@@ -541,6 +628,11 @@ mod tests {
                 whole_work.followed_whole.steps,
                 "{file}"
             );
+            // Row-wise steps (norms, projections, sums) follow in rows too: fewer rows computed.
+            assert!(
+                work.followed_rows.rows + work.followed_whole.rows < whole_work.followed_whole.rows,
+                "{file}: {work:?}"
+            );
             // The engine without rows recomputes whole replayed steps.
             assert_eq!(default_work.replay_rows.steps, 0, "{file}");
             assert_eq!(
@@ -568,8 +660,8 @@ mod tests {
     }
 
     /// A changed key reaches every later query; a changed query or selection row only itself;
-    /// the experts' rows are the union of their inputs' changed rows; other steps are not
-    /// restricted.
+    /// the experts' and the row-wise steps' rows are the union of their inputs' changed rows;
+    /// other steps are not restricted.
     #[test]
     fn the_rows_a_change_reaches() {
         let hp = tiny_hparams(Arch::GlmDsa);
@@ -599,7 +691,19 @@ mod tests {
         );
         let other = f(vec![4, 1], vec![0.0; 4]);
         assert_eq!(rows_reached(&experts, &[&r1, &other, &r3], &base), None);
+        // A row-wise step: the rows its inputs changed; one that reads positions or mixes rows
+        // is not restricted.
         let norm = of(|o| matches!(o, Op::RmsNorm { .. }));
-        assert_eq!(rows_reached(&norm, &[&r1], &[&zero]), None);
+        assert_eq!(rows_reached(&norm, &[&r1], &[&zero]), Some(vec![1]));
+        let add = of(|o| matches!(o, Op::Add));
+        assert_eq!(
+            rows_reached(&add, &[&r1, &r3], &[&zero, &zero]),
+            Some(vec![1, 3])
+        );
+        assert_eq!(rows_reached(&add, &[&r1, &other], &[&zero, &zero]), None);
+        let rope = of(|o| matches!(o, Op::Rope(_)));
+        assert_eq!(rows_reached(&rope, &[&r1], &[&zero]), None);
+        let top_k = of(|o| matches!(o, Op::TopK { .. }));
+        assert_eq!(rows_reached(&top_k, &[&r1], &[&zero]), None);
     }
 }

@@ -223,6 +223,14 @@ pub trait Engine {
         let _ = (layer, x, rows, want_probs);
         Ok(None)
     }
+    /// Whether a row-wise step (a norm, a projection, the router's logits and routing, the
+    /// shared MLP, SwiGLU, a sum) gives each output row the same bits from the same input row
+    /// whatever other rows it is given: the driver then recomputes such a step only in the rows
+    /// whose inputs changed. `false` (the default) for an engine whose kernels or products may
+    /// depend on the number of rows (cuBLAS picks its algorithm by shape).
+    fn rows_independent(&self) -> bool {
+        false
+    }
     /// Router logits of MoE layer `layer`: `x · W^T` with its router matrix `ffn_gate_inp`
     /// (`[E, hidden]`), `[T, hidden]` -> `[T, E]`.
     ///

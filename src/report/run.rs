@@ -11,7 +11,7 @@ use super::layout::{self, shell_lines, wrap_items};
 use super::Grid;
 use crate::compare::logits::LogitsReport;
 use crate::compare::{Comparison, HookRecord, Metrics, ModeResult, Override, Status};
-use crate::driver::pair::LayerTime;
+use crate::driver::pair::{LayerTime, ReferenceWork, Work};
 use crate::explain::{Explanation, Tested};
 use crate::trace::Mode;
 use crate::util::shell::shell_word;
@@ -60,6 +60,8 @@ pub struct Header {
     pub timings: Vec<(String, f64)>,
     /// Wall time of each side's steps per layer (`run` with an engine candidate).
     pub layer_times: Vec<LayerTime>,
+    /// What the reference computed, by cause (`run`; `None` for `compare`).
+    pub reference_work: Option<ReferenceWork>,
     /// What `--explain` found (`None` without it).
     pub explanation: Option<Explanation>,
     /// What `--repro` did (`None` without it).
@@ -125,6 +127,64 @@ fn layer_time_line(times: &[LayerTime], width: Option<usize>) -> Option<String> 
         ", ",
         width,
     ))
+}
+
+/// `reference work: ...`: the reference's time beyond its own chain, by cause (replayed steps
+/// recomputed with the candidate's selection, the chain that follows the candidate's near
+/// ties), or `None` when it computed nothing beyond its own chain.
+fn reference_work_line(w: &ReferenceWork, width: Option<usize>) -> Option<String> {
+    let beyond = [
+        w.replay_whole,
+        w.replay_rows,
+        w.followed_whole,
+        w.followed_rows,
+    ];
+    if beyond.iter().all(|x| x.steps == 0) {
+        return None;
+    }
+    let plural = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
+    let whole = |x: Work| {
+        (x.steps > 0).then(|| format!("{:.3} s whole ({})", x.seconds, plural(x.steps, "step")))
+    };
+    let rows = |x: Work| {
+        (x.steps > 0).then(|| {
+            format!(
+                "{:.3} s in rows ({}, {})",
+                x.seconds,
+                plural(x.steps, "step"),
+                plural(x.rows, "row")
+            )
+        })
+    };
+    let reused =
+        |x: Work| (x.steps > 0).then(|| format!("{} taken as they were", plural(x.steps, "step")));
+    let group = |name: &str, items: Vec<Option<String>>| {
+        let items: Vec<String> = items.into_iter().flatten().collect();
+        (!items.is_empty()).then(|| format!("{name} {}", items.join(" + ")))
+    };
+    let parts: Vec<String> = [
+        Some(format!(
+            "own chain {:.3} s ({})",
+            w.plain.seconds,
+            plural(w.plain.steps, "step")
+        )),
+        group(
+            "the candidate's selections in replay",
+            vec![whole(w.replay_whole), rows(w.replay_rows)],
+        ),
+        group(
+            "the chain following its near ties",
+            vec![
+                whole(w.followed_whole),
+                rows(w.followed_rows),
+                reused(w.followed_reused),
+            ],
+        ),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    Some(wrap_items("reference work: ", &parts, ", ", width))
 }
 
 fn e(x: f64) -> String {
@@ -502,6 +562,13 @@ pub fn render_at(
         let _ = writeln!(s, "time: {}", t.join(", "));
     }
     if let Some(line) = layer_time_line(&h.layer_times, width) {
+        let _ = writeln!(s, "{line}");
+    }
+    if let Some(line) = h
+        .reference_work
+        .as_ref()
+        .and_then(|w| reference_work_line(w, width))
+    {
         let _ = writeln!(s, "{line}");
     }
     s
@@ -902,6 +969,17 @@ pub fn to_json(h: &Header, c: &Comparison) -> Value {
             "upload_bytes": t.upload_bytes,
             "compare_s": t.compare,
         })).collect::<Vec<_>>(),
+        "reference_work": h.reference_work.as_ref().map(|w| {
+            let work = |x: &Work| json!({"steps": x.steps, "rows": x.rows, "seconds": x.seconds});
+            json!({
+                "own": work(&w.plain),
+                "replay_whole": work(&w.replay_whole),
+                "replay_rows": work(&w.replay_rows),
+                "followed_whole": work(&w.followed_whole),
+                "followed_rows": work(&w.followed_rows),
+                "followed_reused": work(&w.followed_reused),
+            })
+        }),
     })
 }
 
@@ -963,6 +1041,31 @@ mod tests {
     /// The per-layer line: each side's mean and slowest layer (global steps left out), the
     /// candidate's weight uploads with the bytes a layer, and nothing about uploads for a
     /// candidate that makes none.
+    /// The reference's work beyond its own chain, by cause, in words; nothing when there is
+    /// none.
+    #[test]
+    fn reference_work_is_shown_by_cause() {
+        let w = |steps, rows, seconds| Work {
+            steps,
+            rows,
+            seconds,
+        };
+        let mut rw = ReferenceWork {
+            plain: w(41, 41 * 4096, 17.6),
+            ..ReferenceWork::default()
+        };
+        assert_eq!(reference_work_line(&rw, Some(200)), None);
+        rw.followed_whole = w(1, 4096, 0.5);
+        rw.followed_rows = w(12, 12 * 1957, 6.25);
+        rw.followed_reused = w(1, 0, 0.0);
+        assert_eq!(
+            reference_work_line(&rw, Some(300)).unwrap(),
+            "reference work: own chain 17.600 s (41 steps), the chain following its near ties \
+             0.500 s whole (1 step) + 6.250 s in rows (12 steps, 23484 rows) + 1 step taken as \
+             they were"
+        );
+    }
+
     #[test]
     fn layer_times_show_the_candidates_uploads_apart() {
         let times = [

@@ -9,7 +9,7 @@ use super::config::RunConfig;
 use super::judge::{overrides_with_trace, selection_bias, wants_with_scores};
 use crate::compare::floors::hook_infos;
 use crate::compare::{Comparison, Judge, Precision};
-use crate::driver::pair::{run_pair, Candidate, LayerTime};
+use crate::driver::pair::{run_pair, Candidate, LayerTime, ReferenceWork};
 use crate::engine::cpu::CpuEngine;
 use crate::engine::Engine;
 use crate::explain::fault::Fault;
@@ -44,6 +44,8 @@ pub(super) struct Passed {
     pub captured: Option<CapturedStep>,
     /// Each side's time per layer.
     pub layer_times: Vec<LayerTime>,
+    /// What the reference computed, by cause.
+    pub reference_work: ReferenceWork,
     /// The candidate.
     pub candidate: EngineDesc,
     /// Notes about the candidate and how it is judged, in order.
@@ -108,6 +110,7 @@ impl Pass<'_, '_> {
             comparison: cmp,
             captured,
             layer_times: summary.layer_times,
+            reference_work: summary.reference_work,
             candidate: desc,
             notes,
             seconds: t0.elapsed().as_secs_f64(),

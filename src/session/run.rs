@@ -96,6 +96,7 @@ pub fn run(cfg: &RunConfig, watch: &Watch<'_>) -> Result<Ran> {
         cache: start.note,
         timings,
         layer_times: passed.layer_times,
+        reference_work: Some(passed.reference_work),
         explanation,
         repro,
     };

@@ -268,6 +268,12 @@ impl Engine for CpuEngine<'_> {
         self.mla_cpu(layer, x, want_probs)
     }
 
+    /// Every product is [`math::dot`]'s bits whatever the rows beside it (`math::gemm`), and
+    /// norms, routing and elementwise steps work row by row.
+    fn rows_independent(&self) -> bool {
+        true
+    }
+
     fn mla_attention_rows(
         &self,
         layer: usize,
