@@ -1228,6 +1228,56 @@ mod device {
         eprintln!("{out}");
     }
 
+    /// A prompt past the 6144 tokens whose scores fit the default 48 KiB of shared memory a
+    /// block: the CUDA attention opts in to more, and a correct engine (f32 and bf16, DSA
+    /// active: the tiny model keeps 8 keys) passes against the reference at 7000 tokens.
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_attention_past_6144_tokens() {
+        // The fixture with its context length (4096) raised to 8192, written here.
+        let mut bytes =
+            std::fs::read(fixtures("models/glm5-tiny-q/glm5-tiny-q-mixed.gguf")).unwrap();
+        let key = b"glm-dsa.context_length";
+        let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+        assert_eq!(
+            bytes[at..at + 8],
+            [4, 0, 0, 0, 0, 16, 0, 0],
+            "a u32 of 4096"
+        );
+        bytes[at + 4..at + 8].copy_from_slice(&8192u32.to_le_bytes());
+        let dir = tempfile::tempdir().unwrap();
+        let m = dir.path().join("glm5-tiny-q-8k.gguf");
+        std::fs::write(&m, bytes).unwrap();
+        let tokens: Vec<String> = (0..7000u32)
+            .map(|i| ((i * 37 + 11) % 400).to_string())
+            .collect();
+        let tokens = tokens.join(",");
+        for dtype in ["f32", "bf16"] {
+            let o = glmdiff(&[
+                "run",
+                m.to_str().unwrap(),
+                "--tokens",
+                &tokens,
+                "--against",
+                "cuda",
+                "--dtype",
+                dtype,
+                "--layer",
+                "0",
+                "--no-cache",
+            ]);
+            let out = String::from_utf8_lossy(&o.stdout).into_owned();
+            let err = String::from_utf8_lossy(&o.stderr).into_owned();
+            assert_eq!(
+                o.status.code(),
+                Some(0),
+                "{dtype}: {}{err}",
+                out.lines().rev().take(30).collect::<Vec<_>>().join("\n")
+            );
+            assert!(out.contains("OK: "), "{dtype}: {out}");
+        }
+    }
+
     /// `bench run --against cuda` on the quantized fixtures (f32 and bf16): the copy floors of
     /// every layer timed are there, from pinned and from pageable memory, each of the layer's
     /// bytes (its tensors, computed here from their dimensions and block table); every row

@@ -3,6 +3,7 @@
 //! after).
 
 use anyhow::{bail, Context, Result};
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::gemm::HeadGemm;
@@ -215,10 +216,42 @@ impl CudaEngine<'_> {
         expect(x.q_pe, vec![t, h, rd], "q_pe_rope")?;
         expect(x.kv_norm, vec![t, l], "kv_a_norm")?;
         expect(x.k_pe, vec![t, rd], "k_pe_rope")?;
-        let smem = (t * 8) as u32;
-        if smem > 48 * 1024 {
-            bail!("engine: cuda: layer {layer} attention: {t} tokens need {smem} bytes of shared memory for one row of scores (at most 6144 tokens)");
+        // One row of scores in shared memory: past the default 48 KiB (6144 tokens) the kernel
+        // opts in to what the device allows a block (227 KiB on sm_90: 29056 tokens; 99 KiB on
+        // sm_120).
+        let smem = t * 8;
+        let attend = self
+            .gpu
+            .function("forward", crate::gpu::FORWARD_SOURCE, "mla_attend_f32")?;
+        let optin = self
+            .gpu
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .context("engine: cuda: the device's shared memory per block")?;
+        let fixed = attend
+            .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+            .context("engine: cuda: mla_attend_f32's static shared memory")?;
+        let most = usize::try_from(optin - fixed).unwrap_or(0);
+        if smem > most {
+            bail!(
+                "engine: cuda: layer {layer} attention: {t} tokens need {smem} bytes of shared memory for one row of scores; {} allows {most} a block (at most {} tokens)",
+                self.gpu.info,
+                most / 8
+            );
         }
+        if smem > 48 * 1024 {
+            attend
+                .set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .with_context(|| {
+                    format!(
+                        "engine: cuda: mla_attend_f32: opting in to {smem} bytes of shared memory"
+                    )
+                })?;
+        }
+        let smem = smem as u32;
         let (wk, wv) = self.mla_weights(layer)?;
         // bf16 mode: the latent cache (c_kv, k_pe) and the rotated queries are bf16 values.
         let rounded = |g: &GpuTensor, what: &str| -> Result<CudaSlice<f32>> {
