@@ -515,13 +515,19 @@ fn fit_part(v: &Values<'_>, p: &[f32], group: Group) -> Option<Gain> {
             0.0
         }
     });
+    Some(part_gain(group, b, &c))
+}
+
+/// A direction's coefficient `b` as a [`Gain`], its standard error from the clusters of its
+/// scores.
+fn part_gain(group: Group, b: f64, c: &Clusters) -> Gain {
     let se = c.variance().sqrt();
-    Some(Gain {
+    Gain {
         group,
         gain: 1.0 + b,
         se,
         sigma: sigma_of(b, se),
-    })
+    }
 }
 
 /// [`fit_part`] for a direction that is zero outside rows `rows` (ascending, distinct), its
@@ -590,13 +596,7 @@ fn fit_sparse(v: &Values<'_>, t: &Totals, rows: &[usize], p: &[f32], group: Grou
         by_col,
         v_el: v_el.max(0.0),
     };
-    let se = c.variance().sqrt();
-    Some(Gain {
-        group,
-        gain: 1.0 + b,
-        se,
-        sigma: sigma_of(b, se),
-    })
+    Some(part_gain(group, b, &c))
 }
 
 /// A bug family's direction at a hook, computed by the reference: the hook's size, or zero
