@@ -58,6 +58,9 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Layer(a)) => cmd::bench::run_layer(a),
         Command::Bench(BenchCommand::Run(a)) => cmd::bench::run_run(a),
     };
+    // A kernel compile still running on a thread of its own (started ahead, never waited for)
+    // may be writing the disk cache: its temporary file goes with the process.
+    glmdiff::util::atomic::remove_in_flight();
     match result {
         Ok(Outcome::Ok) => ExitCode::SUCCESS,
         Ok(Outcome::Differs) => ExitCode::from(1),

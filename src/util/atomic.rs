@@ -85,7 +85,8 @@ fn discard(tmp: &Path) {
 
 /// Removes every temporary file and directory this process has in flight and returns their
 /// paths. The registry stays locked afterwards, so that no new temporary appears before the
-/// process exits: only the interrupt handler, which exits right after, calls this.
+/// process exits: only the interrupt handler and the end of `main` (a thread of its own may
+/// still be writing a cache file), which exit right after, call this.
 pub fn remove_in_flight() -> Vec<PathBuf> {
     let reg = registry();
     let removed = reg
