@@ -3,15 +3,19 @@
 //! activations and i32 for indices. It sits at the bottom of the crate so that `engine`, `trace`
 //! and `compare` all use it without importing each other.
 
+use std::sync::Arc;
+
 use anyhow::{bail, Result};
 
-/// Values of a host tensor.
+/// Values of a host tensor, shared: a clone of a tensor shares its values (a hook handed to the
+/// driver, the followed chain and a comparison is one buffer), and a write to one of several
+/// sharers copies them first ([`HostTensor::as_f32_mut`], [`HostTensor::as_i32_mut`]).
 #[derive(Clone, Debug, PartialEq)]
 pub enum HostData {
     /// Floating point activations.
-    F32(Vec<f32>),
+    F32(Arc<Vec<f32>>),
     /// Indices (expert ids, selected key positions; -1 = none).
-    I32(Vec<i32>),
+    I32(Arc<Vec<i32>>),
 }
 
 /// A tensor in host memory: PyTorch-order shape (slowest first) and row-major values.
@@ -29,7 +33,7 @@ impl HostTensor {
         check_len(&shape, data.len())?;
         Ok(HostTensor {
             shape,
-            data: HostData::F32(data),
+            data: HostData::F32(Arc::new(data)),
         })
     }
 
@@ -38,7 +42,7 @@ impl HostTensor {
         check_len(&shape, data.len())?;
         Ok(HostTensor {
             shape,
-            data: HostData::I32(data),
+            data: HostData::I32(Arc::new(data)),
         })
     }
 
@@ -68,6 +72,35 @@ impl HostTensor {
         }
     }
 
+    /// The f32 values to write, copied first when another tensor shares them; an error naming
+    /// `what` when the tensor holds integers.
+    pub fn as_f32_mut(&mut self, what: &str) -> Result<&mut [f32]> {
+        match &mut self.data {
+            HostData::F32(v) => Ok(Arc::make_mut(v).as_mut_slice()),
+            HostData::I32(_) => bail!("tensor: {what}: expected f32 values, got i32"),
+        }
+    }
+
+    /// The i32 values to write, copied first when another tensor shares them; an error naming
+    /// `what` when the tensor holds floats.
+    pub fn as_i32_mut(&mut self, what: &str) -> Result<&mut [i32]> {
+        match &mut self.data {
+            HostData::I32(v) => Ok(Arc::make_mut(v).as_mut_slice()),
+            HostData::F32(_) => bail!("tensor: {what}: expected i32 values, got f32"),
+        }
+    }
+
+    /// Whether `other` holds the very values of this tensor (one shares the other's buffer):
+    /// then they are equal bit for bit without a look at them.
+    pub fn shares_values(&self, other: &HostTensor) -> bool {
+        self.shape == other.shape
+            && match (&self.data, &other.data) {
+                (HostData::F32(a), HostData::F32(b)) => Arc::ptr_eq(a, b),
+                (HostData::I32(a), HostData::I32(b)) => Arc::ptr_eq(a, b),
+                _ => false,
+            }
+    }
+
     /// Replaces row `row` of the first axis with the same row of `other`, which has the same
     /// shape and kind of values.
     pub fn copy_row_from(&mut self, row: usize, other: &HostTensor) -> Result<()> {
@@ -81,9 +114,16 @@ impl HostTensor {
         }
         let w = self.len() / rows;
         let span = row * w..(row + 1) * w;
+        if self.shares_values(other) {
+            return Ok(());
+        }
         match (&mut self.data, &other.data) {
-            (HostData::F32(a), HostData::F32(b)) => a[span.clone()].copy_from_slice(&b[span]),
-            (HostData::I32(a), HostData::I32(b)) => a[span.clone()].copy_from_slice(&b[span]),
+            (HostData::F32(a), HostData::F32(b)) => {
+                Arc::make_mut(a)[span.clone()].copy_from_slice(&b[span])
+            }
+            (HostData::I32(a), HostData::I32(b)) => {
+                Arc::make_mut(a)[span.clone()].copy_from_slice(&b[span])
+            }
             _ => bail!("tensor: row {row}: f32 and i32 values do not mix"),
         }
         Ok(())
@@ -93,14 +133,45 @@ impl HostTensor {
     /// takes `0.0` and `-0.0` for equal and a NaN for unequal to itself): what the same
     /// arithmetic on both gives the same bits for.
     pub fn same_bits(&self, other: &HostTensor) -> bool {
-        self.shape == other.shape
-            && match (&self.data, &other.data) {
-                (HostData::F32(a), HostData::F32(b)) => {
-                    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+        self.shares_values(other)
+            || self.shape == other.shape
+                && match (&self.data, &other.data) {
+                    (HostData::F32(a), HostData::F32(b)) => {
+                        a.len() == b.len()
+                            && a.iter()
+                                .zip(b.iter())
+                                .all(|(x, y)| x.to_bits() == y.to_bits())
+                    }
+                    (HostData::I32(a), HostData::I32(b)) => a == b,
+                    _ => false,
                 }
-                (HostData::I32(a), HostData::I32(b)) => a == b,
-                _ => false,
-            }
+    }
+
+    /// Rows `rows` of the first axis, in that order: `[rows.len(), ..]`; an error when one is
+    /// past the first axis.
+    pub fn gather_rows(&self, rows: &[usize]) -> Result<HostTensor> {
+        let n = self.shape.first().copied().unwrap_or(0);
+        let width = self.len().checked_div(n).unwrap_or(0);
+        if let Some(r) = rows.iter().find(|&&r| r >= n) {
+            bail!(
+                "tensor: row {r} of shape {:?} does not exist ({} rows asked for)",
+                self.shape,
+                rows.len()
+            );
+        }
+        let mut shape = self.shape.clone();
+        if let Some(first) = shape.first_mut() {
+            *first = rows.len();
+        }
+        fn pick<T: Copy>(v: &[T], rows: &[usize], width: usize) -> Vec<T> {
+            rows.iter()
+                .flat_map(|&r| v[r * width..(r + 1) * width].iter().copied())
+                .collect()
+        }
+        match &self.data {
+            HostData::F32(v) => HostTensor::f32(shape, pick(v, rows, width)),
+            HostData::I32(v) => HostTensor::i32(shape, pick(v, rows, width)),
+        }
     }
 
     /// `(rows, cols)` of a 2-D tensor, or an error naming `what`.

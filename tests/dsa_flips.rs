@@ -45,9 +45,7 @@ fn skip_boundary(src: &Path, dst: &Path) -> usize {
         let cols = scores.shape[1];
         let sel: &mut HostTensor = tensors.get_mut(&name).unwrap();
         let w = sel.shape[1];
-        let HostData::I32(ids) = &mut sel.data else {
-            panic!("ids")
-        };
+        let ids = sel.as_i32_mut("ids").unwrap();
         for (t, row) in ids.chunks_mut(w).enumerate() {
             let s = &sc[t * cols..(t + 1) * cols];
             let finite = s.iter().filter(|x| x.is_finite()).count();

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use glmdiff::engine::{HostData, HostTensor};
+use glmdiff::engine::HostTensor;
 use glmdiff::trace::{read_trace, write_trace, Mode, TraceMeta};
 use serde_json::Value;
 
@@ -61,7 +61,7 @@ fn doctored(
 }
 
 fn scale(t: &mut HostTensor, f: f32) {
-    if let HostData::F32(v) = &mut t.data {
+    if let Ok(v) = t.as_f32_mut("scaled") {
         v.iter_mut().for_each(|x| *x *= f);
     }
 }

@@ -991,7 +991,10 @@ mod device {
         a.shape == b.shape
             && match (&a.data, &b.data) {
                 (HostData::F32(x), HostData::F32(y)) => {
-                    x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
+                    x.len() == y.len()
+                        && x.iter()
+                            .zip(y.iter())
+                            .all(|(p, q)| p.to_bits() == q.to_bits())
                 }
                 (HostData::I32(x), HostData::I32(y)) => x == y,
                 _ => false,

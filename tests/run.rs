@@ -48,7 +48,7 @@ fn doctored(src: &Path, dst: &Path, edit: impl FnOnce(&mut BTreeMap<String, Host
 }
 
 fn scale(t: &mut HostTensor, f: f32) {
-    if let glmdiff::engine::HostData::F32(v) = &mut t.data {
+    if let Ok(v) = t.as_f32_mut("scaled") {
         v.iter_mut().for_each(|x| *x *= f);
     }
 }
@@ -207,7 +207,7 @@ fn a_planted_error_is_named_at_its_hook() {
     doctored(&trace, &bad_ids, |t| {
         let ids = t.get_mut("blk.2.moe_topk_ids").unwrap();
         let k = ids.shape[1];
-        if let glmdiff::engine::HostData::I32(v) = &mut ids.data {
+        if let Ok(v) = ids.as_i32_mut("moe_topk_ids") {
             // Token 3's first expert becomes one it did not select.
             let row = &mut v[3 * k..4 * k];
             let unused = (0..64).find(|e| !row.contains(e)).unwrap();

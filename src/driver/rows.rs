@@ -29,6 +29,9 @@ pub(super) fn rows_differing(a: &HostTensor, b: &HostTensor) -> Option<Vec<usize
     if a.shape != b.shape {
         return None;
     }
+    if a.shares_values(b) {
+        return Some(Vec::new());
+    }
     let rows = a.shape.first().copied().unwrap_or(0);
     let width = a.len().checked_div(rows).unwrap_or(0).max(1);
     let differ: Vec<usize> = match (&a.data, &b.data) {
@@ -152,26 +155,6 @@ fn row_wise(op: &Op) -> bool {
     )
 }
 
-/// Rows `rows` of `t` (`[rows.len(), ..]`).
-fn gather(t: &HostTensor, rows: &[usize]) -> Result<HostTensor> {
-    let n = t.shape.first().copied().unwrap_or(0);
-    let width = t.len().checked_div(n).unwrap_or(0);
-    if rows.iter().any(|&r| r >= n) {
-        bail!("driver: rows {rows:?} of shape {:?}", t.shape);
-    }
-    let mut shape = t.shape.clone();
-    shape[0] = rows.len();
-    fn pick<T: Copy>(v: &[T], rows: &[usize], width: usize) -> Vec<T> {
-        rows.iter()
-            .flat_map(|&r| v[r * width..(r + 1) * width].iter().copied())
-            .collect()
-    }
-    match &t.data {
-        HostData::F32(v) => HostTensor::f32(shape, pick(v, rows, width)),
-        HostData::I32(v) => HostTensor::i32(shape, pick(v, rows, width)),
-    }
-}
-
 /// A row-wise step ([`row_wise`]) in the rows `rows`: run on those rows of its inputs, its
 /// outputs spliced into the known ones. Only for an engine whose rows are independent
 /// ([`Engine::rows_independent`]): then a row's bits are the whole step's.
@@ -199,7 +182,7 @@ fn by_rows<'k, E: Engine>(
     }
     let part: Vec<HostTensor> = inputs
         .iter()
-        .map(|t| gather(t, rows))
+        .map(|t| t.gather_rows(rows))
         .collect::<Result<_>>()?;
     let mut out = Vec::new();
     for (n, p) in super::replay::replay_step(engine, step, &part, &[], wants)? {
@@ -225,11 +208,13 @@ fn splice(known: &HostTensor, part: &HostTensor, rows: &[usize]) -> Result<HostT
     let mut out = known.clone();
     match (&mut out.data, &part.data) {
         (HostData::F32(o), HostData::F32(p)) => {
+            let o = std::sync::Arc::make_mut(o);
             for (i, &t) in rows.iter().enumerate() {
                 o[t * width..(t + 1) * width].copy_from_slice(&p[i * width..(i + 1) * width]);
             }
         }
         (HostData::I32(o), HostData::I32(p)) => {
+            let o = std::sync::Arc::make_mut(o);
             for (i, &t) in rows.iter().enumerate() {
                 o[t * width..(t + 1) * width].copy_from_slice(&p[i * width..(i + 1) * width]);
             }
