@@ -118,6 +118,11 @@ run() {
         # Sources at every byte offset, tails and partial first/last words.
         "$cs" --tool memcheck --error-exitcode 9 .gpu/tests gpu_dequant_at_every_offset --include-ignored --test-threads=1 > "$logs/sanitizer-offsets.txt" 2>&1
         summary+=("compute-sanitizer memcheck, every offset: exit $?, $(grep -E 'ERROR SUMMARY' "$logs/sanitizer-offsets.txt" | tail -n 1)")
+        # The attention past 6144 tokens (7000: the scores' row in the shared memory a block opts
+        # in to), f32 and bf16; the test's glmdiff runs are child processes, which the sanitizer
+        # follows.
+        timeout 400 "$cs" --tool memcheck --error-exitcode 9 .gpu/tests gpu_attention_past_6144_tokens --include-ignored --test-threads=1 > "$logs/sanitizer-long.txt" 2>&1
+        summary+=("compute-sanitizer memcheck, attention at 7000 tokens: exit $?, $(grep -E 'ERROR SUMMARY' "$logs/sanitizer-long.txt" | tail -n 2 | tr '\n' ' ')")
     else
         summary+=("compute-sanitizer: not found")
     fi

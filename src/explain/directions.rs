@@ -23,8 +23,9 @@
 //! ([`Own`]): the attention's output (the base of both attention directions) and each routed
 //! expert's outputs where the expert got the same tokens with the same values; the rest is
 //! computed here: two more attentions per attention step (the scale and the base moved, from
-//! one product `kv = kv_a_norm kv_b^T`, [`CpuEngine::kv_product`]), and the outputs of experts
-//! whose tokens changed (the candidate's routing in replay).
+//! one product `kv = kv_a_norm kv_b^T`, [`CpuEngine::kv_product`]; on at most
+//! [`ATTENTION_DIRECTION_ROWS`] query rows of a long prompt), and the outputs of experts whose
+//! tokens changed (the candidate's routing in replay).
 
 use std::collections::HashMap;
 
@@ -39,6 +40,28 @@ use crate::trace::Part;
 
 /// The relative step of the softmax scale and the RoPE base for their directions.
 pub const SCALE_STEP: f64 = 0.01;
+
+/// Query rows an attention step's directions are computed on, at most. A longer prompt's
+/// directions are computed on every k-th row (the last row included, the rows spread over every
+/// position) and are zero on the others, so their coefficients are fitted from those rows
+/// ([`crate::compare::systematic`]'s row-sparse directions): the two moved attentions cost
+/// `1024 / T` of the step's own. What that costs in significance: a coefficient's standard
+/// error grows as `sqrt(T / 1024)`, about 2x at 4096 tokens, while a scale or base error of
+/// 1% shows at hundreds of standard errors at those lengths (docs/gpu.md); the noise of a
+/// correct engine's gain is estimated from the same rows, so the threshold keeps its meaning.
+pub const ATTENTION_DIRECTION_ROWS: usize = 1024;
+
+/// The query rows of a `t`-row attention its directions are computed on (`most` at most: every
+/// `ceil(t / most)`-th row counted back from the last); `None`: every row.
+fn sampled_rows(t: usize, most: usize) -> Option<Vec<usize>> {
+    if t <= most || most == 0 {
+        return None;
+    }
+    let stride = t.div_ceil(most);
+    let mut rows: Vec<usize> = (0..t).rev().step_by(stride).collect();
+    rows.reverse();
+    Some(rows)
+}
 
 /// What the reference computed itself at a step, which the directions reuse instead of
 /// computing again (each only where it is what they would compute: the same arithmetic on the
@@ -74,7 +97,7 @@ pub fn parts(
             own.experts,
         ),
         Op::Attention { layer } if inputs.len() >= 4 => {
-            softmax_scale(cpu, *layer, inputs, own.output)
+            softmax_scale(cpu, *layer, inputs, own.output, ATTENTION_DIRECTION_ROWS)
         }
         Op::Rope(slice) if !inputs.is_empty() => rope_theta(cpu, slice, &inputs[0]),
         _ => Ok(Vec::new()),
@@ -175,18 +198,24 @@ fn experts(
     Ok(out)
 }
 
-/// The direction of a softmax-scale change at an attention step (module documentation).
-/// `own`: the reference's output from the same inputs (the base), when it has the base's shape.
+/// The direction of a softmax-scale change at an attention step (module documentation), and
+/// of a RoPE base change inside its inputs, on `most` query rows at most
+/// ([`ATTENTION_DIRECTION_ROWS`]). `own`: the reference's output from the same inputs (the
+/// base), when it has the whole step's shape.
 fn softmax_scale(
     cpu: &CpuEngine<'_>,
     layer: usize,
     inputs: &[HostTensor],
     own: Option<&HostTensor>,
+    most: usize,
 ) -> Result<Vec<Part>> {
     let hp = cpu.weights().hparams();
     // The keys and values before the heads' split, once for both attentions (and the base's).
     let kv = cpu.kv_product(layer, &inputs[2])?;
     let scale = rope::softmax_scale(hp);
+    let t = inputs[0].shape.first().copied().unwrap_or(0);
+    let rows = sampled_rows(t, most);
+    let rows = rows.as_deref();
     let inp = || MlaInputs {
         q_b: &inputs[0],
         q_pe: &inputs[1],
@@ -194,20 +223,25 @@ fn softmax_scale(
         k_pe: &inputs[3],
         selection: inputs.get(4),
     };
-    let (moved, _) = mla_host_kv(hp, layer, inp(), &kv, scale * (1.0 + SCALE_STEP), false)?;
-    let computed;
-    let base = match own.filter(|o| o.shape == moved.shape) {
-        Some(o) => o,
-        None => {
-            computed = mla_host_kv(hp, layer, inp(), &kv, scale, false)?.0;
-            &computed
-        }
+    // Heads `[n, H*v]` on the n rows.
+    let moved = mla_host_kv(hp, layer, inp(), &kv, scale * (1.0 + SCALE_STEP), rows)?;
+    let whole = vec![
+        t,
+        moved.len() / moved.shape.first().copied().unwrap_or(1).max(1),
+    ];
+    let base = match own.filter(|o| o.shape == whole) {
+        Some(o) => match rows {
+            Some(r) => o.gather_rows(r)?,
+            None => o.clone(),
+        },
+        None => mla_host_kv(hp, layer, inp(), &kv, scale, rows)?,
     };
+    let part_rows = rows.map(<[usize]>::to_vec);
     let mut parts = vec![Part {
         label: "softmax scale".to_string(),
         family: "softmax scale",
-        tensor: per_step(&moved, base)?,
-        rows: None,
+        tensor: per_step(&moved, &base)?,
+        rows: part_rows.clone(),
     }];
     // The RoPE base inside the step's inputs: q_pe and k_pe rotated back by the model's
     // angles and forward by the moved base's (a trace without q_pe_rope/k_pe_rope, whose
@@ -225,12 +259,12 @@ fn softmax_scale(
         k_pe: &k_pe,
         selection: inputs.get(4),
     };
-    let (moved, _) = mla_host_kv(hp, layer, moved_inp, &kv, scale, false)?;
+    let moved = mla_host_kv(hp, layer, moved_inp, &kv, scale, rows)?;
     parts.push(Part {
         label: "rope theta".to_string(),
         family: "rope theta",
-        tensor: per_step(&moved, base)?,
-        rows: None,
+        tensor: per_step(&moved, &base)?,
+        rows: part_rows,
     });
     Ok(parts)
 }
@@ -411,9 +445,106 @@ mod tests {
             false,
         )
         .unwrap();
-        let computed = softmax_scale(&cpu, 0, &inputs, None).unwrap();
-        let reused = softmax_scale(&cpu, 0, &inputs, Some(&base)).unwrap();
+        let computed = softmax_scale(&cpu, 0, &inputs, None, t).unwrap();
+        let reused = softmax_scale(&cpu, 0, &inputs, Some(&base), t).unwrap();
         assert_eq!(computed.len(), 2);
         assert!(same(&computed, &reused));
+        assert!(computed.iter().all(|p| p.rows.is_none()));
+        // On sampled rows (of 5: rows 1 and 4, then 0, 2 and 4): the whole directions' rows,
+        // bit for bit, from the base computed or taken.
+        for most in [2, 3] {
+            let rows = sampled_rows(t, most).unwrap();
+            assert_eq!(rows.last(), Some(&(t - 1)));
+            assert!(rows.len() <= most);
+            for own in [None, Some(&base)] {
+                let sampled = softmax_scale(&cpu, 0, &inputs, own, most).unwrap();
+                assert_eq!(sampled.len(), 2);
+                for (s, c) in sampled.iter().zip(&computed) {
+                    assert_eq!(s.rows.as_deref(), Some(rows.as_slice()));
+                    assert!(s.tensor.same_bits(&c.tensor.gather_rows(&rows).unwrap()));
+                }
+            }
+        }
+    }
+
+    /// A softmax scale 2% off is named from directions on sampled rows as from the whole ones
+    /// (the gain within its standard errors, which grow with fewer rows), and a correct
+    /// candidate (the reference with independent noise) is named from neither. The expected
+    /// gain is the plant's, not a fit of glmdiff's own.
+    #[test]
+    fn sampled_attention_directions_name_a_scale_as_the_whole_ones() {
+        use crate::compare::systematic::{analyse, Direction, Group, Layout};
+        let m = model();
+        let w = Weights::new(&m).unwrap();
+        let cpu = CpuEngine::new(&w);
+        let hp = w.hparams();
+        let t = 96;
+        let mut rng = SplitMix64::new(13);
+        let inputs = vec![
+            random(&mut rng, vec![t, hp.n_head * hp.qk_head()]),
+            random(&mut rng, vec![t, hp.n_head, hp.qk_rope]),
+            random(&mut rng, vec![t, hp.kv_lora_rank]),
+            random(&mut rng, vec![t, hp.qk_rope]),
+        ];
+        let kv_b = cpu.host_kv_b(0).unwrap();
+        let heads = |scale: f64| {
+            let x = MlaInputs {
+                q_b: &inputs[0],
+                q_pe: &inputs[1],
+                kv_norm: &inputs[2],
+                k_pe: &inputs[3],
+                selection: None,
+            };
+            mla_host(hp, 0, x, &kv_b, scale, false).unwrap().0
+        };
+        let scale = rope::softmax_scale(hp);
+        let base = heads(scale);
+        let r = base.as_f32("base").unwrap();
+        let size = (r.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>() / r.len() as f64).sqrt();
+        // Noise of about 1e-3 of the values' size on every element, as rounding leaves.
+        let noisy = |v: &[f32], rng: &mut SplitMix64| -> Vec<f32> {
+            v.iter()
+                .map(|&x| x + (f64::from(rng.normal()) * 1e-3 * size) as f32)
+                .collect()
+        };
+        let planted = noisy(heads(scale * 1.02).as_f32("planted").unwrap(), &mut rng);
+        let correct = noisy(r, &mut rng);
+        let layout = Layout {
+            rows: t,
+            cols: r.len() / t,
+            heads: Some(hp.n_head),
+        };
+        let fit = |c: &[f32], most: usize| {
+            let parts = softmax_scale(&cpu, 0, &inputs, Some(&base), most).unwrap();
+            let dirs: Vec<Direction<'_>> = parts
+                .iter()
+                .map(|p| Direction {
+                    label: &p.label,
+                    family: p.family,
+                    values: p.tensor.as_f32("").unwrap(),
+                    rows: p.rows.as_deref(),
+                })
+                .collect();
+            analyse(r, c, layout, &dirs).unwrap()
+        };
+        let whole = fit(&planted, t);
+        let sampled = fit(&planted, 24);
+        for s in [&whole, &sampled] {
+            let f = s.finding.as_ref().expect("the planted scale is named");
+            assert_eq!(f.group, Group::Part("softmax scale".to_string()));
+            assert!((f.gain - 1.02).abs() < 0.002, "gain {}", f.gain);
+            assert!(
+                (f.gain - 1.02).abs() < 4.0 * f.se,
+                "gain {} se {}",
+                f.gain,
+                f.se
+            );
+        }
+        let (fw, fs) = (whole.finding.unwrap(), sampled.finding.unwrap());
+        assert!(fs.se > fw.se, "se sampled {} whole {}", fs.se, fw.se);
+        for most in [t, 24] {
+            let s = fit(&correct, most);
+            assert!(s.finding.is_none(), "{most} rows: {:?}", s.finding);
+        }
     }
 }

@@ -290,16 +290,18 @@ pub fn mla_host(
 }
 
 /// [`mla_host`] from the keys and values before the heads' split, `kv = kv_a_norm kv_b^T`
-/// (`[T, H*(nope+v)]`, [`CpuEngine::kv_product`]), instead of kv_b: the same bits.
+/// (`[T, H*(nope+v)]`, [`CpuEngine::kv_product`]), instead of kv_b: the same bits; for the
+/// query rows `rows` only (ascending, distinct: heads `[rows.len(), H*v]`, each row the whole
+/// step's bits), all when `None`.
 pub fn mla_host_kv(
     hp: &HParams,
     layer: usize,
     x: MlaInputs<'_, HostTensor>,
     kv: &[f32],
     scale: f64,
-    want_probs: bool,
-) -> Result<(HostTensor, Option<HostTensor>)> {
-    mla_queries(hp, layer, x, Kv::Product(kv), scale, want_probs, None)
+    rows: Option<&[usize]>,
+) -> Result<HostTensor> {
+    Ok(mla_queries(hp, layer, x, Kv::Product(kv), scale, false, rows)?.0)
 }
 
 /// [`mla_host`] for the query rows `rows` (ascending, distinct, each `< T`; all when `None`)
