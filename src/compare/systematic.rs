@@ -52,7 +52,10 @@
 //! rows: outside them a score is `w0 r (e - a r)`, whose sums by row, by column and squared
 //! follow from the hook's totals of `r^2`, `e r`, `r^4`, `r^3 e` and `r^2 e^2`, less the rows'
 //! own share (`tests::chunked_and_sparse_fits_are_the_definition` checks both against the
-//! element-by-element definition).
+//! element-by-element definition). A direction known only on a sample of rows (an attention's
+//! directions past 1024 tokens, [`Direction::sampled`]) is fitted, with the overall gain, over
+//! those rows alone: taken as zero on the others, the overall gain fitted there would take the
+//! share of its change that lies along the reference.
 //! Nothing here prints.
 
 use rayon::prelude::*;
@@ -612,6 +615,11 @@ pub struct Direction<'a> {
     /// The rows the values are for (ascending, distinct), zero in the others; `None`: every
     /// row.
     pub rows: Option<&'a [usize]>,
+    /// Whether `rows` are a sample of the hook's rows on which the direction is known, not its
+    /// support (an attention's directions at a long prompt): it is then fitted over those rows
+    /// alone, as a hook of `rows.len()` rows, so that an overall gain fitted over the other
+    /// rows, where the direction's own change is unexplained, does not take its share.
+    pub sampled: bool,
 }
 
 impl Direction<'_> {
@@ -715,14 +723,17 @@ pub fn analyse(
     // spread of its family's coefficients (each expert's weights were rounded once: a correct
     // engine's experts scatter around 1 by that, consistently over their tokens).
     // One fit per direction, each on its own thread (a routed-experts step has one per expert
-    // the tokens chose); the order of `parts` is kept.
+    // the tokens chose); the order of `parts` is kept. A sampled direction's rows are gathered
+    // once per set of rows.
+    let samples = Samples::new(r, c, layout, &parts);
     let fitted: Vec<(&Direction<'_>, Gain)> = parts
         .par_iter()
         .filter_map(|&d| {
             let group = Group::Part(d.label.to_string());
-            let g = match d.rows {
-                None => fit_part(&v, d.values, group),
-                Some(rows) => fit_sparse(&v, &totals, rows, d.values, group),
+            let g = match (d.rows, samples.of(d)) {
+                (None, _) => fit_part(&v, d.values, group),
+                (Some(_), Some(sv)) => fit_part(&sv, d.values, group),
+                (Some(rows), None) => fit_sparse(&v, &totals, rows, d.values, group),
             }?;
             Some((d, g))
         })
@@ -787,7 +798,7 @@ pub fn analyse(
         .into_iter()
         .max_by(|a, b| a.1.total_cmp(&b.1))
         .map(|(g, _)| g);
-    let residual = finding.as_ref().map(|f| residual(&v, f, &parts));
+    let residual = finding.as_ref().map(|f| residual(&v, f, &parts, &samples));
     Some(Systematic {
         overall,
         worst_group: worst.map(|(g, _)| g),
@@ -797,15 +808,71 @@ pub fn analyse(
     })
 }
 
+/// The hook's rows that sampled directions ([`Direction::sampled`]) are known on, gathered:
+/// one `[rows.len(), cols]` copy of the reference and the candidate per set of rows.
+struct Samples {
+    /// Per set of rows: the rows, the reference's and the candidate's values on them.
+    sets: Vec<(Vec<usize>, Vec<f32>, Vec<f32>)>,
+    layout: Layout,
+}
+
+impl Samples {
+    fn new(r: &[f32], c: &[f32], layout: Layout, parts: &[&Direction<'_>]) -> Samples {
+        let cols = layout.cols;
+        let mut sets: Vec<(Vec<usize>, Vec<f32>, Vec<f32>)> = Vec::new();
+        for d in parts.iter().filter(|d| d.sampled) {
+            let Some(rows) = d.rows else { continue };
+            if sets.iter().any(|(s, _, _)| s.as_slice() == rows) {
+                continue;
+            }
+            let pick = |x: &[f32]| -> Vec<f32> {
+                rows.iter()
+                    .flat_map(|&t| x[t * cols..(t + 1) * cols].iter().copied())
+                    .collect()
+            };
+            sets.push((rows.to_vec(), pick(r), pick(c)));
+        }
+        Samples { sets, layout }
+    }
+
+    /// The values of a sampled direction's rows as a hook of their own; `None` for a direction
+    /// that is not sampled.
+    fn of(&self, d: &Direction<'_>) -> Option<Values<'_>> {
+        let rows = d.rows.filter(|_| d.sampled)?;
+        let (_, r, c) = self.sets.iter().find(|(s, _, _)| s.as_slice() == rows)?;
+        Some(Values::new(
+            r,
+            c,
+            Layout {
+                rows: rows.len(),
+                ..self.layout
+            },
+        ))
+    }
+}
+
 /// The relative L2 error left once finding `f` is removed from the error (chunked like the
-/// fits).
-fn residual(v: &Values<'_>, f: &Gain, parts: &[&Direction<'_>]) -> f64 {
-    let (layout, cols) = (v.layout, v.layout.cols.max(1));
-    let a = f.gain - 1.0;
+/// fits); for a sampled direction, over its rows.
+fn residual(v: &Values<'_>, f: &Gain, parts: &[&Direction<'_>], samples: &Samples) -> f64 {
     let part = match &f.group {
         Group::Part(label) => parts.iter().find(|d| d.label == label.as_str()).copied(),
         _ => None,
     };
+    if let Some((d, sv)) = part.and_then(|d| Some((d, samples.of(d)?))) {
+        let dense = Direction {
+            rows: None,
+            sampled: false,
+            ..*d
+        };
+        return residual_of(&sv, f, Some(&dense));
+    }
+    residual_of(v, f, part)
+}
+
+/// [`residual`] over `v`, `part` the finding's direction when it is one.
+fn residual_of(v: &Values<'_>, f: &Gain, part: Option<&Direction<'_>>) -> f64 {
+    let (layout, cols) = (v.layout, v.layout.cols.max(1));
+    let a = f.gain - 1.0;
     // For a row-sparse direction, each row's place among its rows.
     let mut row_pos: Vec<Option<usize>> = Vec::new();
     if let Some(rows) = part.and_then(|d| d.rows) {
@@ -1044,6 +1111,7 @@ mod tests {
                 family: "expert",
                 values: v,
                 rows: None,
+                sampled: false,
             })
             .collect();
         let r: Vec<f32> = base.iter().map(|&x| x as f32).collect();
@@ -1095,6 +1163,7 @@ mod tests {
                 family: "expert",
                 values: &held[e],
                 rows: Some(&rows_of[e]),
+                sampled: false,
             })
             .collect();
         let t = analyse(&r, &c, layout, &sparse).unwrap();
@@ -1286,6 +1355,7 @@ mod tests {
             family: "f",
             values: &dense,
             rows: None,
+            sampled: false,
         }];
         for k in 0..3 {
             dirs.push(Direction {
@@ -1293,6 +1363,7 @@ mod tests {
                 family: "f",
                 values: &sparse_vals[k],
                 rows: Some(&sparse_rows[k]),
+                sampled: false,
             });
         }
         let got = analyse(&r, &c, l, &dirs).unwrap();
@@ -1351,5 +1422,59 @@ mod tests {
             assert!(close(fitted.gain - 1.0, b, 1e-9), "{k}: {fitted:?} {b}");
             assert!(close(fitted.se, se, 1e-8), "{k}: {fitted:?} {se}");
         }
+    }
+
+    /// A direction known on a sample of rows that moves along the reference too (a softmax
+    /// scale moves an attention's output partly along itself): fitted over its rows alone its
+    /// coefficient is the planted one, and it is named; taken as zero on the other rows it is
+    /// not (the overall gain, fitted where the direction's change is left unexplained, takes
+    /// a share), which is why a sample is not a support.
+    #[test]
+    fn a_sampled_direction_is_fitted_over_its_rows() {
+        let (rows, cols) = (256, 64);
+        let r: Vec<f64> = noise(1, rows * cols);
+        let o: Vec<f64> = noise(2, rows * cols);
+        let d: Vec<f64> = r.iter().zip(&o).map(|(&r, &o)| 1.3 * r + o).collect();
+        let rf: Vec<f32> = r.iter().map(|&x| x as f32).collect();
+        let c: Vec<f32> = r
+            .iter()
+            .zip(&d)
+            .map(|(&r, &d)| round_bf16((r + 0.02 * d) as f32))
+            .collect();
+        let layout = Layout {
+            rows,
+            cols,
+            heads: None,
+        };
+        let sample: Vec<usize> = (0..rows).filter(|t| t % 4 == 3).collect();
+        let whole: Vec<f32> = d.iter().map(|&x| x as f32).collect();
+        let held: Vec<f32> = sample
+            .iter()
+            .flat_map(|&t| whole[t * cols..(t + 1) * cols].iter().copied())
+            .collect();
+        let fit = |rows: Option<&[usize]>, sampled: bool| {
+            let values = if rows.is_some() { &held } else { &whole };
+            let dir = Direction {
+                label: "softmax scale",
+                family: "softmax scale",
+                values,
+                rows,
+                sampled,
+            };
+            analyse(&rf, &c, layout, &[dir]).unwrap()
+        };
+        for (rows, sampled) in [(None, false), (Some(sample.as_slice()), true)] {
+            let t = fit(rows, sampled);
+            let f = t.finding.expect("named");
+            assert_eq!(f.group, Group::Part("softmax scale".to_string()));
+            assert!((f.gain - 1.02).abs() < 4.0 * f.se, "{f:?}");
+            let left = t.residual.unwrap();
+            assert!(left < 5e-3, "residual {left}");
+        }
+        let zero_outside = fit(Some(sample.as_slice()), false).best_part.unwrap();
+        assert!(
+            (zero_outside.gain - 1.02).abs() > 20.0 * zero_outside.se,
+            "{zero_outside:?}"
+        );
     }
 }

@@ -1115,6 +1115,7 @@ impl Comparison {
                     family: p.family,
                     values: p.tensor.as_f32("").ok()?,
                     rows: p.rows.as_deref(),
+                    sampled: p.sampled,
                 })
             })
             .collect();

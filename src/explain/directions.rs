@@ -43,8 +43,8 @@ pub const SCALE_STEP: f64 = 0.01;
 
 /// Query rows an attention step's directions are computed on, at most. A longer prompt's
 /// directions are computed on every k-th row (the last row included, the rows spread over every
-/// position) and are zero on the others, so their coefficients are fitted from those rows
-/// ([`crate::compare::systematic`]'s row-sparse directions): the two moved attentions cost
+/// position), and their coefficients are fitted over those rows alone
+/// ([`crate::compare::systematic::Direction::sampled`]): the two moved attentions cost
 /// `1024 / T` of the step's own. What that costs in significance: a coefficient's standard
 /// error grows as `sqrt(T / 1024)`, about 2x at 4096 tokens, while a scale or base error of
 /// 1% shows at hundreds of standard errors at those lengths (docs/gpu.md); the noise of a
@@ -193,6 +193,7 @@ fn experts(
             family: "expert",
             tensor: HostTensor::f32(vec![rows.len(), hidden], c)?,
             rows: Some(rows),
+            sampled: false,
         });
     }
     Ok(out)
@@ -242,6 +243,7 @@ fn softmax_scale(
         family: "softmax scale",
         tensor: per_step(&moved, &base)?,
         rows: part_rows.clone(),
+        sampled: rows.is_some(),
     }];
     // The RoPE base inside the step's inputs: q_pe and k_pe rotated back by the model's
     // angles and forward by the moved base's (a trace without q_pe_rope/k_pe_rope, whose
@@ -265,6 +267,7 @@ fn softmax_scale(
         family: "rope theta",
         tensor: per_step(&moved, &base)?,
         rows: part_rows,
+        sampled: rows.is_some(),
     });
     Ok(parts)
 }
@@ -319,6 +322,7 @@ fn rope_theta(cpu: &CpuEngine<'_>, s: &RopeSlice, x: &HostTensor) -> Result<Vec<
         family: "rope theta",
         tensor: per_step(&moved, &base)?,
         rows: None,
+        sampled: false,
     }])
 }
 
@@ -523,6 +527,7 @@ mod tests {
                     family: p.family,
                     values: p.tensor.as_f32("").unwrap(),
                     rows: p.rows.as_deref(),
+                    sampled: p.sampled,
                 })
                 .collect();
             analyse(r, c, layout, &dirs).unwrap()

@@ -115,6 +115,9 @@ pub struct Part {
     /// The hook's rows the tensor holds (ascending, distinct; the direction is zero in the
     /// others: an expert's tokens), or `None` for every row.
     pub rows: Option<Vec<usize>>,
+    /// Whether `rows` are a sample of the rows, the direction unknown in the others (an
+    /// attention's directions at a long prompt): fitted over those rows alone.
+    pub sampled: bool,
 }
 
 /// Receives (reference, candidate) pairs.
