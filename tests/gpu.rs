@@ -986,21 +986,6 @@ mod device {
         }
     }
 
-    /// Every hook's values bit for bit (f32 compared as bit patterns: NaN too).
-    fn same_bits(a: &HostTensor, b: &HostTensor) -> bool {
-        a.shape == b.shape
-            && match (&a.data, &b.data) {
-                (HostData::F32(x), HostData::F32(y)) => {
-                    x.len() == y.len()
-                        && x.iter()
-                            .zip(y.iter())
-                            .all(|(p, q)| p.to_bits() == q.to_bits())
-                }
-                (HostData::I32(x), HostData::I32(y)) => x == y,
-                _ => false,
-            }
-    }
-
     /// Names of the hooks of `a` and `b` that differ in bits (or that one lacks).
     fn differing(
         a: &std::collections::BTreeMap<String, HostTensor>,
@@ -1008,7 +993,7 @@ mod device {
     ) -> Vec<String> {
         let mut v: Vec<String> = a
             .iter()
-            .filter(|(n, t)| b.get(*n).is_none_or(|u| !same_bits(t, u)))
+            .filter(|(n, t)| b.get(*n).is_none_or(|u| !t.same_bits(u)))
             .map(|(n, _)| n.clone())
             .collect();
         v.extend(b.keys().filter(|n| !a.contains_key(*n)).cloned());

@@ -358,6 +358,32 @@ mod tests {
         HostTensor::f32(shape, (0..n).map(|_| rng.uniform() - 0.5).collect()).unwrap()
     }
 
+    /// Random inputs of layer 0's attention for `t` tokens: q_b, q_pe, kv_a_norm, k_pe.
+    fn attention_inputs(hp: &crate::model::HParams, t: usize, seed: u64) -> Vec<HostTensor> {
+        let mut rng = SplitMix64::new(seed);
+        vec![
+            random(&mut rng, vec![t, hp.n_head * hp.qk_head()]),
+            random(&mut rng, vec![t, hp.n_head, hp.qk_rope]),
+            random(&mut rng, vec![t, hp.kv_lora_rank]),
+            random(&mut rng, vec![t, hp.qk_rope]),
+        ]
+    }
+
+    /// Layer 0's attention heads from `inputs` with softmax scale `scale`, from kv_b (not the
+    /// kv product the directions use).
+    fn heads(cpu: &CpuEngine<'_>, inputs: &[HostTensor], scale: f64) -> HostTensor {
+        let hp = cpu.weights().hparams();
+        let kv_b = cpu.host_kv_b(0).unwrap();
+        let x = MlaInputs {
+            q_b: &inputs[0],
+            q_pe: &inputs[1],
+            kv_norm: &inputs[2],
+            k_pe: &inputs[3],
+            selection: None,
+        };
+        mla_host(hp, 0, x, &kv_b, scale, false).unwrap().0
+    }
+
     fn same(a: &[Part], b: &[Part]) -> bool {
         a.len() == b.len()
             && a.iter().zip(b).all(|(x, y)| {
@@ -426,29 +452,8 @@ mod tests {
         let cpu = CpuEngine::new(&w);
         let hp = w.hparams();
         let t = 5;
-        let mut rng = SplitMix64::new(12);
-        let inputs = vec![
-            random(&mut rng, vec![t, hp.n_head * hp.qk_head()]),
-            random(&mut rng, vec![t, hp.n_head, hp.qk_rope]),
-            random(&mut rng, vec![t, hp.kv_lora_rank]),
-            random(&mut rng, vec![t, hp.qk_rope]),
-        ];
-        let kv_b = cpu.host_kv_b(0).unwrap();
-        let (base, _) = mla_host(
-            hp,
-            0,
-            MlaInputs {
-                q_b: &inputs[0],
-                q_pe: &inputs[1],
-                kv_norm: &inputs[2],
-                k_pe: &inputs[3],
-                selection: None,
-            },
-            &kv_b,
-            rope::softmax_scale(hp),
-            false,
-        )
-        .unwrap();
+        let inputs = attention_inputs(hp, t, 12);
+        let base = heads(&cpu, &inputs, rope::softmax_scale(hp));
         let computed = softmax_scale(&cpu, 0, &inputs, None, t).unwrap();
         let reused = softmax_scale(&cpu, 0, &inputs, Some(&base), t).unwrap();
         assert_eq!(computed.len(), 2);
@@ -483,24 +488,9 @@ mod tests {
         let cpu = CpuEngine::new(&w);
         let hp = w.hparams();
         let t = 96;
-        let mut rng = SplitMix64::new(13);
-        let inputs = vec![
-            random(&mut rng, vec![t, hp.n_head * hp.qk_head()]),
-            random(&mut rng, vec![t, hp.n_head, hp.qk_rope]),
-            random(&mut rng, vec![t, hp.kv_lora_rank]),
-            random(&mut rng, vec![t, hp.qk_rope]),
-        ];
-        let kv_b = cpu.host_kv_b(0).unwrap();
-        let heads = |scale: f64| {
-            let x = MlaInputs {
-                q_b: &inputs[0],
-                q_pe: &inputs[1],
-                kv_norm: &inputs[2],
-                k_pe: &inputs[3],
-                selection: None,
-            };
-            mla_host(hp, 0, x, &kv_b, scale, false).unwrap().0
-        };
+        let inputs = attention_inputs(hp, t, 13);
+        let mut rng = SplitMix64::new(14);
+        let heads = |scale: f64| heads(&cpu, &inputs, scale);
         let scale = rope::softmax_scale(hp);
         let base = heads(scale);
         let r = base.as_f32("base").unwrap();
