@@ -46,9 +46,10 @@ pub const SCALE_STEP: f64 = 0.01;
 /// position), and their coefficients are fitted over those rows alone
 /// ([`crate::compare::systematic::Direction::sampled`]): the two moved attentions cost
 /// `1024 / T` of the step's own. What that costs in significance: a coefficient's standard
-/// error grows as `sqrt(T / 1024)`, about 2x at 4096 tokens, while a scale or base error of
-/// 1% shows at hundreds of standard errors at those lengths (docs/gpu.md); the noise of a
-/// correct engine's gain is estimated from the same rows, so the threshold keeps its meaning.
+/// error grows as `sqrt(T / 1024)`, about 2x at 4096 tokens, where a softmax scale 2% off
+/// still shows at thousands of them (measured on the H200: 2928 from the sampled rows, 3599
+/// from every row; docs/gpu.md); the noise of a correct engine's gain is estimated from the
+/// same rows, so the threshold keeps its meaning.
 pub const ATTENTION_DIRECTION_ROWS: usize = 1024;
 
 /// The query rows of a `t`-row attention its directions are computed on (`most` at most: every
