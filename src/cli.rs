@@ -390,14 +390,14 @@ pub struct BenchLayerArgs {
 #[derive(Debug, Args)]
 #[command(allow_negative_numbers = true)]
 pub struct BenchRunArgs {
-    /// A model to run (default: a synthetic GLM-5-dimension model, one dense and one MoE
-    /// layer, written to a temporary file).
+    /// A model to run (default: a synthetic GLM-5-dimension model, one dense and two MoE
+    /// layers, written to a temporary file).
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Token counts to time (comma separated).
     #[arg(long, value_delimiter = ',', default_value = "16,1024,4096", allow_hyphen_values = true, value_parser = parse_token_count)]
     pub tokens: Vec<usize>,
-    /// Layers A..B (end exclusive) to time (default: from 0 through the first MoE layer).
+    /// Layers A..B (end exclusive) to time (default: from 0 through the second MoE layer).
     #[arg(long, value_name = "A..B", allow_hyphen_values = true, value_parser = parse_range)]
     pub layers: Option<Range<u64>>,
     /// The candidate: auto (cuda when a device is present, else cpu), cpu, cuda or cuda:N.

@@ -35,8 +35,11 @@
 //! # Projection
 //! The whole run at a depth ([`Depth`]: `--project glm5`, or the model's own layer counts) is
 //! projected as the sum over layer kinds of (layers of that kind) x (mean measured wall time
-//! per layer of that kind); the same sum over each side's time says which side bounds it
-//! ([`project`]). Steps outside the layers (embedding, output layer) are not in it.
+//! per layer of that kind, over its layers after the first when more are timed: [`by_kind`]);
+//! the same sum over each side's time says which side bounds it ([`project`]). Steps outside
+//! the layers (embedding, output layer) are not in it. The layers timed by default run from 0
+//! through the second MoE layer, the first where a low-precision candidate's near-tie expert
+//! flips are followed (the synthetic model has one dense and two MoE layers).
 //!
 //! # Memory
 //! Per token count, over the timed passes: `VmHWM` (reset before each pass where
@@ -229,7 +232,7 @@ impl BenchRunOptions {
     pub fn new(model: Option<PathBuf>, tokens: Vec<usize>) -> Result<BenchRunOptions> {
         Ok(BenchRunOptions {
             model,
-            synth: glm5_synth()?,
+            synth: run_synth()?,
             temp_parent: std::env::temp_dir(),
             tokens,
             layers: None,
@@ -324,8 +327,10 @@ pub struct LayerRow {
 pub struct KindRow {
     /// Dense or MoE.
     pub kind: LayerKind,
-    /// Layers of this kind timed.
+    /// Layers of this kind in the means.
     pub layers: usize,
+    /// Whether the kind's first layer timed was left out of the means ([`by_kind`]).
+    pub after_first: bool,
     /// Mean wall time per layer, seconds.
     pub wall_s: f64,
     /// Mean reference time per layer, seconds.
@@ -538,8 +543,24 @@ fn check_layers(r: &Range<usize>, n_layer: usize, n_block: usize, what: &str) ->
     Ok(())
 }
 
-/// The layers timed: those asked, or from 0 through the first MoE layer (all layers of a
-/// model without one).
+/// MoE layers of the synthetic model: the second runs after the first one's router, where a
+/// low-precision candidate takes its first near-tie expert flips, so the chain that follows
+/// them runs there as in every later layer of a real run.
+pub const SYNTH_MOE_LAYERS: u64 = 2;
+
+/// `bench layer`'s synthetic model ([`glm5_synth`]) with [`SYNTH_MOE_LAYERS`] MoE layers.
+fn run_synth() -> Result<SynthOptions> {
+    let mut synth = glm5_synth()?;
+    let n_dense = synth.dims.n_dense;
+    let mut dims = Dims::preset(synth.arch, "glm5")?.with_layers(n_dense + SYNTH_MOE_LAYERS)?;
+    dims.n_dense = n_dense;
+    dims.nextn = synth.dims.nextn;
+    synth.dims = dims;
+    Ok(synth)
+}
+
+/// The layers timed: those asked, or from 0 through the second MoE layer (the first when the
+/// model has one, all layers of a model without).
 fn layer_range(asked: Option<&Range<usize>>, hp: &HParams, path: &Path) -> Result<Range<usize>> {
     match asked {
         Some(r) => {
@@ -547,7 +568,7 @@ fn layer_range(asked: Option<&Range<usize>>, hp: &HParams, path: &Path) -> Resul
             Ok(r.clone())
         }
         None if hp.n_layer == 0 => bail!("bench: {} runs no layer", path.display()),
-        None => Ok(0..(hp.n_dense + 1).min(hp.n_layer)),
+        None => Ok(0..(hp.n_dense + SYNTH_MOE_LAYERS as usize).min(hp.n_layer)),
     }
 }
 
@@ -853,17 +874,28 @@ pub fn ratios(row: &LayerRow) -> Ratios {
     }
 }
 
-/// Means per layer kind, in kind order (dense first).
+/// Means per layer kind, in kind order (dense first), over the layers of the kind after its
+/// first when more than one is timed: a kind's first layer is not like the rest of a run's.
+/// Layer 0 holds the embedding, and the first MoE layer runs before any near-tie expert flip
+/// of a low-precision candidate: from its router on, the reference also runs the chain that
+/// follows those flips, in every later MoE layer.
 pub fn by_kind(rows: &[LayerRow]) -> Vec<KindRow> {
     [LayerKind::Dense, LayerKind::Moe]
         .into_iter()
         .filter_map(|kind| {
-            let rs: Vec<&LayerRow> = rows.iter().filter(|r| r.kind == kind).collect();
+            let of_kind: Vec<&LayerRow> = rows.iter().filter(|r| r.kind == kind).collect();
+            let after_first = of_kind.len() > 1;
+            let rs = if after_first {
+                &of_kind[1..]
+            } else {
+                &of_kind[..]
+            };
             let n = rs.len();
             let mean = |f: fn(&LayerRow) -> f64| rs.iter().map(|r| f(r)).sum::<f64>() / n as f64;
             (n > 0).then(|| KindRow {
                 kind,
                 layers: n,
+                after_first,
                 wall_s: mean(|r| r.wall_s),
                 reference_s: mean(|r| r.reference_s),
                 candidate_s: mean(|r| r.candidate_s),
@@ -1114,6 +1146,7 @@ mod tests {
         KindRow {
             kind,
             layers: 1,
+            after_first: false,
             wall_s,
             reference_s,
             candidate_s,
@@ -1192,6 +1225,57 @@ mod tests {
             e.contains("--project \"glm6\"") && e.contains("glm5 (3 dense + 75 MoE layers)"),
             "{e}"
         );
+    }
+
+    fn row(layer: usize, kind: LayerKind, wall_s: f64) -> LayerRow {
+        LayerRow {
+            layer,
+            kind,
+            wall_s,
+            reference_s: wall_s / 2.0,
+            chained_s: wall_s / 4.0,
+            replay_s: 0.0,
+            candidate_s: wall_s / 4.0,
+            upload_s: 0.0,
+            upload_bytes: 0,
+            compare_s: 0.0,
+            experts: 8,
+            floor: None,
+            floor_s: None,
+            copy_pinned_s: None,
+            copy_pageable_s: None,
+            ratios: Ratios::default(),
+        }
+    }
+
+    /// The synthetic model has GLM-5's dimensions, one dense and two MoE layers, no MTP block.
+    #[test]
+    fn the_synthetic_model_has_a_second_moe_layer() {
+        let s = run_synth().unwrap();
+        let layer = glm5_synth().unwrap();
+        assert_eq!((s.dims.n_layer, s.dims.n_dense, s.dims.nextn), (3, 1, 0));
+        assert_eq!((s.dims.hidden, s.dims.n_expert), (6144, 256));
+        assert_eq!((s.mix, s.seed), (layer.mix, layer.seed));
+    }
+
+    /// A kind's means leave its first layer out when more of it are timed (layer 0's
+    /// embedding, the MoE layer before any followed expert flip), and keep a lone one.
+    #[test]
+    fn kind_means_leave_out_the_first_layer_of_a_kind() {
+        let rows = [
+            row(0, LayerKind::Dense, 4.0),
+            row(1, LayerKind::Moe, 1.0),
+            row(2, LayerKind::Moe, 2.0),
+            row(3, LayerKind::Moe, 3.0),
+        ];
+        let k = by_kind(&rows);
+        assert_eq!(k.len(), 2);
+        assert_eq!(
+            (k[0].layers, k[0].after_first, k[0].wall_s),
+            (1, false, 4.0)
+        );
+        assert_eq!((k[1].layers, k[1].after_first, k[1].wall_s), (2, true, 2.5));
+        assert_eq!((k[1].reference_s, k[1].candidate_s), (1.25, 0.625));
     }
 
     #[test]

@@ -32,7 +32,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 
 use super::replay::{is_selection, PairSummary, ReferenceWork};
-use super::rows;
+use super::rows::{self, Prepared};
 use super::segment::{collapse, step_in_rounds, RoundOutputs, Rounds, Variants};
 use super::{Plan, Runner};
 use crate::engine::cpu::selected_weights;
@@ -76,6 +76,9 @@ pub(super) struct FollowStep<'a, 'r, R: Engine> {
     pub start: &'a [(String, HostTensor)],
     /// How a hook the candidate lacks is described.
     pub absent: &'a str,
+    /// The routed-experts step's rows this chain differs in, computed beside the own chain's
+    /// step from [`Follow::experts_request`]'s inputs.
+    pub prepared: Option<Prepared<R::Tensor>>,
 }
 
 /// Whether `name` is a selection of ids (the DSA keys, the routed experts).
@@ -114,14 +117,15 @@ impl Follow {
     /// candidate's values (`candidate`) to `sink`.
     pub(super) fn step<R: Engine>(
         &mut self,
-        x: FollowStep<'_, '_, R>,
+        mut x: FollowStep<'_, '_, R>,
         candidate: &CandidateValue<'_>,
         sink: &mut dyn PairSink,
         summary: &mut PairSummary,
     ) -> Result<()> {
         let i = self.next;
         self.next += 1;
-        let result = self.run(&x, i, candidate, sink, summary);
+        let prepared = x.prepared.take();
+        let result = self.run(&x, i, prepared, candidate, sink, summary);
         let last_use = &self.last_use;
         if let Some(env) = &mut self.env {
             env.retain(|n, _| last_use.get(n).is_some_and(|&j| j > i));
@@ -152,6 +156,7 @@ impl Follow {
     fn outputs<R: Engine>(
         &self,
         x: &FollowStep<'_, '_, R>,
+        prepared: Option<Prepared<R::Tensor>>,
         sink: &dyn PairSink,
         work: &mut ReferenceWork,
     ) -> Result<RoundOutputs> {
@@ -206,7 +211,7 @@ impl Follow {
             .collect::<Result<Vec<_>>>()?;
         let wants = |n: &str| declared(n) || sink.wants(n) || is_selection(n);
         let t0 = Instant::now();
-        if let Some((out, rows)) = self.own_chain_outputs(x, &inputs, &wants)? {
+        if let Some((out, rows)) = self.own_chain_outputs(x, &inputs, &wants, prepared)? {
             let took = t0.elapsed().as_secs_f64();
             match rows {
                 Some(n) => work.followed_rows.add(n, took),
@@ -230,6 +235,50 @@ impl Follow {
         Ok(out)
     }
 
+    /// The inputs of the next step, a routed-experts step that the own chain (`plain`) is
+    /// about to run, and the rows in which they differ from the own chain's, when this chain
+    /// would compute those rows ([`rows::recompute`]): the own chain's step can compute them in
+    /// the same pass over the experts ([`super::Runner::step_joint`]), and hands them to
+    /// [`FollowStep::prepared`]. `None` while both chains are one, where the inputs are the own
+    /// chain's, where rounds of alternatives are tried, or for another step.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn experts_request<R: Engine>(
+        &self,
+        plain: &Runner<'_, R>,
+        step: &Step,
+        start: &[(String, HostTensor)],
+    ) -> Result<Option<(Vec<HostTensor>, Vec<usize>)>> {
+        let Some(env) = &self.env else {
+            return Ok(None);
+        };
+        if !self.only_changed || !matches!(step.op, Op::MoeExperts { .. }) {
+            return Ok(None);
+        }
+        let mut chain = Vec::with_capacity(step.inputs.len());
+        let mut base = Vec::with_capacity(step.inputs.len());
+        for n in &step.inputs {
+            let value = match env.get(n) {
+                Some(v) if !v.alt.is_empty() => return Ok(None),
+                Some(v) => v.base.clone(),
+                None => match start.iter().find(|(s, _)| s == n) {
+                    Some((_, t)) => t.clone(),
+                    None => return Ok(None),
+                },
+            };
+            let Some(own) = plain.get(n) else {
+                return Ok(None);
+            };
+            chain.push(value);
+            base.push(plain.engine().download(own)?);
+        }
+        let rows = rows::rows_reached(
+            step,
+            &chain.iter().collect::<Vec<_>>(),
+            &base.iter().collect::<Vec<_>>(),
+        );
+        Ok(rows.filter(|r| !r.is_empty()).map(|r| (chain, r)))
+    }
+
     /// The step's outputs from the own chain's, when the chain's inputs (without rounds of
     /// alternatives) are the own chain's bit for bit (`None` rows: nothing computed), or differ
     /// from them in rows that [`rows::recompute`] recomputes (`Some(rows recomputed)`); `None`
@@ -240,6 +289,7 @@ impl Follow {
         x: &FollowStep<'_, '_, R>,
         inputs: &[Variants],
         wants: &dyn Fn(&str) -> bool,
+        prepared: Option<Prepared<R::Tensor>>,
     ) -> Result<Option<(Vec<(String, HostTensor)>, Option<usize>)>> {
         let step = x.step;
         if !self.only_changed || step.op == Op::Alias || inputs.iter().any(|v| !v.alt.is_empty()) {
@@ -278,7 +328,7 @@ impl Follow {
             return Ok(Some((known, None)));
         }
         Ok(
-            rows::recompute(x.reference, step, &chain, &base, &known, wants)?
+            rows::recompute(x.reference, step, &chain, &base, &known, wants, prepared)?
                 .map(|r| (r.outputs, Some(r.rows))),
         )
     }
@@ -307,6 +357,7 @@ impl Follow {
         &mut self,
         x: &FollowStep<'_, '_, R>,
         i: usize,
+        prepared: Option<Prepared<R::Tensor>>,
         candidate: &CandidateValue<'_>,
         sink: &mut dyn PairSink,
         summary: &mut PairSummary,
@@ -322,7 +373,7 @@ impl Follow {
         }
         let RoundOutputs {
             mut outputs, notes, ..
-        } = self.outputs(x, &*sink, &mut summary.reference_work)?;
+        } = self.outputs(x, prepared, &*sink, &mut summary.reference_work)?;
         // Rows of the rounds kept, once a hook the candidate has decided them.
         let mut decided: Option<Vec<(usize, usize)>> = None;
         // The candidate's selection, when it lacks it: alternatives are tried after the step.

@@ -35,7 +35,7 @@ use std::ops::Range;
 
 use anyhow::{bail, Context, Result};
 
-use crate::engine::{Engine, ExpertInputs, HostTensor, MlaInputs};
+use crate::engine::{Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs};
 use crate::model::steps::{self, expert_hook, hook, point, Op, Step};
 use crate::model::Weights;
 use crate::trace::Sink;
@@ -305,6 +305,44 @@ pub fn exec_step<E: Engine>(
     })
 }
 
+/// The routed-experts step of layer `layer` from `own` (`ffn_norm`, `moe_topk_ids`,
+/// `moe_weights`) as [`exec_step`] runs it, with each of `more` (the same three inputs, and its
+/// rows) in the same pass ([`Engine::moe_experts_joint`]).
+#[allow(clippy::type_complexity)]
+fn exec_experts_joint<E: Engine>(
+    engine: &E,
+    layer: usize,
+    own: [&E::Tensor; 3],
+    more: &[(Vec<E::Tensor>, Vec<usize>)],
+    wants: &dyn Fn(&str) -> bool,
+) -> Result<(StepOutputs<E::Tensor>, Vec<Option<ExpertsOut<E::Tensor>>>)> {
+    let want = |e: usize| wants(&expert_hook(layer, e));
+    let further = more
+        .iter()
+        .map(|(inputs, rows)| match inputs.as_slice() {
+            [x, ids, weights] => Ok((ExpertInputs { x, ids, weights }, rows.as_slice())),
+            _ => bail!(
+                "driver: layer {layer} experts: {} further inputs, expected 3",
+                inputs.len()
+            ),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let [x, ids, weights] = own;
+    let out = engine.moe_experts_joint(layer, ExpertInputs { x, ids, weights }, &further, &want)?;
+    Ok((
+        StepOutputs {
+            outputs: vec![out.own.routed],
+            extra: out
+                .own
+                .experts
+                .into_iter()
+                .map(|(e, t)| (expert_hook(layer, e), t))
+                .collect(),
+        },
+        out.more,
+    ))
+}
+
 /// Where each value of a plan lives and when it dies. Aliases (`Op::Alias` outputs) resolve to
 /// the value they name, which lives until the last use of any of its names.
 #[derive(Clone, Debug, Default)]
@@ -402,6 +440,20 @@ impl<'a, E: Engine> Runner<'a, E> {
     /// Runs the next step on the runner's own values (chained), keeps its outputs (readable with
     /// [`Runner::get`] until the next call) and returns the optional hooks `wants` asked for.
     pub fn step(&mut self, wants: &dyn Fn(&str) -> bool) -> Result<Vec<(String, E::Tensor)>> {
+        self.step_joint(wants, &[]).map(|(extra, _)| extra)
+    }
+
+    /// [`Runner::step`], where the next step is a routed-experts step, with the same step from
+    /// each further inputs of `more` (one tensor per step input) in its rows computed in the
+    /// same pass over the experts' weights ([`Engine::moe_experts_joint`]): also returns their
+    /// results (`None` where the engine computes only whole steps; none for another step or
+    /// an empty `more`).
+    #[allow(clippy::type_complexity)]
+    pub fn step_joint(
+        &mut self,
+        wants: &dyn Fn(&str) -> bool,
+        more: &[(Vec<E::Tensor>, Vec<usize>)],
+    ) -> Result<(Vec<(String, E::Tensor)>, Vec<Option<ExpertsOut<E::Tensor>>>)> {
         let i = self.next;
         let s = self
             .plan
@@ -427,15 +479,24 @@ impl<'a, E: Engine> Runner<'a, E> {
                     })
                 })
                 .collect::<Result<Vec<_>>>()?;
-            exec_step(self.engine, s, &inputs, self.tokens, wants).with_context(|| {
-                format!("driver: step {} ({})", s.outputs.join(", "), op_name(&s.op))
-            })?
+            let context = || format!("driver: step {} ({})", s.outputs.join(", "), op_name(&s.op));
+            match (&s.op, inputs.as_slice()) {
+                (Op::MoeExperts { layer }, [x, ids, weights]) if !more.is_empty() => {
+                    exec_experts_joint(self.engine, *layer, [x, ids, weights], more, wants)
+                        .with_context(context)?
+                }
+                _ => (
+                    exec_step(self.engine, s, &inputs, self.tokens, wants).with_context(context)?,
+                    Vec::new(),
+                ),
+            }
         };
+        let (out, joint) = out;
         for (name, t) in s.outputs.iter().zip(out.outputs) {
             self.env.insert(name.clone(), t);
         }
         self.next += 1;
-        Ok(out.extra)
+        Ok((out.extra, joint))
     }
 
     /// Ends the walk's weight hooks on the engine: [`Engine::end_layer`] of the layer begun and

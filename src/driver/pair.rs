@@ -47,11 +47,11 @@ use anyhow::{Context, Result};
 use super::follow::{Follow, FollowStep};
 pub use super::replay::{is_selection, LayerTime, PairSummary, ReferenceWork, Work};
 use super::replay::{replay_step, step_wanted};
-use super::rows;
+use super::rows::{self, Prepared};
 use super::segment::TraceReplay;
 use super::timed::Timed;
 use super::{check_tokens, Plan, Progress, Residency, Runner, StepProgress};
-use crate::engine::{Engine, HostTensor, UploadStats};
+use crate::engine::{Engine, ExpertsOut, HostTensor, UploadStats};
 use crate::model::steps::{expert_hook, hook, point, Op, Step};
 use crate::model::Weights;
 use crate::trace::{Mode, Pair, PairSink, TraceFile};
@@ -186,6 +186,21 @@ where
                         .is_some_and(|(l, _)| expert_of(*l, n).is_some())
             })
             .collect();
+        // The rows of a routed-experts step that the followed chain and the replay recompute,
+        // computed in the reference's own pass over the experts' weights.
+        let joint = experts_requests(
+            reference,
+            &refr,
+            step,
+            start,
+            &follow,
+            replay_inputs.as_ref().and_then(|r| r.as_ref().ok()),
+            JointFor {
+                follow: modes.chained && only_changed,
+                replay: only_changed,
+            },
+        )?;
+        let joint_rows: Vec<Vec<usize>> = joint.more.iter().map(|(_, r)| r.clone()).collect();
         // The candidate's replay of the step, from the inputs taken above.
         let replay_now = match (&candidate, &replay_inputs) {
             (Candidate::Engine(c), Some(Ok(inputs))) if step.op != Op::Alias => Some((*c, inputs)),
@@ -196,9 +211,10 @@ where
         let (ref_done, cand_done) = std::thread::scope(|scope| {
             let refr = &mut refr;
             let ref_wants = &ref_wants;
-            let ref_side = scope.spawn(move || -> Result<RefStep> {
+            let more = joint.more;
+            let ref_side = scope.spawn(move || -> Result<RefStep<R::Tensor>> {
                 let t0 = Instant::now();
-                let extra = refr.step(&|n: &str| ref_wants.contains(n))?;
+                let (extra, joint) = refr.step_joint(&|n: &str| ref_wants.contains(n), &more)?;
                 let mut out = Vec::new();
                 for n in step.outputs.iter().filter(|n| ref_wants.contains(*n)) {
                     let t = refr.get(n).with_context(|| {
@@ -214,6 +230,7 @@ where
                 Ok(RefStep {
                     out,
                     extra,
+                    joint,
                     seconds: t0.elapsed().as_secs_f64(),
                 })
             });
@@ -263,12 +280,25 @@ where
         let RefStep {
             out: ref_out,
             extra: ref_extra,
+            joint: mut joint_out,
             seconds: took,
         } = ref_done?;
+        let mut prepared = |at: Option<usize>| {
+            let i = at?;
+            Some(Prepared {
+                rows: joint_rows.get(i)?.clone(),
+                out: joint_out.get_mut(i)?.take()?,
+            })
+        };
+        let (follow_prepared, replay_prepared) = (prepared(joint.follow), prepared(joint.replay));
         let mut cand_done = cand_done?;
         summary.time(layer).reference += took;
         if step.op != Op::Alias {
             summary.reference_work.plain.add(tokens.len(), took);
+        }
+        if !joint_rows.is_empty() {
+            let further = joint_rows.iter().map(Vec::len).sum();
+            summary.reference_work.joint.add(further, took);
         }
         {
             let t = summary.time(layer);
@@ -323,6 +353,7 @@ where
                     tokens,
                     start,
                     absent: absent(&candidate),
+                    prepared: follow_prepared,
                 },
                 &value,
                 sink,
@@ -382,6 +413,7 @@ where
                                         tokens,
                                         &*sink,
                                         only_changed,
+                                        replay_prepared,
                                         &mut summary,
                                     )?
                                 } else {
@@ -430,11 +462,13 @@ where
 }
 
 /// The reference's side of one step, run beside the candidate's.
-struct RefStep {
+struct RefStep<T> {
     /// Its outputs the sink wants, on the host.
     out: Vec<(String, HostTensor)>,
     /// Its optional hooks asked for, on the host.
     extra: Vec<(String, HostTensor)>,
+    /// The further rows computed in its pass ([`Joint::more`]), in order.
+    joint: Vec<Option<ExpertsOut<T>>>,
     /// Seconds it took.
     seconds: f64,
 }
@@ -569,13 +603,22 @@ fn recompute_reference<R: Engine>(
     tokens: &[u32],
     sink: &dyn PairSink,
     only_changed: bool,
+    prepared: Option<Prepared<R::Tensor>>,
     summary: &mut PairSummary,
 ) -> Result<Vec<(String, HostTensor)>> {
     let t0 = Instant::now();
     let sink_wants = |n: &str| sink.wants(n);
     let rows = if only_changed {
         let values: Vec<&HostTensor> = inputs.values.iter().collect();
-        rows::recompute(reference, step, &values, &inputs.base(), &own, &sink_wants)?
+        rows::recompute(
+            reference,
+            step,
+            &values,
+            &inputs.base(),
+            &own,
+            &sink_wants,
+            prepared,
+        )?
     } else {
         None
     };
@@ -591,6 +634,67 @@ fn recompute_reference<R: Engine>(
     work.add(n, took);
     summary.time(step.layer).reference += took;
     Ok(out)
+}
+
+/// Which recomputations of a routed-experts step may join the reference's own pass.
+struct JointFor {
+    /// The followed chain's (chained mode, computing only changed rows).
+    follow: bool,
+    /// The replay's with the candidate's selection (computing only changed rows).
+    replay: bool,
+}
+
+/// The further inputs of a routed-experts step computed in the reference's own pass
+/// ([`Runner::step_joint`]) and whose they are.
+struct Joint<T> {
+    /// Inputs (one per step input) and the rows computed.
+    more: Vec<(Vec<T>, Vec<usize>)>,
+    /// The followed chain's entry of `more`.
+    follow: Option<usize>,
+    /// The replay's entry of `more`.
+    replay: Option<usize>,
+}
+
+/// What of the next step, a routed-experts step, the followed chain ([`Follow::experts_request`])
+/// and the replay with the candidate's selection (the rows its selection reaches) will
+/// recompute: at short prompts each would dequantize the layer's selected experts again, so
+/// the reference's own step computes them in the same pass. Nothing for another step.
+fn experts_requests<R: Engine>(
+    reference: &R,
+    refr: &Runner<'_, R>,
+    step: &Step,
+    start: &[(String, HostTensor)],
+    follow: &Follow,
+    replay: Option<&ReplayInputs>,
+    joint_for: JointFor,
+) -> Result<Joint<R::Tensor>> {
+    let mut joint = Joint {
+        more: Vec::new(),
+        follow: None,
+        replay: None,
+    };
+    if !matches!(step.op, Op::MoeExperts { .. }) {
+        return Ok(joint);
+    }
+    let upload = |values: &[&HostTensor]| -> Result<Vec<R::Tensor>> {
+        values.iter().map(|v| reference.upload(v)).collect()
+    };
+    if joint_for.follow {
+        if let Some((inputs, rows)) = follow.experts_request(refr, step, start)? {
+            joint.follow = Some(joint.more.len());
+            joint
+                .more
+                .push((upload(&inputs.iter().collect::<Vec<_>>())?, rows));
+        }
+    }
+    if let Some(r) = replay.filter(|r| joint_for.replay && r.substituted) {
+        let values: Vec<&HostTensor> = r.values.iter().collect();
+        if let Some(rows) = rows::rows_reached(step, &values, &r.base()).filter(|x| !x.is_empty()) {
+            joint.replay = Some(joint.more.len());
+            joint.more.push((upload(&values)?, rows));
+        }
+    }
+    Ok(joint)
 }
 
 /// How a candidate output that is not there is described.

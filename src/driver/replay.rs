@@ -43,6 +43,11 @@ pub struct ReferenceWork {
     /// Steps of that chain whose inputs are the own chain's bit for bit: its outputs taken,
     /// nothing computed.
     pub followed_reused: Work,
+    /// Steps of its own chain (routed experts) that also computed the rows a replay or the
+    /// followed chain recomputes, in the same pass over the experts' weights: the further
+    /// rows, and the steps' whole time (also in `plain`; those rows count again, with the
+    /// time their outputs took to splice in, in `replay_rows` or `followed_rows`).
+    pub joint: Work,
 }
 
 /// Steps computed, the rows they computed and the time they took.

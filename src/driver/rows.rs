@@ -20,7 +20,7 @@ use std::collections::BTreeSet;
 
 use anyhow::{bail, Result};
 
-use crate::engine::{Engine, ExpertInputs, HostData, HostTensor, MlaInputs};
+use crate::engine::{Engine, ExpertInputs, ExpertsOut, HostData, HostTensor, MlaInputs};
 use crate::model::steps::{expert_hook, hook, point, Op, Step};
 
 /// The rows of the first axis in which `a` and `b` differ bit for bit (`-0.0` and `0.0` differ,
@@ -50,6 +50,15 @@ pub(super) fn rows_differing(a: &HostTensor, b: &HostTensor) -> Option<Vec<usize
         _ => return None,
     };
     Some(differ)
+}
+
+/// A routed-experts step's outputs in some token rows, computed ahead of [`recompute`]
+/// ([`Engine::moe_experts_rows`] of the rows the change reaches).
+pub(super) struct Prepared<T> {
+    /// The token rows computed, ascending.
+    pub(super) rows: Vec<usize>,
+    /// Their outputs.
+    pub(super) out: ExpertsOut<T>,
 }
 
 /// What [`recompute`] gives.
@@ -108,6 +117,10 @@ pub(super) fn rows_reached(
 /// differ from `base` only and taken from `known` elsewhere. `known` holds what the step gave
 /// from `base`: at least every output `wants` asks for. `None` when the step is left whole to
 /// the caller (module documentation).
+///
+/// `prepared` is a routed-experts step's rows already computed beside the own chain's step
+/// ([`super::Runner::step_joint`]): taken when its rows are the ones the change reaches, even
+/// all of them (nothing is left to compute), in place of [`Engine::moe_experts_rows`].
 pub(super) fn recompute<E: Engine>(
     engine: &E,
     step: &Step,
@@ -115,20 +128,30 @@ pub(super) fn recompute<E: Engine>(
     base: &[&HostTensor],
     known: &[(String, HostTensor)],
     wants: &dyn Fn(&str) -> bool,
+    prepared: Option<Prepared<E::Tensor>>,
 ) -> Result<Option<Recomputed>> {
     let Some(rows) = rows_reached(step, inputs, base) else {
         return Ok(None);
     };
+    let prepared = prepared.filter(|p| p.rows == rows && matches!(step.op, Op::MoeExperts { .. }));
     let n_rows = inputs.first().and_then(|t| t.shape.first()).copied();
-    if n_rows.is_none_or(|n| rows.len() >= n) {
+    if n_rows.is_none_or(|n| rows.len() >= n && prepared.is_none()) {
         return Ok(None);
     }
     let known_of = |name: &str| known.iter().find(|(n, _)| n == name).map(|(_, t)| t);
     let out = match step.op {
         Op::Attention { layer } => attention(engine, layer, step, inputs, &rows, &known_of, wants)?,
-        Op::MoeExperts { layer } => {
-            experts(engine, layer, step, inputs, base, &rows, &known_of, wants)?
-        }
+        Op::MoeExperts { layer } => experts(
+            engine,
+            layer,
+            step,
+            inputs,
+            base,
+            &rows,
+            &known_of,
+            wants,
+            prepared.map(|p| p.out),
+        )?,
         _ if row_wise(&step.op) => by_rows(engine, step, inputs, &rows, &known_of, wants)?,
         _ => None,
     };
@@ -314,6 +337,7 @@ fn experts<'k, E: Engine>(
     rows: &[usize],
     known: &dyn Fn(&str) -> Option<&'k HostTensor>,
     wants: &dyn Fn(&str) -> bool,
+    prepared: Option<ExpertsOut<E::Tensor>>,
 ) -> Result<Option<Vec<(String, HostTensor)>>> {
     let (Some(routed_name), true) = (step.outputs.first(), inputs.len() == 3 && base.len() == 3)
     else {
@@ -327,18 +351,24 @@ fn experts<'k, E: Engine>(
     let (t, k) = inputs[1].dims2("moe_topk_ids")?;
     let new_ids = inputs[1].as_i32("moe_topk_ids")?;
     let base_ids = base[1].as_i32("moe_topk_ids")?;
-    let up = inputs
-        .iter()
-        .map(|x| engine.upload(x))
-        .collect::<Result<Vec<_>>>()?;
-    let x = ExpertInputs {
-        x: &up[0],
-        ids: &up[1],
-        weights: &up[2],
-    };
-    let want_expert = |e: usize| wants(&expert_hook(layer, e));
-    let Some(part) = engine.moe_experts_rows(layer, x, rows, &want_expert)? else {
-        return Ok(None);
+    let part = match prepared {
+        Some(p) => p,
+        None => {
+            let up = inputs
+                .iter()
+                .map(|x| engine.upload(x))
+                .collect::<Result<Vec<_>>>()?;
+            let x = ExpertInputs {
+                x: &up[0],
+                ids: &up[1],
+                weights: &up[2],
+            };
+            let want_expert = |e: usize| wants(&expert_hook(layer, e));
+            match engine.moe_experts_rows(layer, x, rows, &want_expert)? {
+                Some(part) => part,
+                None => return Ok(None),
+            }
+        }
     };
     let mut out = Vec::new();
     if let (true, Some(kr)) = (want_routed, known_routed) {
@@ -618,6 +648,13 @@ mod tests {
                 work.followed_rows.rows + work.followed_whole.rows < whole_work.followed_whole.rows,
                 "{file}: {work:?}"
             );
+            // The expert steps' recomputed rows were computed in the own chain's pass over the
+            // experts (bit for bit, as the events above show); never when recomputing whole.
+            assert!(
+                work.joint.steps > 0 && work.joint.rows > 0,
+                "{file}: {work:?}"
+            );
+            assert_eq!(whole_work.joint.steps, 0, "{file}");
             // The engine without rows recomputes whole replayed steps.
             assert_eq!(default_work.replay_rows.steps, 0, "{file}");
             assert_eq!(

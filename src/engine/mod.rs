@@ -92,6 +92,15 @@ pub struct ExpertsOut<T> {
     pub experts: Vec<(usize, T)>,
 }
 
+/// What [`Engine::moe_experts_joint`] gives.
+pub struct JointExperts<T> {
+    /// The whole step from the first inputs.
+    pub own: ExpertsOut<T>,
+    /// Per further inputs, their rows' outputs (`None` when the engine computes only whole
+    /// steps).
+    pub more: Vec<Option<ExpertsOut<T>>>,
+}
+
 /// What an engine did to put weights where its steps read them, since it was last asked
 /// ([`Engine::take_upload_stats`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -266,6 +275,33 @@ pub trait Engine {
     ) -> Result<Option<ExpertsOut<Self::Tensor>>> {
         let _ = (layer, x, rows, want_expert);
         Ok(None)
+    }
+    /// [`Engine::moe_experts`] of `x`, and [`Engine::moe_experts_rows`] of every
+    /// `(inputs, rows)` of `more` (the same layer's step from other inputs: a chain that
+    /// follows other selections, a replay with the candidate's), in one pass over the experts'
+    /// weights where the engine can: each result bit for bit what its own call gives, a `more`
+    /// result `None` where that call's is. The default makes every call on its own.
+    #[allow(clippy::type_complexity)]
+    fn moe_experts_joint(
+        &self,
+        layer: usize,
+        x: ExpertInputs<'_, Self::Tensor>,
+        more: &[(ExpertInputs<'_, Self::Tensor>, &[usize])],
+        want_expert: &dyn Fn(usize) -> bool,
+    ) -> Result<JointExperts<Self::Tensor>> {
+        let own = self.moe_experts(layer, x, want_expert)?;
+        let more = more
+            .iter()
+            .map(|(m, rows)| {
+                let m = ExpertInputs {
+                    x: m.x,
+                    ids: m.ids,
+                    weights: m.weights,
+                };
+                self.moe_experts_rows(layer, m, rows, want_expert)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(JointExperts { own, more })
     }
     /// SwiGLU MLP `down(silu(gate x) * up x)` with three GGUF matrices (shared expert).
     fn mlp(&self, x: &Self::Tensor, gate: &str, up: &str, down: &str) -> Result<Self::Tensor>;

@@ -371,8 +371,10 @@ pub fn render_run(r: &run::Report) -> String {
          records them. floor: the CPU reference's dequantize_par + matmul of the layer's slices\n\
          (touched experts) with the same tokens. copy: the layer's raw GGUF bytes host-to-device from\n\
          pinned and pageable memory.\n\
-         Projection: the sum over kinds of layers at the depth x mean wall per layer; each side's the\n\
-         same of its time; bound by: the side whose projected time is larger, and its ratio to the other.\n\
+         Projection: the sum over kinds of layers at the depth x mean wall per layer (over a kind's\n\
+         layers after its first when more are timed: the first MoE layer runs before any near-tie\n\
+         expert flip is followed); each side's the same of its time; bound by: the side whose\n\
+         projected time is larger, and its ratio to the other.\n\
          Memory: VmHWM (reset before each pass), RssAnon and RssFile sampled during the passes.\n",
     );
     s

@@ -162,11 +162,19 @@ fn reference_work_line(w: &ReferenceWork, width: Option<usize>) -> Option<String
         let items: Vec<String> = items.into_iter().flatten().collect();
         (!items.is_empty()).then(|| format!("{name} {}", items.join(" + ")))
     };
+    let joint = (w.joint.steps > 0).then(|| {
+        format!(
+            "; {} also computing {} of the others",
+            plural(w.joint.steps, "expert step"),
+            plural(w.joint.rows, "row")
+        )
+    });
     let parts: Vec<String> = [
         Some(format!(
-            "own chain {:.3} s ({})",
+            "own chain {:.3} s ({}{})",
             w.plain.seconds,
-            plural(w.plain.steps, "step")
+            plural(w.plain.steps, "step"),
+            joint.unwrap_or_default()
         )),
         group(
             "the candidate's selections in replay",
@@ -978,6 +986,7 @@ pub fn to_json(h: &Header, c: &Comparison) -> Value {
                 "followed_whole": work(&w.followed_whole),
                 "followed_rows": work(&w.followed_rows),
                 "followed_reused": work(&w.followed_reused),
+                "joint": work(&w.joint),
             })
         }),
     })
@@ -1038,9 +1047,6 @@ mod tests {
         }
     }
 
-    /// The per-layer line: each side's mean and slowest layer (global steps left out), the
-    /// candidate's weight uploads with the bytes a layer, and nothing about uploads for a
-    /// candidate that makes none.
     /// The reference's work beyond its own chain, by cause, in words; nothing when there is
     /// none.
     #[test]
@@ -1064,8 +1070,15 @@ mod tests {
              0.500 s whole (1 step) + 6.250 s in rows (12 steps, 23484 rows) + 1 step taken as \
              they were"
         );
+        rw.joint = w(3, 30, 0.9);
+        assert!(reference_work_line(&rw, Some(300))
+            .unwrap()
+            .starts_with("reference work: own chain 17.600 s (41 steps; 3 expert steps also computing 30 rows of the others), "));
     }
 
+    /// The per-layer line: each side's mean and slowest layer (global steps left out), the
+    /// candidate's weight uploads with the bytes a layer, and nothing about uploads for a
+    /// candidate that makes none.
     #[test]
     fn layer_times_show_the_candidates_uploads_apart() {
         let times = [

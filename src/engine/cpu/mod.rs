@@ -21,13 +21,16 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Context, Result};
 
-use super::{AttentionOut, Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs, Routing};
+use super::{
+    AttentionOut, Engine, ExpertInputs, ExpertsOut, HostTensor, JointExperts, MlaInputs, Routing,
+};
 use crate::model::names::{self, blk};
 use crate::model::{rope, RopeSlice, Weights};
 use crate::precision::Precision;
 
 pub use attention::{causal_top_k, mla_host, mla_host_kv, Rotate};
 pub use math::Rows;
+use moe::ExpertGroup;
 pub use moe::{route_token, selected_weights};
 pub use weights::{assemble_kv_b, Matrix, RowSource};
 
@@ -317,6 +320,37 @@ impl Engine for CpuEngine<'_> {
         .map(Some)
     }
 
+    fn moe_experts_joint(
+        &self,
+        layer: usize,
+        x: ExpertInputs<'_, HostTensor>,
+        more: &[(ExpertInputs<'_, HostTensor>, &[usize])],
+        want_expert: &dyn Fn(usize) -> bool,
+    ) -> Result<JointExperts<HostTensor>> {
+        let mut groups = vec![ExpertGroup {
+            x: x.x,
+            ids: x.ids,
+            weights: x.weights,
+            rows: None,
+        }];
+        groups.extend(more.iter().map(|(m, rows)| ExpertGroup {
+            x: m.x,
+            ids: m.ids,
+            weights: m.weights,
+            rows: Some(*rows),
+        }));
+        let mut out = self
+            .moe_experts_groups(layer, &groups, want_expert, &|e| self.expert_rows(layer, e))?
+            .into_iter();
+        let own = out
+            .next()
+            .ok_or_else(|| anyhow::anyhow!("engine: cpu: layer {layer} experts: no output"))?;
+        Ok(JointExperts {
+            own,
+            more: out.map(Some).collect(),
+        })
+    }
+
     fn mlp(&self, x: &HostTensor, gate: &str, up: &str, down: &str) -> Result<HostTensor> {
         let g = self.linear(x, gate)?;
         let u = self.linear(x, up)?;
@@ -462,6 +496,63 @@ mod tests {
         }
         assert_eq!(seen, part.experts.len());
         assert!(seen > 0);
+    }
+
+    /// The routed experts of several inputs in one pass give each what its own call gives,
+    /// bit for bit: the whole step from the first, and the rows of the others (other inputs,
+    /// other experts selected in some rows, every row).
+    #[test]
+    fn experts_in_one_pass_are_each_calls_bit_for_bit() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let model = tiny_model(&hp);
+        let w = Weights::new(&model).unwrap();
+        let e = CpuEngine::new(&w);
+        let h = hooks(&w);
+        let l = 1;
+        let (x, ids, weights) = (
+            &h["blk.1.ffn_norm"],
+            &h["blk.1.moe_topk_ids"],
+            &h["blk.1.moe_weights"],
+        );
+        let (t, k) = ids.dims2("").unwrap();
+        // Another chain: other values in rows 2 and 5, another expert in row 5.
+        let mut x2 = x.clone();
+        for v in &mut x2.as_f32_mut("").unwrap()[2 * hp.hidden..3 * hp.hidden] {
+            *v *= 1.5;
+        }
+        let mut ids2 = ids.clone();
+        {
+            let v = ids2.as_i32_mut("").unwrap();
+            let unused = (0..hp.n_expert as i32)
+                .find(|c| !v[5 * k..6 * k].contains(c))
+                .unwrap();
+            v[5 * k] = unused;
+        }
+        let all: Vec<usize> = (0..t).collect();
+        let want = |ex: usize| ex % 2 == 0;
+        let of = |x, ids| ExpertInputs { x, ids, weights };
+        let more = [(of(&x2, &ids2), &[2usize, 5][..]), (of(x, ids), &all[..])];
+        let joint = e.moe_experts_joint(l, of(x, ids), &more, &want).unwrap();
+        let same = |a: &ExpertsOut<HostTensor>, b: &ExpertsOut<HostTensor>| {
+            assert!(a.routed.same_bits(&b.routed));
+            assert_eq!(a.experts.len(), b.experts.len());
+            for ((ea, ta), (eb, tb)) in a.experts.iter().zip(&b.experts) {
+                assert_eq!(ea, eb);
+                assert!(ta.same_bits(tb), "expert {ea}");
+            }
+        };
+        same(&joint.own, &e.moe_experts(l, of(x, ids), &want).unwrap());
+        assert_eq!(joint.more.len(), 2);
+        for (got, (inputs, rows)) in joint.more.iter().zip(&more) {
+            let alone = ExpertInputs {
+                x: inputs.x,
+                ids: inputs.ids,
+                weights: inputs.weights,
+            };
+            let alone = e.moe_experts_rows(l, alone, rows, &want).unwrap().unwrap();
+            same(got.as_ref().unwrap(), &alone);
+        }
+        assert!(!joint.own.experts.is_empty());
     }
 
     /// Rows outside the step or out of order are an error naming the step, never a panic.

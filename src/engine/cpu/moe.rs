@@ -189,47 +189,80 @@ impl<'w> CpuEngine<'w> {
         want_expert: &dyn Fn(usize) -> bool,
         expert: &dyn Fn(usize) -> Result<[Rows<'w>; 3]>,
     ) -> Result<ExpertsOut<HostTensor>> {
-        let hp = self.weights.hparams();
-        let (t, hidden) = x.dims2("moe input")?;
-        let (ti, k) = ids.dims2("moe_topk_ids")?;
-        if ti != t || weights.shape != ids.shape {
-            bail!(
-                "engine: cpu: layer {layer} experts: input {:?}, ids {:?}, weights {:?} disagree",
-                x.shape,
-                ids.shape,
-                weights.shape
-            );
-        }
-        let (xv, idv, wv) = (
-            x.as_f32("moe input")?,
-            ids.as_i32("moe_topk_ids")?,
-            weights.as_f32("moe_weights")?,
-        );
-        let tokens: Vec<usize> = match rows {
-            None => (0..t).collect(),
-            Some(r) => {
-                super::attention::check_rows(r, t).map_err(|e| {
-                    anyhow::anyhow!("engine: cpu: layer {layer} experts: token {e}")
-                })?;
-                r.to_vec()
-            }
+        let group = ExpertGroup {
+            x,
+            ids,
+            weights,
+            rows,
         };
-        // routed[e] = (output row, token, weight) in token order.
-        let mut routed: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); hp.n_expert];
-        for (i, &tok) in tokens.iter().enumerate() {
-            for j in 0..k {
-                let e = idv[tok * k + j];
-                if e < 0 || e as usize >= hp.n_expert {
-                    bail!(
-                        "engine: cpu: layer {layer}: token {tok} selects expert {e} of {}",
-                        hp.n_expert
-                    );
-                }
-                routed[e as usize].push((i, tok, wv[tok * k + j]));
+        let mut out = self.moe_experts_groups(layer, &[group], want_expert, expert)?;
+        out.pop()
+            .ok_or_else(|| anyhow::anyhow!("engine: cpu: layer {layer} experts: no output"))
+    }
+
+    /// [`CpuEngine::moe_experts_tokens`] of every group of `groups` (the same layer's step from
+    /// other inputs, each in its own rows) in one pass over the experts: an expert selected in
+    /// several groups is dequantized once and computes all their tokens together. Each group's
+    /// result is bit for bit what it gives alone, since a token's row is the same whichever
+    /// others are computed.
+    pub(super) fn moe_experts_groups(
+        &self,
+        layer: usize,
+        groups: &[ExpertGroup<'_>],
+        want_expert: &dyn Fn(usize) -> bool,
+        expert: &dyn Fn(usize) -> Result<[Rows<'w>; 3]>,
+    ) -> Result<Vec<ExpertsOut<HostTensor>>> {
+        let hp = self.weights.hparams();
+        // routed[e] = (group, output row, token, weight), group by group in token order.
+        let mut routed: Vec<Vec<(usize, usize, usize, f32)>> = vec![Vec::new(); hp.n_expert];
+        let mut hidden = None;
+        let mut values = Vec::with_capacity(groups.len());
+        let mut n_tokens = Vec::with_capacity(groups.len());
+        for (g, group) in groups.iter().enumerate() {
+            let (x, ids, weights) = (group.x, group.ids, group.weights);
+            let (t, h) = x.dims2("moe input")?;
+            let (ti, k) = ids.dims2("moe_topk_ids")?;
+            if ti != t || weights.shape != ids.shape || hidden.is_some_and(|w| w != h) {
+                bail!(
+                    "engine: cpu: layer {layer} experts: input {:?}, ids {:?}, weights {:?} disagree",
+                    x.shape,
+                    ids.shape,
+                    weights.shape
+                );
             }
+            hidden = Some(h);
+            let (xv, idv, wv) = (
+                x.as_f32("moe input")?,
+                ids.as_i32("moe_topk_ids")?,
+                weights.as_f32("moe_weights")?,
+            );
+            let tokens: Vec<usize> = match group.rows {
+                None => (0..t).collect(),
+                Some(r) => {
+                    super::attention::check_rows(r, t).map_err(|e| {
+                        anyhow::anyhow!("engine: cpu: layer {layer} experts: token {e}")
+                    })?;
+                    r.to_vec()
+                }
+            };
+            for (i, &tok) in tokens.iter().enumerate() {
+                for j in 0..k {
+                    let e = idv[tok * k + j];
+                    if e < 0 || e as usize >= hp.n_expert {
+                        bail!(
+                            "engine: cpu: layer {layer}: token {tok} selects expert {e} of {}",
+                            hp.n_expert
+                        );
+                    }
+                    routed[e as usize].push((g, i, tok, wv[tok * k + j]));
+                }
+            }
+            values.push(xv);
+            n_tokens.push(tokens.len());
         }
-        let mut acc = vec![0f64; tokens.len() * hidden];
-        let mut extra = Vec::new();
+        let hidden = hidden.unwrap_or(hp.hidden);
+        let mut acc: Vec<Vec<f64>> = n_tokens.iter().map(|&n| vec![0f64; n * hidden]).collect();
+        let mut extra: Vec<Vec<(usize, HostTensor)>> = vec![Vec::new(); groups.len()];
         for (e, toks) in routed.iter().enumerate() {
             if toks.is_empty() {
                 continue;
@@ -237,7 +270,8 @@ impl<'w> CpuEngine<'w> {
             let n = toks.len();
             let xs: Vec<f32> = toks
                 .iter()
-                .flat_map(|&(_, tok, _)| xv[tok * hidden..(tok + 1) * hidden].iter().copied())
+                .flat_map(|&(g, _, tok, _)| values[g][tok * hidden..(tok + 1) * hidden].iter())
+                .copied()
                 .collect(); // [n, hidden]
             let rows = expert(e)?;
             if rows[0].cols() != hidden {
@@ -247,9 +281,9 @@ impl<'w> CpuEngine<'w> {
                 );
             }
             let y = self.expert_output(&rows, &xs, n)?; // [n, hidden]
-            for (i, &(row, _, w)) in toks.iter().enumerate() {
+            for (i, &(g, row, _, w)) in toks.iter().enumerate() {
                 let w = f64::from(w);
-                for (a, &v) in acc[row * hidden..(row + 1) * hidden]
+                for (a, &v) in acc[g][row * hidden..(row + 1) * hidden]
                     .iter_mut()
                     .zip(&y[i * hidden..(i + 1) * hidden])
                 {
@@ -257,15 +291,45 @@ impl<'w> CpuEngine<'w> {
                 }
             }
             if want_expert(e) {
-                extra.push((e, HostTensor::f32(vec![n, hidden], y)?));
+                for (g, out) in extra.iter_mut().enumerate() {
+                    let ys: Vec<f32> = toks
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, r)| r.0 == g)
+                        .flat_map(|(i, _)| y[i * hidden..(i + 1) * hidden].iter())
+                        .copied()
+                        .collect(); // [n_g, hidden]
+                    if !ys.is_empty() {
+                        out.push((e, HostTensor::f32(vec![ys.len() / hidden, hidden], ys)?));
+                    }
+                }
             }
         }
-        let out = acc.iter().map(|&v| v as f32).collect();
-        Ok(ExpertsOut {
-            routed: HostTensor::f32(vec![tokens.len(), hidden], out)?,
-            experts: extra,
-        })
+        acc.into_iter()
+            .zip(extra)
+            .zip(n_tokens)
+            .map(|((acc, experts), n)| {
+                let out = acc.iter().map(|&v| v as f32).collect();
+                Ok(ExpertsOut {
+                    routed: HostTensor::f32(vec![n, hidden], out)?,
+                    experts,
+                })
+            })
+            .collect()
     }
+}
+
+/// One group of [`CpuEngine::moe_experts_groups`]: a layer's expert inputs and the token rows
+/// computed (all when `None`).
+pub(super) struct ExpertGroup<'a> {
+    /// `ffn_norm`, `[T, hidden]`.
+    pub(super) x: &'a HostTensor,
+    /// `moe_topk_ids`, `[T, K]` i32.
+    pub(super) ids: &'a HostTensor,
+    /// `moe_weights`, `[T, K]`.
+    pub(super) weights: &'a HostTensor,
+    /// Token rows computed, ascending and distinct; all when `None`.
+    pub(super) rows: Option<&'a [usize]>,
 }
 
 #[cfg(test)]
