@@ -97,7 +97,7 @@ run() {
     echo "== bench dequant --device 0"
     "$bin" bench dequant --device 0 2>&1 | tee "$logs/bench.txt"
     summary+=("bench dequant --device 0: $(grep -E 'copy' "$logs/bench.txt" | head -n 1)")
-    echo "== bench run --against cuda: GLM-5 dimensions (one dense and one MoE layer), 16 tokens"
+    echo "== bench run --against cuda: GLM-5 dimensions (one dense and two MoE layers), 16 tokens"
     "$bin" --wide bench run --against cuda --tokens 16 --reps 2 --project glm5 2>&1 | tee "$logs/bench-run.txt"
     summary+=("bench run --against cuda, 16 tokens, GLM-5 projected: exit ${PIPESTATUS[0]}, $(grep -m1 -E '(reference|candidate) \([0-9.]+x\)' "$logs/bench-run.txt" | tr -s ' ')")
     fi

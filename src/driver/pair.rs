@@ -283,6 +283,13 @@ where
             joint: mut joint_out,
             seconds: took,
         } = ref_done?;
+        // The further rows the engine computed (one that computes only whole steps gives none).
+        let further: usize = joint_rows
+            .iter()
+            .zip(&joint_out)
+            .filter(|(_, out)| out.is_some())
+            .map(|(rows, _)| rows.len())
+            .sum();
         let mut prepared = |at: Option<usize>| {
             let i = at?;
             Some(Prepared {
@@ -296,8 +303,7 @@ where
         if step.op != Op::Alias {
             summary.reference_work.plain.add(tokens.len(), took);
         }
-        if !joint_rows.is_empty() {
-            let further = joint_rows.iter().map(Vec::len).sum();
+        if further > 0 {
             summary.reference_work.joint.add(further, took);
         }
         {

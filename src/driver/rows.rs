@@ -655,6 +655,7 @@ mod tests {
                 "{file}: {work:?}"
             );
             assert_eq!(whole_work.joint.steps, 0, "{file}");
+            assert_eq!(default_work.joint.steps, 0, "{file}");
             // The engine without rows recomputes whole replayed steps.
             assert_eq!(default_work.replay_rows.steps, 0, "{file}");
             assert_eq!(
