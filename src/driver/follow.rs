@@ -24,7 +24,10 @@
 //! nothing; from there it runs its own steps on the reference engine from host values, except
 //! that a step whose inputs are the own chain's bit for bit takes the own chain's outputs, and
 //! an attention, expert or row-wise step whose inputs differ from them in some rows is
-//! computed in the rows that reach only ([`super::rows`]).
+//! computed in the rows that reach only ([`super::rows`]). A routed-experts step's rows are
+//! computed by the own chain's step, in its pass over the experts' weights
+//! ([`Follow::experts_request`], [`super::Runner::step_joint`]): at short prompts a MoE layer
+//! costs the dequantization of its selected experts, which would otherwise be paid twice.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;

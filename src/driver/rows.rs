@@ -14,7 +14,8 @@
 //! near ties in about half the rows: the chain that follows it then computes half a layer.)
 //! An engine that computes only whole steps, inputs of another shape, a step of another kind,
 //! or changes that reach every row leave the whole step to the caller ([`recompute`] returns
-//! `None`).
+//! `None`). A routed-experts step's rows may come already computed ([`Prepared`]: the own
+//! chain's step computed them in its pass over the experts), even every row.
 
 use std::collections::BTreeSet;
 
