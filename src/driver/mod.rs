@@ -284,15 +284,7 @@ pub fn exec_step<E: Engine>(
                 ids: x(1),
                 weights: x(2),
             };
-            let out = engine.moe_experts(*layer, inp, &want)?;
-            StepOutputs {
-                outputs: vec![out.routed],
-                extra: out
-                    .experts
-                    .into_iter()
-                    .map(|(e, t)| (expert_hook(*layer, e), t))
-                    .collect(),
-            }
+            experts_outputs(*layer, engine.moe_experts(*layer, inp, &want)?)
         }
         Op::Mlp { gate, up, down } => one(engine.mlp(x(0), gate, up, down)?),
         Op::SwiGlu => one(engine.swiglu(x(0), x(1))?),
@@ -329,18 +321,20 @@ fn exec_experts_joint<E: Engine>(
         .collect::<Result<Vec<_>>>()?;
     let [x, ids, weights] = own;
     let out = engine.moe_experts_joint(layer, ExpertInputs { x, ids, weights }, &further, &want)?;
-    Ok((
-        StepOutputs {
-            outputs: vec![out.own.routed],
-            extra: out
-                .own
-                .experts
-                .into_iter()
-                .map(|(e, t)| (expert_hook(layer, e), t))
-                .collect(),
-        },
-        out.more,
-    ))
+    Ok((experts_outputs(layer, out.own), out.more))
+}
+
+/// A routed-experts step's outputs of layer `layer` as a step gives them: the routed sum, then
+/// each expert's outputs under its hook name.
+fn experts_outputs<T>(layer: usize, out: ExpertsOut<T>) -> StepOutputs<T> {
+    StepOutputs {
+        outputs: vec![out.routed],
+        extra: out
+            .experts
+            .into_iter()
+            .map(|(e, t)| (expert_hook(layer, e), t))
+            .collect(),
+    }
 }
 
 /// Where each value of a plan lives and when it dies. Aliases (`Op::Alias` outputs) resolve to
