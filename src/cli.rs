@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{ArgGroup, Args, Parser, Subcommand};
 
-use crate::session::{Against, CudaDtype, ModeChoice};
+use crate::session::{Against, CudaDtype, Modes};
+pub use crate::words::parse_tol;
+use crate::words::PrecisionOverride;
 
 /// glmdiff: find the first step where a GPU forward pass of a quantized MoE GGUF diverges from a CPU reference.
 #[derive(Debug, Parser)]
@@ -182,7 +184,7 @@ pub struct RunArgs {
     pub against: Against,
     /// Modes: both, replay (each step from the same inputs) or chained (each side on its own outputs).
     #[arg(long, value_enum, default_value = "both")]
-    pub mode: ModeChoice,
+    pub mode: Modes,
     /// The CUDA engine's precision: f32 (SGEMM without TF32: the f32 floors apply) or bf16 (weights
     /// and activations in bf16, tensor-core GEMMs with f32 accumulation: the bf16 floors apply).
     #[arg(long, value_enum, default_value = "f32")]
@@ -237,8 +239,8 @@ pub struct ReportArgs {
     #[arg(long, value_name = "GLOB=VALUE", value_parser = parse_tol)]
     pub tol: Vec<(String, f64)>,
     /// The candidate's precision for matching hooks: 'GLOB=DTYPE' (f64, f32, tf32, f16, bf16, fp8: tf32 and fp8 round the operands of products), repeatable, e.g. 'blk.*.indexer_*=fp8'; '*=DTYPE' also sets the precision of a trace whose dtype names none.
-    #[arg(long, value_name = "GLOB=DTYPE", value_parser = parse_precision)]
-    pub precision: Vec<(String, String)>,
+    #[arg(long, value_name = "GLOB=DTYPE", value_parser = PrecisionOverride::parse)]
+    pub precision: Vec<PrecisionOverride>,
     /// Write the results as JSON (docs/run-json.md; `-`: stdout, the report then on stderr).
     /// Written atomically.
     #[arg(long, value_name = "FILE")]
@@ -274,8 +276,8 @@ pub struct StepArgs {
     pub dir: PathBuf,
     /// The candidate: the case's stored output (default), cpu (a second reference), or cuda /
     /// cuda:N (the CUDA engine on device N).
-    #[arg(long, value_name = "ENGINE")]
-    pub against: Option<String>,
+    #[arg(long, value_name = "ENGINE", value_parser = Against::parse_engine)]
+    pub against: Option<Against>,
     /// Replace the floor (relative L2) the candidate is judged by.
     #[arg(long, value_name = "VALUE", value_parser = parse_nonneg)]
     pub tol: Option<f64>,
@@ -405,7 +407,7 @@ pub struct BenchRunArgs {
     pub against: Against,
     /// Modes, as for run: both, replay or chained.
     #[arg(long, value_enum, default_value = "both")]
-    pub mode: ModeChoice,
+    pub mode: Modes,
     /// The CUDA engine's precision, as for run: f32 or bf16.
     #[arg(long, value_enum, default_value = "f32")]
     pub dtype: CudaDtype,
@@ -500,25 +502,6 @@ pub fn parse_token_count(s: &str) -> Result<usize> {
     unsigned(s, "token count", "token counts are integers from 1")
 }
 
-/// Parses `GLOB=VALUE` with a finite, non-negative VALUE.
-pub fn parse_tol(s: &str) -> Result<(String, f64)> {
-    let (g, v) = s
-        .rsplit_once('=')
-        .with_context(|| format!("expected GLOB=VALUE, got {s:?}"))?;
-    let g = g.trim();
-    if g.is_empty() {
-        bail!("--tol {s:?} has an empty glob");
-    }
-    let v: f64 = v
-        .trim()
-        .parse()
-        .with_context(|| format!("--tol value {v:?} is not a number"))?;
-    if !v.is_finite() || v < 0.0 {
-        bail!("--tol value {v} must be finite and not negative");
-    }
-    Ok((g.to_string(), v))
-}
-
 /// Parses one token id of `--tokens`: an integer in `0..vocab` (the vocabulary is checked
 /// against the model once it is open). A negative id is refused here with that range rather
 /// than taken for a flag.
@@ -545,21 +528,6 @@ pub fn parse_nonneg(s: &str) -> Result<f64> {
         bail!("{v} must be finite and not negative");
     }
     Ok(v)
-}
-
-/// Parses `GLOB=DTYPE` with a DTYPE of f64, f32, tf32, f16, bf16 or fp8 (and their long names).
-pub fn parse_precision(s: &str) -> Result<(String, String)> {
-    let (g, d) = s
-        .rsplit_once('=')
-        .with_context(|| format!("expected GLOB=DTYPE, got {s:?}"))?;
-    let g = g.trim();
-    if g.is_empty() {
-        bail!("--precision {s:?} has an empty glob");
-    }
-    if crate::compare::Dtype::parse(d).is_none() {
-        bail!("--precision dtype {d:?} is not one of f64, f32, tf32, f16, bf16, fp8");
-    }
-    Ok((g.to_string(), d.trim().to_string()))
 }
 
 #[cfg(test)]

@@ -30,47 +30,50 @@
 //!    engine; uses `model`, `quant`, `tensor`, `precision`, `util`, and `gpu` for the GPU.
 //! 9. [`trace`]: sinks (one tensor, or reference/candidate pairs), hook selection, trace files,
 //!    the reference cache; uses `model`, `gguf`, `tensor`, `precision`, `util`.
-//! 10. [`compare`]: metrics, tolerance floors, verdicts, first divergence, output distributions;
+//! 10. [`words`]: the run's words as typed values (the candidate, the modes, the CUDA engine's
+//!     precision, precision and floor overrides), parsed in one place for the flags, the
+//!     pipelines and the regression suites; uses `precision`, `trace` (the mode).
+//! 11. [`compare`]: metrics, tolerance floors, verdicts, first divergence, output distributions;
 //!     uses `trace` (it is a pair sink), `model`, `tensor`, `precision`, `util`.
-//! 11. [`driver`]: walks the steps over one engine into a sink, or over a reference and a
+//! 12. [`driver`]: walks the steps over one engine into a sink, or over a reference and a
 //!     candidate (engine or trace) into a pair sink, in replay and chained modes; uses `trace`,
 //!     `engine`, `model`, `gguf`, `util`.
-//! 12. [`explain`]: the known bugs of [`explain::fault`] (the `--inject` kinds, `FaultEngine`
+//! 13. [`explain`]: the known bugs of [`explain::fault`] (the `--inject` kinds, `FaultEngine`
 //!     around any engine; that room uses only `engine`, `model`, `quant`, `util`), and
 //!     `--explain` and step cases: the first failing replay step captured with its inputs (a
 //!     pair sink in front of a comparison), recomputed under each known bug and ranked;
 //!     `--repro` cases written and read; uses `driver`, `compare`, `engine`, `trace`, `model`,
 //!     `gguf`, `quant`, `util`.
-//! 13. [`regress`]: suites of `run` cases (their selection, the command that re-runs one),
+//! 14. [`regress`]: suites of `run` cases (their selection, the command that re-runs one),
 //!     their expectations, the facts of a case's run and the changes against a baseline; uses
 //!     `compare`, `trace`, `util`.
-//! 14. [`tokenizer`]: byte-level BPE from GGUF metadata; uses only `gguf`.
-//! 15. [`synth`]: synthetic GGUFs; uses `tokenizer`, `model`, `gguf`, `quant`, `util`.
-//! 16. [`bench`](mod@bench): benchmarks that measure and return data (the layer benchmark
+//! 15. [`tokenizer`]: byte-level BPE from GGUF metadata; uses only `gguf`.
+//! 16. [`synth`]: synthetic GGUFs; uses `tokenizer`, `model`, `gguf`, `quant`, `util`.
+//! 17. [`bench`](mod@bench): benchmarks that measure and return data (the layer benchmark
 //!     wraps the CPU reference in its own counting decorator; `bench run` times `run`'s
 //!     pipeline through a trait `session` implements); uses `synth`, `driver`, `gpu` (the GPU
 //!     dequant benchmark, the copy floors), `trace`, `engine`, `model`, `gguf`, `quant`, `util`.
-//! 17. [`hf`]: Hugging Face checkpoints (config, shards, BF16/F16/F32/FP8 block-scaled reads).
+//! 18. [`hf`]: Hugging Face checkpoints (config, shards, BF16/F16/F32/FP8 block-scaled reads).
 //!     Imports nothing from the crate.
-//! 18. [`wcheck`]: `weights-check`, a GGUF tensor by tensor against its HF checkpoint or another
+//! 19. [`wcheck`]: `weights-check`, a GGUF tensor by tensor against its HF checkpoint or another
 //!     GGUF (mapping, streamed comparison, diagnosis); uses `hf`, `gguf`, `quant`, `model`, `util`.
-//! 19. [`dcheck`]: `dequant-check`: the tensors asked, and (feature `cuda`) their raw blocks
+//! 20. [`dcheck`]: `dequant-check`: the tensors asked, and (feature `cuda`) their raw blocks
 //!     dequantized on the device and compared there with the CPU's, streamed in chunks through
 //!     pinned staging on a copy stream, on one device or spread over several; the measured
 //!     rates and projections to a whole model; uses `gpu`, `gguf`, `quant`, `util`.
-//! 20. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
+//! 21. [`report`]: all formatting for stdout (tables, JSON, plots, progress bars) of the data
 //!     the layers below return; uses `compare`, `explain`, `regress`, `dcheck`, `bench`,
 //!     `wcheck`, `synth` (the summary of a file written), `driver` (layer timings), `model`,
 //!     `trace`, `util`.
-//! 21. [`session`]: the pipelines of `run`, `compare`, `step`, `trace` and `regress` (and
+//! 22. [`session`]: the pipelines of `run`, `compare`, `step`, `trace` and `regress` (and
 //!     `run`'s as `bench run` times it): plain values checked into a configuration before any
 //!     work, then one run that returns data (what must be said at once goes through a
 //!     callback); uses `driver`, `explain`, `compare`, `engine`, `trace`, `regress`, `gpu`,
 //!     `tokenizer`, `bench` (the pipeline trait it implements), `model`, `gguf`, `tensor`,
 //!     `util`, and the data types `report` prints (`Header`, `EngineDesc`, `StepReport`,
 //!     `NextToken`).
-//! 22. [`cli`]: the flags; uses `session` (the typed choices of `run`) and `compare` (dtype words).
-//! 23. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
+//! 23. [`cli`]: the flags; uses `words` (the typed choices of `run`), `session` and `compare`.
+//! 24. [`cmd`]: one module per command, turning flags from `cli` into calls to the layers below
 //!     (with the output guard before any work) and handing results to `report`, then choosing
 //!     the exit code; it computes nothing itself.
 //!
@@ -100,3 +103,4 @@ pub mod tokenizer;
 pub mod trace;
 pub mod util;
 pub mod wcheck;
+pub mod words;

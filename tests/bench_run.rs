@@ -296,7 +296,7 @@ fn bench_run_of_a_later_layer_alone() {
 fn bench_run_writes_and_removes_its_synthetic_model() {
     use glmdiff::bench::run::{self, BenchRunOptions};
     use glmdiff::session::bench::RunPipeline;
-    use glmdiff::session::{Against, CudaDtype, ModeChoice};
+    use glmdiff::session::{Against, CudaDtype, Modes};
 
     let parent = tempfile::tempdir().unwrap();
     let mut opts = BenchRunOptions::new(None, vec![2]).unwrap();
@@ -304,7 +304,7 @@ fn bench_run_writes_and_removes_its_synthetic_model() {
         glmdiff::synth::SynthOptions::parse("glm-dsa", "tiny", None, "ud-q4_k_xl", 7).unwrap();
     opts.temp_parent = parent.path().to_path_buf();
     opts.reps = 1;
-    let mut p = RunPipeline::new(&Against::Cpu, ModeChoice::Both, CudaDtype::F32).unwrap();
+    let mut p = RunPipeline::new(&Against::Cpu, Modes::BOTH, CudaDtype::F32).unwrap();
     let r = run::run_quiet(&opts, &mut p).unwrap();
     let s = r.synth.as_ref().unwrap();
     assert!(s.removed && s.file_bytes == r.model_bytes && s.file_bytes > 0);

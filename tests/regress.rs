@@ -191,7 +191,7 @@ fn fixture_suite_passes_with_stable_jsonl() {
     // hook error is 0, as the suite's notes say; every other candidate shows non-zero errors.
     let dumps: Vec<&glmdiff::regress::Case> = cases
         .iter()
-        .filter(|c| c.against.contains("/engines/"))
+        .filter(|c| c.against.to_string().contains("/engines/"))
         .collect();
     assert!(dumps.iter().any(|c| c.expect.divergence.is_some()));
     assert!(
@@ -208,7 +208,7 @@ fn fixture_suite_passes_with_stable_jsonl() {
             .iter()
             .flat_map(|h| ["replay", "chained"].map(|m| h[m]["error"].as_f64().unwrap_or(0.0)))
             .fold(0.0f64, f64::max);
-        if case.against == "cpu" {
+        if case.against == glmdiff::session::Against::Cpu {
             assert_eq!(worst, 0.0, "{}: a cpu candidate is plumbing", case.name);
         } else {
             assert!(worst > 0.0, "{}: the candidate differs", case.name);
@@ -220,7 +220,7 @@ fn fixture_suite_passes_with_stable_jsonl() {
 fn the_cuda_twin_suite_has_the_same_cases_against_cuda() {
     let cpu = glmdiff::regress::suite::load(&suite()).unwrap();
     let cuda = glmdiff::regress::suite::load(&suite().with_file_name("suite-cuda.toml")).unwrap();
-    assert!(cuda.cases.iter().all(|c| c.against == "cuda"));
+    assert!(cuda.cases.iter().all(|c| c.against == glmdiff::session::Against::Cuda(None)));
     for c in &cuda.cases {
         let twin = cpu.cases.iter().find(|x| x.name == c.name).unwrap();
         assert_eq!((&twin.model, &twin.expect), (&c.model, &c.expect));
@@ -228,7 +228,7 @@ fn the_cuda_twin_suite_has_the_same_cases_against_cuda() {
     let dumps = cpu
         .cases
         .iter()
-        .filter(|c| c.against.contains("/engines/"))
+        .filter(|c| c.against.to_string().contains("/engines/"))
         .count();
     assert_eq!(
         cuda.cases.len() + dumps,

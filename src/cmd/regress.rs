@@ -13,7 +13,7 @@ use crate::regress::{suite, Case, CaseSummary, Suite};
 use crate::report::progress::Bar;
 use crate::report::regress::{case_record, progress_line, render, render_changes};
 use crate::session::regress::{run_case, CacheChoice};
-use crate::session::{Against, Watch};
+use crate::session::Watch;
 use crate::util::guard::Guard;
 
 /// Runs `glmdiff regress`.
@@ -90,9 +90,7 @@ fn check_files(args: &RegressArgs, suite: &Suite) -> Result<()> {
     }
     for c in &suite.cases {
         model_input(&mut g, &format!("the model of case {:?}", c.name), &c.model);
-        if let Ok(a) = Against::parse(&c.against) {
-            against_input(&mut g, &a, &c.model);
-        }
+        against_input(&mut g, &c.against, &c.model);
     }
     g.output_or_stdout("--jsonl", args.jsonl.as_deref()).check()
 }

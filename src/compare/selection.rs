@@ -77,6 +77,7 @@ pub struct FlipStats {
 
 /// The reference's scores of one selection: `[rows, cols]` values plus an optional per-column
 /// bias added for selection (`exp_probs_b`), and the relative tolerance.
+#[derive(Clone, Copy)]
 pub struct Scores<'a> {
     /// Row-major scores.
     pub values: &'a [f32],

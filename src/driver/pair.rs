@@ -56,22 +56,7 @@ use crate::model::steps::{expert_hook, hook, point, Op, Step};
 use crate::model::Weights;
 use crate::trace::{Mode, Pair, PairSink, TraceFile};
 
-/// Which modes a pass runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Modes {
-    /// Replay: every step from the same inputs on both sides.
-    pub replay: bool,
-    /// Chained: each side on its own outputs.
-    pub chained: bool,
-}
-
-impl Modes {
-    /// Both modes.
-    pub const BOTH: Modes = Modes {
-        replay: true,
-        chained: true,
-    };
-}
+pub use crate::words::Modes;
 
 /// The candidate side of a pass.
 pub enum Candidate<'a, C: Engine> {

@@ -11,6 +11,7 @@ use toml::{Table, Value};
 
 use crate::util::glob;
 use crate::util::shell::shell_word;
+use crate::words::{Against, CudaDtype, Modes, PrecisionOverride, PRECISION_WORDS};
 
 /// Every key a case may have.
 pub const CASE_KEYS: &[&str] = &[
@@ -61,20 +62,20 @@ pub struct Case {
     pub model: PathBuf,
     /// The prompt.
     pub input: Input,
-    /// The candidate as `run --against` takes it (a trace path resolved).
-    pub against: String,
+    /// The candidate (a trace path resolved against the suite's directory).
+    pub against: Against,
     /// `layer = N` (as `N..N+1`) or `layers = "A..B"`; all layers when absent.
     pub layers: Option<Range<u64>>,
     /// `both`, `replay` or `chained`.
-    pub mode: String,
+    pub mode: Modes,
     /// The CUDA engine's precision, `f32` or `bf16` (`run --dtype`).
-    pub dtype: String,
+    pub dtype: CudaDtype,
     /// `--hook` globs.
     pub hook: Vec<String>,
     /// Floor overrides `(glob, value)`, the longest glob first (so the most specific wins).
     pub tol: Vec<(String, f64)>,
-    /// Candidate precision overrides `(glob, dtype)`, the longest glob first.
-    pub precision: Vec<(String, String)>,
+    /// Candidate precision overrides, the longest glob first.
+    pub precision: Vec<PrecisionOverride>,
     /// What the result must show.
     pub expect: Expect,
 }
@@ -155,7 +156,7 @@ impl Case {
         }
         c.push_str(&format!(
             " --against {} --mode {}",
-            shell_word(&self.against),
+            shell_word(&self.against.to_string()),
             self.mode
         ));
         for g in &self.hook {
@@ -164,8 +165,11 @@ impl Case {
         for (g, v) in &self.tol {
             c.push_str(&format!(" --tol {}", shell_word(&format!("{g}={v:e}"))));
         }
-        for (g, d) in &self.precision {
-            c.push_str(&format!(" --precision {}", shell_word(&format!("{g}={d}"))));
+        for o in &self.precision {
+            c.push_str(&format!(
+                " --precision {}",
+                shell_word(&format!("{}={}", o.glob, o.dtype))
+            ));
         }
         c
     }
@@ -373,23 +377,20 @@ fn parse_case(file: &str, dir: &Path, n: usize, t: &Table) -> Result<Case> {
                 "missing: the candidate (cpu, cuda, cuda:N or trace:FILE)",
             ))
         }
-        Some(a) => match a.strip_prefix("trace:") {
-            Some("") => return Err(cx.err("against", "trace: needs a file")),
-            Some(p) => {
+        Some(a) => match Against::parse(a) {
+            Ok(Against::Trace(p)) if p.as_os_str().is_empty() => {
+                return Err(cx.err("against", "trace: needs a file"))
+            }
+            Err(_) if a == "trace:" => return Err(cx.err("against", "trace: needs a file")),
+            Ok(Against::Trace(p)) => {
                 let p = dir.join(p);
                 if !p.is_file() {
                     return Err(cx.err("against", format!("no such file {}", p.display())));
                 }
-                format!("trace:{}", p.display())
+                Against::Trace(p)
             }
-            None if a == "cpu" || a == "cuda" || a == "auto" => a.to_string(),
-            None if a
-                .strip_prefix("cuda:")
-                .is_some_and(|d| d.parse::<u32>().is_ok()) =>
-            {
-                a.to_string()
-            }
-            None => {
+            Ok(a @ (Against::Auto | Against::Cpu | Against::Cuda(_))) => a,
+            Err(_) => {
                 return Err(cx.err(
                     "against",
                     format!("{a:?} is not one of auto, cpu, cuda, cuda:N, trace:FILE"),
@@ -397,7 +398,7 @@ fn parse_case(file: &str, dir: &Path, n: usize, t: &Table) -> Result<Case> {
             }
         },
     };
-    if input == Input::FromTrace && !against.starts_with("trace:") {
+    if input == Input::FromTrace && !matches!(against, Against::Trace(_)) {
         return Err(cx.err(
             "prompt",
             "missing: give prompt or tokens (only a trace candidate brings its own tokens)",
@@ -429,14 +430,12 @@ fn parse_case(file: &str, dir: &Path, n: usize, t: &Table) -> Result<Case> {
         (None, None) => None,
     };
     let mode = match cx.string(t, "mode")? {
-        None => "both".to_string(),
-        Some(m @ ("both" | "replay" | "chained")) => m.to_string(),
-        Some(m) => return Err(cx.err("mode", format!("{m:?} is not one of both, replay, chained"))),
+        None => Modes::BOTH,
+        Some(m) => Modes::parse(m).map_err(|e| cx.err("mode", e.to_string()))?,
     };
     let dtype = match cx.string(t, "dtype")? {
-        None => "f32".to_string(),
-        Some(d @ ("f32" | "bf16")) => d.to_string(),
-        Some(d) => return Err(cx.err("dtype", format!("{d:?} is not one of f32, bf16"))),
+        None => CudaDtype::F32,
+        Some(d) => CudaDtype::parse(d).map_err(|e| cx.err("dtype", e.to_string()))?,
     };
     let hook = match t.get("hook") {
         None => Vec::new(),
@@ -468,17 +467,25 @@ fn parse_case(file: &str, dir: &Path, n: usize, t: &Table) -> Result<Case> {
             Err(format!("{x} must be finite and not negative"))
         }
     })?;
-    let precision = cx.globs(t, "precision", |v| match v {
-        Value::String(d) if crate::compare::Dtype::parse(d).is_some() => Ok(d.clone()),
-        Value::String(d) => Err(format!(
-            "{d:?} is not one of f64, f32, tf32, f16, bf16, fp8"
-        )),
-        v => Err(format!(
-            "expected a dtype string, got {} {}",
-            v.type_str(),
-            show(v)
-        )),
-    })?;
+    let precision = cx
+        .globs(t, "precision", |v| match v {
+            Value::String(d) => Ok(d.clone()),
+            v => Err(format!(
+                "expected a dtype string, got {} {}",
+                v.type_str(),
+                show(v)
+            )),
+        })?
+        .into_iter()
+        .map(|(g, d)| {
+            PrecisionOverride::flag(&g, &d).map_err(|_| {
+                cx.err(
+                    &format!("precision.{g}"),
+                    format!("{d:?} is not one of {PRECISION_WORDS}"),
+                )
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
     let top5 = match t.get("expect_top5") {
         None => None,
         Some(Value::Array(rows)) => {
@@ -618,7 +625,7 @@ expect_divergence = "blk.1.attn_heads"
         let b = &s.cases[1];
         assert_eq!(b.input, Input::FromTrace);
         assert_eq!(b.layers, Some(2..3));
-        assert!(b.against.starts_with("trace:") && b.against.ends_with("t.safetensors"));
+        assert!(matches!(&b.against, Against::Trace(p) if p.ends_with("t.safetensors")));
         assert_eq!(b.expect.divergence.as_deref(), Some("blk.1.attn_heads"));
     }
 

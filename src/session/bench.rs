@@ -10,7 +10,7 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 
-use super::config::{Against, CudaDtype, HookOptions, ModeChoice, RunConfig, RunRequest};
+use super::config::{Against, CudaDtype, HookOptions, Modes, RunConfig, RunRequest};
 use super::Watch;
 use crate::bench::run::{CandidateKind, Pipeline, Settings, Timed};
 use crate::util::progress::{NoProgress, Progress};
@@ -19,7 +19,7 @@ use crate::util::progress::{NoProgress, Progress};
 #[derive(Clone, Debug)]
 pub struct RunPipeline {
     candidate: CandidateKind,
-    mode: ModeChoice,
+    mode: Modes,
     dtype: CudaDtype,
     /// What `auto` chose, in words.
     choice: Option<String>,
@@ -28,7 +28,7 @@ pub struct RunPipeline {
 impl RunPipeline {
     /// The pipeline of `--against against --mode mode --dtype dtype`, checked (see the module
     /// documentation).
-    pub fn new(against: &Against, mode: ModeChoice, dtype: CudaDtype) -> Result<RunPipeline> {
+    pub fn new(against: &Against, mode: Modes, dtype: CudaDtype) -> Result<RunPipeline> {
         let candidate = match against {
             Against::Cpu => CandidateKind::Cpu,
             Against::Cuda(n) => CandidateKind::Cuda(cuda_device(against, n.unwrap_or(0))?),

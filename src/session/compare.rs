@@ -11,14 +11,11 @@ use anyhow::{bail, Context, Result};
 
 use super::candidate::trace_desc;
 use super::config::{check_globs, HookOptions};
-use super::judge::{
-    overrides_with_trace, precision_overrides, selection_bias, trace_side_precision,
-    wants_with_scores,
-};
+use super::judge::{model_facts, overrides_with_trace, trace_side_precision, wants_with_scores};
 use super::Ran;
-use crate::compare::floors::{hook_infos, point_of};
+use crate::compare::floors::point_of;
 use crate::compare::graph::{order_key, upstream};
-use crate::compare::{Comparison, Judge};
+use crate::compare::{Comparison, Judge, JudgeSpec, ModelFacts};
 use crate::report::run::Header;
 use crate::trace::{Mode, Pair, PairSink, TraceFile};
 use crate::util::progress::Progress;
@@ -128,25 +125,37 @@ fn traces_judge(
     candidate: &TraceFile,
     notes: &mut Vec<String>,
 ) -> Result<Judge> {
-    let flags = precision_overrides(&req.hooks.precision)?;
-    let mut judge = Judge {
-        reference: trace_side_precision(reference, "reference trace", &[], notes)?,
-        candidate: trace_side_precision(candidate, "candidate trace", &flags, notes)?,
-        infos: HashMap::new(),
+    let flags = req.hooks.precision.clone();
+    let reference_precision = trace_side_precision(reference, "reference trace", &[], notes)?;
+    let candidate_precision = trace_side_precision(candidate, "candidate trace", &flags, notes)?;
+    let precision = overrides_with_trace(&flags, Some(candidate), notes)?;
+    let model = match &req.model {
+        None => {
+            notes.push(
+                "without --model the floors take every reduction length as 8192 and no weight as quantized, and expert flips' margins ignore the selection bias (exp_probs_b) and expert groups; --model FILE.gguf reads them as run does".to_string(),
+            );
+            None
+        }
+        Some(path) => Some(traces_model(req, path, reference)?),
+    };
+    Judge::new(JudgeSpec {
+        reference: reference_precision,
+        candidate: candidate_precision,
         tol: req.hooks.tol.clone(),
-        precision: overrides_with_trace(&flags, Some(candidate), notes)?,
-        selection_bias: HashMap::new(),
-        groups: None,
-        bias_unknown: true,
-        heads: None,
+        precision,
+        model,
         engine_candidate: false,
-    };
-    let Some(path) = &req.model else {
-        notes.push(
-            "without --model the floors take every reduction length as 8192 and no weight as quantized, and expert flips' margins ignore the selection bias (exp_probs_b) and expert groups; --model FILE.gguf reads them as run does".to_string(),
-        );
-        return Ok(judge);
-    };
+    })
+}
+
+/// What `--model` tells the judge of two traces: the floors by step, the selection bias and
+/// the expert groups of `run`; an error when it is another architecture than the reference
+/// trace's.
+fn traces_model(
+    req: &CompareRequest,
+    path: &std::path::Path,
+    reference: &TraceFile,
+) -> Result<ModelFacts> {
     let model = crate::gguf::Model::open(path)?;
     let weights = crate::model::Weights::new(&model)?;
     let arch = weights.hparams().arch.as_str();
@@ -160,12 +169,7 @@ fn traces_judge(
         }
     }
     let plan = crate::driver::Plan::full(&weights)?;
-    judge.infos = hook_infos(&plan.steps, &weights);
-    judge.selection_bias = selection_bias(&weights, &plan)?;
-    judge.groups = weights.hparams().groups;
-    judge.bias_unknown = false;
-    judge.heads = Some(weights.hparams().n_head);
-    Ok(judge)
+    model_facts(&weights, &plan.steps, Some(&plan))
 }
 
 /// Refuses a comparison in which no wanted hook of the reference has a candidate, and checks

@@ -4,184 +4,22 @@
 //! the model opened and its hyperparameters read, the candidate chosen (`auto` included) and
 //! opened, the tokens, the layers, the faults, the globs and the reference cache's key.
 
-use std::fmt;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use clap::builder::PossibleValue;
-use clap::ValueEnum;
 
-use super::judge::{precision_overrides, wants_with_scores};
+use super::judge::wants_with_scores;
 use super::tokens::prompt_tokens;
-use crate::driver::pair::Modes;
 use crate::driver::Plan;
 use crate::explain::fault::Fault;
 use crate::gguf::Model;
 use crate::model::{HParams, Weights};
 use crate::tokenizer::Tokenizer;
 use crate::trace::cache::{CacheKey, RefCache};
-use crate::trace::{Mode, TraceFile};
+use crate::trace::TraceFile;
 use crate::util::cache_dir::default_dir;
-
-/// The candidate asked for (`run --against`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Against {
-    /// `auto`: the CUDA engine when a device is present, else a trace made for the model beside it.
-    Auto,
-    /// `cpu`: a second CPU reference (the faulty one with `--inject`).
-    Cpu,
-    /// `cuda` (`None`) or `cuda:N`: the CUDA engine.
-    Cuda(Option<usize>),
-    /// `trace:FILE`: a trace another engine wrote (hooks of docs/hooks.md).
-    Trace(PathBuf),
-}
-
-impl Against {
-    /// Parses `auto`, `cpu`, `cuda`, `cuda:N` or `trace:FILE` (whether this glmdiff has the CUDA
-    /// engine is checked with the rest of the run). Errors say what is expected; the caller
-    /// names the flag and the value (clap does).
-    pub fn parse(s: &str) -> Result<Against> {
-        Ok(match s {
-            "auto" => Against::Auto,
-            "cpu" => Against::Cpu,
-            "cuda" => Against::Cuda(None),
-            c if c.starts_with("cuda:") => {
-                let n = c["cuda:".len()..]
-                    .parse()
-                    .context("expected cuda or cuda:N with N a device index")?;
-                Against::Cuda(Some(n))
-            }
-            t if t.starts_with("trace:") => {
-                let p = PathBuf::from(&t["trace:".len()..]);
-                if p.as_os_str().is_empty() {
-                    bail!("trace: needs a file, e.g. --against trace:dump.safetensors");
-                }
-                Against::Trace(p)
-            }
-            _ => bail!("expected auto, cpu, cuda[:N] or trace:FILE"),
-        })
-    }
-}
-
-impl fmt::Display for Against {
-    /// As `--against` takes it.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Against::Auto => f.write_str("auto"),
-            Against::Cpu => f.write_str("cpu"),
-            Against::Cuda(None) => f.write_str("cuda"),
-            Against::Cuda(Some(n)) => write!(f, "cuda:{n}"),
-            Against::Trace(p) => write!(f, "trace:{}", p.display()),
-        }
-    }
-}
-
-/// The modes asked for (`run --mode`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum ModeChoice {
-    /// Replay and chained in one pass.
-    #[default]
-    Both,
-    /// Each step from the same inputs.
-    Replay,
-    /// Each side on its own outputs.
-    Chained,
-}
-
-impl ModeChoice {
-    /// The modes a pass runs.
-    pub fn modes(self) -> Modes {
-        match self {
-            ModeChoice::Both => Modes::BOTH,
-            ModeChoice::Replay => Modes {
-                replay: true,
-                chained: false,
-            },
-            ModeChoice::Chained => Modes {
-                replay: false,
-                chained: true,
-            },
-        }
-    }
-
-    /// The modes run, in the order reports list them.
-    pub fn list(self) -> Vec<Mode> {
-        let m = self.modes();
-        [Mode::Replay, Mode::Chained]
-            .into_iter()
-            .filter(|x| match x {
-                Mode::Replay => m.replay,
-                Mode::Chained => m.chained,
-            })
-            .collect()
-    }
-
-    /// The word `--mode` takes.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ModeChoice::Both => "both",
-            ModeChoice::Replay => "replay",
-            ModeChoice::Chained => "chained",
-        }
-    }
-}
-
-/// The words of `--mode` (written out rather than derived, so that `--help` lists the values on
-/// one line as the flag's own text explains them).
-impl ValueEnum for ModeChoice {
-    fn value_variants<'a>() -> &'a [Self] {
-        &[ModeChoice::Both, ModeChoice::Replay, ModeChoice::Chained]
-    }
-
-    fn to_possible_value(&self) -> Option<PossibleValue> {
-        Some(PossibleValue::new(self.as_str()))
-    }
-}
-
-impl fmt::Display for ModeChoice {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// The CUDA engine's precision asked for (`run --dtype`); the engine's own type is chosen from
-/// it where the engine is built.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum CudaDtype {
-    /// f32 weights and activations, SGEMM without TF32: the f32 floors apply.
-    #[default]
-    F32,
-    /// bf16 weights and activations, tensor-core GEMMs with f32 accumulation: the bf16 floors.
-    Bf16,
-}
-
-impl CudaDtype {
-    /// The word `--dtype` takes.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CudaDtype::F32 => "f32",
-            CudaDtype::Bf16 => "bf16",
-        }
-    }
-}
-
-/// The words of `--dtype`.
-impl ValueEnum for CudaDtype {
-    fn value_variants<'a>() -> &'a [Self] {
-        &[CudaDtype::F32, CudaDtype::Bf16]
-    }
-
-    fn to_possible_value(&self) -> Option<PossibleValue> {
-        Some(PossibleValue::new(self.as_str()))
-    }
-}
-
-impl fmt::Display for CudaDtype {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+pub use crate::words::{Against, CudaDtype, Modes, PrecisionOverride};
 
 /// Which hooks a comparison keeps and how it judges them (`--hook`, `--tol`, `--precision`;
 /// `run` and `compare` share them).
@@ -191,8 +29,8 @@ pub struct HookOptions {
     pub hook: Vec<String>,
     /// Floor overrides `(glob, relative L2)`.
     pub tol: Vec<(String, f64)>,
-    /// Candidate precision overrides `(glob, dtype word)`.
-    pub precision: Vec<(String, String)>,
+    /// Candidate precision overrides.
+    pub precision: Vec<PrecisionOverride>,
 }
 
 /// What a run is asked to do, as plain values (unchecked).
@@ -211,7 +49,7 @@ pub struct RunRequest {
     /// `--devices`: the CUDA engine over these devices.
     pub devices: Vec<usize>,
     /// The modes.
-    pub mode: ModeChoice,
+    pub mode: Modes,
     /// The CUDA engine's precision.
     pub dtype: CudaDtype,
     /// `--inject` faults, as written.
@@ -248,7 +86,7 @@ pub struct RunConfig {
     pub(super) candidate: Chosen,
     /// Notes of the choices made (`--against auto`), first under the header.
     pub(super) notes: Vec<String>,
-    pub(super) mode: ModeChoice,
+    pub(super) mode: Modes,
     /// Read only where the CUDA engine is built.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(super) dtype: CudaDtype,
@@ -276,7 +114,7 @@ impl RunConfig {
             .iter()
             .map(|s| Fault::parse(s))
             .collect::<Result<_>>()?;
-        if (req.explain || req.repro.is_some()) && !req.mode.modes().replay {
+        if (req.explain || req.repro.is_some()) && !req.mode.replay {
             bail!(
                 "run: --explain and --repro work on the first step that fails in replay; use --mode replay or both"
             );
@@ -308,7 +146,7 @@ impl RunConfig {
             &plan_hooks(&plan, hp),
             &req.hooks,
         )?;
-        let precision = precision_overrides(&req.hooks.precision)?;
+        let precision = req.hooks.precision.clone();
         let cache = reference_cache(&req, &model, &tokens, &plan)?;
         drop(weights);
         Ok(RunConfig {
@@ -597,7 +435,7 @@ pub(super) fn check_globs(
         .tol
         .iter()
         .map(|(g, _)| ("--tol", g))
-        .chain(opts.precision.iter().map(|(g, _)| ("--precision", g)));
+        .chain(opts.precision.iter().map(|o| ("--precision", &o.glob)));
     for (flag, g) in flags {
         if !compared.iter().any(|h| crate::util::glob::matches(g, h)) {
             bail!(
@@ -639,7 +477,7 @@ mod tests {
             layers: None,
             against: Against::parse(against).unwrap(),
             devices,
-            mode: ModeChoice::Both,
+            mode: Modes::BOTH,
             dtype: CudaDtype::F32,
             inject: Vec::new(),
             explain: false,
@@ -678,19 +516,5 @@ mod tests {
                 "{e}"
             );
         }
-    }
-
-    #[test]
-    fn modes_and_dtypes_read_their_words() {
-        for m in [ModeChoice::Both, ModeChoice::Replay, ModeChoice::Chained] {
-            assert_eq!(ModeChoice::from_str(m.as_str(), false).unwrap(), m);
-        }
-        let replay = ModeChoice::Replay.modes();
-        assert!(replay.replay && !replay.chained);
-        assert_eq!(ModeChoice::Both.modes(), Modes::BOTH);
-        for d in [CudaDtype::F32, CudaDtype::Bf16] {
-            assert_eq!(CudaDtype::from_str(d.as_str(), false).unwrap(), d);
-        }
-        assert!(CudaDtype::from_str("f16", false).is_err());
     }
 }

@@ -1,354 +1,40 @@
-//! How a run is judged: the precisions of both sides (an engine's is typed,
-//! `Engine::precision`; every precision read from text by `run`, `compare` and `step` goes
-//! through [`precision_of`]), the floor and precision overrides, what a trace
-//! declares about itself, the selection bias, and the hooks a comparison keeps.
+//! What judging a run needs of the driver: the model's facts for the [`Judge`] (the floors of the
+//! plan's steps, the selection bias of the layers it runs, the expert groups, the heads). The
+//! judge itself, and every precision read from text, are `compare::judge`'s.
 
 use std::collections::HashMap;
 
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 
-use crate::compare::floors::point_of;
-use crate::compare::{Dtype, Precision, PrecisionOverride};
+use crate::compare::floors::hook_infos;
+use crate::compare::ModelFacts;
 use crate::driver::Plan;
-use crate::model::Weights;
-use crate::precision::storage_of_values;
-use crate::trace::{HookFilter, TraceFile};
+use crate::model::{Step, Weights};
 
-/// The precision a dtype string names: a dtype word (`bf16`, `float32`) or an engine's dtype
-/// string (its first word the storage; `f64 accumulation` where sums are f64; the router's
-/// precision where it names one); `None` when it names none. The one place a precision is read
-/// from text.
-pub(super) fn precision_of(dtype: &str) -> Option<Precision> {
-    Precision::parse(dtype)
-}
+pub(super) use crate::compare::judge::{
+    case_precision, overrides_with_trace, trace_side_precision, wants_with_scores,
+};
 
-/// The precision of a case's stored candidate from its `dtype`, or, when that names none, from
-/// the stored output's values (said in `notes`); an error when neither tells.
-pub(super) fn case_precision(
-    dtype: &str,
-    output: &crate::tensor::HostTensor,
-    notes: &mut Vec<String>,
-) -> Result<Precision> {
-    if let Some(p) = precision_of(dtype) {
-        return Ok(p);
-    }
-    let inferred = output.as_f32("candidate").ok().and_then(storage_of_values);
-    let Some(d) = inferred else {
-        bail!(
-            "step: the case's candidate dtype {dtype:?} names no precision and its stored output holds no value that tells one (all zero, NaN or ids); write its precision (f32, bf16, ...) as candidate_dtype in the case's case.json"
-        );
-    };
-    notes.push(format!(
-        "the case's candidate dtype {dtype:?} names no precision; its stored output's values are {d} numbers: the floor is {d}'s"
-    ));
-    Ok(Precision::of_dtype(d))
-}
-
-/// `--precision` pairs as overrides.
-pub(super) fn precision_overrides(p: &[(String, String)]) -> Result<Vec<PrecisionOverride>> {
-    p.iter()
-        .map(|(g, d)| {
-            precision_of(d)
-                .map(|p| PrecisionOverride {
-                    glob: g.clone(),
-                    precision: p,
-                    dtype: d.clone(),
-                    source: "--precision".to_string(),
-                })
-                .with_context(|| format!("--precision {g}={d}: unknown dtype"))
-        })
-        .collect()
-}
-
-/// Precision overrides a trace declares, in this order (the first matching glob wins, after
-/// `--precision` flags):
-///
-/// - `precision`: a JSON object of hook globs to dtype texts (`{"blk.*.q_a": "f32 storage, f32
-///   accumulation, q8 activations"}`), for an engine whose precision differs from step to step
-///   (llama.cpp: each product's activations are rounded to the format its weight asks for);
-/// - `indexer_dtype` (e.g. `fp8` for an FP8 DSA indexer): the precision of `blk.*.indexer_*`.
-///
-/// A `precision` that is not such an object, or names a dtype no precision is read from, is
-/// an error: it would decide verdicts.
-pub(super) fn trace_precision(
-    t: &TraceFile,
-    notes: &mut Vec<String>,
-) -> Result<Vec<PrecisionOverride>> {
-    let mut out = Vec::new();
-    if let Some(raw) = t.metadata().get("precision") {
-        let map = serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(raw)
-            .ok()
-            .with_context(|| {
-                format!(
-                    "{}: metadata precision is not a JSON object of hook globs to dtypes: {raw:?}",
-                    t.path().display()
-                )
-            })?;
-        for (glob, v) in &map {
-            let d = v.as_str().with_context(|| {
-                format!(
-                    "{}: metadata precision: the value of {glob:?} is not a string: {v}",
-                    t.path().display()
-                )
-            })?;
-            let p = precision_of(d).with_context(|| {
-                format!(
-                    "{}: metadata precision: {glob:?} = {d:?} names no precision (its first word must be f64, f32, tf32, bf16, f16 or fp8)",
-                    t.path().display()
-                )
-            })?;
-            out.push(PrecisionOverride {
-                glob: glob.clone(),
-                precision: p,
-                dtype: d.to_string(),
-                source: "the trace's precision".to_string(),
-            });
-        }
-        if !map.is_empty() {
-            notes.push(format!(
-                "the trace's precision sets the candidate's precision per step ({} hook globs; the JSON lists them)",
-                map.len()
-            ));
-        }
-    }
-    let Some(d) = t.metadata().get("indexer_dtype") else {
-        return Ok(out);
-    };
-    match precision_of(d) {
-        Some(p) => {
-            notes.push(format!(
-                "the trace's indexer_dtype {d:?} sets the candidate's precision of blk.*.indexer_*"
-            ));
-            out.push(PrecisionOverride {
-                glob: "blk.*.indexer_*".to_string(),
-                precision: p,
-                dtype: d.clone(),
-                source: "the trace's indexer_dtype".to_string(),
-            });
-        }
-        None => {
-            notes.push(format!(
-                "the trace's indexer_dtype {d:?} is not a known precision; ignored"
-            ));
-        }
-    }
-    Ok(out)
-}
-
-/// Hooks whose values say nothing about an engine's storage precision: the embedding (a gather
-/// copies the weights' own values), the router and the index scores (engines commonly compute
-/// them finer than they store activations).
-fn says_nothing_of_storage(name: &str) -> bool {
-    matches!(
-        point_of(name),
-        "token_embd" | "moe_logits" | "moe_probs" | "moe_weights" | "indexer_scores"
-    )
-}
-
-/// The precision of trace `t`, one side (`whose`: `trace`, `reference trace`, `candidate trace`) of a
-/// comparison: what its `dtype` metadata names, with the router's precision from it or from
-/// `router_dtype`. A dtype that names none (absent, unknown) is inferred from the values: the
-/// coarsest of bf16, f16 and f32 that holds every value of every activation hook, with the
-/// router in f32 when its hooks hold values that format cannot; a `--precision '*=DTYPE'` in
-/// `flags` sets it instead. What was read or inferred is said in `notes`; an error when the
-/// values do not tell (no activation hook, or some hold only bf16 numbers and others not).
-pub(super) fn trace_side_precision(
-    t: &TraceFile,
-    whose: &str,
-    flags: &[PrecisionOverride],
-    notes: &mut Vec<String>,
-) -> Result<Precision> {
-    let dtype = t.metadata().get("dtype").cloned().unwrap_or_default();
-    let path = t.path().display();
-    let said = if dtype.is_empty() {
-        "no dtype".to_string()
-    } else {
-        format!("the dtype {dtype:?}, which names no precision")
-    };
-    let mut p = match (precision_of(&dtype), flags.iter().find(|o| o.glob == "*")) {
-        (Some(p), _) => p,
-        (None, Some(all)) => {
-            notes.push(format!(
-                "the {whose} has {said}; --precision '*={}' sets it",
-                all.dtype
-            ));
-            all.precision
-        }
-        (None, None) => {
-            let p = infer_precision(t, whose, &said)?;
-            notes.push(format!(
-                "the {whose} has {said}; its values say {}: {}",
-                p.0, p.1
-            ));
-            p.0
-        }
-    };
-    if let Some(r) = t.metadata().get("router_dtype") {
-        let Some(d) = Dtype::parse(r).filter(|d| !d.is_operand_format()) else {
-            bail!(
-                "trace: {path}: metadata router_dtype {r:?} is not a dtype of f64, f32, f16 or bf16"
-            );
-        };
-        p.router =
-            (d.unit_roundoff() < p.storage.unit_roundoff()).then_some(crate::precision::Router {
-                compute: d,
-                matrix: p.router.map_or(p.storage, |r| r.matrix),
-            });
-    }
-    if let Some(r) = p.router {
-        notes.push(format!(
-            "the {whose}'s router (moe_logits, moe_probs, moe_weights) computes in {}{}: judged there at {}'s floors",
-            r.compute,
-            if r.matrix == r.compute {
-                String::new()
-            } else {
-                format!(" from a {} matrix", r.matrix)
-            },
-            r.compute
-        ));
-    }
-    Ok(p)
-}
-
-/// A trace's precision from its values ([`trace_side_precision`]) and the words that say why.
-fn infer_precision(t: &TraceFile, whose: &str, said: &str) -> Result<(Precision, String)> {
-    let mut by: std::collections::BTreeMap<Dtype, Vec<String>> = Default::default();
-    let mut router: Vec<(String, Dtype)> = Vec::new();
-    let names: Vec<String> = t.names().map(str::to_string).collect();
-    for n in &names {
-        if t.holds_ints(n) != Some(false) {
-            continue;
-        }
-        let Some(tensor) = t.get(n)? else { continue };
-        let Some(d) = tensor.as_f32(n).ok().and_then(storage_of_values) else {
-            continue;
-        };
-        if says_nothing_of_storage(n) {
-            if matches!(point_of(n), "moe_logits" | "moe_probs" | "moe_weights") {
-                router.push((n.clone(), d));
-            }
-            continue;
-        }
-        by.entry(d).or_default().push(n.clone());
-    }
-    let count = |d: Dtype| by.get(&d).map_or(0, Vec::len);
-    let example = |d: Dtype| {
-        by.get(&d)
-            .and_then(|v| v.first())
-            .cloned()
-            .unwrap_or_default()
-    };
-    let total: usize = by.values().map(Vec::len).sum();
-    let fix = if whose.starts_with("reference") {
-        "write its precision as the trace's dtype metadata (f32, bf16, ...)".to_string()
-    } else {
-        "give it with --precision '*=DTYPE' (f64, f32, tf32, f16, bf16, fp8) or as the trace's dtype metadata".to_string()
-    };
-    let path = t.path().display();
-    let storage = match (count(Dtype::Bf16), count(Dtype::F16), count(Dtype::F32)) {
-        (0, 0, 0) => bail!(
-            "trace: {path}: the {whose} has {said} and no activation hook whose values tell one; {fix}"
-        ),
-        (_, 0, 0) => Dtype::Bf16,
-        (_, _, 0) => Dtype::F16,
-        (0, 0, _) => Dtype::F32,
-        (b, h, f) => bail!(
-            "trace: {path}: the {whose} has {said} and its values do not tell one: {} hold only bf16 or f16 numbers (e.g. {}), {f} hold numbers neither can (e.g. {}); {fix}",
-            b + h,
-            if b > 0 { example(Dtype::Bf16) } else { example(Dtype::F16) },
-            example(Dtype::F32)
-        ),
-    };
-    let mut why = match storage {
-        Dtype::Bf16 => format!("every value of its {total} activation hooks is a bf16 number"),
-        Dtype::F16 => format!(
-            "every value of its {total} activation hooks is an f16 number, not all bf16 ones"
-        ),
-        _ => format!("none of its {total} activation hooks holds only bf16 or f16 numbers"),
-    };
-    let mut p = Precision::of_dtype(storage);
-    let finer: Vec<&String> = router
-        .iter()
-        .filter(|(_, d)| d.unit_roundoff() < storage.unit_roundoff())
-        .map(|(n, _)| n)
-        .collect();
-    if let Some(first) = finer.first() {
-        p.router = Some(crate::precision::Router {
-            compute: Dtype::F32,
-            matrix: storage,
-        });
-        why.push_str(&format!(
-            "; {} router hooks (e.g. {first}) hold values {storage} cannot: the router computes in f32",
-            finer.len()
-        ));
-    }
-    Ok((p, why))
-}
-
-/// A note listing what a trace's engine could not capture: metadata `not_captured`, a JSON object
-/// from hook names or globs to the reason (a fused kernel with no hook point). Those hooks are
-/// then reported as not in the trace.
-pub(super) fn not_captured_note(t: &TraceFile) -> Option<String> {
-    let raw = t.metadata().get("not_captured")?;
-    let Ok(map) = serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(raw) else {
-        return Some(format!(
-            "the trace's metadata not_captured is not a JSON object of hooks to reasons: {raw:?}"
-        ));
-    };
-    if map.is_empty() {
-        return None;
-    }
-    let items: Vec<String> = map
-        .iter()
-        .map(|(h, why)| match why.as_str() {
-            Some(w) if !w.is_empty() => format!("{h} ({w})"),
-            _ => h.clone(),
-        })
-        .collect();
-    Some(format!(
-        "the trace's engine could not capture {} hook(s), shown as not in the trace: {}",
-        map.len(),
-        items.join("; ")
-    ))
-}
-
-/// The precision overrides of a comparison with trace candidate `trace`: `--precision` first,
-/// then what the trace declares (said in `notes`, with what it could not capture).
-pub(super) fn overrides_with_trace(
-    flags: &[PrecisionOverride],
-    trace: Option<&TraceFile>,
-    notes: &mut Vec<String>,
-) -> Result<Vec<PrecisionOverride>> {
-    let mut p = flags.to_vec();
-    if let Some(t) = trace {
-        p.extend(trace_precision(t, notes)?);
-        notes.extend(not_captured_note(t));
-    }
-    Ok(p)
-}
-
-/// The hooks a comparison keeps: `--hook` globs (all standard hooks without them), plus the
-/// score hooks behind a wanted selection (their values judge its flips).
-pub(super) fn wants_with_scores(globs: &[String]) -> Box<dyn Fn(&str) -> bool> {
-    let filter = HookFilter {
-        layers: None,
-        globs: globs.to_vec(),
-    };
-    Box::new(move |n: &str| {
-        filter.wants(n)
-            || match crate::model::names::split_blk(n) {
-                Some((l, "indexer_scores")) => filter.wants(&format!("blk.{l}.indexer_topk")),
-                Some((l, "moe_probs")) => filter.wants(&format!("blk.{l}.moe_topk_ids")),
-                _ => false,
-            }
+/// What the model tells the judge of `steps` (the plan's, or one step's), with the selection
+/// bias of the layers `bias_of` runs (none without a plan).
+pub(super) fn model_facts(
+    weights: &Weights<'_>,
+    steps: &[Step],
+    bias_of: Option<&Plan>,
+) -> Result<ModelFacts> {
+    Ok(ModelFacts {
+        infos: hook_infos(steps, weights),
+        selection_bias: match bias_of {
+            Some(plan) => selection_bias(weights, plan)?,
+            None => HashMap::new(),
+        },
+        groups: weights.hparams().groups,
+        heads: Some(weights.hparams().n_head),
     })
 }
 
 /// The selection bias `exp_probs_b` of every MoE layer the plan runs.
-pub(super) fn selection_bias(
-    weights: &Weights<'_>,
-    plan: &Plan,
-) -> Result<HashMap<usize, Vec<f32>>> {
+fn selection_bias(weights: &Weights<'_>, plan: &Plan) -> Result<HashMap<usize, Vec<f32>>> {
     let mut out = HashMap::new();
     for l in plan.layers() {
         let name = crate::model::names::blk(l, crate::model::names::blk::EXP_PROBS_B);
@@ -357,16 +43,4 @@ pub(super) fn selection_bias(
         }
     }
     Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn score_hooks_come_with_their_selections() {
-        let w = wants_with_scores(&["blk.1.moe_topk_ids".to_string()]);
-        assert!(w("blk.1.moe_topk_ids") && w("blk.1.moe_probs"));
-        assert!(!w("blk.1.indexer_scores") && !w("blk.2.moe_probs"));
-    }
 }

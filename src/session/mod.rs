@@ -36,7 +36,7 @@ pub mod tokens;
 pub mod trace;
 
 pub use compare::{compare, CompareRequest};
-pub use config::{Against, CudaDtype, HookOptions, ModeChoice, RunConfig, RunRequest};
+pub use config::{Against, CudaDtype, HookOptions, Modes, RunConfig, RunRequest};
 pub use run::run;
 pub use step::{step, StepRequest};
 pub use trace::{trace, TraceRequest, Traced};

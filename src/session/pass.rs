@@ -6,9 +6,8 @@ use std::time::Instant;
 use anyhow::Result;
 
 use super::config::RunConfig;
-use super::judge::{overrides_with_trace, selection_bias, wants_with_scores};
-use crate::compare::floors::hook_infos;
-use crate::compare::{Comparison, Judge, Precision};
+use super::judge::{model_facts, overrides_with_trace, wants_with_scores};
+use crate::compare::{Comparison, Judge, JudgeSpec, Precision};
 use crate::driver::pair::{run_pair, Candidate, LayerTime, ReferenceWork};
 use crate::engine::cpu::CpuEngine;
 use crate::engine::Engine;
@@ -92,7 +91,7 @@ impl Pass<'_, '_> {
         let mut sink = Capture::new(&mut cmp, cfg.explain || cfg.repro.is_some()).with_directions(
             self.weights,
             trace.is_none(),
-            cfg.mode.modes(),
+            cfg.mode,
         );
         let summary = run_pair(
             self.reference,
@@ -101,7 +100,7 @@ impl Pass<'_, '_> {
             &cfg.tokens,
             &cfg.plan,
             self.start,
-            cfg.mode.modes(),
+            cfg.mode,
             &mut sink,
             self.progress,
         )?;
@@ -128,16 +127,12 @@ fn run_judge(
     trace: Option<&TraceFile>,
     notes: &mut Vec<String>,
 ) -> Result<Judge> {
-    Ok(Judge {
+    Judge::new(JudgeSpec {
         reference,
         candidate,
-        infos: hook_infos(&cfg.plan.steps, weights),
         tol: cfg.tol.clone(),
         precision: overrides_with_trace(&cfg.precision, trace, notes)?,
-        selection_bias: selection_bias(weights, &cfg.plan)?,
-        groups: weights.hparams().groups,
-        bias_unknown: false,
-        heads: Some(weights.hparams().n_head),
+        model: Some(model_facts(weights, &cfg.plan.steps, Some(&cfg.plan))?),
         engine_candidate: trace.is_none(),
     })
 }

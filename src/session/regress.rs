@@ -4,11 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{anyhow, Context, Result};
-use clap::ValueEnum;
+use anyhow::Result;
 
 use super::CACHE_NOT_WRITTEN;
-use super::{run, Against, CudaDtype, HookOptions, ModeChoice, Ran, RunConfig, RunRequest, Watch};
+use super::{run, HookOptions, Ran, RunConfig, RunRequest, Watch};
 use crate::regress::{Case, CaseFacts, Input};
 
 /// The reference cache every case of a run uses (`regress --cache-dir`, `--no-cache`).
@@ -42,12 +41,10 @@ pub fn request(case: &Case, cache: &CacheChoice) -> Result<RunRequest> {
         prompt,
         tokens,
         layers: case.layers.clone(),
-        against: Against::parse(&case.against)
-            .with_context(|| format!("regress: against {:?}", case.against))?,
+        against: case.against.clone(),
         devices: Vec::new(),
-        mode: ModeChoice::from_str(&case.mode, false).map_err(|e| anyhow!("regress: mode {e}"))?,
-        dtype: CudaDtype::from_str(&case.dtype, false)
-            .map_err(|e| anyhow!("regress: dtype {e}"))?,
+        mode: case.mode,
+        dtype: case.dtype,
         inject: Vec::new(),
         explain: false,
         repro: None,

@@ -8,11 +8,11 @@ use anyhow::{bail, Result};
 
 use super::candidate::compare_candidate;
 use super::config::{Chosen, RunConfig};
-use super::judge::precision_of;
 use super::pass::Pass;
 use super::prefix::prefix;
 use super::tokens::token_text;
 use super::{Ran, Watch};
+use crate::compare::judge::precision_of;
 use crate::compare::{Comparison, Status};
 use crate::engine::cpu::CpuEngine;
 use crate::engine::Engine;
@@ -69,7 +69,7 @@ pub fn run(cfg: &RunConfig, watch: &Watch<'_>) -> Result<Ran> {
         // when it names one, else what was inferred or set by --precision '*=DTYPE').
         candidate_dtype: match precision_of(&passed.candidate.dtype) {
             Some(_) => passed.candidate.dtype.clone(),
-            None => cmp.judge().candidate.to_string(),
+            None => cmp.judge().candidate().to_string(),
         },
         reference_dtype: reference.precision().to_string(),
     };

@@ -2,14 +2,12 @@
 //! inputs, and a candidate (the stored output, a second CPU reference, or the CUDA engine)
 //! judged against the reference by the floors of `run`.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 
-use super::judge::case_precision;
-use crate::compare::floors::hook_infos;
-use crate::compare::{Comparison, Judge, Precision};
+use super::judge::{case_precision, model_facts};
+use crate::compare::{Comparison, Judge, JudgeSpec, Precision};
 use crate::engine::cpu::CpuEngine;
 use crate::engine::{Engine, HostTensor};
 use crate::explain::case::{output_on, Case};
@@ -19,6 +17,7 @@ use crate::report::run::EngineDesc;
 use crate::report::step::StepReport;
 use crate::trace::{Mode, Pair, PairSink};
 use crate::util::progress::Progress;
+use crate::words::Against;
 
 /// What `step` is asked, as plain values.
 #[derive(Clone, Debug)]
@@ -26,7 +25,7 @@ pub struct StepRequest {
     /// The case directory.
     pub dir: PathBuf,
     /// The candidate: `None` for the stored output, `cpu`, `cuda` or `cuda:N`.
-    pub against: Option<String>,
+    pub against: Option<Against>,
     /// A floor (relative L2) replacing the one the candidate is judged by.
     pub tol: Option<f64>,
     /// Test which known bug reproduces the candidate's output.
@@ -60,18 +59,18 @@ pub fn step(req: &StepRequest, hypotheses: &dyn Progress) -> Result<StepReport> 
     };
 
     // The verdict, by run's judge.
-    let judge = Judge {
+    let judge = Judge::new(JudgeSpec {
         reference: cpu.precision(),
         candidate: cand_prec,
-        infos: hook_infos(std::slice::from_ref(&stored.step), &weights),
         tol: req.tol.map(|v| ("*".to_string(), v)).into_iter().collect(),
         precision: Vec::new(),
-        selection_bias: HashMap::new(),
-        groups: weights.hparams().groups,
-        bias_unknown: false,
-        heads: Some(weights.hparams().n_head),
+        model: Some(model_facts(
+            &weights,
+            std::slice::from_ref(&stored.step),
+            None,
+        )?),
         engine_candidate: true,
-    };
+    })?;
     let hook = stored.hook.clone();
     let mut cmp = Comparison::new(judge, Box::new(|_| true), &tokens);
     // The bug families' directions of the step, as `run` hands them over (the systematic test).
@@ -131,7 +130,7 @@ fn candidate(
     stored: &CapturedStep,
     tokens: &[u32],
 ) -> Result<(EngineDesc, HostTensor, Option<Precision>)> {
-    Ok(match req.against.as_deref() {
+    Ok(match &req.against {
         None => (
             EngineDesc {
                 spec: format!("stored ({})", case.header.candidate),
@@ -141,7 +140,7 @@ fn candidate(
             stored.candidate.clone(),
             None,
         ),
-        Some("cpu") => {
+        Some(Against::Cpu) => {
             let second = CpuEngine::new(weights);
             (
                 EngineDesc {
@@ -153,27 +152,25 @@ fn candidate(
                 Some(second.precision()),
             )
         }
-        Some(c) if c == "cuda" || c.starts_with("cuda:") => {
-            let (desc, prec, out) = cuda_candidate(c, weights, stored, tokens)?;
+        Some(a @ Against::Cuda(_)) => {
+            let (desc, prec, out) = cuda_candidate(a, weights, stored, tokens)?;
             (desc, out, Some(prec))
         }
-        Some(other) => bail!("step: --against {other:?}: expected cpu, cuda or cuda:N"),
+        Some(other) => bail!("step: --against {other}: expected cpu, cuda or cuda:N"),
     })
 }
 
 /// The CUDA engine's output of the case's step.
 #[cfg(feature = "cuda")]
 fn cuda_candidate(
-    spec: &str,
+    against: &Against,
     weights: &Weights<'_>,
     c: &CapturedStep,
     tokens: &[u32],
 ) -> Result<(EngineDesc, Precision, HostTensor)> {
-    let n: usize = match spec.strip_prefix("cuda:") {
-        None => 0,
-        Some(n) => n.parse().with_context(|| {
-            format!("step: --against {spec}: expected cuda or cuda:N with N a device index")
-        })?,
+    let n = match against {
+        Against::Cuda(n) => n.unwrap_or(0),
+        _ => bail!("step: --against {against}: expected cuda or cuda:N"),
     };
     crate::gpu::probe_libraries()?;
     let gpu = crate::gpu::Gpu::open(n).context("step: --against cuda")?;
@@ -194,10 +191,10 @@ fn cuda_candidate(
 /// Without the `cuda` feature there is no CUDA engine.
 #[cfg(not(feature = "cuda"))]
 fn cuda_candidate(
-    spec: &str,
+    against: &Against,
     _weights: &Weights<'_>,
     _c: &CapturedStep,
     _tokens: &[u32],
 ) -> Result<(EngineDesc, Precision, HostTensor)> {
-    bail!("step: --against {spec}: this glmdiff was built without the `cuda` feature")
+    bail!("step: --against {against}: this glmdiff was built without the `cuda` feature")
 }

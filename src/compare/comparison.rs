@@ -1,6 +1,7 @@
-//! Verdicts: a [`Comparison`] receives (reference, candidate) pairs, computes their metrics at
-//! once (tensors are dropped after), judges each hook against its floor and finds the first
-//! divergence in each mode.
+//! The comparison: a [`Comparison`] receives (reference, candidate) pairs, computes their
+//! metrics at once (tensors are dropped after), judges each hook by the rules
+//! ([`super::rules`]) and keeps the records ([`super::records`]), the chained state each hook
+//! passes on, and the reference's scores behind each selection.
 //!
 //! # Rules
 //! - **replay**: a float hook fails when its relative L2 error is above its floor, when one
@@ -43,263 +44,22 @@
 use std::collections::{BTreeSet, HashMap};
 
 use anyhow::Result;
-use rayon::prelude::*;
-use serde::Serialize;
 
-use super::flipcount::FlipCount;
-use super::floors::{
-    flip_tolerance, floor, point_of, segment_floor, Carried, HookInfo, Kind, Precision,
-    TOKEN_FACTOR,
-};
+use super::chain::{l2, mixes_rows, Chain};
+use super::floors::{point_of, segment_floor, Carried};
 use super::graph::order_key;
+use super::judge::Judge;
 use super::logits::{analyse, LogitsReport};
 use super::metrics::{compare, Metrics};
-use super::selection::{
-    differing_rows, has_near_tie, implied_bias, judge_flips, near_tie_rows, near_tie_swaps,
-    FlipStats, Scores,
+use super::records::{
+    fold_layers, HookRecord, LayerSummary, ModeResult, Override, Segment, Status,
 };
-use super::systematic::{analyse as analyse_systematic, Direction, Layout, Systematic};
-
-/// How far the reference's selections may contradict the selection bias they imply before the
-/// implication is dropped (scores rounded to f32 after a selection made from f64 ones).
-const IMPLIED_SLACK: f64 = 1e-5;
+use super::rules::{judge_pair, Judging, IMPLIED_SLACK};
+use super::selection::{has_near_tie, implied_bias, near_tie_rows, near_tie_swaps, Scores};
 use crate::model::names::split_blk;
 use crate::tensor::HostTensor;
 use crate::trace::{Mode, Pair, PairSink, Part, Swap};
 use crate::util::glob::matches as glob_match;
-
-/// How one hook fared in one mode.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Status {
-    /// Within the allowed error.
-    Pass,
-    /// A selection that differs only in near-tie flips (expected of a lower precision).
-    #[serde(rename = "near_tie")]
-    NearTie,
-    /// Above it (or NaN/Inf, or a confident selection change).
-    Fail,
-    /// Chained only: different because an earlier selection differed (expected downstream of a
-    /// near-tie flip).
-    Drift,
-    /// Not compared (missing from a trace, incomparable inputs).
-    Missing,
-}
-
-/// One mode's result at one hook.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct ModeResult {
-    /// Metrics (absent when the hook was not compared or shapes disagree).
-    pub metrics: Option<Metrics>,
-    /// Headline error: relative L2 (floats), 1 - mean Jaccard (selections).
-    pub error: f64,
-    /// Error allowed here: the floor (replay), floor plus what the inputs explain (chained).
-    pub allowed: f64,
-    /// Verdict.
-    pub status: Status,
-    /// Why, when not a plain pass.
-    pub note: Option<String>,
-    /// Selections: the flips and their margins.
-    pub flips: Option<FlipStats>,
-    /// Chained: the selection difference upstream that explains this hook's drift.
-    pub drift_from: Option<String>,
-    /// Chained: the relative error against the reference's own chain (its own selections
-    /// everywhere: what the user's output shows), where `error` is against the chain that
-    /// follows the candidate's near-tie selections; the same as `error` where both chains
-    /// agree, or where the reference cannot follow (two traces).
-    pub plain_error: Option<f64>,
-    /// Float hooks: the systematic components of the error ([`super::systematic`]): the
-    /// overall gain, the most significant group gain, and the one named as a bug.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub systematic: Option<Systematic>,
-}
-
-/// Steps the reference replayed as one: from hooks of the trace through hooks the trace lacks
-/// to the compared hook (`floors`, Segments).
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Segment {
-    /// `FIRST..LAST`: the first hook the reference computed inside the segment and the
-    /// compared hook (`blk.0.q_pe_rope..blk.0.attn_heads`).
-    pub name: String,
-    /// The hooks it starts from: taken from the trace (or the run's starting values).
-    pub from: Vec<String>,
-    /// The hooks the trace lacks that the reference computed on the way, in forward-pass order.
-    pub through: Vec<String>,
-}
-
-/// Everything known about one hook.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct HookRecord {
-    /// Hook name.
-    pub name: String,
-    /// Layer (`None` for global hooks).
-    pub layer: Option<usize>,
-    /// Shape (the reference's).
-    pub shape: Vec<usize>,
-    /// Step kind and what the floor depends on.
-    pub info: HookInfo,
-    /// The floor (relative L2), after `--tol`; for a segment, composed over its steps.
-    pub floor: f64,
-    /// The hooks its step read.
-    pub inputs: Vec<String>,
-    /// Replay: the segment this hook ends, when its step read hooks the trace lacks.
-    pub segment: Option<Segment>,
-    /// Replay result.
-    pub replay: Option<ModeResult>,
-    /// Chained result.
-    pub chained: Option<ModeResult>,
-}
-
-impl HookRecord {
-    /// The result in `mode`.
-    pub fn result(&self, mode: Mode) -> Option<&ModeResult> {
-        match mode {
-            Mode::Replay => self.replay.as_ref(),
-            Mode::Chained => self.chained.as_ref(),
-        }
-    }
-
-    fn slot(&mut self, mode: Mode) -> &mut Option<ModeResult> {
-        match mode {
-            Mode::Replay => &mut self.replay,
-            Mode::Chained => &mut self.chained,
-        }
-    }
-
-    /// Whether any mode failed.
-    pub fn failed(&self) -> bool {
-        [&self.replay, &self.chained]
-            .iter()
-            .any(|r| r.as_ref().is_some_and(|r| r.status == Status::Fail))
-    }
-}
-
-/// The candidate's precision at the hooks a glob matches.
-#[derive(Clone, Debug, PartialEq)]
-pub struct PrecisionOverride {
-    /// Hook glob.
-    pub glob: String,
-    /// The precision there.
-    pub precision: Precision,
-    /// The dtype as it was given (`fp8`).
-    pub dtype: String,
-    /// Who said it: `--precision`, or the trace's metadata key (`indexer_dtype`).
-    pub source: String,
-}
-
-/// A `--tol` or precision override and how many compared hooks it decides (the first matching
-/// glob of its kind wins).
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Override {
-    /// `tol` (a floor replaced) or `precision` (the candidate's precision set).
-    pub kind: &'static str,
-    /// Hook glob.
-    pub glob: String,
-    /// As given: a floor (`10`) or a dtype (`fp8`).
-    pub value: String,
-    /// Who said it: `--tol`, `--precision`, or a trace's metadata key (`indexer_dtype`).
-    pub source: String,
-    /// Compared hooks it decides.
-    pub hooks: usize,
-}
-
-/// Settings of a comparison.
-#[derive(Clone, Debug)]
-pub struct Judge {
-    /// The reference's precision.
-    pub reference: Precision,
-    /// The candidate's precision.
-    pub candidate: Precision,
-    /// Floor inputs per hook (from the model; hooks not listed use their point name).
-    pub infos: HashMap<String, HookInfo>,
-    /// `--tol` overrides, in order: the first matching glob wins.
-    pub tol: Vec<(String, f64)>,
-    /// Overrides of the candidate's precision (`--precision`, then what a trace declares), in
-    /// order: the first matching glob wins.
-    pub precision: Vec<PrecisionOverride>,
-    /// Selection bias (`exp_probs_b`) per MoE layer, added to the router probabilities when
-    /// judging expert flips.
-    pub selection_bias: HashMap<usize, Vec<f32>>,
-    /// Group-limited routing `(n_group, used)` of the model, if any (expert flips).
-    pub groups: Option<(usize, usize)>,
-    /// The model's selection bias is not at hand (two traces compared without the model):
-    /// expert flips are judged by the smallest gap a bias consistent with the reference's own
-    /// selections leaves ([`super::selection::implied_bias`]).
-    pub bias_unknown: bool,
-    /// Attention heads of the model, when known: hooks with a head axis flattened into their
-    /// columns (`q_b`, `attn_heads`) are tested for one head's gain.
-    pub heads: Option<usize>,
-    /// The candidate is an engine glmdiff runs: in replay its selections are made from the
-    /// reference's scores (the step's input), not from its own.
-    pub engine_candidate: bool,
-}
-
-impl Judge {
-    /// The floor inputs of `name`.
-    pub fn info(&self, name: &str) -> HookInfo {
-        self.infos
-            .get(name)
-            .copied()
-            .unwrap_or_else(|| HookInfo::from_point(point_of(name)))
-    }
-
-    /// The candidate's precision at `name` (a `--precision` override when one matches).
-    pub fn candidate_precision(&self, name: &str) -> Precision {
-        self.precision
-            .iter()
-            .find(|o| glob_match(&o.glob, name))
-            .map_or(self.candidate, |o| o.precision)
-    }
-
-    /// The floor of `name` (a `--tol` override when one matches).
-    pub fn floor(&self, name: &str) -> f64 {
-        self.tol_override(name)
-            .unwrap_or_else(|| self.precision_floor(name))
-    }
-
-    /// The `--tol` value for `name`, when a glob matches it.
-    pub fn tol_override(&self, name: &str) -> Option<f64> {
-        self.tol
-            .iter()
-            .find(|(g, _)| glob_match(g, name))
-            .map(|(_, v)| *v)
-    }
-
-    /// [`Judge::precision_floor`] with a router hook judged at the storage precision, as
-    /// every other hook: the chained tolerance of the router's flips (see `record`).
-    pub fn storage_floor(&self, name: &str) -> f64 {
-        let info = HookInfo {
-            router: false,
-            ..self.info(name)
-        };
-        flip_tolerance(&info, self.reference, self.candidate_precision(name))
-    }
-
-    /// The tolerance of the scores `name` in `mode` for the flips they decide: the precision
-    /// floor in replay (both sides score the same inputs), the storage floor in chained mode
-    /// (the router's scores carry what storage did to their inputs upstream, so a router finer
-    /// than storage does not narrow their flips' tolerance there). Never a `--tol` override.
-    pub fn score_floor(&self, name: &str, mode: Mode) -> f64 {
-        match mode {
-            Mode::Replay => flip_tolerance(
-                &self.info(name),
-                self.reference,
-                self.candidate_precision(name),
-            ),
-            Mode::Chained => self.storage_floor(name),
-        }
-    }
-
-    /// The floor of `name` from both sides' precisions (a `--precision` override included),
-    /// whatever `--tol` says: the relative tolerance of the flips its scores decide.
-    pub fn precision_floor(&self, name: &str) -> f64 {
-        floor(
-            &self.info(name),
-            self.reference,
-            self.candidate_precision(name),
-        )
-    }
-}
 
 /// Receives pairs, keeps their metrics and verdicts.
 pub struct Comparison {
@@ -323,81 +83,6 @@ pub struct Comparison {
     chain: HashMap<String, Chain>,
 }
 
-/// Chained: what a hook passes on to the steps that read it.
-#[derive(Clone, Debug, Default)]
-struct Chain {
-    /// Rows (tokens) that a selection difference the reference's chain did not follow reaches:
-    /// they differ for that reason, and are not judged again.
-    touched: BTreeSet<usize>,
-    /// Of those, the rows this hook's own selection difference added (following it drops them).
-    own: BTreeSet<usize>,
-    /// The chained error over the other rows (0 for selections); for a hook the candidate
-    /// lacks, what stands for it: what its inputs carry, passed on by its step, composed with
-    /// its floor as a segment's floor is (`floors::segment_floor`).
-    clean: f64,
-    /// `|reference|` (how much of a residual add it weighs).
-    norm: f64,
-    /// The candidate lacks the hook: `clean` is that estimate, not a measurement.
-    estimated: bool,
-    /// Where the difference of the touched rows started (hook, token, margin).
-    origin: Option<String>,
-    /// A selection the candidate lacks: the rows whose near tie it may have taken otherwise
-    /// (touched until the selection's consumer shows whether they did).
-    possible: BTreeSet<usize>,
-}
-
-/// Whether the step producing hook `name` reads other rows than its own through its input
-/// `input`: attention reads the keys and values of every earlier token (`kv_a_norm`,
-/// `k_pe_rope`), the index scores every earlier token's key (from `attn_norm`).
-fn mixes_rows(name: &str, input: &str) -> bool {
-    matches!(
-        (point_of(name), point_of(input)),
-        (
-            "attn_heads" | "attn_probs",
-            "kv_a_norm" | "k_pe_rope" | "kv_a"
-        ) | ("indexer_scores", "attn_norm")
-    )
-}
-
-/// Relative L2 error of `candidate` against `reference` over the rows of the first axis not in
-/// `skip`; NaN when no row is left, the values are not floats or the shapes differ.
-fn masked_error(reference: &HostTensor, candidate: &HostTensor, skip: &BTreeSet<usize>) -> f64 {
-    let (Ok(r), Ok(c)) = (reference.as_f32(""), candidate.as_f32("")) else {
-        return f64::NAN;
-    };
-    let rows = reference.shape.first().copied().unwrap_or(0);
-    if reference.shape != candidate.shape || rows == 0 || skip.len() >= rows {
-        return f64::NAN;
-    }
-    let w = r.len() / rows;
-    // By row on the threads, the rows' sums added in row order.
-    let sums: Vec<(f64, f64)> = (0..rows)
-        .into_par_iter()
-        .filter(|t| !skip.contains(t))
-        .map(|t| {
-            let (mut d2, mut r2) = (0f64, 0f64);
-            for (&a, &b) in r[t * w..(t + 1) * w].iter().zip(&c[t * w..(t + 1) * w]) {
-                if a.is_finite() && b.is_finite() {
-                    let (a, b) = (f64::from(a), f64::from(b));
-                    d2 += (b - a) * (b - a);
-                    r2 += a * a;
-                }
-            }
-            (d2, r2)
-        })
-        .collect();
-    let (d2, r2) = sums
-        .iter()
-        .fold((0f64, 0f64), |(x, y), (d, r)| (x + d, y + r));
-    if r2 > 0.0 {
-        (d2 / r2).sqrt()
-    } else if d2 > 0.0 {
-        f64::INFINITY
-    } else {
-        0.0
-    }
-}
-
 /// The latest score hook of one kind in one mode, kept for the selection after it.
 #[derive(Clone, Debug)]
 struct KeptScores {
@@ -417,25 +102,6 @@ struct Inside {
     carried: Carried,
     from: Vec<String>,
     through: Vec<String>,
-}
-
-/// `|t|`, the L2 norm of a float tensor's finite values (0 for ids); summed in chunks on the
-/// threads, the chunks' sums in order.
-fn l2(t: &HostTensor) -> f64 {
-    t.as_f32("")
-        .map(|v| {
-            let sums: Vec<f64> = v
-                .par_chunks(1 << 16)
-                .map(|c| {
-                    c.iter()
-                        .filter(|x| x.is_finite())
-                        .map(|&x| f64::from(x) * f64::from(x))
-                        .sum::<f64>()
-                })
-                .collect();
-            sums.iter().sum::<f64>().sqrt()
-        })
-        .unwrap_or(0.0)
 }
 
 /// Names once each, in forward-pass order.
@@ -695,6 +361,31 @@ impl Comparison {
         })
     }
 
+    /// What the rules judge `pair` from: its floor and directions, what its inputs carry in
+    /// chained mode (composed over the step where the candidate lacks one), the reference's
+    /// scores behind a selection.
+    fn judging<'a>(&'a self, pair: &'a Pair<'a>, floor: f64, parts: &'a [Part]) -> Judging<'a> {
+        let rows = self.n_rows(&pair.reference.shape);
+        let chained = pair.mode == Mode::Chained;
+        let up = if chained {
+            self.upstream_chained(pair.name, pair.inputs, rows)
+        } else {
+            Chain::default()
+        };
+        let composed = (chained && self.lacks_input(pair.inputs))
+            .then(|| self.composed_chained(pair.name, pair.inputs, floor, l2(&pair.reference)));
+        Judging {
+            pair,
+            judge: &self.judge,
+            floor,
+            parts,
+            rows,
+            up,
+            composed,
+            scores: self.scores_for(pair.name, pair.mode),
+        }
+    }
+
     /// Keeps the reference's scores of a score hook (and the candidate's, when compared) for
     /// judging the selection after it.
     fn keep_scores(
@@ -719,414 +410,6 @@ impl Comparison {
                 rel,
             },
         );
-    }
-
-    /// Judges one pair; in chained mode also what the hook passes on downstream.
-    fn judge_pair(
-        &self,
-        pair: &Pair<'_>,
-        floor: f64,
-        parts: &[Part],
-    ) -> (ModeResult, Option<Chain>) {
-        let with_note = |mut r: ModeResult| {
-            if let Some(n) = &pair.note {
-                r.note = Some(match r.note {
-                    Some(x) => format!("{x}; {n}"),
-                    None => n.clone(),
-                });
-            }
-            r
-        };
-        let chained = pair.mode == Mode::Chained;
-        let up = if chained {
-            self.upstream_chained(pair.name, pair.inputs, self.n_rows(&pair.reference.shape))
-        } else {
-            Chain::default()
-        };
-        // Per-row verdicts need the first axis to be the prompt's tokens.
-        let token_rows = pair.reference.shape.first().copied()
-            == Some(self.n_rows(&pair.reference.shape))
-            && !matches!(point_of(pair.name), "attn_probs")
-            && !pair.name.contains(".exp.");
-        let metrics = match compare(&pair.reference, &pair.candidate) {
-            Ok(m) => m,
-            Err(why) => {
-                let r = with_note(ModeResult {
-                    metrics: None,
-                    error: f64::INFINITY,
-                    allowed: floor,
-                    status: Status::Fail,
-                    note: Some(why),
-                    flips: None,
-                    drift_from: None,
-                    plain_error: None,
-                    systematic: None,
-                });
-                return (r, chained.then_some(up));
-            }
-        };
-        let error = metrics.error();
-        let amp = self.judge.info(pair.name).kind.chain_amp();
-        let allowed = match pair.mode {
-            Mode::Replay => floor,
-            // Where the candidate lacks inputs, at least what they carry composed over the
-            // step (the floor of the segment the reference ran through them).
-            Mode::Chained if self.lacks_input(pair.inputs) => (floor + amp * up.clean)
-                .max(self.composed_chained(pair.name, pair.inputs, floor, l2(&pair.reference))),
-            Mode::Chained => floor + amp * up.clean,
-        };
-        let origin = up.origin.clone();
-        let mut r = ModeResult {
-            metrics: None,
-            error,
-            allowed,
-            status: Status::Pass,
-            note: None,
-            flips: None,
-            drift_from: None,
-            plain_error: chained.then_some(error),
-            systematic: None,
-        };
-        // What the hook passes on (chained): the rows upstream differences reach, its error
-        // over the others.
-        let mut next = Chain {
-            clean: 0.0,
-            norm: l2(&pair.reference),
-            estimated: false,
-            possible: BTreeSet::new(),
-            ..up.clone()
-        };
-        match &metrics {
-            Metrics::Float(m) if m.nonfinite_mismatch > 0 => {
-                r.status = Status::Fail;
-                r.note = Some(format!(
-                    "{} NaN/Inf where the reference differs (candidate NaN {}, Inf {}; reference NaN {}, Inf {})",
-                    m.nonfinite_mismatch, m.nan[1], m.inf[1], m.nan[0], m.inf[0]
-                ));
-                next.clean = error;
-            }
-            // The tensor is within its floor but one token is far above it (replay only).
-            Metrics::Float(m)
-                if pair.mode == Mode::Replay
-                    && error <= allowed
-                    && m.worst_token_judged()
-                        .is_some_and(|(_, e)| e > TOKEN_FACTOR * allowed) =>
-            {
-                let (t, e) = m.worst_token_judged().unwrap_or((0, f64::NAN));
-                r.status = Status::Fail;
-                r.note = Some(format!(
-                    "token {t}: error {e:.3e} above {TOKEN_FACTOR} x the floor {allowed:.3e} (the whole tensor: {error:.3e})"
-                ));
-            }
-            Metrics::Float(_) if up.touched.is_empty() => {
-                next.clean = error;
-                if error > allowed {
-                    r.status = Status::Fail;
-                    r.note = Some(format!("error {error:.3e} above the allowed {allowed:.3e}"));
-                }
-            }
-            // Chained, downstream of a selection difference the reference's chain did not
-            // follow: the rows it reaches differ for that reason (drift); the others are
-            // judged as everywhere. A row that only may have selected otherwise (a selection
-            // the candidate lacks, with a near tie there) and agrees here, at the first hook
-            // after the selection that the candidate has (before a sum dilutes it), as closely
-            // as the other rows (or within the floor) did not: it is not reached any more.
-            Metrics::Float(m) => {
-                let clean = if token_rows {
-                    masked_error(&pair.reference, &pair.candidate, &up.touched)
-                } else {
-                    f64::NAN
-                };
-                next.clean = if clean.is_finite() { clean } else { 0.0 };
-                if token_rows && m.per_token_judged.len() == self.n_rows(&pair.reference.shape) {
-                    // Agrees: as close as the rows no difference reaches, or within the floor.
-                    let agrees = if clean.is_finite() {
-                        (2.0 * clean).max(floor)
-                    } else {
-                        floor
-                    };
-                    next.touched.retain(|t| {
-                        !up.possible.contains(t)
-                            || m.per_token_judged.get(*t).is_none_or(|&e| e > agrees)
-                    });
-                    if next.touched.is_empty() {
-                        next.origin = None;
-                    }
-                }
-                let rows = self.n_rows(&pair.reference.shape);
-                if clean.is_finite() && clean > allowed {
-                    r.status = Status::Fail;
-                    r.note = Some(format!(
-                        "error {clean:.3e} above the allowed {allowed:.3e} over the {} of {rows} rows no selection difference upstream reaches (all rows: {error:.3e})",
-                        rows.saturating_sub(up.touched.len())
-                    ));
-                } else if error > allowed {
-                    r.status = Status::Drift;
-                    r.note = Some(format!(
-                        "drift after a selection that differs upstream, from {} ({} of {rows} rows reached{})",
-                        origin.as_deref().unwrap_or("?"),
-                        up.touched.len(),
-                        if clean.is_finite() {
-                            format!("; the others: {clean:.3e}")
-                        } else {
-                            String::new()
-                        }
-                    ));
-                    r.drift_from = origin;
-                } else {
-                    r.drift_from = origin;
-                }
-            }
-            Metrics::Ids(m) if m.set_equal_rows == m.rows => {
-                if !up.touched.is_empty() {
-                    r.drift_from = origin;
-                }
-            }
-            Metrics::Ids(_) => {
-                let (reference, candidate) = (
-                    pair.reference.as_i32(pair.name).unwrap_or(&[]),
-                    pair.candidate.as_i32(pair.name).unwrap_or(&[]),
-                );
-                let width = pair.reference.shape.last().copied().unwrap_or(1).max(1);
-                let mut scores = self.scores_for(pair.name, pair.mode);
-                // Without the model's selection bias: what the reference's selections imply.
-                let bias_unknown = self.judge.bias_unknown && point_of(pair.name) == "moe_topk_ids";
-                let implied = match &scores {
-                    Some(sc) if bias_unknown => {
-                        implied_bias(sc.values, sc.cols, reference, width, IMPLIED_SLACK)
-                    }
-                    _ => None,
-                };
-                if let (Some(sc), Some(g)) = (&mut scores, &implied) {
-                    sc.implied = Some(g);
-                }
-                // The selections contradict any one bias (another rule chose: group-limited
-                // routing): without the model the flips cannot be judged.
-                let unjudgeable = bias_unknown && implied.is_none();
-                if unjudgeable {
-                    scores = None;
-                }
-                let mut st = judge_flips(reference, candidate, width, scores.as_ref());
-                // Rows an unfollowed difference upstream reaches are not judged again.
-                let reached = |t: usize| chained && token_rows && up.touched.contains(&t);
-                let own_rows: Vec<usize> = differing_rows(reference, candidate, width)
-                    .into_iter()
-                    .filter(|&t| !reached(t))
-                    .collect();
-                let judged = if own_rows.len() < st.differing {
-                    let mut c = candidate.to_vec();
-                    for t in (0..st.rows).filter(|&t| reached(t)) {
-                        c[t * width..(t + 1) * width]
-                            .copy_from_slice(&reference[t * width..(t + 1) * width]);
-                    }
-                    judge_flips(reference, &c, width, scores.as_ref())
-                } else {
-                    st.clone()
-                };
-                st.drift = st.differing - judged.differing;
-                let mut judged = judged;
-                // A wide selection (the DSA keys) is also judged as a whole: its flips against
-                // what the scores' noise predicts (module flipcount).
-                let count = match &scores {
-                    Some(sc) if point_of(pair.name) == "indexer_topk" && !unjudgeable => {
-                        // The scores the candidate selected from: the reference's in replay of
-                        // an engine (its step's input), otherwise its own when at hand.
-                        let own = if !chained && self.judge.engine_candidate {
-                            Some(sc.values)
-                        } else {
-                            sc.candidate
-                        };
-                        let scores_hook = pair.name.replace("indexer_topk", "indexer_scores");
-                        let u = self
-                            .judge
-                            .candidate_precision(&scores_hook)
-                            .storage
-                            .unit_roundoff();
-                        Some(flip_count(
-                            sc, reference, candidate, width, &reached, own, u,
-                        ))
-                    }
-                    _ => None,
-                };
-                let count_failed = count.as_ref().is_some_and(|c| c.exceeded());
-                if unjudgeable {
-                    // Counted as near ties, said so, never a divergence.
-                    for x in [&mut st, &mut judged] {
-                        x.near_tie += x.confident;
-                        x.confident = 0;
-                        x.first_confident = None;
-                    }
-                }
-                let margins = st.margins.map_or(String::new(), |(a, b)| {
-                    format!(", margins {a:.2e}..{b:.2e}")
-                });
-                let what = format!(
-                    "{} of {} rows select another set: {} near-tie, {} confident{margins}{}{}",
-                    st.differing,
-                    st.rows,
-                    st.near_tie,
-                    st.confident,
-                    if st.drift > 0 {
-                        format!(
-                            "; {} of them reached by a selection difference upstream",
-                            st.drift
-                        )
-                    } else {
-                        String::new()
-                    },
-                    if unjudgeable {
-                        " (without the model the router's selection bias and groups are unknown, and the reference's own selections do not pin them down: margins unknown, not judged)"
-                    } else if st.judged {
-                        ""
-                    } else {
-                        " (the reference's scores were not compared: margins unknown)"
-                    }
-                );
-                let flip_origin = |f: &super::selection::FlipAt| {
-                    format!(
-                        "{} token {} (margin {:.2e}, tolerance {:.2e})",
-                        pair.name, f.token, f.margin, f.tolerance
-                    )
-                };
-                let count_note = count.as_ref().map_or(String::new(), |c| {
-                    let mut n = format!(
-                        "; {} key(s) left where the scores' {} noise ({:.1e} of their RMS) predicts {:.1} (at most {:.0}){}",
-                        c.observed,
-                        if c.measured { "measured" } else { "predicted" },
-                        c.noise,
-                        c.expected,
-                        c.bound,
-                        match (c.max_z, c.z_allowed) {
-                            (Some(z), Some(zl)) => format!(", largest margin {z:.1} sigma (at most {zl:.1})"),
-                            (Some(z), None) => format!(", largest margin {z:.1} sigma"),
-                            _ => String::new(),
-                        }
-                    );
-                    if let Some((t, gap, tol)) = c.first_not_top_k {
-                        n.push_str(&format!(
-                            "; the candidate's selection is not the top-k of the scores it selected from in {} of {} rows (first: token {t}, an unselected key scores {gap:.2e} above a selected one, ties allowed {tol:.2e})",
-                            c.not_top_k, c.own_rows
-                        ));
-                    }
-                    n
-                });
-                let what = format!("{what}{count_note}");
-                if judged.confident == 0 && count_failed {
-                    r.status = Status::Fail;
-                    r.note = Some(match count.as_ref() {
-                        Some(c) if c.not_top_k > 0 => what,
-                        Some(FlipCount {
-                            first_beyond_z: Some(t),
-                            ..
-                        }) => format!(
-                            "{what}; the flip at token {t} is wider than the scores' noise makes"
-                        ),
-                        _ => format!("{what}; more keys flip than the scores' noise makes"),
-                    });
-                } else if judged.confident > 0 {
-                    r.status = Status::Fail;
-                    r.note = Some(match judged.first_confident.as_ref() {
-                        Some(c) => format!(
-                            "{what}; first confident flip at token {}: {:?} in, {:?} out, margin {:.2e} > tolerance {:.2e}",
-                            c.token, c.entered, c.left, c.margin, c.tolerance
-                        ),
-                        None => what,
-                    });
-                } else if judged.differing > 0 {
-                    r.status = Status::NearTie;
-                    r.note = Some(what);
-                    if let Some(f) = &judged.first {
-                        r.drift_from = Some(format!(
-                            "the near-tie flip at {} token {} (margin {:.2e} <= tolerance {:.2e})",
-                            pair.name, f.token, f.margin, f.tolerance
-                        ));
-                    }
-                } else {
-                    r.status = Status::Drift;
-                    r.note = Some(format!(
-                        "{what}; after drift from {}",
-                        origin.as_deref().unwrap_or("?")
-                    ));
-                    r.drift_from = origin.clone();
-                }
-                if chained {
-                    next.own = own_rows.iter().copied().collect();
-                    next.touched.extend(own_rows.iter().copied());
-                    if next.origin.is_none() {
-                        next.origin = judged
-                            .first_confident
-                            .as_ref()
-                            .or(judged.first.as_ref())
-                            .map(flip_origin);
-                    }
-                }
-                st.count = count;
-                r.flips = Some(st);
-            }
-        }
-        if let Metrics::Float(m) = &metrics {
-            let expert = pair.name.contains(".exp.") && up.touched.is_empty();
-            if m.nonfinite_mismatch == 0 && (token_rows || expert) {
-                r.systematic = self.systematic(pair, &up.touched, parts);
-                let named = r.systematic.as_ref().and_then(Systematic::describe);
-                if let (Some(text), Status::Pass) = (named, r.status) {
-                    r.status = Status::Fail;
-                    r.note = Some(format!(
-                        "{text}; relative L2 {error:.3e} is within the allowed {allowed:.3e}"
-                    ));
-                }
-            }
-        }
-        r.metrics = Some(metrics);
-        (with_note(r), chained.then_some(next))
-    }
-
-    /// The systematic components of a float pair's error ([`super::systematic`]), over the
-    /// rows no selection difference upstream reaches (`touched`, chained).
-    fn systematic(
-        &self,
-        pair: &Pair<'_>,
-        touched: &BTreeSet<usize>,
-        parts: &[Part],
-    ) -> Option<Systematic> {
-        if matches!(
-            self.judge.info(pair.name).kind,
-            Kind::Selection | Kind::Zeros
-        ) {
-            return None;
-        }
-        let (Ok(r), Ok(c)) = (pair.reference.as_f32(""), pair.candidate.as_f32("")) else {
-            return None;
-        };
-        let shape = &pair.reference.shape;
-        let rows = shape.first().copied()?;
-        let cols: usize = shape[1..].iter().product();
-        let heads = match (shape.len(), point_of(pair.name)) {
-            (3, _) => Some(shape[1]),
-            (2, "q_b" | "attn_heads") => self.judge.heads,
-            _ => None,
-        };
-        let layout = Layout { rows, cols, heads };
-        let dirs: Vec<Direction<'_>> = parts
-            .iter()
-            .filter_map(|p| {
-                Some(Direction {
-                    label: &p.label,
-                    family: p.family,
-                    values: p.tensor.as_f32("").ok()?,
-                    rows: p.rows.as_deref(),
-                    sampled: p.sampled,
-                })
-            })
-            .collect();
-        if touched.is_empty() {
-            return analyse_systematic(r, c, layout, &dirs);
-        }
-        let mut masked = c.to_vec();
-        for &t in touched.iter().filter(|&&t| t < rows) {
-            masked[t * cols..(t + 1) * cols].fill(f32::NAN);
-        }
-        analyse_systematic(r, &masked, layout, &dirs)
     }
 
     /// The first hook failing in `mode`.
@@ -1194,96 +477,8 @@ impl Comparison {
 
     /// Per-layer summaries in order (global hooks are grouped under `None`).
     pub fn layers(&self) -> Vec<LayerSummary> {
-        let mut out: Vec<LayerSummary> = Vec::new();
-        for (i, r) in self.records.iter().enumerate() {
-            let group = r.layer;
-            let new = out
-                .last()
-                .is_none_or(|g| g.layer != group || r.name == "token_embd");
-            if new {
-                out.push(LayerSummary {
-                    layer: group,
-                    label: group.map_or_else(|| r.name.clone(), |l| l.to_string()),
-                    records: Vec::new(),
-                    worst: [None, None],
-                    worst_plain: None,
-                    floor: 0.0,
-                    failed: 0,
-                    drift: 0,
-                    missing: 0,
-                    near_tie: [0, 0],
-                    margins: [None, None],
-                });
-            }
-            let Some(g) = out.last_mut() else { continue };
-            if group.is_none() && !new {
-                g.label = format!("{}, {}", g.label, r.name);
-            }
-            g.records.push(i);
-            g.floor = g.floor.max(r.floor);
-            if let Some(c) = &r.chained {
-                if let (Some(x), Some(Metrics::Float(_)) | None) = (c.plain_error, &c.metrics) {
-                    if c.status != Status::Missing && g.worst_plain.is_none_or(|(_, w)| x > w) {
-                        g.worst_plain = Some((i, x));
-                    }
-                }
-            }
-            for (slot, res) in [(0usize, &r.replay), (1, &r.chained)] {
-                let Some(res) = res else { continue };
-                match res.status {
-                    Status::NearTie => {
-                        if let Some(f) = &res.flips {
-                            g.near_tie[slot] += f.near_tie;
-                            if let Some((a, b)) = f.margins {
-                                g.margins[slot] = Some(match g.margins[slot] {
-                                    None => (a, b),
-                                    Some((x, y)) => (x.min(a), y.max(b)),
-                                });
-                            }
-                        }
-                    }
-                    Status::Fail => g.failed += 1,
-                    Status::Drift => g.drift += 1,
-                    Status::Missing => g.missing += 1,
-                    Status::Pass => {}
-                }
-                if res.status != Status::Missing
-                    && matches!(res.metrics, Some(Metrics::Float(_)) | None)
-                    && g.worst[slot].as_ref().is_none_or(|(_, e)| res.error > *e)
-                {
-                    g.worst[slot] = Some((i, res.error));
-                }
-            }
-        }
-        out
+        fold_layers(&self.records)
     }
-}
-
-/// One layer's (or the global hooks') records, folded.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct LayerSummary {
-    /// Layer (`None` for global hooks).
-    pub layer: Option<usize>,
-    /// `"3"`, or the global hooks' names.
-    pub label: String,
-    /// Indices into [`Comparison::records`].
-    pub records: Vec<usize>,
-    /// Worst float error per mode (replay, chained): record index and error.
-    pub worst: [Option<(usize, f64)>; 2],
-    /// Worst chained float error against the reference's own chain (`ModeResult::plain_error`).
-    pub worst_plain: Option<(usize, f64)>,
-    /// Largest floor among the records.
-    pub floor: f64,
-    /// Results that failed (both modes counted).
-    pub failed: usize,
-    /// Results that drifted.
-    pub drift: usize,
-    /// Results missing.
-    pub missing: usize,
-    /// Rows with near-tie flips per mode (replay, chained).
-    pub near_tie: [usize; 2],
-    /// Smallest and largest near-tie margin per mode.
-    pub margins: [Option<(f64, f64)>; 2],
 }
 
 impl PairSink for Comparison {
@@ -1305,7 +500,7 @@ impl PairSink for Comparison {
             .parts
             .remove(&(pair.name.to_string(), pair.mode))
             .unwrap_or_default();
-        let (result, chain) = self.judge_pair(&pair, floor, &parts);
+        let (result, chain) = judge_pair(&self.judging(&pair, floor, &parts));
         if let Some(c) = chain {
             self.chain.insert(pair.name.to_string(), c);
         }
@@ -1563,72 +758,25 @@ impl PairSink for Comparison {
     }
 }
 
-/// The flips of DSA selection `candidate` against `reference` (`width` ids per row) as a whole,
-/// over the rows `reached` does not exclude ([`super::flipcount`]).
-fn flip_count(
-    sc: &Scores<'_>,
-    reference: &[i32],
-    candidate: &[i32],
-    width: usize,
-    reached: &dyn Fn(usize) -> bool,
-    own: Option<&[f32]>,
-    u: f64,
-) -> FlipCount {
-    use super::flipcount::{count_row, not_top_k, summarize, Row};
-    let (w, cols) = (width.max(1), sc.cols.max(1));
-    let mut rows = Vec::new();
-    let mut keys = 0usize;
-    for (t, (rr, cr)) in reference.chunks(w).zip(candidate.chunks(w)).enumerate() {
-        if reached(t) {
-            continue;
-        }
-        let Some(r) = sc.values.get(t * cols..(t + 1) * cols) else {
-            break;
-        };
-        keys += r.iter().filter(|x| x.is_finite()).count();
-        let row = Row {
-            reference: r,
-            candidate: sc.candidate.and_then(|c| c.get(t * cols..(t + 1) * cols)),
-            ref_ids: rr,
-            cand_ids: cr,
-        };
-        if let Some(c) = count_row(&row, sc.rel_tol) {
-            rows.push((t, c));
-        }
-    }
-    let (mut own_rows, mut bad) = (0usize, Vec::new());
-    if let Some(own) = own {
-        for (t, cr) in candidate.chunks(w).enumerate() {
-            let Some(o) = own.get(t * cols..(t + 1) * cols) else {
-                break;
-            };
-            own_rows += 1;
-            if let Some((gap, tol)) = not_top_k(o, cr, u) {
-                bad.push((t, gap, tol));
-            }
-        }
-    }
-    summarize(&rows, keys).with_own(own_rows, &bad)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::compare::{JudgeSpec, ModelFacts, Precision, PrecisionOverride};
     use crate::tensor::HostTensor;
 
-    fn judge() -> Judge {
-        Judge {
+    fn spec() -> JudgeSpec {
+        JudgeSpec {
             reference: Precision::parse("f32 storage, f64 accumulation").unwrap(),
             candidate: Precision::parse("bf16").unwrap(),
-            infos: HashMap::new(),
             tol: vec![("blk.*.q_a".into(), 1e-9)],
             precision: Vec::new(),
-            selection_bias: HashMap::new(),
-            groups: None,
-            bias_unknown: false,
-            heads: None,
+            model: Some(ModelFacts::default()),
             engine_candidate: false,
         }
+    }
+
+    fn judge() -> Judge {
+        Judge::new(spec()).unwrap()
     }
 
     fn f(v: Vec<f32>) -> HostTensor {
@@ -1815,10 +963,11 @@ mod tests {
             }
             c
         };
-        let tol = Judge {
+        let tol = Judge::new(JudgeSpec {
             tol: vec![("*".into(), 10.0)],
-            ..judge()
-        };
+            ..spec()
+        })
+        .unwrap();
         let c = run(tol);
         let sel = c.get("blk.1.moe_topk_ids").unwrap();
         assert_eq!(sel.floor, 10.0);
@@ -1838,15 +987,16 @@ mod tests {
         );
         // A --precision override of the scores sets their floor and the flips' tolerance alike:
         // the tolerance is the scores' precision floor times the row's RMS score.
-        let fp8 = Judge {
+        let fp8 = Judge::new(JudgeSpec {
             precision: vec![PrecisionOverride {
                 glob: "blk.*.moe_*".into(),
                 precision: Precision::parse("fp8").unwrap(),
                 dtype: "fp8".into(),
                 source: "--precision".into(),
             }],
-            ..judge()
-        };
+            ..spec()
+        })
+        .unwrap();
         let c = run(fp8);
         let t = c
             .get("blk.1.moe_topk_ids")
