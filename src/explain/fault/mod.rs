@@ -28,7 +28,7 @@ pub use engine::FaultEngine;
 
 use crate::model::names::{self, blk};
 use crate::model::steps;
-use crate::model::Weights;
+use crate::model::{HParams, Weights};
 use crate::quant::GgmlType;
 use crate::util::glob::matches as glob_match;
 
@@ -886,167 +886,23 @@ impl Fault {
     pub fn check(&self, weights: &Weights<'_>, run: Range<usize>, tail: bool) -> Result<()> {
         let hp = weights.hparams();
         let me = self.to_string();
-        if let FaultKind::LayerWeights { src, .. } = &self.kind {
-            // The layers of the fault are those reading layer `src`'s weights (`src + 1` by
-            // default): name the source first, with the layers it can be for this run.
-            let targets = self.layers.as_deref().unwrap_or(&[]);
-            if *src >= hp.n_block || targets.iter().any(|&l| l >= hp.n_layer) {
-                bail!(
-                    "--inject {me}: reads layer {src}'s weights into layer{} {}, but the model has blocks 0..{} and runs layers 0..{} (layer_weights:L reads layer L into layer L+1, so L in 0..{}; layer_weights:L@N reads it into layer N)",
-                    if targets.len() == 1 { "" } else { "s" },
-                    targets
-                        .iter()
-                        .map(usize::to_string)
-                        .collect::<Vec<_>>()
-                        .join(","),
-                    hp.n_block,
-                    hp.n_layer,
-                    hp.n_layer.saturating_sub(1)
-                );
-            }
-        }
-        if let Some(ls) = &self.layers {
-            if let Some(&l) = ls.iter().find(|&&l| l >= hp.n_layer) {
-                bail!(
-                    "--inject {me}: layer {l} is not run: the model runs layers 0..{}",
-                    hp.n_layer
-                );
-            }
-            if !ls.iter().any(|l| run.contains(l)) {
-                bail!(
-                    "--inject {me}: the run compares layers {}..{}, none of the fault's layers {ls:?}",
-                    run.start,
-                    run.end
-                );
-            }
-        }
+        self.check_layers(&me, hp, &run)?;
         let layers: Vec<usize> = run.clone().filter(|&l| self.at(Some(l))).collect();
-        let moe = moe_layers(weights, &layers);
-        let need_moe = || need_moe(&me, weights, &layers);
         match &self.kind {
             FaultKind::IndexerRopeNeox | FaultKind::IndexerNoRelu => {
                 need_indexer(&me, weights, &layers)?;
             }
-            FaultKind::SoftmaxGating => {
-                need_moe()?;
-                if hp.gating == crate::model::Gating::Softmax {
-                    bail!("--inject {me}: the model's router already uses softmax");
-                }
-            }
-            FaultKind::BiasInWeights => {
-                need_moe()?;
-                if !moe
-                    .iter()
-                    .any(|&l| weights.has(&names::blk(l, blk::EXP_PROBS_B)))
-                {
-                    bail!("--inject {me}: no layer among {moe:?} has a selection bias exp_probs_b");
-                }
-            }
-            FaultKind::RouterBf16 | FaultKind::GateUpSwap => need_moe()?,
-            FaultKind::ExpertMap(m) => {
-                need_moe()?;
-                if let Some(&(s, f)) = m
-                    .iter()
-                    .find(|&&(s, f)| s >= hp.n_expert || f >= hp.n_expert)
-                {
-                    bail!(
-                        "--inject {me}: expert {} is not one of the model's {} experts",
-                        s.max(f),
-                        hp.n_expert
-                    );
-                }
-            }
+            FaultKind::SoftmaxGating
+            | FaultKind::BiasInWeights
+            | FaultKind::RouterBf16
+            | FaultKind::GateUpSwap
+            | FaultKind::ExpertMap(_) => check_router(&self.kind, &me, weights, &layers)?,
             FaultKind::LayerWeights { src, glob } => {
-                if *src >= hp.n_block {
-                    bail!(
-                        "--inject {me}: layer {src} is not in the file ({} blocks)",
-                        hp.n_block
-                    );
-                }
-                let mut hit = 0;
-                for &l in &layers {
-                    if l == *src {
-                        bail!("--inject {me}: layer {l} would read its own weights");
-                    }
-                    for name in plan_layer_weights(weights, l)? {
-                        if !Fault::names_tensor(glob, &name) {
-                            continue;
-                        }
-                        let (_, suffix) = names::split_blk(&name).unwrap_or((l, ""));
-                        let other = names::blk(*src, suffix);
-                        let (a, b) = (weights.model().find(&name), weights.model().find(&other));
-                        match (a, b) {
-                            (Some(a), Some(b)) if a.info.ne == b.info.ne => hit += 1,
-                            (Some(a), Some(b)) => bail!(
-                                "--inject {me}: {name} has ne={:?}, {other} has ne={:?}",
-                                a.info.ne,
-                                b.info.ne
-                            ),
-                            _ => bail!("--inject {me}: the file has no {other} for {name}"),
-                        }
-                    }
-                }
-                if hit == 0 {
-                    bail!("--inject {me}: no tensor of layers {layers:?} matches {glob:?} (matched against the name without blk.L., e.g. attn_q_a.weight; @L or a full name blk.L.NAME picks the layer)");
-                }
+                check_layer_weights(&me, weights, *src, glob, &layers)?
             }
-            FaultKind::Transposed { glob } => {
-                let hit = layers.iter().try_fold(0, |n, &l| -> Result<usize> {
-                    Ok(n + plan_layer_weights(weights, l)?
-                        .iter()
-                        .filter(|w| Fault::names_tensor(glob, w) && weights.matrix_dims(w).is_ok())
-                        .count())
-                })?;
-                if hit == 0 {
-                    bail!("--inject {me}: no matrix of layers {layers:?} matches {glob:?} (matched against the name without blk.L., e.g. attn_q_a.weight; @L or a full name blk.L.NAME picks the layer)");
-                }
-            }
-            FaultKind::Q4kScaleBits => {
-                let mut read: Vec<String> = Vec::new();
-                for &l in &layers {
-                    read.extend(plan_layer_weights(weights, l)?);
-                }
-                if self.layers.is_none() {
-                    if run.start == 0 {
-                        read.push(names::TOKEN_EMBD.to_string());
-                    }
-                    if tail {
-                        read.push(weights.output_name().to_string());
-                    }
-                }
-                let q4k = read.iter().any(|n| {
-                    weights
-                        .model()
-                        .find(n)
-                        .is_some_and(|t| t.info.ty == GgmlType::Q4_K)
-                });
-                if !q4k {
-                    bail!(
-                        "--inject {me}: no tensor the run reads is Q4_K ({} has none in these layers)",
-                        weights.model().file_name()
-                    );
-                }
-            }
-            FaultKind::RunMtp => {
-                if hp.n_nextn == 0 {
-                    bail!(
-                        "--inject {me}: {} has no MTP block (nextn_predict_layers = 0)",
-                        weights.model().file_name()
-                    );
-                }
-                if self.layers.is_some() {
-                    bail!("--inject {me}: run_mtp concerns the final norm; give no layers");
-                }
-                if !tail {
-                    bail!("--inject {me}: the MTP block runs before the final norm; compare every layer (no --layer/--layers)");
-                }
-                if !weights.has(&names::blk(hp.n_layer, blk::ATTN_NORM)) {
-                    bail!(
-                        "--inject {me}: the file has no blk.{}.attn_norm.weight: no MTP block to run as a layer",
-                        hp.n_layer
-                    );
-                }
-            }
+            FaultKind::Transposed { glob } => check_transposed(&me, weights, glob, &layers)?,
+            FaultKind::Q4kScaleBits => self.check_q4k(&me, weights, &layers, &run, tail)?,
+            FaultKind::RunMtp => self.check_run_mtp(&me, weights, tail)?,
             FaultKind::TpShard(n) => {
                 if hp.n_head % n != 0 {
                     bail!(
@@ -1084,6 +940,212 @@ impl Fault {
         }
         Ok(())
     }
+
+    /// Checks the fault's layers (`me`: the fault as the user wrote it) against the model's and
+    /// the run's `run`: a `layer_weights` source and targets the model has, layers it runs, one
+    /// of them compared.
+    fn check_layers(&self, me: &str, hp: &HParams, run: &Range<usize>) -> Result<()> {
+        if let FaultKind::LayerWeights { src, .. } = &self.kind {
+            // The layers of the fault are those reading layer `src`'s weights (`src + 1` by
+            // default): name the source first, with the layers it can be for this run.
+            let targets = self.layers.as_deref().unwrap_or(&[]);
+            if *src >= hp.n_block || targets.iter().any(|&l| l >= hp.n_layer) {
+                bail!(
+                    "--inject {me}: reads layer {src}'s weights into layer{} {}, but the model has blocks 0..{} and runs layers 0..{} (layer_weights:L reads layer L into layer L+1, so L in 0..{}; layer_weights:L@N reads it into layer N)",
+                    if targets.len() == 1 { "" } else { "s" },
+                    targets
+                        .iter()
+                        .map(usize::to_string)
+                        .collect::<Vec<_>>()
+                        .join(","),
+                    hp.n_block,
+                    hp.n_layer,
+                    hp.n_layer.saturating_sub(1)
+                );
+            }
+        }
+        if let Some(ls) = &self.layers {
+            if let Some(&l) = ls.iter().find(|&&l| l >= hp.n_layer) {
+                bail!(
+                    "--inject {me}: layer {l} is not run: the model runs layers 0..{}",
+                    hp.n_layer
+                );
+            }
+            if !ls.iter().any(|l| run.contains(l)) {
+                bail!(
+                    "--inject {me}: the run compares layers {}..{}, none of the fault's layers {ls:?}",
+                    run.start,
+                    run.end
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks a `q4k_scale_bits` fault (`me`): some tensor the run reads over `layers` (the
+    /// run's layers it touches; the token embedding when `run` starts at layer 0 and the output
+    /// projection when `tail`, for a fault on every layer) is Q4_K.
+    fn check_q4k(
+        &self,
+        me: &str,
+        weights: &Weights<'_>,
+        layers: &[usize],
+        run: &Range<usize>,
+        tail: bool,
+    ) -> Result<()> {
+        let mut read: Vec<String> = Vec::new();
+        for &l in layers {
+            read.extend(plan_layer_weights(weights, l)?);
+        }
+        if self.layers.is_none() {
+            if run.start == 0 {
+                read.push(names::TOKEN_EMBD.to_string());
+            }
+            if tail {
+                read.push(weights.output_name().to_string());
+            }
+        }
+        let q4k = read.iter().any(|n| {
+            weights
+                .model()
+                .find(n)
+                .is_some_and(|t| t.info.ty == GgmlType::Q4_K)
+        });
+        if !q4k {
+            bail!(
+                "--inject {me}: no tensor the run reads is Q4_K ({} has none in these layers)",
+                weights.model().file_name()
+            );
+        }
+        Ok(())
+    }
+
+    /// Checks a `run_mtp` fault (`me`): the file has an MTP block to run as a layer, and the
+    /// run compares every layer and the tail (`tail`).
+    fn check_run_mtp(&self, me: &str, weights: &Weights<'_>, tail: bool) -> Result<()> {
+        let hp = weights.hparams();
+        if hp.n_nextn == 0 {
+            bail!(
+                "--inject {me}: {} has no MTP block (nextn_predict_layers = 0)",
+                weights.model().file_name()
+            );
+        }
+        if self.layers.is_some() {
+            bail!("--inject {me}: run_mtp concerns the final norm; give no layers");
+        }
+        if !tail {
+            bail!("--inject {me}: the MTP block runs before the final norm; compare every layer (no --layer/--layers)");
+        }
+        if !weights.has(&names::blk(hp.n_layer, blk::ATTN_NORM)) {
+            bail!(
+                "--inject {me}: the file has no blk.{}.attn_norm.weight: no MTP block to run as a layer",
+                hp.n_layer
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Checks a router or routed-experts fault of the original catalogue (`softmax_gating`,
+/// `bias_in_weights`, `router_bf16`, `gate_up_swap`, `expert_swap`/`expert_map`; `me`: as the
+/// user wrote it) against the model over `layers` (the run's layers it touches).
+fn check_router(kind: &FaultKind, me: &str, weights: &Weights<'_>, layers: &[usize]) -> Result<()> {
+    let hp = weights.hparams();
+    let moe = moe_layers(weights, layers);
+    let need_moe = || need_moe(me, weights, layers);
+    match kind {
+        FaultKind::SoftmaxGating => {
+            need_moe()?;
+            if hp.gating == crate::model::Gating::Softmax {
+                bail!("--inject {me}: the model's router already uses softmax");
+            }
+        }
+        FaultKind::BiasInWeights => {
+            need_moe()?;
+            if !moe
+                .iter()
+                .any(|&l| weights.has(&names::blk(l, blk::EXP_PROBS_B)))
+            {
+                bail!("--inject {me}: no layer among {moe:?} has a selection bias exp_probs_b");
+            }
+        }
+        FaultKind::RouterBf16 | FaultKind::GateUpSwap => need_moe()?,
+        FaultKind::ExpertMap(m) => {
+            need_moe()?;
+            if let Some(&(s, f)) = m
+                .iter()
+                .find(|&&(s, f)| s >= hp.n_expert || f >= hp.n_expert)
+            {
+                bail!(
+                    "--inject {me}: expert {} is not one of the model's {} experts",
+                    s.max(f),
+                    hp.n_expert
+                );
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Checks a `layer_weights` fault (`me`) reading layer `src`'s tensors matching `glob` into
+/// `layers`: the source is in the file, no layer reads its own weights, and at least one tensor
+/// matches, with a counterpart of the same shape in layer `src`.
+fn check_layer_weights(
+    me: &str,
+    weights: &Weights<'_>,
+    src: usize,
+    glob: &str,
+    layers: &[usize],
+) -> Result<()> {
+    let hp = weights.hparams();
+    if src >= hp.n_block {
+        bail!(
+            "--inject {me}: layer {src} is not in the file ({} blocks)",
+            hp.n_block
+        );
+    }
+    let mut hit = 0;
+    for &l in layers {
+        if l == src {
+            bail!("--inject {me}: layer {l} would read its own weights");
+        }
+        for name in plan_layer_weights(weights, l)? {
+            if !Fault::names_tensor(glob, &name) {
+                continue;
+            }
+            let (_, suffix) = names::split_blk(&name).unwrap_or((l, ""));
+            let other = names::blk(src, suffix);
+            let (a, b) = (weights.model().find(&name), weights.model().find(&other));
+            match (a, b) {
+                (Some(a), Some(b)) if a.info.ne == b.info.ne => hit += 1,
+                (Some(a), Some(b)) => bail!(
+                    "--inject {me}: {name} has ne={:?}, {other} has ne={:?}",
+                    a.info.ne,
+                    b.info.ne
+                ),
+                _ => bail!("--inject {me}: the file has no {other} for {name}"),
+            }
+        }
+    }
+    if hit == 0 {
+        bail!("--inject {me}: no tensor of layers {layers:?} matches {glob:?} (matched against the name without blk.L., e.g. attn_q_a.weight; @L or a full name blk.L.NAME picks the layer)");
+    }
+    Ok(())
+}
+
+/// Checks a `transposed` fault (`me`): some matrix of `layers` matches `glob`.
+fn check_transposed(me: &str, weights: &Weights<'_>, glob: &str, layers: &[usize]) -> Result<()> {
+    let hit = layers.iter().try_fold(0, |n, &l| -> Result<usize> {
+        Ok(n + plan_layer_weights(weights, l)?
+            .iter()
+            .filter(|w| Fault::names_tensor(glob, w) && weights.matrix_dims(w).is_ok())
+            .count())
+    })?;
+    if hit == 0 {
+        bail!("--inject {me}: no matrix of layers {layers:?} matches {glob:?} (matched against the name without blk.L., e.g. attn_q_a.weight; @L or a full name blk.L.NAME picks the layer)");
+    }
+    Ok(())
 }
 
 /// The MoE layers among `layers`.
