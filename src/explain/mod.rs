@@ -398,161 +398,26 @@ pub fn hypotheses(step: &Step, weights: &Weights<'_>) -> Vec<Fault> {
 /// lacks a tensor they read (a step case holds only its step's tensors: the MTP block of
 /// `run_mtp`, a neighbouring layer's weights), with the reason.
 pub fn hypotheses_and_untestable(step: &Step, weights: &Weights<'_>) -> (Vec<Fault>, Vec<String>) {
-    let hp = weights.hparams();
-    let layer = step.layer;
-    let at = |k: FaultKind| Fault::new(k, layer.map(|l| vec![l]));
-    let is_q4k = |n: &str| {
-        weights
-            .model()
-            .find(n)
-            .is_some_and(|t| t.info.ty == GgmlType::Q4_K)
+    let faults = StepFaults {
+        weights,
+        layer: step.layer,
     };
-    // Weights from a neighbouring layer, for the tensors matching `glob`.
-    let neighbours = |glob: &str| -> Vec<Fault> {
-        let Some(l) = layer else { return Vec::new() };
-        [l.checked_sub(1), Some(l + 1)]
-            .into_iter()
-            .flatten()
-            .map(|src| {
-                at(FaultKind::LayerWeights {
-                    src,
-                    glob: glob.to_string(),
-                })
-            })
-            .collect()
-    };
-    let shards = || -> Vec<Fault> {
-        (2..=hp.n_head)
-            .filter(|n| hp.n_head % n == 0)
-            .map(|n| at(FaultKind::TpShard(n)))
-            .collect()
-    };
-    // Any projection's: its matrix from a neighbouring layer or transposed, Q4_K scale bits,
-    // f32 sums.
-    let projection = |weight: &str| -> Vec<Fault> {
-        let mut v = Vec::new();
-        if let Some((_, s)) = names::split_blk(weight) {
-            v.extend(neighbours(s));
-            v.push(at(FaultKind::Transposed {
-                glob: s.to_string(),
-            }));
-        }
-        if is_q4k(weight) {
-            v.push(at(FaultKind::Q4kScaleBits));
-        }
-        v.push(at(FaultKind::F32Accumulate));
-        v
-    };
-    let mut v = Vec::new();
-    match &step.op {
-        Op::Embed => {
-            if is_q4k(names::TOKEN_EMBD) {
-                v.push(Fault::new(FaultKind::Q4kScaleBits, None));
-            }
-        }
-        Op::RmsNorm { weight, eps, .. } => {
-            if weight == names::OUTPUT_NORM {
-                v.push(Fault::new(FaultKind::RunMtp, None));
-            }
-            // Fitted: the eps, the weight's scale; and the (1 + w) convention, for every norm
-            // of the layer (the final norm's alone).
-            v.push(at(FaultKind::NormEps(*eps)));
-            let name = names::split_blk(weight).map_or(weight.as_str(), |(_, s)| s);
-            v.push(at(FaultKind::WeightScale {
-                glob: name.to_string(),
-                factor: 1.0,
-            }));
-            v.push(at(FaultKind::NormOnePlus {
-                glob: match layer {
-                    Some(_) => fault::DEFAULT_NORM_ONE_PLUS.to_string(),
-                    None => weight.clone(),
-                },
-            }));
-            if let Some((_, suffix)) = names::split_blk(weight) {
-                v.extend(neighbours(suffix));
-            }
-        }
-        Op::Linear { weight } => {
-            let suffix = names::split_blk(weight).map(|(_, s)| s);
-            if suffix == Some(blk::ATTN_Q_B) || suffix == Some(blk::ATTN_OUTPUT) {
-                v.extend(shards());
-            }
-            v.extend(projection(weight));
-            // Fitted: the matrix's scale.
-            v.push(at(FaultKind::WeightScale {
-                glob: suffix.unwrap_or(weight).to_string(),
-                factor: 1.0,
-            }));
-        }
-        Op::RouterLogits { layer: l } => {
-            v.push(at(FaultKind::RouterBf16));
-            v.extend(projection(&names::blk(*l, blk::FFN_GATE_INP)));
-        }
-        Op::Rope(_) => {
-            v.push(at(FaultKind::RopeNeox));
-            v.push(at(FaultKind::YarnMscale(Mscale::Missing)));
-            v.push(at(FaultKind::YarnMscale(Mscale::Twice)));
-        }
-        Op::IndexerScores { .. } => {
-            v.push(at(FaultKind::IndexerRopeNeox));
-            v.push(at(FaultKind::IndexerNoRelu));
-            // Fitted (one factor: both multiply every score).
-            v.push(at(FaultKind::IndexerScale(1.0)));
-            v.push(at(FaultKind::IndexerWprojScale(1.0)));
-        }
-        Op::TopK { k } => {
-            v.extend(
-                [k.checked_sub(1), Some(k + 1)]
-                    .into_iter()
-                    .flatten()
-                    .filter(|&n| n > 0)
-                    .map(|n| at(FaultKind::DsaTopK(n))),
-            );
-        }
-        Op::Attention { layer: l } => {
-            v.push(at(FaultKind::KvBConcat));
-            v.push(at(FaultKind::KvBSplit));
-            v.push(at(FaultKind::ScaleLatent));
-            v.push(at(FaultKind::YarnMscale(Mscale::Missing)));
-            // Fitted: the softmax scale, each kv_b tensor's scale.
-            v.push(at(FaultKind::SoftmaxScale(1.0)));
-            for n in weights.kv_b_names(*l) {
-                let glob = names::split_blk(&n).map_or(n.as_str(), |(_, s)| s);
-                v.push(at(FaultKind::WeightScale {
-                    glob: glob.to_string(),
-                    factor: 1.0,
-                }));
-            }
-            v.extend(shards());
-        }
-        Op::MoeRoute { .. } => {
-            if hp.gating == Gating::Sigmoid {
-                v.push(at(FaultKind::SoftmaxGating));
-            }
-            v.push(at(FaultKind::BiasInWeights));
-        }
-        Op::MoeExperts { layer: l } => {
-            v.push(at(FaultKind::GateUpSwap));
-            let mut names = weights.expert_gate_up_names(*l);
-            names.push(names::blk(*l, blk::FFN_DOWN_EXPS));
-            if names.iter().any(|n| is_q4k(n)) {
-                v.push(at(FaultKind::Q4kScaleBits));
-            }
-            v.extend(neighbours("ffn_*_exps.weight"));
-        }
-        Op::Mlp { gate, up, down } => {
-            v.extend(neighbours("ffn_*_shexp.weight"));
-            if [gate, up, down].iter().any(|n| is_q4k(n)) {
-                v.push(at(FaultKind::Q4kScaleBits));
-            }
-            v.push(at(FaultKind::F32Accumulate));
-        }
-        Op::SwiGlu | Op::Add | Op::Alias | Op::ZerosLike => {}
-    }
+    let mut v = faults.of_op(&step.op);
     // The routing and MoE families (the continuous ones at a seed that `explain` fits).
     v.extend(fit_route::hypotheses(step, weights));
-    // Keep the faults that apply to this model and layer (a neighbour that exists with the same
-    // shapes, an MoE layer for the router kinds, ...).
+    let untestable = keep_applicable(&mut v, weights, step.layer);
+    // Fitted, on every model (the model's own base fails `check`, which `--inject` wants).
+    if let Op::Rope(_) = step.op {
+        v.push(faults.at(FaultKind::RopeTheta(weights.hparams().rope.base)));
+    }
+    (v, untestable)
+}
+
+/// Keeps the faults of `v` that apply to this model and `layer` (`None`: a global step): a
+/// neighbour that exists with the same shapes, an MoE layer for the router kinds, ... Returns
+/// the faults dropped because the file lacks a tensor they read, with the reason.
+fn keep_applicable(v: &mut Vec<Fault>, weights: &Weights<'_>, layer: Option<usize>) -> Vec<String> {
+    let hp = weights.hparams();
     let run = layer.map_or(0..hp.n_layer, |l| l..l + 1);
     let global = layer.is_none();
     let mut untestable = Vec::new();
@@ -569,11 +434,206 @@ pub fn hypotheses_and_untestable(step: &Step, weights: &Weights<'_>) -> (Vec<Fau
             false
         }
     });
-    // Fitted, on every model (the model's own base fails `check`, which `--inject` wants).
-    if let Op::Rope(_) = step.op {
-        v.push(at(FaultKind::RopeTheta(hp.rope.base)));
+    untestable
+}
+
+/// The catalogue's faults that concern one step, built at the step's layer
+/// ([`hypotheses_and_untestable`]), before the model's check of each.
+struct StepFaults<'a, 'w> {
+    /// The model.
+    weights: &'a Weights<'w>,
+    /// The step's layer (`None`: a global step).
+    layer: Option<usize>,
+}
+
+impl StepFaults<'_, '_> {
+    /// Fault `k` at the step's layer.
+    fn at(&self, k: FaultKind) -> Fault {
+        Fault::new(k, self.layer.map(|l| vec![l]))
     }
-    (v, untestable)
+
+    /// Whether the file's tensor `n` is Q4_K.
+    fn is_q4k(&self, n: &str) -> bool {
+        self.weights
+            .model()
+            .find(n)
+            .is_some_and(|t| t.info.ty == GgmlType::Q4_K)
+    }
+
+    /// Weights from a neighbouring layer, for the tensors matching `glob`.
+    fn neighbours(&self, glob: &str) -> Vec<Fault> {
+        let Some(l) = self.layer else {
+            return Vec::new();
+        };
+        [l.checked_sub(1), Some(l + 1)]
+            .into_iter()
+            .flatten()
+            .map(|src| {
+                self.at(FaultKind::LayerWeights {
+                    src,
+                    glob: glob.to_string(),
+                })
+            })
+            .collect()
+    }
+
+    /// Every tensor-parallel split of whole heads the model's head count allows.
+    fn shards(&self) -> Vec<Fault> {
+        let hp = self.weights.hparams();
+        (2..=hp.n_head)
+            .filter(|n| hp.n_head % n == 0)
+            .map(|n| self.at(FaultKind::TpShard(n)))
+            .collect()
+    }
+
+    /// Any projection's: its matrix from a neighbouring layer or transposed, Q4_K scale bits,
+    /// f32 sums.
+    fn projection(&self, weight: &str) -> Vec<Fault> {
+        let mut v = Vec::new();
+        if let Some((_, s)) = names::split_blk(weight) {
+            v.extend(self.neighbours(s));
+            v.push(self.at(FaultKind::Transposed {
+                glob: s.to_string(),
+            }));
+        }
+        if self.is_q4k(weight) {
+            v.push(self.at(FaultKind::Q4kScaleBits));
+        }
+        v.push(self.at(FaultKind::F32Accumulate));
+        v
+    }
+
+    /// The faults that concern a step of `op`, in the catalogue's order.
+    fn of_op(&self, op: &Op) -> Vec<Fault> {
+        let mut v = Vec::new();
+        match op {
+            Op::Embed => {
+                if self.is_q4k(names::TOKEN_EMBD) {
+                    v.push(Fault::new(FaultKind::Q4kScaleBits, None));
+                }
+            }
+            Op::RmsNorm { weight, eps, .. } => v.extend(self.norm(weight, *eps)),
+            Op::Linear { weight } => v.extend(self.linear(weight)),
+            Op::RouterLogits { layer: l } => {
+                v.push(self.at(FaultKind::RouterBf16));
+                v.extend(self.projection(&names::blk(*l, blk::FFN_GATE_INP)));
+            }
+            Op::Rope(_) => {
+                v.push(self.at(FaultKind::RopeNeox));
+                v.push(self.at(FaultKind::YarnMscale(Mscale::Missing)));
+                v.push(self.at(FaultKind::YarnMscale(Mscale::Twice)));
+            }
+            Op::IndexerScores { .. } => {
+                v.push(self.at(FaultKind::IndexerRopeNeox));
+                v.push(self.at(FaultKind::IndexerNoRelu));
+                // Fitted (one factor: both multiply every score).
+                v.push(self.at(FaultKind::IndexerScale(1.0)));
+                v.push(self.at(FaultKind::IndexerWprojScale(1.0)));
+            }
+            Op::TopK { k } => {
+                v.extend(
+                    [k.checked_sub(1), Some(k + 1)]
+                        .into_iter()
+                        .flatten()
+                        .filter(|&n| n > 0)
+                        .map(|n| self.at(FaultKind::DsaTopK(n))),
+                );
+            }
+            Op::Attention { layer: l } => v.extend(self.attention(*l)),
+            Op::MoeRoute { .. } => {
+                if self.weights.hparams().gating == Gating::Sigmoid {
+                    v.push(self.at(FaultKind::SoftmaxGating));
+                }
+                v.push(self.at(FaultKind::BiasInWeights));
+            }
+            Op::MoeExperts { layer: l } => v.extend(self.experts(*l)),
+            Op::Mlp { gate, up, down } => {
+                v.extend(self.neighbours("ffn_*_shexp.weight"));
+                if [gate, up, down].iter().any(|n| self.is_q4k(n)) {
+                    v.push(self.at(FaultKind::Q4kScaleBits));
+                }
+                v.push(self.at(FaultKind::F32Accumulate));
+            }
+            Op::SwiGlu | Op::Add | Op::Alias | Op::ZerosLike => {}
+        }
+        v
+    }
+
+    /// An RMSNorm's, of norm weight `weight` and epsilon `eps`: `run_mtp` before the final
+    /// norm; fitted: the eps, the weight's scale; the (1 + w) convention, for every norm of the
+    /// layer (the final norm's alone); the weight from a neighbouring layer.
+    fn norm(&self, weight: &str, eps: f64) -> Vec<Fault> {
+        let mut v = Vec::new();
+        if weight == names::OUTPUT_NORM {
+            v.push(Fault::new(FaultKind::RunMtp, None));
+        }
+        v.push(self.at(FaultKind::NormEps(eps)));
+        let name = names::split_blk(weight).map_or(weight, |(_, s)| s);
+        v.push(self.at(FaultKind::WeightScale {
+            glob: name.to_string(),
+            factor: 1.0,
+        }));
+        v.push(self.at(FaultKind::NormOnePlus {
+            glob: match self.layer {
+                Some(_) => fault::DEFAULT_NORM_ONE_PLUS.to_string(),
+                None => weight.to_string(),
+            },
+        }));
+        if let Some((_, suffix)) = names::split_blk(weight) {
+            v.extend(self.neighbours(suffix));
+        }
+        v
+    }
+
+    /// A projection's by `weight`: the tensor-parallel shards for q_b and the attention
+    /// output, [`StepFaults::projection`]'s, and, fitted, the matrix's scale.
+    fn linear(&self, weight: &str) -> Vec<Fault> {
+        let mut v = Vec::new();
+        let suffix = names::split_blk(weight).map(|(_, s)| s);
+        if suffix == Some(blk::ATTN_Q_B) || suffix == Some(blk::ATTN_OUTPUT) {
+            v.extend(self.shards());
+        }
+        v.extend(self.projection(weight));
+        v.push(self.at(FaultKind::WeightScale {
+            glob: suffix.unwrap_or(weight).to_string(),
+            factor: 1.0,
+        }));
+        v
+    }
+
+    /// Layer `l`'s attention's: kv_b's layout, the softmax scale's known bugs; fitted, the
+    /// softmax scale and each kv_b tensor's scale; the tensor-parallel shards.
+    fn attention(&self, l: usize) -> Vec<Fault> {
+        let mut v = vec![
+            self.at(FaultKind::KvBConcat),
+            self.at(FaultKind::KvBSplit),
+            self.at(FaultKind::ScaleLatent),
+            self.at(FaultKind::YarnMscale(Mscale::Missing)),
+            self.at(FaultKind::SoftmaxScale(1.0)),
+        ];
+        for n in self.weights.kv_b_names(l) {
+            let glob = names::split_blk(&n).map_or(n.as_str(), |(_, s)| s);
+            v.push(self.at(FaultKind::WeightScale {
+                glob: glob.to_string(),
+                factor: 1.0,
+            }));
+        }
+        v.extend(self.shards());
+        v
+    }
+
+    /// Layer `l`'s routed experts': gate and up exchanged, Q4_K scale bits when an expert
+    /// tensor is Q4_K, the experts' weights from a neighbouring layer.
+    fn experts(&self, l: usize) -> Vec<Fault> {
+        let mut v = vec![self.at(FaultKind::GateUpSwap)];
+        let mut names = self.weights.expert_gate_up_names(l);
+        names.push(names::blk(l, blk::FFN_DOWN_EXPS));
+        if names.iter().any(|n| self.is_q4k(n)) {
+            v.push(self.at(FaultKind::Q4kScaleBits));
+        }
+        v.extend(self.neighbours("ffn_*_exps.weight"));
+        v
+    }
 }
 
 /// Recomputes `step` from `inputs` on `engine` and returns its output at `hook`.
