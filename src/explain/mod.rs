@@ -691,194 +691,279 @@ pub fn explain(
     tokens: &[u32],
     progress: &dyn Progress,
 ) -> Result<Explanation> {
-    let cpu = CpuEngine::new(weights);
-    let (step, hook) = (&captured.step, captured.hook.as_str());
-    let cand = &captured.candidate;
-    let reference_residual = residual(cand, &captured.reference);
-    let mut tested: Vec<Tested> = Vec::new();
-    let mut notes = Vec::new();
-    let mut unchanged = Vec::new();
-    let mut push = |kind: String,
-                    out: &HostTensor,
-                    fit: Option<&fit_attn::Fit>,
-                    notes_unchanged: &mut Vec<String>| {
+    let mut run = Explaining::new(captured, weights, tokens);
+    let faults = run.faults();
+    // The known bugs, then a search for the expert or head map.
+    progress.start("explain: hypotheses", faults.len() as u64 + 1);
+    for fault in faults {
+        if fit_attn::param(&fault.kind, &captured.step, weights.hparams()).is_some() {
+            run.test_fitted(&fault);
+        } else {
+            run.test_routed(&fault);
+        }
+        progress.inc(1);
+    }
+    progress.phase("explain: expert and head maps");
+    run.search_maps();
+    progress.finish();
+    Ok(run.finish())
+}
+
+/// An explanation under way ([`explain`]): the captured step and what recomputes it, the
+/// hypotheses tested so far and the notes they leave.
+struct Explaining<'a> {
+    /// The failing step.
+    captured: &'a CapturedStep,
+    /// The model.
+    weights: &'a Weights<'a>,
+    /// The prompt's tokens.
+    tokens: &'a [u32],
+    /// The CPU reference the step is recomputed on.
+    cpu: CpuEngine<'a>,
+    /// The reference's own distance to the candidate (what no fault gives).
+    reference_residual: f64,
+    /// The hypotheses that change the step, in the order tested.
+    tested: Vec<Tested>,
+    /// Fits, searches and hypotheses that could not be computed, in words.
+    notes: Vec<String>,
+    /// The hypotheses that leave the step's output exactly as the reference's.
+    unchanged: Vec<String>,
+    /// The routing families' fits, whose parameters the tested hypotheses report.
+    fits: Vec<fit_route::Fit>,
+}
+
+impl<'a> Explaining<'a> {
+    /// An explanation of `captured` on `weights` and `tokens`, nothing tested yet.
+    fn new(captured: &'a CapturedStep, weights: &'a Weights<'a>, tokens: &'a [u32]) -> Self {
+        Explaining {
+            captured,
+            weights,
+            tokens,
+            cpu: CpuEngine::new(weights),
+            reference_residual: residual(&captured.candidate, &captured.reference),
+            tested: Vec::new(),
+            notes: Vec::new(),
+            unchanged: Vec::new(),
+            fits: Vec::new(),
+        }
+    }
+
+    /// The faults to test: the step's hypotheses and, for a selection that keeps another
+    /// number of keys than the model's, that number read off the candidate (its fullest row),
+    /// besides the model's neighbours. Notes the faults the weights cannot test.
+    fn faults(&mut self) -> Vec<Fault> {
+        let step = &self.captured.step;
+        let (mut faults, untestable) = hypotheses_and_untestable(step, self.weights);
+        if let (Op::TopK { k: model }, Some(k)) = (&step.op, kept_per_row(&self.captured.candidate))
+        {
+            let f = Fault::new(FaultKind::DsaTopK(k), step.layer.map(|l| vec![l]));
+            if k != *model && !faults.iter().any(|x| x.kind == f.kind) {
+                faults.push(f);
+            }
+        }
+        if !untestable.is_empty() {
+            self.notes.push(format!(
+                "not testable with these weights: {}",
+                untestable.join("; ")
+            ));
+        }
+        faults
+    }
+
+    /// The step's output at the failing hook, recomputed on the CPU reference under `fault`.
+    fn eval(&self, fault: &Fault) -> Result<HostTensor> {
+        let captured = self.captured;
+        let engine = FaultEngine::new(&self.cpu, self.weights, vec![fault.clone()]);
+        if let Some(l) = captured.step.layer {
+            engine.begin_layer(l, &[])?;
+        }
+        output_at(
+            &engine,
+            &captured.step,
+            &captured.inputs,
+            self.tokens,
+            &captured.hook,
+        )
+    }
+
+    /// Records hypothesis `kind`, whose output at the hook is `out` (with its fitted
+    /// parameter, for a continuous family): tested, or unchanged when `out` is the reference's.
+    fn push(&mut self, kind: String, out: &HostTensor, fit: Option<&fit_attn::Fit>) {
+        let captured = self.captured;
         if *out == captured.reference {
-            notes_unchanged.push(kind);
+            self.unchanged.push(kind);
             return;
         }
-        let r = residual(cand, out);
-        tested.push(Tested {
+        let r = residual(&captured.candidate, out);
+        self.tested.push(Tested {
             kind,
-            hook: hook.to_string(),
+            hook: captured.hook.clone(),
             residual: r,
             reproduces: r <= captured.allowed
-                && r < reference_residual
+                && r < self.reference_residual
                 && captured.noise.is_none_or(|n| r <= NOISE_SLACK * n),
             param: fit.map(|f| f.param.to_string()),
             fitted: fit.map(|f| f.fitted),
             nominal: fit.map(|f| f.nominal),
         });
-    };
-    let (mut faults, untestable) = hypotheses_and_untestable(step, weights);
-    // A selection that keeps another number of keys than the model's: that number, read off the
-    // candidate (its fullest row), besides the model's neighbours.
-    if let (Op::TopK { k: model }, Some(k)) = (&step.op, kept_per_row(cand)) {
-        let f = Fault::new(FaultKind::DsaTopK(k), step.layer.map(|l| vec![l]));
-        if k != *model && !faults.iter().any(|x| x.kind == f.kind) {
-            faults.push(f);
-        }
     }
-    if !untestable.is_empty() {
-        notes.push(format!(
-            "not testable with these weights: {}",
-            untestable.join("; ")
-        ));
-    }
-    // The known bugs, then a search for the expert or head map.
-    progress.start("explain: hypotheses", faults.len() as u64 + 1);
-    let mut fits: Vec<fit_route::Fit> = Vec::new();
-    let eval = |fault: &Fault| -> Result<HostTensor> {
-        let engine = FaultEngine::new(&cpu, weights, vec![fault.clone()]);
-        if let Some(l) = step.layer {
-            engine.begin_layer(l, &[])?;
-        }
-        output_at(&engine, step, &captured.inputs, tokens, hook)
-    };
-    for fault in faults {
-        if fit_attn::param(&fault.kind, step, weights.hparams()).is_some() {
-            // A continuous family: tested with its fitted parameter.
-            let r = |out: &HostTensor| residual(cand, out);
-            match fit_attn::fit(&fault, step, weights, &captured.reference, cand, &eval, &r) {
-                Ok(fit) => {
-                    push(
-                        fit.fault.to_string(),
-                        &fit.output,
-                        Some(&fit),
-                        &mut unchanged,
-                    );
-                    if let Some(n) = &fit.note {
-                        notes.push(format!("{}: {n}", fit.fault));
-                    }
+
+    /// Tests a continuous family's `fault` with its fitted parameter.
+    fn test_fitted(&mut self, fault: &Fault) {
+        let captured = self.captured;
+        let cand = &captured.candidate;
+        let r = |out: &HostTensor| residual(cand, out);
+        let eval = |f: &Fault| self.eval(f);
+        let fitted = fit_attn::fit(
+            fault,
+            &captured.step,
+            self.weights,
+            &captured.reference,
+            cand,
+            &eval,
+            &r,
+        );
+        match fitted {
+            Ok(fit) => {
+                self.push(fit.fault.to_string(), &fit.output, Some(&fit));
+                if let Some(n) = &fit.note {
+                    self.notes.push(format!("{}: {n}", fit.fault));
                 }
-                Err(e) => notes.push(format!("{fault}: not fitted: {e:#}")),
             }
-            progress.inc(1);
-            continue;
+            Err(e) => self.notes.push(format!("{fault}: not fitted: {e:#}")),
         }
-        // A routing family: its parameter fitted first, the step recomputed with it.
-        let (fault, kind) = match fit_route::fit(&fault, captured, weights, tokens) {
+    }
+
+    /// Tests `fault`, a routing family's with its parameter fitted first, or a known bug's as
+    /// it is: the step recomputed with it.
+    fn test_routed(&mut self, fault: &Fault) {
+        let (fault, kind) = match fit_route::fit(fault, self.captured, self.weights, self.tokens) {
             Ok(Some(f)) => {
                 let named = (f.fault.clone(), f.kind.clone());
-                fits.push(f);
+                self.fits.push(f);
                 named
             }
             Ok(None) => (fault.clone(), fault.to_string()),
             Err(e) => {
-                notes.push(format!("{fault}: not fitted: {e:#}"));
-                progress.inc(1);
-                continue;
+                self.notes.push(format!("{fault}: not fitted: {e:#}"));
+                return;
             }
         };
-        match eval(&fault) {
-            Ok(out) => push(kind, &out, None, &mut unchanged),
-            Err(e) => notes.push(format!("{fault}: not computed: {e:#}")),
+        match self.eval(&fault) {
+            Ok(out) => self.push(kind, &out, None),
+            Err(e) => self.notes.push(format!("{fault}: not computed: {e:#}")),
         }
-        progress.inc(1);
     }
-    progress.phase("explain: expert and head maps");
-    let input = |name: &str| {
-        captured
-            .inputs
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, t)| t)
-    };
-    match &step.op {
-        Op::MoeExperts { layer } => {
-            let (x, ids, w) = (
-                input(&step.inputs[0]),
-                input(&step.inputs[1]),
-                input(&step.inputs[2]),
-            );
-            if let (Some(x), Some(ids), Some(w)) = (x, ids, w) {
-                if step.outputs.first().map(String::as_str) == Some(hook) {
-                    match search::expert_map(&cpu, *layer, x, ids, w, cand) {
-                        Ok(Some((map, out))) => {
-                            let f = Fault::new(FaultKind::ExpertMap(map), Some(vec![*layer]));
-                            push(f.to_string(), &out, None, &mut unchanged);
-                        }
-                        Ok(None) => {}
-                        Err(e) => notes.push(format!("expert search: {e:#}")),
-                    }
-                }
-            }
-        }
-        // A dense MLP whose gate and up were exchanged after their projections (the
-        // projections' hooks agree, `silu(up) * gate` does not): the SwiGLU of its inputs
-        // exchanged.
-        Op::SwiGlu if step.inputs.len() == 2 => {
-            if let (Some(g), Some(u)) = (input(&step.inputs[0]), input(&step.inputs[1])) {
-                match cpu.swiglu(u, g) {
-                    Ok(out) => {
-                        let f = Fault::new(
-                            FaultKind::GateUpSwapMlp(fault::MlpPart::Dense),
-                            step.layer.map(|l| vec![l]),
-                        );
-                        push(f.to_string(), &out, None, &mut unchanged);
-                    }
-                    Err(e) => notes.push(format!("gate/up exchange: {e:#}")),
-                }
-            }
-        }
-        _ if [point::Q_B, point::Q_PE_ROPE, point::ATTN_HEADS]
-            .contains(&crate::compare::floors::point_of(hook)) =>
-        {
-            if let Some((map, out)) =
-                search::head_map(&captured.reference, cand, weights.hparams().n_head)
-            {
-                push(
-                    search::head_map_name(&map, step.layer),
-                    &out,
-                    None,
-                    &mut unchanged,
+
+    /// The structural searches the step's op or hook allows: the expert map of a
+    /// routed-experts step, the dense MLP's gate and up exchanged after their projections, the
+    /// head map of a per-head hook.
+    fn search_maps(&mut self) {
+        let captured = self.captured;
+        let (step, hook) = (&captured.step, captured.hook.as_str());
+        let cand = &captured.candidate;
+        let input = |name: &str| {
+            captured
+                .inputs
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, t)| t)
+        };
+        match &step.op {
+            Op::MoeExperts { layer } => {
+                let (x, ids, w) = (
+                    input(&step.inputs[0]),
+                    input(&step.inputs[1]),
+                    input(&step.inputs[2]),
                 );
+                if let (Some(x), Some(ids), Some(w)) = (x, ids, w) {
+                    if step.outputs.first().map(String::as_str) == Some(hook) {
+                        match search::expert_map(&self.cpu, *layer, x, ids, w, cand) {
+                            Ok(Some((map, out))) => {
+                                let f = Fault::new(FaultKind::ExpertMap(map), Some(vec![*layer]));
+                                self.push(f.to_string(), &out, None);
+                            }
+                            Ok(None) => {}
+                            Err(e) => self.notes.push(format!("expert search: {e:#}")),
+                        }
+                    }
+                }
+            }
+            // A dense MLP whose gate and up were exchanged after their projections (the
+            // projections' hooks agree, `silu(up) * gate` does not): the SwiGLU of its inputs
+            // exchanged.
+            Op::SwiGlu if step.inputs.len() == 2 => {
+                if let (Some(g), Some(u)) = (input(&step.inputs[0]), input(&step.inputs[1])) {
+                    match self.cpu.swiglu(u, g) {
+                        Ok(out) => {
+                            let f = Fault::new(
+                                FaultKind::GateUpSwapMlp(fault::MlpPart::Dense),
+                                step.layer.map(|l| vec![l]),
+                            );
+                            self.push(f.to_string(), &out, None);
+                        }
+                        Err(e) => self.notes.push(format!("gate/up exchange: {e:#}")),
+                    }
+                }
+            }
+            _ if [point::Q_B, point::Q_PE_ROPE, point::ATTN_HEADS]
+                .contains(&crate::compare::floors::point_of(hook)) =>
+            {
+                if let Some((map, out)) =
+                    search::head_map(&captured.reference, cand, self.weights.hparams().n_head)
+                {
+                    self.push(search::head_map_name(&map, step.layer), &out, None);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The explanation: the routing fits' parameters on their hypotheses, the notes (the
+    /// unchanged hypotheses first), the hypotheses best first.
+    fn finish(self) -> Explanation {
+        let Explaining {
+            captured,
+            reference_residual,
+            mut tested,
+            mut notes,
+            unchanged,
+            fits,
+            ..
+        } = self;
+        for t in &mut tested {
+            if let Some(f) = fits.iter().find(|f| f.kind == t.kind) {
+                (t.param, t.fitted, t.nominal) =
+                    (Some(f.param.clone()), Some(f.fitted), Some(f.nominal));
             }
         }
-        _ => {}
-    }
-    progress.finish();
-    for t in &mut tested {
-        if let Some(f) = fits.iter().find(|f| f.kind == t.kind) {
-            (t.param, t.fitted, t.nominal) =
-                (Some(f.param.clone()), Some(f.fitted), Some(f.nominal));
+        let indexer =
+            |k: &str| k.starts_with("indexer_scale:") || k.starts_with("indexer_wproj_scale:");
+        if tested.iter().filter(|t| indexer(&t.kind)).count() == 2 {
+            notes.push(
+                "indexer_scale and indexer_wproj_scale multiply every index score alike: this hook cannot tell them apart (the fitted factor's note may)"
+                    .to_string(),
+            );
+        }
+        if !unchanged.is_empty() {
+            notes.insert(
+                0,
+                format!(
+                    "leave this step's output exactly as the reference's: {}",
+                    unchanged.join(", ")
+                ),
+            );
+        }
+        // Best first; equal residuals keep the catalogue's order (stable sort).
+        tested.sort_by(|a, b| a.residual.total_cmp(&b.residual));
+        Explanation::Tested {
+            hook: captured.hook.clone(),
+            step: crate::driver::op_name(&captured.step.op).to_string(),
+            error: captured.error,
+            allowed: captured.allowed,
+            reference_residual,
+            hypotheses: tested,
+            notes,
         }
     }
-    let indexer =
-        |k: &str| k.starts_with("indexer_scale:") || k.starts_with("indexer_wproj_scale:");
-    if tested.iter().filter(|t| indexer(&t.kind)).count() == 2 {
-        notes.push(
-            "indexer_scale and indexer_wproj_scale multiply every index score alike: this hook cannot tell them apart (the fitted factor's note may)"
-                .to_string(),
-        );
-    }
-    if !unchanged.is_empty() {
-        notes.insert(
-            0,
-            format!(
-                "leave this step's output exactly as the reference's: {}",
-                unchanged.join(", ")
-            ),
-        );
-    }
-    // Best first; equal residuals keep the catalogue's order (stable sort).
-    tested.sort_by(|a, b| a.residual.total_cmp(&b.residual));
-    Ok(Explanation::Tested {
-        hook: hook.to_string(),
-        step: crate::driver::op_name(&step.op).to_string(),
-        error: captured.error,
-        allowed: captured.allowed,
-        reference_residual,
-        hypotheses: tested,
-        notes,
-    })
 }
