@@ -398,161 +398,26 @@ pub fn hypotheses(step: &Step, weights: &Weights<'_>) -> Vec<Fault> {
 /// lacks a tensor they read (a step case holds only its step's tensors: the MTP block of
 /// `run_mtp`, a neighbouring layer's weights), with the reason.
 pub fn hypotheses_and_untestable(step: &Step, weights: &Weights<'_>) -> (Vec<Fault>, Vec<String>) {
-    let hp = weights.hparams();
-    let layer = step.layer;
-    let at = |k: FaultKind| Fault::new(k, layer.map(|l| vec![l]));
-    let is_q4k = |n: &str| {
-        weights
-            .model()
-            .find(n)
-            .is_some_and(|t| t.info.ty == GgmlType::Q4_K)
+    let faults = StepFaults {
+        weights,
+        layer: step.layer,
     };
-    // Weights from a neighbouring layer, for the tensors matching `glob`.
-    let neighbours = |glob: &str| -> Vec<Fault> {
-        let Some(l) = layer else { return Vec::new() };
-        [l.checked_sub(1), Some(l + 1)]
-            .into_iter()
-            .flatten()
-            .map(|src| {
-                at(FaultKind::LayerWeights {
-                    src,
-                    glob: glob.to_string(),
-                })
-            })
-            .collect()
-    };
-    let shards = || -> Vec<Fault> {
-        (2..=hp.n_head)
-            .filter(|n| hp.n_head % n == 0)
-            .map(|n| at(FaultKind::TpShard(n)))
-            .collect()
-    };
-    // Any projection's: its matrix from a neighbouring layer or transposed, Q4_K scale bits,
-    // f32 sums.
-    let projection = |weight: &str| -> Vec<Fault> {
-        let mut v = Vec::new();
-        if let Some((_, s)) = names::split_blk(weight) {
-            v.extend(neighbours(s));
-            v.push(at(FaultKind::Transposed {
-                glob: s.to_string(),
-            }));
-        }
-        if is_q4k(weight) {
-            v.push(at(FaultKind::Q4kScaleBits));
-        }
-        v.push(at(FaultKind::F32Accumulate));
-        v
-    };
-    let mut v = Vec::new();
-    match &step.op {
-        Op::Embed => {
-            if is_q4k(names::TOKEN_EMBD) {
-                v.push(Fault::new(FaultKind::Q4kScaleBits, None));
-            }
-        }
-        Op::RmsNorm { weight, eps, .. } => {
-            if weight == names::OUTPUT_NORM {
-                v.push(Fault::new(FaultKind::RunMtp, None));
-            }
-            // Fitted: the eps, the weight's scale; and the (1 + w) convention, for every norm
-            // of the layer (the final norm's alone).
-            v.push(at(FaultKind::NormEps(*eps)));
-            let name = names::split_blk(weight).map_or(weight.as_str(), |(_, s)| s);
-            v.push(at(FaultKind::WeightScale {
-                glob: name.to_string(),
-                factor: 1.0,
-            }));
-            v.push(at(FaultKind::NormOnePlus {
-                glob: match layer {
-                    Some(_) => fault::DEFAULT_NORM_ONE_PLUS.to_string(),
-                    None => weight.clone(),
-                },
-            }));
-            if let Some((_, suffix)) = names::split_blk(weight) {
-                v.extend(neighbours(suffix));
-            }
-        }
-        Op::Linear { weight } => {
-            let suffix = names::split_blk(weight).map(|(_, s)| s);
-            if suffix == Some(blk::ATTN_Q_B) || suffix == Some(blk::ATTN_OUTPUT) {
-                v.extend(shards());
-            }
-            v.extend(projection(weight));
-            // Fitted: the matrix's scale.
-            v.push(at(FaultKind::WeightScale {
-                glob: suffix.unwrap_or(weight).to_string(),
-                factor: 1.0,
-            }));
-        }
-        Op::RouterLogits { layer: l } => {
-            v.push(at(FaultKind::RouterBf16));
-            v.extend(projection(&names::blk(*l, blk::FFN_GATE_INP)));
-        }
-        Op::Rope(_) => {
-            v.push(at(FaultKind::RopeNeox));
-            v.push(at(FaultKind::YarnMscale(Mscale::Missing)));
-            v.push(at(FaultKind::YarnMscale(Mscale::Twice)));
-        }
-        Op::IndexerScores { .. } => {
-            v.push(at(FaultKind::IndexerRopeNeox));
-            v.push(at(FaultKind::IndexerNoRelu));
-            // Fitted (one factor: both multiply every score).
-            v.push(at(FaultKind::IndexerScale(1.0)));
-            v.push(at(FaultKind::IndexerWprojScale(1.0)));
-        }
-        Op::TopK { k } => {
-            v.extend(
-                [k.checked_sub(1), Some(k + 1)]
-                    .into_iter()
-                    .flatten()
-                    .filter(|&n| n > 0)
-                    .map(|n| at(FaultKind::DsaTopK(n))),
-            );
-        }
-        Op::Attention { layer: l } => {
-            v.push(at(FaultKind::KvBConcat));
-            v.push(at(FaultKind::KvBSplit));
-            v.push(at(FaultKind::ScaleLatent));
-            v.push(at(FaultKind::YarnMscale(Mscale::Missing)));
-            // Fitted: the softmax scale, each kv_b tensor's scale.
-            v.push(at(FaultKind::SoftmaxScale(1.0)));
-            for n in weights.kv_b_names(*l) {
-                let glob = names::split_blk(&n).map_or(n.as_str(), |(_, s)| s);
-                v.push(at(FaultKind::WeightScale {
-                    glob: glob.to_string(),
-                    factor: 1.0,
-                }));
-            }
-            v.extend(shards());
-        }
-        Op::MoeRoute { .. } => {
-            if hp.gating == Gating::Sigmoid {
-                v.push(at(FaultKind::SoftmaxGating));
-            }
-            v.push(at(FaultKind::BiasInWeights));
-        }
-        Op::MoeExperts { layer: l } => {
-            v.push(at(FaultKind::GateUpSwap));
-            let mut names = weights.expert_gate_up_names(*l);
-            names.push(names::blk(*l, blk::FFN_DOWN_EXPS));
-            if names.iter().any(|n| is_q4k(n)) {
-                v.push(at(FaultKind::Q4kScaleBits));
-            }
-            v.extend(neighbours("ffn_*_exps.weight"));
-        }
-        Op::Mlp { gate, up, down } => {
-            v.extend(neighbours("ffn_*_shexp.weight"));
-            if [gate, up, down].iter().any(|n| is_q4k(n)) {
-                v.push(at(FaultKind::Q4kScaleBits));
-            }
-            v.push(at(FaultKind::F32Accumulate));
-        }
-        Op::SwiGlu | Op::Add | Op::Alias | Op::ZerosLike => {}
-    }
+    let mut v = faults.of_op(&step.op);
     // The routing and MoE families (the continuous ones at a seed that `explain` fits).
     v.extend(fit_route::hypotheses(step, weights));
-    // Keep the faults that apply to this model and layer (a neighbour that exists with the same
-    // shapes, an MoE layer for the router kinds, ...).
+    let untestable = keep_applicable(&mut v, weights, step.layer);
+    // Fitted, on every model (the model's own base fails `check`, which `--inject` wants).
+    if let Op::Rope(_) = step.op {
+        v.push(faults.at(FaultKind::RopeTheta(weights.hparams().rope.base)));
+    }
+    (v, untestable)
+}
+
+/// Keeps the faults of `v` that apply to this model and `layer` (`None`: a global step): a
+/// neighbour that exists with the same shapes, an MoE layer for the router kinds, ... Returns
+/// the faults dropped because the file lacks a tensor they read, with the reason.
+fn keep_applicable(v: &mut Vec<Fault>, weights: &Weights<'_>, layer: Option<usize>) -> Vec<String> {
+    let hp = weights.hparams();
     let run = layer.map_or(0..hp.n_layer, |l| l..l + 1);
     let global = layer.is_none();
     let mut untestable = Vec::new();
@@ -569,11 +434,206 @@ pub fn hypotheses_and_untestable(step: &Step, weights: &Weights<'_>) -> (Vec<Fau
             false
         }
     });
-    // Fitted, on every model (the model's own base fails `check`, which `--inject` wants).
-    if let Op::Rope(_) = step.op {
-        v.push(at(FaultKind::RopeTheta(hp.rope.base)));
+    untestable
+}
+
+/// The catalogue's faults that concern one step, built at the step's layer
+/// ([`hypotheses_and_untestable`]), before the model's check of each.
+struct StepFaults<'a, 'w> {
+    /// The model.
+    weights: &'a Weights<'w>,
+    /// The step's layer (`None`: a global step).
+    layer: Option<usize>,
+}
+
+impl StepFaults<'_, '_> {
+    /// Fault `k` at the step's layer.
+    fn at(&self, k: FaultKind) -> Fault {
+        Fault::new(k, self.layer.map(|l| vec![l]))
     }
-    (v, untestable)
+
+    /// Whether the file's tensor `n` is Q4_K.
+    fn is_q4k(&self, n: &str) -> bool {
+        self.weights
+            .model()
+            .find(n)
+            .is_some_and(|t| t.info.ty == GgmlType::Q4_K)
+    }
+
+    /// Weights from a neighbouring layer, for the tensors matching `glob`.
+    fn neighbours(&self, glob: &str) -> Vec<Fault> {
+        let Some(l) = self.layer else {
+            return Vec::new();
+        };
+        [l.checked_sub(1), Some(l + 1)]
+            .into_iter()
+            .flatten()
+            .map(|src| {
+                self.at(FaultKind::LayerWeights {
+                    src,
+                    glob: glob.to_string(),
+                })
+            })
+            .collect()
+    }
+
+    /// Every tensor-parallel split of whole heads the model's head count allows.
+    fn shards(&self) -> Vec<Fault> {
+        let hp = self.weights.hparams();
+        (2..=hp.n_head)
+            .filter(|n| hp.n_head % n == 0)
+            .map(|n| self.at(FaultKind::TpShard(n)))
+            .collect()
+    }
+
+    /// Any projection's: its matrix from a neighbouring layer or transposed, Q4_K scale bits,
+    /// f32 sums.
+    fn projection(&self, weight: &str) -> Vec<Fault> {
+        let mut v = Vec::new();
+        if let Some((_, s)) = names::split_blk(weight) {
+            v.extend(self.neighbours(s));
+            v.push(self.at(FaultKind::Transposed {
+                glob: s.to_string(),
+            }));
+        }
+        if self.is_q4k(weight) {
+            v.push(self.at(FaultKind::Q4kScaleBits));
+        }
+        v.push(self.at(FaultKind::F32Accumulate));
+        v
+    }
+
+    /// The faults that concern a step of `op`, in the catalogue's order.
+    fn of_op(&self, op: &Op) -> Vec<Fault> {
+        let mut v = Vec::new();
+        match op {
+            Op::Embed => {
+                if self.is_q4k(names::TOKEN_EMBD) {
+                    v.push(Fault::new(FaultKind::Q4kScaleBits, None));
+                }
+            }
+            Op::RmsNorm { weight, eps, .. } => v.extend(self.norm(weight, *eps)),
+            Op::Linear { weight } => v.extend(self.linear(weight)),
+            Op::RouterLogits { layer: l } => {
+                v.push(self.at(FaultKind::RouterBf16));
+                v.extend(self.projection(&names::blk(*l, blk::FFN_GATE_INP)));
+            }
+            Op::Rope(_) => {
+                v.push(self.at(FaultKind::RopeNeox));
+                v.push(self.at(FaultKind::YarnMscale(Mscale::Missing)));
+                v.push(self.at(FaultKind::YarnMscale(Mscale::Twice)));
+            }
+            Op::IndexerScores { .. } => {
+                v.push(self.at(FaultKind::IndexerRopeNeox));
+                v.push(self.at(FaultKind::IndexerNoRelu));
+                // Fitted (one factor: both multiply every score).
+                v.push(self.at(FaultKind::IndexerScale(1.0)));
+                v.push(self.at(FaultKind::IndexerWprojScale(1.0)));
+            }
+            Op::TopK { k } => {
+                v.extend(
+                    [k.checked_sub(1), Some(k + 1)]
+                        .into_iter()
+                        .flatten()
+                        .filter(|&n| n > 0)
+                        .map(|n| self.at(FaultKind::DsaTopK(n))),
+                );
+            }
+            Op::Attention { layer: l } => v.extend(self.attention(*l)),
+            Op::MoeRoute { .. } => {
+                if self.weights.hparams().gating == Gating::Sigmoid {
+                    v.push(self.at(FaultKind::SoftmaxGating));
+                }
+                v.push(self.at(FaultKind::BiasInWeights));
+            }
+            Op::MoeExperts { layer: l } => v.extend(self.experts(*l)),
+            Op::Mlp { gate, up, down } => {
+                v.extend(self.neighbours("ffn_*_shexp.weight"));
+                if [gate, up, down].iter().any(|n| self.is_q4k(n)) {
+                    v.push(self.at(FaultKind::Q4kScaleBits));
+                }
+                v.push(self.at(FaultKind::F32Accumulate));
+            }
+            Op::SwiGlu | Op::Add | Op::Alias | Op::ZerosLike => {}
+        }
+        v
+    }
+
+    /// An RMSNorm's, of norm weight `weight` and epsilon `eps`: `run_mtp` before the final
+    /// norm; fitted: the eps, the weight's scale; the (1 + w) convention, for every norm of the
+    /// layer (the final norm's alone); the weight from a neighbouring layer.
+    fn norm(&self, weight: &str, eps: f64) -> Vec<Fault> {
+        let mut v = Vec::new();
+        if weight == names::OUTPUT_NORM {
+            v.push(Fault::new(FaultKind::RunMtp, None));
+        }
+        v.push(self.at(FaultKind::NormEps(eps)));
+        let name = names::split_blk(weight).map_or(weight, |(_, s)| s);
+        v.push(self.at(FaultKind::WeightScale {
+            glob: name.to_string(),
+            factor: 1.0,
+        }));
+        v.push(self.at(FaultKind::NormOnePlus {
+            glob: match self.layer {
+                Some(_) => fault::DEFAULT_NORM_ONE_PLUS.to_string(),
+                None => weight.to_string(),
+            },
+        }));
+        if let Some((_, suffix)) = names::split_blk(weight) {
+            v.extend(self.neighbours(suffix));
+        }
+        v
+    }
+
+    /// A projection's by `weight`: the tensor-parallel shards for q_b and the attention
+    /// output, [`StepFaults::projection`]'s, and, fitted, the matrix's scale.
+    fn linear(&self, weight: &str) -> Vec<Fault> {
+        let mut v = Vec::new();
+        let suffix = names::split_blk(weight).map(|(_, s)| s);
+        if suffix == Some(blk::ATTN_Q_B) || suffix == Some(blk::ATTN_OUTPUT) {
+            v.extend(self.shards());
+        }
+        v.extend(self.projection(weight));
+        v.push(self.at(FaultKind::WeightScale {
+            glob: suffix.unwrap_or(weight).to_string(),
+            factor: 1.0,
+        }));
+        v
+    }
+
+    /// Layer `l`'s attention's: kv_b's layout, the softmax scale's known bugs; fitted, the
+    /// softmax scale and each kv_b tensor's scale; the tensor-parallel shards.
+    fn attention(&self, l: usize) -> Vec<Fault> {
+        let mut v = vec![
+            self.at(FaultKind::KvBConcat),
+            self.at(FaultKind::KvBSplit),
+            self.at(FaultKind::ScaleLatent),
+            self.at(FaultKind::YarnMscale(Mscale::Missing)),
+            self.at(FaultKind::SoftmaxScale(1.0)),
+        ];
+        for n in self.weights.kv_b_names(l) {
+            let glob = names::split_blk(&n).map_or(n.as_str(), |(_, s)| s);
+            v.push(self.at(FaultKind::WeightScale {
+                glob: glob.to_string(),
+                factor: 1.0,
+            }));
+        }
+        v.extend(self.shards());
+        v
+    }
+
+    /// Layer `l`'s routed experts': gate and up exchanged, Q4_K scale bits when an expert
+    /// tensor is Q4_K, the experts' weights from a neighbouring layer.
+    fn experts(&self, l: usize) -> Vec<Fault> {
+        let mut v = vec![self.at(FaultKind::GateUpSwap)];
+        let mut names = self.weights.expert_gate_up_names(l);
+        names.push(names::blk(l, blk::FFN_DOWN_EXPS));
+        if names.iter().any(|n| self.is_q4k(n)) {
+            v.push(self.at(FaultKind::Q4kScaleBits));
+        }
+        v.extend(self.neighbours("ffn_*_exps.weight"));
+        v
+    }
 }
 
 /// Recomputes `step` from `inputs` on `engine` and returns its output at `hook`.
@@ -631,194 +691,279 @@ pub fn explain(
     tokens: &[u32],
     progress: &dyn Progress,
 ) -> Result<Explanation> {
-    let cpu = CpuEngine::new(weights);
-    let (step, hook) = (&captured.step, captured.hook.as_str());
-    let cand = &captured.candidate;
-    let reference_residual = residual(cand, &captured.reference);
-    let mut tested: Vec<Tested> = Vec::new();
-    let mut notes = Vec::new();
-    let mut unchanged = Vec::new();
-    let mut push = |kind: String,
-                    out: &HostTensor,
-                    fit: Option<&fit_attn::Fit>,
-                    notes_unchanged: &mut Vec<String>| {
+    let mut run = Explaining::new(captured, weights, tokens);
+    let faults = run.faults();
+    // The known bugs, then a search for the expert or head map.
+    progress.start("explain: hypotheses", faults.len() as u64 + 1);
+    for fault in faults {
+        if fit_attn::param(&fault.kind, &captured.step, weights.hparams()).is_some() {
+            run.test_fitted(&fault);
+        } else {
+            run.test_routed(&fault);
+        }
+        progress.inc(1);
+    }
+    progress.phase("explain: expert and head maps");
+    run.search_maps();
+    progress.finish();
+    Ok(run.finish())
+}
+
+/// An explanation under way ([`explain`]): the captured step and what recomputes it, the
+/// hypotheses tested so far and the notes they leave.
+struct Explaining<'a> {
+    /// The failing step.
+    captured: &'a CapturedStep,
+    /// The model.
+    weights: &'a Weights<'a>,
+    /// The prompt's tokens.
+    tokens: &'a [u32],
+    /// The CPU reference the step is recomputed on.
+    cpu: CpuEngine<'a>,
+    /// The reference's own distance to the candidate (what no fault gives).
+    reference_residual: f64,
+    /// The hypotheses that change the step, in the order tested.
+    tested: Vec<Tested>,
+    /// Fits, searches and hypotheses that could not be computed, in words.
+    notes: Vec<String>,
+    /// The hypotheses that leave the step's output exactly as the reference's.
+    unchanged: Vec<String>,
+    /// The routing families' fits, whose parameters the tested hypotheses report.
+    fits: Vec<fit_route::Fit>,
+}
+
+impl<'a> Explaining<'a> {
+    /// An explanation of `captured` on `weights` and `tokens`, nothing tested yet.
+    fn new(captured: &'a CapturedStep, weights: &'a Weights<'a>, tokens: &'a [u32]) -> Self {
+        Explaining {
+            captured,
+            weights,
+            tokens,
+            cpu: CpuEngine::new(weights),
+            reference_residual: residual(&captured.candidate, &captured.reference),
+            tested: Vec::new(),
+            notes: Vec::new(),
+            unchanged: Vec::new(),
+            fits: Vec::new(),
+        }
+    }
+
+    /// The faults to test: the step's hypotheses and, for a selection that keeps another
+    /// number of keys than the model's, that number read off the candidate (its fullest row),
+    /// besides the model's neighbours. Notes the faults the weights cannot test.
+    fn faults(&mut self) -> Vec<Fault> {
+        let step = &self.captured.step;
+        let (mut faults, untestable) = hypotheses_and_untestable(step, self.weights);
+        if let (Op::TopK { k: model }, Some(k)) = (&step.op, kept_per_row(&self.captured.candidate))
+        {
+            let f = Fault::new(FaultKind::DsaTopK(k), step.layer.map(|l| vec![l]));
+            if k != *model && !faults.iter().any(|x| x.kind == f.kind) {
+                faults.push(f);
+            }
+        }
+        if !untestable.is_empty() {
+            self.notes.push(format!(
+                "not testable with these weights: {}",
+                untestable.join("; ")
+            ));
+        }
+        faults
+    }
+
+    /// The step's output at the failing hook, recomputed on the CPU reference under `fault`.
+    fn eval(&self, fault: &Fault) -> Result<HostTensor> {
+        let captured = self.captured;
+        let engine = FaultEngine::new(&self.cpu, self.weights, vec![fault.clone()]);
+        if let Some(l) = captured.step.layer {
+            engine.begin_layer(l, &[])?;
+        }
+        output_at(
+            &engine,
+            &captured.step,
+            &captured.inputs,
+            self.tokens,
+            &captured.hook,
+        )
+    }
+
+    /// Records hypothesis `kind`, whose output at the hook is `out` (with its fitted
+    /// parameter, for a continuous family): tested, or unchanged when `out` is the reference's.
+    fn push(&mut self, kind: String, out: &HostTensor, fit: Option<&fit_attn::Fit>) {
+        let captured = self.captured;
         if *out == captured.reference {
-            notes_unchanged.push(kind);
+            self.unchanged.push(kind);
             return;
         }
-        let r = residual(cand, out);
-        tested.push(Tested {
+        let r = residual(&captured.candidate, out);
+        self.tested.push(Tested {
             kind,
-            hook: hook.to_string(),
+            hook: captured.hook.clone(),
             residual: r,
             reproduces: r <= captured.allowed
-                && r < reference_residual
+                && r < self.reference_residual
                 && captured.noise.is_none_or(|n| r <= NOISE_SLACK * n),
             param: fit.map(|f| f.param.to_string()),
             fitted: fit.map(|f| f.fitted),
             nominal: fit.map(|f| f.nominal),
         });
-    };
-    let (mut faults, untestable) = hypotheses_and_untestable(step, weights);
-    // A selection that keeps another number of keys than the model's: that number, read off the
-    // candidate (its fullest row), besides the model's neighbours.
-    if let (Op::TopK { k: model }, Some(k)) = (&step.op, kept_per_row(cand)) {
-        let f = Fault::new(FaultKind::DsaTopK(k), step.layer.map(|l| vec![l]));
-        if k != *model && !faults.iter().any(|x| x.kind == f.kind) {
-            faults.push(f);
-        }
     }
-    if !untestable.is_empty() {
-        notes.push(format!(
-            "not testable with these weights: {}",
-            untestable.join("; ")
-        ));
-    }
-    // The known bugs, then a search for the expert or head map.
-    progress.start("explain: hypotheses", faults.len() as u64 + 1);
-    let mut fits: Vec<fit_route::Fit> = Vec::new();
-    let eval = |fault: &Fault| -> Result<HostTensor> {
-        let engine = FaultEngine::new(&cpu, weights, vec![fault.clone()]);
-        if let Some(l) = step.layer {
-            engine.begin_layer(l, &[])?;
-        }
-        output_at(&engine, step, &captured.inputs, tokens, hook)
-    };
-    for fault in faults {
-        if fit_attn::param(&fault.kind, step, weights.hparams()).is_some() {
-            // A continuous family: tested with its fitted parameter.
-            let r = |out: &HostTensor| residual(cand, out);
-            match fit_attn::fit(&fault, step, weights, &captured.reference, cand, &eval, &r) {
-                Ok(fit) => {
-                    push(
-                        fit.fault.to_string(),
-                        &fit.output,
-                        Some(&fit),
-                        &mut unchanged,
-                    );
-                    if let Some(n) = &fit.note {
-                        notes.push(format!("{}: {n}", fit.fault));
-                    }
+
+    /// Tests a continuous family's `fault` with its fitted parameter.
+    fn test_fitted(&mut self, fault: &Fault) {
+        let captured = self.captured;
+        let cand = &captured.candidate;
+        let r = |out: &HostTensor| residual(cand, out);
+        let eval = |f: &Fault| self.eval(f);
+        let fitted = fit_attn::fit(
+            fault,
+            &captured.step,
+            self.weights,
+            &captured.reference,
+            cand,
+            &eval,
+            &r,
+        );
+        match fitted {
+            Ok(fit) => {
+                self.push(fit.fault.to_string(), &fit.output, Some(&fit));
+                if let Some(n) = &fit.note {
+                    self.notes.push(format!("{}: {n}", fit.fault));
                 }
-                Err(e) => notes.push(format!("{fault}: not fitted: {e:#}")),
             }
-            progress.inc(1);
-            continue;
+            Err(e) => self.notes.push(format!("{fault}: not fitted: {e:#}")),
         }
-        // A routing family: its parameter fitted first, the step recomputed with it.
-        let (fault, kind) = match fit_route::fit(&fault, captured, weights, tokens) {
+    }
+
+    /// Tests `fault`, a routing family's with its parameter fitted first, or a known bug's as
+    /// it is: the step recomputed with it.
+    fn test_routed(&mut self, fault: &Fault) {
+        let (fault, kind) = match fit_route::fit(fault, self.captured, self.weights, self.tokens) {
             Ok(Some(f)) => {
                 let named = (f.fault.clone(), f.kind.clone());
-                fits.push(f);
+                self.fits.push(f);
                 named
             }
             Ok(None) => (fault.clone(), fault.to_string()),
             Err(e) => {
-                notes.push(format!("{fault}: not fitted: {e:#}"));
-                progress.inc(1);
-                continue;
+                self.notes.push(format!("{fault}: not fitted: {e:#}"));
+                return;
             }
         };
-        match eval(&fault) {
-            Ok(out) => push(kind, &out, None, &mut unchanged),
-            Err(e) => notes.push(format!("{fault}: not computed: {e:#}")),
+        match self.eval(&fault) {
+            Ok(out) => self.push(kind, &out, None),
+            Err(e) => self.notes.push(format!("{fault}: not computed: {e:#}")),
         }
-        progress.inc(1);
     }
-    progress.phase("explain: expert and head maps");
-    let input = |name: &str| {
-        captured
-            .inputs
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, t)| t)
-    };
-    match &step.op {
-        Op::MoeExperts { layer } => {
-            let (x, ids, w) = (
-                input(&step.inputs[0]),
-                input(&step.inputs[1]),
-                input(&step.inputs[2]),
-            );
-            if let (Some(x), Some(ids), Some(w)) = (x, ids, w) {
-                if step.outputs.first().map(String::as_str) == Some(hook) {
-                    match search::expert_map(&cpu, *layer, x, ids, w, cand) {
-                        Ok(Some((map, out))) => {
-                            let f = Fault::new(FaultKind::ExpertMap(map), Some(vec![*layer]));
-                            push(f.to_string(), &out, None, &mut unchanged);
-                        }
-                        Ok(None) => {}
-                        Err(e) => notes.push(format!("expert search: {e:#}")),
-                    }
-                }
-            }
-        }
-        // A dense MLP whose gate and up were exchanged after their projections (the
-        // projections' hooks agree, `silu(up) * gate` does not): the SwiGLU of its inputs
-        // exchanged.
-        Op::SwiGlu if step.inputs.len() == 2 => {
-            if let (Some(g), Some(u)) = (input(&step.inputs[0]), input(&step.inputs[1])) {
-                match cpu.swiglu(u, g) {
-                    Ok(out) => {
-                        let f = Fault::new(
-                            FaultKind::GateUpSwapMlp(fault::MlpPart::Dense),
-                            step.layer.map(|l| vec![l]),
-                        );
-                        push(f.to_string(), &out, None, &mut unchanged);
-                    }
-                    Err(e) => notes.push(format!("gate/up exchange: {e:#}")),
-                }
-            }
-        }
-        _ if [point::Q_B, point::Q_PE_ROPE, point::ATTN_HEADS]
-            .contains(&crate::compare::floors::point_of(hook)) =>
-        {
-            if let Some((map, out)) =
-                search::head_map(&captured.reference, cand, weights.hparams().n_head)
-            {
-                push(
-                    search::head_map_name(&map, step.layer),
-                    &out,
-                    None,
-                    &mut unchanged,
+
+    /// The structural searches the step's op or hook allows: the expert map of a
+    /// routed-experts step, the dense MLP's gate and up exchanged after their projections, the
+    /// head map of a per-head hook.
+    fn search_maps(&mut self) {
+        let captured = self.captured;
+        let (step, hook) = (&captured.step, captured.hook.as_str());
+        let cand = &captured.candidate;
+        let input = |name: &str| {
+            captured
+                .inputs
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, t)| t)
+        };
+        match &step.op {
+            Op::MoeExperts { layer } => {
+                let (x, ids, w) = (
+                    input(&step.inputs[0]),
+                    input(&step.inputs[1]),
+                    input(&step.inputs[2]),
                 );
+                if let (Some(x), Some(ids), Some(w)) = (x, ids, w) {
+                    if step.outputs.first().map(String::as_str) == Some(hook) {
+                        match search::expert_map(&self.cpu, *layer, x, ids, w, cand) {
+                            Ok(Some((map, out))) => {
+                                let f = Fault::new(FaultKind::ExpertMap(map), Some(vec![*layer]));
+                                self.push(f.to_string(), &out, None);
+                            }
+                            Ok(None) => {}
+                            Err(e) => self.notes.push(format!("expert search: {e:#}")),
+                        }
+                    }
+                }
+            }
+            // A dense MLP whose gate and up were exchanged after their projections (the
+            // projections' hooks agree, `silu(up) * gate` does not): the SwiGLU of its inputs
+            // exchanged.
+            Op::SwiGlu if step.inputs.len() == 2 => {
+                if let (Some(g), Some(u)) = (input(&step.inputs[0]), input(&step.inputs[1])) {
+                    match self.cpu.swiglu(u, g) {
+                        Ok(out) => {
+                            let f = Fault::new(
+                                FaultKind::GateUpSwapMlp(fault::MlpPart::Dense),
+                                step.layer.map(|l| vec![l]),
+                            );
+                            self.push(f.to_string(), &out, None);
+                        }
+                        Err(e) => self.notes.push(format!("gate/up exchange: {e:#}")),
+                    }
+                }
+            }
+            _ if [point::Q_B, point::Q_PE_ROPE, point::ATTN_HEADS]
+                .contains(&crate::compare::floors::point_of(hook)) =>
+            {
+                if let Some((map, out)) =
+                    search::head_map(&captured.reference, cand, self.weights.hparams().n_head)
+                {
+                    self.push(search::head_map_name(&map, step.layer), &out, None);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The explanation: the routing fits' parameters on their hypotheses, the notes (the
+    /// unchanged hypotheses first), the hypotheses best first.
+    fn finish(self) -> Explanation {
+        let Explaining {
+            captured,
+            reference_residual,
+            mut tested,
+            mut notes,
+            unchanged,
+            fits,
+            ..
+        } = self;
+        for t in &mut tested {
+            if let Some(f) = fits.iter().find(|f| f.kind == t.kind) {
+                (t.param, t.fitted, t.nominal) =
+                    (Some(f.param.clone()), Some(f.fitted), Some(f.nominal));
             }
         }
-        _ => {}
-    }
-    progress.finish();
-    for t in &mut tested {
-        if let Some(f) = fits.iter().find(|f| f.kind == t.kind) {
-            (t.param, t.fitted, t.nominal) =
-                (Some(f.param.clone()), Some(f.fitted), Some(f.nominal));
+        let indexer =
+            |k: &str| k.starts_with("indexer_scale:") || k.starts_with("indexer_wproj_scale:");
+        if tested.iter().filter(|t| indexer(&t.kind)).count() == 2 {
+            notes.push(
+                "indexer_scale and indexer_wproj_scale multiply every index score alike: this hook cannot tell them apart (the fitted factor's note may)"
+                    .to_string(),
+            );
+        }
+        if !unchanged.is_empty() {
+            notes.insert(
+                0,
+                format!(
+                    "leave this step's output exactly as the reference's: {}",
+                    unchanged.join(", ")
+                ),
+            );
+        }
+        // Best first; equal residuals keep the catalogue's order (stable sort).
+        tested.sort_by(|a, b| a.residual.total_cmp(&b.residual));
+        Explanation::Tested {
+            hook: captured.hook.clone(),
+            step: crate::driver::op_name(&captured.step.op).to_string(),
+            error: captured.error,
+            allowed: captured.allowed,
+            reference_residual,
+            hypotheses: tested,
+            notes,
         }
     }
-    let indexer =
-        |k: &str| k.starts_with("indexer_scale:") || k.starts_with("indexer_wproj_scale:");
-    if tested.iter().filter(|t| indexer(&t.kind)).count() == 2 {
-        notes.push(
-            "indexer_scale and indexer_wproj_scale multiply every index score alike: this hook cannot tell them apart (the fitted factor's note may)"
-                .to_string(),
-        );
-    }
-    if !unchanged.is_empty() {
-        notes.insert(
-            0,
-            format!(
-                "leave this step's output exactly as the reference's: {}",
-                unchanged.join(", ")
-            ),
-        );
-    }
-    // Best first; equal residuals keep the catalogue's order (stable sort).
-    tested.sort_by(|a, b| a.residual.total_cmp(&b.residual));
-    Ok(Explanation::Tested {
-        hook: hook.to_string(),
-        step: crate::driver::op_name(&step.op).to_string(),
-        error: captured.error,
-        allowed: captured.allowed,
-        reference_residual,
-        hypotheses: tested,
-        notes,
-    })
 }

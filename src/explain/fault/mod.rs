@@ -28,7 +28,7 @@ pub use engine::FaultEngine;
 
 use crate::model::names::{self, blk};
 use crate::model::steps;
-use crate::model::Weights;
+use crate::model::{HParams, Weights};
 use crate::quant::GgmlType;
 use crate::util::glob::matches as glob_match;
 
@@ -397,39 +397,136 @@ impl FaultKind {
 
     /// Parses `NAME[:ARGS]`.
     pub fn parse(s: &str) -> Result<FaultKind> {
+        let words = KindWords::split(s);
+        for family in [
+            KindWords::attention,
+            KindWords::routing,
+            KindWords::weights_and_norms,
+        ] {
+            if let Some(kind) = family(&words)? {
+                return Ok(kind);
+            }
+        }
+        let kinds: Vec<&str> = CATALOG.iter().map(|(k, _)| *k).collect();
+        bail!(
+            "unknown fault {:?}; the kinds are {}",
+            words.name,
+            kinds.join(", ")
+        )
+    }
+}
+
+/// A kind's words `NAME[:ARGS]`, split at the first `:`, with the argument checks the kinds
+/// share; each family of kinds parses its own names ([`FaultKind::parse`]).
+struct KindWords<'a> {
+    /// The kind's name, trimmed.
+    name: &'a str,
+    /// Its argument, trimmed (`None`: no `:`).
+    arg: Option<&'a str>,
+}
+
+impl<'a> KindWords<'a> {
+    /// Splits `NAME[:ARGS]` at the first `:`.
+    fn split(s: &'a str) -> KindWords<'a> {
         let (name, arg) = match s.split_once(':') {
             Some((n, a)) => (n.trim(), Some(a.trim())),
             None => (s.trim(), None),
         };
-        let no_arg = |k: FaultKind| -> Result<FaultKind> {
-            match arg {
-                None => Ok(k),
-                Some(a) => bail!("fault {name} takes no argument, got {a:?}"),
-            }
-        };
-        let need = |what: &str| -> Result<&str> {
-            arg.filter(|a| !a.is_empty()).with_context(|| {
-                format!("fault {name} needs {what}, e.g. {name}:{}", example(name))
-            })
-        };
-        let num = |v: &str, what: &str| -> Result<usize> {
-            v.trim()
-                .parse()
-                .with_context(|| format!("fault {name}: {what} {v:?} is not a number"))
-        };
-        Ok(match name {
-            "kv_b_concat" => no_arg(FaultKind::KvBConcat)?,
-            "rope_neox" => no_arg(FaultKind::RopeNeox)?,
-            "indexer_rope_neox" => no_arg(FaultKind::IndexerRopeNeox)?,
-            "indexer_relu" => match arg {
+        KindWords { name, arg }
+    }
+
+    /// `k`, for a kind that takes no argument (an error when one is given).
+    fn no_arg(&self, k: FaultKind) -> Result<FaultKind> {
+        match self.arg {
+            None => Ok(k),
+            Some(a) => bail!("fault {} takes no argument, got {a:?}", self.name),
+        }
+    }
+
+    /// The argument, which the kind needs (`what`: what it is, for the error), not empty.
+    fn need(&self, what: &str) -> Result<&'a str> {
+        let name = self.name;
+        self.arg
+            .filter(|a| !a.is_empty())
+            .with_context(|| format!("fault {name} needs {what}, e.g. {name}:{}", example(name)))
+    }
+
+    /// A count `v` in the argument (`what`: what it counts, for the error).
+    fn num(&self, v: &str, what: &str) -> Result<usize> {
+        v.trim()
+            .parse()
+            .with_context(|| format!("fault {}: {what} {v:?} is not a number", self.name))
+    }
+
+    /// The attention's kinds (MLA, RoPE, the DSA indexer, the tensor-parallel heads); `None`
+    /// for a name of another family.
+    fn attention(&self) -> Result<Option<FaultKind>> {
+        let name = self.name;
+        Ok(Some(match name {
+            "kv_b_concat" => self.no_arg(FaultKind::KvBConcat)?,
+            "rope_neox" => self.no_arg(FaultKind::RopeNeox)?,
+            "indexer_rope_neox" => self.no_arg(FaultKind::IndexerRopeNeox)?,
+            "indexer_relu" => match self.arg {
                 Some("off") => FaultKind::IndexerNoRelu,
                 _ => bail!("fault indexer_relu needs off: indexer_relu:off (the ReLU left out)"),
             },
-            "scale_latent" => no_arg(FaultKind::ScaleLatent)?,
-            "softmax_gating" => no_arg(FaultKind::SoftmaxGating)?,
-            "bias_in_weights" => no_arg(FaultKind::BiasInWeights)?,
-            "router_bf16" => no_arg(FaultKind::RouterBf16)?,
-            "gate_up_swap" => match arg {
+            "scale_latent" => self.no_arg(FaultKind::ScaleLatent)?,
+            "tp_shard" => {
+                let n = self.num(self.need("a shard count")?, "shard count")?;
+                if n < 2 {
+                    bail!("fault tp_shard:{n}: needs at least 2 shards");
+                }
+                FaultKind::TpShard(n)
+            }
+            "softmax_scale" => {
+                FaultKind::SoftmaxScale(factor(name, self.need("a factor")?, true)?)
+            }
+            "yarn_mscale" => FaultKind::YarnMscale(match self.need("none or twice")? {
+                "none" => Mscale::Missing,
+                "twice" => Mscale::Twice,
+                a => bail!("fault yarn_mscale:{a}: expected yarn_mscale:none or yarn_mscale:twice"),
+            }),
+            "rope_theta" => {
+                let a = self.need("a frequency base")?;
+                let x: f64 = a
+                    .parse()
+                    .with_context(|| format!("fault rope_theta:{a}: not a number"))?;
+                if !x.is_finite() || x <= 1.0 {
+                    bail!("fault rope_theta:{a}: the base must be finite and above 1");
+                }
+                FaultKind::RopeTheta(x)
+            }
+            "dsa_topk" => {
+                let k = self.num(self.need("a key count")?, "key count")?;
+                if k == 0 {
+                    bail!("fault dsa_topk:0: the indexer keeps at least one key");
+                }
+                FaultKind::DsaTopK(k)
+            }
+            "indexer_scale" => {
+                FaultKind::IndexerScale(factor(name, self.need("a factor")?, true)?)
+            }
+            "indexer_wproj_scale" => {
+                FaultKind::IndexerWprojScale(factor(name, self.need("a factor")?, true)?)
+            }
+            "kv_b_split" => match self.arg {
+                Some("kv") => FaultKind::KvBSplit,
+                _ => bail!(
+                    "fault kv_b_split needs the order the split assumes: kv_b_split:kv (all K rows, then all V rows)"
+                ),
+            },
+            _ => return Ok(None),
+        }))
+    }
+
+    /// The router's and the experts' kinds; `None` for a name of another family.
+    fn routing(&self) -> Result<Option<FaultKind>> {
+        let name = self.name;
+        Ok(Some(match name {
+            "softmax_gating" => self.no_arg(FaultKind::SoftmaxGating)?,
+            "bias_in_weights" => self.no_arg(FaultKind::BiasInWeights)?,
+            "router_bf16" => self.no_arg(FaultKind::RouterBf16)?,
+            "gate_up_swap" => match self.arg {
                 None | Some("routed") => FaultKind::GateUpSwap,
                 Some("dense") => FaultKind::GateUpSwapMlp(MlpPart::Dense),
                 Some("shared") => FaultKind::GateUpSwapMlp(MlpPart::Shared),
@@ -437,105 +534,25 @@ impl FaultKind {
                     "fault gate_up_swap:{a}: expected gate_up_swap (routed experts), gate_up_swap:dense or gate_up_swap:shared"
                 ),
             },
-            "q4k_scale_bits" => no_arg(FaultKind::Q4kScaleBits)?,
-            "run_mtp" => no_arg(FaultKind::RunMtp)?,
-            "f32_accumulate" => no_arg(FaultKind::F32Accumulate)?,
-            "expert_swap" => {
-                let a = need("two expert ids")?;
-                let (x, y) = a
-                    .split_once(',')
-                    .with_context(|| format!("fault expert_swap:{a}: expected expert_swap:A,B"))?;
-                let (x, y) = (num(x, "expert")?, num(y, "expert")?);
-                if x == y {
-                    bail!("fault expert_swap:{a}: the two experts are the same");
-                }
-                FaultKind::ExpertMap(vec![(x.min(y), x.max(y)), (x.max(y), x.min(y))])
-            }
-            "expert_map" => {
-                let a = need("pairs SLOT=FROM")?;
-                let mut map = Vec::new();
-                for p in a.split(',') {
-                    let (slot, from) = p
-                        .split_once('=')
-                        .with_context(|| format!("fault expert_map:{a}: {p:?} is not SLOT=FROM"))?;
-                    let (slot, from) = (num(slot, "expert")?, num(from, "expert")?);
-                    if map.iter().any(|&(s, _)| s == slot) {
-                        bail!("fault expert_map:{a}: expert {slot} is mapped twice");
-                    }
-                    if slot != from {
-                        map.push((slot, from));
-                    }
-                }
-                if map.is_empty() {
-                    bail!("fault expert_map:{a}: maps every expert to itself");
-                }
-                map.sort_unstable();
-                FaultKind::ExpertMap(map)
-            }
-            "layer_weights" => {
-                let a = need("a layer")?;
-                let (l, glob) = match a.split_once(',') {
-                    Some((l, g)) => (l, g.trim().to_string()),
-                    None => (a, DEFAULT_LAYER_WEIGHTS.to_string()),
-                };
-                if glob.is_empty() {
-                    bail!("fault layer_weights:{a}: empty tensor glob");
-                }
-                FaultKind::LayerWeights {
-                    src: num(l, "layer")?,
-                    glob,
-                }
-            }
-            "tp_shard" => {
-                let n = num(need("a shard count")?, "shard count")?;
-                if n < 2 {
-                    bail!("fault tp_shard:{n}: needs at least 2 shards");
-                }
-                FaultKind::TpShard(n)
-            }
-            "norm_eps" => {
-                let a = need("an epsilon")?;
-                let x: f64 = a
-                    .parse()
-                    .with_context(|| format!("fault norm_eps:{a}: not a number"))?;
-                if !x.is_finite() || x < 0.0 {
-                    bail!("fault norm_eps:{a}: must be finite and not negative");
-                }
-                FaultKind::NormEps(x)
-            }
-            "transposed" => FaultKind::Transposed {
-                glob: need("a tensor glob")?.to_string(),
-            },
+            "expert_swap" => self.expert_swap()?,
+            "expert_map" => self.expert_map()?,
             "routed_scale" => {
-                let a = need("a scale")?;
+                let a = self.need("a scale")?;
                 FaultKind::RoutedScale(RoutedScale::Factor(route_factor(name, a, a)?))
             }
-            "routed_scaling_ignored" => no_arg(FaultKind::RoutedScale(RoutedScale::Ignored))?,
-            "routed_scaling_twice" => no_arg(FaultKind::RoutedScale(RoutedScale::Twice))?,
-            "topk_norm" => match need("on or off")? {
+            "routed_scaling_ignored" => {
+                self.no_arg(FaultKind::RoutedScale(RoutedScale::Ignored))?
+            }
+            "routed_scaling_twice" => self.no_arg(FaultKind::RoutedScale(RoutedScale::Twice))?,
+            "topk_norm" => match self.need("on or off")? {
                 "on" => FaultKind::TopkNorm(true),
                 "off" => FaultKind::TopkNorm(false),
                 a => bail!("fault topk_norm:{a}: expected topk_norm:on or topk_norm:off"),
             },
-            "bias_unused" => no_arg(FaultKind::BiasUnused)?,
-            "group_limit" => {
-                let a = need("off or a group count")?;
-                if a == "off" {
-                    FaultKind::GroupLimit(GroupLimit::Off)
-                } else {
-                    let (n, k) = match a.split_once(',') {
-                        Some((n, k)) => (n, Some(num(k, "kept group count")?)),
-                        None => (a, None),
-                    };
-                    let groups = num(n, "group count")?;
-                    if groups == 0 || k == Some(0) {
-                        bail!("fault group_limit:{a}: groups and kept groups must be at least 1");
-                    }
-                    FaultKind::GroupLimit(GroupLimit::Groups { groups, keep: k })
-                }
-            }
+            "bias_unused" => self.no_arg(FaultKind::BiasUnused)?,
+            "group_limit" => self.group_limit()?,
             "expert_scale" => {
-                let a = need("an expert and a factor")?;
+                let a = self.need("an expert and a factor")?;
                 let (e, f) = a
                     .split_once(',')
                     .with_context(|| format!("fault expert_scale:{a}: expected expert_scale:E,F"))?;
@@ -544,12 +561,97 @@ impl FaultKind {
                     bail!("fault expert_scale:{a}: a factor of 1 changes nothing");
                 }
                 FaultKind::ExpertScale {
-                    expert: num(e, "expert")?,
+                    expert: self.num(e, "expert")?,
                     factor,
                 }
             }
+            _ => return Ok(None),
+        }))
+    }
+
+    /// `expert_swap:A,B`: the map of two experts exchanged.
+    fn expert_swap(&self) -> Result<FaultKind> {
+        let a = self.need("two expert ids")?;
+        let (x, y) = a
+            .split_once(',')
+            .with_context(|| format!("fault expert_swap:{a}: expected expert_swap:A,B"))?;
+        let (x, y) = (self.num(x, "expert")?, self.num(y, "expert")?);
+        if x == y {
+            bail!("fault expert_swap:{a}: the two experts are the same");
+        }
+        Ok(FaultKind::ExpertMap(vec![
+            (x.min(y), x.max(y)),
+            (x.max(y), x.min(y)),
+        ]))
+    }
+
+    /// `expert_map:SLOT=FROM,...`: the slots not mapped to themselves, sorted.
+    fn expert_map(&self) -> Result<FaultKind> {
+        let a = self.need("pairs SLOT=FROM")?;
+        let mut map = Vec::new();
+        for p in a.split(',') {
+            let (slot, from) = p
+                .split_once('=')
+                .with_context(|| format!("fault expert_map:{a}: {p:?} is not SLOT=FROM"))?;
+            let (slot, from) = (self.num(slot, "expert")?, self.num(from, "expert")?);
+            if map.iter().any(|&(s, _)| s == slot) {
+                bail!("fault expert_map:{a}: expert {slot} is mapped twice");
+            }
+            if slot != from {
+                map.push((slot, from));
+            }
+        }
+        if map.is_empty() {
+            bail!("fault expert_map:{a}: maps every expert to itself");
+        }
+        map.sort_unstable();
+        Ok(FaultKind::ExpertMap(map))
+    }
+
+    /// `group_limit:off` or `group_limit:N[,K]`.
+    fn group_limit(&self) -> Result<FaultKind> {
+        let a = self.need("off or a group count")?;
+        if a == "off" {
+            return Ok(FaultKind::GroupLimit(GroupLimit::Off));
+        }
+        let (n, k) = match a.split_once(',') {
+            Some((n, k)) => (n, Some(self.num(k, "kept group count")?)),
+            None => (a, None),
+        };
+        let groups = self.num(n, "group count")?;
+        if groups == 0 || k == Some(0) {
+            bail!("fault group_limit:{a}: groups and kept groups must be at least 1");
+        }
+        Ok(FaultKind::GroupLimit(GroupLimit::Groups {
+            groups,
+            keep: k,
+        }))
+    }
+
+    /// The kinds of a weight read wrong, of the norms and of the precision or the graph
+    /// (`run_mtp`); `None` for a name of another family.
+    fn weights_and_norms(&self) -> Result<Option<FaultKind>> {
+        let name = self.name;
+        Ok(Some(match name {
+            "layer_weights" => {
+                let a = self.need("a layer")?;
+                let (l, glob) = match a.split_once(',') {
+                    Some((l, g)) => (l, g.trim().to_string()),
+                    None => (a, DEFAULT_LAYER_WEIGHTS.to_string()),
+                };
+                if glob.is_empty() {
+                    bail!("fault layer_weights:{a}: empty tensor glob");
+                }
+                FaultKind::LayerWeights {
+                    src: self.num(l, "layer")?,
+                    glob,
+                }
+            }
+            "transposed" => FaultKind::Transposed {
+                glob: self.need("a tensor glob")?.to_string(),
+            },
             "weight_scale" => {
-                let a = need("a tensor glob and a factor")?;
+                let a = self.need("a tensor glob and a factor")?;
                 let (glob, f) = a.rsplit_once(',').with_context(|| {
                     format!("fault weight_scale:{a}: expected weight_scale:GLOB,F")
                 })?;
@@ -562,54 +664,28 @@ impl FaultKind {
                     factor: factor(name, f, false)?,
                 }
             }
-            "softmax_scale" => FaultKind::SoftmaxScale(factor(name, need("a factor")?, true)?),
-            "yarn_mscale" => FaultKind::YarnMscale(match need("none or twice")? {
-                "none" => Mscale::Missing,
-                "twice" => Mscale::Twice,
-                a => bail!("fault yarn_mscale:{a}: expected yarn_mscale:none or yarn_mscale:twice"),
-            }),
-            "rope_theta" => {
-                let a = need("a frequency base")?;
+            "q4k_scale_bits" => self.no_arg(FaultKind::Q4kScaleBits)?,
+            "run_mtp" => self.no_arg(FaultKind::RunMtp)?,
+            "f32_accumulate" => self.no_arg(FaultKind::F32Accumulate)?,
+            "norm_eps" => {
+                let a = self.need("an epsilon")?;
                 let x: f64 = a
                     .parse()
-                    .with_context(|| format!("fault rope_theta:{a}: not a number"))?;
-                if !x.is_finite() || x <= 1.0 {
-                    bail!("fault rope_theta:{a}: the base must be finite and above 1");
+                    .with_context(|| format!("fault norm_eps:{a}: not a number"))?;
+                if !x.is_finite() || x < 0.0 {
+                    bail!("fault norm_eps:{a}: must be finite and not negative");
                 }
-                FaultKind::RopeTheta(x)
-            }
-            "dsa_topk" => {
-                let k = num(need("a key count")?, "key count")?;
-                if k == 0 {
-                    bail!("fault dsa_topk:0: the indexer keeps at least one key");
-                }
-                FaultKind::DsaTopK(k)
-            }
-            "indexer_scale" => FaultKind::IndexerScale(factor(name, need("a factor")?, true)?),
-            "indexer_wproj_scale" => {
-                FaultKind::IndexerWprojScale(factor(name, need("a factor")?, true)?)
+                FaultKind::NormEps(x)
             }
             "norm_one_plus" => FaultKind::NormOnePlus {
-                glob: match arg {
+                glob: match self.arg {
                     None => DEFAULT_NORM_ONE_PLUS.to_string(),
                     Some("") => bail!("fault norm_one_plus: empty norm glob"),
                     Some(g) => g.to_string(),
                 },
             },
-            "kv_b_split" => match arg {
-                Some("kv") => FaultKind::KvBSplit,
-                _ => bail!(
-                    "fault kv_b_split needs the order the split assumes: kv_b_split:kv (all K rows, then all V rows)"
-                ),
-            },
-            other => {
-                let kinds: Vec<&str> = CATALOG.iter().map(|(k, _)| *k).collect();
-                bail!(
-                    "unknown fault {other:?}; the kinds are {}",
-                    kinds.join(", ")
-                )
-            }
-        })
+            _ => return Ok(None),
+        }))
     }
 }
 
@@ -810,167 +886,23 @@ impl Fault {
     pub fn check(&self, weights: &Weights<'_>, run: Range<usize>, tail: bool) -> Result<()> {
         let hp = weights.hparams();
         let me = self.to_string();
-        if let FaultKind::LayerWeights { src, .. } = &self.kind {
-            // The layers of the fault are those reading layer `src`'s weights (`src + 1` by
-            // default): name the source first, with the layers it can be for this run.
-            let targets = self.layers.as_deref().unwrap_or(&[]);
-            if *src >= hp.n_block || targets.iter().any(|&l| l >= hp.n_layer) {
-                bail!(
-                    "--inject {me}: reads layer {src}'s weights into layer{} {}, but the model has blocks 0..{} and runs layers 0..{} (layer_weights:L reads layer L into layer L+1, so L in 0..{}; layer_weights:L@N reads it into layer N)",
-                    if targets.len() == 1 { "" } else { "s" },
-                    targets
-                        .iter()
-                        .map(usize::to_string)
-                        .collect::<Vec<_>>()
-                        .join(","),
-                    hp.n_block,
-                    hp.n_layer,
-                    hp.n_layer.saturating_sub(1)
-                );
-            }
-        }
-        if let Some(ls) = &self.layers {
-            if let Some(&l) = ls.iter().find(|&&l| l >= hp.n_layer) {
-                bail!(
-                    "--inject {me}: layer {l} is not run: the model runs layers 0..{}",
-                    hp.n_layer
-                );
-            }
-            if !ls.iter().any(|l| run.contains(l)) {
-                bail!(
-                    "--inject {me}: the run compares layers {}..{}, none of the fault's layers {ls:?}",
-                    run.start,
-                    run.end
-                );
-            }
-        }
+        self.check_layers(&me, hp, &run)?;
         let layers: Vec<usize> = run.clone().filter(|&l| self.at(Some(l))).collect();
-        let moe = moe_layers(weights, &layers);
-        let need_moe = || need_moe(&me, weights, &layers);
         match &self.kind {
             FaultKind::IndexerRopeNeox | FaultKind::IndexerNoRelu => {
                 need_indexer(&me, weights, &layers)?;
             }
-            FaultKind::SoftmaxGating => {
-                need_moe()?;
-                if hp.gating == crate::model::Gating::Softmax {
-                    bail!("--inject {me}: the model's router already uses softmax");
-                }
-            }
-            FaultKind::BiasInWeights => {
-                need_moe()?;
-                if !moe
-                    .iter()
-                    .any(|&l| weights.has(&names::blk(l, blk::EXP_PROBS_B)))
-                {
-                    bail!("--inject {me}: no layer among {moe:?} has a selection bias exp_probs_b");
-                }
-            }
-            FaultKind::RouterBf16 | FaultKind::GateUpSwap => need_moe()?,
-            FaultKind::ExpertMap(m) => {
-                need_moe()?;
-                if let Some(&(s, f)) = m
-                    .iter()
-                    .find(|&&(s, f)| s >= hp.n_expert || f >= hp.n_expert)
-                {
-                    bail!(
-                        "--inject {me}: expert {} is not one of the model's {} experts",
-                        s.max(f),
-                        hp.n_expert
-                    );
-                }
-            }
+            FaultKind::SoftmaxGating
+            | FaultKind::BiasInWeights
+            | FaultKind::RouterBf16
+            | FaultKind::GateUpSwap
+            | FaultKind::ExpertMap(_) => check_router(&self.kind, &me, weights, &layers)?,
             FaultKind::LayerWeights { src, glob } => {
-                if *src >= hp.n_block {
-                    bail!(
-                        "--inject {me}: layer {src} is not in the file ({} blocks)",
-                        hp.n_block
-                    );
-                }
-                let mut hit = 0;
-                for &l in &layers {
-                    if l == *src {
-                        bail!("--inject {me}: layer {l} would read its own weights");
-                    }
-                    for name in plan_layer_weights(weights, l)? {
-                        if !Fault::names_tensor(glob, &name) {
-                            continue;
-                        }
-                        let (_, suffix) = names::split_blk(&name).unwrap_or((l, ""));
-                        let other = names::blk(*src, suffix);
-                        let (a, b) = (weights.model().find(&name), weights.model().find(&other));
-                        match (a, b) {
-                            (Some(a), Some(b)) if a.info.ne == b.info.ne => hit += 1,
-                            (Some(a), Some(b)) => bail!(
-                                "--inject {me}: {name} has ne={:?}, {other} has ne={:?}",
-                                a.info.ne,
-                                b.info.ne
-                            ),
-                            _ => bail!("--inject {me}: the file has no {other} for {name}"),
-                        }
-                    }
-                }
-                if hit == 0 {
-                    bail!("--inject {me}: no tensor of layers {layers:?} matches {glob:?} (matched against the name without blk.L., e.g. attn_q_a.weight; @L or a full name blk.L.NAME picks the layer)");
-                }
+                check_layer_weights(&me, weights, *src, glob, &layers)?
             }
-            FaultKind::Transposed { glob } => {
-                let hit = layers.iter().try_fold(0, |n, &l| -> Result<usize> {
-                    Ok(n + plan_layer_weights(weights, l)?
-                        .iter()
-                        .filter(|w| Fault::names_tensor(glob, w) && weights.matrix_dims(w).is_ok())
-                        .count())
-                })?;
-                if hit == 0 {
-                    bail!("--inject {me}: no matrix of layers {layers:?} matches {glob:?} (matched against the name without blk.L., e.g. attn_q_a.weight; @L or a full name blk.L.NAME picks the layer)");
-                }
-            }
-            FaultKind::Q4kScaleBits => {
-                let mut read: Vec<String> = Vec::new();
-                for &l in &layers {
-                    read.extend(plan_layer_weights(weights, l)?);
-                }
-                if self.layers.is_none() {
-                    if run.start == 0 {
-                        read.push(names::TOKEN_EMBD.to_string());
-                    }
-                    if tail {
-                        read.push(weights.output_name().to_string());
-                    }
-                }
-                let q4k = read.iter().any(|n| {
-                    weights
-                        .model()
-                        .find(n)
-                        .is_some_and(|t| t.info.ty == GgmlType::Q4_K)
-                });
-                if !q4k {
-                    bail!(
-                        "--inject {me}: no tensor the run reads is Q4_K ({} has none in these layers)",
-                        weights.model().file_name()
-                    );
-                }
-            }
-            FaultKind::RunMtp => {
-                if hp.n_nextn == 0 {
-                    bail!(
-                        "--inject {me}: {} has no MTP block (nextn_predict_layers = 0)",
-                        weights.model().file_name()
-                    );
-                }
-                if self.layers.is_some() {
-                    bail!("--inject {me}: run_mtp concerns the final norm; give no layers");
-                }
-                if !tail {
-                    bail!("--inject {me}: the MTP block runs before the final norm; compare every layer (no --layer/--layers)");
-                }
-                if !weights.has(&names::blk(hp.n_layer, blk::ATTN_NORM)) {
-                    bail!(
-                        "--inject {me}: the file has no blk.{}.attn_norm.weight: no MTP block to run as a layer",
-                        hp.n_layer
-                    );
-                }
-            }
+            FaultKind::Transposed { glob } => check_transposed(&me, weights, glob, &layers)?,
+            FaultKind::Q4kScaleBits => self.check_q4k(&me, weights, &layers, &run, tail)?,
+            FaultKind::RunMtp => self.check_run_mtp(&me, weights, tail)?,
             FaultKind::TpShard(n) => {
                 if hp.n_head % n != 0 {
                     bail!(
@@ -1008,6 +940,212 @@ impl Fault {
         }
         Ok(())
     }
+
+    /// Checks the fault's layers (`me`: the fault as the user wrote it) against the model's and
+    /// the run's `run`: a `layer_weights` source and targets the model has, layers it runs, one
+    /// of them compared.
+    fn check_layers(&self, me: &str, hp: &HParams, run: &Range<usize>) -> Result<()> {
+        if let FaultKind::LayerWeights { src, .. } = &self.kind {
+            // The layers of the fault are those reading layer `src`'s weights (`src + 1` by
+            // default): name the source first, with the layers it can be for this run.
+            let targets = self.layers.as_deref().unwrap_or(&[]);
+            if *src >= hp.n_block || targets.iter().any(|&l| l >= hp.n_layer) {
+                bail!(
+                    "--inject {me}: reads layer {src}'s weights into layer{} {}, but the model has blocks 0..{} and runs layers 0..{} (layer_weights:L reads layer L into layer L+1, so L in 0..{}; layer_weights:L@N reads it into layer N)",
+                    if targets.len() == 1 { "" } else { "s" },
+                    targets
+                        .iter()
+                        .map(usize::to_string)
+                        .collect::<Vec<_>>()
+                        .join(","),
+                    hp.n_block,
+                    hp.n_layer,
+                    hp.n_layer.saturating_sub(1)
+                );
+            }
+        }
+        if let Some(ls) = &self.layers {
+            if let Some(&l) = ls.iter().find(|&&l| l >= hp.n_layer) {
+                bail!(
+                    "--inject {me}: layer {l} is not run: the model runs layers 0..{}",
+                    hp.n_layer
+                );
+            }
+            if !ls.iter().any(|l| run.contains(l)) {
+                bail!(
+                    "--inject {me}: the run compares layers {}..{}, none of the fault's layers {ls:?}",
+                    run.start,
+                    run.end
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks a `q4k_scale_bits` fault (`me`): some tensor the run reads over `layers` (the
+    /// run's layers it touches; the token embedding when `run` starts at layer 0 and the output
+    /// projection when `tail`, for a fault on every layer) is Q4_K.
+    fn check_q4k(
+        &self,
+        me: &str,
+        weights: &Weights<'_>,
+        layers: &[usize],
+        run: &Range<usize>,
+        tail: bool,
+    ) -> Result<()> {
+        let mut read: Vec<String> = Vec::new();
+        for &l in layers {
+            read.extend(plan_layer_weights(weights, l)?);
+        }
+        if self.layers.is_none() {
+            if run.start == 0 {
+                read.push(names::TOKEN_EMBD.to_string());
+            }
+            if tail {
+                read.push(weights.output_name().to_string());
+            }
+        }
+        let q4k = read.iter().any(|n| {
+            weights
+                .model()
+                .find(n)
+                .is_some_and(|t| t.info.ty == GgmlType::Q4_K)
+        });
+        if !q4k {
+            bail!(
+                "--inject {me}: no tensor the run reads is Q4_K ({} has none in these layers)",
+                weights.model().file_name()
+            );
+        }
+        Ok(())
+    }
+
+    /// Checks a `run_mtp` fault (`me`): the file has an MTP block to run as a layer, and the
+    /// run compares every layer and the tail (`tail`).
+    fn check_run_mtp(&self, me: &str, weights: &Weights<'_>, tail: bool) -> Result<()> {
+        let hp = weights.hparams();
+        if hp.n_nextn == 0 {
+            bail!(
+                "--inject {me}: {} has no MTP block (nextn_predict_layers = 0)",
+                weights.model().file_name()
+            );
+        }
+        if self.layers.is_some() {
+            bail!("--inject {me}: run_mtp concerns the final norm; give no layers");
+        }
+        if !tail {
+            bail!("--inject {me}: the MTP block runs before the final norm; compare every layer (no --layer/--layers)");
+        }
+        if !weights.has(&names::blk(hp.n_layer, blk::ATTN_NORM)) {
+            bail!(
+                "--inject {me}: the file has no blk.{}.attn_norm.weight: no MTP block to run as a layer",
+                hp.n_layer
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Checks a router or routed-experts fault of the original catalogue (`softmax_gating`,
+/// `bias_in_weights`, `router_bf16`, `gate_up_swap`, `expert_swap`/`expert_map`; `me`: as the
+/// user wrote it) against the model over `layers` (the run's layers it touches).
+fn check_router(kind: &FaultKind, me: &str, weights: &Weights<'_>, layers: &[usize]) -> Result<()> {
+    let hp = weights.hparams();
+    let moe = moe_layers(weights, layers);
+    let need_moe = || need_moe(me, weights, layers);
+    match kind {
+        FaultKind::SoftmaxGating => {
+            need_moe()?;
+            if hp.gating == crate::model::Gating::Softmax {
+                bail!("--inject {me}: the model's router already uses softmax");
+            }
+        }
+        FaultKind::BiasInWeights => {
+            need_moe()?;
+            if !moe
+                .iter()
+                .any(|&l| weights.has(&names::blk(l, blk::EXP_PROBS_B)))
+            {
+                bail!("--inject {me}: no layer among {moe:?} has a selection bias exp_probs_b");
+            }
+        }
+        FaultKind::RouterBf16 | FaultKind::GateUpSwap => need_moe()?,
+        FaultKind::ExpertMap(m) => {
+            need_moe()?;
+            if let Some(&(s, f)) = m
+                .iter()
+                .find(|&&(s, f)| s >= hp.n_expert || f >= hp.n_expert)
+            {
+                bail!(
+                    "--inject {me}: expert {} is not one of the model's {} experts",
+                    s.max(f),
+                    hp.n_expert
+                );
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Checks a `layer_weights` fault (`me`) reading layer `src`'s tensors matching `glob` into
+/// `layers`: the source is in the file, no layer reads its own weights, and at least one tensor
+/// matches, with a counterpart of the same shape in layer `src`.
+fn check_layer_weights(
+    me: &str,
+    weights: &Weights<'_>,
+    src: usize,
+    glob: &str,
+    layers: &[usize],
+) -> Result<()> {
+    let hp = weights.hparams();
+    if src >= hp.n_block {
+        bail!(
+            "--inject {me}: layer {src} is not in the file ({} blocks)",
+            hp.n_block
+        );
+    }
+    let mut hit = 0;
+    for &l in layers {
+        if l == src {
+            bail!("--inject {me}: layer {l} would read its own weights");
+        }
+        for name in plan_layer_weights(weights, l)? {
+            if !Fault::names_tensor(glob, &name) {
+                continue;
+            }
+            let (_, suffix) = names::split_blk(&name).unwrap_or((l, ""));
+            let other = names::blk(src, suffix);
+            let (a, b) = (weights.model().find(&name), weights.model().find(&other));
+            match (a, b) {
+                (Some(a), Some(b)) if a.info.ne == b.info.ne => hit += 1,
+                (Some(a), Some(b)) => bail!(
+                    "--inject {me}: {name} has ne={:?}, {other} has ne={:?}",
+                    a.info.ne,
+                    b.info.ne
+                ),
+                _ => bail!("--inject {me}: the file has no {other} for {name}"),
+            }
+        }
+    }
+    if hit == 0 {
+        bail!("--inject {me}: no tensor of layers {layers:?} matches {glob:?} (matched against the name without blk.L., e.g. attn_q_a.weight; @L or a full name blk.L.NAME picks the layer)");
+    }
+    Ok(())
+}
+
+/// Checks a `transposed` fault (`me`): some matrix of `layers` matches `glob`.
+fn check_transposed(me: &str, weights: &Weights<'_>, glob: &str, layers: &[usize]) -> Result<()> {
+    let hit = layers.iter().try_fold(0, |n, &l| -> Result<usize> {
+        Ok(n + plan_layer_weights(weights, l)?
+            .iter()
+            .filter(|w| Fault::names_tensor(glob, w) && weights.matrix_dims(w).is_ok())
+            .count())
+    })?;
+    if hit == 0 {
+        bail!("--inject {me}: no matrix of layers {layers:?} matches {glob:?} (matched against the name without blk.L., e.g. attn_q_a.weight; @L or a full name blk.L.NAME picks the layer)");
+    }
+    Ok(())
 }
 
 /// The MoE layers among `layers`.
