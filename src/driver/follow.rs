@@ -36,7 +36,7 @@ use anyhow::{Context, Result};
 
 use super::replay::{is_selection, PairSummary, ReferenceWork};
 use super::rows::{self, Prepared};
-use super::segment::{collapse, step_in_rounds, RoundOutputs, Rounds, Variants};
+use super::segment::{collapse, step_in_rounds, RoundOutput, RoundOutputs, Rounds, Variants};
 use super::{Plan, Runner};
 use crate::engine::cpu::selected_weights;
 use crate::engine::{Engine, HostTensor};
@@ -356,6 +356,10 @@ impl Follow {
             .collect()
     }
 
+    /// Runs step `i`, `x.step`, on the followed chain: its outputs ([`Follow::outputs`]) handed
+    /// over against the candidate's values ([`Follow::hand_over`]), the rounds of alternatives
+    /// that a candidate's hook decided kept, a selection the candidate lacks forking the chain
+    /// where it has near ties, and the values later steps read carried on.
     fn run<R: Engine>(
         &mut self,
         x: &FollowStep<'_, '_, R>,
@@ -374,101 +378,15 @@ impl Follow {
                 sink.chained_inputs(step, &inputs);
             }
         }
-        let RoundOutputs {
-            mut outputs, notes, ..
-        } = self.outputs(x, prepared, &*sink, &mut summary.reference_work)?;
-        // Rows of the rounds kept, once a hook the candidate has decided them.
-        let mut decided: Option<Vec<(usize, usize)>> = None;
-        // The candidate's selection, when it lacks it: alternatives are tried after the step.
-        let mut lacked_selection = None;
-        for k in 0..outputs.len() {
-            let name = outputs[k].0.clone();
-            let wanted = sink.wants(&name);
-            let cand = if wanted || is_selection(&name) {
-                candidate(&name)?
-            } else {
-                None
-            };
-            let Some(c) = cand else {
-                let value = &outputs[k].1;
-                if wanted {
-                    sink.reference_only(&name, Mode::Chained, &step.inputs, value);
-                    sink.missing(&name, Mode::Chained, x.absent);
-                    summary.missing += 1;
-                } else if is_score(&name) {
-                    // The scores judge the selection's flips and give its alternatives.
-                    sink.reference_only(&name, Mode::Chained, &step.inputs, value);
-                }
-                if is_ids(&name) && matches!(step.op, Op::TopK { .. } | Op::MoeRoute { .. }) {
-                    lacked_selection = Some(name.clone());
-                }
-                continue;
-            };
-            if wanted {
-                let (value, alts) = (&outputs[k].1, &outputs[k].2);
-                let (reference, note, chosen) = self.rounds.closest_rows(value.clone(), alts, &c);
-                if !alts.is_empty() && decided.is_none() {
-                    decided = Some(chosen);
-                }
-                let mut note_parts = notes.clone();
-                note_parts.extend(note);
-                let plain = x
-                    .plain_out
-                    .iter()
-                    .find(|(n, _)| *n == name)
-                    .map(|(_, t)| t)
-                    .filter(|p| **p != reference)
-                    .cloned();
-                sink.record(Pair {
-                    name: &name,
-                    mode: Mode::Chained,
-                    inputs: &step.inputs,
-                    reference,
-                    candidate: c.clone(),
-                    note: (!note_parts.is_empty()).then(|| note_parts.join("; ")),
-                })?;
-                summary.pairs += 1;
-                if let Some(p) = plain {
-                    sink.plain_chain(&name, &p, &c);
-                }
-            }
-            if is_ids(&name) && c.shape == outputs[k].1.shape && c != outputs[k].1 {
-                let rows = sink.near_tie_rows(&name, Mode::Chained, &outputs[k].1, &c);
-                if !rows.is_empty() {
-                    self.fork(x.plain, i)?;
-                    for &t in &rows {
-                        outputs[k].1.copy_row_from(t, &c)?;
-                    }
-                    if matches!(step.op, Op::MoeRoute { .. }) {
-                        reweigh(x.weights, &mut outputs, &rows)?;
-                    }
-                    sink.followed(&name, Mode::Chained, &rows);
-                }
-            }
-        }
+        let mut round = self.outputs(x, prepared, &*sink, &mut summary.reference_work)?;
+        let handed = self.hand_over(x, i, &mut round, candidate, sink, summary)?;
+        let mut outputs = round.outputs;
         // The rows of the rounds the candidate's hook chose are what the chain carries on with.
-        if let Some(chosen) = decided {
-            for (_, value, alts) in &mut outputs {
-                if !alts.is_empty() {
-                    let v = Variants {
-                        base: value.clone(),
-                        alt: std::mem::take(alts),
-                        via: Default::default(),
-                    };
-                    *value = collapse(&v, &chosen)?;
-                }
-            }
-            if let Some(env) = &mut self.env {
-                for v in env.values_mut() {
-                    if !v.alt.is_empty() {
-                        v.base = collapse(v, &chosen)?;
-                        v.alt.clear();
-                    }
-                }
-            }
+        if let Some(chosen) = &handed.decided {
+            self.keep_decided(&mut outputs, chosen)?;
         }
         // Alternatives of a selection the candidate lacks, when it has near ties.
-        if let Some(sel) = &lacked_selection {
+        if let Some(sel) = &handed.lacked_selection {
             let chosen = outputs.iter().find(|(n, _, _)| n == sel).map(|(_, t, _)| t);
             let any = chosen.is_some_and(|t| {
                 !sink
@@ -479,6 +397,140 @@ impl Follow {
                 self.fork(x.plain, i)?;
             }
         }
+        self.carry_on(x, i, outputs, handed.lacked_selection.is_some(), &*sink)
+    }
+
+    /// Hands each output of step `i` (`round`: the chain's values) to `sink` against the
+    /// candidate's value where the sink wants it ([`Follow::record`]; the reference's alone,
+    /// and missing, where the candidate lacks it), and takes the candidate's selection in the
+    /// rows where its flip is a near tie.
+    fn hand_over<R: Engine>(
+        &mut self,
+        x: &FollowStep<'_, '_, R>,
+        i: usize,
+        round: &mut RoundOutputs,
+        candidate: &CandidateValue<'_>,
+        sink: &mut dyn PairSink,
+        summary: &mut PairSummary,
+    ) -> Result<Handed> {
+        let step = x.step;
+        let outputs = &mut round.outputs;
+        let mut handed = Handed::default();
+        for k in 0..outputs.len() {
+            let name = outputs[k].0.clone();
+            let wanted = sink.wants(&name);
+            let cand = if wanted || is_selection(&name) {
+                candidate(&name)?
+            } else {
+                None
+            };
+            let Some(c) = cand else {
+                if lacks(x, &name, &outputs[k].1, wanted, sink, summary) {
+                    handed.lacked_selection = Some(name.clone());
+                }
+                continue;
+            };
+            if wanted {
+                let chosen = self.record(x, &outputs[k], &round.notes, &c, sink, summary)?;
+                if !outputs[k].2.is_empty() && handed.decided.is_none() {
+                    handed.decided = Some(chosen);
+                }
+            }
+            if is_ids(&name) && c.shape == outputs[k].1.shape && c != outputs[k].1 {
+                let rows = sink.near_tie_rows(&name, Mode::Chained, &outputs[k].1, &c);
+                if !rows.is_empty() {
+                    self.fork(x.plain, i)?;
+                    for &t in &rows {
+                        outputs[k].1.copy_row_from(t, &c)?;
+                    }
+                    if matches!(step.op, Op::MoeRoute { .. }) {
+                        reweigh(x.weights, outputs, &rows)?;
+                    }
+                    sink.followed(&name, Mode::Chained, &rows);
+                }
+            }
+        }
+        Ok(handed)
+    }
+
+    /// The pair of one output of the step (the chain's value, each row from the round closest
+    /// to the candidate's, with the step's `notes`) against the candidate's value `c`, handed
+    /// to `sink`, then the own chain's value where it differs. Returns the rows taken from a
+    /// round, with their round.
+    fn record<R: Engine>(
+        &self,
+        x: &FollowStep<'_, '_, R>,
+        (name, value, alts): &RoundOutput,
+        notes: &[String],
+        c: &HostTensor,
+        sink: &mut dyn PairSink,
+        summary: &mut PairSummary,
+    ) -> Result<Vec<(usize, usize)>> {
+        let (reference, note, chosen) = self.rounds.closest_rows(value.clone(), alts, c);
+        let mut note_parts = notes.to_vec();
+        note_parts.extend(note);
+        let plain = x
+            .plain_out
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t)
+            .filter(|p| **p != reference)
+            .cloned();
+        sink.record(Pair {
+            name,
+            mode: Mode::Chained,
+            inputs: &x.step.inputs,
+            reference,
+            candidate: c.clone(),
+            note: (!note_parts.is_empty()).then(|| note_parts.join("; ")),
+        })?;
+        summary.pairs += 1;
+        if let Some(p) = plain {
+            sink.plain_chain(name, &p, c);
+        }
+        Ok(chosen)
+    }
+
+    /// Takes, in every value that differs by round (the step's `outputs` and the chain's own),
+    /// each row of `chosen` from its round.
+    fn keep_decided(
+        &mut self,
+        outputs: &mut [RoundOutput],
+        chosen: &[(usize, usize)],
+    ) -> Result<()> {
+        for (_, value, alts) in outputs.iter_mut() {
+            if !alts.is_empty() {
+                let v = Variants {
+                    base: value.clone(),
+                    alt: std::mem::take(alts),
+                    via: Default::default(),
+                };
+                *value = collapse(&v, chosen)?;
+            }
+        }
+        if let Some(env) = &mut self.env {
+            for v in env.values_mut() {
+                if !v.alt.is_empty() {
+                    v.base = collapse(v, chosen)?;
+                    v.alt.clear();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Once the chain has left the own chain: the declared outputs of step `i` that later steps
+    /// read become the chain's values, and after a selection the candidate lacks (`lacked`),
+    /// the near-tie alternatives of the chain's selection are added as rounds.
+    fn carry_on<R: Engine>(
+        &mut self,
+        x: &FollowStep<'_, '_, R>,
+        i: usize,
+        outputs: Vec<RoundOutput>,
+        lacked: bool,
+        sink: &dyn PairSink,
+    ) -> Result<()> {
+        let step = x.step;
         let declared = |n: &str| step.outputs.iter().any(|o| o == n);
         let route_probs = match step.op {
             Op::MoeRoute { .. } => outputs.first().map(|(_, t, _)| t.clone()),
@@ -499,13 +551,13 @@ impl Follow {
                 );
             }
         }
-        if lacked_selection.is_some() {
+        if lacked {
             self.rounds.add(
                 env,
                 x.weights,
                 step,
                 route_probs.as_ref(),
-                &*sink,
+                sink,
                 Mode::Chained,
             )?;
         }
@@ -513,13 +565,42 @@ impl Follow {
     }
 }
 
+/// What the candidate's values decided of a step's outputs on the followed chain.
+#[derive(Default)]
+struct Handed {
+    /// The rows of the rounds kept (with their round), once a hook the candidate has decided
+    /// them.
+    decided: Option<Vec<(usize, usize)>>,
+    /// The selection the candidate lacks: its alternatives are tried after the step.
+    lacked_selection: Option<String>,
+}
+
+/// An output of the step, `name` (the chain's value `value`), that the candidate lacks: handed
+/// to `sink` as the reference's alone and missing when `wanted`; the scores of a selection are
+/// handed as the reference's alone in any case (they judge the selection's flips and give its
+/// alternatives). Returns whether it is the selection of a selection step.
+fn lacks<R: Engine>(
+    x: &FollowStep<'_, '_, R>,
+    name: &str,
+    value: &HostTensor,
+    wanted: bool,
+    sink: &mut dyn PairSink,
+    summary: &mut PairSummary,
+) -> bool {
+    let step = x.step;
+    if wanted {
+        sink.reference_only(name, Mode::Chained, &step.inputs, value);
+        sink.missing(name, Mode::Chained, x.absent);
+        summary.missing += 1;
+    } else if is_score(name) {
+        sink.reference_only(name, Mode::Chained, &step.inputs, value);
+    }
+    is_ids(name) && matches!(step.op, Op::TopK { .. } | Op::MoeRoute { .. })
+}
+
 /// After the router's selection took the candidate's experts in `rows`: the weights of those
 /// rows from the chain's own probabilities (the step's outputs are probabilities, ids, weights).
-fn reweigh(
-    weights: &Weights<'_>,
-    outputs: &mut [(String, HostTensor, BTreeMap<usize, HostTensor>)],
-    rows: &[usize],
-) -> Result<()> {
+fn reweigh(weights: &Weights<'_>, outputs: &mut [RoundOutput], rows: &[usize]) -> Result<()> {
     let [(_, probs, _), (_, ids, _), (_, w, _), ..] = outputs else {
         return Ok(());
     };

@@ -83,22 +83,35 @@ pub fn run_pair<R: Engine + Sync, C: Engine>(
 where
     R::Tensor: Send,
 {
-    run_pair_with(
-        reference, candidate, weights, tokens, plan, start, modes, sink, progress, true,
-    )
+    let inputs = RunInputs {
+        weights,
+        tokens,
+        plan,
+        start,
+    };
+    run_pair_with(reference, candidate, inputs, modes, sink, progress, true)
+}
+
+/// What a pass runs on, the same for both sides.
+#[derive(Clone, Copy)]
+pub(super) struct RunInputs<'a> {
+    /// The model's weights.
+    pub weights: &'a Weights<'a>,
+    /// The prompt.
+    pub tokens: &'a [u32],
+    /// The steps run.
+    pub plan: &'a Plan,
+    /// The plan's free inputs.
+    pub start: &'a [(String, HostTensor)],
 }
 
 /// [`run_pair`], where the reference recomputes a replayed step with the candidate's selection
 /// and runs the followed chain only where they change ([`super::rows`]) when `only_changed`, and
 /// whole otherwise (what tests compare it with: the results are the same bit for bit).
-#[allow(clippy::too_many_arguments)]
 pub(super) fn run_pair_with<R: Engine + Sync, C: Engine>(
     reference: &R,
     candidate: Candidate<'_, C>,
-    weights: &Weights<'_>,
-    tokens: &[u32],
-    plan: &Plan,
-    start: &[(String, HostTensor)],
+    inputs: RunInputs<'_>,
     modes: Modes,
     sink: &mut dyn PairSink,
     progress: &dyn Progress,
@@ -107,62 +120,166 @@ pub(super) fn run_pair_with<R: Engine + Sync, C: Engine>(
 where
     R::Tensor: Send,
 {
-    check_tokens(weights, tokens)?;
+    check_tokens(inputs.weights, inputs.tokens)?;
     // The sink's own time (the comparison), kept apart from either side's.
     let spent = Cell::new(0.0);
-    let mut timed = Timed {
+    let timed = Timed {
         inner: sink,
         spent: &spent,
     };
-    let sink: &mut dyn PairSink = &mut timed;
-    let mut refr = Runner::new(reference, plan, tokens, start, &[])?;
-    let mut cand = match (&candidate, modes.chained) {
-        (Candidate::Engine(c), true) => Some(Runner::new(*c, plan, tokens, start, &[])?),
-        _ => None,
-    };
-    let mut summary = PairSummary::default();
-    // The weight hooks of a candidate engine that only replays (no runner of its own): it
-    // begins the layers with a step it replays.
-    let mut cand_residency = Residency::only(
-        plan.steps
-            .iter()
-            .filter(|s| s.op != Op::Alias && step_wanted(s, &*sink, weights))
-            .filter_map(|s| s.layer)
-            .collect(),
-    );
-    // The candidate's replayed selections (engine candidates), by hook name.
-    let mut cand_sel: HashMap<String, HostTensor> = HashMap::new();
-    // Replay against a trace: across the hooks it lacks.
-    let mut trace_replay = match (&candidate, modes.replay) {
-        (Candidate::Trace(tr), true) => Some(TraceReplay::new(tr, plan)),
-        _ => None,
-    };
-    // Chained: the reference's chain that follows the candidate's near-tie selections.
-    let mut follow = Follow::new(plan, only_changed);
-    let mut steps = StepProgress::start(progress, plan);
-    while let Some(step) = refr.peek() {
+    let mut run = PairRun::new(reference, candidate, inputs, modes, only_changed, timed)?;
+    let mut steps = StepProgress::start(progress, inputs.plan);
+    while let Some(step) = run.refr.peek() {
         steps.before(step);
-        let compared_before = spent.get();
-        // Replay inputs are taken before the reference moves on (its step may drop them), and
-        // only for steps with a wanted hook: nothing else leaves the reference.
-        let replay_inputs = match &candidate {
-            Candidate::Engine(_) if modes.replay && step_wanted(step, &*sink, weights) => {
-                Some(replay_inputs(&refr, step, &cand_sel)?)
+        run.step(step)?;
+        steps.after(step);
+    }
+    run.finish()?;
+    steps.finish();
+    Ok(run.summary)
+}
+
+/// One pass's state across its steps: what it runs on, both sides' walks through the plan, each
+/// mode's own state and what the pass has counted so far.
+struct PairRun<'a, R: Engine, C: Engine> {
+    /// The reference engine.
+    reference: &'a R,
+    /// The candidate.
+    candidate: Candidate<'a, C>,
+    /// What the pass runs on.
+    inputs: RunInputs<'a>,
+    /// The modes run.
+    modes: Modes,
+    /// Whether the reference recomputes only the rows that change ([`run_pair_with`]).
+    only_changed: bool,
+    /// The sink, with the seconds spent in it (the comparison).
+    sink: Timed<'a, 'a>,
+    /// The reference's own chain.
+    refr: Runner<'a, R>,
+    /// A candidate engine's own side.
+    cand: CandidateSide<'a, C>,
+    /// The candidate's replayed selections (engine candidates), by hook name.
+    cand_sel: HashMap<String, HostTensor>,
+    /// Replay against a trace: across the hooks it lacks.
+    trace_replay: Option<TraceReplay<'a>>,
+    /// Chained: the reference's chain that follows the candidate's near-tie selections.
+    follow: Follow,
+    /// What the pass has counted.
+    summary: PairSummary,
+}
+
+/// What is taken of a step before the reference runs it.
+struct Before<T> {
+    /// Replay's inputs of an engine candidate's step with a wanted hook, or why there are none.
+    replay: Option<std::result::Result<ReplayInputs, String>>,
+    /// The layer and the inputs of the reference's own per-expert outputs, for a sink that
+    /// takes them.
+    own_experts: Option<(usize, Vec<HostTensor>)>,
+    /// The names the reference's step hands out, asked of the sink here (it stays on this
+    /// thread while the reference runs on another).
+    wants: HashSet<String>,
+    /// The rows of a routed-experts step that the followed chain and the replay recompute,
+    /// computed in the reference's own pass over the experts' weights.
+    joint: Joint<T>,
+}
+
+impl<'a, R: Engine + Sync, C: Engine> PairRun<'a, R, C>
+where
+    R::Tensor: Send,
+{
+    /// A pass at the plan's first step: both sides' runners (the candidate's in chained mode
+    /// only) and each mode's state.
+    fn new(
+        reference: &'a R,
+        candidate: Candidate<'a, C>,
+        inputs: RunInputs<'a>,
+        modes: Modes,
+        only_changed: bool,
+        sink: Timed<'a, 'a>,
+    ) -> Result<Self> {
+        let RunInputs {
+            tokens,
+            plan,
+            start,
+            ..
+        } = inputs;
+        let refr = Runner::new(reference, plan, tokens, start, &[])?;
+        let cand = CandidateSide::new(&candidate, inputs, modes, &sink)?;
+        let trace_replay = match (&candidate, modes.replay) {
+            (&Candidate::Trace(tr), true) => Some(TraceReplay::new(tr, plan)),
+            _ => None,
+        };
+        Ok(PairRun {
+            reference,
+            candidate,
+            inputs,
+            modes,
+            only_changed,
+            sink,
+            refr,
+            cand,
+            cand_sel: HashMap::new(),
+            trace_replay,
+            follow: Follow::new(plan, only_changed),
+            summary: PairSummary::default(),
+        })
+    }
+
+    /// Runs the plan's next step, `step`, on both sides in every mode and hands its pairs to
+    /// the sink: the reference's step beside the candidate's, then the chained side, the replay
+    /// of an engine candidate and the replay across a trace's segments.
+    fn step(&mut self, step: &Step) -> Result<()> {
+        let compared_before = self.sink.spent.get();
+        let Before {
+            replay,
+            own_experts,
+            wants,
+            joint,
+        } = self.before(step)?;
+        let joint_rows: Vec<Vec<usize>> = joint.more.iter().map(|(_, r)| r.clone()).collect();
+        let replay_now = replay.as_ref().and_then(|r| r.as_ref().ok());
+        let (ref_done, cand_done) = self.both_sides(step, &wants, joint.more, replay_now);
+        let RefStep {
+            out,
+            extra,
+            joint: joint_out,
+            seconds,
+        } = ref_done?;
+        let (further, follow_prepared, replay_prepared) =
+            joint_results(&joint_rows, joint_out, joint.follow, joint.replay);
+        let mut cand_done = cand_done?;
+        self.record_times(step, seconds, further, &mut cand_done);
+        let own = self.reference_experts(step, own_experts, out, extra);
+        if self.modes.chained {
+            self.chained(step, &own, &cand_done.chained, follow_prepared)?;
+        }
+        self.replay(step, replay, &own, cand_done.replay.take(), replay_prepared)?;
+        self.segments(step)?;
+        self.summary.time(step.layer).compare += self.sink.spent.get() - compared_before;
+        self.summary.steps += 1;
+        Ok(())
+    }
+
+    /// What is taken of `step` before the reference runs it (its step may drop its inputs):
+    /// replay's inputs, only for steps with a wanted hook (nothing else leaves the reference),
+    /// the inputs of its own per-expert outputs, the names its step hands out and the further
+    /// rows of a routed-experts step its pass computes.
+    fn before(&self, step: &Step) -> Result<Before<R::Tensor>> {
+        let RunInputs { weights, start, .. } = self.inputs;
+        let sink: &dyn PairSink = &self.sink;
+        let replay = match &self.candidate {
+            Candidate::Engine(_) if self.modes.replay && step_wanted(step, sink, weights) => {
+                Some(replay_inputs(&self.refr, step, &self.cand_sel)?)
             }
             _ => None,
         };
-        let layer = step.layer;
-        // The reference's own per-expert outputs, for a sink that takes them (with the inputs
-        // they were computed from).
         let own_experts = match step.op {
             Op::MoeExperts { layer } if sink.wants_reference_experts(step) => {
-                Some((layer, own_inputs(&refr, reference, step)?))
+                Some((layer, own_inputs(&self.refr, self.reference, step)?))
             }
             _ => None,
         };
-        // The names the reference's step hands out, asked of the sink here (it stays on this
-        // thread while the reference runs on another).
-        let ref_wants: HashSet<String> = step_names(step, weights)
+        let wants: HashSet<String> = step_names(step, weights)
             .into_iter()
             .filter(|n| {
                 sink.wants(n)
@@ -171,285 +288,429 @@ where
                         .is_some_and(|(l, _)| expert_of(*l, n).is_some())
             })
             .collect();
-        // The rows of a routed-experts step that the followed chain and the replay recompute,
-        // computed in the reference's own pass over the experts' weights.
         let joint = experts_requests(
-            reference,
-            &refr,
+            self.reference,
+            &self.refr,
             step,
             start,
-            &follow,
-            replay_inputs.as_ref().and_then(|r| r.as_ref().ok()),
+            &self.follow,
+            replay.as_ref().and_then(|r| r.as_ref().ok()),
             JointFor {
-                follow: modes.chained && only_changed,
-                replay: only_changed,
+                follow: self.modes.chained && self.only_changed,
+                replay: self.only_changed,
             },
         )?;
-        let joint_rows: Vec<Vec<usize>> = joint.more.iter().map(|(_, r)| r.clone()).collect();
-        // The candidate's replay of the step, from the inputs taken above.
-        let replay_now = match (&candidate, &replay_inputs) {
-            (Candidate::Engine(c), Some(Ok(inputs))) if step.op != Op::Alias => Some((*c, inputs)),
-            _ => None,
-        };
-        // The reference's step (CPU threads) and the candidate's (its device) at the same time:
-        // neither reads the other's values until both are done.
-        let (ref_done, cand_done) = std::thread::scope(|scope| {
-            let refr = &mut refr;
-            let ref_wants = &ref_wants;
-            let more = joint.more;
-            let ref_side = scope.spawn(move || -> Result<RefStep<R::Tensor>> {
-                let t0 = Instant::now();
-                let (extra, joint) = refr.step_joint(&|n: &str| ref_wants.contains(n), &more)?;
-                let mut out = Vec::new();
-                for n in step.outputs.iter().filter(|n| ref_wants.contains(*n)) {
-                    let t = refr.get(n).with_context(|| {
-                        format!("driver: output {n} of the step just run is gone")
-                    })?;
-                    out.push((n.clone(), reference.download(t)?));
-                }
-                let extra = extra
-                    .into_iter()
-                    .filter(|(n, _)| ref_wants.contains(n))
-                    .map(|(n, t)| Ok((n, reference.download(&t)?)))
-                    .collect::<Result<Vec<_>>>()?;
-                Ok(RefStep {
-                    out,
-                    extra,
-                    joint,
-                    seconds: t0.elapsed().as_secs_f64(),
-                })
-            });
-            let cand_side = (|| -> Result<CandStep> {
-                let mut done = CandStep::default();
-                if modes.chained {
-                    if let (Candidate::Engine(_), Some(c)) = (&candidate, &mut cand) {
-                        let t0 = Instant::now();
-                        let extra = {
-                            let wants = |n: &str| sink.wants(n);
-                            c.step(&wants)?
-                        };
-                        for n in &step.outputs {
-                            if sink.wants(n) || is_selection(n) {
-                                let t = c.get(n).with_context(|| {
-                                    format!("driver: output {n} of the step just run is gone")
-                                })?;
-                                done.chained.insert(n.clone(), c.engine().download(t)?);
-                            }
-                        }
-                        for (n, t) in extra {
-                            if sink.wants(&n) {
-                                done.chained.insert(n, c.engine().download(&t)?);
-                            }
-                        }
-                        done.chained_seconds = t0.elapsed().as_secs_f64();
-                        done.chained_upload = Some(c.engine().take_upload_stats());
-                    }
-                }
-                if let Some((c, inputs)) = replay_now {
-                    let t0 = Instant::now();
-                    if cand.is_none() {
-                        cand_residency.enter(c, plan, step)?;
-                    }
-                    let wants = |n: &str| sink.wants(n) || is_selection(n);
-                    done.replay = Some(replay_step(c, step, &inputs.values, tokens, &wants)?);
-                    done.replay_seconds = t0.elapsed().as_secs_f64();
-                    done.replay_upload = Some(c.take_upload_stats());
-                }
-                Ok(done)
-            })();
+        Ok(Before {
+            replay,
+            own_experts,
+            wants,
+            joint,
+        })
+    }
+
+    /// The reference's step (CPU threads, with the further rows of `more` in its pass) and the
+    /// candidate engine's (its device: its chained step, and its replay from `replay`'s inputs)
+    /// at the same time: neither reads the other's values until both are done.
+    fn both_sides(
+        &mut self,
+        step: &Step,
+        wants: &HashSet<String>,
+        more: Vec<(Vec<R::Tensor>, Vec<usize>)>,
+        replay: Option<&ReplayInputs>,
+    ) -> (Result<RefStep<R::Tensor>>, Result<CandStep>) {
+        let replay = replay.filter(|_| step.op != Op::Alias);
+        let (refr, cand, sink, inputs) = (&mut self.refr, &mut self.cand, &self.sink, self.inputs);
+        std::thread::scope(|scope| {
+            let ref_side = scope.spawn(move || reference_step(refr, step, wants, &more));
+            let cand_done = cand.step(step, inputs, sink, replay);
             let ref_done = ref_side
                 .join()
                 .unwrap_or_else(|_| Err(anyhow::anyhow!("driver: the reference's step panicked")));
-            (ref_done, cand_side)
-        });
-        let RefStep {
-            out: ref_out,
-            extra: ref_extra,
-            joint: mut joint_out,
-            seconds: took,
-        } = ref_done?;
-        // The further rows the engine computed (one that computes only whole steps gives none).
-        let further: usize = joint_rows
-            .iter()
-            .zip(&joint_out)
-            .filter(|(_, out)| out.is_some())
-            .map(|(rows, _)| rows.len())
-            .sum();
-        let mut prepared = |at: Option<usize>| {
-            let i = at?;
-            Some(Prepared {
-                rows: joint_rows.get(i)?.clone(),
-                out: joint_out.get_mut(i)?.take()?,
-            })
-        };
-        let (follow_prepared, replay_prepared) = (prepared(joint.follow), prepared(joint.replay));
-        let mut cand_done = cand_done?;
-        summary.time(layer).reference += took;
+            (ref_done, cand_done)
+        })
+    }
+
+    /// Adds the step's times to the layer's: the reference's step (`took`, also counted as its
+    /// plain work, and as its joint work when it computed `further` rows beside its own), the
+    /// candidate's chained and replayed steps and their uploads.
+    fn record_times(&mut self, step: &Step, took: f64, further: usize, cand_done: &mut CandStep) {
+        let summary = &mut self.summary;
+        summary.time(step.layer).reference += took;
         if step.op != Op::Alias {
-            summary.reference_work.plain.add(tokens.len(), took);
+            summary
+                .reference_work
+                .plain
+                .add(self.inputs.tokens.len(), took);
         }
         if further > 0 {
             summary.reference_work.joint.add(further, took);
         }
+        let t = summary.time(step.layer);
+        t.chained += cand_done.chained_seconds;
+        t.replay += cand_done.replay_seconds;
+        for u in [
+            cand_done.chained_upload.take(),
+            cand_done.replay_upload.take(),
+        ]
+        .into_iter()
+        .flatten()
         {
-            let t = summary.time(layer);
-            t.chained += cand_done.chained_seconds;
-            t.replay += cand_done.replay_seconds;
-            for u in [
-                cand_done.chained_upload.take(),
-                cand_done.replay_upload.take(),
-            ]
-            .into_iter()
-            .flatten()
-            {
-                t.add_upload(u);
-            }
+            t.add_upload(u);
         }
+    }
+
+    /// Hands the reference's own per-expert outputs (of `extra`) to a sink that takes them
+    /// (`own_experts`: their layer and inputs); returns the reference's outputs of the step that
+    /// the sink wants: `out`, then the optional hooks of `extra` it wants.
+    fn reference_experts(
+        &mut self,
+        step: &Step,
+        own_experts: Option<(usize, Vec<HostTensor>)>,
+        out: Vec<(String, HostTensor)>,
+        extra: Vec<(String, HostTensor)>,
+    ) -> Vec<(String, HostTensor)> {
         let mut experts = Vec::new();
-        let mut wanted_extra = Vec::new();
-        for (n, host) in ref_extra {
-            let own = own_experts.as_ref().and_then(|(l, _)| expert_of(*l, &n));
-            match (own, sink.wants(&n)) {
+        let mut own = out;
+        for (n, host) in extra {
+            let e = own_experts.as_ref().and_then(|(l, _)| expert_of(*l, &n));
+            match (e, self.sink.wants(&n)) {
                 (Some(e), true) => {
                     experts.push((e, host.clone()));
-                    wanted_extra.push((n, host));
+                    own.push((n, host));
                 }
                 (Some(e), false) => experts.push((e, host)),
-                (None, _) => wanted_extra.push((n, host)),
+                (None, _) => own.push((n, host)),
             }
         }
         if let Some((_, inputs)) = &own_experts {
-            sink.reference_experts(step, inputs, experts);
+            self.sink.reference_experts(step, inputs, experts);
         }
-        let ref_extra: Vec<(String, HostTensor)> = wanted_extra;
+        own
+    }
 
-        if modes.chained {
-            let cand_values = &cand_done.chained;
-            let value = |n: &str| -> Result<Option<HostTensor>> {
-                match &candidate {
-                    Candidate::Trace(tr) => tr.get(n),
-                    Candidate::Engine(_) => Ok(cand_values.get(n).cloned()),
+    /// Chained: the step on the chain that follows the candidate's near ties ([`Follow`]), from
+    /// the reference's own chain's outputs `own`, against the candidate's values (`cand`, an
+    /// engine's; a trace's are read from it). The followed chain's steps are the reference's
+    /// time; its pairs' comparison is not.
+    fn chained(
+        &mut self,
+        step: &Step,
+        own: &[(String, HostTensor)],
+        cand: &HashMap<String, HostTensor>,
+        prepared: Option<Prepared<R::Tensor>>,
+    ) -> Result<()> {
+        let candidate = &self.candidate;
+        let value = |n: &str| -> Result<Option<HostTensor>> {
+            match candidate {
+                Candidate::Trace(tr) => tr.get(n),
+                Candidate::Engine(_) => Ok(cand.get(n).cloned()),
+            }
+        };
+        let RunInputs {
+            weights,
+            tokens,
+            start,
+            ..
+        } = self.inputs;
+        let (t0, f0) = (Instant::now(), self.sink.spent.get());
+        self.follow.step(
+            FollowStep {
+                reference: self.reference,
+                plain: &self.refr,
+                plain_out: own,
+                weights,
+                step,
+                tokens,
+                start,
+                absent: absent(candidate),
+                prepared,
+            },
+            &value,
+            &mut self.sink,
+            &mut self.summary,
+        )?;
+        self.summary.time(step.layer).reference +=
+            (t0.elapsed().as_secs_f64() - (self.sink.spent.get() - f0)).max(0.0);
+        Ok(())
+    }
+
+    /// Replay of an engine candidate's step (`inputs`: what both sides ran it from, or why
+    /// there are none): its outputs (`cand_out`, computed beside the reference's step) against
+    /// the reference's own (`own`), recomputed by the reference with the candidate's selection
+    /// where that differs from its own. A trace's replay is [`TraceReplay`]'s.
+    fn replay(
+        &mut self,
+        step: &Step,
+        inputs: Option<std::result::Result<ReplayInputs, String>>,
+        own: &[(String, HostTensor)],
+        cand_out: Option<Vec<(String, HostTensor)>>,
+        prepared: Option<Prepared<R::Tensor>>,
+    ) -> Result<()> {
+        let inputs = match inputs {
+            None => return Ok(()),
+            Some(Err(why)) => {
+                for (n, _) in own {
+                    self.sink.missing(n, Mode::Replay, &why);
+                    self.summary.missing += 1;
                 }
-            };
-            let plain_out: Vec<(String, HostTensor)> =
-                ref_out.iter().chain(&ref_extra).cloned().collect();
-            let (t0, f0) = (Instant::now(), spent.get());
-            follow.step(
-                FollowStep {
-                    reference,
-                    plain: &refr,
-                    plain_out: &plain_out,
-                    weights,
-                    step,
-                    tokens,
-                    start,
-                    absent: absent(&candidate),
-                    prepared: follow_prepared,
-                },
-                &value,
-                sink,
-                &mut summary,
-            )?;
-            // The followed chain's steps are the reference's; its pairs' comparison is not.
-            summary.time(layer).reference +=
-                (t0.elapsed().as_secs_f64() - (spent.get() - f0)).max(0.0);
+                return Ok(());
+            }
+            Some(Ok(inputs)) => inputs,
+        };
+        if step.op != Op::Alias && self.sink.wants_replay_inputs() {
+            self.sink.replay_inputs(step, &inputs.values);
         }
-
-        if let Some(inputs) = replay_inputs {
-            match inputs {
-                Err(why) => {
-                    for (n, _) in ref_out.iter().chain(&ref_extra) {
-                        sink.missing(n, Mode::Replay, &why);
-                        summary.missing += 1;
-                    }
-                }
-                Ok(inputs) => {
-                    if step.op != Op::Alias && sink.wants_replay_inputs() {
-                        sink.replay_inputs(step, &inputs.values);
-                    }
-                    match &candidate {
-                        Candidate::Engine(_) => {
-                            if step.op == Op::Alias {
-                                // No arithmetic: the candidate's selection keeps its new name.
-                                if let (Some(src), Some(out)) =
-                                    (step.inputs.first(), step.outputs.first())
-                                {
-                                    if let Some(v) = cand_sel.get(src).cloned() {
-                                        cand_sel.insert(out.clone(), v);
-                                    }
-                                }
-                            } else {
-                                // Computed beside the reference's step above.
-                                let out = cand_done.replay.take().with_context(|| {
-                                    format!(
-                                        "driver: the candidate's replay of {:?} is gone",
-                                        step.outputs
-                                    )
-                                })?;
-                                for (n, t) in &out {
-                                    if is_selection(n) {
-                                        cand_sel.insert(n.clone(), t.clone());
-                                    }
-                                }
-                                // The reference recomputes the step when the candidate's
-                                // selection differs from its own: only the rows it reaches
-                                // where it can.
-                                let own = ref_out.iter().chain(&ref_extra).cloned().collect();
-                                let reference_side = if inputs.substituted {
-                                    recompute_reference(
-                                        reference,
-                                        step,
-                                        &inputs,
-                                        own,
-                                        tokens,
-                                        &*sink,
-                                        only_changed,
-                                        replay_prepared,
-                                        &mut summary,
-                                    )?
-                                } else {
-                                    own
-                                };
-                                let reference_side: Vec<(String, HostTensor)> = reference_side
-                                    .into_iter()
-                                    .filter(|(n, _)| sink.wants(n))
-                                    .collect();
-                                let cand: Vec<(String, Option<HostTensor>)> =
-                                    out.into_iter().map(|(n, t)| (n, Some(t))).collect();
-                                hand_over(
-                                    sink,
-                                    Mode::Replay,
-                                    absent(&candidate),
-                                    step,
-                                    reference_side.into_iter(),
-                                    cand,
-                                    None,
-                                    &mut summary,
-                                )?;
-                            }
-                        }
-                        // Replayed by `trace_replay` below.
-                        Candidate::Trace(_) => {}
-                    }
+        if let Candidate::Trace(_) = self.candidate {
+            return Ok(());
+        }
+        if step.op == Op::Alias {
+            // No arithmetic: the candidate's selection keeps its new name.
+            if let (Some(src), Some(out)) = (step.inputs.first(), step.outputs.first()) {
+                if let Some(v) = self.cand_sel.get(src).cloned() {
+                    self.cand_sel.insert(out.clone(), v);
                 }
             }
+            return Ok(());
         }
-        if let Some(tr) = &mut trace_replay {
-            tr.step(reference, weights, step, tokens, start, sink, &mut summary)?;
+        let out = cand_out.with_context(|| {
+            format!(
+                "driver: the candidate's replay of {:?} is gone",
+                step.outputs
+            )
+        })?;
+        for (n, t) in &out {
+            if is_selection(n) {
+                self.cand_sel.insert(n.clone(), t.clone());
+            }
         }
-        summary.time(layer).compare += spent.get() - compared_before;
-        summary.steps += 1;
-        steps.after(step);
+        // The reference recomputes the step when the candidate's selection differs from its
+        // own: only the rows it reaches where it can.
+        let own = own.to_vec();
+        let reference_side = if inputs.substituted {
+            recompute_reference(
+                self.reference,
+                step,
+                &inputs,
+                own,
+                self.inputs.tokens,
+                &self.sink,
+                self.only_changed,
+                prepared,
+                &mut self.summary,
+            )?
+        } else {
+            own
+        };
+        let reference_side: Vec<(String, HostTensor)> = reference_side
+            .into_iter()
+            .filter(|(n, _)| self.sink.wants(n))
+            .collect();
+        let cand: Vec<(String, Option<HostTensor>)> =
+            out.into_iter().map(|(n, t)| (n, Some(t))).collect();
+        hand_over(
+            &mut self.sink,
+            Mode::Replay,
+            absent(&self.candidate),
+            step,
+            reference_side.into_iter(),
+            cand,
+            None,
+            &mut self.summary,
+        )
     }
-    refr.finish()?;
-    if let Some(c) = &mut cand {
-        c.finish()?;
+
+    /// Replay against a trace: the step from the trace's inputs, across the hooks the trace
+    /// lacks ([`TraceReplay`]).
+    fn segments(&mut self, step: &Step) -> Result<()> {
+        match &mut self.trace_replay {
+            Some(tr) => tr.step(
+                self.reference,
+                self.inputs,
+                step,
+                &mut self.sink,
+                &mut self.summary,
+            ),
+            None => Ok(()),
+        }
     }
-    if let Candidate::Engine(c) = &candidate {
-        cand_residency.finish(*c)?;
+
+    /// Ends both sides' weight hooks: the reference's runner's, then the candidate's.
+    fn finish(&mut self) -> Result<()> {
+        self.refr.finish()?;
+        self.cand.finish()
     }
-    steps.finish();
-    Ok(summary)
+}
+
+/// The further rows the reference computed in its pass over a routed-experts step's experts
+/// (`out`, of the rows `rows`; an engine that computes only whole steps gives none), and the
+/// followed chain's and the replay's entries of them (`follow`, `replay`).
+fn joint_results<T>(
+    rows: &[Vec<usize>],
+    mut out: Vec<Option<ExpertsOut<T>>>,
+    follow: Option<usize>,
+    replay: Option<usize>,
+) -> (usize, Option<Prepared<T>>, Option<Prepared<T>>) {
+    let further: usize = rows
+        .iter()
+        .zip(&out)
+        .filter(|(_, out)| out.is_some())
+        .map(|(rows, _)| rows.len())
+        .sum();
+    let mut take = |at: Option<usize>| {
+        let i = at?;
+        Some(Prepared {
+            rows: rows.get(i)?.clone(),
+            out: out.get_mut(i)?.take()?,
+        })
+    };
+    let (follow, replay) = (take(follow), take(replay));
+    (further, follow, replay)
+}
+
+/// The reference's step, on its own thread beside the candidate's: the runner's next step,
+/// with the further rows of `more` in its pass over the experts; its outputs and optional hooks
+/// that `wants` names, on the host.
+fn reference_step<R: Engine>(
+    refr: &mut Runner<'_, R>,
+    step: &Step,
+    wants: &HashSet<String>,
+    more: &[(Vec<R::Tensor>, Vec<usize>)],
+) -> Result<RefStep<R::Tensor>> {
+    let reference = refr.engine();
+    let t0 = Instant::now();
+    let (extra, joint) = refr.step_joint(&|n: &str| wants.contains(n), more)?;
+    let mut out = Vec::new();
+    for n in step.outputs.iter().filter(|n| wants.contains(*n)) {
+        let t = refr
+            .get(n)
+            .with_context(|| format!("driver: output {n} of the step just run is gone"))?;
+        out.push((n.clone(), reference.download(t)?));
+    }
+    let extra = extra
+        .into_iter()
+        .filter(|(n, _)| wants.contains(n))
+        .map(|(n, t)| Ok((n, reference.download(&t)?)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(RefStep {
+        out,
+        extra,
+        joint,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// A candidate engine's own side of a pass: its chain, and the weight hooks it is told of when
+/// it only replays.
+struct CandidateSide<'a, C: Engine> {
+    /// The engine; `None` for a trace.
+    engine: Option<&'a C>,
+    /// Its chain, in chained mode.
+    runner: Option<Runner<'a, C>>,
+    /// The weight hooks of a candidate engine that only replays (no runner of its own): it
+    /// begins the layers with a step it replays.
+    residency: Residency,
+}
+
+impl<'a, C: Engine> CandidateSide<'a, C> {
+    /// The side of `candidate` over `inputs` in `modes`, told of the layers of the steps with a
+    /// hook `sink` wants.
+    fn new(
+        candidate: &Candidate<'a, C>,
+        inputs: RunInputs<'a>,
+        modes: Modes,
+        sink: &dyn PairSink,
+    ) -> Result<Self> {
+        let RunInputs {
+            weights,
+            tokens,
+            plan,
+            start,
+        } = inputs;
+        let engine = match candidate {
+            Candidate::Engine(c) => Some(*c),
+            Candidate::Trace(_) => None,
+        };
+        let runner = match (engine, modes.chained) {
+            (Some(c), true) => Some(Runner::new(c, plan, tokens, start, &[])?),
+            _ => None,
+        };
+        let residency = Residency::only(
+            plan.steps
+                .iter()
+                .filter(|s| s.op != Op::Alias && step_wanted(s, sink, weights))
+                .filter_map(|s| s.layer)
+                .collect(),
+        );
+        Ok(CandidateSide {
+            engine,
+            runner,
+            residency,
+        })
+    }
+
+    /// The candidate's side of `step`, beside the reference's: its chained step, then its
+    /// replay of the step from `replay`'s inputs.
+    fn step(
+        &mut self,
+        step: &Step,
+        inputs: RunInputs<'_>,
+        sink: &dyn PairSink,
+        replay: Option<&ReplayInputs>,
+    ) -> Result<CandStep> {
+        let mut done = CandStep::default();
+        self.chained(step, sink, &mut done)?;
+        if let (Some(c), Some(replay)) = (self.engine, replay) {
+            let t0 = Instant::now();
+            if self.runner.is_none() {
+                self.residency.enter(c, inputs.plan, step)?;
+            }
+            let wants = |n: &str| sink.wants(n) || is_selection(n);
+            done.replay = Some(replay_step(c, step, &replay.values, inputs.tokens, &wants)?);
+            done.replay_seconds = t0.elapsed().as_secs_f64();
+            done.replay_upload = Some(c.take_upload_stats());
+        }
+        Ok(done)
+    }
+
+    /// The runner's step (chained mode): the outputs `sink` wants and the selections, on the
+    /// host, into `done`.
+    fn chained(&mut self, step: &Step, sink: &dyn PairSink, done: &mut CandStep) -> Result<()> {
+        let Some(c) = &mut self.runner else {
+            return Ok(());
+        };
+        let t0 = Instant::now();
+        let extra = {
+            let wants = |n: &str| sink.wants(n);
+            c.step(&wants)?
+        };
+        for n in &step.outputs {
+            if sink.wants(n) || is_selection(n) {
+                let t = c
+                    .get(n)
+                    .with_context(|| format!("driver: output {n} of the step just run is gone"))?;
+                done.chained.insert(n.clone(), c.engine().download(t)?);
+            }
+        }
+        for (n, t) in extra {
+            if sink.wants(&n) {
+                done.chained.insert(n, c.engine().download(&t)?);
+            }
+        }
+        done.chained_seconds = t0.elapsed().as_secs_f64();
+        done.chained_upload = Some(c.engine().take_upload_stats());
+        Ok(())
+    }
+
+    /// Ends the candidate's weight hooks: its runner's, then those of its replay.
+    fn finish(&mut self) -> Result<()> {
+        if let Some(r) = &mut self.runner {
+            r.finish()?;
+        }
+        if let Some(c) = self.engine {
+            self.residency.finish(c)?;
+        }
+        Ok(())
+    }
 }
 
 /// The reference's side of one step, run beside the candidate's.

@@ -448,7 +448,7 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::driver::pair::{run_pair_with, Candidate, Modes, ReferenceWork};
+    use crate::driver::pair::{run_pair_with, Candidate, Modes, ReferenceWork, RunInputs};
     use crate::driver::{NoProgress, Plan};
     use crate::engine::cpu::CpuEngine;
     use crate::explain::fault::{Fault, FaultEngine, FaultKind};
@@ -551,13 +551,16 @@ mod tests {
     {
         let plan = Plan::full(w).unwrap();
         let mut log = Log::default();
+        let inputs = RunInputs {
+            weights: w,
+            tokens,
+            plan: &plan,
+            start: &[],
+        };
         let s = run_pair_with(
             reference,
             Candidate::Engine(cand),
-            w,
-            tokens,
-            &plan,
-            &[],
+            inputs,
             Modes::BOTH,
             &mut log,
             &NoProgress,

@@ -29,6 +29,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use anyhow::Result;
 
+use super::pair::RunInputs;
 use super::replay::{is_selection, replay_step, step_wanted, PairSummary};
 use super::Plan;
 use crate::engine::cpu::selected_weights;
@@ -110,20 +111,17 @@ impl<'t> TraceReplay<'t> {
 
     /// Replays the plan's next step, `step`, on `reference` and hands its pairs (and the
     /// reference's values of the hooks the trace lacks) to `sink`.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn step<R: Engine>(
         &mut self,
         reference: &R,
-        weights: &Weights<'_>,
+        inputs: RunInputs<'_>,
         step: &Step,
-        tokens: &[u32],
-        start: &[(String, HostTensor)],
         sink: &mut dyn PairSink,
         summary: &mut PairSummary,
     ) -> Result<()> {
         let i = self.next;
         self.next += 1;
-        let result = self.run(reference, weights, step, i, tokens, start, sink, summary);
+        let result = self.run(reference, inputs, step, i, sink, summary);
         // Values nobody reads from the next step on are dropped.
         let last_use = &self.last_use;
         self.env
@@ -135,21 +133,22 @@ impl<'t> TraceReplay<'t> {
         self.last_use.get(name).is_some_and(|&j| j > i)
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Replays step `i`, `step`, when a hook of it is wanted or feeds a later step: in every
+    /// round of alternatives, from its inputs ([`TraceReplay::inputs`]); its outputs the trace
+    /// has are compared, those it lacks are kept for the segment's later steps, and a selection
+    /// adds the rounds of its near-tie alternatives.
     fn run<R: Engine>(
         &mut self,
         reference: &R,
-        weights: &Weights<'_>,
+        inputs: RunInputs<'_>,
         step: &Step,
         i: usize,
-        tokens: &[u32],
-        start: &[(String, HostTensor)],
         sink: &mut dyn PairSink,
         summary: &mut PairSummary,
     ) -> Result<()> {
         let tr = self.trace;
         let lacked = |o: &str| !tr.has(o);
-        let wanted = step_wanted(step, &*sink, weights);
+        let wanted = step_wanted(step, &*sink, inputs.weights);
         let feeds = step
             .outputs
             .iter()
@@ -157,11 +156,55 @@ impl<'t> TraceReplay<'t> {
         if !wanted && !feeds {
             return Ok(());
         }
-        // The inputs: the trace's, else the reference's values inside a segment, else the run's
-        // starting values (a run from layer A: both sides start from the same residual).
+        let Some(values) = self.inputs(step, inputs.start, sink, summary)? else {
+            return Ok(());
+        };
+        let compared = step.outputs.iter().any(|o| !lacked(o) && sink.wants(o));
+        if compared && step.op != Op::Alias && sink.wants_replay_inputs() {
+            let base_inputs: Vec<HostTensor> = values.iter().map(|x| x.base.clone()).collect();
+            sink.replay_inputs(step, &base_inputs);
+        }
+        let declared = |n: &str| step.outputs.iter().any(|o| o == n);
+        let wants = |n: &str| declared(n) || sink.wants(n) || is_selection(n);
+        let mut round = step_in_rounds(reference, step, values, inputs.tokens, &wants)?;
+        // The router's probabilities give the weights of another expert set.
+        let route_probs = match step.op {
+            Op::MoeRoute { .. } => round.outputs.first().map(|(_, t, _)| t.clone()),
+            _ => None,
+        };
+
+        for output in std::mem::take(&mut round.outputs) {
+            if lacked(&output.0) {
+                self.keep(step, i, output, &round.via, sink, summary);
+            } else {
+                self.compare(step, output, &round, sink, summary)?;
+            }
+        }
+        self.rounds.add(
+            &mut self.env,
+            inputs.weights,
+            step,
+            route_probs.as_ref(),
+            &*sink,
+            Mode::Replay,
+        )?;
+        Ok(())
+    }
+
+    /// The inputs of `step`: the trace's, else the reference's values inside a segment, else
+    /// the run's starting values `start` (a run from layer A: both sides start from the same
+    /// residual). `None` when one is in none of them: the step's wanted outputs are then
+    /// reported missing.
+    fn inputs(
+        &self,
+        step: &Step,
+        start: &[(String, HostTensor)],
+        sink: &mut dyn PairSink,
+        summary: &mut PairSummary,
+    ) -> Result<Option<Vec<Input>>> {
         let mut inputs: Vec<Input> = Vec::with_capacity(step.inputs.len());
         for n in &step.inputs {
-            let input = match tr.get(n)? {
+            let input = match self.trace.get(n)? {
                 Some(t) => Input {
                     base: t,
                     alt: BTreeMap::new(),
@@ -186,90 +229,88 @@ impl<'t> TraceReplay<'t> {
                                 summary.missing += 1;
                             }
                         }
-                        return Ok(());
+                        return Ok(None);
                     }
                 },
             };
             inputs.push(input);
         }
-        let compared = step.outputs.iter().any(|o| !lacked(o) && sink.wants(o));
-        if compared && step.op != Op::Alias && sink.wants_replay_inputs() {
-            let base_inputs: Vec<HostTensor> = inputs.iter().map(|x| x.base.clone()).collect();
-            sink.replay_inputs(step, &base_inputs);
-        }
-        let declared = |n: &str| step.outputs.iter().any(|o| o == n);
-        let wants = |n: &str| declared(n) || sink.wants(n) || is_selection(n);
-        let RoundOutputs {
-            outputs,
-            notes,
-            via,
-        } = step_in_rounds(reference, step, inputs, tokens, &wants)?;
-        // The router's probabilities give the weights of another expert set.
-        let route_probs = match step.op {
-            Op::MoeRoute { .. } => outputs.first().map(|(_, t, _)| t.clone()),
-            _ => None,
-        };
+        Ok(Some(inputs))
+    }
 
-        for (name, value, alts) in outputs {
-            if !lacked(&name) {
-                if !sink.wants(&name) {
-                    continue;
-                }
-                let Some(candidate) = tr.get(&name)? else {
-                    continue;
-                };
-                let (reference, chosen, _) = self.rounds.closest_rows(value, &alts, &candidate);
-                let mut note = notes.clone();
-                if !via.is_empty() {
-                    let v: Vec<&str> = via.iter().map(String::as_str).collect();
-                    note.push(format!(
-                        "{} not in the trace: the reference's own selection from the trace's inputs",
-                        v.join(", ")
-                    ));
-                }
-                if let Some(c) = chosen {
-                    note.push(c);
-                }
-                sink.record(Pair {
-                    name: &name,
-                    mode: Mode::Replay,
-                    inputs: &step.inputs,
-                    reference,
-                    candidate,
-                    note: (!note.is_empty()).then(|| note.join("; ")),
-                })?;
-                summary.pairs += 1;
-                continue;
-            }
-            sink.reference_only(&name, Mode::Replay, &step.inputs, &value);
-            if sink.wants(&name) {
-                sink.missing(&name, Mode::Replay, "not in the trace");
-                summary.missing += 1;
-            }
-            if declared(&name) && self.needed_later(&name, i) {
-                let mut via = via.clone();
-                if is_selection(&name) {
-                    via.insert(name.clone());
-                }
-                self.env.insert(
-                    name.clone(),
-                    Variants {
-                        base: value,
-                        alt: alts,
-                        via,
-                    },
-                );
-            }
+    /// An output of `step` that the trace has, when `sink` wants it: the reference's value,
+    /// each row from the round closest to the trace's (`round`: what the step computed),
+    /// against the trace's.
+    fn compare(
+        &self,
+        step: &Step,
+        (name, value, alts): RoundOutput,
+        round: &RoundOutputs,
+        sink: &mut dyn PairSink,
+        summary: &mut PairSummary,
+    ) -> Result<()> {
+        if !sink.wants(&name) {
+            return Ok(());
         }
-        self.rounds.add(
-            &mut self.env,
-            weights,
-            step,
-            route_probs.as_ref(),
-            &*sink,
-            Mode::Replay,
-        )?;
+        let Some(candidate) = self.trace.get(&name)? else {
+            return Ok(());
+        };
+        let (reference, chosen, _) = self.rounds.closest_rows(value, &alts, &candidate);
+        let mut note = round.notes.clone();
+        if !round.via.is_empty() {
+            let v: Vec<&str> = round.via.iter().map(String::as_str).collect();
+            note.push(format!(
+                "{} not in the trace: the reference's own selection from the trace's inputs",
+                v.join(", ")
+            ));
+        }
+        if let Some(c) = chosen {
+            note.push(c);
+        }
+        sink.record(Pair {
+            name: &name,
+            mode: Mode::Replay,
+            inputs: &step.inputs,
+            reference,
+            candidate,
+            note: (!note.is_empty()).then(|| note.join("; ")),
+        })?;
+        summary.pairs += 1;
         Ok(())
+    }
+
+    /// An output of step `i`, `step`, that the trace lacks: handed to `sink` as the
+    /// reference's alone (and missing, where wanted), and kept, in every round, for the later
+    /// steps that read it (`via`: the selections the trace lacks upstream of it).
+    fn keep(
+        &mut self,
+        step: &Step,
+        i: usize,
+        (name, value, alts): RoundOutput,
+        via: &BTreeSet<String>,
+        sink: &mut dyn PairSink,
+        summary: &mut PairSummary,
+    ) {
+        sink.reference_only(&name, Mode::Replay, &step.inputs, &value);
+        if sink.wants(&name) {
+            sink.missing(&name, Mode::Replay, "not in the trace");
+            summary.missing += 1;
+        }
+        let declared = step.outputs.contains(&name);
+        if declared && self.needed_later(&name, i) {
+            let mut via = via.clone();
+            if is_selection(&name) {
+                via.insert(name.clone());
+            }
+            self.env.insert(
+                name,
+                Variants {
+                    base: value,
+                    alt: alts,
+                    via,
+                },
+            );
+        }
     }
 }
 
@@ -461,11 +502,15 @@ pub(super) fn collapse(value: &Variants, chosen: &[(usize, usize)]) -> Result<Ho
     Ok(out)
 }
 
+/// One output of a step computed in every round: its name, its value with the reference's own
+/// choices, and its value in the rounds that change it.
+pub(super) type RoundOutput = (String, HostTensor, BTreeMap<usize, HostTensor>);
+
 /// What a step computed in every round.
 pub(super) struct RoundOutputs {
     /// Per output (declared, then optional ones asked for): its value with the reference's own
     /// choices, and its value in the rounds that change it.
-    pub(super) outputs: Vec<(String, HostTensor, BTreeMap<usize, HostTensor>)>,
+    pub(super) outputs: Vec<RoundOutput>,
     /// Rounds set aside (the step mixes rows).
     pub(super) notes: Vec<String>,
     /// Selections the candidate lacks upstream, inside the segment.
