@@ -699,3 +699,53 @@ fn flip_count(
     }
     summarize(&rows, keys).with_own(own_rows, &bad)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The rule table as `docs/architecture.md` shows it.
+    fn table() -> String {
+        let mut t = String::from(
+            "| # | rule | judges | threshold | why | gives the verdict |\n|---|---|---|---|---|---|\n",
+        );
+        for (i, r) in RULES.iter().enumerate() {
+            t.push_str(&format!(
+                "| {} | {} | {} | {} | {} | {} |\n",
+                i + 1,
+                r.name,
+                r.judges,
+                r.threshold,
+                r.reason,
+                if r.decides { "yes" } else { "after" }
+            ));
+        }
+        t
+    }
+
+    #[test]
+    fn the_rule_table_in_the_docs_is_the_code_s() {
+        let docs = include_str!("../../docs/architecture.md");
+        let (begin, end) = ("<!-- rules:begin -->\n", "<!-- rules:end -->");
+        let at = docs.find(begin).map(|i| i + begin.len());
+        let shown = at.and_then(|i| docs[i..].find(end).map(|j| &docs[i..i + j]));
+        assert_eq!(
+            shown,
+            Some(table().as_str()),
+            "docs/architecture.md's rule table (between {begin:?} and {end:?}) should read:\n{}",
+            table()
+        );
+    }
+
+    #[test]
+    fn every_rule_says_its_threshold_and_reason_and_the_deciding_ones_come_first() {
+        let mut names = std::collections::BTreeSet::new();
+        for r in RULES {
+            assert!(names.insert(r.name), "{} twice", r.name);
+            assert!(!r.judges.is_empty() && !r.threshold.is_empty() && !r.reason.is_empty());
+        }
+        let first_after = RULES.iter().position(|r| !r.decides).unwrap_or(RULES.len());
+        assert!(RULES[first_after..].iter().all(|r| !r.decides));
+        assert_eq!(RULES[0].name, "comparable");
+    }
+}
