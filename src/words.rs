@@ -306,10 +306,16 @@ mod tests {
         assert_eq!(CudaDtype::parse("bf16").unwrap(), CudaDtype::Bf16);
         // The flags' words (clap's) are the same.
         for m in [Modes::BOTH, Modes::REPLAY, Modes::CHAINED] {
-            assert_eq!(<Modes as ValueEnum>::from_str(m.as_str(), false).unwrap(), m);
+            assert_eq!(
+                <Modes as ValueEnum>::from_str(m.as_str(), false).unwrap(),
+                m
+            );
         }
         for d in [CudaDtype::F32, CudaDtype::Bf16] {
-            assert_eq!(<CudaDtype as ValueEnum>::from_str(d.as_str(), false).unwrap(), d);
+            assert_eq!(
+                <CudaDtype as ValueEnum>::from_str(d.as_str(), false).unwrap(),
+                d
+            );
         }
         assert!(<CudaDtype as ValueEnum>::from_str("f16", false).is_err());
         let p = PrecisionOverride::parse("blk.*.indexer_*=fp8").unwrap();

@@ -220,7 +220,10 @@ fn fixture_suite_passes_with_stable_jsonl() {
 fn the_cuda_twin_suite_has_the_same_cases_against_cuda() {
     let cpu = glmdiff::regress::suite::load(&suite()).unwrap();
     let cuda = glmdiff::regress::suite::load(&suite().with_file_name("suite-cuda.toml")).unwrap();
-    assert!(cuda.cases.iter().all(|c| c.against == glmdiff::session::Against::Cuda(None)));
+    assert!(cuda
+        .cases
+        .iter()
+        .all(|c| c.against == glmdiff::session::Against::Cuda(None)));
     for c in &cuda.cases {
         let twin = cpu.cases.iter().find(|x| x.name == c.name).unwrap();
         assert_eq!((&twin.model, &twin.expect), (&c.model, &c.expect));

@@ -606,3 +606,85 @@ fn the_readme_and_docs_link_only_into_the_repository() {
     }
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
+
+/// The rooms whose functions read in one sitting: the judge, the driver, the pipelines and
+/// the diagnosis.
+const SHORT_ROOMS: [&str; 4] = ["src/driver", "src/compare", "src/session", "src/explain"];
+
+#[test]
+fn no_function_of_the_judge_driver_pipelines_or_diagnosis_is_over_120_lines() {
+    let mut long = Vec::new();
+    for dir in SHORT_ROOMS {
+        for f in rust_files(&root().join(dir)) {
+            for (name, line, n) in long_functions(&f, 120) {
+                long.push(format!(
+                    "{}:{line} {name} ({n} lines)",
+                    f.strip_prefix(root()).unwrap().display()
+                ));
+            }
+        }
+    }
+    assert!(
+        long.is_empty(),
+        "functions over 120 lines in {SHORT_ROOMS:?} (split them into named stages):\n  {}",
+        long.join("\n  ")
+    );
+}
+
+/// The body of `pub trait NAME` in `code` (comments and strings left out).
+fn trait_body<'a>(code: &'a str, name: &str) -> Option<&'a str> {
+    let at = code.find(&format!("pub trait {name} "))?;
+    let open = at + code[at..].find('{')?;
+    let mut depth = 0usize;
+    for (k, c) in code[open..].char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(&code[open..open + k + 1]);
+                }
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+#[test]
+fn the_judge_is_built_in_one_place_and_the_pair_sink_only_receives() {
+    // `Judge { .. }` is written only by `Judge::new`.
+    let mut literal = Vec::new();
+    for f in rust_files(&root().join("src")) {
+        let code = code_of(&fs::read_to_string(&f).unwrap());
+        let rel = f.strip_prefix(root()).unwrap().display().to_string();
+        let built = code.match_indices("Judge {").any(|(i, _)| {
+            let before = code[..i].trim_end();
+            !(before.ends_with("->")
+                || before.ends_with('&')
+                || before.ends_with("impl")
+                || before.ends_with("struct")
+                || before.ends_with("for")
+                || before.ends_with(|c: char| c.is_alphanumeric() || c == '_'))
+        });
+        if rel != "src/compare/judge.rs" && built {
+            literal.push(rel);
+        }
+    }
+    assert!(
+        literal.is_empty(),
+        "a Judge is built by compare::judge::Judge::new alone; struct literals in: {literal:?}"
+    );
+    // The driver hands hooks to the sink; what it asks back is `NearTies`, passed apart.
+    let trace = code_of(&fs::read_to_string(root().join("src/trace/mod.rs")).unwrap());
+    let sink = trait_body(&trace, "PairSink").expect("src/trace/mod.rs defines PairSink");
+    for (i, _) in sink.match_indices("fn ") {
+        let sig = &sink[i..i + sink[i..].find(['{', ';']).unwrap_or(0)];
+        let ret = sig.rsplit_once("->").map(|(_, r)| r.trim());
+        assert!(
+            matches!(ret, None | Some("bool") | Some("Result<()>")),
+            "PairSink only receives (its methods return nothing, a want, or a Result<()>): {sig}"
+        );
+    }
+    assert!(trait_body(&trace, "NearTies").is_some());
+}

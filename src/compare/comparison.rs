@@ -16,7 +16,7 @@
 //!   on; where the candidate lacks inputs, at least what they carry composed over the step as a
 //!   segment's floor is); NaN/Inf always fails. Selections are judged by margin as in replay,
 //!   with the score hook's chained error as the tolerance when it is larger than the floor. The
-//!   driver's chain follows the candidate's near-tie flips ([`PairSink::near_tie_rows`],
+//!   driver's chain follows the candidate's near-tie flips ([`NearTies::near_tie_rows`](crate::trace::NearTies::near_tie_rows),
 //!   [`PairSink::followed`]), so nothing after them is excused. A selection difference that was
 //!   not followed (a confident flip, or any flip when comparing two traces) reaches its own
 //!   rows, and from the next attention on (keys and values of those tokens) every later row:
@@ -55,45 +55,36 @@ use super::records::{
     fold_layers, HookRecord, LayerSummary, ModeResult, Override, Segment, Status,
 };
 use super::rules::{judge_pair, Judging, IMPLIED_SLACK};
-use super::selection::{has_near_tie, implied_bias, near_tie_rows, near_tie_swaps, Scores};
+use super::selection::{has_near_tie, implied_bias, Scores};
+use super::systematic::Part;
+use super::ties::{ScoreBook, SharedScores};
 use crate::model::names::split_blk;
 use crate::tensor::HostTensor;
-use crate::trace::{Mode, Pair, PairSink, Part, Swap};
+use crate::trace::{Mode, NearTies, Pair, PairSink, Swap};
 use crate::util::glob::matches as glob_match;
 
 /// Receives pairs, keeps their metrics and verdicts.
 pub struct Comparison {
     judge: Judge,
     /// The bug families' directions of the next pair of a hook in a mode
-    /// ([`PairSink::components`]).
+    /// ([`Comparison::components`]).
     parts: HashMap<(String, Mode), Vec<Part>>,
     wants: Box<dyn Fn(&str) -> bool>,
     tokens: Vec<u32>,
     records: Vec<HookRecord>,
     index: HashMap<String, usize>,
     logits: Vec<(Mode, LogitsReport)>,
-    /// The latest reference scores per (mode, score point): hook name, values, and the relative
-    /// error allowed there (for judging flips).
-    scores: HashMap<(Mode, &'static str), KeptScores>,
+    /// The latest reference scores per (mode, score point), and the relative error allowed
+    /// there (for judging flips).
+    scores: ScoreBook,
+    /// The same, shared with the driver ([`Comparison::ties`]).
+    shared: SharedScores,
     /// Replay: hooks the candidate lacks that the reference computed inside a segment.
     inside: HashMap<String, Inside>,
     /// Chained: what each hook passes on downstream (compared ones, and those the candidate
     /// lacks, for which what their inputs carry, passed on by their step, plus its floor stands
     /// for their error).
     chain: HashMap<String, Chain>,
-}
-
-/// The latest score hook of one kind in one mode, kept for the selection after it.
-#[derive(Clone, Debug)]
-struct KeptScores {
-    /// Hook name.
-    hook: String,
-    /// The reference's scores.
-    reference: HostTensor,
-    /// The candidate's own scores, where it has them.
-    candidate: Option<HostTensor>,
-    /// The relative error the scores may carry (module documentation, Margins).
-    rel: f64,
 }
 
 /// A hook inside a segment (replay): what it carries, and where its segment started.
@@ -114,7 +105,10 @@ fn in_order(mut v: Vec<String>) -> Vec<String> {
 impl Comparison {
     /// A comparison judged by `judge`, of the hooks `wants` selects, for the prompt `tokens`.
     pub fn new(judge: Judge, wants: Box<dyn Fn(&str) -> bool>, tokens: &[u32]) -> Comparison {
+        let scores = ScoreBook::new(judge.selection_bias.clone(), judge.groups);
         Comparison {
+            shared: SharedScores::new(scores.clone()),
+            scores,
             judge,
             parts: HashMap::new(),
             wants,
@@ -122,7 +116,6 @@ impl Comparison {
             records: Vec::new(),
             index: HashMap::new(),
             logits: Vec::new(),
-            scores: HashMap::new(),
             inside: HashMap::new(),
             chain: HashMap::new(),
         }
@@ -274,49 +267,22 @@ impl Comparison {
         }
     }
 
-    /// The reference's scores behind selection hook `name` in `mode`, if they were compared:
-    /// the same layer's `indexer_scores` / `moe_probs`, or, for a shared DSA layer, the layer
-    /// whose selection it reuses (the latest one kept).
+    /// The reference's scores behind selection hook `name` in `mode`, if they were compared
+    /// ([`ScoreBook::scores_for`]).
     fn scores_for(&self, name: &str, mode: Mode) -> Option<Scores<'_>> {
-        let (layer, point) = split_blk(name)?;
-        let sp: &'static str = match point {
-            "indexer_topk" => "indexer_scores",
-            "moe_topk_ids" => "moe_probs",
-            _ => return None,
-        };
-        let KeptScores {
-            hook,
-            reference: t,
-            candidate,
-            rel,
-        } = self.scores.get(&(mode, sp))?;
-        let src_layer = split_blk(hook).map(|(l, _)| l)?;
-        if sp == "moe_probs" && src_layer != layer {
-            return None;
-        }
-        let values = t.as_f32(hook).ok()?;
-        let cols = *t.shape.last()?;
-        let bias = if sp == "moe_probs" {
-            self.judge.selection_bias.get(&layer).map(Vec::as_slice)
-        } else {
-            None
-        };
-        Some(Scores {
-            values,
-            cols,
-            bias,
-            rel_tol: *rel,
-            implied: None,
-            groups: if sp == "moe_probs" {
-                self.judge.groups
-            } else {
-                None
-            },
-            candidate: candidate
-                .as_ref()
-                .filter(|c| c.shape == t.shape)
-                .and_then(|c| c.as_f32(hook).ok()),
-        })
+        self.scores.scores_for(name, mode)
+    }
+
+    /// The directions of known bug families at hook `name` in `mode` (its pair follows), for
+    /// the systematic test ([`super::systematic`]).
+    pub fn components(&mut self, name: &str, mode: Mode, parts: Vec<Part>) {
+        self.parts.insert((name.to_string(), mode), parts);
+    }
+
+    /// What the driver asks back about selections (near ties, the rows a chain that follows
+    /// the candidate's near ties takes from it): the scores this comparison keeps, shared.
+    pub fn ties(&self) -> SharedScores {
+        self.shared.clone()
     }
 
     /// What a step reading `inputs` in replay starts from: per input what it carries (hooks of
@@ -396,20 +362,9 @@ impl Comparison {
         candidate: Option<HostTensor>,
         rel: f64,
     ) {
-        let sp: &'static str = match point_of(name) {
-            "moe_probs" => "moe_probs",
-            "indexer_scores" => "indexer_scores",
-            _ => return,
-        };
-        self.scores.insert(
-            (mode, sp),
-            KeptScores {
-                hook: name.to_string(),
-                reference,
-                candidate,
-                rel,
-            },
-        );
+        self.shared
+            .keep(name, mode, reference.clone(), candidate.clone(), rel);
+        self.scores.keep(name, mode, reference, candidate, rel);
     }
 
     /// The first hook failing in `mode`.
@@ -623,38 +578,6 @@ impl PairSink for Comparison {
         }
     }
 
-    fn near_ties(
-        &self,
-        selection: &str,
-        mode: Mode,
-        chosen: &HostTensor,
-        per_row: usize,
-    ) -> Vec<Swap> {
-        let Some(scores) = self.scores_for(selection, mode) else {
-            return Vec::new();
-        };
-        let (Ok(ids), Some(&width)) = (chosen.as_i32(selection), chosen.shape.last()) else {
-            return Vec::new();
-        };
-        let mut out = Vec::new();
-        for (t, row) in ids.chunks(width.max(1)).enumerate() {
-            for s in near_tie_swaps(&scores, t, row, per_row) {
-                out.push(Swap {
-                    row: t,
-                    left: s.left,
-                    entered: s.entered,
-                    margin: s.margin,
-                    tolerance: s.tolerance,
-                });
-            }
-        }
-        out
-    }
-
-    fn components(&mut self, name: &str, mode: Mode, parts: Vec<Part>) {
-        self.parts.insert((name.to_string(), mode), parts);
-    }
-
     fn missing(&mut self, name: &str, mode: Mode, why: &str) {
         let rec = self.record_mut(name, &[], &[]);
         *rec.slot(mode) = Some(ModeResult {
@@ -668,27 +591,6 @@ impl PairSink for Comparison {
             plain_error: None,
             systematic: None,
         });
-    }
-
-    fn near_tie_rows(
-        &self,
-        selection: &str,
-        mode: Mode,
-        reference: &HostTensor,
-        candidate: &HostTensor,
-    ) -> Vec<usize> {
-        let (Ok(r), Ok(c), Some(&width)) = (
-            reference.as_i32(selection),
-            candidate.as_i32(selection),
-            reference.shape.last(),
-        ) else {
-            return Vec::new();
-        };
-        if reference.shape != candidate.shape {
-            return Vec::new();
-        }
-        let scores = self.scores_for(selection, mode);
-        near_tie_rows(r, c, width, scores.as_ref())
     }
 
     fn followed(&mut self, selection: &str, mode: Mode, rows: &[usize]) {
@@ -755,6 +657,30 @@ impl PairSink for Comparison {
         if let Some(r) = self.records[i].chained.as_mut() {
             r.plain_error = Some(m.error());
         }
+    }
+}
+
+/// The comparison's own answers (the driver is handed [`Comparison::ties`], the same).
+impl NearTies for Comparison {
+    fn near_ties(
+        &self,
+        selection: &str,
+        mode: Mode,
+        chosen: &HostTensor,
+        per_row: usize,
+    ) -> Vec<Swap> {
+        self.scores.near_ties(selection, mode, chosen, per_row)
+    }
+
+    fn near_tie_rows(
+        &self,
+        selection: &str,
+        mode: Mode,
+        reference: &HostTensor,
+        candidate: &HostTensor,
+    ) -> Vec<usize> {
+        self.scores
+            .near_tie_rows(selection, mode, reference, candidate)
     }
 }
 

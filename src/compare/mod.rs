@@ -16,6 +16,7 @@ pub mod records;
 pub mod rules;
 pub mod selection;
 pub mod systematic;
+pub mod ties;
 
 pub use comparison::Comparison;
 pub use floors::{Dtype, HookInfo, Kind, Precision};

@@ -14,8 +14,8 @@ use super::judge::Judge;
 use super::metrics::{compare, FloatMetrics, Metrics};
 use super::records::{ModeResult, Status};
 use super::selection::{differing_rows, implied_bias, judge_flips, FlipAt, FlipStats, Scores};
-use super::systematic::{analyse as analyse_systematic, Direction, Layout, Systematic};
-use crate::trace::{Mode, Pair, Part};
+use super::systematic::{analyse as analyse_systematic, Direction, Layout, Part, Systematic};
+use crate::trace::{Mode, Pair};
 
 /// How far the reference's selections may contradict the selection bias they imply before the
 /// implication is dropped (scores rounded to f32 after a selection made from f64 ones).

@@ -58,6 +58,7 @@
 //! share of its change that lies along the reference.
 //! Nothing here prints.
 
+use crate::tensor::HostTensor;
 use rayon::prelude::*;
 use serde::Serialize;
 
@@ -600,6 +601,27 @@ fn fit_sparse(v: &Values<'_>, t: &Totals, rows: &[usize], p: &[f32], group: Grou
         v_el: v_el.max(0.0),
     };
     Some(part_gain(group, b, &c))
+}
+
+/// A direction along which a family of bugs moves a hook's value, computed by the reference
+/// from the same inputs: the error's coefficient on it is the bug's size
+/// (this module); computed by `explain::directions`, handed to the comparison with its pair.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Part {
+    /// What a coefficient on it means (`expert 5`, `softmax scale`).
+    pub label: String,
+    /// Parts of one family are tested together (the threshold rises with their number).
+    pub family: &'static str,
+    /// The direction: the expert's weighted contribution to the routed sum, or the change of
+    /// the output per relative change of the parameter. The hook's shape, or `[rows.len(),
+    /// ...]` when `rows` is given.
+    pub tensor: HostTensor,
+    /// The hook's rows the tensor holds (ascending, distinct; the direction is zero in the
+    /// others: an expert's tokens), or `None` for every row.
+    pub rows: Option<Vec<usize>>,
+    /// Whether `rows` are a sample of the rows, the direction unknown in the others (an
+    /// attention's directions at a long prompt): fitted over those rows alone.
+    pub sampled: bool,
 }
 
 /// A bug family's direction at a hook, computed by the reference: the hook's size, or zero
@@ -1296,6 +1318,24 @@ mod tests {
         (a - b).abs() <= rel * a.abs().max(b.abs()).max(1e-300)
     }
 
+    /// The reference in f64 and the error `c - r` where both are finite (NaN elsewhere), as the
+    /// definition takes them.
+    fn reference_and_error(r: &[f32], c: &[f32]) -> (Vec<f64>, Vec<f64>) {
+        let rv: Vec<f64> = r.iter().map(|&x| f64::from(x)).collect();
+        let ev: Vec<f64> = c
+            .iter()
+            .zip(r)
+            .map(|(&a, &b)| {
+                if a.is_finite() && b.is_finite() {
+                    f64::from(a) - f64::from(b)
+                } else {
+                    f64::NAN
+                }
+            })
+            .collect();
+        (rv, ev)
+    }
+
     /// The chunked fits (parallel, sums combined by chunk) and the row-sparse directions' fits
     /// from the hook's totals give what the definition gives element by element, on a hook of
     /// several chunks with masked and non-finite values, heads, dense and row-sparse
@@ -1368,18 +1408,7 @@ mod tests {
         }
         let got = analyse(&r, &c, l, &dirs).unwrap();
 
-        let rv: Vec<f64> = r.iter().map(|&x| f64::from(x)).collect();
-        let ev: Vec<f64> = c
-            .iter()
-            .zip(&r)
-            .map(|(&a, &b)| {
-                if a.is_finite() && b.is_finite() {
-                    f64::from(a) - f64::from(b)
-                } else {
-                    f64::NAN
-                }
-            })
-            .collect();
+        let (rv, ev) = reference_and_error(&r, &c);
         let (a, se) = definition::gain(&rv, &ev, l, &|_| true).unwrap();
         assert!(
             close(got.overall.gain, 1.0 + a, 1e-12),

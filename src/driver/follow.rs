@@ -5,7 +5,7 @@
 //! from there its chain and the reference's own run on different selections, and every later
 //! hook differs by more than precision explains. So the chain the candidate is judged against
 //! takes the candidate's selection, row by row, where that flip is a near tie by the chain's
-//! own scores at that point ([`PairSink::near_tie_rows`]: margin within the tolerance): both
+//! own scores at that point ([`NearTies::near_tie_rows`](crate::trace::NearTies::near_tie_rows): margin within the tolerance): both
 //! chains then stay comparable and every later hook is judged against its floor again. A
 //! confident flip is not taken (it fails; what follows from it is drift). The selection's pair
 //! is handed over first (the chain's own selection against the candidate's), then the sink is
@@ -43,7 +43,7 @@ use crate::engine::{Engine, HostTensor};
 use crate::model::names::split_blk;
 use crate::model::steps::{point, Op, Step};
 use crate::model::Weights;
-use crate::trace::{Mode, Pair, PairSink};
+use crate::trace::{Mode, NearTies, Pair, PairSink};
 
 /// The candidate's value of a hook in chained mode, `None` when it has none.
 pub(super) type CandidateValue<'c> = dyn Fn(&str) -> Result<Option<HostTensor>> + 'c;
@@ -79,6 +79,8 @@ pub(super) struct FollowStep<'a, 'r, R: Engine> {
     pub start: &'a [(String, HostTensor)],
     /// How a hook the candidate lacks is described.
     pub absent: &'a str,
+    /// The reference's scores behind each selection, asked about near ties.
+    pub ties: &'a (dyn NearTies + Sync),
     /// The routed-experts step's rows this chain differs in, computed beside the own chain's
     /// step from [`Follow::experts_request`]'s inputs.
     pub prepared: Option<Prepared<R::Tensor>>,
@@ -389,7 +391,7 @@ impl Follow {
         if let Some(sel) = &handed.lacked_selection {
             let chosen = outputs.iter().find(|(n, _, _)| n == sel).map(|(_, t, _)| t);
             let any = chosen.is_some_and(|t| {
-                !sink
+                !x.ties
                     .near_ties(sel, Mode::Chained, t, super::segment::ALTERNATIVES_PER_ROW)
                     .is_empty()
             });
@@ -397,7 +399,7 @@ impl Follow {
                 self.fork(x.plain, i)?;
             }
         }
-        self.carry_on(x, i, outputs, handed.lacked_selection.is_some(), &*sink)
+        self.carry_on(x, i, outputs, handed.lacked_selection.is_some())
     }
 
     /// Hands each output of step `i` (`round`: the chain's values) to `sink` against the
@@ -437,7 +439,9 @@ impl Follow {
                 }
             }
             if is_ids(&name) && c.shape == outputs[k].1.shape && c != outputs[k].1 {
-                let rows = sink.near_tie_rows(&name, Mode::Chained, &outputs[k].1, &c);
+                let rows = x
+                    .ties
+                    .near_tie_rows(&name, Mode::Chained, &outputs[k].1, &c);
                 if !rows.is_empty() {
                     self.fork(x.plain, i)?;
                     for &t in &rows {
@@ -528,7 +532,6 @@ impl Follow {
         i: usize,
         outputs: Vec<RoundOutput>,
         lacked: bool,
-        sink: &dyn PairSink,
     ) -> Result<()> {
         let step = x.step;
         let declared = |n: &str| step.outputs.iter().any(|o| o == n);
@@ -557,7 +560,7 @@ impl Follow {
                 x.weights,
                 step,
                 route_probs.as_ref(),
-                sink,
+                x.ties,
                 Mode::Chained,
             )?;
         }
@@ -634,13 +637,14 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
+    use crate::driver::pair::RunInputs;
     use crate::driver::pair::{run_pair, Candidate, Modes};
     use crate::driver::NoProgress;
     use crate::engine::cpu::CpuEngine;
     use crate::explain::fault::{Fault, FaultEngine, FaultKind};
     use crate::model::testutil::{tiny_hparams, tiny_model};
     use crate::model::Arch;
-    use crate::trace::{HookFilter, Pair};
+    use crate::trace::{HookFilter, NearTies, Pair};
 
     /// A sink that takes every row whose selection differs as a near tie, and keeps what the
     /// chained side hands it.
@@ -664,6 +668,21 @@ mod tests {
         fn missing(&mut self, name: &str, mode: Mode, why: &str) {
             panic!("{name} missing in {mode}: {why}");
         }
+        fn followed(&mut self, selection: &str, _: Mode, rows: &[usize]) {
+            self.followed.push((selection.to_string(), rows.to_vec()));
+        }
+        fn plain_chain(&mut self, name: &str, reference: &HostTensor, _: &HostTensor) {
+            self.plain.insert(name.to_string(), reference.clone());
+        }
+    }
+
+    /// Every row whose selection differs is a near tie; no alternatives.
+    struct EveryRowTies;
+
+    impl NearTies for EveryRowTies {
+        fn near_ties(&self, _: &str, _: Mode, _: &HostTensor, _: usize) -> Vec<crate::trace::Swap> {
+            Vec::new()
+        }
         fn near_tie_rows(
             &self,
             _: &str,
@@ -676,12 +695,6 @@ mod tests {
             (0..reference.shape[0])
                 .filter(|&t| r[t * w..(t + 1) * w] != c[t * w..(t + 1) * w])
                 .collect()
-        }
-        fn followed(&mut self, selection: &str, _: Mode, rows: &[usize]) {
-            self.followed.push((selection.to_string(), rows.to_vec()));
-        }
-        fn plain_chain(&mut self, name: &str, reference: &HostTensor, _: &HostTensor) {
-            self.plain.insert(name.to_string(), reference.clone());
         }
     }
 
@@ -705,13 +718,17 @@ mod tests {
             replay: false,
             chained: true,
         };
+        let inputs = RunInputs {
+            weights: &w,
+            tokens: &tokens,
+            plan: &plan,
+            start: &[],
+            ties: &EveryRowTies,
+        };
         run_pair(
             &reference,
             Candidate::Engine(&cand),
-            &w,
-            &tokens,
-            &plan,
-            &[],
+            inputs,
             modes,
             &mut sink,
             &NoProgress,

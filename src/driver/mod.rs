@@ -23,6 +23,7 @@
 //! finishes ([`Runner::finish`]).
 
 mod follow;
+mod inputs;
 pub mod pair;
 mod replay;
 mod residency;

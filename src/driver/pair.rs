@@ -50,12 +50,13 @@ use super::replay::{replay_step, step_wanted};
 use super::rows::{self, Prepared};
 use super::segment::TraceReplay;
 use super::timed::Timed;
-use super::{check_tokens, Plan, Progress, Residency, Runner, StepProgress};
+use super::{check_tokens, Progress, Residency, Runner, StepProgress};
 use crate::engine::{Engine, ExpertsOut, HostTensor, UploadStats};
 use crate::model::steps::{expert_hook, hook, point, Op, Step};
 use crate::model::Weights;
 use crate::trace::{Mode, Pair, PairSink, TraceFile};
 
+pub use super::inputs::RunInputs;
 pub use crate::words::Modes;
 
 /// The candidate side of a pass.
@@ -66,16 +67,13 @@ pub enum Candidate<'a, C: Engine> {
     Trace(&'a TraceFile),
 }
 
-/// Runs `plan` on `reference` and `candidate` for `tokens`, starting from `start` (the plan's
-/// free inputs, given to both sides), in `modes`; hands every wanted hook to `sink`.
-#[allow(clippy::too_many_arguments)]
+/// Runs `inputs.plan` on `reference` and `candidate` for `inputs.tokens`, starting from
+/// `inputs.start` (the plan's free inputs, given to both sides), in `modes`; hands every wanted
+/// hook to `sink`, and asks `inputs.ties` about the near ties of selections.
 pub fn run_pair<R: Engine + Sync, C: Engine>(
     reference: &R,
     candidate: Candidate<'_, C>,
-    weights: &Weights<'_>,
-    tokens: &[u32],
-    plan: &Plan,
-    start: &[(String, HostTensor)],
+    inputs: RunInputs<'_>,
     modes: Modes,
     sink: &mut dyn PairSink,
     progress: &dyn Progress,
@@ -83,26 +81,7 @@ pub fn run_pair<R: Engine + Sync, C: Engine>(
 where
     R::Tensor: Send,
 {
-    let inputs = RunInputs {
-        weights,
-        tokens,
-        plan,
-        start,
-    };
     run_pair_with(reference, candidate, inputs, modes, sink, progress, true)
-}
-
-/// What a pass runs on, the same for both sides.
-#[derive(Clone, Copy)]
-pub(super) struct RunInputs<'a> {
-    /// The model's weights.
-    pub weights: &'a Weights<'a>,
-    /// The prompt.
-    pub tokens: &'a [u32],
-    /// The steps run.
-    pub plan: &'a Plan,
-    /// The plan's free inputs.
-    pub start: &'a [(String, HostTensor)],
 }
 
 /// [`run_pair`], where the reference recomputes a replayed step with the candidate's selection
@@ -410,6 +389,7 @@ where
             weights,
             tokens,
             start,
+            ties,
             ..
         } = self.inputs;
         let (t0, f0) = (Instant::now(), self.sink.spent.get());
@@ -423,6 +403,7 @@ where
                 tokens,
                 start,
                 absent: absent(candidate),
+                ties,
                 prepared,
             },
             &value,
@@ -625,6 +606,7 @@ impl<'a, C: Engine> CandidateSide<'a, C> {
             tokens,
             plan,
             start,
+            ..
         } = inputs;
         let engine = match candidate {
             Candidate::Engine(c) => Some(*c),

@@ -413,10 +413,13 @@ mod tests {
             pair::run_pair(
                 &reference,
                 pair::Candidate::Engine(&candidate),
-                &w,
-                &TOKENS,
-                &plan,
-                &[],
+                pair::RunInputs {
+                    weights: &w,
+                    tokens: &TOKENS,
+                    plan: &plan,
+                    start: &[],
+                    ties: &crate::trace::NoNearTies,
+                },
                 modes,
                 &mut sink,
                 &NoProgress,
@@ -529,10 +532,13 @@ mod tests {
         pair::run_pair(
             &reference,
             pair::Candidate::Engine(&candidate),
-            &w,
-            &TOKENS,
-            &Plan::range(&w, 0..3, false).unwrap(),
-            &[],
+            pair::RunInputs {
+                weights: &w,
+                tokens: &TOKENS,
+                plan: &Plan::range(&w, 0..3, false).unwrap(),
+                start: &[],
+                ties: &crate::trace::NoNearTies,
+            },
             pair::Modes {
                 replay: true,
                 chained: false,
@@ -585,10 +591,13 @@ mod tests {
             let summary = pair::run_pair(
                 &reference,
                 pair::Candidate::Engine(&candidate),
-                &w,
-                &TOKENS,
-                &plan,
-                &[],
+                pair::RunInputs {
+                    weights: &w,
+                    tokens: &TOKENS,
+                    plan: &plan,
+                    start: &[],
+                    ties: &crate::trace::NoNearTies,
+                },
                 modes,
                 &mut sink,
                 &NoProgress,

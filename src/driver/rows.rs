@@ -456,6 +456,7 @@ mod tests {
     use crate::model::steps::layer_steps;
     use crate::model::testutil::tiny_hparams;
     use crate::model::{Arch, Weights};
+    use crate::trace::NearTies;
     use crate::trace::{Mode, Pair, PairSink};
 
     /// A tensor as its shape and the bits of its values.
@@ -515,15 +516,6 @@ mod tests {
             self.0
                 .push(Event::ReferenceOnly(name.to_string(), mode, bits(r)));
         }
-        fn near_tie_rows(
-            &self,
-            _: &str,
-            _: Mode,
-            reference: &HostTensor,
-            candidate: &HostTensor,
-        ) -> Vec<usize> {
-            rows_differing(reference, candidate).unwrap_or_default()
-        }
         fn followed(&mut self, selection: &str, mode: Mode, rows: &[usize]) {
             self.0
                 .push(Event::Followed(selection.to_string(), mode, rows.to_vec()));
@@ -534,6 +526,24 @@ mod tests {
                 bits(reference),
                 bits(candidate),
             ));
+        }
+    }
+
+    /// Every row whose selection differs is a near tie; no alternatives.
+    struct DifferingRows;
+
+    impl NearTies for DifferingRows {
+        fn near_ties(&self, _: &str, _: Mode, _: &HostTensor, _: usize) -> Vec<crate::trace::Swap> {
+            Vec::new()
+        }
+        fn near_tie_rows(
+            &self,
+            _: &str,
+            _: Mode,
+            reference: &HostTensor,
+            candidate: &HostTensor,
+        ) -> Vec<usize> {
+            rows_differing(reference, candidate).unwrap_or_default()
         }
     }
 
@@ -556,6 +566,7 @@ mod tests {
             tokens,
             plan: &plan,
             start: &[],
+            ties: &DifferingRows,
         };
         let s = run_pair_with(
             reference,

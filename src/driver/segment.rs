@@ -15,7 +15,7 @@
 //! expert wherever two are nearly tied, and its output then reflects a choice the reference
 //! did not make. The reference therefore also tries the near-tie alternatives of its selection
 //! (single swaps whose gap, by its own scores, is within the score hook's tolerance:
-//! [`PairSink::near_ties`]): alternative *k* of every row that has one forms round *k*, the
+//! [`NearTies::near_ties`](crate::trace::NearTies::near_ties)): alternative *k* of every row that has one forms round *k*, the
 //! segment's later steps run once per round, and at the next hook of the trace each row keeps
 //! the round whose output is closest to the candidate's (the pair's note says which rows and
 //! swaps). A round changes only its own rows (row-wise steps; attention reads the selection of
@@ -29,14 +29,14 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use anyhow::Result;
 
-use super::pair::RunInputs;
+use super::inputs::RunInputs;
 use super::replay::{is_selection, replay_step, step_wanted, PairSummary};
 use super::Plan;
 use crate::engine::cpu::selected_weights;
 use crate::engine::{Engine, HostTensor};
 use crate::model::steps::{Op, Step};
 use crate::model::Weights;
-use crate::trace::{Mode, Pair, PairSink, Swap, TraceFile};
+use crate::trace::{Mode, NearTies, Pair, PairSink, Swap, TraceFile};
 
 /// Near-tie alternatives tried per row of a selection.
 pub const ALTERNATIVES_PER_ROW: usize = 4;
@@ -185,7 +185,7 @@ impl<'t> TraceReplay<'t> {
             inputs.weights,
             step,
             route_probs.as_ref(),
-            &*sink,
+            inputs.ties,
             Mode::Replay,
         )?;
         Ok(())
@@ -316,7 +316,7 @@ impl<'t> TraceReplay<'t> {
 
 impl Rounds {
     /// After a selection step whose selection the candidate lacks: the near-tie alternatives of
-    /// the reference's selection in `env` (by the scores `sink` holds for `mode`), as new rounds
+    /// the reference's selection in `env` (by the scores `ties` holds for `mode`), as new rounds
     /// (module documentation). Returns whether any was added.
     pub(super) fn add(
         &mut self,
@@ -324,7 +324,7 @@ impl Rounds {
         weights: &Weights<'_>,
         step: &Step,
         route_probs: Option<&HostTensor>,
-        sink: &dyn PairSink,
+        ties: &dyn NearTies,
         mode: Mode,
     ) -> Result<bool> {
         let (sel, weights_hook) = match (&step.op, step.outputs.as_slice()) {
@@ -335,7 +335,7 @@ impl Rounds {
         let Some(chosen) = env.get(&sel).map(|v| v.base.clone()) else {
             return Ok(false);
         };
-        let swaps = sink.near_ties(&sel, mode, &chosen, ALTERNATIVES_PER_ROW);
+        let swaps = ties.near_ties(&sel, mode, &chosen, ALTERNATIVES_PER_ROW);
         if swaps.is_empty() {
             return Ok(false);
         }

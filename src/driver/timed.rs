@@ -9,7 +9,7 @@ use anyhow::Result;
 
 use crate::engine::HostTensor;
 use crate::model::steps::Step;
-use crate::trace::{Mode, Pair, PairSink, Part, Swap};
+use crate::trace::{Mode, Pair, PairSink};
 
 /// Forwards every call to `inner` unchanged, adding the seconds of the calls that hand it work
 /// to `spent`.
@@ -61,33 +61,8 @@ impl PairSink for Timed<'_, '_> {
         self.timed(|s| s.reference_only(name, mode, inputs, reference))
     }
 
-    fn near_ties(
-        &self,
-        selection: &str,
-        mode: Mode,
-        chosen: &HostTensor,
-        per_row: usize,
-    ) -> Vec<Swap> {
-        self.inner.near_ties(selection, mode, chosen, per_row)
-    }
-
-    fn near_tie_rows(
-        &self,
-        selection: &str,
-        mode: Mode,
-        reference: &HostTensor,
-        candidate: &HostTensor,
-    ) -> Vec<usize> {
-        self.inner
-            .near_tie_rows(selection, mode, reference, candidate)
-    }
-
     fn followed(&mut self, selection: &str, mode: Mode, rows: &[usize]) {
         self.timed(|s| s.followed(selection, mode, rows))
-    }
-
-    fn components(&mut self, name: &str, mode: Mode, parts: Vec<Part>) {
-        self.timed(|s| s.components(name, mode, parts))
     }
 
     fn wants_reference_experts(&self, step: &Step) -> bool {

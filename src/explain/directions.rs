@@ -31,12 +31,12 @@ use std::collections::HashMap;
 
 use anyhow::{bail, Result};
 
+use crate::compare::systematic::Part;
 use crate::engine::cpu::math::rotate_pairs;
 use crate::engine::cpu::{mla_host_kv, CpuEngine};
 use crate::engine::{Engine, HostTensor, MlaInputs};
 use crate::model::steps::{Op, Step};
 use crate::model::{rope, RopeSlice};
-use crate::trace::Part;
 
 /// The relative step of the softmax scale and the RoPE base for their directions.
 pub const SCALE_STEP: f64 = 0.01;

@@ -26,6 +26,7 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 use self::fault::{Fault, FaultEngine, FaultKind, Mscale};
+use crate::compare::systematic::Part;
 use crate::compare::{compare, Comparison, ModeResult, Status};
 use crate::driver::exec_step;
 use crate::driver::pair::Modes;
@@ -35,7 +36,7 @@ use crate::model::names::{self, blk};
 use crate::model::steps::{point, Op, Step};
 use crate::model::{Gating, Weights};
 use crate::quant::GgmlType;
-use crate::trace::{Mode, Pair, PairSink, Part, Swap};
+use crate::trace::{Mode, Pair, PairSink};
 use crate::util::progress::Progress;
 use directions::Own;
 
@@ -281,27 +282,6 @@ impl PairSink for Capture<'_, '_> {
         reference: &HostTensor,
     ) {
         self.inner.reference_only(name, mode, inputs, reference);
-    }
-
-    fn near_ties(
-        &self,
-        selection: &str,
-        mode: Mode,
-        chosen: &HostTensor,
-        per_row: usize,
-    ) -> Vec<Swap> {
-        self.inner.near_ties(selection, mode, chosen, per_row)
-    }
-
-    fn near_tie_rows(
-        &self,
-        selection: &str,
-        mode: Mode,
-        reference: &HostTensor,
-        candidate: &HostTensor,
-    ) -> Vec<usize> {
-        self.inner
-            .near_tie_rows(selection, mode, reference, candidate)
     }
 
     fn followed(&mut self, selection: &str, mode: Mode, rows: &[usize]) {

@@ -8,7 +8,7 @@ use anyhow::Result;
 use super::config::RunConfig;
 use super::judge::{model_facts, overrides_with_trace, wants_with_scores};
 use crate::compare::{Comparison, Judge, JudgeSpec, Precision};
-use crate::driver::pair::{run_pair, Candidate, LayerTime, ReferenceWork};
+use crate::driver::pair::{run_pair, Candidate, LayerTime, ReferenceWork, RunInputs};
 use crate::engine::cpu::CpuEngine;
 use crate::engine::Engine;
 use crate::explain::fault::Fault;
@@ -86,6 +86,7 @@ impl Pass<'_, '_> {
             ));
         }
         let mut cmp = Comparison::new(judge, wants_with_scores(&cfg.hook), &cfg.tokens);
+        let ties = cmp.ties();
         let t0 = Instant::now();
         // Without --explain/--repro the capture copies nothing and only passes pairs on.
         let mut sink = Capture::new(&mut cmp, cfg.explain || cfg.repro.is_some()).with_directions(
@@ -93,13 +94,17 @@ impl Pass<'_, '_> {
             trace.is_none(),
             cfg.mode,
         );
+        let inputs = RunInputs {
+            weights: self.weights,
+            tokens: &cfg.tokens,
+            plan: &cfg.plan,
+            start: self.start,
+            ties: &ties,
+        };
         let summary = run_pair(
             self.reference,
             candidate,
-            self.weights,
-            &cfg.tokens,
-            &cfg.plan,
-            self.start,
+            inputs,
             cfg.mode,
             &mut sink,
             self.progress,

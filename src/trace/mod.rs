@@ -99,27 +99,6 @@ pub struct Swap {
     pub tolerance: f64,
 }
 
-/// A direction along which a family of bugs moves a hook's value, computed by the reference
-/// from the same inputs: the error's coefficient on it is the bug's size
-/// (`compare::systematic`).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Part {
-    /// What a coefficient on it means (`expert 5`, `softmax scale`).
-    pub label: String,
-    /// Parts of one family are tested together (the threshold rises with their number).
-    pub family: &'static str,
-    /// The direction: the expert's weighted contribution to the routed sum, or the change of
-    /// the output per relative change of the parameter. The hook's shape, or `[rows.len(),
-    /// ...]` when `rows` is given.
-    pub tensor: HostTensor,
-    /// The hook's rows the tensor holds (ascending, distinct; the direction is zero in the
-    /// others: an expert's tokens), or `None` for every row.
-    pub rows: Option<Vec<usize>>,
-    /// Whether `rows` are a sample of the rows, the direction unknown in the others (an
-    /// attention's directions at a long prompt): fitted over those rows alone.
-    pub sampled: bool,
-}
-
 /// Receives (reference, candidate) pairs.
 pub trait PairSink {
     /// Whether the sink compares hook `name` (asked before anything is downloaded).
@@ -152,43 +131,11 @@ pub trait PairSink {
     ) {
         let _ = (name, mode, inputs, reference);
     }
-    /// The near-tie alternatives of the reference's selection `chosen` at selection hook
-    /// `selection` in `mode` (`[T, k]` ids): single swaps whose margin, by the reference's own
-    /// scores handed over before, is within the tolerance of the score hook, best first, at
-    /// most `per_row` per row. Default: none.
-    fn near_ties(
-        &self,
-        selection: &str,
-        mode: Mode,
-        chosen: &HostTensor,
-        per_row: usize,
-    ) -> Vec<Swap> {
-        let _ = (selection, mode, chosen, per_row);
-        Vec::new()
-    }
-    /// The rows of selection hook `selection` in `mode` where the candidate's set differs from
-    /// the reference's only by near-tie flips, by the reference's own scores handed over before
-    /// (the rows a chain that follows the candidate's near ties takes from it). Default: none.
-    fn near_tie_rows(
-        &self,
-        selection: &str,
-        mode: Mode,
-        reference: &HostTensor,
-        candidate: &HostTensor,
-    ) -> Vec<usize> {
-        let _ = (selection, mode, reference, candidate);
-        Vec::new()
-    }
     /// The reference's chain took the candidate's selection in `rows` of `selection` (its pair
     /// handed over before): what is computed from it on is compared with the candidate again,
     /// not excused as drift. Default: ignored.
     fn followed(&mut self, selection: &str, mode: Mode, rows: &[usize]) {
         let _ = (selection, mode, rows);
-    }
-    /// The directions of known bug families at hook `name` in `mode` (its pair follows), for
-    /// the systematic test. Default: ignored.
-    fn components(&mut self, name: &str, mode: Mode, parts: Vec<Part>) {
-        let _ = (name, mode, parts);
     }
     /// Whether the sink takes the reference's own run of routed-experts step `step`
     /// ([`PairSink::reference_experts`]): asked before the reference runs it, so that the
@@ -225,6 +172,45 @@ pub trait PairSink {
     /// over before: what the user's output shows. Default: ignored.
     fn plain_chain(&mut self, name: &str, reference: &HostTensor, candidate: &HostTensor) {
         let _ = (name, reference, candidate);
+    }
+}
+
+/// What the driver asks back about selections, from the reference's scores the comparison
+/// keeps: handed to the driver apart from the [`PairSink`], which only receives.
+pub trait NearTies {
+    /// The near-tie alternatives of the reference's selection `chosen` at selection hook
+    /// `selection` in `mode` (`[T, k]` ids): single swaps whose margin, by the reference's own
+    /// scores handed over before, is within the tolerance of the score hook, best first, at
+    /// most `per_row` per row.
+    fn near_ties(
+        &self,
+        selection: &str,
+        mode: Mode,
+        chosen: &HostTensor,
+        per_row: usize,
+    ) -> Vec<Swap>;
+    /// The rows of selection hook `selection` in `mode` where the candidate's set differs from
+    /// the reference's only by near-tie flips, by the reference's own scores handed over before
+    /// (the rows a chain that follows the candidate's near ties takes from it).
+    fn near_tie_rows(
+        &self,
+        selection: &str,
+        mode: Mode,
+        reference: &HostTensor,
+        candidate: &HostTensor,
+    ) -> Vec<usize>;
+}
+
+/// No near ties: for a driver whose sink keeps no scores.
+pub struct NoNearTies;
+
+impl NearTies for NoNearTies {
+    fn near_ties(&self, _: &str, _: Mode, _: &HostTensor, _: usize) -> Vec<Swap> {
+        Vec::new()
+    }
+
+    fn near_tie_rows(&self, _: &str, _: Mode, _: &HostTensor, _: &HostTensor) -> Vec<usize> {
+        Vec::new()
     }
 }
 
