@@ -109,6 +109,11 @@ pub struct DequantCheckArgs {
     /// Write the results as JSON (`-`: stdout, the report then on stderr). Written atomically.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Copy each chunk from the mapped file (pageable memory) synchronously in the device loop
+    /// instead of through pinned staging, to compare (the same bits either way). On by default
+    /// when $GLMDIFF_DCHECK_PAGEABLE is set to anything but empty or 0.
+    #[arg(long, env = "GLMDIFF_DCHECK_PAGEABLE", default_value = "0", value_parser = parse_switch)]
+    pub pageable: bool,
 }
 
 /// `glmdiff weights-check`.
@@ -421,6 +426,12 @@ pub struct BenchRunArgs {
     pub json: bool,
 }
 
+/// Parses a switch's value: `true` when its flag is given, else its environment variable's
+/// value (its default `0` when unset): on unless empty or `0`.
+pub fn parse_switch(s: &str) -> Result<bool> {
+    Ok(!s.is_empty() && s != "0")
+}
+
 /// Parses a count of timed passes (at least 1).
 pub fn parse_reps(s: &str) -> Result<usize> {
     const RULE: &str = "repetitions are integers from 1";
@@ -664,6 +675,34 @@ mod tests {
         assert!(parse_tol("=1").is_err());
         assert!(parse_tol("x=-1").is_err());
         assert!(parse_tol("x=nan").is_err());
+    }
+
+    /// A switch is on when its flag is given, else from its variable's value unless that is
+    /// empty or 0 (unset: off).
+    #[test]
+    fn switches_take_their_variables_values() {
+        use clap::Parser;
+        for (v, on) in [
+            ("true", true),
+            ("1", true),
+            ("yes", true),
+            ("false", true),
+            ("", false),
+            ("0", false),
+        ] {
+            assert_eq!(parse_switch(v).unwrap(), on, "{v:?}");
+        }
+        let pageable = |args: &[&str]| {
+            let c = Cli::try_parse_from([&["glmdiff", "dequant-check", "m.gguf"], args].concat());
+            let Command::DequantCheck(d) = c.unwrap().command else {
+                panic!("not dequant-check")
+            };
+            d.pageable
+        };
+        assert!(pageable(&["--pageable"]));
+        if std::env::var_os("GLMDIFF_DCHECK_PAGEABLE").is_none() {
+            assert!(!pageable(&[]));
+        }
     }
 
     #[test]

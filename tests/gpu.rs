@@ -155,7 +155,7 @@ mod device {
         ] {
             let model = Model::open(&fixtures(f)).unwrap();
             let mut n = 0;
-            let mut dc = DeviceCheck::new(&g, Staging::from_env());
+            let mut dc = DeviceCheck::new(&g, Staging::Pinned);
             for t in model.tensors() {
                 if kernel_stem(t.info.ty).is_none() {
                     continue;
