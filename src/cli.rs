@@ -227,6 +227,19 @@ pub struct RunArgs {
     /// Compute the layers before the start without reading or writing the cache.
     #[arg(long)]
     pub no_cache: bool,
+    /// Weight uploads of the CUDA engine.
+    #[command(flatten)]
+    pub prefetch: PrefetchArgs,
+}
+
+/// The flag of the commands that open the CUDA engine (`run`, `step`, `regress`, `bench run`).
+#[derive(Debug, Args)]
+pub struct PrefetchArgs {
+    /// Upload each layer's weights as its steps read them instead of prefetching the next
+    /// layer's while the current one runs (the same bits either way; a note says so). On by
+    /// default when $GLMDIFF_NO_PREFETCH is set to anything but empty or 0.
+    #[arg(long, env = "GLMDIFF_NO_PREFETCH", default_value = "0", value_parser = parse_switch)]
+    pub no_prefetch: bool,
 }
 
 /// The flags `run` and `compare` share: which hooks, floors and precisions, and the outputs.
@@ -290,6 +303,9 @@ pub struct StepArgs {
     /// Write the result as JSON (`-`: stdout, the report then on stderr). Written atomically.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Weight uploads of the CUDA engine.
+    #[command(flatten)]
+    pub prefetch: PrefetchArgs,
 }
 
 /// `glmdiff regress`.
@@ -314,6 +330,9 @@ pub struct RegressArgs {
     /// Compute the layers before a case's start without reading or writing the cache.
     #[arg(long)]
     pub no_cache: bool,
+    /// Weight uploads of the CUDA engine.
+    #[command(flatten)]
+    pub prefetch: PrefetchArgs,
 }
 
 /// `glmdiff synth`.
@@ -424,6 +443,9 @@ pub struct BenchRunArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Weight uploads of the CUDA engine.
+    #[command(flatten)]
+    pub prefetch: PrefetchArgs,
 }
 
 /// Parses a switch's value: `true` when its flag is given, else its environment variable's
@@ -702,6 +724,17 @@ mod tests {
         assert!(pageable(&["--pageable"]));
         if std::env::var_os("GLMDIFF_DCHECK_PAGEABLE").is_none() {
             assert!(!pageable(&[]));
+        }
+        let no_prefetch = |args: &[&str]| {
+            let c = Cli::try_parse_from([&["glmdiff", "run", "m.gguf"], args].concat());
+            let Command::Run(r) = c.unwrap().command else {
+                panic!("not run")
+            };
+            r.prefetch.no_prefetch
+        };
+        assert!(no_prefetch(&["--no-prefetch"]));
+        if std::env::var_os("GLMDIFF_NO_PREFETCH").is_none() {
+            assert!(!no_prefetch(&[]));
         }
     }
 

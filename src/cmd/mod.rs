@@ -26,9 +26,20 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 
+use crate::cli::PrefetchArgs;
 use crate::session::config::trace_files_beside;
 use crate::session::Against;
 use crate::util::guard::{is_stdout, Guard};
+
+/// Sets whether the CUDA engines this command opens prefetch the next layer's weights
+/// (`--no-prefetch`), before it opens any.
+pub(crate) fn set_prefetch(args: &PrefetchArgs) {
+    #[cfg(feature = "cuda")]
+    crate::engine::cuda::set_prefetch_by_default(!args.no_prefetch);
+    // Without the `cuda` feature no engine uploads weights.
+    #[cfg(not(feature = "cuda"))]
+    let _ = args;
+}
 
 /// Adds the files of a model (every shard of a split model) to `g` as inputs named `what`.
 pub(crate) fn model_input(g: &mut Guard, what: &str, model: &Path) {
