@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{ArgGroup, Args, Parser, Subcommand};
 
+use crate::quant::simd::Level;
 use crate::session::{Against, CudaDtype, ModeChoice};
 
 /// glmdiff: find the first step where a GPU forward pass of a quantized MoE GGUF diverges from a CPU reference.
@@ -18,6 +19,11 @@ pub struct Cli {
     /// default output fits the terminal, or 100 columns when stdout is not a terminal).
     #[arg(long, global = true)]
     pub wide: bool,
+    /// Cap the instruction set of the CPU's dequantizers and matrix products: base, avx2 or
+    /// avx512 (every level gives the same bits; to compare their speeds). Default:
+    /// $GLMDIFF_CPU_SIMD when it names a level, else the widest the CPU has.
+    #[arg(long, global = true, value_name = "LEVEL", value_parser = parse_cpu_simd)]
+    pub cpu_simd: Option<Level>,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -452,6 +458,11 @@ pub struct BenchRunArgs {
 /// value (its default `0` when unset): on unless empty or `0`.
 pub fn parse_switch(s: &str) -> Result<bool> {
     Ok(!s.is_empty() && s != "0")
+}
+
+/// Parses `--cpu-simd`: base, avx2 or avx512 (any case).
+pub fn parse_cpu_simd(s: &str) -> Result<Level> {
+    Level::from_name(s).with_context(|| format!("{s:?} is not a level: base, avx2 or avx512"))
 }
 
 /// Parses a count of timed passes (at least 1).
