@@ -11,15 +11,10 @@
 
 use std::path::PathBuf;
 
+use crate::common::glmdiff;
+
 fn fixtures(sub: &str) -> PathBuf {
     crate::common::fixtures(sub)
-}
-
-fn glmdiff(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(crate::common::glmdiff_bin())
-        .args(args)
-        .output()
-        .expect("run glmdiff")
 }
 
 /// glmdiff with every CUDA device hidden from it (`CUDA_VISIBLE_DEVICES=""`): no device, on any

@@ -40,6 +40,14 @@ pub fn golden_tokens(rel: &str) -> String {
     ids.join(",")
 }
 
+/// Runs glmdiff with `args`.
+pub fn glmdiff(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(glmdiff_bin())
+        .args(args)
+        .output()
+        .expect("run glmdiff")
+}
+
 /// `(trace, gguf)` for every `*.trace.safetensors` in the subdirectories of `traces_root` and
 /// every GGUF its metadata lists (`models`, else `model`), found in the directory of the same
 /// name under `models_root`. Sorted by directory and file name.
