@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{ArgGroup, Args, Parser, Subcommand};
 
+use crate::quant::simd::Level;
 use crate::session::{Against, CudaDtype, Modes};
 pub use crate::words::parse_tol;
 use crate::words::PrecisionOverride;
@@ -20,6 +21,11 @@ pub struct Cli {
     /// default output fits the terminal, or 100 columns when stdout is not a terminal).
     #[arg(long, global = true)]
     pub wide: bool,
+    /// Cap the instruction set of the CPU's dequantizers and matrix products: base, avx2 or
+    /// avx512 (every level gives the same bits; to compare their speeds). Default:
+    /// $GLMDIFF_CPU_SIMD when it names a level, else the widest the CPU has.
+    #[arg(long, global = true, value_name = "LEVEL", value_parser = parse_cpu_simd)]
+    pub cpu_simd: Option<Level>,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -111,6 +117,11 @@ pub struct DequantCheckArgs {
     /// Write the results as JSON (`-`: stdout, the report then on stderr). Written atomically.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Copy each chunk from the mapped file (pageable memory) synchronously in the device loop
+    /// instead of through pinned staging, to compare (the same bits either way). On by default
+    /// when $GLMDIFF_DCHECK_PAGEABLE is set to anything but empty or 0.
+    #[arg(long, env = "GLMDIFF_DCHECK_PAGEABLE", default_value = "0", value_parser = parse_switch)]
+    pub pageable: bool,
 }
 
 /// `glmdiff weights-check`.
@@ -224,6 +235,19 @@ pub struct RunArgs {
     /// Compute the layers before the start without reading or writing the cache.
     #[arg(long)]
     pub no_cache: bool,
+    /// Weight uploads of the CUDA engine.
+    #[command(flatten)]
+    pub prefetch: PrefetchArgs,
+}
+
+/// The flag of the commands that open the CUDA engine (`run`, `step`, `regress`, `bench run`).
+#[derive(Debug, Args)]
+pub struct PrefetchArgs {
+    /// Upload each layer's weights as its steps read them instead of prefetching the next
+    /// layer's while the current one runs (the same bits either way; a note says so). On by
+    /// default when $GLMDIFF_NO_PREFETCH is set to anything but empty or 0.
+    #[arg(long, env = "GLMDIFF_NO_PREFETCH", default_value = "0", value_parser = parse_switch)]
+    pub no_prefetch: bool,
 }
 
 /// The flags `run` and `compare` share: which hooks, floors and precisions, and the outputs.
@@ -287,6 +311,9 @@ pub struct StepArgs {
     /// Write the result as JSON (`-`: stdout, the report then on stderr). Written atomically.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Weight uploads of the CUDA engine.
+    #[command(flatten)]
+    pub prefetch: PrefetchArgs,
 }
 
 /// `glmdiff regress`.
@@ -311,6 +338,9 @@ pub struct RegressArgs {
     /// Compute the layers before a case's start without reading or writing the cache.
     #[arg(long)]
     pub no_cache: bool,
+    /// Weight uploads of the CUDA engine.
+    #[command(flatten)]
+    pub prefetch: PrefetchArgs,
 }
 
 /// `glmdiff synth`.
@@ -421,6 +451,20 @@ pub struct BenchRunArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Weight uploads of the CUDA engine.
+    #[command(flatten)]
+    pub prefetch: PrefetchArgs,
+}
+
+/// Parses a switch's value: `true` when its flag is given, else its environment variable's
+/// value (its default `0` when unset): on unless empty or `0`.
+pub fn parse_switch(s: &str) -> Result<bool> {
+    Ok(!s.is_empty() && s != "0")
+}
+
+/// Parses `--cpu-simd`: base, avx2 or avx512 (any case).
+pub fn parse_cpu_simd(s: &str) -> Result<Level> {
+    Level::from_name(s).with_context(|| format!("{s:?} is not a level: base, avx2 or avx512"))
 }
 
 /// Parses a count of timed passes (at least 1).
@@ -632,6 +676,45 @@ mod tests {
         assert!(parse_tol("=1").is_err());
         assert!(parse_tol("x=-1").is_err());
         assert!(parse_tol("x=nan").is_err());
+    }
+
+    /// A switch is on when its flag is given, else from its variable's value unless that is
+    /// empty or 0 (unset: off).
+    #[test]
+    fn switches_take_their_variables_values() {
+        use clap::Parser;
+        for (v, on) in [
+            ("true", true),
+            ("1", true),
+            ("yes", true),
+            ("false", true),
+            ("", false),
+            ("0", false),
+        ] {
+            assert_eq!(parse_switch(v).unwrap(), on, "{v:?}");
+        }
+        let pageable = |args: &[&str]| {
+            let c = Cli::try_parse_from([&["glmdiff", "dequant-check", "m.gguf"], args].concat());
+            let Command::DequantCheck(d) = c.unwrap().command else {
+                panic!("not dequant-check")
+            };
+            d.pageable
+        };
+        assert!(pageable(&["--pageable"]));
+        if std::env::var_os("GLMDIFF_DCHECK_PAGEABLE").is_none() {
+            assert!(!pageable(&[]));
+        }
+        let no_prefetch = |args: &[&str]| {
+            let c = Cli::try_parse_from([&["glmdiff", "run", "m.gguf"], args].concat());
+            let Command::Run(r) = c.unwrap().command else {
+                panic!("not run")
+            };
+            r.prefetch.no_prefetch
+        };
+        assert!(no_prefetch(&["--no-prefetch"]));
+        if std::env::var_os("GLMDIFF_NO_PREFETCH").is_none() {
+            assert!(!no_prefetch(&[]));
+        }
     }
 
     #[test]

@@ -41,6 +41,12 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // The CPU's vector level, for the whole process: --cpu-simd, else $GLMDIFF_CPU_SIMD, whose
+    // value is read here once.
+    let simd_env = std::env::var(glmdiff::quant::simd::LEVEL_ENV).ok();
+    if let Some(cap) = cmd::cpu_simd_cap(cli.cpu_simd, simd_env.as_deref()) {
+        glmdiff::quant::simd::set_cap(cap);
+    }
     install_interrupt_handler();
     restore_default_sigpipe();
     let result = match &cli.command {

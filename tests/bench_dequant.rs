@@ -6,12 +6,7 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-fn glmdiff(args: &[&str]) -> Output {
-    Command::new(crate::common::glmdiff_bin())
-        .args(args)
-        .output()
-        .expect("run glmdiff")
-}
+use crate::common::glmdiff;
 
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()

@@ -507,3 +507,44 @@ fn negative_numbers_reach_the_flag_and_get_one_line() {
     }
     assert!(!Path::new(&npy).exists() && !Path::new(&gguf).exists());
 }
+
+/// `--cpu-simd` caps the CPU's level (`bench dequant` names the one that ran); its default
+/// comes from `GLMDIFF_CPU_SIMD` (a value that names no level is ignored); the flag wins over
+/// the variable; a bad flag value is an error.
+#[test]
+fn cpu_simd_from_the_flag_or_the_environment() {
+    let level = |flag: Option<&str>, var: Option<&str>| {
+        let mut c = bin();
+        if let Some(f) = flag {
+            c.args(["--cpu-simd", f]);
+        }
+        c.args([
+            "bench",
+            "dequant",
+            "--types",
+            "q8_0",
+            "--elements",
+            "256",
+            "--json",
+        ]);
+        match var {
+            Some(v) => c.env("GLMDIFF_CPU_SIMD", v),
+            None => c.env_remove("GLMDIFF_CPU_SIMD"),
+        };
+        let o = c.output().expect("run glmdiff");
+        assert!(o.status.success(), "{flag:?} {var:?}: {}", stderr(&o));
+        let r: Value = serde_json::from_slice(&o.stdout).unwrap();
+        r["cpu_simd"].as_str().unwrap().to_string()
+    };
+    let widest = level(None, None);
+    assert_eq!(level(Some("base"), None), "base");
+    assert_eq!(level(None, Some("base")), "base");
+    assert_eq!(level(None, Some("")), widest);
+    assert_eq!(level(None, Some("sse9")), widest);
+    assert_eq!(level(Some(&widest), Some("base")), widest);
+    assert_eq!(level(Some("BASE"), Some(&widest)), "base");
+    assert_error(
+        &["--cpu-simd", "sse9", "inspect", "x.gguf"],
+        &["--cpu-simd", "base, avx2 or avx512"],
+    );
+}

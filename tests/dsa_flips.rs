@@ -12,9 +12,7 @@ use serde_json::Value;
 use crate::common::{fixtures, run_trace};
 
 fn model() -> PathBuf {
-    fixtures("models")
-        .join("glm5-tiny")
-        .join("glm5-tiny-f32.gguf")
+    crate::common::model("glm5-tiny/glm5-tiny-f32.gguf")
 }
 
 /// transformers in bf16 on an H200: a correct engine whose DSA selection prunes (48 tokens, 8

@@ -7,37 +7,11 @@
 //! manifest records them: the independent check of `--explain`.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 
 use glmdiff::trace::{read_trace, TraceValues};
 use serde_json::Value;
 
-use crate::common::{fixtures, glmdiff_bin};
-
-/// Runs glmdiff with a private cache; returns (exit code, JSON document, text).
-fn run(cache: &Path, args: &[&str], json: &Path) -> (i32, Value, String) {
-    let _ = std::fs::remove_file(json);
-    let mut all: Vec<&str> = args.to_vec();
-    let js = json.to_str().unwrap();
-    all.extend(["--json", js]);
-    let o = std::process::Command::new(glmdiff_bin())
-        .args(&all)
-        .env("GLMDIFF_CACHE_DIR", cache)
-        .output()
-        .unwrap();
-    crate::common::outcome(o, json)
-}
-
-fn model(rel: &str) -> PathBuf {
-    fixtures("models").join(rel)
-}
-
-/// The prompt of a golden trace (made by transformers, not by glmdiff).
-fn golden_tokens(rel: &str) -> String {
-    let t = read_trace(&model(rel)).unwrap();
-    let ids: Vec<String> = t.tokens().unwrap().iter().map(u32::to_string).collect();
-    ids.join(",")
-}
+use crate::common::{fixtures, golden_tokens, model, run_json as run};
 
 /// Experts of layer `l` by how many tokens the golden trace routes to them (most first).
 fn most_routed(rel: &str, l: usize) -> Vec<usize> {

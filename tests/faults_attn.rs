@@ -6,38 +6,10 @@
 //! candidate's numbers to within 0.5% of the planted value (the fit sees only the captured
 //! step's inputs and outputs, not the planted value). Kinds that cannot apply are clear errors.
 
-use std::path::{Path, PathBuf};
+use crate::common::{golden_tokens, model, run_json as run};
 
-use glmdiff::trace::read_trace;
-use serde_json::Value;
-
-use crate::common::{fixtures, glmdiff_bin};
-
-/// Runs glmdiff with a private cache; returns (exit code, JSON document, text).
-fn run(cache: &Path, args: &[&str], json: &Path) -> (i32, Value, String) {
-    let _ = std::fs::remove_file(json);
-    let mut all: Vec<&str> = args.to_vec();
-    all.extend(["--json", json.to_str().unwrap()]);
-    let o = std::process::Command::new(glmdiff_bin())
-        .args(&all)
-        .env("GLMDIFF_CACHE_DIR", cache)
-        .output()
-        .unwrap();
-    crate::common::outcome(o, json)
-}
-
-fn model(rel: &str) -> PathBuf {
-    fixtures("models").join(rel)
-}
-
-/// The prompt of a golden trace (made by transformers, not by glmdiff): 21 tokens, more than
-/// the fixtures' index_topk (8), so the DSA indexer prunes.
-fn golden_tokens(rel: &str) -> String {
-    let t = read_trace(&model(rel)).unwrap();
-    let ids: Vec<String> = t.tokens().unwrap().iter().map(u32::to_string).collect();
-    ids.join(",")
-}
-
+// The golden traces' prompts (`golden_tokens`) have 21 tokens, more than the fixtures'
+// index_topk (8), so the DSA indexer prunes.
 const GLM: &str = "glm5-tiny/glm5-tiny-f32.gguf";
 const GLM_LONG: &str = "glm5-tiny/glm5-tiny.long.trace.safetensors";
 const DS: &str = "dsv3-tiny/dsv3-tiny-f32.gguf";

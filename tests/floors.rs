@@ -12,7 +12,7 @@ use glmdiff::engine::HostTensor;
 use glmdiff::trace::{read_trace, write_trace, Mode, TraceMeta};
 use serde_json::Value;
 
-use crate::common::{fixtures, glmdiff_in, outcome};
+use crate::common::{fixtures, glmdiff_in, run_json};
 
 fn model(dir: &str, file: &str) -> PathBuf {
     fixtures("models").join(dir).join(file)
@@ -24,11 +24,7 @@ fn engine_dump(dir: &str, file: &str) -> PathBuf {
 
 /// `glmdiff ARGS --json OUT` with a private cache: (exit code, JSON, text with messages joined).
 fn run(tmp: &Path, args: &[&str]) -> (i32, Value, String) {
-    let json = tmp.join("r.json");
-    let _ = std::fs::remove_file(&json);
-    let mut all: Vec<&str> = args.to_vec();
-    all.extend(["--json", json.to_str().unwrap()]);
-    outcome(glmdiff_in(&tmp.join("cache"), &all), &json)
+    run_json(&tmp.join("cache"), args, &tmp.join("r.json"))
 }
 
 /// A copy of trace `src` at `dst` (tensors as F32/I32) with metadata `dtype`, the extra keys

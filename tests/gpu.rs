@@ -11,15 +11,10 @@
 
 use std::path::PathBuf;
 
+use crate::common::glmdiff;
+
 fn fixtures(sub: &str) -> PathBuf {
     crate::common::fixtures(sub)
-}
-
-fn glmdiff(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(crate::common::glmdiff_bin())
-        .args(args)
-        .output()
-        .expect("run glmdiff")
 }
 
 /// glmdiff with every CUDA device hidden from it (`CUDA_VISIBLE_DEVICES=""`): no device, on any
@@ -155,7 +150,7 @@ mod device {
         ] {
             let model = Model::open(&fixtures(f)).unwrap();
             let mut n = 0;
-            let mut dc = DeviceCheck::new(&g, Staging::from_env());
+            let mut dc = DeviceCheck::new(&g, Staging::Pinned);
             for t in model.tensors() {
                 if kernel_stem(t.info.ty).is_none() {
                     continue;

@@ -10,30 +10,13 @@
 //! the trace has).
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use glmdiff::trace::read_trace;
 use serde_json::Value;
 
+use crate::common::run_trace;
 use crate::common::subset::{keeps, write_subset, SUBSETS};
-
-fn run(gguf: &Path, trace: &Path, mode: &str, out: &Path) -> (i32, Value, String) {
-    let json = out.join("r.json");
-    let o = crate::common::glmdiff_in(
-        out,
-        &[
-            "run",
-            gguf.to_str().unwrap(),
-            "--against",
-            &format!("trace:{}", trace.display()),
-            "--mode",
-            mode,
-            "--json",
-            json.to_str().unwrap(),
-        ],
-    );
-    crate::common::outcome(o, &json)
-}
 
 /// The first divergence as the table shows it: the segment's name, or the hook.
 fn named(j: &Value) -> String {
@@ -158,7 +141,7 @@ fn engines_without_every_hook_are_clean_and_planted_bugs_are_named() {
                 "not dumped by this engine",
             );
             for mode in ["replay", "chained", "both"] {
-                let (rc, j, text) = run(gguf, &sub, mode, dir.path());
+                let (rc, j, text) = run_trace(dir.path(), gguf, &sub, &["--mode", mode]);
                 match expect {
                     Some(_) if mode == "chained" => rows.push(format!(
                         "| {name} | {subset} | {mode} | {rc} | {} (chained) |",

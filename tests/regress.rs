@@ -43,10 +43,7 @@ fn stable(mut r: Value) -> String {
 }
 
 fn model(rel: &str) -> String {
-    crate::common::fixtures("models")
-        .join(rel)
-        .display()
-        .to_string()
+    crate::common::model(rel).display().to_string()
 }
 
 /// A suite of three cases with absolute paths: a CPU run with a pinned top-5 (transformers'

@@ -688,3 +688,28 @@ fn the_judge_is_built_in_one_place_and_the_pair_sink_only_receives() {
     }
     assert!(trait_body(&trace, "NearTies").is_some());
 }
+
+#[test]
+fn settings_are_read_from_the_environment_at_the_top_only() {
+    // The command line reads a setting's variable (a flag's default); the rooms are handed the
+    // value. Where else the environment is read: the cache directory's conventional variables
+    // (documented with --cache-dir) and the terminal's width (COLUMNS).
+    let allowed = [
+        "src/main.rs",
+        "src/cli.rs",
+        "src/util/cache_dir.rs",
+        "src/report/layout.rs",
+    ];
+    let mut reads = Vec::new();
+    for f in rust_files(&root().join("src")) {
+        let rel = f.strip_prefix(root()).unwrap().display().to_string();
+        let code = code_of(&fs::read_to_string(&f).unwrap());
+        if !allowed.contains(&rel.as_str()) && (code.contains("env::var")) {
+            reads.push(rel);
+        }
+    }
+    assert!(
+        reads.is_empty(),
+        "the environment is read inside rooms (make it a flag whose default the variable sets in src/cli.rs): {reads:?}"
+    );
+}

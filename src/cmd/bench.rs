@@ -83,6 +83,7 @@ pub fn run_layer(args: &BenchLayerArgs) -> Result<Outcome> {
 /// Runs `glmdiff bench run`: the candidate, the depth and the flags checked before any work,
 /// progress on stderr (when it is a terminal), the table (or JSON) on stdout.
 pub fn run_run(args: &BenchRunArgs) -> Result<Outcome> {
+    super::set_prefetch(&args.prefetch);
     if args.tokens.is_empty() || args.tokens.contains(&0) {
         bail!(
             "bench: --tokens {:?}: give one or more token counts, each at least 1",

@@ -29,7 +29,7 @@ pub fn run(args: &DequantCheckArgs) -> Result<Outcome> {
         } else {
             args.devices.clone()
         },
-        staging: dcheck::Staging::from_env(),
+        staging: dcheck::Staging::pageable_if(args.pageable),
         project,
     };
     // One device reports its chunks, several the tensors they share.

@@ -26,9 +26,28 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 
+use crate::cli::PrefetchArgs;
+use crate::quant::simd::Level;
 use crate::session::config::trace_files_beside;
 use crate::session::Against;
 use crate::util::guard::{is_stdout, Guard};
+
+/// Sets whether the CUDA engines this command opens prefetch the next layer's weights
+/// (`--no-prefetch`), before it opens any.
+pub(crate) fn set_prefetch(args: &PrefetchArgs) {
+    #[cfg(feature = "cuda")]
+    crate::engine::cuda::set_prefetch_by_default(!args.no_prefetch);
+    // Without the `cuda` feature no engine uploads weights.
+    #[cfg(not(feature = "cuda"))]
+    let _ = args;
+}
+
+/// The level the CPU's dequantizers and matrix products are capped at: `flag` (`--cpu-simd`),
+/// else `env` (the value of [`crate::quant::simd::LEVEL_ENV`], read once at the start) when it
+/// names a level (an unknown value is ignored); `None`: no cap, the widest the CPU has.
+pub fn cpu_simd_cap(flag: Option<Level>, env: Option<&str>) -> Option<Level> {
+    flag.or_else(|| env.and_then(Level::from_name))
+}
 
 /// Adds the files of a model (every shard of a split model) to `g` as inputs named `what`.
 pub(crate) fn model_input(g: &mut Guard, what: &str, model: &Path) {
@@ -93,5 +112,24 @@ pub(crate) fn write_lines(
             .with_context(|| format!("output: {flag} -: cannot write to stdout"))
     } else {
         crate::util::atomic::write_atomic(path, |w| fill(w))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--cpu-simd` wins over the environment's value, which counts only when it names a level.
+    #[test]
+    fn cpu_simd_cap_from_the_flag_then_the_environment() {
+        assert_eq!(cpu_simd_cap(None, None), None);
+        assert_eq!(cpu_simd_cap(None, Some("")), None);
+        assert_eq!(cpu_simd_cap(None, Some("sse9")), None);
+        assert_eq!(cpu_simd_cap(None, Some(" AVX2")), Some(Level::Avx2));
+        assert_eq!(
+            cpu_simd_cap(Some(Level::Base), Some("avx2")),
+            Some(Level::Base)
+        );
+        assert_eq!(cpu_simd_cap(Some(Level::Avx512), None), Some(Level::Avx512));
     }
 }

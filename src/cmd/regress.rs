@@ -18,6 +18,7 @@ use crate::util::guard::Guard;
 
 /// Runs `glmdiff regress`.
 pub fn run(args: &RegressArgs) -> Result<Outcome> {
+    super::set_prefetch(&args.prefetch);
     let suite = suite::load(&args.suite)?;
     check_files(args, &suite)?;
     let baseline = match &args.baseline {

@@ -16,6 +16,7 @@ use crate::util::guard::Guard;
 
 /// Runs `glmdiff run`.
 pub fn run(args: &RunArgs) -> Result<Outcome> {
+    super::set_prefetch(&args.prefetch);
     let mut g = Guard::new();
     model_input(&mut g, "the input model", &args.model);
     against_input(&mut g, &args.against, &args.model);

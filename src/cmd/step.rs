@@ -12,6 +12,7 @@ use crate::util::guard::Guard;
 
 /// Runs `glmdiff step`.
 pub fn run(args: &StepArgs) -> Result<Outcome> {
+    super::set_prefetch(&args.prefetch);
     let mut g = Guard::new();
     if let Ok(rd) = std::fs::read_dir(&args.dir) {
         for p in rd.filter_map(|e| e.ok().map(|e| e.path())) {

@@ -39,8 +39,9 @@ use project::{Busy, FullModel, Projection, Rates};
 /// Elements per chunk (256 MiB of f32 per side).
 pub const CHUNK_ELEMS: u64 = 1 << 26;
 
-/// The environment variable that makes dequant-check copy from pageable memory
-/// ([`Staging::Pageable`]) when set to anything but the empty string or `0`.
+/// The environment variable that sets the default of `dequant-check --pageable` (read once by
+/// the command line, never here: copies from pageable memory, [`Staging::Pageable`], when set to
+/// anything but the empty string or `0`); the pageable staging's description names it.
 pub const PAGEABLE_ENV: &str = "GLMDIFF_DCHECK_PAGEABLE";
 
 /// How a chunk's raw blocks reach the device.
@@ -55,17 +56,13 @@ pub enum Staging {
 }
 
 impl Staging {
-    /// [`Staging::Pageable`] when [`PAGEABLE_ENV`] says so, else [`Staging::Pinned`].
-    pub fn from_env() -> Staging {
-        Staging::from_value(std::env::var(PAGEABLE_ENV).ok().as_deref())
-    }
-
-    /// The staging a value of [`PAGEABLE_ENV`] asks for: pageable when set to anything but the
-    /// empty string or `0`.
-    pub fn from_value(v: Option<&str>) -> Staging {
-        match v {
-            Some(v) if !v.is_empty() && v != "0" => Staging::Pageable,
-            _ => Staging::Pinned,
+    /// [`Staging::Pageable`] when `pageable` (`dequant-check --pageable`), else
+    /// [`Staging::Pinned`].
+    pub fn pageable_if(pageable: bool) -> Staging {
+        if pageable {
+            Staging::Pageable
+        } else {
+            Staging::Pinned
         }
     }
 }
@@ -303,13 +300,10 @@ mod tests {
         assert_eq!(row_chunks(3, 0), vec![0..1, 1..2, 2..3]);
     }
 
-    /// `GLMDIFF_DCHECK_PAGEABLE`: any value but empty or `0` asks for pageable copies.
+    /// `--pageable` asks for pageable copies, pinned staging otherwise.
     #[test]
-    fn pageable_by_the_environment_value() {
-        assert_eq!(Staging::from_value(None), Staging::Pinned);
-        assert_eq!(Staging::from_value(Some("")), Staging::Pinned);
-        assert_eq!(Staging::from_value(Some("0")), Staging::Pinned);
-        assert_eq!(Staging::from_value(Some("1")), Staging::Pageable);
-        assert_eq!(Staging::from_value(Some("yes")), Staging::Pageable);
+    fn pageable_when_asked() {
+        assert_eq!(Staging::pageable_if(false), Staging::Pinned);
+        assert_eq!(Staging::pageable_if(true), Staging::Pageable);
     }
 }

@@ -61,15 +61,16 @@ pub const AHEAD: usize = 2;
 /// Bytes of a chunk's first and last bytes the upload thread compares with the memory map.
 const FINGERPRINT: usize = 64;
 
-/// Checks one tensor on `gpu` with the staging [`Staging::from_env`] asks for (a pipeline of
-/// its own: [`DeviceCheck`] keeps one for many tensors).
+/// Checks one tensor on `gpu` with `staging` (a pipeline of its own: [`DeviceCheck`] keeps one
+/// for many tensors).
 pub fn check_tensor(
     gpu: &Gpu,
+    staging: Staging,
     model: &Model,
     t: TensorRef<'_>,
     progress: &dyn Progress,
 ) -> Result<TensorCheck> {
-    DeviceCheck::new(gpu, Staging::from_env()).check_tensor(model, t, progress)
+    DeviceCheck::new(gpu, staging).check_tensor(model, t, progress)
 }
 
 /// One device's pipeline (see the module documentation); its upload thread and pinned ring

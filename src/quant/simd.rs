@@ -15,6 +15,8 @@
 //!
 //! Other architectures get the body alone.
 
+use std::sync::atomic::{AtomicU8, Ordering};
+
 /// The instruction sets a body is compiled for, in increasing order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Level {
@@ -46,23 +48,40 @@ impl Level {
     }
 }
 
-/// The environment variable that caps the level (`base`, `avx2`, `avx512`), to compare the
-/// builds or to rule one out; an unknown value is ignored.
+/// The environment variable that sets the default of the command line's `--cpu-simd` (read once
+/// by the binary at its start, never here); a value that names no level is ignored.
 pub const LEVEL_ENV: &str = "GLMDIFF_CPU_SIMD";
 
-/// The widest level this CPU supports, at most [`LEVEL_ENV`]'s, detected on first use.
+/// The level [`detected`] found (a [`Level`] as `u8`; `u8::MAX` until it is first asked).
+static DETECTED: AtomicU8 = AtomicU8::new(u8::MAX);
+/// The process-wide cap [`set_cap`] set (a [`Level`] as `u8`; none by default).
+static PROCESS_CAP: AtomicU8 = AtomicU8::new(Level::Avx512 as u8);
+
+/// Caps the level of every dequantizer and matrix product of this process at `cap` (`base`,
+/// `avx2`, `avx512`), to compare the builds or to rule one out: the command's `--cpu-simd`,
+/// set once at its start, before any work.
+pub fn set_cap(cap: Level) {
+    PROCESS_CAP.store(cap as u8, Ordering::Relaxed);
+    // Detected again at the next use, under the new cap.
+    DETECTED.store(u8::MAX, Ordering::Relaxed);
+}
+
+/// The level stored as `v` (see [`DETECTED`]), `None` for an unknown one.
+fn from_u8(v: u8) -> Option<Level> {
+    match v {
+        0 => Some(Level::Base),
+        1 => Some(Level::Avx2),
+        2 => Some(Level::Avx512),
+        _ => None,
+    }
+}
+
+/// The widest level this CPU supports, at most [`set_cap`]'s, detected on first use.
 pub fn detected() -> Level {
-    use std::sync::atomic::{AtomicU8, Ordering};
-    static DETECTED: AtomicU8 = AtomicU8::new(u8::MAX);
-    match DETECTED.load(Ordering::Relaxed) {
-        0 => Level::Base,
-        1 => Level::Avx2,
-        2 => Level::Avx512,
-        _ => {
-            let cap = std::env::var(LEVEL_ENV)
-                .ok()
-                .and_then(|v| Level::from_name(&v))
-                .unwrap_or(Level::Avx512);
+    match from_u8(DETECTED.load(Ordering::Relaxed)) {
+        Some(l) => l,
+        None => {
+            let cap = from_u8(PROCESS_CAP.load(Ordering::Relaxed)).unwrap_or(Level::Avx512);
             let l = detect().min(cap);
             DETECTED.store(l as u8, Ordering::Relaxed);
             l

@@ -26,6 +26,28 @@ pub fn fixtures(sub: &str) -> PathBuf {
     repo_root().join("fixtures").join(sub)
 }
 
+/// A fixture model or golden trace, `rel` under `fixtures/models` (e.g.
+/// `glm5-tiny/glm5-tiny-f32.gguf`).
+pub fn model(rel: &str) -> PathBuf {
+    fixtures("models").join(rel)
+}
+
+/// The prompt of the golden trace `rel` under `fixtures/models` (made by transformers, not by
+/// glmdiff), as `--tokens` takes it.
+pub fn golden_tokens(rel: &str) -> String {
+    let t = glmdiff::trace::read_trace(&model(rel)).unwrap();
+    let ids: Vec<String> = t.tokens().unwrap().iter().map(u32::to_string).collect();
+    ids.join(",")
+}
+
+/// Runs glmdiff with `args`.
+pub fn glmdiff(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(glmdiff_bin())
+        .args(args)
+        .output()
+        .expect("run glmdiff")
+}
+
 /// `(trace, gguf)` for every `*.trace.safetensors` in the subdirectories of `traces_root` and
 /// every GGUF its metadata lists (`models`, else `model`), found in the directory of the same
 /// name under `models_root`. Sorted by directory and file name.
@@ -128,6 +150,15 @@ pub fn run_trace(
     ];
     args.extend_from_slice(extra);
     outcome(glmdiff_in(dir, &args), &json)
+}
+
+/// `glmdiff ARGS --json JSON` with its reference cache in `cache`, a `json` left by an earlier run
+/// removed first: exit code, the JSON and the text printed.
+pub fn run_json(cache: &Path, args: &[&str], json: &Path) -> (i32, serde_json::Value, String) {
+    let _ = std::fs::remove_file(json);
+    let mut all: Vec<&str> = args.to_vec();
+    all.extend(["--json", json.to_str().unwrap()]);
+    outcome(glmdiff_in(cache, &all), json)
 }
 
 /// Runs glmdiff with `args` and its reference cache in `cache`.

@@ -54,7 +54,9 @@ use crate::model::{rope, RopeSlice, Weights};
 use crate::precision::{Dtype, Precision};
 use tensor::{items, launch, rows_cfg, GpuData};
 
-pub use prefetch::{prefetch_by_default, PrefetchSummary, PREFETCH_RESERVE};
+pub use prefetch::{
+    prefetch_by_default, set_prefetch_by_default, PrefetchSummary, PREFETCH_RESERVE,
+};
 pub use tensor::GpuTensor;
 
 /// The engine's compute precision (`run --dtype`).

@@ -13,10 +13,11 @@
 //!
 //! Nothing here is an error: a layer that does not fit, an uploader that cannot start, a
 //! tensor whose upload fails, all leave the tensor to the on-demand upload of `raw`, as without
-//! prefetch, and say why in [`PrefetchSummary::notes`]. `GLMDIFF_NO_PREFETCH=1` (or
-//! [`CudaEngine::with_prefetch`]) turns prefetching off.
+//! prefetch, and say why in [`PrefetchSummary::notes`]. A command's `--no-prefetch` (through
+//! [`set_prefetch_by_default`]) or [`CudaEngine::with_prefetch`] turns prefetching off.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
@@ -32,15 +33,20 @@ const FINGERPRINT: usize = 64;
 /// Distinct reasons kept in [`PrefetchSummary::notes`].
 const MAX_NOTES: usize = 4;
 
-/// Whether prefetching is on unless told otherwise: off when the environment variable
-/// `GLMDIFF_NO_PREFETCH` is set to anything but the empty string or `0`.
+/// Whether engines opened from now on prefetch ([`set_prefetch_by_default`]).
+static BY_DEFAULT: AtomicBool = AtomicBool::new(true);
+
+/// Whether prefetching is on unless told otherwise: on, but for a command run with
+/// `--no-prefetch` ([`set_prefetch_by_default`]).
 pub fn prefetch_by_default() -> bool {
-    !turned_off(std::env::var("GLMDIFF_NO_PREFETCH").ok().as_deref())
+    BY_DEFAULT.load(Ordering::Relaxed)
 }
 
-/// Whether a value of `GLMDIFF_NO_PREFETCH` turns prefetching off.
-fn turned_off(v: Option<&str>) -> bool {
-    v.is_some_and(|v| !v.is_empty() && v != "0")
+/// Sets whether the engines this process opens from now on prefetch: the command's
+/// `--no-prefetch` (whose default `GLMDIFF_NO_PREFETCH` sets), set once at its start, before
+/// any engine opens.
+pub fn set_prefetch_by_default(on: bool) {
+    BY_DEFAULT.store(on, Ordering::Relaxed);
 }
 
 /// What prefetching did over an engine's life.
@@ -222,8 +228,8 @@ struct Want {
 }
 
 impl CudaEngine<'_> {
-    /// The same engine with prefetching on or off (on by default unless `GLMDIFF_NO_PREFETCH`
-    /// says otherwise, [`prefetch_by_default`]).
+    /// The same engine with prefetching on or off (on by default unless the command says
+    /// otherwise, [`prefetch_by_default`]).
     pub fn with_prefetch(self, on: bool) -> Self {
         self.prefetch.borrow_mut().set_on(on);
         self
@@ -505,15 +511,6 @@ mod tests {
             p.pending["blk.5.a"].state,
             State::Arrived(Outcome::Failed(_))
         ));
-    }
-
-    #[test]
-    fn the_environment_turns_prefetch_off() {
-        assert!(!turned_off(None));
-        assert!(!turned_off(Some("")));
-        assert!(!turned_off(Some("0")));
-        assert!(turned_off(Some("1")));
-        assert!(turned_off(Some("yes")));
     }
 
     #[test]
