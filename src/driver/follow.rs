@@ -644,7 +644,7 @@ mod tests {
     use crate::explain::fault::{Fault, FaultEngine, FaultKind};
     use crate::model::testutil::{tiny_hparams, tiny_model};
     use crate::model::Arch;
-    use crate::trace::{HookFilter, NearTies, Pair};
+    use crate::trace::{HookFilter, Pair};
 
     /// A sink that takes every row whose selection differs as a near tie, and keeps what the
     /// chained side hands it.
@@ -676,28 +676,6 @@ mod tests {
         }
     }
 
-    /// Every row whose selection differs is a near tie; no alternatives.
-    struct EveryRowTies;
-
-    impl NearTies for EveryRowTies {
-        fn near_ties(&self, _: &str, _: Mode, _: &HostTensor, _: usize) -> Vec<crate::trace::Swap> {
-            Vec::new()
-        }
-        fn near_tie_rows(
-            &self,
-            _: &str,
-            _: Mode,
-            reference: &HostTensor,
-            candidate: &HostTensor,
-        ) -> Vec<usize> {
-            let w = *reference.shape.last().unwrap();
-            let (r, c) = (reference.as_i32("").unwrap(), candidate.as_i32("").unwrap());
-            (0..reference.shape[0])
-                .filter(|&t| r[t * w..(t + 1) * w] != c[t * w..(t + 1) * w])
-                .collect()
-        }
-    }
-
     /// A candidate engine whose DSA indexer in layer 0 selects other keys (half-split RoPE in
     /// the indexer) and is otherwise the reference: once the chain takes its selection, every
     /// hook from layer 0's attention on is the reference's bit for bit, while the reference's
@@ -723,7 +701,7 @@ mod tests {
             tokens: &tokens,
             plan: &plan,
             start: &[],
-            ties: &EveryRowTies,
+            ties: &crate::driver::rows::DifferingRows,
         };
         run_pair(
             &reference,

@@ -443,6 +443,34 @@ fn experts<'k, E: Engine>(
     Ok(Some(out))
 }
 
+/// For the driver's tests: every row whose selection differs is a near tie, with no
+/// alternatives.
+#[cfg(test)]
+pub(super) struct DifferingRows;
+
+#[cfg(test)]
+impl crate::trace::NearTies for DifferingRows {
+    fn near_ties(
+        &self,
+        _: &str,
+        _: crate::trace::Mode,
+        _: &HostTensor,
+        _: usize,
+    ) -> Vec<crate::trace::Swap> {
+        Vec::new()
+    }
+
+    fn near_tie_rows(
+        &self,
+        _: &str,
+        _: crate::trace::Mode,
+        reference: &HostTensor,
+        candidate: &HostTensor,
+    ) -> Vec<usize> {
+        rows_differing(reference, candidate).unwrap_or_default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::path::Path;
@@ -456,7 +484,6 @@ mod tests {
     use crate::model::steps::layer_steps;
     use crate::model::testutil::tiny_hparams;
     use crate::model::{Arch, Weights};
-    use crate::trace::NearTies;
     use crate::trace::{Mode, Pair, PairSink};
 
     /// A tensor as its shape and the bits of its values.
@@ -526,24 +553,6 @@ mod tests {
                 bits(reference),
                 bits(candidate),
             ));
-        }
-    }
-
-    /// Every row whose selection differs is a near tie; no alternatives.
-    struct DifferingRows;
-
-    impl NearTies for DifferingRows {
-        fn near_ties(&self, _: &str, _: Mode, _: &HostTensor, _: usize) -> Vec<crate::trace::Swap> {
-            Vec::new()
-        }
-        fn near_tie_rows(
-            &self,
-            _: &str,
-            _: Mode,
-            reference: &HostTensor,
-            candidate: &HostTensor,
-        ) -> Vec<usize> {
-            rows_differing(reference, candidate).unwrap_or_default()
         }
     }
 
