@@ -683,3 +683,102 @@ fn json_contract_plot_and_errors() {
         text(&o)
     );
 }
+
+/// A float hook whose systematic test had too few rows says so: a 5-token prompt, clean or
+/// with a 2% `attn_output` gain, carries `systematic_untested` on every float hook's results and
+/// one line under the table, within 100 columns, with no verdict changed by it; the committed
+/// 32-token trace tests every hook and shows no such line, and the 21-token one leaves only the
+/// router's narrow weights untested.
+#[test]
+fn untested_systematic_tests_are_said() {
+    let cache = tempfile::tempdir().unwrap();
+    let gguf = fixtures().join("glm5-tiny/glm5-tiny-f32.gguf");
+    let g = gguf.to_str().unwrap();
+    let five = ["run", g, "--tokens", "1,2,3,4,5", "--against", "cpu"];
+    let inject = ["--inject", "weight_scale:blk.1.attn_output.weight,1.02"];
+    for (extra, code) in [(&[][..], 0), (&inject[..], 1)] {
+        let args: Vec<&str> = five
+            .iter()
+            .chain(extra)
+            .chain(&["--json", "-"])
+            .copied()
+            .collect();
+        let o = glmdiff(cache.path(), &args);
+        assert_eq!(o.status.code(), Some(code), "{args:?}: {}", text(&o));
+        let j: Value = serde_json::from_slice(&o.stdout).unwrap();
+        let rec = j["records"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["hook"] == "blk.1.attn_out")
+            .unwrap();
+        for m in ["replay", "chained"] {
+            let u = &rec[m]["systematic_untested"];
+            assert_eq!(u["rows"], 5, "{args:?} {m}: {}", rec[m]);
+            assert_eq!(u["elements"], 5 * 64, "{args:?} {m}: {}", rec[m]);
+            assert_eq!(u["reason"], "5 rows; the sub-floor tests need 8");
+            assert!(rec[m]["systematic"].is_null());
+        }
+        // Selections have no systematic test: nothing to say of them.
+        let sel = j["records"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["hook"] == "blk.1.moe_topk_ids")
+            .unwrap();
+        assert!(sel["replay"].get("systematic_untested").is_none());
+        let report = String::from_utf8_lossy(&o.stderr).to_string();
+        let lines: Vec<&str> = report
+            .lines()
+            .filter(|l| l.starts_with("sub-floor tests not run"))
+            .collect();
+        assert_eq!(
+            lines,
+            ["sub-floor tests not run: 61 hooks with 5 rows < 8 (prompt too short)"],
+            "{report}"
+        );
+        assert!(report.lines().all(|l| l.chars().count() <= 100), "{report}");
+    }
+    // Long prompts: the committed candidates.
+    for (trace, line) in [
+        ("glm5-tiny.dsa.cpu-bf16", None),
+        (
+            "glm5-tiny.long.cpu-bf16",
+            Some("sub-floor tests not run: 2 hooks with 42 values < 64"),
+        ),
+    ] {
+        let t =
+            crate::common::fixtures("engines").join(format!("glm5-tiny/{trace}.trace.safetensors"));
+        let (code, j, report) = crate::common::run_trace(cache.path(), &gguf, &t, &[]);
+        assert_eq!(code, 0, "{trace}: {report}");
+        let untested: Vec<&str> = j["records"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| {
+                ["replay", "chained"]
+                    .iter()
+                    .any(|m| r[m].get("systematic_untested").is_some())
+            })
+            .map(|r| r["hook"].as_str().unwrap())
+            .collect();
+        let shown: Vec<&str> = report
+            .lines()
+            .filter(|l| l.starts_with("sub-floor tests not run"))
+            .collect();
+        match line {
+            None => {
+                assert!(untested.is_empty(), "{trace}: {untested:?}");
+                assert!(shown.is_empty(), "{trace}: {report}");
+            }
+            Some(line) => {
+                assert_eq!(
+                    untested,
+                    ["blk.1.moe_weights", "blk.2.moe_weights"],
+                    "{trace}"
+                );
+                assert_eq!(shown, [line], "{trace}: {report}");
+            }
+        }
+    }
+}

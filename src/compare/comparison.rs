@@ -52,7 +52,8 @@ use super::judge::Judge;
 use super::logits::{analyse, LogitsReport};
 use super::metrics::{compare, Metrics};
 use super::records::{
-    fold_layers, HookRecord, LayerSummary, ModeResult, Override, Segment, Status,
+    fold_layers, fold_untested, HookRecord, LayerSummary, ModeResult, Override, Segment, Status,
+    UntestedSummary,
 };
 use super::rules::{judge_pair, Judging, IMPLIED_SLACK};
 use super::selection::{has_near_tie, implied_bias, Scores};
@@ -434,6 +435,12 @@ impl Comparison {
     pub fn layers(&self) -> Vec<LayerSummary> {
         fold_layers(&self.records)
     }
+
+    /// The float hooks whose systematic test could not run for want of data, folded; `None`
+    /// when every float hook was tested.
+    pub fn untested(&self) -> Option<UntestedSummary> {
+        fold_untested(&self.records)
+    }
 }
 
 impl PairSink for Comparison {
@@ -590,6 +597,7 @@ impl PairSink for Comparison {
             drift_from: None,
             plain_error: None,
             systematic: None,
+            systematic_untested: None,
         });
     }
 
@@ -944,6 +952,59 @@ mod tests {
             (o[1].kind, o[1].value.as_str(), o[1].hooks),
             ("precision", "fp8", 2)
         );
+    }
+
+    /// A 2% gain over a 5-token prompt: within the bf16 floor, and too few rows for the
+    /// systematic test, which says so in the record (both modes) and in the summary; the
+    /// verdict stays a pass. Twelve tokens test it, and find the gain.
+    #[test]
+    fn too_few_rows_leave_the_systematic_test_untested_and_say_so() {
+        let tensor = |rows: usize, gain: f32| {
+            let v = (0..rows * 64)
+                .map(|i| gain * ((i * 7919 % 97) as f32 / 48.0 - 1.0))
+                .collect();
+            HostTensor::f32(vec![rows, 64], v).unwrap()
+        };
+        let run = |rows: usize| {
+            let tokens: Vec<u32> = (1..=rows as u32).collect();
+            let mut c = Comparison::new(judge(), Box::new(|_| true), &tokens);
+            for mode in [Mode::Replay, Mode::Chained] {
+                c.record(Pair {
+                    name: "blk.1.attn_out",
+                    mode,
+                    inputs: &[],
+                    reference: tensor(rows, 1.0),
+                    candidate: tensor(rows, 1.02),
+                    note: None,
+                })
+                .unwrap();
+            }
+            c
+        };
+        let c = run(5);
+        let rec = &c.records()[0];
+        for m in [&rec.replay, &rec.chained] {
+            let m = m.as_ref().unwrap();
+            assert_eq!(m.status, Status::Pass);
+            assert!(m.systematic.is_none());
+            let u = m.systematic_untested.as_ref().unwrap();
+            assert_eq!((u.rows, u.elements), (5, 320));
+            assert_eq!(u.reason, "5 rows; the sub-floor tests need 8");
+        }
+        assert!(!c.differs());
+        assert_eq!(
+            c.untested(),
+            Some(UntestedSummary {
+                hooks: 1,
+                short_prompt: Some((1, 5, 5)),
+                ..UntestedSummary::default()
+            })
+        );
+        let c = run(12);
+        let replay = c.records()[0].replay.as_ref().unwrap();
+        assert!(replay.systematic_untested.is_none());
+        assert_eq!(replay.status, Status::Fail, "{:?}", replay.note);
+        assert_eq!(c.untested(), None);
     }
 
     #[test]

@@ -22,4 +22,6 @@ pub use comparison::Comparison;
 pub use floors::{Dtype, HookInfo, Kind, Precision};
 pub use judge::{Judge, JudgeSpec, ModelFacts, PrecisionOverride};
 pub use metrics::{compare, FloatMetrics, IdMetrics, Metrics};
-pub use records::{HookRecord, LayerSummary, ModeResult, Override, Segment, Status};
+pub use records::{
+    HookRecord, LayerSummary, ModeResult, Override, Segment, Status, UntestedSummary,
+};

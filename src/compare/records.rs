@@ -1,6 +1,7 @@
 //! The records of a comparison: how a hook fared in each mode ([`Status`], [`ModeResult`]),
 //! everything known about one hook ([`HookRecord`] and the [`Segment`] it ends), the overrides
-//! that decided floors ([`Override`]), and the records folded by layer ([`LayerSummary`]). Data:
+//! that decided floors ([`Override`]), the records folded by layer ([`LayerSummary`]), and the
+//! hooks whose systematic test could not run, folded ([`UntestedSummary`]). Data:
 //! the rules that fill them are in [`super::rules`], the comparison that keeps them in
 //! [`super::comparison`].
 
@@ -9,7 +10,7 @@ use serde::Serialize;
 use super::floors::HookInfo;
 use super::metrics::Metrics;
 use super::selection::FlipStats;
-use super::systematic::Systematic;
+use super::systematic::{Systematic, Untested};
 use crate::trace::Mode;
 
 /// How one hook fared in one mode.
@@ -56,6 +57,10 @@ pub struct ModeResult {
     /// overall gain, the most significant group gain, and the one named as a bug.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub systematic: Option<Systematic>,
+    /// Float hooks whose systematic test could not run for want of data (too few rows or
+    /// values, [`super::systematic::Untested`]): what they had, and why in words.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub systematic_untested: Option<Untested>,
 }
 
 /// Steps the reference replayed as one: from hooks of the trace through hooks the trace lacks
@@ -225,4 +230,48 @@ pub fn fold_layers(records: &[HookRecord]) -> Vec<LayerSummary> {
         }
     }
     out
+}
+
+/// The float hooks whose systematic test could not run for want of data
+/// ([`ModeResult::systematic_untested`]), folded: a hook counts once, by its first such result
+/// (replay, then chained). Each class: how many hooks, and the fewest and most rows (or
+/// values) they had.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct UntestedSummary {
+    /// Hooks not tested.
+    pub hooks: usize,
+    /// Short of rows with every row compared: the prompt is too short.
+    pub short_prompt: Option<(usize, usize, usize)>,
+    /// Short of rows once the rows a selection difference upstream reaches are left out
+    /// (chained).
+    pub rows_reached: Option<(usize, usize, usize)>,
+    /// Rows enough, short of values (a narrow hook: a router's weights).
+    pub few_values: Option<(usize, usize, usize)>,
+}
+
+/// The hooks of `records` whose systematic test could not run, folded; `None` when there are
+/// none.
+pub fn fold_untested(records: &[HookRecord]) -> Option<UntestedSummary> {
+    let add = |slot: &mut Option<(usize, usize, usize)>, x: usize| {
+        *slot = Some(match *slot {
+            None => (1, x, x),
+            Some((n, a, b)) => (n + 1, a.min(x), b.max(x)),
+        });
+    };
+    let mut s = UntestedSummary::default();
+    for r in records {
+        let Some(u) = [&r.replay, &r.chained]
+            .into_iter()
+            .find_map(|m| m.as_ref().and_then(|m| m.systematic_untested.as_ref()))
+        else {
+            continue;
+        };
+        s.hooks += 1;
+        match (u.few_rows(), r.shape.first() == Some(&u.rows)) {
+            (true, true) => add(&mut s.short_prompt, u.rows),
+            (true, false) => add(&mut s.rows_reached, u.rows),
+            (false, _) => add(&mut s.few_values, u.elements),
+        }
+    }
+    (s.hooks > 0).then_some(s)
 }

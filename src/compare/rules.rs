@@ -14,7 +14,7 @@ use super::judge::Judge;
 use super::metrics::{compare, FloatMetrics, Metrics};
 use super::records::{ModeResult, Status};
 use super::selection::{differing_rows, implied_bias, judge_flips, FlipAt, FlipStats, Scores};
-use super::systematic::{analyse as analyse_systematic, Direction, Layout, Part, Systematic};
+use super::systematic::{test as test_systematic, Direction, Layout, Outcome, Part, Systematic};
 use crate::trace::{Mode, Pair};
 
 /// How far the reference's selections may contradict the selection bias they imply before the
@@ -190,6 +190,7 @@ pub(super) fn judge_pair(j: &Judging<'_>) -> (ModeResult, Option<Chain>) {
             drift_from: None,
             plain_error: chained.then_some(error),
             systematic: None,
+            systematic_untested: None,
         },
         // What the hook passes on (chained): the rows upstream differences reach, its error
         // over the others.
@@ -247,6 +248,7 @@ fn comparable(j: &Judging<'_>, v: &mut Verdict) -> bool {
         drift_from: None,
         plain_error: None,
         systematic: None,
+        systematic_untested: None,
     };
     v.next = j.up.clone();
     v.stop = true;
@@ -598,7 +600,11 @@ fn systematic_rule(j: &Judging<'_>, v: &mut Verdict) -> bool {
     if m.nonfinite_mismatch != 0 || !(v.token_rows || expert) {
         return false;
     }
-    v.r.systematic = systematic(j);
+    match systematic(j) {
+        Outcome::Tested(s) => v.r.systematic = Some(s),
+        Outcome::Untested(u) => v.r.systematic_untested = Some(u),
+        Outcome::Nothing => {}
+    }
     let named = v.r.systematic.as_ref().and_then(Systematic::describe);
     if let (Some(text), Status::Pass) = (named, v.r.status) {
         let (error, allowed) = (v.r.error, v.r.allowed);
@@ -610,17 +616,19 @@ fn systematic_rule(j: &Judging<'_>, v: &mut Verdict) -> bool {
 }
 
 /// The systematic components of a float pair's error ([`super::systematic`]), over the rows no
-/// selection difference upstream reaches (`up.touched`, chained).
-fn systematic(j: &Judging<'_>) -> Option<Systematic> {
+/// selection difference upstream reaches (`up.touched`, chained), or why the test could not run.
+fn systematic(j: &Judging<'_>) -> Outcome {
     let pair = j.pair;
     if matches!(j.judge.info(pair.name).kind, Kind::Selection | Kind::Zeros) {
-        return None;
+        return Outcome::Nothing;
     }
     let (Ok(r), Ok(c)) = (pair.reference.as_f32(""), pair.candidate.as_f32("")) else {
-        return None;
+        return Outcome::Nothing;
     };
     let shape = &pair.reference.shape;
-    let rows = shape.first().copied()?;
+    let Some(rows) = shape.first().copied() else {
+        return Outcome::Nothing;
+    };
     let cols: usize = shape[1..].iter().product();
     let heads = match (shape.len(), point_of(pair.name)) {
         (3, _) => Some(shape[1]),
@@ -643,13 +651,13 @@ fn systematic(j: &Judging<'_>) -> Option<Systematic> {
         .collect();
     let touched = &j.up.touched;
     if touched.is_empty() {
-        return analyse_systematic(r, c, layout, &dirs);
+        return test_systematic(r, c, layout, &dirs);
     }
     let mut masked = c.to_vec();
     for &t in touched.iter().filter(|&&t| t < rows) {
         masked[t * cols..(t + 1) * cols].fill(f32::NAN);
     }
-    analyse_systematic(r, &masked, layout, &dirs)
+    test_systematic(r, &masked, layout, &dirs)
 }
 
 /// The flips of DSA selection `candidate` against `reference` (`width` ids per row) as a whole,

@@ -707,26 +707,98 @@ pub fn spread(a: &[f64]) -> f64 {
     1.4826 * median(&mut d)
 }
 
+/// A hook whose systematic test did not run for want of data: fewer than [`MIN_ROWS`] rows or
+/// [`MIN_ELEMENTS`] finite elements to fit a gain and estimate its noise from (a short prompt;
+/// in chained mode, also the rows a selection difference upstream reaches, left out).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Untested {
+    /// Rows with a finite element on both sides.
+    pub rows: usize,
+    /// Elements finite on both sides.
+    pub elements: usize,
+    /// Why, in words (`5 rows; the sub-floor tests need 8`).
+    pub reason: String,
+}
+
+impl Untested {
+    /// The record of a hook with `rows` rows and `elements` elements compared, when they are too
+    /// few for the test; `None` when they are enough.
+    pub fn of(rows: usize, elements: usize) -> Option<Untested> {
+        let few_rows = rows < MIN_ROWS;
+        let few_elements = elements < MIN_ELEMENTS;
+        let reason = match (few_rows, few_elements) {
+            (false, false) => return None,
+            (true, false) => format!("{rows} rows; the sub-floor tests need {MIN_ROWS}"),
+            (false, true) => {
+                format!("{elements} values; the sub-floor tests need {MIN_ELEMENTS}")
+            }
+            (true, true) => format!(
+                "{rows} rows, {elements} values; the sub-floor tests need {MIN_ROWS} rows, {MIN_ELEMENTS} values"
+            ),
+        };
+        Some(Untested {
+            rows,
+            elements,
+            reason,
+        })
+    }
+
+    /// Whether it lacked rows (rather than only values).
+    pub fn few_rows(&self) -> bool {
+        self.rows < MIN_ROWS
+    }
+}
+
+/// What the systematic test made of one hook ([`test`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Outcome {
+    /// It ran.
+    Tested(Systematic),
+    /// It could not run: too few rows or values ([`Untested`]).
+    Untested(Untested),
+    /// Nothing to fit: no finite signal, or the sizes disagree.
+    Nothing,
+}
+
 /// The systematic test of candidate `c` against reference `r` (flat, `layout.rows *
 /// layout.cols` values each), with the directions of the bug families the step has (`parts`).
-/// `None` when nothing can be fitted (no finite signal, or the sizes disagree).
+/// `None` when it did not run ([`test`] says why).
 pub fn analyse(
     r: &[f32],
     c: &[f32],
     layout: Layout,
     parts: &[Direction<'_>],
 ) -> Option<Systematic> {
+    match test(r, c, layout, parts) {
+        Outcome::Tested(s) => Some(s),
+        Outcome::Untested(_) | Outcome::Nothing => None,
+    }
+}
+
+/// [`analyse`], saying also when the test could not run for want of data
+/// ([`Outcome::Untested`]).
+pub fn test(r: &[f32], c: &[f32], layout: Layout, parts: &[Direction<'_>]) -> Outcome {
     let n = layout.rows * layout.cols;
     if r.len() != n || c.len() != n || n == 0 {
-        return None;
+        return Outcome::Nothing;
     }
     let v = Values::new(r, c, layout);
     let parts: Vec<&Direction<'_>> = parts.iter().filter(|d| d.fits(layout)).collect();
     let sparse = parts.iter().any(|d| d.rows.is_some());
     let totals = Totals::new(&v, sparse);
-    if totals.members < MIN_ELEMENTS || totals.rows_with_values < MIN_ROWS {
-        return None;
+    if let Some(u) = Untested::of(totals.rows_with_values, totals.members) {
+        return Outcome::Untested(u);
     }
+    match fitted(&v, &totals, &parts) {
+        Some(s) => Outcome::Tested(s),
+        None => Outcome::Nothing,
+    }
+}
+
+/// The fits of [`test`] over a hook with enough rows and values.
+fn fitted(v: &Values<'_>, totals: &Totals, parts: &[&Direction<'_>]) -> Option<Systematic> {
+    let (r, c, layout) = (v.r, v.c, v.layout);
+    let v = *v;
     let cols = layout.cols;
     let overall = fit(&v, 0..cols, (totals.rr, totals.er), Group::All)?;
     let mut groups: Vec<(Vec<Gain>, usize)> = Vec::new();
@@ -747,7 +819,7 @@ pub fn analyse(
     // One fit per direction, each on its own thread (a routed-experts step has one per expert
     // the tokens chose); the order of `parts` is kept. A sampled direction's rows are gathered
     // once per set of rows.
-    let samples = Samples::new(r, c, layout, &parts);
+    let samples = Samples::new(r, c, layout, parts);
     let fitted: Vec<(&Direction<'_>, Gain)> = parts
         .par_iter()
         .filter_map(|&d| {
@@ -755,7 +827,7 @@ pub fn analyse(
             let g = match (d.rows, samples.of(d)) {
                 (None, _) => fit_part(&v, d.values, group),
                 (Some(_), Some(sv)) => fit_part(&sv, d.values, group),
-                (Some(rows), None) => fit_sparse(&v, &totals, rows, d.values, group),
+                (Some(rows), None) => fit_sparse(&v, totals, rows, d.values, group),
             }?;
             Some((d, g))
         })
@@ -820,7 +892,7 @@ pub fn analyse(
         .into_iter()
         .max_by(|a, b| a.1.total_cmp(&b.1))
         .map(|(g, _)| g);
-    let residual = finding.as_ref().map(|f| residual(&v, f, &parts, &samples));
+    let residual = finding.as_ref().map(|f| residual(&v, f, parts, &samples));
     Some(Systematic {
         overall,
         worst_group: worst.map(|(g, _)| g),
@@ -1244,6 +1316,64 @@ mod tests {
         assert!(analyse(&[1.0, 2.0, 3.0, 4.0], &[1.1, 2.2, 3.3, 4.4], small, &[]).is_none());
         assert!(analyse(&r, &c[..3], layout, &[]).is_none());
         assert!(analyse(&vec![0.0; 144], &vec![0.0; 144], layout, &[]).is_none());
+    }
+
+    #[test]
+    fn too_few_rows_or_values_say_why_the_test_did_not_run() {
+        // A 2% gain over 5 rows of 64: plain in the data, but too few rows to test.
+        let (r, c) = pair(5, 64, 11);
+        let c: Vec<f32> = c.iter().map(|&x| x * 1.02).collect();
+        let layout = Layout {
+            rows: 5,
+            cols: 64,
+            heads: None,
+        };
+        let Outcome::Untested(u) = test(&r, &c, layout, &[]) else {
+            panic!("5 rows should leave the test untested");
+        };
+        assert_eq!((u.rows, u.elements), (5, 320));
+        assert!(u.few_rows());
+        assert_eq!(u.reason, "5 rows; the sub-floor tests need 8");
+        assert!(analyse(&r, &c, layout, &[]).is_none());
+        // Rows enough, values too few (a router's two weights a token).
+        let (r, c) = pair(21, 2, 12);
+        let narrow = Layout {
+            rows: 21,
+            cols: 2,
+            heads: None,
+        };
+        let Outcome::Untested(u) = test(&r, &c, narrow, &[]) else {
+            panic!("42 values should leave the test untested");
+        };
+        assert!(!u.few_rows());
+        assert_eq!(u.reason, "42 values; the sub-floor tests need 64");
+        // Both short; and non-finite rows do not count.
+        let mut r = vec![1.0f32; 16];
+        r[..4].fill(f32::NAN);
+        let wide = Layout {
+            rows: 4,
+            cols: 4,
+            heads: None,
+        };
+        let Outcome::Untested(u) = test(&r, &r, wide, &[]) else {
+            panic!("3 rows of 4 should leave the test untested");
+        };
+        assert_eq!((u.rows, u.elements), (3, 12));
+        assert_eq!(
+            u.reason,
+            "3 rows, 12 values; the sub-floor tests need 8 rows, 64 values"
+        );
+        // Enough of both: the test runs; nothing to fit or sizes that disagree: no reason given.
+        let (r, c) = pair(8, 8, 13);
+        let enough = Layout {
+            rows: 8,
+            cols: 8,
+            heads: None,
+        };
+        assert!(matches!(test(&r, &c, enough, &[]), Outcome::Tested(_)));
+        assert_eq!(test(&r, &c[..3], enough, &[]), Outcome::Nothing);
+        assert_eq!(test(&[0.0; 64], &[0.0; 64], enough, &[]), Outcome::Nothing);
+        assert_eq!(Untested::of(8, 64), None);
     }
 
     /// The fits by their definition, one element at a time in index order: the two-way

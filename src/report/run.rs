@@ -10,7 +10,10 @@ use serde_json::{json, Value};
 use super::layout::{self, shell_lines, wrap_items};
 use super::Grid;
 use crate::compare::logits::LogitsReport;
-use crate::compare::{Comparison, HookRecord, Metrics, ModeResult, Override, Status};
+use crate::compare::systematic::{MIN_ELEMENTS, MIN_ROWS};
+use crate::compare::{
+    Comparison, HookRecord, Metrics, ModeResult, Override, Status, UntestedSummary,
+};
 use crate::driver::pair::{LayerTime, ReferenceWork, Work};
 use crate::explain::{Explanation, Tested};
 use crate::trace::Mode;
@@ -466,6 +469,9 @@ pub fn render_at(
             if missing.len() > 12 { ", ..." } else { "" }
         );
     }
+    if let Some(u) = c.untested() {
+        let _ = writeln!(s, "{}", untested_line(&u, width));
+    }
     for mode in [Mode::Replay, Mode::Chained] {
         if !h.modes.contains(&mode) {
             continue;
@@ -580,6 +586,36 @@ pub fn render_at(
         let _ = writeln!(s, "{line}");
     }
     s
+}
+
+/// `sub-floor tests not run: 61 hooks with 5 rows < 8 (prompt too short)`: the float hooks
+/// whose systematic test had too few rows or values to run, by why, fitted to `width`.
+fn untested_line(u: &UntestedSummary, width: Option<usize>) -> String {
+    let part = |class: Option<(usize, usize, usize)>, what: &str, need: usize, why: &str| {
+        class.map(|(n, a, b)| {
+            let range = if a == b {
+                a.to_string()
+            } else {
+                format!("{a}-{b}")
+            };
+            let s = if n == 1 { "" } else { "s" };
+            format!("{n} hook{s} with {range} {what} < {need}{why}")
+        })
+    };
+    let why: Vec<String> = [
+        part(u.short_prompt, "rows", MIN_ROWS, " (prompt too short)"),
+        part(
+            u.rows_reached,
+            "rows",
+            MIN_ROWS,
+            " (rows an upstream selection difference reaches left out)",
+        ),
+        part(u.few_values, "values", MIN_ELEMENTS, ""),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    wrap_items("sub-floor tests not run: ", &why, "; ", width)
 }
 
 /// One override in the header's words: what set it, where, and what it decides.
@@ -852,17 +888,24 @@ pub fn render_logits(
 fn mode_json(r: &Option<ModeResult>) -> Value {
     match r {
         None => Value::Null,
-        Some(r) => json!({
-            "status": r.status,
-            "error": r.error,
-            "allowed": r.allowed,
-            "note": r.note,
-            "metrics": r.metrics,
-            "flips": r.flips,
-            "drift_from": r.drift_from,
-            "plain_error": r.plain_error,
-            "systematic": r.systematic,
-        }),
+        Some(r) => {
+            let mut v = json!({
+                "status": r.status,
+                "error": r.error,
+                "allowed": r.allowed,
+                "note": r.note,
+                "metrics": r.metrics,
+                "flips": r.flips,
+                "drift_from": r.drift_from,
+                "plain_error": r.plain_error,
+                "systematic": r.systematic,
+            });
+            // Only where the systematic test could not run.
+            if let (Some(u), Some(o)) = (&r.systematic_untested, v.as_object_mut()) {
+                o.insert("systematic_untested".to_string(), json!(u));
+            }
+            v
+        }
     }
 }
 
