@@ -783,8 +783,17 @@ impl<'a> Explaining<'a> {
         // Experts routed per token: the candidate's selection (or weights) of another width
         // than the model's names its count, tested first.
         let used = self.weights.hparams().n_expert_used;
-        if let (Op::MoeRoute { .. }, [_, k]) = (&step.op, &self.captured.candidate.shape[..]) {
-            if *k != used && *k > 0 {
+        let selection = matches!(
+            crate::compare::floors::point_of(&self.captured.hook),
+            point::MOE_TOPK_IDS | point::MOE_WEIGHTS
+        );
+        if let (Op::MoeRoute { .. }, [_, k], true) =
+            (&step.op, &self.captured.candidate.shape[..], selection)
+        {
+            if *k != used
+                && *k > 0
+                && self.captured.candidate.shape != self.captured.reference.shape
+            {
                 let f = Fault::new(FaultKind::ExpertsPerToken(*k), step.layer.map(|l| vec![l]));
                 self.width_kind = Some(f.to_string());
                 faults.insert(0, f);
