@@ -210,7 +210,8 @@ pub struct RunArgs {
     /// expert_map:A=B,.., gate_up_swap, layer_weights:L[,GLOB], q4k_scale_bits, run_mtp,
     /// tp_shard:N, transposed:GLOB, and the harmless f32_accumulate and norm_eps:X; routing and
     /// MoE: routed_scale:X, routed_scaling_ignored, routed_scaling_twice, topk_norm:on|off,
-    /// bias_unused, group_limit:off|N[,K], expert_scale:E,F, gate_up_swap:dense|shared.
+    /// bias_unused, group_limit:off|N[,K], expert_scale:E,F, gate_up_swap:dense|shared,
+    /// experts_per_token:K.
     /// Attention, norms and projections: weight_scale:GLOB,F, softmax_scale:F,
     /// yarn_mscale:none|twice, rope_theta:X, dsa_topk:K, indexer_scale:F, indexer_wproj_scale:F,
     /// indexer_relu:off,

@@ -21,6 +21,7 @@ mod reference;
 mod regress;
 mod run;
 mod run_checks;
+mod selection_widths;
 mod structure;
 mod synth;
 mod terminal;

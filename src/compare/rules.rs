@@ -237,7 +237,12 @@ fn comparable(j: &Judging<'_>, v: &mut Verdict) -> bool {
     let Err(why) = &v.metrics else {
         return false;
     };
-    let why = why.clone();
+    let why = match selection_widths(j.pair) {
+        Some((k, m)) => format!(
+            "the candidate keeps {k}, the model says {m}: another selection width than the model's ({why})"
+        ),
+        None => why.clone(),
+    };
     v.r = ModeResult {
         metrics: None,
         error: f64::INFINITY,
@@ -253,6 +258,19 @@ fn comparable(j: &Judging<'_>, v: &mut Verdict) -> bool {
     v.next = j.up.clone();
     v.stop = true;
     true
+}
+
+/// For a selection hook (`indexer_topk`, `moe_topk_ids`, `moe_weights`) whose candidate keeps
+/// another number per row than the reference (the same rows, another last axis): `(the
+/// candidate's width, the reference's)`.
+pub fn selection_widths(pair: &Pair<'_>) -> Option<(usize, usize)> {
+    if !crate::model::hook_shape::SELECTION_POINTS.contains(&point_of(pair.name)) {
+        return None;
+    }
+    match (&pair.reference.shape[..], &pair.candidate.shape[..]) {
+        (&[rr, m], &[cr, k]) if rr == cr && k != m => Some((k, m)),
+        _ => None,
+    }
 }
 
 /// `non-finite`: NaN/Inf where the reference differs.

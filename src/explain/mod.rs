@@ -641,6 +641,16 @@ fn output_at<E: Engine<Tensor = HostTensor>>(
         .with_context(|| format!("explain: the step did not produce {hook}"))
 }
 
+/// [`residual`] for a candidate selection of another width than the reference's: two
+/// selections of ids of the same rows but other widths are compared with the narrower one
+/// padded with -1 (a selection that keeps fewer keys or experts keeps no more than its ids).
+pub fn residual_of_width(candidate: &HostTensor, hypothesis: &HostTensor) -> f64 {
+    match pad_to_same_width(candidate, hypothesis) {
+        Some((c, h)) => residual(&c, &h),
+        None => residual(candidate, hypothesis),
+    }
+}
+
 /// `|h - c| / |c|` (floats) or `1 - mean Jaccard` (selections); infinite when not comparable.
 pub fn residual(candidate: &HostTensor, hypothesis: &HostTensor) -> f64 {
     compare(candidate, hypothesis).map_or(f64::INFINITY, |m| {
@@ -651,6 +661,28 @@ pub fn residual(candidate: &HostTensor, hypothesis: &HostTensor) -> f64 {
             e
         }
     })
+}
+
+/// Two id selections `[T, a]` and `[T, b]` with `a != b`, the narrower padded with -1 to the
+/// wider's width; `None` for anything else.
+fn pad_to_same_width(a: &HostTensor, b: &HostTensor) -> Option<(HostTensor, HostTensor)> {
+    let (&[ra, wa], &[rb, wb]) = (&a.shape[..], &b.shape[..]) else {
+        return None;
+    };
+    let (va, vb) = (a.as_i32("").ok()?, b.as_i32("").ok()?);
+    if ra != rb || wa == wb || wa == 0 || wb == 0 {
+        return None;
+    }
+    let w = wa.max(wb);
+    let pad = |v: &[i32], have: usize| -> Option<HostTensor> {
+        let mut out = Vec::with_capacity(ra * w);
+        for row in v.chunks(have) {
+            out.extend_from_slice(row);
+            out.extend(std::iter::repeat_n(-1, w - have));
+        }
+        HostTensor::i32(vec![ra, w], out).ok()
+    };
+    Some((pad(va, wa)?, pad(vb, wb)?))
 }
 
 /// The most ids any row of a selection keeps (-1 is padding); `None` for a tensor of no ids.
@@ -710,6 +742,9 @@ struct Explaining<'a> {
     unchanged: Vec<String>,
     /// The routing families' fits, whose parameters the tested hypotheses report.
     fits: Vec<fit_route::Fit>,
+    /// Where the candidate's selection is of another width than the model's: the known bug of
+    /// that width (`dsa_topk:K`, `experts_per_token:K` at the step's layer), ranked first.
+    width_kind: Option<String>,
 }
 
 impl<'a> Explaining<'a> {
@@ -725,6 +760,7 @@ impl<'a> Explaining<'a> {
             notes: Vec::new(),
             unchanged: Vec::new(),
             fits: Vec::new(),
+            width_kind: None,
         }
     }
 
@@ -737,8 +773,30 @@ impl<'a> Explaining<'a> {
         if let (Op::TopK { k: model }, Some(k)) = (&step.op, kept_per_row(&self.captured.candidate))
         {
             let f = Fault::new(FaultKind::DsaTopK(k), step.layer.map(|l| vec![l]));
+            if self.captured.candidate.shape != self.captured.reference.shape {
+                self.width_kind = Some(f.to_string());
+            }
             if k != *model && !faults.iter().any(|x| x.kind == f.kind) {
                 faults.push(f);
+            }
+        }
+        // Experts routed per token: the candidate's selection (or weights) of another width
+        // than the model's names its count, tested first.
+        let used = self.weights.hparams().n_expert_used;
+        let selection = matches!(
+            crate::compare::floors::point_of(&self.captured.hook),
+            point::MOE_TOPK_IDS | point::MOE_WEIGHTS
+        );
+        if let (Op::MoeRoute { .. }, [_, k], true) =
+            (&step.op, &self.captured.candidate.shape[..], selection)
+        {
+            if *k != used
+                && *k > 0
+                && self.captured.candidate.shape != self.captured.reference.shape
+            {
+                let f = Fault::new(FaultKind::ExpertsPerToken(*k), step.layer.map(|l| vec![l]));
+                self.width_kind = Some(f.to_string());
+                faults.insert(0, f);
             }
         }
         if !untestable.is_empty() {
@@ -774,7 +832,13 @@ impl<'a> Explaining<'a> {
             self.unchanged.push(kind);
             return;
         }
-        let r = residual(&captured.candidate, out);
+        // A candidate selection of another width than the model's is compared as sets with
+        // what each hypothesis keeps (the known bugs of that width keep as many).
+        let r = if captured.candidate.shape == captured.reference.shape {
+            residual(&captured.candidate, out)
+        } else {
+            residual_of_width(&captured.candidate, out)
+        };
         self.tested.push(Tested {
             kind,
             hook: captured.hook.clone(),
@@ -909,6 +973,7 @@ impl<'a> Explaining<'a> {
             mut notes,
             unchanged,
             fits,
+            width_kind,
             ..
         } = self;
         for t in &mut tested {
@@ -934,8 +999,24 @@ impl<'a> Explaining<'a> {
                 ),
             );
         }
-        // Best first; equal residuals keep the catalogue's order (stable sort).
-        tested.sort_by(|a, b| a.residual.total_cmp(&b.residual));
+        // Best first; equal residuals keep the catalogue's order (stable sort). A selection of
+        // another width than the model's is that width's known bug before anything of the
+        // model's width, whatever the residuals (no hypothesis of the model's width keeps as
+        // many).
+        let width_first = |t: &Tested| width_kind.as_deref() != Some(t.kind.as_str());
+        tested.sort_by(|a, b| {
+            width_first(a)
+                .cmp(&width_first(b))
+                .then(a.residual.total_cmp(&b.residual))
+        });
+        if let Some(k) = &width_kind {
+            let (c, r) = (&captured.candidate.shape, &captured.reference.shape);
+            notes.push(format!(
+                "the candidate keeps {}, the model says {}: {k} is ranked first, named from the candidate's width",
+                c.last().copied().unwrap_or(0),
+                r.last().copied().unwrap_or(0)
+            ));
+        }
         Explanation::Tested {
             hook: captured.hook.clone(),
             step: crate::driver::op_name(&captured.step.op).to_string(),

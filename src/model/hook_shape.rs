@@ -64,6 +64,42 @@ impl HookShape {
     }
 }
 
+/// The points of the selection hooks: what a step keeps (the DSA keys, the routed experts) and
+/// the expert weights that go with the experts kept. Their last axis is how many it keeps.
+pub const SELECTION_POINTS: [&str; 3] =
+    [point::INDEXER_TOPK, point::MOE_TOPK_IDS, point::MOE_WEIGHTS];
+
+/// For a selection hook `name` (one of [`SELECTION_POINTS`]) of `shape`, whose shape the model
+/// gives as `want` for `t` tokens and which differs from it only in its last axis: `(the width
+/// it has, the model's width)`. An engine that keeps another number of keys or experts than the
+/// model says writes such a hook: a finding to judge at the hook, not a trace written wrong.
+/// `None` for any other hook or difference.
+pub fn other_selection_width(
+    name: &str,
+    want: &HookShape,
+    shape: &[usize],
+    t: usize,
+) -> Option<(usize, usize)> {
+    let (_, p) = split_blk(name)?;
+    if !SELECTION_POINTS.contains(&p) {
+        return None;
+    }
+    let (&[rows, have], [first, last]) = (shape, want.dims.as_slice()) else {
+        return None;
+    };
+    let model = match last {
+        HookDim::Tokens => t,
+        HookDim::Size(s) => *s,
+        HookDim::Any => return None,
+    };
+    let rows_fit = match first {
+        HookDim::Tokens => rows == t,
+        HookDim::Size(s) => rows == *s,
+        HookDim::Any => true,
+    };
+    (rows_fit && have != model && have > 0).then_some((have, model))
+}
+
 /// The shape of hook `name` in a model with `hp` and `n_vocab` tokens of vocabulary, for a
 /// prompt of `t` tokens; `None` for a name that is not a hook of this model (an unknown point,
 /// a dense layer's point in a MoE layer or the reverse, the indexer's points without an

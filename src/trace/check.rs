@@ -8,7 +8,7 @@ use std::path::Path;
 use anyhow::{bail, Result};
 
 use super::file::TraceFile;
-use crate::model::hook_shape::hook_shape;
+use crate::model::hook_shape::{hook_shape, other_selection_width};
 use crate::model::names::split_blk;
 use crate::model::steps::point;
 use crate::model::Weights;
@@ -24,7 +24,9 @@ fn kind(ids: bool) -> &'static str {
 
 /// Checks trace `t` against the model of `weights` for a run over `tokens`: its `architecture`
 /// metadata (when present) is the model's, every hook of the model's forward pass it holds is
-/// of a run layer and has the shape and kind the model gives it for that many tokens. The
+/// of a run layer and has the shape and kind the model gives it for that many tokens (a
+/// selection hook of another width excepted: `model::hook_shape::other_selection_width`, judged
+/// at the hook as a finding; its `moe_weights` must then be as wide as its `moe_topk_ids`). The
 /// first hook whose only difference is its number of rows is reported as a disagreement with
 /// the `tokens` metadata. The trace is said to be of another model's dimensions only when
 /// `token_embd` disagrees or at least as many hooks disagree as match; otherwise the error
@@ -62,7 +64,10 @@ pub fn check_against_model(t: &TraceFile, weights: &Weights<'_>, tokens: &[u32])
                 hp.n_nextn
             );
         }
-        if !want.fits(shape, n) {
+        // A selection of another width (7 keys kept where the model says 8, 3 experts routed
+        // where it says 2) is what the engine computed: judged at the hook, not refused here.
+        let other_width = other_selection_width(name, &want, shape, n).is_some();
+        if !want.fits(shape, n) && !other_width {
             if want.fits_but_tokens(shape) {
                 bail!(
                     "trace: {path}: its tokens metadata lists {n} tokens, but hook {name} has shape {shape:?} (the model gives {} for {n} tokens)",
@@ -115,10 +120,29 @@ pub fn check_against_model(t: &TraceFile, weights: &Weights<'_>, tokens: &[u32])
             "trace: {path}: {first}{more}; the trace's other {matched} hooks match the model (this hook was written with a wrong shape)"
         );
     }
-    match kind_bad {
-        Some(msg) => bail!("{msg}"),
-        None => Ok(()),
+    if let Some(msg) = kind_bad {
+        bail!("{msg}");
     }
+    check_expert_widths(t, hp.n_layer)
+}
+
+/// Checks that each layer's `moe_weights` has as many columns as its `moe_topk_ids` where the
+/// trace holds both: the weights are those of the experts kept, whatever their number.
+fn check_expert_widths(t: &TraceFile, n_layer: usize) -> Result<()> {
+    for l in 0..n_layer {
+        let ids = crate::model::names::blk(l, point::MOE_TOPK_IDS);
+        let w = crate::model::names::blk(l, point::MOE_WEIGHTS);
+        let (Some((si, _)), Some((sw, _))) = (t.hook_header(&ids), t.hook_header(&w)) else {
+            continue;
+        };
+        if si.last() != sw.last() {
+            bail!(
+                "trace: {}: hook {w} has shape {sw:?}, but {ids} has shape {si:?}: the expert weights must be as many as the experts kept (this hook was written with a wrong shape)",
+                t.path().display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Whether the first dimension of hook `name` is the token count (every standard hook but the

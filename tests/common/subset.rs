@@ -131,3 +131,31 @@ pub fn extra_metadata(m: &std::collections::HashMap<String, String>) -> BTreeMap
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect()
 }
+
+/// Writes a copy of trace `src` at `dst` with each tensor passed through `edit` (its name, its
+/// values) and every metadata key kept: what a test does to plant a change in a committed trace.
+pub fn write_edited(
+    src: &Path,
+    dst: &Path,
+    edit: &dyn Fn(&str, glmdiff::engine::HostTensor) -> glmdiff::engine::HostTensor,
+) {
+    let t = read_trace(src).unwrap();
+    let all: BTreeMap<_, _> = super::host_tensors(&t)
+        .into_iter()
+        .map(|(n, v)| {
+            let v = edit(&n, v);
+            (n, v)
+        })
+        .collect();
+    let m = &t.metadata;
+    let meta = TraceMeta {
+        model: m["model"].clone(),
+        architecture: m["architecture"].clone(),
+        tokens: t.tokens().unwrap(),
+        engine: m["engine"].clone(),
+        dtype: m["dtype"].clone(),
+        mode: Mode::parse(&m["mode"]).unwrap(),
+        extra: extra_metadata(m),
+    };
+    write_trace(dst, &all, &meta).unwrap();
+}

@@ -777,7 +777,7 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
                 hp.n_expert
             );
         }
-        let k = hp.n_expert_used;
+        let k = change.per_token();
         let (probs, ids, weights) = change.route(hl.as_f32("moe_logits")?, bias.as_deref());
         Ok(Routing {
             probs: self.to_engine(&HostTensor::f32(vec![t, e], probs)?)?,

@@ -196,6 +196,12 @@ pub enum FaultKind {
     /// (`vllm/attention/backends/mla/common.py`, `process_weights_after_loading`); a split of the
     /// flat tensor along its rows skips that view.
     KvBSplit,
+    /// `experts_per_token:K`: each token routed to `K` experts instead of the model's
+    /// `expert_used_count` (`num_experts_per_tok`), the weights normalised and scaled over those
+    /// `K`: a config key read under another name or a default taken for it (an engine that
+    /// routes the checkpoint's `moe_topk` of another variant). The selection hooks
+    /// (`moe_topk_ids`, `moe_weights`) are `K` wide.
+    ExpertsPerToken(usize),
 }
 
 /// The scale `routed_scale` puts on the routed experts' weights.
@@ -387,6 +393,10 @@ pub const CATALOG: &[(&str, &str)] = &[
         "kv_b_split:kv",
         "a per-head kv_b split as all K rows then all V rows",
     ),
+    (
+        "experts_per_token:K",
+        "each token routed to K experts instead of the model's count",
+    ),
 ];
 
 impl FaultKind {
@@ -551,6 +561,13 @@ impl<'a> KindWords<'a> {
             },
             "bias_unused" => self.no_arg(FaultKind::BiasUnused)?,
             "group_limit" => self.group_limit()?,
+            "experts_per_token" => {
+                let k = self.num(self.need("an expert count")?, "expert count")?;
+                if k == 0 {
+                    bail!("fault experts_per_token:0: each token is routed to at least one expert");
+                }
+                FaultKind::ExpertsPerToken(k)
+            }
             "expert_scale" => {
                 let a = self.need("an expert and a factor")?;
                 let (e, f) = a
@@ -737,6 +754,7 @@ fn example(name: &str) -> &'static str {
         "yarn_mscale" => "none",
         "rope_theta" => "1e6",
         "dsa_topk" => "2047",
+        "experts_per_token" => "9",
         _ => "ARG",
     }
 }
@@ -805,6 +823,7 @@ impl fmt::Display for FaultKind {
             }
             FaultKind::NormOnePlus { glob } => write!(f, "norm_one_plus:{glob}"),
             FaultKind::KvBSplit => f.write_str("kv_b_split:kv"),
+            FaultKind::ExpertsPerToken(k) => write!(f, "experts_per_token:{k}"),
         }
     }
 }
@@ -916,7 +935,8 @@ impl Fault {
             | FaultKind::BiasUnused
             | FaultKind::GroupLimit(_)
             | FaultKind::ExpertScale { .. }
-            | FaultKind::GateUpSwapMlp(_) => route::check(&self.kind, &me, weights, &layers)?,
+            | FaultKind::GateUpSwapMlp(_)
+            | FaultKind::ExpertsPerToken(_) => route::check(&self.kind, &me, weights, &layers)?,
             FaultKind::KvBConcat | FaultKind::RopeNeox | FaultKind::ScaleLatent => {}
             FaultKind::F32Accumulate | FaultKind::NormEps(_) => {}
             FaultKind::WeightScale { .. }
@@ -1325,6 +1345,9 @@ mod tests {
             Fault::parse("rope_neox@1..3").unwrap().layers,
             Some(vec![1, 2])
         );
+        let f = Fault::parse("experts_per_token:3@1").unwrap();
+        assert_eq!(f.kind, FaultKind::ExpertsPerToken(3));
+        assert_eq!(f.to_string(), "experts_per_token:3@1");
     }
 
     #[test]
@@ -1374,6 +1397,11 @@ mod tests {
             ("rope_theta:1", "above 1"),
             ("dsa_topk:0", "at least one key"),
             ("dsa_topk:x", "is not a number"),
+            ("experts_per_token:0", "at least one expert"),
+            (
+                "experts_per_token",
+                "needs an expert count, e.g. experts_per_token:9",
+            ),
             ("norm_one_plus:", "empty norm glob"),
             ("kv_b_split", "kv_b_split:kv"),
             ("kv_b_split:vk", "kv_b_split:kv"),

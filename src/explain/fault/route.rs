@@ -68,6 +68,28 @@ pub(super) fn check(
                 );
             }
         }
+        FaultKind::ExpertsPerToken(k) => {
+            need_moe()?;
+            if *k == hp.n_expert_used {
+                bail!(
+                    "--inject {me}: routes {k} experts per token, the model's own expert_used_count: nothing changes"
+                );
+            }
+            if *k > hp.n_expert {
+                bail!(
+                    "--inject {me}: routes {k} experts per token, but the model has {} experts",
+                    hp.n_expert
+                );
+            }
+            if let Some((n, kept)) = hp.groups {
+                let reach = kept * (hp.n_expert / n.max(1));
+                if *k > reach {
+                    bail!(
+                        "--inject {me}: routes {k} experts per token, but the model's group limit ({kept} of {n} groups) reaches {reach} experts"
+                    );
+                }
+            }
+        }
         FaultKind::GateUpSwapMlp(MlpPart::Dense) if !layers.iter().any(|&l| hp.is_dense(l)) => {
             bail!(
                 "--inject {me}: no dense layer among {layers:?} (the dense layers are 0..{})",
@@ -159,6 +181,7 @@ impl RouteChange {
                 }
                 FaultKind::TopkNorm(on) => c.hp.expert_weights_norm = *on,
                 FaultKind::BiasUnused => c.select_bias = false,
+                FaultKind::ExpertsPerToken(k) => c.hp.n_expert_used = *k,
                 FaultKind::GroupLimit(g) => {
                     c.hp.groups = g.resolve(hp.groups).with_context(|| {
                         format!(
@@ -171,6 +194,11 @@ impl RouteChange {
             any = true;
         }
         Ok(any.then_some(c))
+    }
+
+    /// The experts each token is routed to under the change.
+    pub(super) fn per_token(&self) -> usize {
+        self.hp.n_expert_used
     }
 
     /// Routes every token of `logits` (`[T, n_expert]` values) with selection bias `bias`:
