@@ -44,7 +44,7 @@ pub const RULES: &[Rule] = &[
         name: "comparable",
         judges: "every hook, both modes",
         threshold: "the same shape and kind (floats or ids) on both sides",
-        reason: "values of another shape or kind cannot be the same step's: the hook fails and nothing else is judged",
+        reason: "values of another shape or kind cannot be the same step's: the hook fails and nothing else is judged; a selection that keeps another number per row than the model says is named so (the candidate keeps K, the model says M), the bug of a wrong top-k or experts per token",
         decides: true,
         check: comparable,
     },
