@@ -147,3 +147,169 @@ fn a_top_k_that_skips_the_boundary_key_is_named() {
         );
     }
 }
+
+/// The bf16 dump whose 32-token prompt prunes in every layer (8 keys of up to 32 kept).
+fn pruning_dump() -> PathBuf {
+    fixtures("engines")
+        .join("glm5-tiny")
+        .join("glm5-tiny.dsa.cuda-bf16.trace.safetensors")
+}
+
+/// The trace `src` written to `dst` with one key's DSA index scores in `layer` multiplied by
+/// `scale` (a bug in that key's cached indexer key), that layer's selection the top-k of the
+/// doctored scores (an engine that selects from its own scores), and the hooks after that
+/// selection left out (as a serving engine dumps a subset). The key is the one of smallest
+/// scores (so the whole tensor's error stays small) among those with 12 or more causal rows
+/// whose doctoring changes a selection. Returns `(key, rows whose selection changed)`.
+fn scale_one_key(src: &Path, dst: &Path, layer: usize, scale: f32) -> (usize, usize) {
+    let t = read_trace(src).unwrap();
+    let mut tensors = crate::common::host_tensors(&t);
+    let (sn, tn) = (
+        format!("blk.{layer}.indexer_scores"),
+        format!("blk.{layer}.indexer_topk"),
+    );
+    let cols = tensors[&sn].shape[1];
+    let w = tensors[&tn].shape[1];
+    let scores = tensors[&sn].as_f32("scores").unwrap().to_vec();
+    let norm = |k: usize| -> f64 {
+        scores
+            .chunks(cols)
+            .map(|r| r[k])
+            .filter(|x| x.is_finite())
+            .map(|x| f64::from(x) * f64::from(x))
+            .sum()
+    };
+    let rows_of = |k: usize| scores.chunks(cols).filter(|r| r[k].is_finite()).count();
+    let mut keys: Vec<usize> = (0..cols).filter(|&k| rows_of(k) >= 12).collect();
+    keys.sort_by(|&a, &b| norm(a).total_cmp(&norm(b)));
+    let top_k = |s: &[f32]| -> Vec<i32> {
+        let mut order: Vec<usize> = (0..cols).filter(|&i| s[i].is_finite()).collect();
+        order.sort_by(|&a, &b| s[b].total_cmp(&s[a]).then(a.cmp(&b)));
+        let mut v: Vec<i32> = order.iter().take(w).map(|&i| i as i32).collect();
+        v.resize(w, -1);
+        v
+    };
+    let same = |a: &[i32], b: &[i32]| {
+        let (mut a, mut b) = (a.to_vec(), b.to_vec());
+        a.sort_unstable();
+        b.sort_unstable();
+        a == b
+    };
+    let ids = tensors[&tn].as_i32("ids").unwrap().to_vec();
+    let (key, doctored, selection, changed) = keys
+        .iter()
+        .find_map(|&k| {
+            let mut d = scores.clone();
+            for row in d.chunks_mut(cols) {
+                if row[k].is_finite() {
+                    row[k] *= scale;
+                }
+            }
+            let mut sel = Vec::with_capacity(ids.len());
+            let mut changed = 0;
+            for (row, old) in d.chunks(cols).zip(ids.chunks(w)) {
+                let new = top_k(row);
+                changed += usize::from(!same(&new, old));
+                sel.extend(new);
+            }
+            (changed > 0).then_some((k, d, sel, changed))
+        })
+        .expect("a key whose scaling changes a selection");
+    tensors
+        .get_mut(&sn)
+        .unwrap()
+        .as_f32_mut("scores")
+        .unwrap()
+        .copy_from_slice(&doctored);
+    tensors
+        .get_mut(&tn)
+        .unwrap()
+        .as_i32_mut("ids")
+        .unwrap()
+        .copy_from_slice(&selection);
+    // Keep what comes before the selection: earlier layers, and this layer up to it.
+    let before = [
+        "attn_norm",
+        "q_a",
+        "q_a_norm",
+        "q_b",
+        "q_pe_rope",
+        "kv_a",
+        "kv_a_norm",
+        "k_pe_rope",
+        "indexer_scores",
+        "indexer_topk",
+    ];
+    tensors.retain(|n, _| match n.strip_prefix("blk.") {
+        Some(rest) => {
+            let (l, point) = rest.split_once('.').unwrap();
+            let l: usize = l.parse().unwrap();
+            l < layer || (l == layer && before.contains(&point))
+        }
+        None => n == "token_embd",
+    });
+    let mut extra = crate::common::subset::extra_metadata(&t.metadata);
+    extra.insert(
+        "doctored".into(),
+        format!("layer {layer}: key {key}'s index scores x{scale}, the selection following them"),
+    );
+    let meta = TraceMeta {
+        model: t.metadata["model"].clone(),
+        architecture: t.metadata["architecture"].clone(),
+        tokens: t.tokens().unwrap(),
+        engine: t.metadata["engine"].clone(),
+        dtype: t.metadata["dtype"].clone(),
+        mode: Mode::parse(&t.metadata["mode"]).unwrap(),
+        extra,
+    };
+    write_trace(dst, &tensors, &meta).unwrap();
+    (key, changed)
+}
+
+/// An engine whose selection is the top-k of its own wrong scores (one key's scores x0.5 or
+/// x1.5) is not excused by them: however small the scores' error is over the whole tensor,
+/// that key's column is named at the score hook (chained alone, past layers whose carried
+/// error widens the allowance, the selection's confident flip), in every mode.
+#[test]
+fn a_selection_following_its_own_wrong_scores_is_named_at_the_scores() {
+    let tmp = tempfile::tempdir().unwrap();
+    for layer in [0usize, 2] {
+        for scale in [0.5f32, 1.5] {
+            let doctored = tmp
+                .path()
+                .join(format!("key.{layer}.{scale}.trace.safetensors"));
+            let (key, changed) = scale_one_key(&pruning_dump(), &doctored, layer, scale);
+            assert!(changed > 0, "layer {layer} x{scale}: no selection changed");
+            for mode in ["replay", "chained", "both"] {
+                let (code, j, text) = run_trace(
+                    tmp.path(),
+                    &model(),
+                    &doctored,
+                    &["--mode", mode, "--no-cache"],
+                );
+                let what = format!("layer {layer}, key {key} x{scale}, {mode}");
+                assert_eq!(code, 1, "{what}: {text}");
+                let key_name = if mode == "chained" {
+                    "first_divergence_chained"
+                } else {
+                    "first_divergence"
+                };
+                let first = &j[key_name];
+                let hook = first["hook"].as_str().unwrap_or_default();
+                let note = first["note"].as_str().unwrap_or_default();
+                if mode == "chained" && hook == format!("blk.{layer}.indexer_topk") {
+                    // Chained alone, past layers whose error the scores' allowance carries,
+                    // the selection's confident flip names it.
+                    assert!(note.contains("confident flip"), "{what}: {note}");
+                } else {
+                    assert_eq!(
+                        hook,
+                        format!("blk.{layer}.indexer_scores"),
+                        "{what}: {first}"
+                    );
+                    assert!(note.starts_with(&format!("key {key}:")), "{what}: {note}");
+                }
+            }
+        }
+    }
+}

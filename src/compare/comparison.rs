@@ -462,7 +462,10 @@ impl PairSink for Comparison {
             .parts
             .remove(&(pair.name.to_string(), pair.mode))
             .unwrap_or_default();
-        let (result, chain) = judge_pair(&self.judging(&pair, floor, &parts));
+        let judging = self.judging(&pair, floor, &parts);
+        // What the scores' inputs may carry into them in chained mode (judge_pair's allowance).
+        let (carried_in, composed_in) = (judging.up.clean, judging.composed);
+        let (result, chain) = judge_pair(&judging);
         if let Some(c) = chain {
             self.chain.insert(pair.name.to_string(), c);
         }
@@ -479,15 +482,19 @@ impl PairSink for Comparison {
             }
         }
         // Score hooks are kept (the latest per mode) to judge the flips of the selection after.
-        // The relative error the scores may carry: their precision floor (never a --tol
-        // override; composed inside a segment), or what they really show in chained mode when
-        // that is more.
+        // The relative error the scores may carry, by the precision model alone: their floor
+        // (never a --tol override; composed inside a segment), in chained mode plus what their
+        // inputs carry, amplified, as the score hook itself is allowed. Never the candidate's
+        // own error.
         let score_floor = match &segment {
             Some(_) => floor,
             None => self.judge.score_floor(pair.name, pair.mode),
         };
-        let rel = if pair.mode == Mode::Chained && result.error.is_finite() {
-            score_floor.max(result.error)
+        let rel = if pair.mode == Mode::Chained {
+            let amp = self.judge.info(pair.name).kind.chain_amp();
+            let own = self.judge.precision_floor(pair.name);
+            let allowed = own + amp * carried_in;
+            score_floor.max(composed_in.map_or(allowed, |c| allowed.max(c)))
         } else {
             score_floor
         };

@@ -21,7 +21,9 @@
 //! `sigma_t` is:
 //! - **measured** where the candidate's own scores of the row are at hand: the standard
 //!   deviation of `c - r` about its mean (a shift common to the row moves no key) over the
-//!   [`BAND`] keys nearest the boundary on each side, which is where the noise decides;
+//!   [`BAND`] keys nearest the boundary on each side, which is where the noise decides; never
+//!   more than the score hook's relative tolerance times the RMS of the row's scores (what
+//!   the precision model allows them): a candidate's wrong scores cannot widen their own test;
 //! - **predicted** otherwise: the score hook's relative tolerance without the floors' safety
 //!   factor (`rel_tol / SAFETY`), times the RMS of the row's scores. That estimate sits about
 //!   3.5x above what correct bf16 engines show (floors.rs), so the prediction is lenient.
@@ -222,7 +224,12 @@ pub fn count_row(row: &Row<'_>, rel_tol: f64) -> Option<RowCount> {
         });
     }
     let theta = 0.5 * (lo_sel + hi_un);
-    let measured = row.candidate.and_then(|c| band_sigma(r, c, theta));
+    // Measured noise may narrow the prediction, never widen what the precision model allows
+    // the scores (module documentation).
+    let measured = row
+        .candidate
+        .and_then(|c| band_sigma(r, c, theta))
+        .map(|m| m.min(rel_tol * rms));
     let sigma = measured.unwrap_or(rel_tol / SAFETY * rms);
     let sp = std::f64::consts::SQRT_2 * sigma;
     let mut e = 0.0;

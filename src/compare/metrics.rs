@@ -277,6 +277,88 @@ pub fn float_metrics(shape: &[usize], a: &[f32], b: &[f32]) -> FloatMetrics {
     m
 }
 
+/// A column needs this many finite values in the rows judged before it is judged on its own
+/// (as the sub-floor tests need rows): a column of one or two values is one or two rounding
+/// errors, whose tail the floor's safety factor is not made for.
+pub const MIN_COLUMN_ROWS: usize = 8;
+
+/// One column of a `[rows, cols]` tensor, judged as [`FloatMetrics::per_token_judged`] judges
+/// a row.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ColumnError {
+    /// Column (last index).
+    pub col: usize,
+    /// Finite values of the column in the rows judged.
+    pub rows: usize,
+    /// Its relative L2 error, against the larger of its own norm and [`SMALL_ROW`] times the
+    /// typical column's norm over as many values.
+    pub error: f64,
+}
+
+/// The column (last axis; leading axes are rows) with the largest judged relative error of
+/// candidate `a` against reference `b`, over the rows not in `skip_rows` and the columns not
+/// in `skip_cols` with at least [`MIN_COLUMN_ROWS`] finite values on both sides. A column is a
+/// key of the DSA index scores or an expert of the router probabilities: a bug in one key or
+/// one expert hides in the whole tensor's error as one token's does.
+pub fn worst_column_judged(
+    shape: &[usize],
+    a: &[f32],
+    b: &[f32],
+    skip_rows: &std::collections::BTreeSet<usize>,
+    skip_cols: &std::collections::BTreeSet<usize>,
+) -> Option<ColumnError> {
+    let cols = *shape.last()?;
+    if shape.len() < 2 || cols == 0 {
+        return None;
+    }
+    let n = shape.iter().product::<usize>().min(a.len()).min(b.len());
+    // Per column: sum d^2, sum b^2, finite values.
+    let mut d2 = vec![0f64; cols];
+    let mut b2 = vec![0f64; cols];
+    let mut cnt = vec![0usize; cols];
+    for (t, (ra, rb)) in a[..n].chunks(cols).zip(b[..n].chunks(cols)).enumerate() {
+        if skip_rows.contains(&t) {
+            continue;
+        }
+        for (j, (&x, &y)) in ra.iter().zip(rb).enumerate() {
+            if !x.is_finite() || !y.is_finite() {
+                continue;
+            }
+            let (x, y) = (f64::from(x), f64::from(y));
+            d2[j] += (x - y) * (x - y);
+            b2[j] += y * y;
+            cnt[j] += 1;
+        }
+    }
+    let judged: Vec<usize> = (0..cols)
+        .filter(|j| cnt[*j] >= MIN_COLUMN_ROWS && !skip_cols.contains(j))
+        .collect();
+    let (sb, sn) = judged
+        .iter()
+        .fold((0f64, 0usize), |(s, k), &j| (s + b2[j], k + cnt[j]));
+    if sn == 0 {
+        return None;
+    }
+    // The typical value's square; a column is judged against SMALL_ROW of a typical column of
+    // as many values.
+    let typical = sb / sn as f64;
+    judged
+        .iter()
+        .map(|&j| ColumnError {
+            col: j,
+            rows: cnt[j],
+            error: ratio(
+                d2[j],
+                b2[j].max(SMALL_ROW * SMALL_ROW * typical * cnt[j] as f64),
+            )
+            .sqrt(),
+        })
+        .fold(None, |best: Option<ColumnError>, c| match best {
+            Some(b) if b.error >= c.error || c.error.is_nan() => Some(b),
+            _ => Some(c),
+        })
+}
+
 /// `num / den` with `0/0 = 0` and `x/0 = inf`.
 fn ratio(num: f64, den: f64) -> f64 {
     if num == 0.0 {
@@ -379,6 +461,44 @@ mod tests {
         assert!((e - 1e-3 / quarter).abs() < 1e-6, "{e}");
         // A row of normal size keeps its own relative error.
         assert_eq!(m.per_token_judged[0], m.per_token[0]);
+    }
+
+    #[test]
+    fn worst_column_by_hand() {
+        use std::collections::BTreeSet;
+        // 10 rows x 3 columns: column 0 all 1.0, column 1 all 2.0, column 2 all 0.01 (far
+        // smaller than the typical column). The candidate adds 0.1 to every value of column 0,
+        // 0.01 to column 1, 0.001 to column 2; row 9 is masked (-inf) in column 1.
+        let (rows, cols) = (10, 3);
+        let mut b = Vec::new();
+        let mut a = Vec::new();
+        for t in 0..rows {
+            b.extend([1.0f32, if t == 9 { f32::NEG_INFINITY } else { 2.0 }, 0.01]);
+            a.extend([1.1f32, if t == 9 { f32::NEG_INFINITY } else { 2.01 }, 0.011]);
+        }
+        let none = BTreeSet::new();
+        let c = worst_column_judged(&[rows, cols], &a, &b, &none, &none).unwrap();
+        // Column 0: 0.1 relative. Column 1 (9 values): 0.005. Column 2: |d| = 0.001 per value
+        // against SMALL_ROW of the typical value, typical^2 = (10 * 1 + 9 * 4 + 10 * 1e-4) / 29.
+        let typical = ((10.0 + 36.0 + 10.0 * 1e-4) / 29.0f64).sqrt();
+        let c2 = 1e-3 / (SMALL_ROW * typical);
+        assert!(c2 < 0.1);
+        assert_eq!((c.col, c.rows), (0, 10));
+        assert!((c.error - 0.1).abs() < 1e-6, "{}", c.error);
+        // Rows left out make every column too short to judge (7 < MIN_COLUMN_ROWS values).
+        let skip: BTreeSet<usize> = (0..3).collect();
+        assert_eq!(
+            worst_column_judged(&[rows, cols], &a, &b, &skip, &none),
+            None
+        );
+        // Without column 0: column 1 (0.005) is worse than column 2 (c2 = 0.0032, against
+        // the typical of columns 1 and 2 only).
+        let typical = ((36.0 + 10.0 * 1e-4) / 19.0f64).sqrt();
+        let c2 = 1e-3 / (SMALL_ROW * typical);
+        let c = worst_column_judged(&[rows, cols], &a, &b, &none, &BTreeSet::from([0])).unwrap();
+        assert!(c2 < 0.005, "{c2}");
+        assert_eq!((c.col, c.rows), (1, 9));
+        assert!((c.error - 0.005).abs() < 1e-6, "{}", c.error);
     }
 
     #[test]

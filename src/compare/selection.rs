@@ -11,12 +11,12 @@
 //!   score gap between what came in and the closest thing that went out (padding or a masked,
 //!   non-causal key makes it infinite);
 //! - the row's tolerance is `rel_tol * rms(finite scores of the row)`, where `rel_tol` is the
-//!   relative error allowed at the score hook in that mode (its floor, or in chained mode the
-//!   larger of the floor and the error the scores really show there); where the candidate's
-//!   own scores of the row are at hand, at least twice the largest difference between the two
-//!   sides' scores in that row: a flip that gap allows is made by the scores' own error, which
-//!   the score hook judges (an engine whose selection disagrees with its own scores still
-//!   flips with a clear gap);
+//!   relative error the precision model allows the scores at the score hook in that mode (its
+//!   floor; in chained mode the floor plus what the scores' inputs may carry, never more than
+//!   the chained tolerance they were judged by). Nothing the candidate hands over widens it: an
+//!   engine whose selection follows its own wrong scores must not be excused by them (the
+//!   scores are judged at their own hook, by their floor and along their columns,
+//!   [`super::systematic`]'s column test);
 //! - with group-limited routing (`n_group` groups of experts, the `used` best by the sum of
 //!   their two best scores, as `moe.rs` `route_token` selects), an expert also enters or leaves
 //!   with its group: for `e` and `l` in different groups the pair's gap is the smaller of their
@@ -94,7 +94,8 @@ pub struct Scores<'a> {
     /// pair's gap is then the smallest any such bias leaves.
     pub implied: Option<&'a [f64]>,
     /// The candidate's own scores of the same `[rows, cols]` (without bias), when its trace
-    /// has them: they bound a row's tolerance from below (module documentation).
+    /// has them: [`super::flipcount`] measures their noise, which may only narrow what the
+    /// precision model predicts (module documentation: they never widen a tolerance).
     pub candidate: Option<&'a [f32]>,
 }
 
@@ -294,23 +295,11 @@ impl<'a> RowScores<'a> {
         } else {
             (finite.iter().map(|x| x * x).sum::<f64>() / finite.len() as f64).sqrt()
         };
-        // What the scores' own error moved in this row: twice the largest difference between
-        // the two sides' finite scores bounds the change of any gap between two of them.
-        let own = s
-            .candidate
-            .and_then(|c| c.get(t * s.cols..(t + 1) * s.cols))
-            .map_or(0.0, |c| {
-                row.iter()
-                    .zip(c)
-                    .filter(|(a, b)| a.is_finite() && b.is_finite())
-                    .map(|(&a, &b)| (f64::from(a) - f64::from(b)).abs())
-                    .fold(0.0, f64::max)
-            });
         let mut r = RowScores {
             row,
             s,
             group_scores: None,
-            tolerance: (s.rel_tol * rms).max(2.0 * own),
+            tolerance: s.rel_tol * rms,
         };
         r.group_scores = s.groups.filter(|&(g, _)| g > 0).map(|(g, _)| {
             let size = (s.cols / g).max(1);
@@ -719,37 +708,27 @@ mod tests {
     }
 
     #[test]
-    fn candidate_scores_bound_the_tolerance() {
-        // Reference row [1.0, 0.9, 0.5, 0.1], top-2 {0, 1}; the candidate's own scores moved
-        // key 2 up by 0.45 and key 1 down by 0.05: it chose {0, 2}. rms = sqrt(2.07 / 4) =
-        // 0.7194; by the relative tolerance 0.01 alone (0.0072) the gap 0.4 is confident.
+    fn candidate_scores_never_widen_the_tolerance() {
+        // The reference's scores: keys 0 and 1 selected. The candidate's scores have key 2 up
+        // by 0.45 and key 1 down by 0.05 (a bug in the scores), and its selection follows them:
+        // {0, 2}. rms = sqrt(2.07 / 4) = 0.7194; the tolerance 0.01 * 0.7194 = 0.0072 is all the
+        // precision model allows, so the gap 0.4 is confident whatever the candidate's scores.
         let r = [1.0f32, 0.9, 0.5, 0.1];
-        let s = Scores {
-            values: &r,
-            cols: 4,
-            bias: None,
-            rel_tol: 0.01,
-            groups: None,
-            implied: None,
-            candidate: None,
-        };
-        assert_eq!(judge_flips(&[0, 1], &[0, 2], 2, Some(&s)).confident, 1);
-        // With the candidate's own scores the tolerance is 2 * 0.45 = 0.9 >= 0.4: its scores'
-        // error made the flip (the score hook judges that error).
         let c = [1.0f32, 0.85, 0.95, 0.1];
-        let s = Scores {
-            candidate: Some(&c),
-            ..s
-        };
-        let st = judge_flips(&[0, 1], &[0, 2], 2, Some(&s));
-        assert_eq!((st.near_tie, st.confident), (1, 0));
-        assert!((st.first.unwrap().tolerance - 0.9).abs() < 1e-6);
-        // Scores that agree leave the relative tolerance: a selection that disagrees with the
-        // candidate's own scores is confident.
-        let s = Scores {
-            candidate: Some(&r),
-            ..s
-        };
-        assert_eq!(judge_flips(&[0, 1], &[0, 2], 2, Some(&s)).confident, 1);
+        for cand in [None, Some(&c[..]), Some(&r[..])] {
+            let s = Scores {
+                values: &r,
+                cols: 4,
+                bias: None,
+                rel_tol: 0.01,
+                groups: None,
+                implied: None,
+                candidate: cand,
+            };
+            let st = judge_flips(&[0, 1], &[0, 2], 2, Some(&s));
+            assert_eq!((st.near_tie, st.confident), (0, 1));
+            let tol = st.first.map(|f| f.tolerance).unwrap_or(f64::NAN);
+            assert!((tol - 0.01 * (2.07f64 / 4.0).sqrt()).abs() < 1e-9, "{tol}");
+        }
     }
 }
