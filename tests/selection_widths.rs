@@ -258,3 +258,42 @@ fn other_wrong_shapes_stay_input_errors() {
         "{text}"
     );
 }
+
+/// `compare` of two traces judges a selection of another width the same way: exit 1 at that
+/// hook in chained mode, naming the reference trace's width (without `--model`) or the model's.
+#[test]
+fn compare_names_another_selection_width() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = fixtures("models/glm5-tiny/glm5-tiny.long.trace.safetensors");
+    let src = fixtures("engines/glm5-tiny/glm5-tiny.long.cuda-bf16.trace.safetensors");
+    let seven = doctor(dir.path(), &src, &|n, t| {
+        if n == "blk.0.indexer_topk" {
+            narrower(&t, 1)
+        } else {
+            t
+        }
+    });
+    let json = dir.path().join("c.json");
+    let (r, c, j) = (
+        reference.to_str().unwrap(),
+        seven.to_str().unwrap(),
+        json.to_str().unwrap(),
+    );
+    let gguf = fixtures("models/glm5-tiny/glm5-tiny-f32.gguf");
+    for (extra, words) in [
+        (vec![], "the candidate keeps 7, the reference keeps 8"),
+        (
+            vec!["--model", gguf.to_str().unwrap()],
+            "the candidate keeps 7, the model says 8",
+        ),
+    ] {
+        let _ = std::fs::remove_file(&json);
+        let mut args = vec!["compare", r, c, "--json", j];
+        args.extend(extra);
+        let (rc, v, text) = crate::common::outcome(crate::common::glmdiff(&args), &json);
+        assert_eq!(rc, 1, "{text}");
+        let d = &v["first_divergence_chained"];
+        assert_eq!(d["hook"], "blk.0.indexer_topk", "{text}");
+        assert!(d["note"].as_str().unwrap_or("").contains(words), "{d}");
+    }
+}
