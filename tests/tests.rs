@@ -7,6 +7,7 @@ mod dequant;
 mod dsa_flips;
 mod engine_bugs;
 mod engines;
+mod explain_plain;
 mod faults;
 mod faults_attn;
 mod floors;

@@ -361,6 +361,16 @@ fn named(kind: &FaultKind, hp: &HParams, fitted: f64) -> Option<String> {
                 ));
             }
         }
+        FaultKind::WeightScale { glob, .. } if glob.contains("shexp") => {
+            let r = hp.expert_weights_scale;
+            if r.is_finite() && r > 0.0 && r != 1.0 {
+                known.push((
+                    r,
+                    "the routed scaling factor (expert_weights_scale) applied to the shared expert"
+                        .into(),
+                ));
+            }
+        }
         _ => {}
     }
     known

@@ -529,6 +529,16 @@ impl StepFaults<'_, '_> {
             Op::MoeExperts { layer: l } => v.extend(self.experts(*l)),
             Op::Mlp { gate, up, down } => {
                 v.extend(self.neighbours("ffn_*_shexp.weight"));
+                // Fitted: the output times a constant (the MLP is linear in its down matrix),
+                // such as the routed scaling factor applied to the shared expert too.
+                v.push(
+                    self.at(FaultKind::WeightScale {
+                        glob: names::split_blk(down)
+                            .map_or(down.as_str(), |(_, s)| s)
+                            .to_string(),
+                        factor: 1.0,
+                    }),
+                );
                 if [gate, up, down].iter().any(|n| self.is_q4k(n)) {
                     v.push(self.at(FaultKind::Q4kScaleBits));
                 }
