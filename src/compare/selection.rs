@@ -20,7 +20,10 @@
 //! - with group-limited routing (`n_group` groups of experts, the `used` best by the sum of
 //!   their two best scores, as `moe.rs` `route_token` selects), an expert also enters or leaves
 //!   with its group: for `e` and `l` in different groups the pair's gap is the smaller of their
-//!   score gap and their groups' score gap (a near-tie between two groups moves whole groups);
+//!   score gap and their groups' score gap (a near-tie between two groups moves whole groups),
+//!   and where `e`'s group was not among the reference's selected groups, the gap to the
+//!   closest of those (a near tie of `e`'s group with a third group, whose experts did not make
+//!   the top-k, moves `e` in and `l` out);
 //! - margin <= tolerance: a near-tie flip (expected, counted); otherwise a confident flip (a
 //!   divergence).
 
@@ -357,18 +360,35 @@ impl<'a> RowScores<'a> {
         }
         let d = gap(self.score(e), self.score(l));
         match (&self.group_scores, self.s.groups) {
-            (Some(gs), Some((g, _))) if e >= 0 && l >= 0 => {
+            (Some(gs), Some((g, used))) if e >= 0 && l >= 0 => {
                 let group_of = |i: i32| (i as usize) / (self.s.cols / g).max(1);
                 let (ge, gl) = (group_of(e), group_of(l));
-                if ge != gl && ge < gs.len() && gl < gs.len() {
-                    d.min(gap(gs[ge], gs[gl]))
-                } else {
-                    d
+                if ge == gl || ge >= gs.len() || gl >= gs.len() {
+                    return d;
                 }
+                // `e`'s group entered the selected groups: it displaced one of them, `l`'s
+                // or another whose experts did not make the top-k (a near tie of two groups
+                // then moves an expert of a third): the closest selected group's gap.
+                let mut dg = gap(gs[ge], gs[gl]);
+                let selected = top_groups(gs, used);
+                if !selected.contains(&ge) {
+                    for &k in &selected {
+                        dg = dg.min(gap(gs[ge], gs[k]));
+                    }
+                }
+                d.min(dg)
             }
             _ => d,
         }
     }
+}
+
+/// The `used` best groups by group score, ties to the lower index (as `moe.rs` selects them).
+fn top_groups(gs: &[f64], used: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..gs.len()).collect();
+    order.sort_by(|&a, &b| gs[b].total_cmp(&gs[a]).then(a.cmp(&b)));
+    order.truncate(used);
+    order
 }
 
 /// `(margin, tolerance)` of row `t` (module documentation).
@@ -456,12 +476,7 @@ pub fn near_tie_swaps(s: &Scores<'_>, t: usize, chosen: &[i32], max: usize) -> V
     selected.dedup();
     // With groups: the selected groups (the `used` best by group score, ties to the lower).
     let groups: Option<(usize, Vec<usize>, &Vec<f64>)> = match (&r.group_scores, s.groups) {
-        (Some(gs), Some((g, used))) => {
-            let mut order: Vec<usize> = (0..gs.len()).collect();
-            order.sort_by(|&a, &b| gs[b].total_cmp(&gs[a]).then(a.cmp(&b)));
-            order.truncate(used);
-            Some(((s.cols / g).max(1), order, gs))
-        }
+        (Some(gs), Some((g, used))) => Some(((s.cols / g).max(1), top_groups(gs, used), gs)),
         _ => None,
     };
     let in_selected_group = |i: i32| {
@@ -672,6 +687,30 @@ mod tests {
         // Without groups the same flip has the expert gap 0.1: confident.
         let s = Scores { groups: None, ..s };
         assert_eq!(judge_flips(&[0, 2], &[0, 4], 2, Some(&s)).confident, 1);
+    }
+
+    #[test]
+    fn a_group_tie_with_a_third_group_moves_an_expert_of_another() {
+        // 8 experts in 4 groups of 2, 2 groups used. Scores {0.9, 0.8}, {0.1, 0.05},
+        // {0.75, 0.2}, {0.85, 0.09}: group scores 1.7, 0.15, 0.95, 0.94. The reference selects
+        // groups 0 and 2, and of their experts {0, 1} (0.75 < 0.8): group 2 keeps none. A
+        // candidate whose group 3 beat group 2 selects groups 0 and 3 and the experts {0, 6}:
+        // 6 in, 1 out. Their expert gap is 0.05 and their groups' 0.76, but group 3 entered in
+        // place of group 2, 0.01 apart: the margin is 0.01.
+        let v2 = [0.9f32, 0.8, 0.1, 0.05, 0.75, 0.2, 0.85, 0.09];
+        let s = Scores {
+            values: &v2,
+            cols: 8,
+            bias: None,
+            rel_tol: 0.05, // rms = sqrt(2.7956 / 8) = 0.5911: tolerance 0.0296
+            groups: Some((4, 2)),
+            implied: None,
+            candidate: None,
+        };
+        let st = judge_flips(&[0, 1], &[0, 6], 2, Some(&s));
+        let m = st.margins.unwrap().0;
+        assert!((m - 0.01).abs() < 1e-6, "{m}");
+        assert_eq!((st.near_tie, st.confident), (1, 0));
     }
 
     /// Top-1 of 3 with an unknown bias. Row 0 [0.5, 0.45, 0.1] selects 1: b1 - b0 >= 0.05 and
