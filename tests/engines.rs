@@ -204,3 +204,26 @@ fn bf16_and_fp8_engines_are_clean_and_planted_bugs_are_named() {
         eprintln!("| {p} | {h} | {e:.3} | {a:.3} | {:.1}x |", e / a);
     }
 }
+
+/// Correct engines the judge was never tuned on (`fixtures/unseen/`: transformers bf16 with
+/// SDPA on a GPU and on an x86 CPU, a 120-token prompt, YaRN and group-limited routing) come
+/// out clean in every mode.
+#[test]
+fn held_out_engines_are_clean() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("r.json");
+    let pairs = crate::common::trace_pairs(
+        &crate::common::fixtures("unseen"),
+        &crate::common::fixtures("models"),
+    );
+    assert!(pairs.len() >= 2, "held-out dumps: {}", pairs.len());
+    for (trace, gguf) in &pairs {
+        let name = trace.file_name().unwrap().to_string_lossy().into_owned();
+        for mode in ["replay", "chained", "both"] {
+            let (rc, j, text) = run_json(gguf, trace, mode, &out);
+            assert_eq!(rc, 0, "{name} --mode {mode}: {text}");
+            assert!(j["first_divergence"].is_null(), "{name}");
+            assert!(j["first_divergence_chained"].is_null(), "{name}");
+        }
+    }
+}
