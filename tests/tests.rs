@@ -1,6 +1,7 @@
 mod bench_dequant;
 mod bench_layer;
 mod bench_run;
+mod chained_tokens;
 mod cli;
 mod common;
 mod dequant;

@@ -30,6 +30,12 @@ pub(super) struct Chain {
     /// A selection the candidate lacks: the rows whose near tie it may have taken otherwise
     /// (touched until the selection's consumer shows whether they did).
     pub(super) possible: BTreeSet<usize>,
+    /// Each token's chained error as the token criterion judges it (metrics'
+    /// `per_token_judged`), where the hook was measured with a row per token and no row
+    /// touched; for the inputs of a step (`Comparison::upstream_chained`), the largest any
+    /// input carries into that token (through attention: any earlier token's key or value).
+    /// Empty when unknown.
+    pub(super) per_token: Vec<f64>,
 }
 
 /// Whether the step producing hook `name` reads other rows than its own through its input

@@ -171,6 +171,29 @@ impl Comparison {
     /// and where their difference started.
     fn upstream_chained(&self, name: &str, inputs: &[String], rows: usize) -> Chain {
         let mut up = Chain::default();
+        // Per token: every input must have been measured per token (else unknown).
+        let mut per_token = vec![0f64; rows];
+        let mut per_token_known = !inputs.is_empty();
+        for n in inputs {
+            match self.chain.get(n) {
+                Some(c) if c.per_token.len() == rows && !c.estimated => {
+                    let mut carried = 0f64;
+                    for (t, (p, &e)) in per_token.iter_mut().zip(&c.per_token).enumerate() {
+                        // A key or value of an earlier token reaches every later one.
+                        carried = if mixes_rows(name, n) && t > 0 {
+                            carried.max(e)
+                        } else {
+                            e
+                        };
+                        *p = p.max(carried);
+                    }
+                }
+                _ => per_token_known = false,
+            }
+        }
+        if per_token_known {
+            up.per_token = per_token;
+        }
         for n in inputs {
             let Some(c) = self.chain.get(n) else { continue };
             if c.clean.is_finite() && !c.estimated {

@@ -67,8 +67,8 @@ pub const RULES: &[Rule] = &[
     },
     Rule {
         name: "per token",
-        judges: "float hooks, replay",
-        threshold: "each token's relative L2 error at most TOKEN_FACTOR x the floor (a row far smaller than the typical row against SMALL_ROW of that row)",
+        judges: "float hooks, replay; chained where every input was measured per token and no unfollowed selection difference reaches",
+        threshold: "each token's relative L2 error at most TOKEN_FACTOR x the floor (a row far smaller than the typical row against SMALL_ROW of that row); chained, TOKEN_FACTOR x (the floor + chain_amp x the largest error that token's inputs carry, through attention any earlier token's)",
         reason: "a bug in one token's row hides in the whole tensor's error; rounding spreads over every row alike",
         decides: true,
         check: per_token,
@@ -310,10 +310,13 @@ fn non_finite(_: &Judging<'_>, v: &mut Verdict) -> bool {
 
 /// `per token`: the tensor is within its floor but one token is far above it (replay only).
 fn per_token(j: &Judging<'_>, v: &mut Verdict) -> bool {
+    if j.pair.mode == Mode::Chained {
+        return per_token_chained(j, v);
+    }
     let (error, allowed) = (v.r.error, v.r.allowed);
     let Some((t, e)) = v
         .float()
-        .filter(|_| j.pair.mode == Mode::Replay && error <= allowed)
+        .filter(|_| error <= allowed)
         .and_then(FloatMetrics::worst_token_judged)
         .filter(|&(_, e)| e > TOKEN_FACTOR * allowed)
     else {
@@ -321,6 +324,40 @@ fn per_token(j: &Judging<'_>, v: &mut Verdict) -> bool {
     };
     v.fail(format!(
         "token {t}: error {e:.3e} above {TOKEN_FACTOR} x the floor {allowed:.3e} (the whole tensor: {error:.3e})"
+    ));
+    true
+}
+
+/// `per token`, chained: each token against the floor plus what that token's own inputs carry,
+/// amplified (as the whole tensor is judged against what its inputs carry), where every input
+/// was measured per token and no unfollowed selection difference reaches the hook.
+fn per_token_chained(j: &Judging<'_>, v: &mut Verdict) -> bool {
+    let (error, allowed) = (v.r.error, v.r.allowed);
+    if !v.token_rows || j.up.per_token.len() != j.rows || !j.up.touched.is_empty() {
+        return false;
+    }
+    let amp = j.judge.info(j.pair.name).kind.chain_amp();
+    let Some(m) = v
+        .float()
+        .filter(|m| error <= allowed && m.per_token_judged.len() == j.rows)
+    else {
+        return false;
+    };
+    let worst = m
+        .per_token_judged
+        .iter()
+        .zip(&j.up.per_token)
+        .enumerate()
+        .map(|(t, (&e, &up))| (t, e, TOKEN_FACTOR * (j.floor + amp * up)))
+        .filter(|(_, e, limit)| e > limit)
+        .max_by(|a, b| (a.1 / a.2).total_cmp(&(b.1 / b.2)));
+    let Some((t, e, limit)) = worst else {
+        return false;
+    };
+    let up = j.up.per_token[t];
+    v.fail(format!(
+        "token {t}: error {e:.3e} above {TOKEN_FACTOR} x (the floor {:.3e} + {amp} x its inputs' {up:.3e}) = {limit:.3e} (the whole tensor: {error:.3e})",
+        j.floor
     ));
     true
 }
@@ -391,6 +428,12 @@ fn within_floor(j: &Judging<'_>, v: &mut Verdict) -> bool {
     }
     let (error, allowed) = (v.r.error, v.r.allowed);
     v.next.clean = error;
+    if let Some(m) = v
+        .float()
+        .filter(|m| v.token_rows && m.per_token_judged.len() == j.rows)
+    {
+        v.next.per_token = m.per_token_judged.clone();
+    }
     if error > allowed {
         v.fail(format!("error {error:.3e} above the allowed {allowed:.3e}"));
     }
