@@ -160,7 +160,9 @@ impl<'t> TraceReplay<'t> {
             return Ok(());
         };
         let compared = step.outputs.iter().any(|o| !lacked(o) && sink.wants(o));
-        if compared && step.op != Op::Alias && sink.wants_replay_inputs() {
+        // A step inside a segment hands its inputs over too: `--explain` re-runs it under a
+        // hypothesis where the segment fails.
+        if (compared || feeds) && step.op != Op::Alias && sink.wants_replay_inputs() {
             let base_inputs: Vec<HostTensor> = values.iter().map(|x| x.base.clone()).collect();
             sink.replay_inputs(step, &base_inputs);
         }

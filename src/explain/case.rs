@@ -350,6 +350,7 @@ impl Case {
             error: h.error.unwrap_or(f64::INFINITY),
             allowed: h.allowed,
             noise: None,
+            inside: Vec::new(),
         })
     }
 }

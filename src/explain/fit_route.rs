@@ -387,6 +387,7 @@ mod tests {
             error: 0.0,
             allowed: 0.0,
             noise: None,
+            inside: Vec::new(),
         }
     }
 

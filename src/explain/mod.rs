@@ -76,6 +76,12 @@ pub struct CapturedStep {
     /// (`compare::systematic`): the error left once that component is removed, what rounding
     /// leaves. A hypothesis then reproduces the candidate only as closely as that.
     pub noise: Option<f64>,
+    /// Where the hook ends a segment (the candidate lacks the hooks of steps before it, which
+    /// the reference ran from the candidate's hooks upstream): those steps, upstream first,
+    /// with the inputs replay fed them. A hypothesis re-runs them before the step, so that a
+    /// fault acting inside the segment (RoPE's base where RoPE is fused into attention) is
+    /// tested where it acts.
+    pub inside: Vec<(Step, Vec<(String, HostTensor)>)>,
 }
 
 /// The reference's own run of a routed-experts step: the step's outputs (its key), the inputs
@@ -106,6 +112,9 @@ pub struct Capture<'c, 'w> {
     chained_directions: bool,
     /// Replay runs (a chained pair's directions are kept for its replay pair).
     replay: bool,
+    /// The replayed steps whose hooks the candidate lacks (their outputs only the reference
+    /// has), by output hook: the steps inside a segment, with the inputs replay fed them.
+    inside: HashMap<String, (Step, Vec<HostTensor>)>,
 }
 
 impl<'c, 'w> Capture<'c, 'w> {
@@ -123,6 +132,7 @@ impl<'c, 'w> Capture<'c, 'w> {
             exact_replay: false,
             chained_directions: false,
             replay: false,
+            inside: HashMap::new(),
         }
     }
 
@@ -213,6 +223,16 @@ impl PairSink for Capture<'_, '_> {
                 pair.candidate.clone(),
             )
         });
+        // Steps inside a segment are kept until a pair of a later layer passes by.
+        if pair.mode == Mode::Replay && !self.inside.is_empty() {
+            let layer = names::split_blk(pair.name).map(|(l, _)| l);
+            if self.captured.is_some() {
+                self.inside.clear();
+            } else if let Some(l) = layer {
+                self.inside
+                    .retain(|n, _| names::split_blk(n).is_none_or(|(k, _)| k >= l));
+            }
+        }
         self.inner.record(pair)?;
         if let Some((name, reference, candidate)) = kept {
             let failed = self
@@ -221,6 +241,7 @@ impl PairSink for Capture<'_, '_> {
                 .and_then(|r| r.replay.as_ref())
                 .filter(|r| r.status == Status::Fail);
             if let (Some(res), Some((step, values))) = (failed, &self.pending) {
+                let inside = steps_inside(&self.inside, &step.inputs);
                 self.captured = Some(CapturedStep {
                     inputs: step.inputs.iter().cloned().zip(values.clone()).collect(),
                     step: step.clone(),
@@ -230,6 +251,7 @@ impl PairSink for Capture<'_, '_> {
                     error: res.error,
                     allowed: res.allowed,
                     noise: noise(res),
+                    inside,
                 });
                 self.pending = None;
             }
@@ -281,6 +303,15 @@ impl PairSink for Capture<'_, '_> {
         inputs: &[String],
         reference: &HostTensor,
     ) {
+        // A replayed step the candidate lacks the output of: a step inside a segment.
+        if mode == Mode::Replay && self.enabled && self.captured.is_none() {
+            if let Some((step, values)) = &self.pending {
+                if step.outputs.iter().any(|o| o == name) {
+                    self.inside
+                        .insert(name.to_string(), (step.clone(), values.clone()));
+                }
+            }
+        }
         self.inner.reference_only(name, mode, inputs, reference);
     }
 
@@ -291,6 +322,31 @@ impl PairSink for Capture<'_, '_> {
     fn plain_chain(&mut self, name: &str, reference: &HostTensor, candidate: &HostTensor) {
         self.inner.plain_chain(name, reference, candidate);
     }
+}
+
+/// The steps of `inside` that produce `inputs`, and recursively theirs, upstream first, each
+/// once, with their inputs by name.
+fn steps_inside(
+    inside: &HashMap<String, (Step, Vec<HostTensor>)>,
+    inputs: &[String],
+) -> Vec<(Step, Vec<(String, HostTensor)>)> {
+    let mut out: Vec<(Step, Vec<(String, HostTensor)>)> = Vec::new();
+    let mut visit: Vec<&String> = inputs.iter().collect();
+    while let Some(n) = visit.pop() {
+        let Some((step, values)) = inside.get(n) else {
+            continue;
+        };
+        if out.iter().any(|(s, _)| s.outputs == step.outputs) {
+            continue;
+        }
+        out.push((
+            step.clone(),
+            step.inputs.iter().cloned().zip(values.clone()).collect(),
+        ));
+        visit.extend(step.inputs.iter());
+    }
+    out.reverse();
+    out
 }
 
 /// One hypothesis tested at the failing hook.
@@ -779,7 +835,24 @@ impl<'a> Explaining<'a> {
     /// besides the model's neighbours. Notes the faults the weights cannot test.
     fn faults(&mut self) -> Vec<Fault> {
         let step = &self.captured.step;
-        let (mut faults, untestable) = hypotheses_and_untestable(step, self.weights);
+        let (mut faults, mut untestable) = hypotheses_and_untestable(step, self.weights);
+        // Inside a segment: the hypotheses of its steps too (each re-run by `eval`).
+        for (inner, _) in &self.captured.inside {
+            let (more, why) = hypotheses_and_untestable(inner, self.weights);
+            for f in more {
+                if !faults
+                    .iter()
+                    .any(|x| x.kind == f.kind && x.layers == f.layers)
+                {
+                    faults.push(f);
+                }
+            }
+            for w in why {
+                if !untestable.contains(&w) {
+                    untestable.push(w);
+                }
+            }
+        }
         if let (Op::TopK { k: model }, Some(k)) = (&step.op, kept_per_row(&self.captured.candidate))
         {
             let f = Fault::new(FaultKind::DsaTopK(k), step.layer.map(|l| vec![l]));
@@ -825,10 +898,37 @@ impl<'a> Explaining<'a> {
         if let Some(l) = captured.step.layer {
             engine.begin_layer(l, &[])?;
         }
+        if captured.inside.is_empty() {
+            return output_at(
+                &engine,
+                &captured.step,
+                &captured.inputs,
+                self.tokens,
+                &captured.hook,
+            );
+        }
+        // A segment: its steps first, under the fault too, their outputs in place of the
+        // values replay fed on.
+        let mut computed: HashMap<String, HostTensor> = HashMap::new();
+        let substitute = |inputs: &[(String, HostTensor)],
+                          computed: &HashMap<String, HostTensor>| {
+            inputs
+                .iter()
+                .map(|(n, t)| (n.clone(), computed.get(n).unwrap_or(t).clone()))
+                .collect::<Vec<_>>()
+        };
+        for (step, inputs) in &captured.inside {
+            let inputs = substitute(inputs, &computed);
+            for out in &step.outputs {
+                let t = output_at(&engine, step, &inputs, self.tokens, out)?;
+                computed.insert(out.clone(), t);
+            }
+        }
+        let inputs = substitute(&captured.inputs, &computed);
         output_at(
             &engine,
             &captured.step,
-            &captured.inputs,
+            &inputs,
             self.tokens,
             &captured.hook,
         )
