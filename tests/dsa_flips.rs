@@ -64,8 +64,20 @@ fn skip_boundary(src: &Path, dst: &Path) -> usize {
             changed += 1;
         }
     }
+    write_doctored(&t, &tensors, dst, "top-k skips the boundary key");
+    changed
+}
+
+/// Writes `tensors` to `dst` with the metadata of `t` and a `doctored` note saying what was
+/// changed.
+fn write_doctored(
+    t: &glmdiff::trace::Trace,
+    tensors: &std::collections::BTreeMap<String, HostTensor>,
+    dst: &Path,
+    what: &str,
+) {
     let mut extra = crate::common::subset::extra_metadata(&t.metadata);
-    extra.insert("doctored".into(), "top-k skips the boundary key".into());
+    extra.insert("doctored".into(), what.to_string());
     let meta = TraceMeta {
         model: t.metadata["model"].clone(),
         architecture: t.metadata["architecture"].clone(),
@@ -75,8 +87,7 @@ fn skip_boundary(src: &Path, dst: &Path) -> usize {
         mode: Mode::parse(&t.metadata["mode"]).unwrap(),
         extra,
     };
-    write_trace(dst, &tensors, &meta).unwrap();
-    changed
+    write_trace(dst, tensors, &meta).unwrap();
 }
 
 fn first_record_with_flips<'a>(j: &'a Value, point: &str) -> Option<&'a Value> {
@@ -114,6 +125,18 @@ fn a_correct_bf16_indexer_flips_within_its_noise() {
     }
 }
 
+/// `run` of the GLM-5 model against `trace` in `mode` (cache in `dir`): exit code, the first
+/// divergence that mode decides with (`first_divergence_chained` for chained alone), the text.
+fn first_divergence(dir: &Path, trace: &Path, mode: &str) -> (i32, Value, String) {
+    let (code, j, text) = run_trace(dir, &model(), trace, &["--mode", mode, "--no-cache"]);
+    let key = if mode == "chained" {
+        "first_divergence_chained"
+    } else {
+        "first_divergence"
+    };
+    (code, j[key].clone(), text)
+}
+
 /// A top-k that skips the boundary key flips one key in every pruned row, each flip a near tie
 /// on the reference's scores; it is named at the first layer's selection in every mode,
 /// because the selection is not the top-k of the dump's own scores.
@@ -124,19 +147,9 @@ fn a_top_k_that_skips_the_boundary_key_is_named() {
     let changed = skip_boundary(&clean_dump(), &doctored);
     assert!(changed > 10, "{changed} rows changed");
     for mode in ["replay", "chained", "both"] {
-        let (code, j, text) = run_trace(
-            tmp.path(),
-            &model(),
-            &doctored,
-            &["--mode", mode, "--no-cache"],
-        );
+        let (code, first, text) = first_divergence(tmp.path(), &doctored, mode);
         assert_eq!(code, 1, "{mode}: {text}");
-        let key = if mode == "chained" {
-            "first_divergence_chained"
-        } else {
-            "first_divergence"
-        };
-        let first = j[key].to_string();
+        let first = first.to_string();
         assert!(
             first.contains("blk.0.indexer_topk"),
             "{mode}: {first}\n{text}"
@@ -228,41 +241,19 @@ fn scale_one_key(src: &Path, dst: &Path, layer: usize, scale: f32) -> (usize, us
         .unwrap()
         .copy_from_slice(&selection);
     // Keep what comes before the selection: earlier layers, and this layer up to it.
-    let before = [
-        "attn_norm",
-        "q_a",
-        "q_a_norm",
-        "q_b",
-        "q_pe_rope",
-        "kv_a",
-        "kv_a_norm",
-        "k_pe_rope",
-        "indexer_scores",
-        "indexer_topk",
-    ];
+    let order = glmdiff::compare::graph::POINT_ORDER;
+    let upto = order.iter().position(|p| *p == "indexer_topk").unwrap();
     tensors.retain(|n, _| match n.strip_prefix("blk.") {
         Some(rest) => {
             let (l, point) = rest.split_once('.').unwrap();
             let l: usize = l.parse().unwrap();
-            l < layer || (l == layer && before.contains(&point))
+            l < layer || (l == layer && order[..=upto].contains(&point))
         }
         None => n == "token_embd",
     });
-    let mut extra = crate::common::subset::extra_metadata(&t.metadata);
-    extra.insert(
-        "doctored".into(),
-        format!("layer {layer}: key {key}'s index scores x{scale}, the selection following them"),
-    );
-    let meta = TraceMeta {
-        model: t.metadata["model"].clone(),
-        architecture: t.metadata["architecture"].clone(),
-        tokens: t.tokens().unwrap(),
-        engine: t.metadata["engine"].clone(),
-        dtype: t.metadata["dtype"].clone(),
-        mode: Mode::parse(&t.metadata["mode"]).unwrap(),
-        extra,
-    };
-    write_trace(dst, &tensors, &meta).unwrap();
+    let what =
+        format!("layer {layer}: key {key}'s index scores x{scale}, the selection following them");
+    write_doctored(&t, &tensors, dst, &what);
     (key, changed)
 }
 
@@ -281,20 +272,10 @@ fn a_selection_following_its_own_wrong_scores_is_named_at_the_scores() {
             let (key, changed) = scale_one_key(&pruning_dump(), &doctored, layer, scale);
             assert!(changed > 0, "layer {layer} x{scale}: no selection changed");
             for mode in ["replay", "chained", "both"] {
-                let (code, j, text) = run_trace(
-                    tmp.path(),
-                    &model(),
-                    &doctored,
-                    &["--mode", mode, "--no-cache"],
-                );
+                let (code, first, text) = first_divergence(tmp.path(), &doctored, mode);
                 let what = format!("layer {layer}, key {key} x{scale}, {mode}");
                 assert_eq!(code, 1, "{what}: {text}");
-                let key_name = if mode == "chained" {
-                    "first_divergence_chained"
-                } else {
-                    "first_divergence"
-                };
-                let first = &j[key_name];
+                let first = &first;
                 let hook = first["hook"].as_str().unwrap_or_default();
                 let note = first["note"].as_str().unwrap_or_default();
                 if mode == "chained" && hook == format!("blk.{layer}.indexer_topk") {
