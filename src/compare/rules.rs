@@ -67,7 +67,7 @@ pub const RULES: &[Rule] = &[
     },
     Rule {
         name: "per token",
-        judges: "float hooks, replay; chained where every input was measured per token and no unfollowed selection difference reaches",
+        judges: "float hooks, replay; chained where every input was measured per token and no unfollowed selection difference reaches (not the routing weights, a row's selection's)",
         threshold: "each token's relative L2 error at most TOKEN_FACTOR x the floor (a row far smaller than the typical row against SMALL_ROW of that row); chained, TOKEN_FACTOR x (the floor + chain_amp x the largest error that token's inputs carry, through attention any earlier token's)",
         reason: "a bug in one token's row hides in the whole tensor's error; rounding spreads over every row alike",
         decides: true,
@@ -333,7 +333,13 @@ fn per_token(j: &Judging<'_>, v: &mut Verdict) -> bool {
 /// was measured per token and no unfollowed selection difference reaches the hook.
 fn per_token_chained(j: &Judging<'_>, v: &mut Verdict) -> bool {
     let (error, allowed) = (v.r.error, v.r.allowed);
-    if !v.token_rows || j.up.per_token.len() != j.rows || !j.up.touched.is_empty() {
+    // The routing weights of a row are its selection's: where a near tie selected otherwise
+    // (the sibling `moe_topk_ids`, followed) they are another selection's, not a rounding's.
+    if !v.token_rows
+        || j.up.per_token.len() != j.rows
+        || !j.up.touched.is_empty()
+        || point_of(j.pair.name) == "moe_weights"
+    {
         return false;
     }
     let amp = j.judge.info(j.pair.name).kind.chain_amp();
@@ -545,10 +551,15 @@ fn selection_flips(j: &Judging<'_>, v: &mut Verdict) -> bool {
     // Rows an unfollowed difference upstream reaches are not judged again.
     let reached = |t: usize| chained && token_rows && j.up.touched.contains(&t);
     let mut st = judge_flips(reference, candidate, width, scores.as_ref());
-    let own_rows: Vec<usize> = differing_rows(reference, candidate, width)
-        .into_iter()
-        .filter(|&t| !reached(t))
-        .collect();
+    let differing = differing_rows(reference, candidate, width);
+    // A row that selected otherwise (followed or not) is not judged per token downstream:
+    // what it carries is another selection's, not a rounding's.
+    if v.next.per_token.len() == st.rows {
+        for &t in &differing {
+            v.next.per_token[t] = f64::INFINITY;
+        }
+    }
+    let own_rows: Vec<usize> = differing.into_iter().filter(|&t| !reached(t)).collect();
     let mut judged = if own_rows.len() < st.differing {
         let mut c = candidate.to_vec();
         for t in (0..st.rows).filter(|&t| reached(t)) {

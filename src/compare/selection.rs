@@ -22,8 +22,9 @@
 //!   with its group: for `e` and `l` in different groups the pair's gap is the smaller of their
 //!   score gap and their groups' score gap (a near-tie between two groups moves whole groups),
 //!   and where `e`'s group was not among the reference's selected groups, the gap to the
-//!   closest of those (a near tie of `e`'s group with a third group, whose experts did not make
-//!   the top-k, moves `e` in and `l` out);
+//!   closest of those, where `l`'s group was, the gap to the closest group it did not select (a
+//!   near tie of either group with a third one, whose experts need not make the top-k, moves
+//!   `e` in and `l` out);
 //! - margin <= tolerance: a near-tie flip (expected, counted); otherwise a confident flip (a
 //!   divergence).
 
@@ -376,6 +377,13 @@ impl<'a> RowScores<'a> {
                         dg = dg.min(gap(gs[ge], gs[k]));
                     }
                 }
+                // `l`'s group left the selected groups: displaced by a group the reference did
+                // not select, whose own experts need not make the top-k either.
+                if selected.contains(&gl) {
+                    for k in (0..gs.len()).filter(|k| !selected.contains(k)) {
+                        dg = dg.min(gap(gs[gl], gs[k]));
+                    }
+                }
                 d.min(dg)
             }
             _ => d,
@@ -708,6 +716,29 @@ mod tests {
             candidate: None,
         };
         let st = judge_flips(&[0, 1], &[0, 6], 2, Some(&s));
+        let m = st.margins.unwrap().0;
+        assert!((m - 0.01).abs() < 1e-6, "{m}");
+        assert_eq!((st.near_tie, st.confident), (1, 0));
+    }
+
+    #[test]
+    fn a_group_displaced_by_a_third_group_lets_an_expert_of_a_kept_group_in() {
+        // 8 experts in 4 groups of 2, 2 groups used. Scores {0.9, 0.8}, {0.85, 0.1},
+        // {0.5, 0.44}, {0, 0}: group scores 1.7, 0.95, 0.94, 0. The reference selects groups
+        // 0 and 1 and the experts {0, 2}. A candidate whose group 2 beat group 1 selects groups
+        // 0 and 2 and the experts {0, 1} (group 2's best, 0.5, is below 0.8): 1 in, 2 out.
+        // Their expert gap is 0.05, their groups' 0.75; group 1 left for group 2, 0.01 apart.
+        let v = [0.9f32, 0.8, 0.85, 0.1, 0.5, 0.44, 0.0, 0.0];
+        let s = Scores {
+            values: &v,
+            cols: 8,
+            bias: None,
+            rel_tol: 0.05, // rms = sqrt(2.6261 / 8) = 0.5729: tolerance 0.0286
+            groups: Some((4, 2)),
+            implied: None,
+            candidate: None,
+        };
+        let st = judge_flips(&[0, 2], &[0, 1], 2, Some(&s));
         let m = st.margins.unwrap().0;
         assert!((m - 0.01).abs() < 1e-6, "{m}");
         assert_eq!((st.near_tie, st.confident), (1, 0));
