@@ -397,28 +397,21 @@ fn per_column(j: &Judging<'_>, v: &mut Verdict) -> bool {
     // Chained, the allowance carries the inputs' error at its worst amplification; a column
     // is held to the larger of the floor and COLUMN_SPREAD x the error the tensor shows where
     // that is less (never more than the allowance).
-    let (limit, of) = if j.pair.mode == Mode::Chained {
-        let spread = j.floor.max(COLUMN_SPREAD * error);
-        if spread < allowed {
-            (spread, "the tensor's own")
-        } else {
-            (allowed, "the allowed")
-        }
-    } else {
-        (allowed, "the allowed")
-    };
+    let spread = (j.pair.mode == Mode::Chained)
+        .then(|| j.floor.max(COLUMN_SPREAD * error))
+        .filter(|&s| s < allowed);
+    let limit = spread.unwrap_or(allowed);
     let Some(c) = worst_column_judged(&pair.reference.shape, a, b, &j.up.touched, skip_cols)
         .filter(|c| c.error > TOKEN_FACTOR * limit)
     else {
         return false;
     };
-    let limit_text = if of == "the allowed" {
-        format!("the allowed {allowed:.3e}")
-    } else {
-        format!(
+    let limit_text = match spread {
+        None => format!("the allowed {allowed:.3e}"),
+        Some(_) => format!(
             "the larger of the floor {:.3e} and {COLUMN_SPREAD} x the tensor's own error, {limit:.3e}",
             j.floor
-        )
+        ),
     };
     v.fail(format!(
         "{what} {}: error {:.3e} over its {} values, above {TOKEN_FACTOR} x {limit_text} (the whole tensor: {error:.3e})",
