@@ -9,11 +9,16 @@
 
 use std::path::{Path, PathBuf};
 
-fn pairs() -> Vec<(PathBuf, PathBuf)> {
+/// `(dump, GGUF)` of every dump under `fixtures/ROOT/*/`.
+fn pairs_in(root: &str) -> Vec<(PathBuf, PathBuf)> {
     crate::common::trace_pairs(
-        &crate::common::fixtures("llama-cpp"),
+        &crate::common::fixtures(root),
         &crate::common::fixtures("models"),
     )
+}
+
+fn pairs() -> Vec<(PathBuf, PathBuf)> {
+    pairs_in("llama-cpp")
 }
 
 use crate::common::run_trace as run;
@@ -30,14 +35,40 @@ fn is_plant(trace: &Path) -> bool {
 /// uncompared and the trace's per-step precision applied.
 #[test]
 fn clean_llama_cpp_runs_pass_with_every_hook_compared() {
+    let bad = clean_runs_failing(&pairs(), 12);
+    assert!(bad.is_empty(), "{}", bad.join("\n\n"));
+}
+
+/// GGUFs quantized by llama.cpp's `llama-quantize` (Q8_0, Q4_K_M) from the converter's F32
+/// files, run by llama.cpp on the CPU (`fixtures/llama-quant/`): the DSA indexer and the experts
+/// multiply some matrices with 8-bit activations and keep others in F16 (rows of 16 or 24 values
+/// stay unquantized), each product judged at its own precision. The DeepSeek-V3 half
+/// (`dsv3-tiny-lq`) was held out while the floors were set on the GLM-5 half.
+#[test]
+fn llama_quantize_gguf_runs_pass_with_every_hook_compared() {
+    let bad = clean_runs_failing(&pairs_in("llama-quant"), 12);
+    assert!(bad.is_empty(), "{}", bad.join("\n\n"));
+}
+
+/// The override-planted bugs on the quantized GGUFs are named at their own hook, where the
+/// index scores' 8-bit products once hid them behind a false alarm at `blk.0.indexer_scores`.
+#[test]
+fn planted_bugs_on_llama_quantize_ggufs_are_named_at_their_hook() {
+    let bad = plants_misnamed(&pairs_in("llama-quant"), 10);
+    assert!(bad.is_empty(), "{}", bad.join("\n\n"));
+}
+
+/// Each clean dump of `pairs` (at least `min` of them) that does not exit 0 in `--mode both`
+/// with every hook it holds compared and its precision map applied, with why.
+fn clean_runs_failing(pairs: &[(PathBuf, PathBuf)], min: usize) -> Vec<String> {
     let dir = tempfile::tempdir().unwrap();
     let mut bad = Vec::new();
     let mut n = 0;
-    for (trace, gguf) in pairs().into_iter().filter(|(t, _)| !is_plant(t)) {
+    for (trace, gguf) in pairs.iter().filter(|(t, _)| !is_plant(t)) {
         n += 1;
         let name = trace.file_name().unwrap().to_string_lossy().into_owned();
-        let (rc, j, text) = run(dir.path(), &gguf, &trace, &["--mode", "both"]);
-        let t = glmdiff::trace::read_trace(&trace).unwrap();
+        let (rc, j, text) = run(dir.path(), gguf, trace, &["--mode", "both"]);
+        let t = glmdiff::trace::read_trace(trace).unwrap();
         let mut why = Vec::new();
         if rc != 0 {
             why.push(format!("exit {rc}"));
@@ -69,8 +100,8 @@ fn clean_llama_cpp_runs_pass_with_every_hook_compared() {
             bad.push(format!("{name}: {}\n{text}", why.join("; ")));
         }
     }
-    assert!(n >= 12, "only {n} clean llama.cpp dumps");
-    assert!(bad.is_empty(), "{}", bad.join("\n\n"));
+    assert!(n >= min, "only {n} clean llama.cpp dumps");
+    bad
 }
 
 /// What each override plants, where it first changes values and how `--explain` names it. The
@@ -102,10 +133,17 @@ fn expected(plant: &str) -> (&'static str, &'static str) {
 
 #[test]
 fn override_planted_bugs_are_named_at_their_hook() {
+    let bad = plants_misnamed(&pairs(), 8);
+    assert!(bad.is_empty(), "{}", bad.join("\n\n"));
+}
+
+/// Each planted dump of `pairs` (at least `min` of them) not named as [`expected`] says, with
+/// why.
+fn plants_misnamed(pairs: &[(PathBuf, PathBuf)], min: usize) -> Vec<String> {
     let dir = tempfile::tempdir().unwrap();
     let mut bad = Vec::new();
     let mut n = 0;
-    for (trace, gguf) in pairs().into_iter().filter(|(t, _)| is_plant(t)) {
+    for (trace, gguf) in pairs.iter().filter(|(t, _)| is_plant(t)) {
         n += 1;
         let name = trace.file_name().unwrap().to_string_lossy().into_owned();
         let plant = name
@@ -114,7 +152,7 @@ fn override_planted_bugs_are_named_at_their_hook() {
             .next()
             .unwrap()
             .to_string();
-        let t = glmdiff::trace::read_trace(&trace).unwrap();
+        let t = glmdiff::trace::read_trace(trace).unwrap();
         assert!(
             t.metadata
                 .get("llama_cpp_overrides")
@@ -122,12 +160,7 @@ fn override_planted_bugs_are_named_at_their_hook() {
             "{name}: no override in its metadata"
         );
         let (hook, kind) = expected(&plant);
-        let (rc, j, text) = run(
-            dir.path(),
-            &gguf,
-            &trace,
-            &["--mode", "replay", "--explain"],
-        );
+        let (rc, j, text) = run(dir.path(), gguf, trace, &["--mode", "replay", "--explain"]);
         let got = j["first_divergence"]["hook"].as_str().unwrap_or("");
         let best = &j["explanation"][0];
         let mut why = Vec::new();
@@ -141,7 +174,7 @@ fn override_planted_bugs_are_named_at_their_hook() {
                 best["reproduces"]
             ));
         }
-        let (rc_both, _, _) = run(dir.path(), &gguf, &trace, &["--mode", "both"]);
+        let (rc_both, _, _) = run(dir.path(), gguf, trace, &["--mode", "both"]);
         if rc_both != 1 {
             why.push(format!("--mode both exits {rc_both}"));
         }
@@ -149,8 +182,8 @@ fn override_planted_bugs_are_named_at_their_hook() {
             bad.push(format!("{name}: {}\n{text}", why.join("; ")));
         }
     }
-    assert!(n >= 8, "only {n} planted llama.cpp dumps");
-    assert!(bad.is_empty(), "{}", bad.join("\n\n"));
+    assert!(n >= min, "only {n} planted llama.cpp dumps");
+    bad
 }
 
 /// A copy of safetensors file `src` at `dst` with metadata key `key` set to `value` (the header

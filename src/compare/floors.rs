@@ -44,7 +44,15 @@
 //! - quant type: a candidate that quantizes activations to 8 bits per 32-value block when it
 //!   multiplies a block-quantized weight, as llama.cpp's CUDA `mmq`/`mmvq` do (`q8_1`), says so
 //!   in its dtype (`q8` anywhere in it, e.g. `f16, q8_1 activations`): the steps that multiply a
-//!   quantized weight then get `u_store` of at least [`U_Q8_ACTIVATIONS`]. Engines that
+//!   quantized weight then get `u_store` of at least [`U_Q8_ACTIVATIONS`]. A step with several
+//!   matrices counts each product at its own precision ([`HookInfo::q8_split`]): an expert's
+//!   gate, up and down projections each bring two operand roundings (input, matrix) and one
+//!   output rounding at 8 bits when their matrix is quantized, the others staying at the
+//!   products' format; the index score's q, k and head weights each come out of their own matrix
+//!   (`indexer.attn_q_b`, `indexer.attn_k`, `indexer.proj`). llama-quantize leaves a matrix whose
+//!   rows do not fill its blocks in F16, so a Q8_0 or Q4_K_M file mixes both inside one step
+//!   (`fixtures/llama-quant/`: 8-bit `attn_k` and `proj` with an F16 `attn_q_b` score 7.1e-3 to
+//!   7.4e-3 at `indexer_scores`, against 6.5e-2 composed; the experts 8.6e-3 against 5.6e-2). Engines that
 //!   dequantize the weights and multiply in bf16 (transformers, vLLM's dequant path) get no quant
 //!   term: dequantization itself is exact (bit-exact dequant is checked separately).
 //! - `SAFETY = 4`: the estimates above are RMS-like; 4 keeps a correct engine's replay error
@@ -299,6 +307,12 @@ pub struct HookInfo {
     pub k: Option<usize>,
     /// The step multiplies a block-quantized weight.
     pub quantized: bool,
+    /// Where only some of the step's products multiply a block-quantized weight (the DSA index
+    /// score: `q` from `indexer.attn_q_b`, `k` from `indexer.attn_k`, the head weights from
+    /// `indexer.proj`): how many of its operand and of its other roundings come out of such a
+    /// product, `(operands, stored)`. `None`: every rounding does when [`Self::quantized`]
+    /// (a step with one matrix).
+    pub q8_split: Option<(u8, u8)>,
     /// The hook is the router's (`moe_logits`, `moe_probs`, `moe_weights`): judged at the
     /// router's precision where a side has one (module documentation).
     pub router: bool,
@@ -316,6 +330,7 @@ impl HookInfo {
             kind,
             k,
             quantized: false,
+            q8_split: None,
             router: matches!(point, "moe_logits" | "moe_probs" | "moe_weights"),
         }
     }
@@ -359,10 +374,18 @@ fn estimate(info: &HookInfo, reference: Precision, candidate: Precision) -> f64 
     };
     let (r, c) = (side(reference), side(candidate));
     let (mut u_store, mut u_op, mut u_matrix) = (r.0.max(c.0), r.1.max(c.1), r.2.max(c.2));
+    // Of the operand and the other roundings, how many come out of a product with 8-bit
+    // activations (module documentation, quant type); a step with one matrix has all of them.
+    let (mut q8_op, mut q8_store) = (0.0, 0.0);
     if info.quantized && candidate.q8_activations {
-        u_store = u_store.max(U_Q8_ACTIVATIONS);
-        u_op = u_op.max(U_Q8_ACTIVATIONS);
-        u_matrix = u_matrix.max(U_Q8_ACTIVATIONS);
+        match info.q8_split {
+            None => {
+                u_store = u_store.max(U_Q8_ACTIVATIONS);
+                u_op = u_op.max(U_Q8_ACTIVATIONS);
+                u_matrix = u_matrix.max(U_Q8_ACTIVATIONS);
+            }
+            Some((o, s)) => (q8_op, q8_store) = (f64::from(o), f64::from(s)),
+        }
     }
     let u_acc = reference
         .accumulate
@@ -372,7 +395,13 @@ fn estimate(info: &HookInfo, reference: Precision, candidate: Precision) -> f64 
     let m = info.kind.operands().min(n);
     // A projection's matrix is one of its two operands.
     let w = if info.kind == Kind::Linear { 1.0 } else { 0.0 };
-    let sum = w * u_matrix * u_matrix + (m - w) * u_op * u_op + (n - m) * u_store * u_store;
+    let (q8_op, q8_store) = (q8_op.min(m - w), q8_store.min(n - m));
+    let q8 = |u: f64| u.max(U_Q8_ACTIVATIONS).powi(2);
+    let sum = w * u_matrix * u_matrix
+        + (m - w - q8_op) * u_op * u_op
+        + q8_op * q8(u_op)
+        + (n - m - q8_store) * u_store * u_store
+        + q8_store * q8(u_store);
     let k = info.k.unwrap_or(0) as f64;
     SAFETY * (amp * sum.sqrt() + u_acc * k.sqrt())
 }
@@ -400,6 +429,16 @@ pub fn segment_floor(kind: Kind, floor: f64, inputs: &[Carried], out_norm: f64) 
         inputs.iter().map(|c| c.gain * c.rel).fold(0.0, f64::max)
     };
     (floor * floor + carried * carried).sqrt()
+}
+
+/// The quant split of a step of three projections (gate, up, down: the experts, the shared
+/// expert), `quantized[i]` whether the i-th multiplies a block-quantized matrix: each such
+/// projection's input and matrix (two operands) and output (one other rounding) at the
+/// activations' 8 bits, as a one-matrix step has all three ([`HookInfo::q8_split`]).
+fn three_products(info: &mut HookInfo, quantized: [bool; 3]) {
+    let n = quantized.iter().filter(|&&q| q).count() as u8;
+    info.quantized = n > 0;
+    info.q8_split = Some((2 * n, n));
 }
 
 /// [`HookInfo`] of every hook a plan's steps produce (extras included), with reduction lengths
@@ -445,20 +484,36 @@ pub fn hook_infos(steps: &[Step], weights: &Weights<'_>) -> HashMap<String, Hook
                         info,
                     );
                 }
-                Op::IndexerScores { .. } => {
+                Op::IndexerScores { layer } => {
                     let ix = hp.indexer.as_ref().map_or(0, |i| i.head_dim);
                     info.k = Some(hp.hidden.max(hp.q_lora_rank.unwrap_or(0)).max(ix));
+                    // q and k (the score product's operands) and the head weights (one of the
+                    // other roundings), each the output of its own matrix.
+                    let q8 = |w: &str| u8::from(quantized(&names::blk(*layer, w)));
+                    let operands = q8(names::blk::INDEXER_Q_B) + q8(names::blk::INDEXER_K);
+                    let stored = q8(names::blk::INDEXER_PROJ);
+                    info.quantized = operands + stored > 0;
+                    info.q8_split = Some((operands, stored));
                 }
                 Op::MoeExperts { layer } => {
                     info.k = Some(hp.hidden.max(hp.n_ff_exp));
-                    info.quantized = quantized(&names::blk(*layer, names::blk::FFN_DOWN_EXPS));
+                    let w = |n: &str| names::blk(*layer, n);
+                    let fused = quantized(&w(names::blk::FFN_GATE_UP_EXPS));
+                    three_products(
+                        &mut info,
+                        [
+                            fused || quantized(&w(names::blk::FFN_GATE_EXPS)),
+                            fused || quantized(&w(names::blk::FFN_UP_EXPS)),
+                            quantized(&w(names::blk::FFN_DOWN_EXPS)),
+                        ],
+                    );
                     for e in 0..hp.n_expert {
                         out.insert(crate::model::steps::expert_hook(*layer, e), info);
                     }
                 }
-                Op::Mlp { down, .. } => {
+                Op::Mlp { gate, up, down } => {
                     info.k = Some(hp.hidden.max(hp.n_ff_exp * hp.n_expert_shared.max(1)));
-                    info.quantized = quantized(down);
+                    three_products(&mut info, [quantized(gate), quantized(up), quantized(down)]);
                 }
                 Op::MoeRoute { .. } => info.k = Some(hp.n_expert),
                 _ => {}
@@ -481,6 +536,7 @@ mod tests {
             kind: Kind::Linear,
             k: Some(4096),
             quantized: false,
+            q8_split: None,
             router: false,
         };
         let cpu = Precision::parse("f32 storage, f64 accumulation").unwrap();
@@ -501,6 +557,46 @@ mod tests {
         let f32p = Precision::parse("f32").unwrap();
         let want_f = 4.0 * (3f64.sqrt() + 64.0) * 2f64.powi(-24);
         assert!((floor(&q, cpu, f32p) - want_f).abs() < 1e-20);
+    }
+
+    /// The DSA index score of an engine with 8-bit activations whose indexer multiplies
+    /// quantized `attn_k` and `proj` but an F16 `attn_q_b` (llama-quantize keeps a matrix whose
+    /// rows are not a multiple of 32 values): k and the head weights round at q8_1, q at f16,
+    /// the other three roundings at f32. By hand, K = 64, f32 sums:
+    /// 4 * (2 * sqrt(5.7e-3^2 + 2^-22 + 5.7e-3^2 + 3 * 2^-48) + 2^-24 * 8).
+    #[test]
+    fn index_scores_count_only_their_quantized_products() {
+        let cand = Precision::parse("f32 storage, f32 accumulation, f16 products, q8 activations")
+            .unwrap();
+        let cpu = Precision::parse("f32 storage, f64 accumulation").unwrap();
+        let mut info = HookInfo {
+            kind: Kind::IndexerScores,
+            k: Some(64),
+            quantized: true,
+            q8_split: Some((1, 1)),
+            router: false,
+        };
+        let (u8q, u16, u32) = (5.7e-3f64, 2f64.powi(-11), 2f64.powi(-24));
+        let sum = u8q * u8q + u16 * u16 + u8q * u8q + 3.0 * u32 * u32;
+        let want = 4.0 * (2.0 * sum.sqrt() + u32 * 8.0);
+        assert!(
+            (floor(&info, cpu, cand) - want).abs() < 1e-15,
+            "{}",
+            floor(&info, cpu, cand)
+        );
+        // No quantized product: the f16 products alone, as a plain f16 indexer.
+        info.q8_split = Some((0, 0));
+        info.quantized = false;
+        let plain = 4.0 * (2.0 * (2.0 * u16 * u16 + 4.0 * u32 * u32).sqrt() + u32 * 8.0);
+        assert!((floor(&info, cpu, cand) - plain).abs() < 1e-15);
+        // Every product quantized stays under the all-roundings bound of a one-matrix step.
+        info.q8_split = Some((2, 1));
+        info.quantized = true;
+        let all = HookInfo {
+            q8_split: None,
+            ..info
+        };
+        assert!(floor(&info, cpu, cand) < floor(&all, cpu, cand));
     }
 
     /// The router-logits step gets a projection's floor inputs: those of a plain projection
@@ -569,11 +665,17 @@ mod tests {
             .collect();
         for kind in ALL_KINDS {
             for k in [None, Some(64), Some(1 << 20)] {
-                for quantized in [false, true] {
+                for (quantized, q8_split) in [
+                    (false, None),
+                    (true, None),
+                    (true, Some((1, 0))),
+                    (true, Some((6, 3))),
+                ] {
                     let info = HookInfo {
                         kind,
                         k,
                         quantized,
+                        q8_split,
                         router: false,
                     };
                     for &p in &precisions {
@@ -595,6 +697,7 @@ mod tests {
             kind: Kind::IndexerScores,
             k: Some(64),
             quantized: false,
+            q8_split: None,
             router: false,
         };
         let fp8 = Precision::parse("fp8").unwrap();
@@ -625,6 +728,7 @@ mod tests {
             kind: Kind::Linear,
             k: Some(4096),
             quantized: false,
+            q8_split: None,
             router: false,
         };
         let want = 4.0 * ((2.0 * 2f64.powi(-22) + 2f64.powi(-48)).sqrt() + 2f64.powi(-24) * 64.0);

@@ -29,6 +29,7 @@ if [ -z "${LLAMA_COMMIT:-}" ] && [ "$top" = "$src" ]; then
 fi
 commit=${LLAMA_COMMIT:-unknown}
 mkdir -p "$build"
+build=$(cd "$build" && pwd -P)
 gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
 cmake -S "$src" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
