@@ -36,6 +36,7 @@ one() {  # name gguf prompt args...
     shift 3
     local m
     m=$(basename "$(dirname "$gguf")")
+    m=${m%-lq}  # llama-quantize's files (reference/fixtures/llama_quant_fixtures.sh) share their source's prompts
     "$dump" "$root/$gguf" --tokens "$(tokens "$root/fixtures/models/$m/$m.$prompt.trace.safetensors")" \
         --out "$out/$name.safetensors" "${gpu[@]}" "$@" 2> "$out/$name.log" \
         || { echo "FAILED: $name"; tail -5 "$out/$name.log"; failed=$((failed + 1)); return 0; }
