@@ -57,6 +57,11 @@ fn run_cases(
     args: &RegressArgs,
     cases: &[(usize, &Case)],
 ) -> Result<(Vec<Value>, Vec<CaseSummary>)> {
+    crate::report::progress::started(&format!(
+        "glmdiff regress: {}, {} case(s)",
+        args.suite.display(),
+        cases.len()
+    ));
     let cache = CacheChoice {
         dir: args.cache_dir.clone(),
         off: args.no_cache,

@@ -22,6 +22,7 @@ pub fn run(args: &RunArgs) -> Result<Outcome> {
     against_input(&mut g, &args.against, &args.model);
     check_outputs(g, &args.report, args.repro.as_deref())?;
     let cfg = RunConfig::check(request(args))?;
+    crate::report::progress::started(&cfg.summary());
     let (layers, hypotheses) = (Bar::new(), Bar::with_unit("hypotheses"));
     let watch = Watch {
         layers: &layers,

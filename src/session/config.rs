@@ -170,6 +170,25 @@ impl RunConfig {
         })
     }
 
+    /// One line saying what the run will do, before it does it (a log's first sign of life):
+    /// `glmdiff run: MODEL (ARCH), layers A..B, T tokens, against SPEC, mode M`.
+    pub fn summary(&self) -> String {
+        let against = match &self.candidate {
+            Chosen::Cpu => "cpu".to_string(),
+            Chosen::Cuda { device, .. } => format!("cuda:{device}"),
+            Chosen::Trace { path, .. } => format!("trace:{}", path.display()),
+        };
+        format!(
+            "glmdiff run: {} ({}), layers {}..{}, {} tokens, against {against}, mode {}",
+            self.model_path.display(),
+            self.model.architecture().unwrap_or("unknown architecture"),
+            self.layers.start,
+            self.layers.end,
+            self.tokens.len(),
+            self.mode.as_str()
+        )
+    }
+
     /// The model's tokenizer, when it has one.
     pub fn tokenizer(&self) -> Option<&Tokenizer> {
         self.tokenizer.as_ref()
