@@ -933,3 +933,209 @@ fn regress_expect_top5_of_the_wrong_length_is_a_bad_suite() {
     );
     assert!(!text(&o).contains("FAIL"), "{}", text(&o));
 }
+
+/// Rewrites the f32 value of metadata key `key` in a GGUF file (value type 6 = FLOAT32).
+fn patch_f32(path: &Path, key: &str, value: f32) {
+    let mut b = std::fs::read(path).unwrap();
+    let mut pat = (key.len() as u64).to_le_bytes().to_vec();
+    pat.extend_from_slice(key.as_bytes());
+    let at = b
+        .windows(pat.len())
+        .position(|w| w == pat)
+        .unwrap_or_else(|| panic!("no key {key}"));
+    let ty = at + pat.len();
+    assert_eq!(b[ty..ty + 4], 6u32.to_le_bytes(), "{key} is not a FLOAT32");
+    b[ty + 4..ty + 8].copy_from_slice(&value.to_le_bytes());
+    std::fs::write(path, b).unwrap();
+}
+
+/// Renames tensor `from` to `to` (same length) in a GGUF file's tensor infos.
+fn rename_tensor(path: &Path, from: &str, to: &str) {
+    assert_eq!(from.len(), to.len());
+    let mut b = std::fs::read(path).unwrap();
+    let mut pat = (from.len() as u64).to_le_bytes().to_vec();
+    pat.extend_from_slice(from.as_bytes());
+    let at = b
+        .windows(pat.len())
+        .position(|w| w == pat)
+        .unwrap_or_else(|| panic!("no tensor {from}"));
+    b[at + 8..at + 8 + to.len()].copy_from_slice(to.as_bytes());
+    std::fs::write(path, b).unwrap();
+}
+
+/// A RoPE base of 0, -1 or 1 is refused at load (RoPE's frequencies are base^(-2i/d)), as is a
+/// routed scaling factor of 0 or below, naming the key and its value, in `run`, `trace` and
+/// `inspect`; the file is left as it was.
+#[test]
+fn hyperparameters_out_of_their_range_are_refused_at_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let out = dir.path().join("t.safetensors");
+    for (key, value) in [
+        ("glm-dsa.rope.freq_base", 0.0f32),
+        ("glm-dsa.rope.freq_base", -1.0),
+        ("glm-dsa.rope.freq_base", 1.0),
+        ("glm-dsa.expert_weights_scale", 0.0),
+        ("glm-dsa.expert_weights_scale", -2.5),
+    ] {
+        let m = copy(dir.path(), GLM5);
+        patch_f32(&m, key, value);
+        let before = snapshot(&[&m]);
+        let ms = m.to_str().unwrap();
+        let want = format!("{key} = {value}");
+        for args in [
+            vec!["run", ms, "--against", "cpu", "--tokens", "1,2,3"],
+            vec![
+                "trace",
+                ms,
+                "--tokens",
+                "1,2",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+        ] {
+            let o = glmdiff(cache.path(), &args);
+            let line = input_error(&o, &[&want, "glm5-tiny-f32.gguf", "must be"]);
+            assert!(line.starts_with("error: "), "{line}");
+        }
+        let o = glmdiff(cache.path(), &["--wide", "inspect", ms]);
+        assert!(
+            text(&o).contains("cannot run") && text(&o).contains(&want),
+            "{}",
+            text(&o)
+        );
+        unchanged(&[&m], &before);
+        assert!(!out.exists());
+    }
+}
+
+/// A model without a tensor the forward pass reads (a routed experts' down matrix of the last
+/// layer, the output norm) is refused at load, naming the tensor and the step, before any layer
+/// runs; `inspect` says why it cannot run.
+#[test]
+fn a_model_without_a_tensor_it_needs_is_refused_at_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    for (name, other, step) in [
+        (
+            "blk.2.ffn_down_exps.weight",
+            "xlk.2.ffn_down_exps.weight",
+            "blk.2.moe_routed",
+        ),
+        ("output_norm.weight", "output_nozm.weight", "result_norm"),
+    ] {
+        let m = copy(dir.path(), GLM5);
+        rename_tensor(&m, name, other);
+        let ms = m.to_str().unwrap();
+        let o = glmdiff(
+            cache.path(),
+            &["run", ms, "--against", "cpu", "--tokens", "1,2,3"],
+        );
+        input_error(
+            &o,
+            &[
+                &format!("tensor {name} is missing"),
+                step,
+                "glm5-tiny-f32.gguf",
+            ],
+        );
+        let o = glmdiff(cache.path(), &["--wide", "inspect", ms]);
+        assert!(
+            text(&o).contains(&format!("tensor {name} is missing")),
+            "{}",
+            text(&o)
+        );
+    }
+}
+
+/// A tensor info with an empty name is refused by the reader, with its index and offset.
+#[test]
+fn an_empty_tensor_name_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = copy(dir.path(), GLM5);
+    // The name's length field of the first tensor info, set to 0, and the name's bytes left
+    // as they are: the reader then sees an empty name.
+    let name = "token_embd.weight";
+    let mut b = std::fs::read(&m).unwrap();
+    let mut pat = (name.len() as u64).to_le_bytes().to_vec();
+    pat.extend_from_slice(name.as_bytes());
+    let at = b.windows(pat.len()).position(|w| w == pat).unwrap();
+    b[at..at + 8].copy_from_slice(&0u64.to_le_bytes());
+    std::fs::write(&m, b).unwrap();
+    let o = glmdiff(dir.path(), &["inspect", m.to_str().unwrap()]);
+    input_error(
+        &o,
+        &["the name is empty", "at offset", "glm5-tiny-f32.gguf"],
+    );
+}
+
+/// Weights that are NaN or Inf make both sides NaN wherever they reach: the reference says the
+/// model is broken at the first weight it reads (tensor, row, column), exit 2, in `run`
+/// (against the CPU and against a trace) and `trace`, never a difference blamed on the
+/// candidate and never a trace of NaN logits.
+#[test]
+fn non_finite_weights_are_the_models_not_the_candidates() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let out = dir.path().join("t.safetensors");
+    for (tensor, value) in [
+        ("blk.1.ffn_up_exps.weight", f32::NAN),
+        ("blk.0.attn_kv_a_norm.weight", f32::INFINITY),
+    ] {
+        let m = copy(dir.path(), GLM5);
+        // Where the tensor's values lie: a norm's one row, or every expert's rows.
+        let ranges: Vec<(usize, usize)> = {
+            let model = glmdiff::gguf::Model::open(&m).unwrap();
+            let w = glmdiff::model::Weights::new(&model).unwrap();
+            let descs = if tensor.ends_with("norm.weight") {
+                vec![w.vector_desc(tensor).unwrap()]
+            } else {
+                (0..8).map(|e| w.expert_desc(tensor, e).unwrap()).collect()
+            };
+            descs
+                .iter()
+                .map(|d| {
+                    let (_, off, len) = d.file_range().unwrap().unwrap();
+                    (off as usize, len as usize)
+                })
+                .collect()
+        };
+        let mut b = std::fs::read(&m).unwrap();
+        for (off, len) in ranges {
+            for x in b[off..off + len].chunks_exact_mut(4) {
+                x.copy_from_slice(&value.to_le_bytes());
+            }
+        }
+        std::fs::write(&m, b).unwrap();
+        let ms = m.to_str().unwrap();
+        let trace = fixtures("models").join(GLM5_TRACE);
+        for args in [
+            vec!["run", ms, "--against", "cpu", "--tokens", "1,2,3"],
+            vec![
+                "run",
+                ms,
+                "--against",
+                &format!("trace:{}", trace.display()),
+            ],
+            vec![
+                "trace",
+                ms,
+                "--tokens",
+                "1,2",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+        ] {
+            let o = glmdiff(cache.path(), &args);
+            input_error(
+                &o,
+                &[
+                    &format!("tensor {tensor}"),
+                    "non-finite weights: ",
+                    " column 0, ",
+                ],
+            );
+        }
+        assert!(!out.exists());
+    }
+}

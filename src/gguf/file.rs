@@ -697,6 +697,13 @@ impl<'a> Reader<'a> {
         for i in 0..n {
             let info_offset = self.pos as u64;
             let name = self.string(MAX_NAME_LEN, &|| format!("name of tensor info #{i}"))?;
+            if name.is_empty() {
+                self.pos = info_offset as usize;
+                return Err(self.fail(
+                    &|| format!("name of tensor info #{i}"),
+                    "the name is empty; every tensor needs one (ggml accepts 1 to 63 bytes)".into(),
+                ));
+            }
             let nd_at = self.pos;
             let nd_what = || format!("n_dims of tensor {name:?}");
             let n_dims = self.u32(&nd_what)?;

@@ -410,6 +410,22 @@ impl HParams {
             base: k.f64(keys::ROPE_FREQ_BASE)?,
             yarn: read_yarn(&k)?,
         };
+        // RoPE's frequencies are base^(-2i/d): a base of 1 or less turns none or runs backwards
+        // (0 gives inf, a negative base NaN).
+        if rope.base <= 1.0 {
+            bail!(
+                "model: {path}: {} = {} must be a number above 1 (RoPE's frequencies are base^(-2i/d); the models glmdiff knows use 1e4 to 1e6)",
+                k.key(keys::ROPE_FREQ_BASE),
+                rope.base
+            );
+        }
+        let expert_weights_scale = k.f64(keys::EXPERT_WEIGHTS_SCALE)?;
+        if expert_weights_scale <= 0.0 {
+            bail!(
+                "model: {path}: {} = {expert_weights_scale} must be positive (the routed experts' output is multiplied by it)",
+                k.key(keys::EXPERT_WEIGHTS_SCALE)
+            );
+        }
 
         let indexer = match arch {
             Arch::Deepseek2 => None,
@@ -495,7 +511,7 @@ impl HParams {
             n_expert_shared: k.opt_usize(keys::EXPERT_SHARED_COUNT)?.unwrap_or(0),
             n_ff_exp: k.usize(keys::EXPERT_FEED_FORWARD_LENGTH)?,
             groups,
-            expert_weights_scale: k.f64(keys::EXPERT_WEIGHTS_SCALE)?,
+            expert_weights_scale,
             expert_weights_norm: k.opt_bool(keys::EXPERT_WEIGHTS_NORM)?.unwrap_or(false),
             gating,
             rope,

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use super::hparams::{Gating, HParams, ARCH_DEEPSEEK2, ARCH_GLM_DSA};
+use super::hparams::{Gating, ARCH_DEEPSEEK2, ARCH_GLM_DSA};
 use crate::gguf::{Model, Value};
 use crate::util::glob;
 
@@ -174,8 +174,9 @@ fn forward_pass(model: &Model) -> Option<Result<BTreeMap<String, String>, String
     if arch != ARCH_GLM_DSA && arch != ARCH_DEEPSEEK2 {
         return None;
     }
-    let hp = match HParams::from_model(model) {
-        Ok(hp) => hp,
+    // The load checks of a run (tensors present, embedding and output), not only the metadata.
+    let hp = match crate::model::Weights::new(model) {
+        Ok(w) => w.hparams().clone(),
         Err(e) => return Some(Err(format!("{e:#}"))),
     };
     let mut m = BTreeMap::new();

@@ -231,7 +231,30 @@ impl<'m> Weights<'m> {
             output,
         };
         w.tensor(output)?;
+        w.check_complete()?;
         Ok(w)
+    }
+
+    /// Every tensor the whole forward pass reads is in the file: a model that lacks one is
+    /// refused at load, naming it and the step that reads it, rather than failing after the
+    /// layers before it have run.
+    fn check_complete(&self) -> Result<()> {
+        let path = self.model.path().display();
+        let hp = &self.hp;
+        let steps = (super::steps::embed_steps().into_iter())
+            .chain((0..hp.n_layer).flat_map(|l| super::steps::layer_steps(hp, l)))
+            .chain(super::steps::tail_steps(hp, hp.n_layer, self.output));
+        for s in steps {
+            if let Some(name) = s.weights(self).into_iter().find(|n| !self.has(n)) {
+                bail!(
+                    "model: {path}: tensor {name} is missing; the {} forward pass reads it (step {});                      the file holds {} tensors",
+                    hp.arch.as_str(),
+                    s.outputs.first().map_or("?", String::as_str),
+                    self.model.tensors().count()
+                );
+            }
+        }
+        Ok(())
     }
 
     /// The weights of a file that holds only some of a model's tensors, with the model's

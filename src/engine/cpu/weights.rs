@@ -24,6 +24,36 @@ pub struct Matrix {
     pub data: Vec<f32>,
 }
 
+/// `values` of rows `slice.rows.start + first..` of `slice` (`slice.cols` a row), when every
+/// one is finite. A NaN or Inf in a weight makes every output it reaches NaN on both sides, which
+/// a comparison would blame on the candidate: the model itself is broken, said at the first
+/// weight the reference reads, with the element (exit 2 like any bad input).
+fn finite(slice: &WeightSlice<'_>, first: usize, values: &[f32]) -> Result<()> {
+    let Some(i) = values.iter().position(|v| !v.is_finite()) else {
+        return Ok(());
+    };
+    let cols = slice.cols.max(1);
+    let bad = values.iter().filter(|v| !v.is_finite()).count();
+    bail!(
+        "model: {}: tensor {} ({:?}) holds non-finite weights: {} at row {} column {}, {bad} NaN/Inf in the {} values read; \
+         the model file is broken, not the engine (`glmdiff weights-check` or `glmdiff dequant` show the tensor)",
+        slice.model().path().display(),
+        slice.name(),
+        slice.ty(),
+        values[i],
+        slice.rows.start + first + i / cols,
+        i % cols,
+        values.len()
+    )
+}
+
+/// [`WeightSlice::dequantize`], checked by [`finite`].
+fn dequantize_finite(slice: &WeightSlice<'_>) -> Result<Vec<f32>> {
+    let v = slice.dequantize()?;
+    finite(slice, 0, &v)?;
+    Ok(v)
+}
+
 impl Matrix {
     /// Row `r`.
     pub fn row(&self, r: usize) -> &[f32] {
@@ -70,9 +100,11 @@ impl<'m> RowSource<'m> {
                 dst.len()
             );
         }
-        let bytes = self.slice.sub(rows)?.data()?;
-        quant::dequantize(self.slice.ty(), bytes, dst)
-            .with_context(|| format!("model: {}: tensor {}", model.path().display(), self.name()))
+        let bytes = self.slice.sub(rows.clone())?.data()?;
+        quant::dequantize(self.slice.ty(), bytes, dst).with_context(|| {
+            format!("model: {}: tensor {}", model.path().display(), self.name())
+        })?;
+        finite(&self.slice, rows.start, dst)
     }
 }
 
@@ -113,7 +145,7 @@ pub fn assemble_kv_b(
 impl<'w> CpuEngine<'w> {
     /// The 1-D tensor `name` (norm weight, bias) in f32.
     pub fn host_vector(&self, name: &str) -> Result<Vec<f32>> {
-        self.weights.vector_desc(name)?.dequantize()
+        dequantize_finite(&self.weights.vector_desc(name)?)
     }
 
     /// Embedding rows of `ids`: `[ids.len(), hidden]`. Ids out of range are an error.
@@ -121,7 +153,7 @@ impl<'w> CpuEngine<'w> {
         let hidden = self.weights.hparams().hidden;
         let mut data = Vec::with_capacity(ids.len() * hidden);
         for row in self.weights.embedding_rows_desc(ids)? {
-            data.extend(row.dequantize()?);
+            data.extend(dequantize_finite(&row)?);
         }
         Ok(Matrix {
             rows: ids.len(),
@@ -155,7 +187,7 @@ impl<'w> CpuEngine<'w> {
             KvB::Legacy(kv_b) => Ok(Matrix {
                 rows: kv_b.n_rows(),
                 cols: kv_b.cols,
-                data: kv_b.dequantize()?,
+                data: dequantize_finite(&kv_b)?,
             }),
             KvB::Split {
                 k_b,
@@ -165,8 +197,8 @@ impl<'w> CpuEngine<'w> {
                 v,
                 kv_lora,
             } => {
-                let k = k_b.dequantize()?; // [H, kv_lora, nope]
-                let vv = v_b.dequantize()?; // [H, v, kv_lora]
+                let k = dequantize_finite(&k_b)?; // [H, kv_lora, nope]
+                let vv = dequantize_finite(&v_b)?; // [H, v, kv_lora]
                 Ok(Matrix {
                     rows: heads * (nope + v),
                     cols: kv_lora,
