@@ -26,6 +26,17 @@ pub struct Cli {
     /// $GLMDIFF_CPU_SIMD when it names a level, else the widest the CPU has.
     #[arg(long, global = true, value_name = "LEVEL", value_parser = parse_cpu_simd)]
     pub cpu_simd: Option<Level>,
+    /// Progress when stderr is not a terminal (a pipe, a log): plain lines every SECONDS while a
+    /// long phase runs (the first after at most 2 s), or `off`. A terminal gets bars instead.
+    #[arg(
+        long,
+        global = true,
+        value_name = "SECONDS|off",
+        env = "GLMDIFF_PROGRESS",
+        default_value = "10",
+        value_parser = parse_progress
+    )]
+    pub progress: ProgressEvery,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -461,6 +472,23 @@ pub struct BenchRunArgs {
 /// value (its default `0` when unset): on unless empty or `0`.
 pub fn parse_switch(s: &str) -> Result<bool> {
     Ok(!s.is_empty() && s != "0")
+}
+
+/// `--progress`: seconds between plain progress lines, or `None` for `off`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ProgressEvery(pub Option<f64>);
+
+/// Parses `--progress`: seconds between plain progress lines (0 to 86400; under 0.2 repeats
+/// every 0.2), or `off`.
+pub fn parse_progress(s: &str) -> Result<ProgressEvery> {
+    let t = s.trim();
+    if t == "off" {
+        return Ok(ProgressEvery(None));
+    }
+    match t.parse::<f64>() {
+        Ok(v) if v.is_finite() && (0.0..=86_400.0).contains(&v) => Ok(ProgressEvery(Some(v))),
+        _ => bail!("{s:?} is not a number of seconds from 0 to 86400, or off"),
+    }
 }
 
 /// Parses `--cpu-simd`: base, avx2 or avx512 (any case).

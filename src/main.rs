@@ -47,6 +47,7 @@ fn main() -> ExitCode {
     if let Some(cap) = cmd::cpu_simd_cap(cli.cpu_simd, simd_env.as_deref()) {
         glmdiff::quant::simd::set_cap(cap);
     }
+    glmdiff::report::progress::set_interval(cli.progress.0);
     install_interrupt_handler();
     restore_default_sigpipe();
     let result = match &cli.command {

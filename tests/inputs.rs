@@ -1010,19 +1010,16 @@ fn hyperparameters_out_of_their_range_are_refused_at_load() {
 }
 
 /// A model without a tensor the forward pass reads (a routed experts' down matrix of the last
-/// layer, the output norm) is refused at load, naming the tensor and the step, before any layer
-/// runs; `inspect` says why it cannot run.
+/// layer, the output norm, an indexer's head weights) is refused at load, naming the tensor,
+/// before any layer runs; `inspect` says why it cannot run.
 #[test]
 fn a_model_without_a_tensor_it_needs_is_refused_at_load() {
     let dir = tempfile::tempdir().unwrap();
     let cache = tempfile::tempdir().unwrap();
-    for (name, other, step) in [
-        (
-            "blk.2.ffn_down_exps.weight",
-            "xlk.2.ffn_down_exps.weight",
-            "blk.2.moe_routed",
-        ),
-        ("output_norm.weight", "output_nozm.weight", "result_norm"),
+    for (name, other) in [
+        ("blk.2.ffn_down_exps.weight", "xlk.2.ffn_down_exps.weight"),
+        ("output_norm.weight", "output_nozm.weight"),
+        ("blk.1.indexer.proj.weight", "xlk.1.indexer.proj.weight"),
     ] {
         let m = copy(dir.path(), GLM5);
         rename_tensor(&m, name, other);
@@ -1033,11 +1030,7 @@ fn a_model_without_a_tensor_it_needs_is_refused_at_load() {
         );
         input_error(
             &o,
-            &[
-                &format!("tensor {name} is missing"),
-                step,
-                "glm5-tiny-f32.gguf",
-            ],
+            &[&format!("tensor {name} is missing"), "glm5-tiny-f32.gguf"],
         );
         let o = glmdiff(cache.path(), &["--wide", "inspect", ms]);
         assert!(
@@ -1138,4 +1131,138 @@ fn non_finite_weights_are_the_models_not_the_candidates() {
         }
         assert!(!out.exists());
     }
+}
+
+/// `--repro DIR` where DIR holds an earlier case and anything else refuses before the run,
+/// naming what it would lose; the directory is left as it was. A case alone is replaced.
+#[test]
+fn repro_never_deletes_what_is_not_a_case() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let case = dir.path().join("case");
+    let gguf = fixtures("models").join(GLM5);
+    let args = [
+        "run",
+        gguf.to_str().unwrap(),
+        "--against",
+        "cpu",
+        "--tokens",
+        "1,2,3",
+        "--inject",
+        "kv_b_concat",
+        "--repro",
+        case.to_str().unwrap(),
+    ];
+    assert_eq!(glmdiff(cache.path(), &args).status.code(), Some(1));
+    assert!(case.join("case.json").is_file());
+    // A case alone is replaced.
+    assert_eq!(glmdiff(cache.path(), &args).status.code(), Some(1));
+    std::fs::write(case.join("notes.txt"), b"mine").unwrap();
+    std::fs::create_dir(case.join("runs")).unwrap();
+    let o = glmdiff(cache.path(), &args);
+    input_error(
+        &o,
+        &[
+            "--repro",
+            "holds a case and 2 other entries",
+            "notes.txt",
+            "runs",
+        ],
+    );
+    assert_eq!(std::fs::read(case.join("notes.txt")).unwrap(), b"mine");
+    assert!(case.join("runs").is_dir());
+}
+
+/// A `--tol` of 1e308 is echoed as 1e308, not 309 digits.
+#[test]
+fn a_huge_tolerance_is_written_short() {
+    let cache = tempfile::tempdir().unwrap();
+    let gguf = fixtures("models").join(GLM5);
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "run",
+            gguf.to_str().unwrap(),
+            "--against",
+            "cpu",
+            "--tokens",
+            "1,2,3",
+            "--tol",
+            "*=1e308",
+        ],
+    );
+    let t = text(&o);
+    assert!(t.contains("*=1e308"), "{t}");
+    assert!(!t.contains("0000000000"), "{t}");
+}
+
+/// A FIFO given as a model or a trace is refused at once (its open would wait for a writer
+/// forever), naming it.
+#[test]
+fn a_fifo_is_refused_not_waited_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("model.gguf");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    if !made.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: no mkfifo on this machine");
+        return;
+    }
+    let f = fifo.to_str().unwrap().to_string();
+    let gguf = fixtures("models").join(GLM5);
+    for args in [
+        vec!["inspect".to_string(), f.clone()],
+        vec![
+            "run".into(),
+            gguf.to_str().unwrap().into(),
+            "--against".into(),
+            format!("trace:{f}"),
+        ],
+        vec!["compare".into(), f.clone(), f.clone()],
+    ] {
+        let mut child = std::process::Command::new(crate::common::glmdiff_bin())
+            .args(&args)
+            .env("GLMDIFF_CACHE_DIR", dir.path())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let start = std::time::Instant::now();
+        while child.try_wait().unwrap().is_none() {
+            if start.elapsed() > std::time::Duration::from_secs(20) {
+                child.kill().unwrap();
+                panic!("{args:?}: still waiting on the FIFO after 20 s");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let o = child.wait_with_output().unwrap();
+        input_error(&o, &["model.gguf", "not a regular file"]);
+    }
+}
+
+/// `general.architecture` stored as a number is named as such, not called missing.
+#[test]
+fn an_architecture_of_another_type_is_named() {
+    use crate::common::gguf_bytes::{Gguf, Val};
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("arch.gguf");
+    let g = Gguf::default().kv("general.architecture", Val::U32(7));
+    std::fs::write(&p, g.bytes()).unwrap();
+    let o = glmdiff(
+        dir.path(),
+        &[
+            "run",
+            p.to_str().unwrap(),
+            "--against",
+            "cpu",
+            "--tokens",
+            "1",
+        ],
+    );
+    input_error(
+        &o,
+        &[
+            "general.architecture is a u32 (7), not a string",
+            "arch.gguf",
+        ],
+    );
 }

@@ -412,7 +412,12 @@ impl Comparison {
         let tol = j.tol.iter().enumerate().map(|(i, (g, v))| Override {
             kind: "tol",
             glob: g.clone(),
-            value: format!("{v}"),
+            // Plain where short (0.05), else in exponent form (1e308, not 309 digits).
+            value: if *v == 0.0 || (1e-4..1e6).contains(&v.abs()) {
+                format!("{v}")
+            } else {
+                format!("{v:e}")
+            },
             source: "--tol".to_string(),
             hooks: count(&tol_of, i),
         });

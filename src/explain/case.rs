@@ -108,7 +108,7 @@ pub struct CaseHeader {
 }
 
 /// Checks, before a run, that a case can be written to `dir`: its parent exists, and `dir` is
-/// absent, empty or an earlier case (which is replaced).
+/// absent, empty or an earlier case holding only a case's files (which is replaced).
 pub fn check_target(dir: &Path) -> Result<()> {
     if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
         if !parent.is_dir() {
@@ -123,14 +123,31 @@ pub fn check_target(dir: &Path) -> Result<()> {
         if !dir.is_dir() {
             bail!("--repro {}: exists and is not a directory", dir.display());
         }
-        let empty = std::fs::read_dir(dir)
+        let mut entries: Vec<String> = std::fs::read_dir(dir)
             .with_context(|| format!("--repro {}: cannot read it", dir.display()))?
-            .next()
-            .is_none();
-        if !empty && !dir.join(CASE_JSON).is_file() {
+            .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+            .collect::<std::io::Result<_>>()
+            .with_context(|| format!("--repro {}: cannot read it", dir.display()))?;
+        entries.sort();
+        if !entries.is_empty() && !dir.join(CASE_JSON).is_file() {
             bail!(
                 "--repro {}: the directory is not empty and holds no {CASE_JSON}: not overwriting it",
                 dir.display()
+            );
+        }
+        // An earlier case is replaced whole: anything else in it would be lost with it.
+        let own = [CASE_JSON, CASE_TENSORS, CASE_WEIGHTS, CASE_README];
+        let other: Vec<&String> = entries
+            .iter()
+            .filter(|e| !own.contains(&e.as_str()))
+            .collect();
+        if !other.is_empty() {
+            bail!(
+                "--repro {}: the directory holds a case and {} other entr{} ({}): a case is replaced whole, so not overwriting it; move them or give another directory",
+                dir.display(),
+                other.len(),
+                if other.len() == 1 { "y" } else { "ies" },
+                other.iter().take(5).map(|e| e.as_str()).collect::<Vec<_>>().join(", ")
             );
         }
     }

@@ -7,7 +7,6 @@
 //! the field, its offset and the numbers, never a panic or a huge allocation.
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
@@ -124,8 +123,7 @@ impl std::fmt::Debug for GgufFile {
 impl GgufFile {
     /// Opens and checks `path` through a read-only memory map.
     pub fn open(path: &Path) -> Result<GgufFile> {
-        let file =
-            File::open(path).with_context(|| format!("gguf: cannot open {}", path.display()))?;
+        let file = crate::util::open_regular(path, "gguf")?;
         let meta = file
             .metadata()
             .with_context(|| format!("gguf: cannot stat {}", path.display()))?;

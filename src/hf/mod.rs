@@ -156,8 +156,7 @@ impl Checkpoint {
                     names.as_ref().map_or(0, Vec::len)
                 );
             }
-            let f =
-                File::open(&path).with_context(|| format!("hf: cannot open {}", path.display()))?;
+            let f = crate::util::open_regular(&path, "hf")?;
             let shard = shards.len();
             let mut in_file = read_header(&path, &f, shard)?;
             match names {

@@ -271,10 +271,18 @@ impl HParams {
     /// holds as `check` asks (the shapes are checked by `super::shapes`).
     pub(super) fn derive(model: &Model, check: TensorCheck) -> Result<HParams> {
         let arch_str = model.architecture().with_context(|| {
-            format!(
-                "model: {}: metadata key general.architecture is missing",
-                model.path().display()
-            )
+            match model.get("general.architecture") {
+                Some(v) => format!(
+                    "model: {}: metadata key general.architecture is a {} ({}), not a string (it names the architecture: {ARCH_GLM_DSA} or {ARCH_DEEPSEEK2})",
+                    model.path().display(),
+                    v.value_type().name(),
+                    v.summary(4)
+                ),
+                None => format!(
+                    "model: {}: metadata key general.architecture is missing",
+                    model.path().display()
+                ),
+            }
         })?;
         let Some(arch) = Arch::from_name(arch_str) else {
             bail!(

@@ -236,23 +236,71 @@ impl<'m> Weights<'m> {
     }
 
     /// Every tensor the whole forward pass reads is in the file: a model that lacks one is
-    /// refused at load, naming it and the step that reads it, rather than failing after the
-    /// layers before it have run.
+    /// refused at load, naming it, rather than failing after the layers before it have run.
+    /// The tensors are those the steps read ([`super::steps`]' `Step::weights`), listed here from
+    /// the hyperparameters and the layout the file chose (split or legacy kv_b, fused or
+    /// separate expert gate and up; the selection bias is optional).
     fn check_complete(&self) -> Result<()> {
-        let path = self.model.path().display();
         let hp = &self.hp;
-        let steps = (super::steps::embed_steps().into_iter())
-            .chain((0..hp.n_layer).flat_map(|l| super::steps::layer_steps(hp, l)))
-            .chain(super::steps::tail_steps(hp, hp.n_layer, self.output));
-        for s in steps {
-            if let Some(name) = s.weights(self).into_iter().find(|n| !self.has(n)) {
-                bail!(
-                    "model: {path}: tensor {name} is missing; the {} forward pass reads it (step {});                      the file holds {} tensors",
-                    hp.arch.as_str(),
-                    s.outputs.first().map_or("?", String::as_str),
-                    self.model.tensors().count()
+        let mut need: Vec<String> = vec![
+            names::TOKEN_EMBD.to_string(),
+            names::OUTPUT_NORM.to_string(),
+            self.output.to_string(),
+        ];
+        for l in 0..hp.n_layer {
+            let w = |s: &str| names::blk(l, s);
+            need.extend(
+                [
+                    blk::ATTN_NORM,
+                    blk::ATTN_KV_A_MQA,
+                    blk::ATTN_KV_A_NORM,
+                    blk::ATTN_OUTPUT,
+                    blk::FFN_NORM,
+                ]
+                .map(w),
+            );
+            if hp.q_lora_rank.is_some() {
+                need.extend([blk::ATTN_Q_A, blk::ATTN_Q_A_NORM, blk::ATTN_Q_B].map(w));
+            } else {
+                need.push(w(blk::ATTN_Q));
+            }
+            need.extend(self.kv_b_names(l));
+            if hp
+                .indexer
+                .as_ref()
+                .is_some_and(|ix| ix.full.get(l) == Some(&true))
+            {
+                need.extend(
+                    [
+                        blk::INDEXER_Q_B,
+                        blk::INDEXER_K,
+                        blk::INDEXER_K_NORM,
+                        blk::INDEXER_K_NORM_B,
+                        blk::INDEXER_PROJ,
+                    ]
+                    .map(w),
                 );
             }
+            if hp.is_dense(l) {
+                need.extend([blk::FFN_GATE, blk::FFN_UP, blk::FFN_DOWN].map(w));
+            } else {
+                need.push(w(blk::FFN_GATE_INP));
+                need.extend(self.expert_gate_up_names(l));
+                need.push(w(blk::FFN_DOWN_EXPS));
+                if hp.n_expert_shared > 0 {
+                    need.extend(
+                        [blk::FFN_GATE_SHEXP, blk::FFN_UP_SHEXP, blk::FFN_DOWN_SHEXP].map(w),
+                    );
+                }
+            }
+        }
+        if let Some(name) = need.iter().find(|n| !self.has(n)) {
+            bail!(
+                "model: {}: tensor {name} is missing; the {} forward pass reads it (the file holds {} tensors)",
+                self.model.path().display(),
+                hp.arch.as_str(),
+                self.model.tensors().count()
+            );
         }
         Ok(())
     }

@@ -11,8 +11,8 @@
 //! ```
 //!
 //! The command's own start line ([`started`], `glmdiff run: MODEL ...`) comes before the first
-//! such line. `GLMDIFF_PROGRESS` sets the interval in seconds (the first line then comes after
-//! at most that long), or `off` for none.
+//! such line. `--progress SECONDS|off` (default `$GLMDIFF_PROGRESS`, else 10) sets the interval
+//! (the first line then comes after at most that long), or turns the lines off.
 
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -25,26 +25,28 @@ use crate::util::progress::Progress;
 pub const FIRST_LINE: Duration = Duration::from_secs(2);
 /// How often a plain line repeats while a phase runs.
 pub const LINE_EVERY: Duration = Duration::from_secs(10);
-/// The environment variable that sets the interval (seconds) or turns the lines `off`.
-pub const PROGRESS_ENV: &str = "GLMDIFF_PROGRESS";
+/// The plain lines' timing (first line, interval), `None` when turned off; set once by
+/// [`set_interval`] (the `--progress` flag), the defaults until then.
+static TIMING: OnceLock<Option<(Duration, Duration)>> = OnceLock::new();
+
+/// Sets the interval of the plain lines in seconds (`--progress`, `GLMDIFF_PROGRESS`; `None`:
+/// off). The first line of a phase comes after [`FIRST_LINE`] or the interval, the shorter.
+pub fn set_interval(seconds: Option<f64>) {
+    let t = seconds.map(|s| {
+        let s = if s.is_finite() {
+            s.clamp(0.0, 86_400.0)
+        } else {
+            10.0
+        };
+        let every = Duration::from_secs_f64(s.max(0.2));
+        (FIRST_LINE.min(Duration::from_secs_f64(s)), every)
+    });
+    let _ = TIMING.set(t);
+}
 
 /// The plain lines' timing: `None` when turned off.
 fn plain_timing() -> Option<(Duration, Duration)> {
-    static T: OnceLock<Option<(Duration, Duration)>> = OnceLock::new();
-    *T.get_or_init(|| match std::env::var(PROGRESS_ENV) {
-        Ok(v) if v.trim() == "off" => None,
-        Ok(v) => match v.trim().parse::<f64>() {
-            Ok(s) if s.is_finite() && s >= 0.0 => {
-                let every = Duration::from_secs_f64(s.clamp(0.2, 86_400.0));
-                Some((
-                    FIRST_LINE.min(Duration::from_secs_f64(s.min(86_400.0))),
-                    every,
-                ))
-            }
-            _ => Some((FIRST_LINE, LINE_EVERY)),
-        },
-        Err(_) => Some((FIRST_LINE, LINE_EVERY)),
-    })
+    *TIMING.get_or_init(|| Some((FIRST_LINE, LINE_EVERY)))
 }
 
 /// Whether stderr is a terminal (bars) or not (plain lines).

@@ -298,8 +298,7 @@ pub struct TraceFile {
 impl TraceFile {
     /// Opens and checks `path`: a safetensors header whose tensors lie inside the file.
     pub fn open(path: &Path) -> Result<TraceFile> {
-        let file = std::fs::File::open(path)
-            .with_context(|| format!("trace: cannot open {}", path.display()))?;
+        let file = crate::util::open_regular(path, "trace")?;
         if file.metadata().map(|m| !m.is_file()).unwrap_or(true) {
             bail!("trace: {} is not a regular file", path.display());
         }

@@ -14,3 +14,21 @@ pub mod rng;
 pub mod safetensors_stream;
 pub mod shell;
 pub mod topk;
+
+/// Opens `path` for reading once it is known to be a regular file (followed through links): a
+/// FIFO blocks its open until a writer comes, a device or socket its reads, so they are refused
+/// before the open. `who` starts the error (`gguf`, `trace`).
+pub fn open_regular(path: &std::path::Path, who: &str) -> anyhow::Result<std::fs::File> {
+    use anyhow::Context;
+    let meta = std::fs::metadata(path)
+        .with_context(|| format!("{who}: cannot open {}", path.display()))?;
+    if !meta.is_file() {
+        let what = if meta.is_dir() {
+            "a directory"
+        } else {
+            "not a regular file (a FIFO, socket or device: glmdiff reads files only)"
+        };
+        anyhow::bail!("{who}: {} is {what}", path.display());
+    }
+    std::fs::File::open(path).with_context(|| format!("{who}: cannot open {}", path.display()))
+}
