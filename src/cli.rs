@@ -337,6 +337,10 @@ pub struct RegressArgs {
     /// stdout, the table then on stderr). Written atomically.
     #[arg(long, value_name = "FILE")]
     pub jsonl: Option<PathBuf>,
+    /// Write the results as JUnit XML (one testcase per case: a failure with the failed checks, an
+    /// error with why it could not run), the format CI systems read. Written atomically.
+    #[arg(long, value_name = "FILE")]
+    pub junit: Option<PathBuf>,
     /// An earlier --jsonl: print new failures, fixed cases and metrics that moved by more than 2x;
     /// a moved metric, first divergence or top-1 agreement (drift) exits 1.
     #[arg(long, value_name = "OLD.jsonl")]

@@ -1266,3 +1266,84 @@ fn an_architecture_of_another_type_is_named() {
         ],
     );
 }
+
+/// `expect_divergence` naming a hook no run of the case produces (a layer the model lacks, a
+/// point that does not exist, a layer outside the case's `layer`) is a bad suite, exit 2 before
+/// any case runs, never a FAIL.
+#[test]
+fn regress_expect_divergence_at_no_hook_is_a_bad_suite() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let m = copy(dir.path(), GLM5);
+    let ms = m.to_str().unwrap();
+    for (hook, extra) in [
+        ("blk.99.nothing", ""),
+        ("blk.1.nothing", ""),
+        ("blk.9.attn_heads", ""),
+        ("blk.2.attn_heads", "layer = 1\n"),
+    ] {
+        let suite = dir.path().join("s.toml");
+        std::fs::write(
+            &suite,
+            format!("[[case]]\nname = \"a\"\nmodel = \"{ms}\"\ntokens = [1, 2]\nagainst = \"cpu\"\n{extra}expect_divergence = \"{hook}\"\n"),
+        )
+        .unwrap();
+        let o = glmdiff(cache.path(), &["regress", suite.to_str().unwrap()]);
+        input_error(
+            &o,
+            &[&format!(
+                "s.toml: case \"a\": expect_divergence = \"{hook}\" names no hook"
+            )],
+        );
+        assert!(!text(&o).contains("FAIL"), "{}", text(&o));
+    }
+}
+
+/// `regress --junit FILE` writes JUnit XML: one testcase per case, a failure with the failed
+/// checks for a failed case, none for a passed one; the counts in the suite's attributes.
+#[test]
+fn regress_writes_junit_xml() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let m = copy(dir.path(), GLM5);
+    let ms = m.to_str().unwrap();
+    let suite = dir.path().join("s.toml");
+    std::fs::write(
+        &suite,
+        format!(
+            "[[case]]\nname = \"clean <ok>\"\nmodel = \"{ms}\"\ntokens = [1, 2]\nagainst = \"cpu\"\n\n\
+             [[case]]\nname = \"expects a bug\"\nmodel = \"{ms}\"\ntokens = [1, 2]\nagainst = \"cpu\"\nexpect_divergence = \"blk.1.attn_heads\"\n"
+        ),
+    )
+    .unwrap();
+    let xml = dir.path().join("r.xml");
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "regress",
+            suite.to_str().unwrap(),
+            "--junit",
+            xml.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let x = std::fs::read_to_string(&xml).unwrap();
+    assert!(x.starts_with("<?xml version=\"1.0\""), "{x}");
+    assert!(x.contains("tests=\"2\" failures=\"1\" errors=\"0\""), "{x}");
+    assert_eq!(x.matches("<testcase ").count(), 2, "{x}");
+    assert!(x.contains("name=\"clean &lt;ok&gt;\""), "{x}");
+    assert_eq!(x.matches("<failure ").count(), 1, "{x}");
+    assert!(x.contains("name=\"expects a bug\""), "{x}");
+    assert!(x.trim_end().ends_with("</testsuites>"), "{x}");
+    // The output is refused where it is an input.
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "regress",
+            suite.to_str().unwrap(),
+            "--junit",
+            suite.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+}

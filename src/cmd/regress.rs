@@ -26,6 +26,7 @@ pub fn run(args: &RegressArgs) -> Result<Outcome> {
         None => None,
     };
     let cases = suite.select(&args.case)?;
+    crate::session::regress::check_expectations(&args.suite, &cases)?;
     let (records, summaries) = run_cases(args, &cases)?;
     let json_on_stdout = to_stdout(args.jsonl.as_deref());
     print_report(
@@ -47,6 +48,10 @@ pub fn run(args: &RegressArgs) -> Result<Outcome> {
             }
             Ok(())
         })?;
+    }
+    if let Some(j) = &args.junit {
+        let xml = crate::report::regress::junit(&args.suite.display().to_string(), &summaries);
+        write_lines("--junit", j, &mut |w| Ok(w.write_all(xml.as_bytes())?))?;
     }
     let drifted = changes.as_ref().is_some_and(|c| c.drifted());
     outcome(&summaries, drifted)
@@ -98,7 +103,9 @@ fn check_files(args: &RegressArgs, suite: &Suite) -> Result<()> {
         model_input(&mut g, &format!("the model of case {:?}", c.name), &c.model);
         against_input(&mut g, &c.against, &c.model);
     }
-    g.output_or_stdout("--jsonl", args.jsonl.as_deref()).check()
+    g.output_or_stdout("--jsonl", args.jsonl.as_deref())
+        .output("--junit", args.junit.as_deref())
+        .check()
 }
 
 /// Exit 2 when a case could not run, 1 when one failed or the run drifted, else 0.

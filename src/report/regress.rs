@@ -200,3 +200,77 @@ pub fn render_changes(baseline: &str, ch: &Changes) -> String {
     }
     s
 }
+
+/// The results as JUnit XML (the schema CI systems read: `testsuites` > `testsuite` >
+/// `testcase`, a `failure` per failed case with its failed checks, an `error` per case that
+/// could not run). Documented in docs/regress.md.
+pub fn junit(suite: &str, summaries: &[CaseSummary]) -> String {
+    let failures = summaries.iter().filter(|c| c.status == "fail").count();
+    let errors = summaries.iter().filter(|c| c.status == "error").count();
+    let total: f64 = summaries.iter().filter_map(|c| c.seconds).sum();
+    let mut s = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
+    let head = format!(
+        "name=\"glmdiff regress {}\" tests=\"{}\" failures=\"{failures}\" errors=\"{errors}\" time=\"{total:.3}\"",
+        xml_escape(suite),
+        summaries.len()
+    );
+    let _ = writeln!(s, "<testsuites {head}>");
+    let _ = writeln!(s, "  <testsuite {head}>");
+    for c in summaries {
+        let _ = write!(
+            s,
+            "    <testcase classname=\"glmdiff.regress\" name=\"{}\" time=\"{:.3}\"",
+            xml_escape(&c.case),
+            c.seconds.unwrap_or(0.0)
+        );
+        match c.status.as_str() {
+            "fail" => {
+                let message = c.failed_checks.join(", ");
+                let mut body = c.failed_details.join("\n");
+                if let Some(cmd) = &c.command {
+                    body.push_str(&format!("\nre-run: {cmd}"));
+                }
+                let _ = writeln!(
+                    s,
+                    ">\n      <failure message=\"{}\" type=\"{}\">{}</failure>\n    </testcase>",
+                    xml_escape(&format!("failed: {message}")),
+                    xml_escape(&message),
+                    xml_escape(&body)
+                );
+            }
+            "error" => {
+                let why = c.error.clone().unwrap_or_default();
+                let _ = writeln!(
+                    s,
+                    ">\n      <error message=\"{}\" type=\"error\">{}</error>\n    </testcase>",
+                    xml_escape(why.lines().next().unwrap_or("")),
+                    xml_escape(&why)
+                );
+            }
+            _ => {
+                let _ = writeln!(s, "/>");
+            }
+        }
+    }
+    let _ = writeln!(s, "  </testsuite>\n</testsuites>");
+    s
+}
+
+/// `text` with XML's five special characters escaped and control characters other than tab
+/// and newline dropped (XML 1.0 cannot carry them).
+fn xml_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for ch in text.chars() {
+        match ch {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&apos;"),
+            '\t' | '\n' => out.push(ch),
+            c if (c as u32) < 0x20 => {}
+            c => out.push(c),
+        }
+    }
+    out
+}

@@ -421,7 +421,7 @@ fn cuda_device_present() -> bool {
 
 /// Every hook `plan` can produce: its steps' outputs, and the optional attention probabilities
 /// and per-expert outputs of its layers.
-fn plan_hooks(plan: &Plan, hp: &HParams) -> Vec<String> {
+pub(super) fn plan_hooks(plan: &Plan, hp: &HParams) -> Vec<String> {
     use crate::model::steps::{expert_hook, hook, point};
     let mut v: Vec<String> = plan.steps.iter().flat_map(|s| s.outputs.clone()).collect();
     for l in plan.layers() {

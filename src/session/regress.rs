@@ -98,3 +98,38 @@ pub fn run_case(
         }
     }
 }
+
+/// Checks, before any case runs, that every `expect_divergence` names a hook its case's run
+/// can produce (a hook of the model's plan over the case's layers): one that names none can
+/// never be met, so the suite is bad (exit 2), not the case failed.
+pub fn check_expectations(suite: &Path, cases: &[(usize, &Case)]) -> Result<()> {
+    for (_, case) in cases {
+        let Some(hook) = &case.expect.divergence else {
+            continue;
+        };
+        let model = crate::gguf::Model::open(&case.model)?;
+        let weights = crate::model::Weights::new(&model)?;
+        let hp = weights.hparams();
+        let layers = case.layers.as_ref().map_or(0..hp.n_layer, |r| {
+            r.start as usize..(r.end as usize).min(hp.n_layer)
+        });
+        let tail = layers.end == hp.n_layer;
+        let plan = crate::driver::Plan::range(&weights, layers.clone(), tail)?;
+        if !super::config::plan_hooks(&plan, hp)
+            .iter()
+            .any(|h| h == hook)
+        {
+            anyhow::bail!(
+                "regress: {}: case {:?}: expect_divergence = {hook:?} names no hook its run produces ({}, layers {}..{} of {}: blk.L.<point>, token_embd, result_norm, logits, e.g. \"blk.{}.attn_heads\")",
+                suite.display(),
+                case.name,
+                case.model.display(),
+                layers.start,
+                layers.end,
+                hp.n_layer,
+                layers.start
+            );
+        }
+    }
+    Ok(())
+}
