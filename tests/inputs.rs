@@ -1347,3 +1347,34 @@ fn regress_writes_junit_xml() {
     );
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
 }
+
+/// `inspect --tensors` and a `compare --map` file that match nothing are errors naming the
+/// glob or map, never an empty listing or a map silently ignored.
+#[test]
+fn inspect_tensors_and_compare_map_that_match_nothing_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = fixtures("models").join(GLM5);
+    let o = glmdiff(
+        dir.path(),
+        &["inspect", gguf.to_str().unwrap(), "--tensors", "nothing*"],
+    );
+    input_error(
+        &o,
+        &["--tensors \"nothing*\" matches none of the 94 tensors"],
+    );
+    let map = dir.path().join("map.json");
+    std::fs::write(&map, r#"{"layers.0.q_a": "blk.0.q_a"}"#).unwrap();
+    let t = fixtures("models").join(GLM5_TRACE);
+    let t = t.to_str().unwrap();
+    let o = glmdiff(
+        dir.path(),
+        &["compare", t, t, "--map", map.to_str().unwrap()],
+    );
+    input_error(
+        &o,
+        &[
+            "--map",
+            "map.json: none of its 1 names is a hook of the candidate",
+        ],
+    );
+}

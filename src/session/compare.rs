@@ -57,6 +57,24 @@ pub fn compare(req: &CompareRequest, progress: &dyn Progress) -> Result<Ran> {
         Some(p) => read_map(p)?,
         None => HashMap::new(),
     };
+    if let Some(p) = &req.map {
+        let mut unused: Vec<&String> = map
+            .keys()
+            .filter(|k| candidate.names().all(|n| n != k.as_str()))
+            .collect();
+        unused.sort();
+        if !map.is_empty() && unused.len() == map.len() {
+            bail!(
+                "compare: --map {}: none of its {} names is a hook of the candidate {} (e.g. {:?}; the candidate has {} hooks, e.g. {:?})",
+                p.display(),
+                map.len(),
+                req.candidate.display(),
+                unused[0],
+                candidate.names().count(),
+                candidate.names().next().unwrap_or("")
+            );
+        }
+    }
     let cand_names: HashMap<String, String> = candidate
         .names()
         .map(|n| {
