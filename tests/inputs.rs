@@ -1378,3 +1378,33 @@ fn inspect_tensors_and_compare_map_that_match_nothing_are_errors() {
         ],
     );
 }
+
+/// `compare --model` with a model of other dimensions than the traces' (glm5-tiny-q, hidden
+/// 256 and 2 layers, for glm5-tiny's traces) is refused, naming the model, the trace and the
+/// hook that disagrees, where it used to judge the traces by the wrong model (exit 1).
+#[test]
+fn compare_with_another_models_dimensions_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = fixtures("models").join("glm5-tiny/glm5-tiny.long.trace.safetensors");
+    let t = t.to_str().unwrap();
+    let other = fixtures("models").join(GLM5_Q);
+    let o = glmdiff(
+        dir.path(),
+        &["compare", t, t, "--model", other.to_str().unwrap()],
+    );
+    input_error(
+        &o,
+        &[
+            "compare: --model",
+            "glm5-tiny-q-mixed.gguf",
+            "glm5-tiny.long.trace.safetensors",
+            "of another model",
+        ],
+    );
+    let own = fixtures("models").join(GLM5);
+    let o = glmdiff(
+        dir.path(),
+        &["compare", t, t, "--model", own.to_str().unwrap()],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+}

@@ -154,7 +154,7 @@ fn traces_judge(
             );
             None
         }
-        Some(path) => Some(traces_model(req, path, reference)?),
+        Some(path) => Some(traces_model(req, path, reference, candidate)?),
     };
     Judge::new(JudgeSpec {
         reference: reference_precision,
@@ -168,11 +168,12 @@ fn traces_judge(
 
 /// What `--model` tells the judge of two traces: the floors by step, the selection bias and
 /// the expert groups of `run`; an error when it is another architecture than the reference
-/// trace's.
+/// trace's, or another model's dimensions than either trace's.
 fn traces_model(
     req: &CompareRequest,
     path: &std::path::Path,
     reference: &TraceFile,
+    candidate: &TraceFile,
 ) -> Result<ModelFacts> {
     let model = crate::gguf::Model::open(path)?;
     let weights = crate::model::Weights::new(&model)?;
@@ -184,6 +185,19 @@ fn traces_model(
                 path.display(),
                 req.reference.display()
             );
+        }
+    }
+    // Both traces must be of this model's dimensions (hook shapes, selection widths aside),
+    // as `run` checks a trace against its model; the candidate under glmdiff's names only
+    // (with --map its own names are the map's business).
+    let mut sides = vec![reference];
+    if req.map.is_none() {
+        sides.push(candidate);
+    }
+    for t in sides {
+        if let Ok(tokens) = t.tokens() {
+            crate::trace::check::check_against_model(t, &weights, &tokens)
+                .with_context(|| format!("compare: --model {}", path.display()))?;
         }
     }
     let plan = crate::driver::Plan::full(&weights)?;
