@@ -1408,3 +1408,55 @@ fn compare_with_another_models_dimensions_is_refused() {
     );
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
 }
+
+/// A trace whose selection holds an id the model does not have (expert 999 of 8; a DSA key
+/// after its own token) is refused before the run, naming the trace, the hook, the row and
+/// the value, in `run --against trace:` and `compare --model`.
+#[test]
+fn selection_ids_out_of_range_name_the_trace_and_hook() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let m = fixtures("models").join(GLM5);
+    let ms = m.to_str().unwrap();
+    let good = fixtures("models").join(GLM5_TRACE);
+    for (hook, value, row, want) in [
+        (
+            "blk.1.moe_topk_ids",
+            999i64,
+            0usize,
+            "holds id 999, outside 0..8",
+        ),
+        (
+            "blk.0.indexer_topk",
+            4,
+            1,
+            "holds id 4, outside -1 (padding) or 0..=1",
+        ),
+    ] {
+        let mut st = St::read(&good);
+        let e = st.tensor(hook);
+        let width = *e.2.last().unwrap();
+        let at = row * width;
+        match e.1.as_str() {
+            "I64" => e.3[at * 8..at * 8 + 8].copy_from_slice(&value.to_le_bytes()),
+            "I32" => e.3[at * 4..at * 4 + 4].copy_from_slice(&(value as i32).to_le_bytes()),
+            other => panic!("{hook} is {other}"),
+        }
+        let t = dir.path().join("bad.safetensors");
+        st.write(&t);
+        let ts = t.to_str().unwrap();
+        let parts = [
+            "bad.safetensors",
+            &format!("hook {hook}: row {row} (token {row})") as &str,
+            want,
+        ];
+        let o = glmdiff(
+            cache.path(),
+            &["run", ms, "--against", &format!("trace:{ts}")],
+        );
+        input_error(&o, &parts);
+        let g = good.to_str().unwrap();
+        let o = glmdiff(cache.path(), &["compare", g, ts, "--model", ms]);
+        input_error(&o, &parts);
+    }
+}

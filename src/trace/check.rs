@@ -123,7 +123,50 @@ pub fn check_against_model(t: &TraceFile, weights: &Weights<'_>, tokens: &[u32])
     if let Some(msg) = kind_bad {
         bail!("{msg}");
     }
-    check_expert_widths(t, hp.n_layer)
+    check_expert_widths(t, hp.n_layer)?;
+    check_selection_ids(t, hp.n_layer, hp.n_expert, n)
+}
+
+/// Checks that every id of the selection hooks names something the model has: an expert below
+/// `n_expert` in `moe_topk_ids`, a key at or before its own row's token (or -1, padding) in
+/// `indexer_topk`, so that an id out of range is the trace's error, named with its file, hook,
+/// row and value, not a run that stops inside an engine or a verdict on garbage.
+fn check_selection_ids(
+    t: &TraceFile,
+    n_layer: usize,
+    n_expert: usize,
+    n_tokens: usize,
+) -> Result<()> {
+    for l in 0..n_layer {
+        for p in [point::MOE_TOPK_IDS, point::INDEXER_TOPK] {
+            let name = crate::model::names::blk(l, p);
+            let Some(h) = t.get(&name)? else { continue };
+            let Ok(ids) = h.as_i32(&name) else { continue };
+            let width = h.shape.last().copied().unwrap_or(1).max(1);
+            for (i, &id) in ids.iter().enumerate() {
+                let row = i / width;
+                let (ok, range) = if p == point::MOE_TOPK_IDS {
+                    (
+                        id >= 0 && (id as usize) < n_expert,
+                        format!("0..{n_expert} (the model's experts)"),
+                    )
+                } else {
+                    let last = row.min(n_tokens.saturating_sub(1));
+                    (
+                        id == -1 || (id >= 0 && id as usize <= last),
+                        format!("-1 (padding) or 0..={last} (the keys up to its own token)"),
+                    )
+                };
+                if !ok {
+                    bail!(
+                        "trace: {}: hook {name}: row {row} (token {row}) holds id {id}, outside {range}: this hook was written wrong or belongs to another model",
+                        t.path().display()
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Checks that each layer's `moe_weights` has as many columns as its `moe_topk_ids` where the
