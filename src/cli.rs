@@ -563,12 +563,20 @@ pub fn parse_seed(s: &str) -> Result<u64> {
     unsigned(s, "seed", "a seed is an integer in 0..2^64")
 }
 
-/// Parses `bench dequant --elements`: an integer from 1 (rounded down to whole blocks, at
-/// least one block, by the benchmark).
+/// The most elements `bench dequant --elements` takes: 2^34, 64 GiB of f32 output per copy
+/// (the benchmark holds the source blocks and two f32 outputs at once).
+pub const MAX_BENCH_ELEMENTS: usize = 1 << 34;
+
+/// Parses `bench dequant --elements`: an integer from 1 to [`MAX_BENCH_ELEMENTS`] (rounded
+/// down to whole blocks, at least one block, by the benchmark).
 pub fn parse_elements(s: &str) -> Result<usize> {
-    let n: usize = unsigned(s, "element count", "the element count is an integer from 1")?;
+    const RULE: &str = "the element count is an integer from 1 to 2^34 (17179869184)";
+    let n: usize = unsigned(s, "element count", RULE)?;
     if n == 0 {
-        bail!("element count 0: the element count is an integer from 1");
+        bail!("element count 0: {RULE}");
+    }
+    if n > MAX_BENCH_ELEMENTS {
+        bail!("element count {n} is too large: {RULE}; the benchmark holds about 12 bytes per element");
     }
     Ok(n)
 }

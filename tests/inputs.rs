@@ -1460,3 +1460,17 @@ fn selection_ids_out_of_range_name_the_trace_and_hook() {
         input_error(&o, &parts);
     }
 }
+
+/// `bench dequant --elements` past its stated limit (2^34) is refused with the limit, not an
+/// abort on a failed allocation (2^40 used to end in SIGABRT, exit 134).
+#[test]
+fn bench_dequant_elements_are_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = glmdiff(
+        dir.path(),
+        &["bench", "dequant", "--elements", "1099511627776"],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("too large"), "{}", text(&o));
+    assert!(text(&o).contains("2^34"), "{}", text(&o));
+}

@@ -288,7 +288,21 @@ pub fn run_with_progress(opts: &BenchDequantOptions, progress: &dyn Progress) ->
         progress.phase(&format!("bench dequant: {ty}"));
         let (bs, ts) = (ty.block_size(), ty.type_size());
         let n = (opts.elements / bs).max(1) * bs;
-        src.resize(n / bs * ts, 0);
+        // Reserved fallibly: an element count past the machine's memory is an error, not an
+        // abort.
+        let gib = |b: usize| b as f64 / f64::from(1u32 << 30);
+        let short = |what: &str, bytes: usize| {
+            anyhow::anyhow!(
+                "bench dequant: {n} elements of {ty}: cannot allocate {what} ({:.1} GiB); give a smaller --elements",
+                gib(bytes)
+            )
+        };
+        let src_bytes = n / bs * ts;
+        src.try_reserve_exact(src_bytes.saturating_sub(src.len()))
+            .map_err(|_| short("the source blocks", src_bytes))?;
+        dst.try_reserve_exact(n.saturating_sub(dst.len()))
+            .map_err(|_| short("the f32 output", n * 4))?;
+        src.resize(src_bytes, 0);
         dst.resize(n, 0.0);
         fill_blocks(ty, &mut rng, &mut src);
         let ctx = || format!("bench: dequantizing {n} elements of {ty}");
@@ -296,6 +310,9 @@ pub fn run_with_progress(opts: &BenchDequantOptions, progress: &dyn Progress) ->
         let mut c = LibRow::default();
         let single = match &lib {
             Some(l) if l.has(ty) => {
+                dst_c
+                    .try_reserve_exact(n.saturating_sub(dst_c.len()))
+                    .map_err(|_| short("libggml's f32 output", n * 4))?;
                 dst_c.resize(n, 0.0);
                 let (single, c_s) = median_seconds_pair(
                     opts.reps,
