@@ -92,6 +92,11 @@ fn unchanged(paths: &[&Path], before: &[Vec<u8>]) {
 /// Rewrites the u32 value of metadata key `key` in a GGUF file (little-endian, GGUF v3:
 /// u64 key length, key bytes, u32 value type 4 = UINT32, the value; ggml `docs/gguf.md`).
 fn patch_u32(path: &Path, key: &str, value: u32) {
+    patch_value(path, key, 4, &value.to_le_bytes());
+}
+
+/// Rewrites the 4-byte value of metadata key `key`, whose value type must be `ty`.
+fn patch_value(path: &Path, key: &str, ty: u32, value: &[u8; 4]) {
     let mut b = std::fs::read(path).unwrap();
     let mut pat = (key.len() as u64).to_le_bytes().to_vec();
     pat.extend_from_slice(key.as_bytes());
@@ -99,9 +104,13 @@ fn patch_u32(path: &Path, key: &str, value: u32) {
         .windows(pat.len())
         .position(|w| w == pat)
         .unwrap_or_else(|| panic!("no key {key}"));
-    let ty = at + pat.len();
-    assert_eq!(b[ty..ty + 4], 4u32.to_le_bytes(), "{key} is not a UINT32");
-    b[ty + 4..ty + 8].copy_from_slice(&value.to_le_bytes());
+    let t = at + pat.len();
+    assert_eq!(
+        b[t..t + 4],
+        ty.to_le_bytes(),
+        "{key} is not of value type {ty}"
+    );
+    b[t + 4..t + 8].copy_from_slice(value);
     std::fs::write(path, b).unwrap();
 }
 
@@ -936,17 +945,7 @@ fn regress_expect_top5_of_the_wrong_length_is_a_bad_suite() {
 
 /// Rewrites the f32 value of metadata key `key` in a GGUF file (value type 6 = FLOAT32).
 fn patch_f32(path: &Path, key: &str, value: f32) {
-    let mut b = std::fs::read(path).unwrap();
-    let mut pat = (key.len() as u64).to_le_bytes().to_vec();
-    pat.extend_from_slice(key.as_bytes());
-    let at = b
-        .windows(pat.len())
-        .position(|w| w == pat)
-        .unwrap_or_else(|| panic!("no key {key}"));
-    let ty = at + pat.len();
-    assert_eq!(b[ty..ty + 4], 6u32.to_le_bytes(), "{key} is not a FLOAT32");
-    b[ty + 4..ty + 8].copy_from_slice(&value.to_le_bytes());
-    std::fs::write(path, b).unwrap();
+    patch_value(path, key, 6, &value.to_le_bytes());
 }
 
 /// Renames tensor `from` to `to` (same length) in a GGUF file's tensor infos.

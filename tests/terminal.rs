@@ -23,6 +23,17 @@ fn piped(cache: &Path, columns: Option<&str>, args: &[&str]) -> Output {
     c.output().expect("run glmdiff")
 }
 
+/// Runs glmdiff with stdout and stderr piped, `COLUMNS=100`, its cache in `cache` and
+/// `GLMDIFF_PROGRESS` set to `progress`.
+fn piped_progress(cache: &Path, progress: &str, args: &[&str]) -> Output {
+    let mut c = std::process::Command::new(glmdiff_bin());
+    c.args(args)
+        .env("GLMDIFF_CACHE_DIR", cache)
+        .env("COLUMNS", "100")
+        .env("GLMDIFF_PROGRESS", progress);
+    c.output().expect("run glmdiff")
+}
+
 /// The lines of `text` longer than `width` characters (not bytes).
 fn too_long(text: &str, width: usize) -> Vec<String> {
     text.lines()
@@ -806,14 +817,7 @@ fn a_long_run_shows_plain_progress_lines_without_a_terminal() {
         "cpu",
         "--no-cache",
     ];
-    let run = |every: &str| {
-        let mut c = std::process::Command::new(glmdiff_bin());
-        c.args(args)
-            .env("GLMDIFF_CACHE_DIR", dir.path())
-            .env("COLUMNS", "100")
-            .env("GLMDIFF_PROGRESS", every);
-        c.output().expect("run glmdiff")
-    };
+    let run = |every: &str| piped_progress(dir.path(), every, &args);
     let o = run("0.05");
     assert_eq!(o.status.code(), Some(0), "{o:?}");
     let err = String::from_utf8_lossy(&o.stderr).into_owned();
@@ -854,12 +858,11 @@ fn a_long_run_shows_plain_progress_lines_without_a_terminal() {
 fn regress_says_each_case_without_a_terminal() {
     let dir = tempfile::tempdir().unwrap();
     let suite = fixtures("regress/suite.toml");
-    let mut c = std::process::Command::new(glmdiff_bin());
-    c.args(["regress", suite.to_str().unwrap(), "--case", "glm5-f32-*"])
-        .env("GLMDIFF_CACHE_DIR", dir.path())
-        .env("COLUMNS", "100")
-        .env("GLMDIFF_PROGRESS", "0");
-    let o = c.output().expect("run glmdiff");
+    let o = piped_progress(
+        dir.path(),
+        "0",
+        &["regress", suite.to_str().unwrap(), "--case", "glm5-f32-*"],
+    );
     assert_eq!(o.status.code(), Some(0), "{o:?}");
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("regress ["), "{err}");
@@ -889,12 +892,7 @@ fn progress_lines_stay_off_a_stderr_that_is_not_a_terminal() {
             "timed run",
         ),
     ] {
-        let mut c = std::process::Command::new(glmdiff_bin());
-        c.args(&args)
-            .env("GLMDIFF_CACHE_DIR", dir.path())
-            .env("COLUMNS", "100")
-            .env("GLMDIFF_PROGRESS", "off");
-        let o = c.output().expect("run glmdiff");
+        let o = piped_progress(dir.path(), "off", &args);
         assert_eq!(o.status.code(), Some(0), "{args:?}: {o:?}");
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(!err.contains(piece), "{args:?}: {err}");

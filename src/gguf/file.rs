@@ -123,18 +123,8 @@ impl std::fmt::Debug for GgufFile {
 impl GgufFile {
     /// Opens and checks `path` through a read-only memory map.
     pub fn open(path: &Path) -> Result<GgufFile> {
+        // A regular file (checked before the open, which would wait on a FIFO).
         let file = crate::util::open_regular(path, "gguf")?;
-        let meta = file
-            .metadata()
-            .with_context(|| format!("gguf: cannot stat {}", path.display()))?;
-        if !meta.is_file() {
-            let what = if meta.is_dir() {
-                "a directory"
-            } else {
-                "not a regular file"
-            };
-            bail!("gguf: {} is {what}, not a GGUF file", path.display());
-        }
         // SAFETY: the map is read-only and glmdiff never writes the file. Another process
         // truncating the file while it is mapped would fault; that is the documented caveat of
         // every mmap-based model loader (llama.cpp included) and not something safe Rust can
