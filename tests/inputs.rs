@@ -280,19 +280,7 @@ fn hyperparameters_patched_past_the_tensors_fail_at_once() {
         patch_u32(&m, key, value);
         let before = snapshot(&[&m]);
         let ms = m.to_str().unwrap();
-        for args in [
-            vec!["run", ms, "--against", "cpu", "--tokens", "1,2,3"],
-            vec![
-                "trace",
-                ms,
-                "--tokens",
-                "1,2,3",
-                "--out",
-                out.to_str().unwrap(),
-            ],
-        ] {
-            let o = glmdiff(cache.path(), &args);
-            let line = input_error(&o, want);
+        for line in refused_by_run_and_trace(cache.path(), &m, &out, want) {
             assert!(line.contains("glm5-tiny-q-mixed.gguf"), "{line}");
         }
         // inspect shows any GGUF, and says why this one cannot run.
@@ -301,6 +289,20 @@ fn hyperparameters_patched_past_the_tensors_fail_at_once() {
         unchanged(&[&m], &before);
         assert!(!out.exists());
     }
+}
+
+/// Asserts that `run` against the CPU and `trace` (to `out`) of model `m` both exit 2 with one
+/// error line holding every one of `parts`; returns the two lines.
+fn refused_by_run_and_trace(cache: &Path, m: &Path, out: &Path, parts: &[&str]) -> Vec<String> {
+    let ms = m.to_str().unwrap();
+    let os = out.to_str().unwrap();
+    [
+        vec!["run", ms, "--against", "cpu", "--tokens", "1,2,3"],
+        vec!["trace", ms, "--tokens", "1,2,3", "--out", os],
+    ]
+    .iter()
+    .map(|args| input_error(&glmdiff(cache, args), parts))
+    .collect()
 }
 
 /// A trace of another architecture, a trace whose `architecture` key was edited, and a trace
@@ -982,21 +984,12 @@ fn hyperparameters_out_of_their_range_are_refused_at_load() {
         let before = snapshot(&[&m]);
         let ms = m.to_str().unwrap();
         let want = format!("{key} = {value}");
-        for args in [
-            vec!["run", ms, "--against", "cpu", "--tokens", "1,2,3"],
-            vec![
-                "trace",
-                ms,
-                "--tokens",
-                "1,2",
-                "--out",
-                out.to_str().unwrap(),
-            ],
-        ] {
-            let o = glmdiff(cache.path(), &args);
-            let line = input_error(&o, &[&want, "glm5-tiny-f32.gguf", "must be"]);
-            assert!(line.starts_with("error: "), "{line}");
-        }
+        refused_by_run_and_trace(
+            cache.path(),
+            &m,
+            &out,
+            &[&want, "glm5-tiny-f32.gguf", "must be"],
+        );
         let o = glmdiff(cache.path(), &["--wide", "inspect", ms]);
         assert!(
             text(&o).contains("cannot run") && text(&o).contains(&want),
