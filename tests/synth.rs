@@ -348,3 +348,34 @@ fn cli_writes_a_file() {
         T::Q8_0
     );
 }
+
+/// A synth larger than the free space of its output's file system (GLM-5's dimensions in f32,
+/// about 3 TB) is refused before a byte is written, with both sizes; nothing is left behind.
+#[test]
+fn a_synth_larger_than_the_free_space_is_refused_up_front() {
+    let dir = tempfile::tempdir().unwrap();
+    let free = glmdiff::util::free_bytes(dir.path());
+    if free.is_none_or(|f| f > 2 << 40) {
+        eprintln!("skipped: the file system's free space is unknown or over 2 TiB");
+        return;
+    }
+    let out = dir.path().join("big.gguf");
+    let o = crate::common::glmdiff(&[
+        "synth",
+        "--arch",
+        "glm-dsa",
+        "--dims",
+        "glm5",
+        "--types",
+        "f32",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("GiB free") && err.contains("the model's tensors take"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}

@@ -138,10 +138,26 @@ pub fn write_with_progress(
 ) -> Result<SynthSummary> {
     let t0 = std::time::Instant::now();
     let (w, tensors) = prepare(opts)?;
-    progress.start(
-        "synth: tensors",
-        w.layout().iter().map(|t| t.nbytes).sum::<u64>(),
-    );
+    let total = w.layout().iter().map(|t| t.nbytes).sum::<u64>();
+    // The size against the free space, before a byte is written (a GLM-5-dimension model is
+    // hundreds of GB).
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if let Some(free) = crate::util::free_bytes(dir) {
+        if total > free {
+            let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+            return Err(anyhow!(
+                "synth: --out {}: the model's tensors take {:.2} GiB, the file system holding {} has {:.2} GiB free",
+                path.display(),
+                gib(total),
+                dir.display(),
+                gib(free)
+            ));
+        }
+    }
+    progress.start("synth: tensors", total);
     let gens = tensors
         .iter()
         .map(|t| BlockGen::new(t.ty, t.init).with_context(|| format!("synth: tensor {}", t.name)))

@@ -32,3 +32,24 @@ pub fn open_regular(path: &std::path::Path, who: &str) -> anyhow::Result<std::fs
     }
     std::fs::File::open(path).with_context(|| format!("{who}: cannot open {}", path.display()))
 }
+
+/// Bytes an unprivileged writer may still use on the file system holding `dir`, `None` when
+/// the system does not say.
+#[cfg(unix)]
+pub fn free_bytes(dir: &std::path::Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: `statvfs` is a plain C struct of integers, for which all-zero bytes are a valid
+    // value.
+    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path that outlives the call, and `s` is a valid, writable
+    // `statvfs` the call fills.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut s) };
+    (rc == 0).then(|| (s.f_bavail as u64).saturating_mul(s.f_frsize as u64))
+}
+
+/// Bytes an unprivileged writer may still use on the file system holding `dir`: unknown here.
+#[cfg(not(unix))]
+pub fn free_bytes(_dir: &std::path::Path) -> Option<u64> {
+    None
+}
