@@ -731,3 +731,66 @@ fn stale_temporaries_of_dead_processes_are_removed_by_the_next_write() {
     std::fs::remove_file(&live).unwrap();
     no_temporaries(dir);
 }
+
+/// `dequant` streams: a Q4_0 tensor of 2^27 elements (72 MiB in the file, 512 MiB of f32) is
+/// written with the memory of one chunk, not the whole f32 tensor (measured as the child's peak
+/// resident size, `wait4`'s `ru_maxrss`; the mapped file's pages count in it).
+#[cfg(target_os = "linux")]
+#[test]
+#[allow(clippy::zombie_processes)] // the child is reaped by wait4, which also gives its usage
+fn dequant_streams_a_tensor_larger_than_its_memory() {
+    use crate::common::gguf_bytes::{tensor, Gguf};
+    const Q4_0: u32 = 2;
+    let (cols, rows) = (4096u64, 32768u64);
+    let blocks = cols * rows / 32;
+    // Each 18-byte block: f16 scale 1.0, then sixteen bytes of nibbles 9 and 7 (values 1 and -1).
+    let mut data = Vec::with_capacity((blocks * 18) as usize);
+    for _ in 0..blocks {
+        data.extend_from_slice(&0x3C00u16.to_le_bytes());
+        data.extend_from_slice(&[0x79u8; 16]);
+    }
+    let d = tempfile::tempdir().unwrap();
+    let model = d.path().join("big.gguf");
+    let bytes = Gguf::default()
+        .tensor(tensor("big.weight", &[cols, rows], Q4_0, 0))
+        .data(data)
+        .bytes();
+    std::fs::write(&model, bytes).unwrap();
+    let out = d.path().join("big.npy");
+    let child = Command::new(glmdiff_bin())
+        .args(["dequant", "big.gguf", "big.weight", "--out", "big.npy"])
+        .current_dir(d.path())
+        .env("GLMDIFF_CACHE_DIR", d.path().join(".cache"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut status = 0;
+    // SAFETY: `rusage` is plain data that wait4 fills; the pid is our own unwaited child.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; status and usage are valid for writes for the call's duration.
+    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
+    assert_eq!(pid, child.id() as i32);
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "dequant failed: status {status}"
+    );
+    let f32_bytes = cols * rows * 4;
+    let len = std::fs::metadata(&out).unwrap().len();
+    assert_eq!(
+        len,
+        128 + f32_bytes,
+        "npy header (128 bytes) and the values"
+    );
+    // The values: first row of block 0: nibbles 9 (low) then 7 (high) => 1 then -1.
+    let mut f = std::fs::File::open(&out).unwrap();
+    let mut head = [0u8; 128 + 16 * 4 + 8];
+    std::io::Read::read_exact(&mut f, &mut head).unwrap();
+    let v = |i: usize| f32::from_le_bytes(head[128 + 4 * i..132 + 4 * i].try_into().unwrap());
+    assert_eq!((v(0), v(15), v(16), v(17)), (1.0, 1.0, -1.0, -1.0));
+    let peak = usage.ru_maxrss as u64 * 1024;
+    assert!(
+        peak < f32_bytes / 2,
+        "peak resident size {peak} bytes for a {f32_bytes}-byte output: the tensor was held whole"
+    );
+}

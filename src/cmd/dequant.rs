@@ -22,7 +22,6 @@ pub fn run(args: &DequantArgs) -> Result<Outcome> {
         args.rows.clone(),
         &args.out,
         &Bar::with_unit("rows"),
-        &Bar::bytes(),
     )?;
     crate::report::emit_err(&format!(
         "wrote {} ({} {}, shape {:?}, rows {}..{} of {})",

@@ -1,7 +1,8 @@
 //! One tensor, or a range of its rows, dequantized to f32 and written as `.npy` or
-//! `.safetensors` (`glmdiff dequant`): in chunks of rows (about 64 MiB of f32 each), so that a
-//! large tensor shows progress; rows are whole blocks, so the values are those of one call over
-//! the whole range.
+//! `.safetensors` (`glmdiff dequant`), streamed: in chunks of rows (about 64 MiB of f32 each),
+//! each written as it is dequantized, so a tensor of any size needs one chunk of memory and
+//! shows progress; rows are whole blocks, so the values are those of one call over the whole
+//! range.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -12,7 +13,7 @@ use anyhow::{bail, Result};
 use super::model::{Model, TensorRef};
 use crate::quant::GgmlType;
 use crate::util::atomic::write_atomic;
-use crate::util::progress::{Progress, ProgressWriter};
+use crate::util::progress::Progress;
 use crate::util::{npy, safetensors_stream};
 
 /// The f32 bytes dequantized between two progress steps.
@@ -58,14 +59,15 @@ pub struct Exported {
 }
 
 /// Dequantizes rows `rows` (all when `None`) of tensor `tensor` of `model` and writes them to
-/// `out` atomically; `dequant` and `write` show the progress of each phase.
+/// `out` atomically, streaming: the header first, then each chunk of rows as it is dequantized,
+/// so memory holds one chunk (about [`CHUNK_BYTES`]) whatever the tensor's size; `progress`
+/// counts the rows.
 pub fn export_rows(
     model: &Model,
     tensor: &str,
     rows: Option<Range<u64>>,
     out: &Path,
-    dequant: &dyn Progress,
-    write: &dyn Progress,
+    progress: &dyn Progress,
 ) -> Result<Exported> {
     let format = ExportFormat::of(out)?;
     let t = model.tensor(tensor)?;
@@ -84,39 +86,28 @@ pub fn export_rows(
             t.info.row_len()
         );
     }
-    let data = dequantize_chunked(model, t, rows.clone(), dequant)?;
     // PyTorch shape: the whole tensor keeps its shape; a row range is [rows, ne0].
     let shape: Vec<u64> = if whole {
         t.info.shape()
     } else {
         vec![rows.end - rows.start, t.info.row_len()]
     };
-    write.start(
-        &format!("writing {}", out.display()),
-        std::mem::size_of_val(data.as_slice()) as u64,
-    );
-    match format {
-        ExportFormat::Npy => write_atomic(out, |w| {
-            npy::write_f32(&mut ProgressWriter::new(w, write), &shape, &data)
-        })?,
-        ExportFormat::Safetensors => {
-            let meta = HashMap::from([
-                ("source".to_string(), model.file_name()),
-                ("gguf_type".to_string(), t.info.ty.name().to_string()),
-                ("rows".to_string(), format!("{}..{}", rows.start, rows.end)),
-            ]);
-            write_atomic(out, |w| {
-                safetensors_stream::write_f32(
-                    &mut ProgressWriter::new(w, write),
-                    &t.info.name,
-                    &shape,
-                    &data,
-                    &meta,
-                )
-            })?;
+    write_atomic(out, |w| {
+        match format {
+            ExportFormat::Npy => npy::write_header(w, npy::NpyDtype::F32, &shape)?,
+            ExportFormat::Safetensors => {
+                let meta = HashMap::from([
+                    ("source".to_string(), model.file_name()),
+                    ("gguf_type".to_string(), t.info.ty.name().to_string()),
+                    ("rows".to_string(), format!("{}..{}", rows.start, rows.end)),
+                ]);
+                safetensors_stream::write_f32_header(w, &t.info.name, &shape, &meta)?;
+            }
         }
-    }
-    write.finish();
+        dequantize_chunked(model, t, rows.clone(), progress, &mut |chunk| {
+            safetensors_stream::write_values(w, chunk)
+        })
+    })?;
     Ok(Exported {
         name: t.info.name.clone(),
         ty: t.info.ty,
@@ -126,27 +117,28 @@ pub fn export_rows(
     })
 }
 
-/// Rows `rows` of `t` in chunks of about [`CHUNK_BYTES`] of f32, counted on `progress`.
+/// Rows `rows` of `t` in chunks of about [`CHUNK_BYTES`] of f32, each handed to `sink` as it
+/// is dequantized and counted on `progress`.
 fn dequantize_chunked(
     model: &Model,
     t: TensorRef<'_>,
     rows: Range<u64>,
     progress: &dyn Progress,
-) -> Result<Vec<f32>> {
+    sink: &mut dyn FnMut(&[f32]) -> Result<()>,
+) -> Result<()> {
     let row_len = t.info.row_len().max(1);
     let chunk = ((CHUNK_BYTES / 4) / row_len).max(1);
     progress.start(
         &format!("dequantizing {}", t.info.name),
         rows.end - rows.start,
     );
-    let mut data = Vec::with_capacity(((rows.end - rows.start) * row_len) as usize);
     let mut r = rows.start;
     while r < rows.end {
         let end = (r + chunk).min(rows.end);
-        data.extend(model.dequantize_rows(t, r..end)?);
+        sink(&model.dequantize_rows(t, r..end)?)?;
         progress.inc(end - r);
         r = end;
     }
     progress.finish();
-    Ok(data)
+    Ok(())
 }

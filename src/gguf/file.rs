@@ -24,6 +24,12 @@ pub const DEFAULT_ALIGNMENT: u64 = 32;
 pub const MAX_DIMS: usize = 4;
 /// Deepest nesting of arrays accepted in metadata (real files use 1; the bound stops bombs).
 pub const MAX_ARRAY_DEPTH: usize = 8;
+/// Most array elements read from one file's metadata, all arrays together: each element is held
+/// as a [`Value`] of 32 bytes, so a count bounded by the file's size alone (one byte per `u8`)
+/// could ask for 32 times the file in memory. Real files hold under a million (GLM-5's
+/// tokenizer: 154,880 tokens, their types and about 320,000 merges); the limit keeps the
+/// metadata under 256 MiB.
+pub const MAX_ARRAY_ELEMENTS: u64 = 1 << 23;
 /// Longest key or tensor name accepted (ggml limits names to 63 bytes; keys are free-form).
 pub const MAX_NAME_LEN: u64 = 65_535;
 /// Metadata key that sets the alignment of the data section (must be a u32 power of two).
@@ -146,6 +152,7 @@ impl GgufFile {
                 pos: 0,
                 be: false,
                 path: &path,
+                array_elements: 0,
             };
             let header = r.header()?;
             let (tensors, offset_fields) = r.tensor_infos(header.n_tensors)?;
@@ -445,6 +452,8 @@ struct Reader<'a> {
     pos: usize,
     be: bool,
     path: &'a Path,
+    /// Array elements read so far (bounded by [`MAX_ARRAY_ELEMENTS`]).
+    array_elements: u64,
 }
 
 macro_rules! read_num {
@@ -668,7 +677,19 @@ impl<'a> Reader<'a> {
                         format!("array element type {tid} is not a GGUF type (0..=12)"),
                     ));
                 };
+                let at = self.pos;
                 let n = self.count(et.min_size() as u64, what)?;
+                if self.array_elements + n > MAX_ARRAY_ELEMENTS {
+                    self.pos = at;
+                    return Err(self.fail(
+                        what,
+                        format!(
+                            "array of {n} elements: the metadata's arrays would hold {} elements in all, more than the {MAX_ARRAY_ELEMENTS} glmdiff reads (a tokenizer has under a million)",
+                            self.array_elements + n
+                        ),
+                    ));
+                }
+                self.array_elements += n;
                 let mut v = Vec::with_capacity(n as usize);
                 for _ in 0..n {
                     v.push(self.value(et, depth + 1, what)?);

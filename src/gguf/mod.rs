@@ -10,7 +10,7 @@ mod value;
 mod writer;
 
 pub use export::{export_rows, ExportFormat, Exported};
-pub use file::{GgufFile, TensorInfo, DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_DIMS};
+pub use file::{GgufFile, TensorInfo, DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_ARRAY_ELEMENTS, MAX_DIMS};
 pub use model::{
     parse_split_name, shard_paths, split_file_name, Model, TensorRef, KEY_SPLIT_COUNT,
     KEY_SPLIT_NO, KEY_SPLIT_TENSORS,

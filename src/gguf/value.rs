@@ -268,4 +268,10 @@ mod tests {
         assert_eq!(Value::F32(-0.0).to_string(), "-0");
         assert_eq!(Value::F64(f64::INFINITY).to_string(), "inf");
     }
+
+    /// `MAX_ARRAY_ELEMENTS` bounds the metadata's memory by this size.
+    #[test]
+    fn a_value_takes_32_bytes() {
+        assert_eq!(std::mem::size_of::<Value>(), 32);
+    }
 }

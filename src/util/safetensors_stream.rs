@@ -15,15 +15,15 @@ const HEADER_ALIGN: usize = 8;
 /// Values converted to bytes per write.
 const CHUNK_VALUES: usize = 1 << 16;
 
-/// Writes tensor `name` (`shape`, f32 values `data`) with `metadata` as a safetensors file.
-pub fn write_f32(
+/// Writes the header of a safetensors file holding one F32 tensor `name` of `shape` with
+/// `metadata`; its `shape.iter().product()` values follow, written by [`write_values`].
+pub fn write_f32_header(
     w: &mut dyn Write,
     name: &str,
     shape: &[u64],
-    data: &[f32],
     metadata: &HashMap<String, String>,
 ) -> Result<()> {
-    let n_bytes = std::mem::size_of_val(data);
+    let n_bytes = shape.iter().product::<u64>() * 4;
     let mut header = Map::new();
     if !metadata.is_empty() {
         header.insert("__metadata__".to_string(), json!(metadata));
@@ -36,6 +36,12 @@ pub fn write_f32(
     text.push_str(&" ".repeat((HEADER_ALIGN - text.len() % HEADER_ALIGN) % HEADER_ALIGN));
     w.write_all(&(text.len() as u64).to_le_bytes())?;
     w.write_all(text.as_bytes())?;
+    Ok(())
+}
+
+/// Writes f32 values little-endian, [`CHUNK_VALUES`] at a time (the data of a safetensors or
+/// `.npy` file after its header).
+pub fn write_values(w: &mut dyn Write, data: &[f32]) -> Result<()> {
     let mut buf = Vec::with_capacity(CHUNK_VALUES.min(data.len()) * 4);
     for chunk in data.chunks(CHUNK_VALUES) {
         buf.clear();
@@ -43,6 +49,18 @@ pub fn write_f32(
         w.write_all(&buf)?;
     }
     Ok(())
+}
+
+/// Writes tensor `name` (`shape`, f32 values `data`) with `metadata` as a safetensors file.
+pub fn write_f32(
+    w: &mut dyn Write,
+    name: &str,
+    shape: &[u64],
+    data: &[f32],
+    metadata: &HashMap<String, String>,
+) -> Result<()> {
+    write_f32_header(w, name, shape, metadata)?;
+    write_values(w, data)
 }
 
 #[cfg(test)]

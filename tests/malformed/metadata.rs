@@ -155,6 +155,55 @@ fn nested_array_bomb_huge_counts() {
     assert_eq!(f.get("k").unwrap().as_array().unwrap().len(), 1000);
 }
 
+/// A u8 array of `n` elements written raw (one byte each), fast to build at millions.
+fn u8_array(n: u64) -> Val {
+    let mut w = W::new(false);
+    w.u32(vt::U8).u64(n);
+    w.raw(&vec![7u8; n as usize]);
+    Val::Raw(vt::ARRAY, w.buf)
+}
+
+#[test]
+fn metadata_arrays_beyond_the_element_limit() {
+    // Each element is held as a 32-byte value: a file of 2^23 + 1 one-byte elements (8 MiB)
+    // would take 256 MiB, and one of 2^31 (2 GiB) 64 GiB. The limit is counted over all arrays,
+    // so the second of two arrays crosses it.
+    let limit = glmdiff::gguf::MAX_ARRAY_ELEMENTS;
+    assert_eq!(limit, 1 << 23);
+    let f = ok(padded().kv("k", u8_array(limit)).bytes());
+    assert_eq!(
+        f.get("k").unwrap().as_array().unwrap().len(),
+        limit as usize
+    );
+
+    let built = padded()
+        .kv("a", u8_array(limit - 5))
+        .kv("b", u8_array(6))
+        .build();
+    let at = built.value_at[2] + 4;
+    expect_err(
+        built.bytes,
+        &[&format!(
+            "metadata value \"b\" at offset {at}: array of 6 elements: the metadata's arrays would hold {} elements in all, more than the {limit} glmdiff reads",
+            limit + 1
+        )],
+    );
+
+    // 2^24 empty strings (8 bytes each in the file, 32 in memory).
+    let n: u64 = 1 << 24;
+    let mut w = W::new(false);
+    w.u32(vt::STRING).u64(n);
+    w.raw(&vec![0u8; (n * 8) as usize]);
+    let built = padded().kv("s", Val::Raw(vt::ARRAY, w.buf)).build();
+    let at = built.value_at[1] + 4;
+    expect_err(
+        built.bytes,
+        &[&format!(
+            "metadata value \"s\" at offset {at}: array of {n} elements"
+        )],
+    );
+}
+
 #[test]
 fn bool_byte_2() {
     let built = padded().kv("k", Val::Bool(2)).build();
