@@ -1466,3 +1466,159 @@ fn bench_dequant_elements_are_bounded() {
     assert!(text(&o).contains("too large"), "{}", text(&o));
     assert!(text(&o).contains("2^34"), "{}", text(&o));
 }
+
+/// A trace says which model file it was made from by content (`model_digest`, written by
+/// `glmdiff trace`): a trace of a synth model with seed 1 run or compared with the seed-2 model
+/// of the same dimensions is refused naming both files and the first tensor that differs (it
+/// used to give "first divergence: token_embd"); a renamed copy of the right model passes
+/// without a note; a trace without a digest naming another file gets a note; a malformed
+/// digest, or one listing a tensor the model lacks, is an error.
+#[test]
+fn traces_of_another_model_file_are_refused_by_their_digest() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let p = |n: &str| d.join(n).to_str().unwrap().to_string();
+    for seed in ["1", "2"] {
+        let o = glmdiff(
+            d,
+            &[
+                "synth",
+                "--arch",
+                "glm-dsa",
+                "--dims",
+                "tiny",
+                "--types",
+                "q8_0",
+                "--seed",
+                seed,
+                "--out",
+                &p(&format!("s{seed}.gguf")),
+            ],
+        );
+        assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    }
+    let o = glmdiff(
+        d,
+        &[
+            "trace",
+            &p("s1.gguf"),
+            "--tokens",
+            "1,2,3",
+            "--out",
+            &p("t1.safetensors"),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let st = St::read(&d.join("t1.safetensors"));
+    let digest: Value = serde_json::from_str(st.meta["model_digest"].as_str().unwrap()).unwrap();
+    assert_eq!(digest["algorithm"], "sha256");
+    assert_eq!(digest["prefix_bytes"], 1 << 20);
+    let listed = digest["tensors"].as_object().unwrap();
+    for n in [
+        "token_embd.weight",
+        "output_norm.weight",
+        "blk.0.attn_norm.weight",
+    ] {
+        assert!(listed.contains_key(n), "{n} not listed: {listed:?}");
+    }
+    // The first MoE block's tensors too (glm5-tiny: layer 0 dense, 1 and 2 MoE).
+    assert!(
+        listed.contains_key("blk.1.ffn_gate_inp.weight"),
+        "{listed:?}"
+    );
+    assert!(
+        !listed.keys().any(|k| k.starts_with("blk.2.")),
+        "{listed:?}"
+    );
+    let trace = format!("trace:{}", p("t1.safetensors"));
+
+    let o = glmdiff(d, &["run", &p("s2.gguf"), "--against", &trace]);
+    let n = listed.len();
+    let err = input_error(
+        &o,
+        &[
+            "t1.safetensors: made from another model file than",
+            "s2.gguf (the trace names s1.gguf): its model_digest of blk.0.",
+            "of its",
+            "tensors differ",
+            "Run it with the model it was made from",
+        ],
+    );
+    assert!(
+        err.contains(&format!(" of its {n} tensors differ")),
+        "{err}"
+    );
+    let o = glmdiff(
+        d,
+        &[
+            "compare",
+            &p("t1.safetensors"),
+            &p("t1.safetensors"),
+            "--model",
+            &p("s2.gguf"),
+        ],
+    );
+    input_error(
+        &o,
+        &["compare: --model", "made from another model file than"],
+    );
+
+    // The right model under another name: no note, exit 0.
+    std::fs::copy(d.join("s1.gguf"), d.join("renamed.gguf")).unwrap();
+    let o = glmdiff(d, &["run", &p("renamed.gguf"), "--against", &trace]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(!text(&o).contains("names model"), "{}", text(&o));
+
+    // Without a digest, a trace naming another file gets a note and runs.
+    let mut plain = St::read(&d.join("t1.safetensors"));
+    plain.meta.remove("model_digest");
+    plain.write(&d.join("plain.safetensors"));
+    let o = glmdiff(
+        d,
+        &[
+            "run",
+            &p("renamed.gguf"),
+            "--against",
+            &format!("trace:{}", p("plain.safetensors")),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(
+        crate::common::joined(&text(&o)).contains(
+            "names model s1.gguf (metadata model), not renamed.gguf; it carries no model_digest"
+        ),
+        "{}",
+        text(&o)
+    );
+
+    // Malformed, and a tensor the model lacks.
+    for (value, parts) in [
+        (
+            "{\"algorithm\": \"md5\"}".to_string(),
+            vec!["metadata model_digest is malformed: algorithm is \"md5\""],
+        ),
+        (
+            json!({"algorithm": "sha256", "prefix_bytes": 1048576,
+                   "tensors": {"blk.9.nothing.weight": "ab".repeat(32)}})
+            .to_string(),
+            vec![
+                "s1.gguf has no tensor blk.9.nothing.weight",
+                "1 of its 1 tensors differ",
+            ],
+        ),
+    ] {
+        let mut bad = St::read(&d.join("t1.safetensors"));
+        bad.meta.insert("model_digest".into(), Value::String(value));
+        bad.write(&d.join("bad.safetensors"));
+        let o = glmdiff(
+            d,
+            &[
+                "run",
+                &p("s1.gguf"),
+                "--against",
+                &format!("trace:{}", p("bad.safetensors")),
+            ],
+        );
+        input_error(&o, &parts);
+    }
+}

@@ -1,14 +1,16 @@
 //! The GGUF file format: header, metadata values, tensor infos, split shards, bounds checks,
-//! a writer for synthetic models and fixtures, and one tensor dequantized to `.npy` or
-//! `.safetensors` ([`export_rows`]). Knows nothing of any model architecture.
+//! a writer for synthetic models and fixtures, one tensor dequantized to `.npy` or
+//! `.safetensors` ([`export_rows`]), and a tensor's content digest ([`tensor_digest`]). Knows nothing of any model architecture.
 
 mod dequant;
+mod digest;
 mod export;
 mod file;
 mod model;
 mod value;
 mod writer;
 
+pub use digest::{tensor_digest, DIGEST_PREFIX_BYTES};
 pub use export::{export_rows, ExportFormat, Exported};
 pub use file::{GgufFile, TensorInfo, DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_ARRAY_ELEMENTS, MAX_DIMS};
 pub use model::{

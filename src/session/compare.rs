@@ -193,6 +193,10 @@ fn traces_model(
     let mut sides = vec![reference];
     if req.map.is_none() {
         sides.push(candidate);
+    } else {
+        // Under its own names the candidate still says which model file it was made from.
+        crate::trace::digest::check_model_digest(candidate.path(), candidate.metadata(), &model)
+            .with_context(|| format!("compare: --model {}", path.display()))?;
     }
     for t in sides {
         if let Ok(tokens) = t.tokens() {

@@ -134,6 +134,11 @@ impl RunConfig {
         crate::driver::check_tokens(&weights, &tokens).context("run")?;
         if let Chosen::Trace { file, .. } = &candidate {
             crate::trace::check::check_against_model(file, &weights, &tokens)?;
+            notes.extend(crate::trace::digest::name_note(
+                file.path(),
+                file.metadata(),
+                &model,
+            ));
         }
         let layers = layer_range(req.layers.clone(), hp)?;
         let plan = Plan::range(&weights, layers.clone(), layers.end == hp.n_layer)?;

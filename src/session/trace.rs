@@ -92,7 +92,10 @@ pub fn trace(req: &TraceRequest, progress: &dyn Progress) -> Result<Traced> {
         engine: engine.describe(),
         dtype: engine.precision().to_string(),
         mode: crate::trace::Mode::Chained,
-        extra: BTreeMap::new(),
+        extra: BTreeMap::from([(
+            crate::trace::digest::KEY_MODEL_DIGEST.to_string(),
+            crate::trace::digest::model_digest(&model)?,
+        )]),
     };
     write_trace(&req.out, sink.tensors(), &meta)?;
     let next = match sink.tensors().get("logits") {

@@ -23,7 +23,8 @@ fn kind(ids: bool) -> &'static str {
 }
 
 /// Checks trace `t` against the model of `weights` for a run over `tokens`: its `architecture`
-/// metadata (when present) is the model's, every hook of the model's forward pass it holds is
+/// metadata (when present) is the model's, its `model_digest` (when present) the model file's
+/// ([`super::digest::check_model_digest`]), every hook of the model's forward pass it holds is
 /// of a run layer and has the shape and kind the model gives it for that many tokens (a
 /// selection hook of another width excepted: `model::hook_shape::other_selection_width`, judged
 /// at the hook as a finding; its `moe_weights` must then be as wide as its `moe_topk_ids`). The
@@ -43,6 +44,7 @@ pub fn check_against_model(t: &TraceFile, weights: &Weights<'_>, tokens: &[u32])
             );
         }
     }
+    super::digest::check_model_digest(t.path(), t.metadata(), weights.model())?;
     let n = tokens.len();
     // Hooks whose shape the model does not give them: (name, shape, dtype, wanted).
     let mut bad: Vec<(String, String)> = Vec::new();

@@ -6,10 +6,12 @@
 //! filter wants and writes a safetensors trace ([`file`](mod@file)). A [`PairSink`] receives
 //! (reference, candidate) pairs from the two-engine driver, in a [`Mode`]. [`cache`] keeps the
 //! reference's residual stream on disk so that a run can start at any layer. [`check`] refuses a
-//! trace that does not fit the model (or the other trace) it is compared with.
+//! trace that does not fit the model (or the other trace) it is compared with; [`digest`] says
+//! which model file a trace was made from.
 
 pub mod cache;
 pub mod check;
+pub mod digest;
 pub mod file;
 
 use std::collections::BTreeMap;
