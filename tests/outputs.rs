@@ -734,10 +734,11 @@ fn stale_temporaries_of_dead_processes_are_removed_by_the_next_write() {
 
 /// `dequant` streams: a Q4_0 tensor of 2^27 elements (72 MiB in the file, 512 MiB of f32) is
 /// written with the memory of one chunk, not the whole f32 tensor (measured as the child's peak
-/// resident size, `wait4`'s `ru_maxrss`; the mapped file's pages count in it).
+/// resident size, `VmHWM` of `/proc/PID/status`, read while it runs: its own since its exec, so
+/// not the test process's, which a fork's child shares until then; the mapped file's pages count
+/// in it).
 #[cfg(target_os = "linux")]
 #[test]
-#[allow(clippy::zombie_processes)] // the child is reaped by wait4, which also gives its usage
 fn dequant_streams_a_tensor_larger_than_its_memory() {
     use crate::common::gguf_bytes::{tensor, Gguf};
     const Q4_0: u32 = 2;
@@ -757,7 +758,7 @@ fn dequant_streams_a_tensor_larger_than_its_memory() {
         .bytes();
     std::fs::write(&model, bytes).unwrap();
     let out = d.path().join("big.npy");
-    let child = Command::new(glmdiff_bin())
+    let mut child = Command::new(glmdiff_bin())
         .args(["dequant", "big.gguf", "big.weight", "--out", "big.npy"])
         .current_dir(d.path())
         .env("GLMDIFF_CACHE_DIR", d.path().join(".cache"))
@@ -765,16 +766,23 @@ fn dequant_streams_a_tensor_larger_than_its_memory() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut status = 0;
-    // SAFETY: `rusage` is plain data that wait4 fills; the pid is our own unwaited child.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: as above; status and usage are valid for writes for the call's duration.
-    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
-    assert_eq!(pid, child.id() as i32);
-    assert!(
-        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-        "dequant failed: status {status}"
-    );
+    let status_file = format!("/proc/{}/status", child.id());
+    let mut peak_kib = 0u64;
+    let status = loop {
+        if let Ok(text) = std::fs::read_to_string(&status_file) {
+            let hwm = text
+                .lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok());
+            peak_kib = peak_kib.max(hwm.unwrap_or(0));
+        }
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert!(status.success(), "dequant failed: {status}");
+    assert!(peak_kib > 0, "no VmHWM read from {status_file}");
     let f32_bytes = cols * rows * 4;
     let len = std::fs::metadata(&out).unwrap().len();
     assert_eq!(
@@ -788,7 +796,7 @@ fn dequant_streams_a_tensor_larger_than_its_memory() {
     std::io::Read::read_exact(&mut f, &mut head).unwrap();
     let v = |i: usize| f32::from_le_bytes(head[128 + 4 * i..132 + 4 * i].try_into().unwrap());
     assert_eq!((v(0), v(15), v(16), v(17)), (1.0, 1.0, -1.0, -1.0));
-    let peak = usage.ru_maxrss as u64 * 1024;
+    let peak = peak_kib * 1024;
     assert!(
         peak < f32_bytes / 2,
         "peak resident size {peak} bytes for a {f32_bytes}-byte output: the tensor was held whole"
