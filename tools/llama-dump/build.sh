@@ -43,6 +43,10 @@ lib=$(dirname "$(find "$build" -name 'libllama.so' | head -1)")
 ${CXX:-g++} -std=c++17 -O2 -Wall -Wextra -I"$src/include" -I"$src/ggml/include" \
     -DGLMDIFF_LLAMA_COMMIT="\"$commit\"" "$here/glmdiff-llama-dump.cpp" \
     -L"$lib" -lllama -lggml -lggml-base -Wl,-rpath,"$lib" -o "$build/glmdiff-llama-dump"
+# the SHA-256 of the tool's model digest (sha256.h) against FIPS 180-4's known answers
+${CXX:-g++} -std=c++17 -O2 -Wall -Wextra "$here/sha256_test.cpp" -o "$build/glmdiff-sha256-test"
+"$build/glmdiff-sha256-test" > "$build/sha256-test.log" 2>&1 \
+    || { cat "$build/sha256-test.log" >&2; echo "build.sh: the SHA-256 self-test failed ($build/sha256-test.log)" >&2; exit 2; }
 backend=CPU
 [ "$cuda" = ON ] && backend="CUDA sm_$arch"
-echo "built $build/glmdiff-llama-dump (llama.cpp $commit, $backend)"
+echo "built $build/glmdiff-llama-dump (llama.cpp $commit, $backend; SHA-256 self-test passed)"

@@ -16,6 +16,7 @@
 #include "ggml.h"
 #include "gguf.h"
 #include "llama.h"
+#include "sha256.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -29,6 +30,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fcntl.h>
 #include <map>
 #include <new>
 #include <stdexcept>
@@ -461,6 +463,7 @@ struct WeightTypes {
     std::set<std::string> keys;                // every metadata key
     uint32_t index_topk = 0;
     std::string arch;
+    std::vector<std::string> shards;           // the model's files: the first shard, then the others
 };
 
 static WeightTypes weight_types(const std::string & path) {
@@ -480,6 +483,7 @@ static WeightTypes weight_types(const std::string & path) {
     int count = ck >= 0 && gguf_get_kv_type(g, ck) == GGUF_TYPE_UINT16 ? gguf_get_val_u16(g, ck) : 1;
     int no = nk >= 0 && gguf_get_kv_type(g, nk) == GGUF_TYPE_UINT16 ? gguf_get_val_u16(g, nk) : 0;
     gguf_free(g);
+    w.shards.push_back(path);
     if (count > 1) {
         if (no != 0) die("%s is shard %d of %d: give the first shard (llama.cpp loads the others from it)", path.c_str(), no + 1, count);
         char prefix[4096], shard[4096];
@@ -491,9 +495,221 @@ static WeightTypes weight_types(const std::string & path) {
             if (!s) die("%s: shard %d of %d, %s, is missing or not a GGUF file", path.c_str(), i + 1, count, shard);
             for (int64_t j = 0; j < gguf_get_n_tensors(s); j++) w.type_of[gguf_get_tensor_name(s, j)] = gguf_get_tensor_type(s, j);
             gguf_free(s);
+            w.shards.push_back(shard);
         }
     }
     return w;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Which model file the trace was made from, by content: the metadata `model_digest` (glmdiff
+// docs/hooks.md). Each listed tensor's entry is the SHA-256 of its name, a 0 byte, its GGML type id
+// (u32 LE), its number of dimensions (u32 LE), each dimension in GGUF order (u64 LE), its data size
+// in bytes (u64 LE) and the first min(size, 1 MiB) bytes of its data as stored in the file (the raw
+// blocks). Listed: token_embd.weight, output_norm.weight, output.weight when present, every tensor of
+// block 0 and of the first block with a router (blk.N.ffn_gate_inp.weight). Read from the GGUF files
+// themselves, each tensor from the shard that holds it, not from llama.cpp's loaded weights.
+
+static const uint64_t DIGEST_PREFIX_BYTES = 1 << 20;
+
+// The number of dimensions each tensor info record of a GGUF stores, in file order. ggml's gguf API
+// pads every shape to 4 dimensions and keeps no n_dims (a file written by gguf-py may store trailing
+// dimensions of 1, which ggml_n_dims would drop), so the header is walked here: magic, version,
+// tensor count, key count, the key-value pairs (skipped), then per tensor its name, n_dims, ne[n_dims],
+// type and offset.
+struct StoredInfo {
+    std::string name;
+    std::vector<uint64_t> ne;
+    uint32_t type = 0;
+};
+
+static std::vector<StoredInfo> gguf_stored_infos(const std::string & path) {
+    FILE * f = fopen(path.c_str(), "rb");
+    if (!f) die("%s: cannot open for the model digest: %s", path.c_str(), strerror(errno));
+    auto fail = [&](const char * what) {
+        const bool eof = feof(f);
+        fclose(f);
+        die("%s: reading the GGUF header for the model digest failed at %s: %s", path.c_str(), what,
+            eof ? "unexpected end of file" : strerror(errno));
+    };
+    auto u32 = [&](const char * what) {
+        uint8_t b[4];
+        if (fread(b, 1, 4, f) != 4) fail(what);
+        return (uint32_t) b[0] | (uint32_t) b[1] << 8 | (uint32_t) b[2] << 16 | (uint32_t) b[3] << 24;
+    };
+    auto u64 = [&](const char * what) {
+        uint8_t b[8];
+        if (fread(b, 1, 8, f) != 8) fail(what);
+        uint64_t v = 0;
+        for (int i = 7; i >= 0; i--) v = v << 8 | b[i];
+        return v;
+    };
+    auto skip = [&](uint64_t n, const char * what) {
+        if (n > (uint64_t) INT64_MAX || fseeko(f, (off_t) n, SEEK_CUR) != 0) fail(what);
+    };
+    auto str = [&](const char * what) {
+        uint64_t n = u64(what);
+        if (n > (1u << 20)) fail(what);  // a tensor name (ggml's are under GGML_MAX_NAME bytes)
+        std::string s(n, '\0');
+        if (n && fread(&s[0], 1, n, f) != n) fail(what);
+        return s;
+    };
+    // bytes of one value of a fixed-size GGUF type (GGUF_TYPE_*), 0 for strings and arrays
+    auto fixed = [](uint32_t t) -> uint64_t {
+        switch (t) {
+            case GGUF_TYPE_UINT8: case GGUF_TYPE_INT8: case GGUF_TYPE_BOOL: return 1;
+            case GGUF_TYPE_UINT16: case GGUF_TYPE_INT16: return 2;
+            case GGUF_TYPE_UINT32: case GGUF_TYPE_INT32: case GGUF_TYPE_FLOAT32: return 4;
+            case GGUF_TYPE_UINT64: case GGUF_TYPE_INT64: case GGUF_TYPE_FLOAT64: return 8;
+            default: return 0;
+        }
+    };
+    char magic[4];
+    if (fread(magic, 1, 4, f) != 4 || memcmp(magic, "GGUF", 4) != 0) fail("the magic");
+    const uint32_t version = u32("the version");
+    if (version < 2) fail("the version (GGUF v1 has no 64-bit counts)");
+    const uint64_t n_tensors = u64("the tensor count"), n_kv = u64("the key count");
+    for (uint64_t i = 0; i < n_kv; i++) {
+        skip(u64("a key length"), "a key");
+        const uint32_t t = u32("a value type");
+        if (fixed(t)) {
+            skip(fixed(t), "a value");
+        } else if (t == GGUF_TYPE_STRING) {
+            skip(u64("a string length"), "a string");
+        } else if (t == GGUF_TYPE_ARRAY) {
+            const uint32_t et = u32("an array type");
+            const uint64_t n = u64("an array length");
+            if (fixed(et)) {
+                if (n > UINT64_MAX / fixed(et)) fail("an array length");
+                skip(n * fixed(et), "an array");
+            } else if (et == GGUF_TYPE_STRING) {
+                for (uint64_t j = 0; j < n; j++) skip(u64("a string length"), "a string");
+            } else {
+                fail("an array of an unknown type");
+            }
+        } else {
+            fail("a value of an unknown type");
+        }
+    }
+    std::vector<StoredInfo> infos;
+    for (uint64_t i = 0; i < n_tensors; i++) {
+        StoredInfo s;
+        s.name = str("a tensor name");
+        const uint32_t n_dims = u32("a tensor's n_dims");
+        if (n_dims == 0 || n_dims > GGML_MAX_DIMS) fail("a tensor's n_dims");
+        for (uint32_t d = 0; d < n_dims; d++) s.ne.push_back(u64("a tensor's dimensions"));
+        s.type = u32("a tensor's type");
+        u64("a tensor's offset");
+        infos.push_back(std::move(s));
+    }
+    fclose(f);
+    return infos;
+}
+
+// One tensor of the model: where its data lies and what the digest lays out before it.
+struct ModelTensor {
+    std::string name;
+    size_t shard = 0;           // index into the shard list
+    uint32_t type = 0;          // GGML type id
+    std::vector<uint64_t> ne;   // the dimensions the file stores, ne[0] first
+    uint64_t nbytes = 0;        // ggml_nbytes
+    uint64_t offset = 0;        // of its data in the shard file (data section start + tensor offset)
+};
+
+static std::string model_digest(const std::vector<std::string> & shards) {
+    std::vector<ModelTensor> tensors;
+    std::map<std::string, size_t> index;  // name → its first occurrence
+    for (size_t si = 0; si < shards.size(); si++) {
+        const std::string & path = shards[si];
+        gguf_init_params p = { /*no_alloc*/ true, /*ctx*/ nullptr };
+        gguf_context * g = gguf_init_from_file(path.c_str(), p);
+        if (!g) die("%s: not a GGUF file llama.cpp can read", path.c_str());
+        const std::vector<StoredInfo> stored = gguf_stored_infos(path);
+        const int64_t n = gguf_get_n_tensors(g);
+        if ((int64_t) stored.size() != n)
+            die("%s: its header lists %zu tensors, ggml's reader %" PRId64, path.c_str(), stored.size(), n);
+        const uint64_t data = gguf_get_data_offset(g);
+        for (int64_t i = 0; i < n; i++) {
+            ModelTensor t;
+            t.name = gguf_get_tensor_name(g, i);
+            t.shard = si;
+            t.type = (uint32_t) gguf_get_tensor_type(g, i);
+            t.nbytes = gguf_get_tensor_size(g, i);
+            t.offset = data + gguf_get_tensor_offset(g, i);
+            t.ne = stored[i].ne;
+            // the walk above and ggml's reader must agree (ggml pads the shape with ones)
+            const int64_t * ne = gguf_get_tensor_ne(g, i);
+            bool same = stored[i].name == t.name && stored[i].type == t.type;
+            for (int d = 0; d < GGML_MAX_DIMS; d++)
+                same = same && (uint64_t) ne[d] == (d < (int) t.ne.size() ? t.ne[d] : 1);
+            if (!same) die("%s: tensor %" PRId64 " (%s): the header walk and ggml's reader disagree", path.c_str(), i, t.name.c_str());
+            if (!index.count(t.name)) index[t.name] = tensors.size();
+            tensors.push_back(std::move(t));
+        }
+        gguf_free(g);
+    }
+    // the first MoE block: the smallest N with a tensor blk.N.ffn_gate_inp.weight
+    const std::string pre = "blk.", suf = ".ffn_gate_inp.weight";
+    bool have_moe = false;
+    uint64_t first_moe = 0;
+    for (const auto & t : tensors) {
+        if (t.name.size() <= pre.size() + suf.size() || t.name.compare(0, pre.size(), pre) != 0 ||
+            t.name.compare(t.name.size() - suf.size(), suf.size(), suf) != 0)
+            continue;
+        const std::string num = t.name.substr(pre.size(), t.name.size() - pre.size() - suf.size());
+        if (num.size() > 19 || num.find_first_not_of("0123456789") != std::string::npos) continue;
+        const uint64_t b = strtoull(num.c_str(), nullptr, 10);
+        if (!have_moe || b < first_moe) first_moe = b;
+        have_moe = true;
+    }
+    std::vector<std::string> blocks = { "blk.0." };
+    if (have_moe) blocks.push_back("blk." + std::to_string(first_moe) + ".");
+    std::map<std::string, std::string> digests;  // name → hex (JSON key order: by name)
+    std::vector<int> fds(shards.size(), -1);
+    std::vector<uint8_t> buf;
+    for (const auto & [name, ti] : index) {
+        bool listed = name == "token_embd.weight" || name == "output_norm.weight" || name == "output.weight";
+        for (const auto & b : blocks) listed = listed || name.compare(0, b.size(), b) == 0;
+        if (!listed) continue;
+        if (g_interrupted) die("interrupted; nothing written");
+        const ModelTensor & t = tensors[ti];
+        const std::string & path = shards[t.shard];
+        if (fds[t.shard] < 0) {
+            fds[t.shard] = open(path.c_str(), O_RDONLY);
+            if (fds[t.shard] < 0) die("%s: cannot open for the model digest: %s", path.c_str(), strerror(errno));
+        }
+        const uint64_t want = std::min(t.nbytes, DIGEST_PREFIX_BYTES);
+        buf.resize(want);
+        uint64_t got = 0;
+        while (got < want) {
+            const ssize_t r = pread(fds[t.shard], buf.data() + got, want - got, (off_t) (t.offset + got));
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0)
+                die("%s: tensor %s: reading its data for the model digest (%" PRIu64 " bytes at offset %" PRIu64 ") failed: %s",
+                    path.c_str(), name.c_str(), want, t.offset, r < 0 ? strerror(errno) : "the file ends before it (truncated?)");
+            got += (uint64_t) r;
+        }
+        Sha256 h;
+        h.update(name.data(), name.size());
+        const uint8_t zero = 0;
+        h.update(&zero, 1);
+        h.update_u32le(t.type);
+        h.update_u32le((uint32_t) t.ne.size());
+        for (uint64_t d : t.ne) h.update_u64le(d);
+        h.update_u64le(t.nbytes);
+        h.update(buf.data(), want);
+        digests[name] = h.hex();
+    }
+    for (int fd : fds)
+        if (fd >= 0) close(fd);
+    if (digests.empty()) die("%s: none of the tensors the model digest lists (token_embd.weight, output_norm.weight, blk.0.*)", shards[0].c_str());
+    std::string j = "{\"algorithm\":\"sha256\",\"prefix_bytes\":" + std::to_string(DIGEST_PREFIX_BYTES) + ",\"tensors\":{";
+    bool first = true;
+    for (const auto & [name, hex] : digests) {
+        j += (first ? "\"" : ",\"") + json_escape(name) + "\":\"" + hex + "\"";
+        first = false;
+    }
+    return j + "}}";
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -585,6 +801,8 @@ static int run(int argc, char ** argv) {
     if (wt.arch != "glm-dsa" && wt.arch != "deepseek2")
         die("%s: architecture %s; this tool maps llama.cpp's glm-dsa and deepseek2 graphs only", a.model.c_str(),
             wt.arch.c_str());
+    // read from the GGUF files before llama.cpp loads them (a few MiB at most)
+    const std::string digest = model_digest(wt.shards);
 
     llama_log_set([](ggml_log_level level, const char * text, void *) {
         if (level >= GGML_LOG_LEVEL_ERROR) fputs(text, stderr);
@@ -940,6 +1158,7 @@ static int run(int argc, char ** argv) {
     std::vector<std::pair<std::string, std::string>> meta = {
         { "glmdiff_trace", "1" },
         { "model", base_name(a.model) },
+        { "model_digest", digest },
         { "architecture", wt.arch },
         { "tokens", toks },
         { "engine", std::string("llama.cpp ") + GLMDIFF_LLAMA_COMMIT + " " + backend + ", KV cache " + a.kv_type +
