@@ -9,11 +9,14 @@ transformers (`GlmMoeDsaForCausalLM`, `DeepseekV3ForCausalLM`), tested with tran
     import glmdiff_hooks
     with glmdiff_hooks.capture_transformers(model) as rec:
         model(input_ids=torch.tensor([ids]), use_cache=False)
-    rec.save("glm5.trace.safetensors", model_file="GLM-5-UD-Q4_K_XL-00001-of-00009.gguf", tokens=ids)
+    rec.save("glm5.trace.safetensors", gguf_path="GLM-5-UD-Q4_K_XL-00001-of-00009.gguf", tokens=ids)
 
     then: glmdiff run GLM-5-UD-Q4_K_XL-00001-of-00009.gguf --against trace:glm5.trace.safetensors
 
-  or from the command line: glmdiff-hooks --hf DIR_OR_HUB_ID --tokens 1,2,3 --gguf-name X.gguf --out T
+  or from the command line: glmdiff-hooks --hf DIR_OR_HUB_ID --tokens 1,2,3 --gguf X.gguf --out T
+
+  gguf_path (--gguf) writes the GGUF's `model_digest` (docs/hooks.md; needs gguf-py), which glmdiff checks against
+  the model it runs: a trace of another model file is an error. model_file= (--gguf-name) only names the file.
 
 vLLM (DeepSeek-V2/V3 and GLM-MoE-DSA through vllm/model_executor/models/deepseek_v2.py): written from vLLM's
 sources and NOT tested against a live vLLM (`attach_vllm`, `vllm_start`, `vllm_save`). Tensor parallelism 1 only.
@@ -30,8 +33,9 @@ Conventions (docs/hooks.md):
   shows those hooks as not in the trace.
 
 Modules: the pure parts import without torch (`names` and its data file `hooks.json`, `shapes`, `rope`,
-`selection`, `meta`, and `writer`, which needs numpy); the hooks (`recorder`, `transformers_hooks`,
-`vllm_hooks`) import torch, and are loaded on first use of their names here.
+`selection`, `meta`, `digest` (a GGUF's `model_digest`, with gguf-py imported on use), and `writer`, which needs
+numpy); the hooks (`recorder`, `transformers_hooks`, `vllm_hooks`) import torch, and are loaded on first use of
+their names here.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from __future__ import annotations
 import importlib
 
 from ._version import __version__
+from .digest import model_digest
 from .meta import build_metadata, dtype_word, hook_script
 from .names import ARCH, TRACE_FORMAT, expected_hooks, glob_matches, parse_hook
 from .rope import deinterleave_perm, reinterleave, reinterleave_perm
@@ -61,7 +66,7 @@ _LAZY = {
 
 __all__ = ["__version__", "ARCH", "TRACE_FORMAT", "build_metadata", "causal_topk_rows", "check_hook",
            "deinterleave_perm", "dtype_word", "encode_safetensors", "expected_hooks", "glob_matches", "hook_script",
-           "parse_hook", "reinterleave", "reinterleave_perm", "write_safetensors", *_LAZY]
+           "model_digest", "parse_hook", "reinterleave", "reinterleave_perm", "write_safetensors", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -1,8 +1,10 @@
 """`glmdiff-hooks`: trace a transformers GLM-5 / DeepSeek-V3 checkpoint for glmdiff from the command line.
 
-    glmdiff-hooks --hf DIR_OR_HUB_ID --tokens 1,2,3 --gguf-name X.gguf --out T.safetensors
+    glmdiff-hooks --hf DIR_OR_HUB_ID --tokens 1,2,3 --gguf X.gguf --out T.safetensors
 
-then `glmdiff run X.gguf --against trace:T.safetensors`. Exit codes: 0 written, 2 an error (one line on stderr).
+then `glmdiff run X.gguf --against trace:T.safetensors`. `--gguf PATH` names the model after the file and writes
+its `model_digest` (read before the model is loaded; needs gguf-py); `--gguf-name NAME` only names it.
+Exit codes: 0 written, 2 an error (one line on stderr).
 torch and transformers are imported only after the arguments are read (`--help` needs neither).
 """
 
@@ -13,6 +15,7 @@ import json
 import sys
 
 from ._version import __version__
+from .digest import model_digest
 
 
 def _ids(s: str) -> list[int]:
@@ -32,7 +35,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--hf", required=True, help="transformers checkpoint (directory or hub id)")
     ap.add_argument("--tokens", required=True, type=_ids,
                     help="prompt ids, comma separated (as glmdiff run --tokens)")
-    ap.add_argument("--gguf-name", required=True, help="the GGUF file name glmdiff will run (metadata `model`)")
+    model = ap.add_mutually_exclusive_group(required=True)
+    model.add_argument("--gguf", metavar="PATH",
+                       help="the GGUF file glmdiff will run (any shard of a split model): metadata `model` is its "
+                            "base name and `model_digest` its content digest (needs gguf-py: pip install gguf)")
+    model.add_argument("--gguf-name", metavar="NAME",
+                       help="only the GGUF file name glmdiff will run (metadata `model`, no `model_digest`)")
     ap.add_argument("--out", required=True, help="output .safetensors")
     ap.add_argument("--dtype", default="bfloat16", choices=["float64", "float32", "bfloat16", "float16"])
     ap.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
@@ -44,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the command; returns the exit code."""
     args = parser().parse_args(argv)
     try:
+        if args.gguf is not None:  # the GGUF's errors (missing, not a GGUF, no gguf-py) before the model loads
+            model_digest(args.gguf)
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -54,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
                                                      attn_implementation="eager").to(device).eval()
         with capture_transformers(model) as rec, torch.no_grad():
             model(input_ids=torch.tensor([args.tokens], device=device), use_cache=False)
-        p = rec.save(args.out, model_file=args.gguf_name, tokens=args.tokens)
+        if args.gguf is not None:
+            p = rec.save(args.out, gguf_path=args.gguf, tokens=args.tokens)
+        else:
+            p = rec.save(args.out, model_file=args.gguf_name, tokens=args.tokens)
     except (ImportError, OSError, ValueError, RuntimeError) as e:
         print(f"glmdiff-hooks: {e}", file=sys.stderr)
         return 2

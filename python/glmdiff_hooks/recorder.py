@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from . import names, selection, shapes
+from .digest import model_digest
 from .meta import build_metadata
 from .writer import write_safetensors
 
@@ -72,18 +73,28 @@ class Trace:
                 out[k] = v.to(torch.float32)
         return out
 
-    def save(self, path: str | Path, *, model_file: str, tokens: list[int], models: list[str] | None = None,
-             prompt: str | None = None, architecture: str | None = None, extra: dict | None = None) -> Path:
+    def save(self, path: str | Path, *, model_file: str | None = None, tokens: list[int],
+             models: list[str] | None = None, prompt: str | None = None, architecture: str | None = None,
+             extra: dict | None = None, gguf_path: str | Path | None = None) -> Path:
         """Writes the trace (safetensors, sorted keys, written to a temporary file and renamed).
 
-        model_file: the GGUF file name glmdiff will run (metadata `model`); models: every GGUF the trace is
-        exact for (metadata `models`); tokens: the prompt's ids (batch of one)."""
+        model_file: the GGUF file name glmdiff will run (metadata `model`); gguf_path: that GGUF file itself (any
+        shard of a split model): the trace then carries its `model_digest` (docs/hooks.md; needs gguf-py), and
+        model_file defaults to its base name; one of the two is required. models: every GGUF the trace is exact
+        for (metadata `models`); tokens: the prompt's ids (batch of one)."""
+        if model_file is None and gguf_path is None:
+            raise TypeError("glmdiff_hooks: Trace.save() needs model_file (the GGUF file name) or gguf_path")
         if not self.t:
             raise RuntimeError("glmdiff_hooks: nothing was recorded (did the forward pass run inside capture?)")
         tensors = self.tensors()
         for k, v in tensors.items():
             shapes.check_hook(k, list(v.shape), not v.is_floating_point(), len(tokens))
+        digest = None
+        if gguf_path is not None:
+            digest = model_digest(gguf_path)
+            if model_file is None:
+                model_file = Path(gguf_path).name
         meta = build_metadata(model_file=model_file, architecture=architecture or self.architecture or "?",
                               tokens=tokens, engine=self.engine, dtype=self.dtype, not_captured=self.missing(),
-                              models=models, prompt=prompt, extra=extra)
+                              models=models, prompt=prompt, model_digest=digest, extra=extra)
         return write_safetensors(Path(path), {k: v.numpy() for k, v in tensors.items()}, meta)

@@ -185,8 +185,9 @@ def vllm_start(model, tokens: int) -> None:
     model._glmdiff_trace = (rec, detach)
 
 
-def vllm_save(model, path: str, tokens: list[int], model_file: str, **kw) -> str:
-    """For LLM.apply_model: removes the hooks and writes the trace kept by vllm_start."""
+def vllm_save(model, path: str, tokens: list[int], model_file: str | None = None, **kw) -> str:
+    """For LLM.apply_model: removes the hooks and writes the trace kept by vllm_start (keywords as Trace.save:
+    gguf_path=THE.gguf writes its model_digest and names the model after it when model_file is not given)."""
     rec, detach = model._glmdiff_trace
     detach()
     del model._glmdiff_trace
