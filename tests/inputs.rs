@@ -1622,3 +1622,20 @@ fn traces_of_another_model_file_are_refused_by_their_digest() {
         input_error(&o, &parts);
     }
 }
+
+/// glmdiff's `model_digest` of every fixture GGUF is the one the `glmdiff_hooks` package
+/// computes with gguf-py and hashlib (`fixtures/digests/digests.json`, made by
+/// `reference/fixtures/model_digests.py`): the same tensors listed, the same SHA-256 of each.
+#[test]
+fn model_digests_match_gguf_py_and_hashlib() {
+    let want: Value =
+        serde_json::from_slice(&std::fs::read(fixtures("digests/digests.json")).unwrap()).unwrap();
+    let models = want["models"].as_object().unwrap();
+    assert!(models.len() >= 10, "{}", models.len());
+    for (rel, digest) in models {
+        let model = glmdiff::gguf::Model::open(&fixtures("models").join(rel)).unwrap();
+        let got: Value =
+            serde_json::from_str(&glmdiff::trace::digest::model_digest(&model).unwrap()).unwrap();
+        assert_eq!(&got, digest, "{rel}");
+    }
+}
