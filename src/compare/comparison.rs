@@ -741,6 +741,7 @@ mod tests {
             precision: Vec::new(),
             model: Some(ModelFacts::default()),
             engine_candidate: false,
+            positions: 0,
         }
     }
 

@@ -60,6 +60,25 @@
 //! - [`MAX_FLOOR`] caps the result: a floor must stay well below what a layout bug scores
 //!   (reasoning at the constant); it binds only for fp8 operands.
 //!
+//! # RoPE angles
+//! A step that turns RoPE angles (a RoPE step; the DSA index score, which rotates its q and k
+//! inside) carries the rounding of the angles themselves: an engine computes `theta = t * f`
+//! (position times frequency) in f32 (ggml's rope cache, transformers' and vLLM's cos/sin
+//! caches; the reference in f64), and an angle rounded by a relative `u` turns the pair by
+//! `theta * u`: an error that grows with the position, shared by every head at a position (the
+//! RoPE tables) and, through the one rotated key head, by every query that reads that key. It
+//! adds `n * (u_angle / sqrt(3) * theta_rms)^2` under the square root, `theta_rms` the RMS
+//! angle over the prompt's positions and the step's frequencies (the model's; 1 rad/position,
+//! the fastest pair's, without the model), `n` the tensors rotated (1, or q and k), `u_angle`
+//! each side's accumulation precision, at most f32's. llama.cpp's CPU backend on the
+//! converter's F32 GLM-5 file at 4096 tokens: the index score's error grows from 8e-7 (first
+//! 512 positions) to 3.6e-6 (last 512), its whole-tensor error 2.97e-6 against a floor of
+//! 3.08e-6 without this term (a token at position 3489 at 4x the floor); with it the floor is
+//! 3.3e-4, the index score's other roundings and its cancellation (`amp = 2`) counted as
+//! before, and every pair's angle taken as rounded (the fastest pair's, `t * 1`, is exact in
+//! f32). For bf16 engines the term stays beneath their own rounding until about 64K
+//! positions.
+//!
 //! # The FP8 indexer
 //! An FP8 DSA indexer (`--precision 'blk.*.indexer_*=fp8'`, trace metadata `indexer_dtype:
 //! fp8`; DeepSeek's `fp8_mqa_logits`) rounds q and k to e4m3 with a scale per row (`amax /
@@ -266,6 +285,12 @@ impl Kind {
         }
     }
 
+    /// Whether the step rotates by RoPE angles it computes: a RoPE step, and the DSA index
+    /// score (q and k rotated inside it).
+    pub fn turns_rope(self) -> bool {
+        matches!(self, Kind::Rope | Kind::IndexerScores)
+    }
+
     /// [`Kind::gain`] of the input whose point is `input`: the routed experts pass on the
     /// error of their routing weights (`moe_weights`) once, as the factors of their sum.
     pub fn gain_from(self, input: &str) -> f64 {
@@ -316,6 +341,12 @@ pub struct HookInfo {
     /// The hook is the router's (`moe_logits`, `moe_probs`, `moe_weights`): judged at the
     /// router's precision where a side has one (module documentation).
     pub router: bool,
+    /// Where the step turns RoPE angles (a RoPE step; the DSA index score, which rotates its q
+    /// and k inside): the RMS of its frequencies in radians per position (module
+    /// documentation, RoPE angles). `None`: no rotation.
+    pub rope_freq_rms: Option<f64>,
+    /// Positions of the prompt (the judge's), for the RoPE angles' term; 0 when unknown.
+    pub positions: usize,
 }
 
 impl HookInfo {
@@ -332,6 +363,9 @@ impl HookInfo {
             quantized: false,
             q8_split: None,
             router: matches!(point, "moe_logits" | "moe_probs" | "moe_weights"),
+            // Without the model: every pair turning as fast as the fastest (1 rad/position).
+            rope_freq_rms: kind.turns_rope().then_some(1.0),
+            positions: 0,
         }
     }
 }
@@ -403,7 +437,31 @@ fn estimate(info: &HookInfo, reference: Precision, candidate: Precision) -> f64 
         + (n - m - q8_store) * u_store * u_store
         + q8_store * q8(u_store);
     let k = info.k.unwrap_or(0) as f64;
+    let sum = sum + rope_angles(info, reference, candidate);
     SAFETY * (amp * sum.sqrt() + u_acc * k.sqrt())
+}
+
+/// The squared relative error that rounding the RoPE angles leaves in a step that turns them
+/// (module documentation, RoPE angles): `n * (u_angle / sqrt(3) * theta_rms)^2`, `n` the
+/// tensors rotated (q and k in the index score), `theta_rms` the RMS angle over the prompt's
+/// positions and the step's frequencies, `u_angle` the coarser of the two sides' angle
+/// precisions (each side's accumulation precision, at most f32's: engines compute angles in f32
+/// or finer whatever they store).
+fn rope_angles(info: &HookInfo, reference: Precision, candidate: Precision) -> f64 {
+    let Some(f) = info.rope_freq_rms.filter(|_| info.positions > 1) else {
+        return 0.0;
+    };
+    let angle = |p: Precision| p.accumulate.unit_roundoff().min(Dtype::F32.unit_roundoff());
+    let u = angle(reference).max(angle(candidate));
+    // RMS of t over positions 0..T: sqrt((T - 1)(2T - 1) / 6).
+    let t = info.positions as f64;
+    let theta_rms = f * ((t - 1.0) * (2.0 * t - 1.0) / 6.0).sqrt();
+    let n = if info.kind == Kind::IndexerScores {
+        2.0
+    } else {
+        1.0
+    };
+    n * (u / 3f64.sqrt() * theta_rms).powi(2)
 }
 
 /// What an input of a step inside a segment carries: the relative error a correct engine may
@@ -458,10 +516,17 @@ pub fn hook_infos(steps: &[Step], weights: &Weights<'_>) -> HashMap<String, Hook
         info.k = weights.matrix_dims(weight).ok().map(|(_, c)| c);
         info.quantized = quantized(weight);
     };
+    // The RMS of the model's RoPE frequencies (radians per position).
+    let freqs = crate::model::rope::inv_freq(&hp.rope);
+    let freq_rms = (!freqs.is_empty())
+        .then(|| (freqs.iter().map(|f| f * f).sum::<f64>() / freqs.len() as f64).sqrt());
     let mut out = HashMap::new();
     for s in steps {
         for o in &s.outputs {
             let mut info = HookInfo::from_point(point_of(o));
+            if info.kind.turns_rope() {
+                info.rope_freq_rms = freq_rms.or(info.rope_freq_rms);
+            }
             match &s.op {
                 Op::Linear { weight } => linear(&mut info, weight),
                 Op::RouterLogits { layer } => {
@@ -538,6 +603,8 @@ mod tests {
             quantized: false,
             q8_split: None,
             router: false,
+            rope_freq_rms: None,
+            positions: 0,
         };
         let cpu = Precision::parse("f32 storage, f64 accumulation").unwrap();
         let bf16 = Precision::parse("bf16").unwrap();
@@ -575,6 +642,8 @@ mod tests {
             quantized: true,
             q8_split: Some((1, 1)),
             router: false,
+            rope_freq_rms: None,
+            positions: 0,
         };
         let (u8q, u16, u32) = (5.7e-3f64, 2f64.powi(-11), 2f64.powi(-24));
         let sum = u8q * u8q + u16 * u16 + u8q * u8q + 3.0 * u32 * u32;
@@ -677,6 +746,8 @@ mod tests {
                         quantized,
                         q8_split,
                         router: false,
+                        rope_freq_rms: kind.turns_rope().then_some(1.0),
+                        positions: 1 << 17,
                     };
                     for &p in &precisions {
                         let f = floor(&info, Precision::REFERENCE, p);
@@ -685,6 +756,57 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The RoPE angles' term, by hand: an f32 engine (angles in f32) against the reference
+    /// (angles in f64) at 4096 positions, frequencies of RMS 0.4 rad/position: `theta_rms =
+    /// 0.4 * sqrt(4095 * 8191 / 6) = 946.0`, the index score's two rotated tensors add
+    /// `2 * (2^-24 / sqrt(3) * 946.0)^2`; a RoPE step one. None at one position, and the term
+    /// is beneath a bf16 engine's own rounding at 4096 positions (its floor moves by under 1%).
+    #[test]
+    fn rope_angles_round_at_the_engines_precision() {
+        let cpu = Precision::parse("f32 storage, f64 accumulation").unwrap();
+        let f32p = Precision::parse("f32 storage, f32 accumulation").unwrap();
+        let info = HookInfo {
+            kind: Kind::IndexerScores,
+            k: Some(64),
+            quantized: false,
+            q8_split: None,
+            router: false,
+            rope_freq_rms: Some(0.4),
+            positions: 4096,
+        };
+        let u = 2f64.powi(-24);
+        let theta: f64 = 0.4 * (4095.0f64 * 8191.0 / 6.0).sqrt();
+        assert!((theta - 946.0).abs() < 0.5, "{theta}");
+        let angles = 2.0 * (u / 3f64.sqrt() * theta).powi(2);
+        let want = 4.0 * (2.0 * (6.0 * u * u + angles).sqrt() + u * 8.0);
+        assert!(
+            (floor(&info, cpu, f32p) - want).abs() < 1e-15,
+            "{}",
+            floor(&info, cpu, f32p)
+        );
+        let none = HookInfo {
+            positions: 1,
+            ..info
+        };
+        let plain = 4.0 * (2.0 * 6f64.sqrt() * u + u * 8.0);
+        assert!((floor(&none, cpu, f32p) - plain).abs() < 1e-18);
+        // A RoPE step rotates one tensor.
+        let rope = HookInfo {
+            kind: Kind::Rope,
+            k: None,
+            ..info
+        };
+        let want = 4.0 * (3.0 * u * u + angles / 2.0).sqrt();
+        assert!((floor(&rope, cpu, f32p) - want).abs() < 1e-15);
+        // bf16: the angles still in f32, beneath bf16's own rounding.
+        let bf16 = Precision::parse("bf16").unwrap();
+        let (with, without) = (floor(&info, cpu, bf16), floor(&none, cpu, bf16));
+        assert!(with > without && with < without * 1.01, "{with} {without}");
+        // Two f64 sides: the angles at f64.
+        let f64s = Precision::parse("f64").unwrap();
+        assert!(floor(&info, f64s, f64s) < 1e-12);
     }
 
     /// The FP8 indexer's floor counts the two tensors it rounds to fp8 (q and k) and the four
@@ -699,6 +821,8 @@ mod tests {
             quantized: false,
             q8_split: None,
             router: false,
+            rope_freq_rms: None,
+            positions: 0,
         };
         let fp8 = Precision::parse("fp8").unwrap();
         let uncapped = 4.0
@@ -730,6 +854,8 @@ mod tests {
             quantized: false,
             q8_split: None,
             router: false,
+            rope_freq_rms: None,
+            positions: 0,
         };
         let want = 4.0 * ((2.0 * 2f64.powi(-22) + 2f64.powi(-48)).sqrt() + 2f64.powi(-24) * 64.0);
         let got = floor(&lin, Precision::REFERENCE, tf32);

@@ -44,6 +44,8 @@ pub struct Judge {
     /// The candidate is an engine glmdiff runs: in replay its selections are made from the
     /// reference's scores (the step's input), not from its own.
     pub(super) engine_candidate: bool,
+    /// Positions of the prompt (0: unknown): the RoPE angles' share of the floors.
+    pub(super) positions: usize,
 }
 
 impl Judge {
@@ -74,6 +76,7 @@ impl Judge {
             bias_unknown: !known,
             heads: model.heads,
             engine_candidate: spec.engine_candidate,
+            positions: spec.positions,
         })
     }
 
@@ -87,12 +90,16 @@ impl Judge {
         self.candidate
     }
 
-    /// The floor inputs of `name`.
+    /// The floor inputs of `name`, with the prompt's positions.
     pub fn info(&self, name: &str) -> HookInfo {
-        self.infos
-            .get(name)
-            .copied()
-            .unwrap_or_else(|| HookInfo::from_point(point_of(name)))
+        HookInfo {
+            positions: self.positions,
+            ..self
+                .infos
+                .get(name)
+                .copied()
+                .unwrap_or_else(|| HookInfo::from_point(point_of(name)))
+        }
     }
 
     /// The candidate's precision at `name` (a `--precision` override when one matches).
@@ -170,6 +177,9 @@ pub struct JudgeSpec {
     /// The candidate is an engine glmdiff runs: in replay its selections are made from the
     /// reference's scores (the step's input), not from its own.
     pub engine_candidate: bool,
+    /// Positions of the prompt (its tokens; 0 when unknown): the RoPE angles' share of the
+    /// floors grows with them.
+    pub positions: usize,
 }
 
 /// What the model tells a judge.

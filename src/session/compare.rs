@@ -163,6 +163,7 @@ fn traces_judge(
         precision,
         model,
         engine_candidate: false,
+        positions: reference.tokens().map_or(0, |t| t.len()),
     })
 }
 

@@ -139,5 +139,6 @@ fn run_judge(
         precision: overrides_with_trace(&cfg.precision, trace, notes)?,
         model: Some(model_facts(weights, &cfg.plan.steps, Some(&cfg.plan))?),
         engine_candidate: trace.is_none(),
+        positions: cfg.tokens.len(),
     })
 }

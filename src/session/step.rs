@@ -70,6 +70,7 @@ pub fn step(req: &StepRequest, hypotheses: &dyn Progress) -> Result<StepReport> 
             None,
         )?),
         engine_candidate: true,
+        positions: tokens.len(),
     })?;
     let hook = stored.hook.clone();
     let mut cmp = Comparison::new(judge, Box::new(|_| true), &tokens);
