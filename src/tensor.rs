@@ -174,6 +174,40 @@ impl HostTensor {
         }
     }
 
+    /// The non-finite values of an f32 tensor, viewed as rows of its first axis: the first
+    /// one and how many (`None`: every value is finite, or the tensor holds ids). With
+    /// `masked_after_row`, `-inf` after the row's own column (row `t`, column `s > t`: the
+    /// causal mask of the DSA index scores) is not counted.
+    pub fn non_finite(&self, masked_after_row: bool) -> Option<NonFinite> {
+        let HostData::F32(v) = &self.data else {
+            return None;
+        };
+        let rows = self.shape.first().copied().unwrap_or(1).max(1);
+        let cols = v.len() / rows;
+        let mut found: Option<NonFinite> = None;
+        for (i, &x) in v.iter().enumerate() {
+            if x.is_finite() {
+                continue;
+            }
+            let (row, col) = (i / cols.max(1), i % cols.max(1));
+            if masked_after_row && x == f32::NEG_INFINITY && col > row {
+                continue;
+            }
+            match &mut found {
+                Some(f) => f.count += 1,
+                None => {
+                    found = Some(NonFinite {
+                        row,
+                        col,
+                        value: x,
+                        count: 1,
+                    })
+                }
+            }
+        }
+        found
+    }
+
     /// `(rows, cols)` of a 2-D tensor, or an error naming `what`.
     pub fn dims2(&self, what: &str) -> Result<(usize, usize)> {
         match self.shape[..] {
@@ -183,6 +217,34 @@ impl HostTensor {
                 self.shape
             ),
         }
+    }
+}
+
+/// Where a tensor holds non-finite values ([`HostTensor::non_finite`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NonFinite {
+    /// Row (first axis) of the first one.
+    pub row: usize,
+    /// Its position within the row (the rest of the axes flattened).
+    pub col: usize,
+    /// Its value (NaN, `inf` or `-inf`).
+    pub value: f32,
+    /// How many there are.
+    pub count: usize,
+}
+
+impl std::fmt::Display for NonFinite {
+    /// `12 non-finite values, the first inf at row 3, column 40`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} non-finite value{}, the first {} at row {}, column {}",
+            self.count,
+            if self.count == 1 { "" } else { "s" },
+            self.value,
+            self.row,
+            self.col
+        )
     }
 }
 

@@ -1639,3 +1639,60 @@ fn model_digests_match_gguf_py_and_hashlib() {
         assert_eq!(&got, digest, "{rel}");
     }
 }
+
+/// A model whose weights are finite but overflow f32 (an `output_norm` weight of 3e38: the
+/// normalized values times it pass f32's largest) is the model's problem: `run` says the
+/// reference holds non-finite values at `result_norm` and cannot judge there, `trace` writes
+/// no trace; exit 2, never a verdict on the candidate.
+#[test]
+fn a_reference_that_overflows_is_an_error_not_a_verdict() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let m = copy(dir.path(), GLM5);
+    let (off, len) = {
+        let model = glmdiff::gguf::Model::open(&m).unwrap();
+        let w = glmdiff::model::Weights::new(&model).unwrap();
+        let d = w.vector_desc("output_norm.weight").unwrap();
+        let (_, off, len) = d.file_range().unwrap().unwrap();
+        (off as usize, len as usize)
+    };
+    let mut b = std::fs::read(&m).unwrap();
+    for x in b[off..off + len].chunks_exact_mut(4) {
+        x.copy_from_slice(&3e38f32.to_le_bytes());
+    }
+    std::fs::write(&m, b).unwrap();
+    let ms = m.to_str().unwrap();
+    let out = dir.path().join("t.safetensors");
+    let o = glmdiff(
+        cache.path(),
+        &["run", ms, "--against", "cpu", "--tokens", "1,2,3"],
+    );
+    input_error(
+        &o,
+        &[
+            "hook result_norm (",
+            "the reference holds ",
+            "non-finite value",
+            "so it cannot judge the candidate there",
+        ],
+    );
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "trace",
+            ms,
+            "--tokens",
+            "1,2",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    input_error(
+        &o,
+        &[
+            "trace: hook result_norm: the forward pass computes",
+            "no trace is written",
+        ],
+    );
+    assert!(!out.exists());
+}

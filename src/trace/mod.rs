@@ -303,6 +303,12 @@ impl Sink for TraceSink {
     }
 
     fn record(&mut self, name: &str, tensor: HostTensor) -> Result<()> {
+        let masked = split_blk(name).map_or(name, |(_, p)| p) == point::INDEXER_SCORES;
+        if let Some(nf) = tensor.non_finite(masked) {
+            bail!(
+                "trace: hook {name}: the forward pass computes {nf} from the model's weights, which are finite (checked at load): the model's values overflow f32 at this step; the model file is broken, no trace is written"
+            );
+        }
         if self.tensors.insert(name.to_string(), tensor).is_some() {
             bail!("trace: hook {name} recorded twice");
         }
