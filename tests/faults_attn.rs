@@ -1,5 +1,5 @@
 //! The attention, norm and projection kinds of `--inject` (`weight_scale`, `softmax_scale`,
-//! `yarn_mscale`, `rope_theta`, `dsa_topk`, `indexer_scale`, `indexer_wproj_scale`,
+//! `yarn_mscale`, `rope_theta`, `yarn_factor`, `dsa_topk`, `indexer_scale`, `indexer_wproj_scale`,
 //! `norm_one_plus`, `kv_b_split`) planted in the candidate engine on the fixture models: each is
 //! named at the hook the bug lives in (replay, judged by `compare`, independent of how it is
 //! planted), `--explain` names it first, and a continuous kind's parameter is fitted back from the
@@ -148,6 +148,16 @@ const CASES: &[Case] = &[
         Some(("theta", 1.05e6)),
     ),
     // DeepSeek-V3: YaRN (factor 40, mscale_all_dim 1: mscale^2 = 1.874), no indexer.
+    // The YaRN factor read as 4 (another checkpoint's, or a config misread): the interpolated
+    // frequencies and the cos/sin attention factor change at the RoPE step, fitted back to 4.
+    case(
+        DS,
+        DS_LONG,
+        "yarn_factor:4@1",
+        "blk.1.q_pe_rope",
+        &["yarn_factor:4@1"],
+        Some(("factor", 4.0)),
+    ),
     case(
         DS,
         DS_LONG,

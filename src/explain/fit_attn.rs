@@ -36,6 +36,8 @@ const SNAP_DIGITS: [usize; 3] = [1, 2, 3];
 const SOFTMAX_RANGE: (f64, f64) = (0.1, 10.0);
 /// `rope_theta:X` is searched in `nominal * [1e-3, 1e3]` (never below 1.5).
 const THETA_DECADES: f64 = 3.0;
+/// `yarn_factor:F` is searched in `[1, 1000]` (YaRN factors in use: 4 to 64).
+const YARN_FACTOR_RANGE: (f64, f64) = (1.0, 1000.0);
 /// `norm_eps:X` is searched in `[1e-12, 1e-1]`.
 const EPS_RANGE: (f64, f64) = (1e-12, 1e-1);
 /// A fitted factor is named after a known bug's factor when within this relative distance.
@@ -69,6 +71,7 @@ pub fn param(kind: &FaultKind, step: &Step, hp: &HParams) -> Option<(&'static st
         | FaultKind::IndexerScale(_)
         | FaultKind::IndexerWprojScale(_) => Some(("factor", 1.0)),
         FaultKind::RopeTheta(_) => Some(("theta", hp.rope.base)),
+        FaultKind::YarnFactor(_) => hp.rope.yarn.as_ref().map(|y| ("factor", y.factor)),
         FaultKind::NormEps(_) => match &step.op {
             Op::RmsNorm { eps, .. } => Some(("eps", *eps)),
             _ => Some(("eps", hp.rms_eps)),
@@ -88,6 +91,7 @@ fn with_param(kind: &FaultKind, x: f64) -> FaultKind {
         FaultKind::IndexerScale(_) => FaultKind::IndexerScale(x),
         FaultKind::IndexerWprojScale(_) => FaultKind::IndexerWprojScale(x),
         FaultKind::RopeTheta(_) => FaultKind::RopeTheta(x),
+        FaultKind::YarnFactor(_) => FaultKind::YarnFactor(x),
         FaultKind::NormEps(_) => FaultKind::NormEps(x),
         k => k.clone(),
     }
@@ -138,6 +142,7 @@ pub fn fit(
                 (nominal * 10f64.powf(-THETA_DECADES)).max(1.5),
                 nominal * 10f64.powf(THETA_DECADES),
             ),
+            FaultKind::YarnFactor(_) => YARN_FACTOR_RANGE,
             _ => EPS_RANGE,
         };
         let mut cost = |ln_x: f64| -> Result<f64> { Ok(residual(&eval(&at(ln_x.exp()))?)) };

@@ -444,7 +444,11 @@ pub fn hypotheses_and_untestable(step: &Step, weights: &Weights<'_>) -> (Vec<Fau
     let untestable = keep_applicable(&mut v, weights, step.layer);
     // Fitted, on every model (the model's own base fails `check`, which `--inject` wants).
     if let Op::Rope(_) = step.op {
-        v.push(faults.at(FaultKind::RopeTheta(weights.hparams().rope.base)));
+        let rope = &weights.hparams().rope;
+        v.push(faults.at(FaultKind::RopeTheta(rope.base)));
+        if let Some(y) = &rope.yarn {
+            v.push(faults.at(FaultKind::YarnFactor(y.factor)));
+        }
     }
     (v, untestable)
 }

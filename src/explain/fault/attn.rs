@@ -84,8 +84,8 @@ pub fn weight_factor<'k>(
         .reduce(|a, b| a * b)
 }
 
-/// The RoPE tables (inverse frequencies, cos/sin factor) of an engine with the `rope_theta` and
-/// `yarn_mscale` kinds among `kinds`, `None` when there is none.
+/// The RoPE tables (inverse frequencies, cos/sin factor) of an engine with the `rope_theta`,
+/// `yarn_factor` and `yarn_mscale` kinds among `kinds`, `None` when there is none.
 pub fn rope_tables<'k>(
     hp: &HParams,
     kinds: impl IntoIterator<Item = &'k FaultKind>,
@@ -96,6 +96,12 @@ pub fn rope_tables<'k>(
         match k {
             FaultKind::RopeTheta(x) => {
                 r.base = *x;
+                touched = true;
+            }
+            FaultKind::YarnFactor(x) => {
+                if let Some(y) = &mut r.yarn {
+                    y.factor = *x;
+                }
                 touched = true;
             }
             FaultKind::YarnMscale(Mscale::Missing) => {
@@ -124,12 +130,24 @@ pub fn rope_tables<'k>(
 }
 
 /// The MLA softmax scale of an engine with the kinds `kinds`: the model's
-/// ([`rope::softmax_scale`]), without YaRN's `mscale^2` under `yarn_mscale:none`, from the
+/// ([`rope::softmax_scale`]; with `yarn_factor`'s factor in its `mscale^2`), without YaRN's
+/// `mscale^2` under `yarn_mscale:none`, from the
 /// latent width under `scale_latent`, times every `softmax_scale` factor.
 pub fn softmax_scale<'k>(hp: &HParams, kinds: impl IntoIterator<Item = &'k FaultKind>) -> f64 {
     let kinds: Vec<&FaultKind> = kinds.into_iter().collect();
+    let factor = kinds.iter().find_map(|k| match k {
+        FaultKind::YarnFactor(x) => Some(*x),
+        _ => None,
+    });
     let mut scale = if kinds.contains(&&FaultKind::YarnMscale(Mscale::Missing)) {
         1.0 / (hp.qk_head() as f64).sqrt()
+    } else if let (Some(x), Some(_)) = (factor, &hp.rope.yarn) {
+        // The mscale^2 of the engine's factor.
+        let mut h = hp.clone();
+        if let Some(y) = &mut h.rope.yarn {
+            y.factor = x;
+        }
+        rope::softmax_scale(&h)
     } else {
         rope::softmax_scale(hp)
     };
@@ -265,6 +283,21 @@ pub(super) fn check(
         }
         FaultKind::RopeTheta(x) if (x - hp.rope.base).abs() <= 1e-9 * hp.rope.base => {
             bail!("--inject {me}: {x} is the model's own rope.freq_base");
+        }
+        FaultKind::YarnFactor(_) if hp.rope.yarn.is_none() => {
+            bail!(
+                "--inject {me}: the model ({}) has no YaRN rope scaling (rope.scaling.type is not yarn): there is no factor to get wrong",
+                hp.arch.as_str()
+            );
+        }
+        FaultKind::YarnFactor(x)
+            if hp
+                .rope
+                .yarn
+                .as_ref()
+                .is_some_and(|y| (x - y.factor).abs() <= 1e-9 * y.factor) =>
+        {
+            bail!("--inject {me}: {x} is the model's own rope.scaling.factor");
         }
         FaultKind::DsaTopK(k) => {
             let top_k = need_indexer()?;

@@ -160,6 +160,13 @@ pub enum FaultKind {
     /// YaRN the correction range moves with the base, as `model::rope::inv_freq` computes it.
     /// `--explain` fits `X` by a 1-D search on a log scale.
     RopeTheta(f64),
+    /// `yarn_factor:F`: YaRN with scaling factor `F` instead of the file's
+    /// `rope.scaling.factor` (a config's `rope_scaling.factor` misread, or another model's: 4
+    /// where the checkpoint says 40), in all three places it enters: the frequency ramp's
+    /// interpolated frequencies (`inv_freq / factor`), the cos/sin attention factor when the file
+    /// gives none (`0.1 ln(factor) + 1`) and the softmax scale's `mscale^2`. YaRN models only;
+    /// `--explain` fits `F` by a 1-D search on a log scale.
+    YarnFactor(f64),
     /// `dsa_topk:K`: the DSA indexer keeps `K` keys per query instead of `index_topk` (an
     /// off-by-one is `index_topk +- 1`). Only rows whose query sees more than `min(K,
     /// index_topk)` keys change. Top-k selection is where DSA engines have gone wrong silently
@@ -382,6 +389,7 @@ pub const CATALOG: &[(&str, &str)] = &[
         "the YaRN mscale missing, or applied in cos/sin too",
     ),
     ("rope_theta:X", "RoPE frequency base X"),
+    ("yarn_factor:F", "the YaRN scaling factor F"),
     ("dsa_topk:K", "the DSA indexer keeps K keys"),
     ("indexer_scale:F", "the indexer's q.k scale multiplied by F"),
     (
@@ -505,6 +513,16 @@ impl<'a> KindWords<'a> {
                     bail!("fault rope_theta:{a}: the base must be finite and above 1");
                 }
                 FaultKind::RopeTheta(x)
+            }
+            "yarn_factor" => {
+                let a = self.need("a scaling factor")?;
+                let x: f64 = a
+                    .parse()
+                    .with_context(|| format!("fault yarn_factor:{a}: not a number"))?;
+                if !x.is_finite() || x < 1.0 {
+                    bail!("fault yarn_factor:{a}: the factor must be finite and at least 1");
+                }
+                FaultKind::YarnFactor(x)
             }
             "dsa_topk" => {
                 let k = self.num(self.need("a key count")?, "key count")?;
@@ -753,6 +771,7 @@ fn example(name: &str) -> &'static str {
         "softmax_scale" | "indexer_scale" | "indexer_wproj_scale" => "1.05",
         "yarn_mscale" => "none",
         "rope_theta" => "1e6",
+        "yarn_factor" => "4",
         "dsa_topk" => "2047",
         "experts_per_token" => "9",
         _ => "ARG",
@@ -815,6 +834,7 @@ impl fmt::Display for FaultKind {
             FaultKind::YarnMscale(Mscale::Missing) => f.write_str("yarn_mscale:none"),
             FaultKind::YarnMscale(Mscale::Twice) => f.write_str("yarn_mscale:twice"),
             FaultKind::RopeTheta(x) => write!(f, "rope_theta:{x}"),
+            FaultKind::YarnFactor(x) => write!(f, "yarn_factor:{x}"),
             FaultKind::DsaTopK(k) => write!(f, "dsa_topk:{k}"),
             FaultKind::IndexerScale(x) => write!(f, "indexer_scale:{x}"),
             FaultKind::IndexerWprojScale(x) => write!(f, "indexer_wproj_scale:{x}"),
@@ -943,6 +963,7 @@ impl Fault {
             | FaultKind::SoftmaxScale(_)
             | FaultKind::YarnMscale(_)
             | FaultKind::RopeTheta(_)
+            | FaultKind::YarnFactor(_)
             | FaultKind::DsaTopK(_)
             | FaultKind::IndexerScale(_)
             | FaultKind::IndexerWprojScale(_)
@@ -1359,6 +1380,7 @@ mod tests {
             "yarn_mscale:none@2",
             "yarn_mscale:twice",
             "rope_theta:1000000@0",
+            "yarn_factor:4@1",
             "dsa_topk:2047",
             "indexer_scale:0.25@1",
             "indexer_wproj_scale:8",
@@ -1395,6 +1417,8 @@ mod tests {
                 "expected yarn_mscale:none or yarn_mscale:twice",
             ),
             ("rope_theta:1", "above 1"),
+            ("yarn_factor:0.5", "at least 1"),
+            ("yarn_factor:x", "not a number"),
             ("dsa_topk:0", "at least one key"),
             ("dsa_topk:x", "is not a number"),
             ("experts_per_token:0", "at least one expert"),
