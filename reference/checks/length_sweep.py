@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Correct bf16 engines over prompt lengths: transformers in bf16 (eager and SDPA attention, on the GPU
-and on the CPU, and with an FP8 DSA indexer on GLM-5) on the tiny fixture models, on seeded random
+and on the CPU, and with an FP8 DSA indexer on GLM-5 on the first device) on the tiny fixture models, on seeded random
 prompts of 12 to 4096 tokens, each dump judged by `glmdiff run --against trace: --mode both`.
 
 A correct engine must come out clean at every length: DeepSeek-V3 tiny ships YaRN RoPE (original
@@ -13,7 +13,7 @@ Uses reference/fixtures/engine_dumps.py's model loading, bf16 engine and hook re
 the committed engine dumps). Prints one line per dump and a summary; with --keep DIR, copies the dumps
 of the lengths given by --keep-lengths there.
 
-Usage (GPU machine): python3 reference/checks/length_sweep.py --glmdiff BIN [--lengths 12,48,...]
+Usage: python3 reference/checks/length_sweep.py --glmdiff BIN [--lengths 12,48,...]
     [--models glm5-tiny,dsv3-tiny] [--devices cuda,cpu] [--attn eager,sdpa] [--work DIR]
 """
 
@@ -92,7 +92,8 @@ def main() -> None:
                 if dev.startswith("cuda") and not torch.cuda.is_available():
                     continue
                 eng = ed.bf16_model(model32, dev, None)
-                variants = [False] + ([True] if arch == "glm_moe_dsa" and dev.startswith("cuda") else [])
+                first = dev == args.devices.split(",")[0]
+                variants = [False] + ([True] if arch == "glm_moe_dsa" and first else [])
                 for n in lengths:
                     ids = ed.random_prompt(pool, SEED[mdir] + n, n)
                     for fp8 in variants:

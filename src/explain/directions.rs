@@ -564,8 +564,83 @@ mod tests {
         }
     }
 
+    /// A table of `(cos, sin)` per rotated pair at a position.
+    type Table<'a> = &'a dyn Fn(usize) -> Vec<(f64, f64)>;
+
+    fn bf16(x: f64) -> f64 {
+        half::bf16::from_f64(x).to_f64()
+    }
+
+    /// `x` `[T, heads * rd]` of interleaved pairs rotated at each row's position by `cs(pos)`,
+    /// each value rounded by `round`.
+    fn rotate(x: &HostTensor, cs: Table<'_>, round: &dyn Fn(f64) -> f64) -> HostTensor {
+        let t = x.shape[0];
+        let v = x.as_f32("x").unwrap();
+        let n = v.len() / t;
+        let mut out = Vec::with_capacity(v.len());
+        for (pos, row) in v.chunks(n).enumerate() {
+            let c = cs(pos);
+            for pair in row.chunks(2 * c.len()) {
+                for (p, &(co, si)) in pair.chunks(2).zip(&c) {
+                    let (x0, x1) = (f64::from(p[0]), f64::from(p[1]));
+                    out.push(round(x0 * co - x1 * si) as f32);
+                    out.push(round(x0 * si + x1 * co) as f32);
+                }
+            }
+        }
+        HostTensor::f32(x.shape.clone(), out).unwrap()
+    }
+
+    /// Layer 0's attention inputs of `t` tokens before RoPE, and the reference's and a bf16
+    /// engine's rotations of them.
+    struct Shared<'a, 'w> {
+        cpu: &'a CpuEngine<'w>,
+        raw: Vec<HostTensor>,
+        q_pe: HostTensor,
+        t: usize,
+    }
+
+    impl Shared<'_, '_> {
+        fn heads3(&self, x: HostTensor) -> HostTensor {
+            let hp = self.cpu.weights().hparams();
+            let shape = vec![self.t, hp.n_head, hp.qk_rope];
+            HostTensor::f32(shape, x.as_f32("q_pe").unwrap().to_vec()).unwrap()
+        }
+
+        /// The reference's inputs: q_pe and k_pe rotated by the exact tables.
+        fn reference(&self) -> Vec<HostTensor> {
+            let exact = |pos: usize| self.cpu.cos_sin(pos);
+            let keep = |x: f64| f64::from(x as f32);
+            vec![
+                self.raw[0].clone(),
+                self.heads3(rotate(&self.q_pe, &exact, &keep)),
+                self.raw[2].clone(),
+                rotate(&self.raw[3], &exact, &keep),
+            ]
+        }
+
+        /// A bf16 engine's heads with tables `cs` and softmax scale `s`: q_pe and k_pe rotated
+        /// and rounded, keys and values from the latent rounded, the heads rounded.
+        fn engine(&self, cs: Table<'_>, s: f64) -> Vec<f32> {
+            let hp = self.cpu.weights().hparams();
+            let kv = self.cpu.kv_product(0, &self.raw[2]).unwrap();
+            let kv: Vec<f32> = kv.iter().map(|&x| bf16(f64::from(x)) as f32).collect();
+            let q_pe = self.heads3(rotate(&self.q_pe, cs, &bf16));
+            let k_pe = rotate(&self.raw[3], cs, &bf16);
+            let x = MlaInputs {
+                q_b: &self.raw[0],
+                q_pe: &q_pe,
+                kv_norm: &self.raw[2],
+                k_pe: &k_pe,
+                selection: None,
+            };
+            let out = mla_host_kv(hp, 0, x, &kv, s, None).unwrap();
+            let v = out.as_f32("heads").unwrap();
+            v.iter().map(|&x| bf16(f64::from(x)) as f32).collect()
+        }
+    }
+
     fn shared_rounding_on(model: &str, yarn: bool) {
-        use crate::compare::systematic::{analyse, Direction, Group, Layout};
         let p = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("fixtures/models")
             .join(model);
@@ -574,29 +649,36 @@ mod tests {
         let cpu = CpuEngine::new(&w);
         let hp = w.hparams();
         assert_eq!(hp.rope.yarn.is_some(), yarn, "{model}");
-        let bf16 = |x: f64| half::bf16::from_f64(x).to_f64();
-        let scale = rope::softmax_scale(hp);
-        // `x` [T, heads * rd] of interleaved pairs rotated at each row's position by `cs(pos)`,
-        // each value rounded by `round`.
-        let rotate =
-            |x: &HostTensor, cs: &dyn Fn(usize) -> Vec<(f64, f64)>, round: &dyn Fn(f64) -> f64| {
-                let t = x.shape[0];
-                let v = x.as_f32("x").unwrap();
-                let n = v.len() / t;
-                let mut out = Vec::with_capacity(v.len());
-                for (pos, row) in v.chunks(n).enumerate() {
-                    let c = cs(pos);
-                    for pair in row.chunks(2 * c.len()) {
-                        for (p, &(co, si)) in pair.chunks(2).zip(&c) {
-                            let (x0, x1) = (f64::from(p[0]), f64::from(p[1]));
-                            out.push(round(x0 * co - x1 * si) as f32);
-                            out.push(round(x0 * si + x1 * co) as f32);
-                        }
-                    }
-                }
-                HostTensor::f32(x.shape.clone(), out).unwrap()
+        for (t, seed) in [
+            (12, 21),
+            (48, 22),
+            (120, 23),
+            (300, 24),
+            (600, 25),
+            (2048, 26),
+        ] {
+            let raw = attention_inputs(hp, t, seed);
+            let q_pe = HostTensor::f32(
+                vec![t, hp.n_head * hp.qk_rope],
+                raw[1].as_f32("q_pe").unwrap().to_vec(),
+            )
+            .unwrap();
+            let case = Shared {
+                cpu: &cpu,
+                raw,
+                q_pe,
+                t,
             };
-        let exact = |pos: usize| cpu.cos_sin(pos);
+            shared_rounding_at(model, &case);
+        }
+    }
+
+    /// The checks of [`shared_rounding_inside_attention_is_not_a_direction`] at one length.
+    fn shared_rounding_at(model: &str, case: &Shared<'_, '_>) {
+        use crate::compare::systematic::{analyse, Direction, Group, Layout};
+        let (cpu, t) = (case.cpu, case.t);
+        let hp = cpu.weights().hparams();
+        let scale = rope::softmax_scale(hp);
         let rounded = |pos: usize| -> Vec<(f64, f64)> {
             cpu.cos_sin(pos)
                 .into_iter()
@@ -616,102 +698,59 @@ mod tests {
                 })
                 .collect()
         };
-        for (t, seed) in [
-            (12, 21),
-            (48, 22),
-            (120, 23),
-            (300, 24),
-            (600, 25),
-            (2048, 26),
+        let reference = case.reference();
+        let kv = cpu.kv_product(0, &reference[2]).unwrap();
+        let x = MlaInputs {
+            q_b: &reference[0],
+            q_pe: &reference[1],
+            kv_norm: &reference[2],
+            k_pe: &reference[3],
+            selection: None,
+        };
+        let base = mla_host_kv(hp, 0, x, &kv, scale, None).unwrap();
+        let r = base.as_f32("base").unwrap();
+        let parts = softmax_scale(cpu, 0, &reference, Some(&base), usize::MAX).unwrap();
+        let dirs: Vec<Direction<'_>> = parts
+            .iter()
+            .map(|p| Direction {
+                label: &p.label,
+                family: p.family,
+                values: p.tensor.as_f32("").unwrap(),
+                rows: p.rows.as_deref(),
+                sampled: p.sampled,
+            })
+            .collect();
+        let layout = Layout {
+            rows: t,
+            cols: r.len() / t,
+            heads: Some(hp.n_head),
+        };
+        let s = analyse(r, &case.engine(&rounded, scale), layout, &dirs).expect("tested");
+        assert!(
+            s.finding.is_none(),
+            "{model}, {t} tokens: a correct bf16 engine named: {:?}",
+            s.finding
+        );
+        let best = s.best_part.as_ref().map_or(0.0, |g| g.sigma);
+        assert!(best < 4.0, "{model}, {t} tokens: {:?}", s.best_part);
+        for (c, name) in [
+            (case.engine(&moved, scale), "rope theta"),
+            (case.engine(&rounded, scale * 1.02), "softmax scale"),
         ] {
-            let raw = attention_inputs(hp, t, seed);
-            let q_pe_flat = HostTensor::f32(
-                vec![t, hp.n_head * hp.qk_rope],
-                raw[1].as_f32("q_pe").unwrap().to_vec(),
-            )
-            .unwrap();
-            let keep = |x: f64| f64::from(x as f32);
-            let heads3 = |x: HostTensor| {
-                HostTensor::f32(
-                    vec![t, hp.n_head, hp.qk_rope],
-                    x.as_f32("q_pe").unwrap().to_vec(),
-                )
-                .unwrap()
-            };
-            let reference = vec![
-                raw[0].clone(),
-                heads3(rotate(&q_pe_flat, &exact, &keep)),
-                raw[2].clone(),
-                rotate(&raw[3], &exact, &keep),
-            ];
-            let kv = cpu.kv_product(0, &raw[2]).unwrap();
-            let kv_bf16: Vec<f32> = kv.iter().map(|&x| bf16(f64::from(x)) as f32).collect();
-            let engine = |cs: &dyn Fn(usize) -> Vec<(f64, f64)>, s: f64| -> Vec<f32> {
-                let q_pe = heads3(rotate(&q_pe_flat, cs, &bf16));
-                let k_pe = rotate(&raw[3], cs, &bf16);
-                let x = MlaInputs {
-                    q_b: &raw[0],
-                    q_pe: &q_pe,
-                    kv_norm: &raw[2],
-                    k_pe: &k_pe,
-                    selection: None,
-                };
-                let out = mla_host_kv(hp, 0, x, &kv_bf16, s, None).unwrap();
-                let v = out.as_f32("heads").unwrap();
-                v.iter().map(|&x| bf16(f64::from(x)) as f32).collect()
-            };
-            let x = MlaInputs {
-                q_b: &reference[0],
-                q_pe: &reference[1],
-                kv_norm: &reference[2],
-                k_pe: &reference[3],
-                selection: None,
-            };
-            let base = mla_host_kv(hp, 0, x, &kv, scale, None).unwrap();
-            let r = base.as_f32("base").unwrap();
-            let parts = softmax_scale(&cpu, 0, &reference, Some(&base), usize::MAX).unwrap();
-            let dirs: Vec<Direction<'_>> = parts
-                .iter()
-                .map(|p| Direction {
-                    label: &p.label,
-                    family: p.family,
-                    values: p.tensor.as_f32("").unwrap(),
-                    rows: p.rows.as_deref(),
-                    sampled: p.sampled,
-                })
-                .collect();
-            let layout = Layout {
-                rows: t,
-                cols: r.len() / t,
-                heads: Some(hp.n_head),
-            };
-            let correct = engine(&rounded, scale);
-            let s = analyse(r, &correct, layout, &dirs).expect("tested");
-            assert!(
-                s.finding.is_none(),
-                "{model}, {t} tokens: a correct bf16 engine named: {:?}",
-                s.finding
-            );
-            let best = s.best_part.as_ref().map_or(0.0, |g| g.sigma);
-            assert!(best < 4.0, "{model}, {t} tokens: {:?}", s.best_part);
-            for (c, name) in [
-                (engine(&moved, scale), "rope theta"),
-                (engine(&rounded, scale * 1.02), "softmax scale"),
-            ] {
-                if name == "rope theta" && t < 300 {
-                    continue;
-                }
-                let s = analyse(r, &c, layout, &dirs).expect("tested");
-                let f = s.finding.as_ref().unwrap_or_else(|| {
-                    panic!("{model}, {t} tokens: {name} 2% off not named: {s:?}")
-                });
-                assert_eq!(
-                    f.group,
-                    Group::Part(name.to_string()),
-                    "{model}, {t}: {f:?}"
-                );
-                assert!((f.gain - 1.02).abs() < 0.004, "{model}, {t}: {f:?}");
+            if name == "rope theta" && t < 300 {
+                continue;
             }
+            let s = analyse(r, &c, layout, &dirs).expect("tested");
+            let f = s
+                .finding
+                .as_ref()
+                .unwrap_or_else(|| panic!("{model}, {t} tokens: {name} 2% off not named: {s:?}"));
+            assert_eq!(
+                f.group,
+                Group::Part(name.to_string()),
+                "{model}, {t}: {f:?}"
+            );
+            assert!((f.gain - 1.02).abs() < 0.004, "{model}, {t}: {f:?}");
         }
     }
 }
