@@ -1467,6 +1467,25 @@ fn bench_dequant_elements_are_bounded() {
     assert!(text(&o).contains("2^34"), "{}", text(&o));
 }
 
+/// `run MODEL --against trace:` of `dir/t1.safetensors` with its metadata edited by `edit`
+/// (written to `dir/edited.safetensors`).
+fn run_edited(dir: &Path, model: &str, edit: &dyn Fn(&mut Map<String, Value>)) -> Output {
+    let mut t = St::read(&dir.join("t1.safetensors"));
+    edit(&mut t.meta);
+    let edited = dir.join("edited.safetensors");
+    t.write(&edited);
+    let m = dir.join(model);
+    glmdiff(
+        dir,
+        &[
+            "run",
+            m.to_str().unwrap(),
+            "--against",
+            &format!("trace:{}", edited.display()),
+        ],
+    )
+}
+
 /// A trace says which model file it was made from by content (`model_digest`, written by
 /// `glmdiff trace`): a trace of a synth model with seed 1 run or compared with the seed-2 model
 /// of the same dimensions is refused naming both files and the first tensor that differs (it
@@ -1570,18 +1589,9 @@ fn traces_of_another_model_file_are_refused_by_their_digest() {
     assert!(!text(&o).contains("names model"), "{}", text(&o));
 
     // Without a digest, a trace naming another file gets a note and runs.
-    let mut plain = St::read(&d.join("t1.safetensors"));
-    plain.meta.remove("model_digest");
-    plain.write(&d.join("plain.safetensors"));
-    let o = glmdiff(
-        d,
-        &[
-            "run",
-            &p("renamed.gguf"),
-            "--against",
-            &format!("trace:{}", p("plain.safetensors")),
-        ],
-    );
+    let o = run_edited(d, "renamed.gguf", &|m| {
+        m.remove("model_digest");
+    });
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     assert!(
         crate::common::joined(&text(&o)).contains(
@@ -1607,18 +1617,9 @@ fn traces_of_another_model_file_are_refused_by_their_digest() {
             ],
         ),
     ] {
-        let mut bad = St::read(&d.join("t1.safetensors"));
-        bad.meta.insert("model_digest".into(), Value::String(value));
-        bad.write(&d.join("bad.safetensors"));
-        let o = glmdiff(
-            d,
-            &[
-                "run",
-                &p("s1.gguf"),
-                "--against",
-                &format!("trace:{}", p("bad.safetensors")),
-            ],
-        );
+        let o = run_edited(d, "s1.gguf", &|m| {
+            m.insert("model_digest".into(), Value::String(value.clone()));
+        });
         input_error(&o, &parts);
     }
 }

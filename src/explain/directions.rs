@@ -392,6 +392,20 @@ mod tests {
             })
     }
 
+    /// The systematic test's view of `parts`.
+    fn directions(parts: &[Part]) -> Vec<crate::compare::systematic::Direction<'_>> {
+        parts
+            .iter()
+            .map(|p| crate::compare::systematic::Direction {
+                label: &p.label,
+                family: p.family,
+                values: p.tensor.as_f32("").unwrap(),
+                rows: p.rows.as_deref(),
+                sampled: p.sampled,
+            })
+            .collect()
+    }
+
     /// The expert directions from the reference's own outputs are the computed ones bit for
     /// bit, also when the routing changed for some tokens (those experts are computed), and
     /// an own run from other values of `x` is not taken.
@@ -483,7 +497,7 @@ mod tests {
     /// gain is the plant's, not a fit of glmdiff's own.
     #[test]
     fn sampled_attention_directions_name_a_scale_as_the_whole_ones() {
-        use crate::compare::systematic::{analyse, Direction, Group, Layout};
+        use crate::compare::systematic::{analyse, Group, Layout};
         let m = model();
         let w = Weights::new(&m).unwrap();
         let cpu = CpuEngine::new(&w);
@@ -511,17 +525,7 @@ mod tests {
         };
         let fit = |c: &[f32], most: usize| {
             let parts = softmax_scale(&cpu, 0, &inputs, Some(&base), most).unwrap();
-            let dirs: Vec<Direction<'_>> = parts
-                .iter()
-                .map(|p| Direction {
-                    label: &p.label,
-                    family: p.family,
-                    values: p.tensor.as_f32("").unwrap(),
-                    rows: p.rows.as_deref(),
-                    sampled: p.sampled,
-                })
-                .collect();
-            analyse(r, c, layout, &dirs).unwrap()
+            analyse(r, c, layout, &directions(&parts)).unwrap()
         };
         let whole = fit(&planted, t);
         let sampled = fit(&planted, 24);
@@ -675,7 +679,7 @@ mod tests {
 
     /// The checks of [`shared_rounding_inside_attention_is_not_a_direction`] at one length.
     fn shared_rounding_at(model: &str, case: &Shared<'_, '_>) {
-        use crate::compare::systematic::{analyse, Direction, Group, Layout};
+        use crate::compare::systematic::{analyse, Group, Layout};
         let (cpu, t) = (case.cpu, case.t);
         let hp = cpu.weights().hparams();
         let scale = rope::softmax_scale(hp);
@@ -710,16 +714,7 @@ mod tests {
         let base = mla_host_kv(hp, 0, x, &kv, scale, None).unwrap();
         let r = base.as_f32("base").unwrap();
         let parts = softmax_scale(cpu, 0, &reference, Some(&base), usize::MAX).unwrap();
-        let dirs: Vec<Direction<'_>> = parts
-            .iter()
-            .map(|p| Direction {
-                label: &p.label,
-                family: p.family,
-                values: p.tensor.as_f32("").unwrap(),
-                rows: p.rows.as_deref(),
-                sampled: p.sampled,
-            })
-            .collect();
+        let dirs = directions(&parts);
         let layout = Layout {
             rows: t,
             cols: r.len() / t,
