@@ -1068,30 +1068,7 @@ fn non_finite_weights_are_the_models_not_the_candidates() {
         ("blk.0.attn_kv_a_norm.weight", f32::INFINITY),
     ] {
         let m = copy(dir.path(), GLM5);
-        // Where the tensor's values lie: a norm's one row, or every expert's rows.
-        let ranges: Vec<(usize, usize)> = {
-            let model = glmdiff::gguf::Model::open(&m).unwrap();
-            let w = glmdiff::model::Weights::new(&model).unwrap();
-            let descs = if tensor.ends_with("norm.weight") {
-                vec![w.vector_desc(tensor).unwrap()]
-            } else {
-                (0..8).map(|e| w.expert_desc(tensor, e).unwrap()).collect()
-            };
-            descs
-                .iter()
-                .map(|d| {
-                    let (_, off, len) = d.file_range().unwrap().unwrap();
-                    (off as usize, len as usize)
-                })
-                .collect()
-        };
-        let mut b = std::fs::read(&m).unwrap();
-        for (off, len) in ranges {
-            for x in b[off..off + len].chunks_exact_mut(4) {
-                x.copy_from_slice(&value.to_le_bytes());
-            }
-        }
-        std::fs::write(&m, b).unwrap();
+        fill_f32_weight(&m, tensor, value);
         let ms = m.to_str().unwrap();
         let trace = fixtures("models").join(GLM5_TRACE);
         for args in [
@@ -1123,6 +1100,36 @@ fn non_finite_weights_are_the_models_not_the_candidates() {
         }
         assert!(!out.exists());
     }
+}
+
+/// Sets every value of F32 tensor `tensor` of GGUF `m` to `value`: a norm's one row, or every
+/// expert's rows of an experts tensor (the byte ranges the model's own descriptors give).
+fn fill_f32_weight(m: &Path, tensor: &str, value: f32) {
+    let ranges: Vec<(usize, usize)> = {
+        let model = glmdiff::gguf::Model::open(m).unwrap();
+        let w = glmdiff::model::Weights::new(&model).unwrap();
+        let descs = if tensor.ends_with("norm.weight") {
+            vec![w.vector_desc(tensor).unwrap()]
+        } else {
+            (0..w.hparams().n_expert)
+                .map(|e| w.expert_desc(tensor, e).unwrap())
+                .collect()
+        };
+        descs
+            .iter()
+            .map(|d| {
+                let (_, off, len) = d.file_range().unwrap().unwrap();
+                (off as usize, len as usize)
+            })
+            .collect()
+    };
+    let mut b = std::fs::read(m).unwrap();
+    for (off, len) in ranges {
+        for x in b[off..off + len].chunks_exact_mut(4) {
+            x.copy_from_slice(&value.to_le_bytes());
+        }
+    }
+    std::fs::write(m, b).unwrap();
 }
 
 /// `--repro DIR` where DIR holds an earlier case and anything else refuses before the run,
@@ -1650,18 +1657,7 @@ fn a_reference_that_overflows_is_an_error_not_a_verdict() {
     let dir = tempfile::tempdir().unwrap();
     let cache = tempfile::tempdir().unwrap();
     let m = copy(dir.path(), GLM5);
-    let (off, len) = {
-        let model = glmdiff::gguf::Model::open(&m).unwrap();
-        let w = glmdiff::model::Weights::new(&model).unwrap();
-        let d = w.vector_desc("output_norm.weight").unwrap();
-        let (_, off, len) = d.file_range().unwrap().unwrap();
-        (off as usize, len as usize)
-    };
-    let mut b = std::fs::read(&m).unwrap();
-    for x in b[off..off + len].chunks_exact_mut(4) {
-        x.copy_from_slice(&3e38f32.to_le_bytes());
-    }
-    std::fs::write(&m, b).unwrap();
+    fill_f32_weight(&m, "output_norm.weight", 3e38);
     let ms = m.to_str().unwrap();
     let out = dir.path().join("t.safetensors");
     let o = glmdiff(

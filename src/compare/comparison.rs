@@ -477,9 +477,10 @@ impl PairSink for Comparison {
     }
 
     fn record(&mut self, pair: Pair<'_>) -> Result<()> {
-        let masked =
-            super::floors::point_of(pair.name) == crate::model::steps::point::INDEXER_SCORES;
-        if let Some(nf) = pair.reference.non_finite(masked) {
+        if let Some(nf) = pair
+            .reference
+            .non_finite(crate::model::steps::causally_masked(pair.name))
+        {
             anyhow::bail!(
                 "hook {} ({}): the reference holds {nf}, so it cannot judge the candidate there: glmdiff's reference computes from the model's weights, checked finite at load, so the model's values overflow f32 at this step (the model file is broken); a reference trace holding them is broken",
                 pair.name,

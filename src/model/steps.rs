@@ -109,6 +109,12 @@ pub fn hook(layer: usize, point: &str) -> String {
     format!("blk.{layer}.{point}")
 }
 
+/// Whether hook `name` holds `-inf` after each row's own column by definition (the DSA index
+/// scores' causal mask, `[T, T]`): those are not non-finite results.
+pub fn causally_masked(name: &str) -> bool {
+    super::names::split_blk(name).map_or(name, |(_, p)| p) == point::INDEXER_SCORES
+}
+
 /// Optional hook of expert `e`'s output in layer `layer`: `blk.{L}.exp.{e}.out`, `[n_e, hidden]`.
 pub fn expert_hook(layer: usize, e: usize) -> String {
     format!("blk.{layer}.exp.{e}.out")

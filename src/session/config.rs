@@ -402,12 +402,7 @@ fn traces_beside(model: &Path) -> Vec<(PathBuf, TraceFile)> {
         .into_iter()
         .filter_map(|p| {
             let t = TraceFile::open(&p).ok()?;
-            let m = t.metadata();
-            let listed: Vec<String> = m
-                .get("models")
-                .and_then(|v| serde_json::from_str(v).ok())
-                .unwrap_or_else(|| m.get("model").cloned().into_iter().collect());
-            listed.contains(&file).then_some((p, t))
+            crate::trace::digest::names_model_file(t.metadata(), &file)?.then_some((p, t))
         })
         .collect()
 }

@@ -166,6 +166,20 @@ pub fn check_model_digest(
     )
 }
 
+/// Whether a trace's `models` metadata (a JSON list), or else its `model`, names `file`;
+/// `None` when it names no file at all.
+pub fn names_model_file(
+    metadata: &std::collections::HashMap<String, String>,
+    file: &str,
+) -> Option<bool> {
+    let listed: Vec<String> = metadata
+        .get("models")
+        .and_then(|v| serde_json::from_str(v).ok())
+        .unwrap_or_else(|| metadata.get("model").cloned().into_iter().collect());
+    let listed: Vec<&String> = listed.iter().filter(|m| !m.is_empty()).collect();
+    (!listed.is_empty()).then(|| listed.iter().any(|m| *m == file))
+}
+
 /// A note for a trace without `model_digest` whose `model`/`models` metadata does not name
 /// `model`'s file: what it names, and that belonging is not checked. `None` when it names the
 /// file, carries a digest (checked instead) or names nothing.
@@ -174,16 +188,12 @@ pub fn name_note(
     metadata: &std::collections::HashMap<String, String>,
     model: &Model,
 ) -> Option<String> {
-    if metadata.contains_key(KEY_MODEL_DIGEST) {
-        return None;
-    }
     let file = model.file_name();
-    let listed: Vec<String> = metadata
-        .get("models")
-        .and_then(|v| serde_json::from_str(v).ok())
-        .unwrap_or_default();
     let named = metadata.get("model").filter(|m| !m.is_empty())?;
-    if named == &file || listed.contains(&file) {
+    if metadata.contains_key(KEY_MODEL_DIGEST)
+        || named == &file
+        || names_model_file(metadata, &file) == Some(true)
+    {
         return None;
     }
     Some(format!(

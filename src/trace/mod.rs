@@ -303,8 +303,7 @@ impl Sink for TraceSink {
     }
 
     fn record(&mut self, name: &str, tensor: HostTensor) -> Result<()> {
-        let masked = split_blk(name).map_or(name, |(_, p)| p) == point::INDEXER_SCORES;
-        if let Some(nf) = tensor.non_finite(masked) {
+        if let Some(nf) = tensor.non_finite(crate::model::steps::causally_masked(name)) {
             bail!(
                 "trace: hook {name}: the forward pass computes {nf} from the model's weights, which are finite (checked at load): the model's values overflow f32 at this step; the model file is broken, no trace is written"
             );
