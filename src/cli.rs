@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{ArgGroup, Args, Parser, Subcommand};
 
 use crate::quant::simd::Level;
-use crate::session::{Against, CudaDtype, Modes};
+use crate::session::{Against, CudaDtype, Modes, ReferenceOn};
 pub use crate::words::parse_tol;
 use crate::words::PrecisionOverride;
 
@@ -37,6 +37,19 @@ pub struct Cli {
         value_parser = parse_progress
     )]
     pub progress: ProgressEvery,
+    /// Where the CPU reference makes its matrix products of 64 tokens or more: auto (the CUDA
+    /// candidate's device, else device 0 when there is one, else the CPU), cpu, cuda or cuda:N.
+    /// The values are the CPU's either way: a device sums each element as the CPU does, and
+    /// each product made there is checked on the CPU at 12 elements.
+    #[arg(
+        long,
+        global = true,
+        value_name = "WHERE",
+        env = "GLMDIFF_REFERENCE_ON",
+        default_value = "auto",
+        value_parser = ReferenceOn::parse
+    )]
+    pub reference_on: ReferenceOn,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,

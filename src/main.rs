@@ -48,6 +48,7 @@ fn main() -> ExitCode {
         glmdiff::quant::simd::set_cap(cap);
     }
     glmdiff::report::progress::set_interval(cli.progress.0);
+    glmdiff::engine::cpu::device::set_reference_on(cli.reference_on);
     install_interrupt_handler();
     restore_default_sigpipe();
     let result = match &cli.command {

@@ -1342,4 +1342,133 @@ mod device {
             assert!(uploaded > 0, "{m}: no weight bytes taken into use");
         }
     }
+
+    /// f32 values of mixed signs over 2^-40 .. 2^20 with a few large opposite pairs, so that
+    /// partial sums cancel and any other order of the adds shows in the f32 result.
+    fn mixed(rng: &mut SplitMix64, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                let u = rng.next_u64();
+                let sign = if u & 1 == 1 { -1.0f32 } else { 1.0 };
+                let m = 1.0 + ((u >> 8) & 0xff_ffff) as f32 / (1 << 24) as f32;
+                let e = if (u >> 1) % 13 == 0 {
+                    20
+                } else {
+                    ((u >> 40) % 60) as i32 - 40
+                };
+                sign * m * 2f32.powi(e)
+            })
+            .collect()
+    }
+
+    /// The reference's products made on the device equal the CPU's (`math::matmul`, every
+    /// element `dot`) bit for bit: f32 weights over token, row and column counts around the
+    /// kernel's tiles (32 x 32, 64 columns a chunk, 8 lanes), and the raw blocks of quantized
+    /// types dequantized on the device, against the CPU's dequantization and products.
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_reference_products_are_the_cpus_bits() {
+        use glmdiff::engine::cpu::math::matmul;
+        use glmdiff::engine::cpu::Matrix;
+        use glmdiff::gpu::reference::{ReferenceProducts, Weights as W};
+        let p = ReferenceProducts::open(0).unwrap();
+        eprintln!("{}", p.describe());
+        let mut rng = SplitMix64::new(41);
+        let mut n = 0;
+        for &t in &[1usize, 31, 64, 97] {
+            for &rows in &[1usize, 33, 100] {
+                for &cols in &[1usize, 7, 8, 63, 65, 300, 1030] {
+                    let x = mixed(&mut rng, t * cols);
+                    let w = Matrix {
+                        rows,
+                        cols,
+                        data: mixed(&mut rng, rows * cols),
+                    };
+                    let want = matmul(&x, t, &w);
+                    let got = p
+                        .products(&x, t, W::Dense(&w.data), rows, cols)
+                        .unwrap()
+                        .unwrap();
+                    let bad = want
+                        .iter()
+                        .zip(&got)
+                        .position(|(a, b)| a.to_bits() != b.to_bits());
+                    assert!(
+                        bad.is_none(),
+                        "t {t} rows {rows} cols {cols}: element {bad:?}"
+                    );
+                    n += 1;
+                }
+            }
+        }
+        // Quantized rows: random valid blocks of each type, dequantized on the device.
+        for ty in [
+            GgmlType::Q4_K,
+            GgmlType::Q6_K,
+            GgmlType::Q8_0,
+            GgmlType::IQ4_XS,
+            GgmlType::BF16,
+        ] {
+            let (rows, cols, t) = (70usize, 512usize, 80usize);
+            let bytes_n = rows * cols / ty.block_size() * ty.type_size();
+            let mut bytes = vec![0u8; bytes_n];
+            fill_blocks(ty, &mut SplitMix64::new(7), &mut bytes);
+            let mut data = vec![0f32; rows * cols];
+            dequantize_par(ty, &bytes, &mut data).unwrap();
+            let x = mixed(&mut rng, t * cols);
+            let want = matmul(&x, t, &Matrix { rows, cols, data });
+            let got = p
+                .products(&x, t, W::Raw { ty, bytes: &bytes }, rows, cols)
+                .unwrap()
+                .unwrap();
+            let bad = want
+                .iter()
+                .zip(&got)
+                .position(|(a, b)| a.to_bits() != b.to_bits());
+            assert!(bad.is_none(), "{ty}: element {bad:?}");
+            n += 1;
+        }
+        eprintln!("{n} products bit-exact");
+    }
+
+    /// `run` with the reference's products on the device gives the same records as with them
+    /// on the CPU (80 tokens: every projection of the tiny model is made there), and says so.
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_reference_on_the_device_gives_the_same_run() {
+        let f = fixtures("models/glm5-tiny/glm5-tiny-f32.gguf");
+        let dir = tempfile::tempdir().unwrap();
+        let tokens: Vec<String> = (0..80).map(|i| ((i * 37 + 5) % 200).to_string()).collect();
+        let tokens = tokens.join(",");
+        let mut records = Vec::new();
+        for on in ["cpu", "cuda:0"] {
+            let out = dir.path().join(format!("{on}.json").replace(':', "_"));
+            let o = glmdiff(&[
+                "run",
+                f.to_str().unwrap(),
+                "--tokens",
+                &tokens,
+                "--against",
+                "cpu",
+                "--reference-on",
+                on,
+                "--no-cache",
+                "--json",
+                out.to_str().unwrap(),
+            ]);
+            let err = String::from_utf8_lossy(&o.stderr).into_owned();
+            assert_eq!(o.status.code(), Some(0), "{on}: {err}");
+            let j: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+            let notes = j["notes"].to_string();
+            assert_eq!(
+                notes.contains("ran on cuda:0"),
+                on != "cpu",
+                "{on}: {notes}"
+            );
+            records.push(j["records"].clone());
+        }
+        assert!(records[0].as_array().is_some_and(|r| !r.is_empty()));
+        assert_eq!(records[0], records[1]);
+    }
 }

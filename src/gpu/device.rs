@@ -218,6 +218,16 @@ type Compiling = std::thread::JoinHandle<Result<Vec<u8>>>;
 impl Gpu {
     /// Opens device `ordinal`; a bad ordinal lists the devices there are.
     pub fn open(ordinal: usize) -> Result<Gpu> {
+        Gpu::open_with(ordinal, false)
+    }
+
+    /// [`Gpu::open`] with a stream of its own (non-blocking), not the context's default one:
+    /// its work does not wait for another `Gpu`'s on the same device, nor that for it.
+    pub fn open_own_stream(ordinal: usize) -> Result<Gpu> {
+        Gpu::open_with(ordinal, true)
+    }
+
+    fn open_with(ordinal: usize, own_stream: bool) -> Result<Gpu> {
         let devices = DeviceInfo::list()?;
         if devices.is_empty() {
             bail!("cuda: the driver reports no CUDA device");
@@ -231,7 +241,12 @@ impl Gpu {
         };
         let ctx = CudaContext::new(ordinal)
             .with_context(|| format!("cuda: creating a context on device {ordinal}"))?;
-        let stream = ctx.default_stream();
+        let stream = if own_stream {
+            ctx.new_stream()
+                .with_context(|| format!("cuda: creating a stream on device {ordinal}"))?
+        } else {
+            ctx.default_stream()
+        };
         let (nv_a, nv_b) = nvrtc::version()?;
         let mut drv_ver = 0i32;
         // SAFETY: `drv_ver` is valid for a write; the driver library is present.

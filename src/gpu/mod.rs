@@ -21,6 +21,8 @@ mod device;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
 #[cfg(feature = "cuda")]
+pub mod reference;
+#[cfg(feature = "cuda")]
 pub mod upload;
 
 #[cfg(feature = "cuda")]
@@ -61,6 +63,8 @@ pub const DEQUANT_FAMILIES: [(&str, &str); 3] = [
 ];
 /// On-device comparison kernels.
 pub const COMPARE_SOURCE: &str = include_str!("../../cuda/compare.cu");
+/// The CPU reference's matrix products, bit for bit (`cuda/reference.cu`).
+pub const REFERENCE_SOURCE: &str = include_str!("../../cuda/reference.cu");
 /// The forward-pass kernels of the CUDA engine (all but the projections, which are cuBLAS).
 pub const FORWARD_SOURCE: &str = include_str!("../../cuda/forward.cu");
 

@@ -35,6 +35,7 @@ pub mod step;
 pub mod tokens;
 pub mod trace;
 
+pub use crate::engine::cpu::device::ReferenceOn;
 pub use compare::{compare, CompareRequest};
 pub use config::{Against, CudaDtype, HookOptions, Modes, RunConfig, RunRequest};
 pub use run::run;

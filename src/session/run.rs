@@ -14,6 +14,7 @@ use super::tokens::token_text;
 use super::{Ran, Watch};
 use crate::compare::judge::precision_of;
 use crate::compare::{Comparison, Status};
+use crate::engine::cpu::device::{reference_device, MIN_TOKENS};
 use crate::engine::cpu::CpuEngine;
 use crate::engine::Engine;
 use crate::explain::case::{self, CaseMeta};
@@ -28,7 +29,11 @@ use crate::util::shell::shell_word;
 /// facts for its header.
 pub fn run(cfg: &RunConfig, watch: &Watch<'_>) -> Result<Ran> {
     let weights = cfg.weights()?;
-    let reference = CpuEngine::new(&weights);
+    let candidate_device = match &cfg.candidate {
+        Chosen::Cuda { device, .. } => Some(*device),
+        _ => None,
+    };
+    let (reference, device_note) = reference_engine(&weights, cfg.tokens.len(), candidate_device)?;
     let start = prefix(cfg, &weights, &reference, watch)?;
     let pass = Pass {
         cfg,
@@ -76,6 +81,8 @@ pub fn run(cfg: &RunConfig, watch: &Watch<'_>) -> Result<Ran> {
     let repro = repro(cfg, &weights, &passed.captured, &meta)?;
     let mut notes = cfg.notes.clone();
     notes.extend(passed.notes);
+    notes.extend(device_note);
+    notes.extend(device_work_note(&reference));
     let header = Header {
         command: "run".into(),
         model: cfg.model_path.display().to_string(),
@@ -104,6 +111,39 @@ pub fn run(cfg: &RunConfig, watch: &Watch<'_>) -> Result<Ran> {
         header,
         comparison: cmp,
     })
+}
+
+/// The reference engine of a run of `tokens` tokens: its large products on a device as
+/// `--reference-on` says (`candidate_device`: the CUDA candidate's), and a note when `auto`
+/// could not open one.
+pub(super) fn reference_engine<'w>(
+    weights: &'w Weights<'w>,
+    tokens: usize,
+    candidate_device: Option<usize>,
+) -> Result<(CpuEngine<'w>, Option<String>)> {
+    let (device, note) = reference_device(tokens, candidate_device)?;
+    let engine = CpuEngine::new(weights);
+    Ok(match device {
+        Some(d) => (engine.with_device(d), note),
+        None => (engine, note),
+    })
+}
+
+/// What the reference's device did, in a note (`None` when it made no product).
+pub(super) fn device_work_note(reference: &CpuEngine<'_>) -> Option<String> {
+    let d = reference.device()?;
+    let w = d.work();
+    if w.products == 0 {
+        return None;
+    }
+    Some(format!(
+        "the reference's products of {MIN_TOKENS} tokens or more ran on {}: {} products, {:.3} T multiply-adds in {:.2} s, {} of their elements checked on the CPU, all the same bits",
+        d.describe(),
+        w.products,
+        w.multiply_adds / 1e12,
+        w.seconds,
+        w.checked
+    ))
 }
 
 /// Whether any hook of `cmp` was compared in some mode (not only listed as missing).

@@ -9,7 +9,6 @@ use anyhow::{bail, Context, Result};
 
 use super::tokens::{prompt_tokens, token_label};
 use crate::driver::{self, Plan};
-use crate::engine::cpu::CpuEngine;
 use crate::engine::{Engine, HostTensor};
 use crate::gguf::Model;
 use crate::model::{HParams, Weights};
@@ -71,7 +70,7 @@ pub fn trace(req: &TraceRequest, progress: &dyn Progress) -> Result<Traced> {
     };
     let mut sink = TraceSink::new(filter);
     let plan = Plan::for_sink(&weights, &sink)?;
-    let engine = CpuEngine::new(&weights);
+    let (engine, _) = super::run::reference_engine(&weights, tokens.len(), None)?;
     let summary = driver::run_from(&engine, &weights, &tokens, &plan, &[], &mut sink, progress)?;
     if summary.hooks_recorded == 0 {
         let layers =

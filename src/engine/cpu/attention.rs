@@ -49,7 +49,7 @@ use rayon::prelude::*;
 
 #[cfg(test)]
 use super::math::dot;
-use super::math::{dot64, layer_norm, matmul, rotate_pairs, softmax_in_place, LANES};
+use super::math::{dot64, layer_norm, rotate_pairs, softmax_in_place, LANES};
 use super::weights::Matrix;
 use super::CpuEngine;
 use super::KeptKv;
@@ -230,7 +230,7 @@ impl CpuEngine<'_> {
         }
         let hp = self.weights.hparams();
         let kv_b = self.kv_b(layer)?;
-        let kv = Arc::new(kv_of(hp, layer, kv_norm, &kv_b)?);
+        let kv = Arc::new(kv_of(hp, layer, kv_norm, &kv_b, self.device())?);
         if let Ok(mut kept) = self.kv.lock() {
             *kept = Some(KeptKv {
                 layer,
@@ -243,7 +243,13 @@ impl CpuEngine<'_> {
 }
 
 /// `kv = kv_norm kv_b^T` (`[T, H*(nope+v)]`), kv_b checked against the model's widths.
-fn kv_of(hp: &HParams, layer: usize, kv_norm: &HostTensor, kv_b: &Matrix) -> Result<Vec<f32>> {
+fn kv_of(
+    hp: &HParams,
+    layer: usize,
+    kv_norm: &HostTensor,
+    kv_b: &Matrix,
+    device: Option<&super::device::Device>,
+) -> Result<Vec<f32>> {
     let (h, nope, v) = (hp.n_head, hp.qk_nope, hp.v_head);
     if kv_b.rows != h * (nope + v) || kv_b.cols != hp.kv_lora_rank {
         bail!(
@@ -262,7 +268,7 @@ fn kv_of(hp: &HParams, layer: usize, kv_norm: &HostTensor, kv_b: &Matrix) -> Res
             hp.kv_lora_rank
         );
     }
-    Ok(matmul(kv_norm.as_f32("kv_a_norm")?, t, kv_b))
+    super::device::matmul_dense(device, kv_norm.as_f32("kv_a_norm")?, t, kv_b, "kv_b")
 }
 
 /// Where an attention's `kv` comes from: kv_b (the product is computed), or the product.
@@ -386,7 +392,7 @@ fn mla_queries(
         let computed;
         let kv: &[f32] = match kv {
             Kv::B(kv_b) => {
-                computed = kv_of(hp, layer, kv_norm, kv_b)?;
+                computed = kv_of(hp, layer, kv_norm, kv_b, None)?;
                 &computed
             }
             Kv::Product(kv) => {
@@ -883,7 +889,7 @@ mod timing {
                     hp.kv_lora_rank
                 );
             }
-            let kv = matmul(kv_norm.as_f32("kv_a_norm")?, t, kv_b);
+            let kv = crate::engine::cpu::math::matmul(kv_norm.as_f32("kv_a_norm")?, t, kv_b);
             let kv_w = nope + v;
 
             // Per head: outputs [T, v] and probabilities [T, T].
@@ -1016,7 +1022,11 @@ mod timing {
         .unwrap();
         let (c3, wall) = (cpu(), t0.elapsed().as_secs_f64());
         // The product both compute first (kv = c · kv_b^T), timed alone.
-        std::hint::black_box(matmul(kv_norm.as_f32("c").unwrap(), t, &kv_b));
+        std::hint::black_box(crate::engine::cpu::math::matmul(
+            kv_norm.as_f32("c").unwrap(),
+            t,
+            &kv_b,
+        ));
         let kv_s = cpu() - c3;
         let o = o.as_f32("o").unwrap();
         let h64: u64 = o.iter().fold(0xcbf29ce484222325, |a, x| {

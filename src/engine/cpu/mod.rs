@@ -12,6 +12,7 @@
 //! (`bench::layer::Counted`, a decorator over the [`Engine`] trait).
 
 mod attention;
+pub mod device;
 pub mod math;
 mod moe;
 pub mod weights;
@@ -48,6 +49,8 @@ pub struct CpuEngine<'w> {
     /// with the layer and `kv_a_norm` they came from: a step's recomputation and the directions'
     /// two attentions read the same product.
     kv: Mutex<Option<KeptKv>>,
+    /// The device that makes the large products, the same bits ([`device`]), if any.
+    device: Option<Arc<device::Device>>,
 }
 
 /// One kept `kv = kv_a_norm kv_b^T` ([`CpuEngine::kv_product`]).
@@ -69,7 +72,20 @@ impl<'w> CpuEngine<'w> {
             attn_factor: rope::attention_factor(&hp.rope),
             kv_b: Mutex::new(None),
             kv: Mutex::new(None),
+            device: None,
         }
+    }
+
+    /// This engine with its products of [`device::MIN_TOKENS`] tokens or more made on
+    /// `device` (the same bits, each product checked: [`device`]).
+    pub fn with_device(mut self, device: Arc<device::Device>) -> CpuEngine<'w> {
+        self.device = Some(device);
+        self
+    }
+
+    /// The device that makes its large products, if any.
+    pub fn device(&self) -> Option<&device::Device> {
+        self.device.as_deref()
     }
 
     /// An engine reading `weights` whose RoPE uses `inv_freq` (one per rotated pair) and the
@@ -87,6 +103,7 @@ impl<'w> CpuEngine<'w> {
             attn_factor,
             kv_b: Mutex::new(None),
             kv: Mutex::new(None),
+            device: None,
         }
     }
 
@@ -151,7 +168,16 @@ impl<'w> CpuEngine<'w> {
                 src.cols
             );
         }
-        math::matmul_rows(x.as_f32(name)?, t, &src)
+        device::matmul_rows(self.device(), x.as_f32(name)?, t, &src)
+    }
+
+    /// `x · W^T` for the weight rows `rows` (`[t, rows.cols()]` -> `[t, rows]`), as
+    /// [`Rows::matmul`] computes it, the large products on the engine's device.
+    pub fn rows_matmul(&self, rows: &Rows<'_>, x: &[f32], t: usize) -> Result<Vec<f32>> {
+        match rows {
+            Rows::Source(src) => device::matmul_rows(self.device(), x, t, src),
+            Rows::Dense(m) => device::matmul_dense(self.device(), x, t, m, "a host matrix"),
+        }
     }
 }
 

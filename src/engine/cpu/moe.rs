@@ -151,10 +151,10 @@ impl<'w> CpuEngine<'w> {
     /// One expert's unweighted outputs `down(silu(gate x) * up x)` for the `n` rows of `xs`
     /// (`[n, hidden]` -> `[n, hidden]`), with its `[gate, up, down]` rows.
     pub fn expert_output(&self, rows: &[Rows<'_>; 3], xs: &[f32], n: usize) -> Result<Vec<f32>> {
-        let g = rows[0].matmul(xs, n)?; // [n, n_ff_exp]
-        let u = rows[1].matmul(xs, n)?;
+        let g = self.rows_matmul(&rows[0], xs, n)?; // [n, n_ff_exp]
+        let u = self.rows_matmul(&rows[1], xs, n)?;
         let act = swiglu(&g, &u);
-        rows[2].matmul(&act, n) // [n, hidden]
+        self.rows_matmul(&rows[2], &act, n) // [n, hidden]
     }
 
     /// The routed experts as [`CpuEngine::moe_experts_cpu`] computes them, with expert `e`'s

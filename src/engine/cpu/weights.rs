@@ -87,6 +87,11 @@ impl<'m> RowSource<'m> {
         self.slice.name()
     }
 
+    /// The GGML type and raw GGUF bytes of all its rows (whole blocks, `rows * cols` values).
+    pub fn raw(&self) -> Result<(crate::quant::GgmlType, &'m [u8])> {
+        Ok((self.slice.ty(), self.slice.data()?))
+    }
+
     /// Dequantizes rows `rows` (relative to this source) into `dst` (`rows.len() * cols` values),
     /// on the calling thread.
     pub fn dequantize_into(&self, rows: Range<usize>, dst: &mut [f32]) -> Result<()> {

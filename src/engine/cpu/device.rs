@@ -1,0 +1,362 @@
+//! The reference's large matrix products on a device's f64 units, the same bits.
+//!
+//! A product of [`MIN_TOKENS`] tokens or more (a long prompt's projections, the experts that
+//! many tokens chose, the kv product) can be made by `gpu::reference`: the weights' raw GGUF
+//! blocks dequantized on the device by the bit-exact kernels, then every element summed as
+//! [`math::dot`] sums it (8 f64 lanes by column, the same tree, one rounding to f32). Nothing
+//! about the values changes, so the reference stays the definition: what changes is where its
+//! multiply-adds run.
+//!
+//! Each product made on the device is checked on the CPU before it is used: [`CHECK_ROWS`]
+//! weight rows by [`CHECK_TOKENS`] tokens (the first, the last, and others spread between)
+//! dequantized and summed by [`math::dot`] here, and compared bit for bit. A difference is an
+//! error that names the tensor, the element and both values (the device, its driver or the
+//! kernels are then not computing the definition; `--reference-on cpu` keeps the reference on
+//! the CPU). A weight that dequantizes to a non-finite value goes back to the CPU path, which
+//! names it.
+
+use std::sync::Mutex;
+
+use anyhow::{bail, Result};
+
+use super::math::{self, dot};
+use super::weights::{Matrix, RowSource};
+
+/// Fewest tokens of a product made on the device: with fewer, the weights' upload costs more
+/// than the CPU's dequantization and products (a short prompt's products are bound by reading
+/// the weights, which the CPU does once either way).
+pub const MIN_TOKENS: usize = 64;
+
+/// Weight rows of each product checked on the CPU.
+pub const CHECK_ROWS: usize = 4;
+
+/// Tokens of each product checked on the CPU (for each checked row).
+pub const CHECK_TOKENS: usize = 3;
+
+/// What the device did for the reference so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DeviceWork {
+    /// Products made on the device.
+    pub products: u64,
+    /// Their multiply-adds.
+    pub multiply_adds: f64,
+    /// Their elements checked on the CPU (all equal, or the run stopped).
+    pub checked: u64,
+    /// Seconds spent in them (uploads, dequantization, products, downloads).
+    pub seconds: f64,
+}
+
+/// The reference's device: `gpu::reference` behind a lock (the reference's steps call it one
+/// product at a time; rayon's threads may ask together), and what it did.
+pub struct Device {
+    #[cfg(feature = "cuda")]
+    products: Mutex<crate::gpu::reference::ReferenceProducts>,
+    describe: String,
+    work: Mutex<DeviceWork>,
+}
+
+impl Device {
+    /// Device `ordinal` for the reference's products (its kernels start compiling now).
+    #[cfg(feature = "cuda")]
+    pub fn open(ordinal: usize) -> Result<Device> {
+        let p = crate::gpu::reference::ReferenceProducts::open(ordinal)?;
+        Ok(Device {
+            describe: p.describe(),
+            products: Mutex::new(p),
+            work: Mutex::new(DeviceWork::default()),
+        })
+    }
+
+    /// Without the `cuda` feature there is no device.
+    #[cfg(not(feature = "cuda"))]
+    pub fn open(ordinal: usize) -> Result<Device> {
+        bail!("cuda:{ordinal}: this glmdiff was built without the cuda feature")
+    }
+
+    /// The device, options and versions, for report headers.
+    pub fn describe(&self) -> &str {
+        &self.describe
+    }
+
+    /// What the device did so far.
+    pub fn work(&self) -> DeviceWork {
+        self.work.lock().map(|w| *w).unwrap_or_default()
+    }
+
+    /// `x · W^T` of `t` tokens with the rows of `src` on the device, checked; `None` when it
+    /// is not made there (too few tokens, or a weight the CPU must name).
+    pub(super) fn products_rows(
+        &self,
+        x: &[f32],
+        t: usize,
+        src: &RowSource<'_>,
+    ) -> Result<Option<Vec<f32>>> {
+        if t < MIN_TOKENS {
+            return Ok(None);
+        }
+        let (ty, bytes) = src.raw()?;
+        let out = self.made(x, t, src.rows, src.cols, Raw::Gguf { ty, bytes })?;
+        if let Some(out) = &out {
+            self.check(x, t, src.rows, src.cols, out, src.name(), &|r, buf| {
+                src.dequantize_into(r..r + 1, buf)
+            })?;
+        }
+        Ok(out)
+    }
+
+    /// `x · W^T` of `t` tokens with the host matrix `w` on the device, checked; `None` when it
+    /// is not made there (too few tokens).
+    pub(super) fn products_dense(
+        &self,
+        x: &[f32],
+        t: usize,
+        w: &Matrix,
+        what: &str,
+    ) -> Result<Option<Vec<f32>>> {
+        if t < MIN_TOKENS {
+            return Ok(None);
+        }
+        let out = self.made(x, t, w.rows, w.cols, Raw::Dense(&w.data))?;
+        if let Some(out) = &out {
+            self.check(x, t, w.rows, w.cols, out, what, &|r, buf| {
+                buf.copy_from_slice(w.row(r));
+                Ok(())
+            })?;
+        }
+        Ok(out)
+    }
+
+    /// The product made on the device, counted.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn made(
+        &self,
+        x: &[f32],
+        t: usize,
+        rows: usize,
+        cols: usize,
+        w: Raw<'_>,
+    ) -> Result<Option<Vec<f32>>> {
+        #[cfg(feature = "cuda")]
+        {
+            use crate::gpu::reference::Weights;
+            let start = std::time::Instant::now();
+            let weights = match w {
+                Raw::Gguf { ty, bytes } => Weights::Raw { ty, bytes },
+                Raw::Dense(v) => Weights::Dense(v),
+            };
+            let out = {
+                let p = self.products.lock().map_err(|_| {
+                    anyhow::anyhow!("engine: cpu: the reference's device lock is poisoned")
+                })?;
+                p.products(x, t, weights, rows, cols)?
+            };
+            if out.is_some() {
+                if let Ok(mut work) = self.work.lock() {
+                    work.products += 1;
+                    work.multiply_adds += (t * rows) as f64 * cols as f64;
+                    work.seconds += start.elapsed().as_secs_f64();
+                }
+            }
+            Ok(out)
+        }
+        #[cfg(not(feature = "cuda"))]
+        Ok(None)
+    }
+
+    /// Checks `out` (`[t, rows]`, made on the device) at [`CHECK_ROWS`] x [`CHECK_TOKENS`]
+    /// elements against [`math::dot`] of the row `row(r, buf)` writes.
+    #[allow(clippy::too_many_arguments)]
+    fn check(
+        &self,
+        x: &[f32],
+        t: usize,
+        rows: usize,
+        cols: usize,
+        out: &[f32],
+        what: &str,
+        row: &dyn Fn(usize, &mut [f32]) -> Result<()>,
+    ) -> Result<()> {
+        let mut buf = vec![0f32; cols];
+        let mut checked = 0u64;
+        for r in spread(rows, CHECK_ROWS) {
+            row(r, &mut buf)?;
+            for i in spread(t, CHECK_TOKENS) {
+                let want = dot(&x[i * cols..(i + 1) * cols], &buf) as f32;
+                let got = out[i * rows + r];
+                if want.to_bits() != got.to_bits() {
+                    bail!(
+                        "engine: cpu: the reference's product with {what} made on {} differs from the CPU's at token {i}, row {r}: {got:e} ({:#010x}) against {want:e} ({:#010x}); the device does not compute the reference's sums (run with --reference-on cpu)",
+                        self.describe,
+                        got.to_bits(),
+                        want.to_bits()
+                    );
+                }
+                checked += 1;
+            }
+        }
+        if let Ok(mut work) = self.work.lock() {
+            work.checked += checked;
+        }
+        Ok(())
+    }
+}
+
+/// Where the reference makes its products of [`MIN_TOKENS`] tokens or more (`--reference-on`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ReferenceOn {
+    /// On the candidate's device when the candidate is the CUDA engine, else on device 0 when
+    /// there is one, else on the CPU; a device that cannot be opened leaves them on the CPU
+    /// (with a note).
+    #[default]
+    Auto,
+    /// On the CPU.
+    Cpu,
+    /// On device N (an error when it cannot be opened).
+    Cuda(usize),
+}
+
+impl ReferenceOn {
+    /// Parses `auto`, `cpu`, `cuda` (device 0) or `cuda:N`.
+    pub fn parse(s: &str) -> Result<ReferenceOn> {
+        Ok(match s.trim() {
+            "auto" => ReferenceOn::Auto,
+            "cpu" => ReferenceOn::Cpu,
+            "cuda" => ReferenceOn::Cuda(0),
+            c if c.starts_with("cuda:") => match c["cuda:".len()..].parse() {
+                Ok(n) => ReferenceOn::Cuda(n),
+                Err(_) => bail!("{s:?}: expected auto, cpu, cuda or cuda:N with N a device index"),
+            },
+            _ => bail!("{s:?}: expected auto, cpu, cuda or cuda:N"),
+        })
+    }
+}
+
+/// The process's `--reference-on` (set once by the command, before any reference is built).
+static REFERENCE_ON: Mutex<ReferenceOn> = Mutex::new(ReferenceOn::Auto);
+
+/// Sets where the references built from now on make their large products.
+pub fn set_reference_on(on: ReferenceOn) {
+    if let Ok(mut r) = REFERENCE_ON.lock() {
+        *r = on;
+    }
+}
+
+/// The device a reference of `tokens` tokens makes its large products on, as the process's
+/// [`ReferenceOn`] says (`candidate_device`: the CUDA candidate's device, if the candidate is
+/// one), and a note when `auto` could not open one. `None` with fewer than [`MIN_TOKENS`]
+/// tokens (no product would go there).
+pub fn reference_device(
+    tokens: usize,
+    candidate_device: Option<usize>,
+) -> Result<(Option<std::sync::Arc<Device>>, Option<String>)> {
+    let on = REFERENCE_ON.lock().map(|r| *r).unwrap_or_default();
+    if tokens < MIN_TOKENS {
+        return Ok((None, None));
+    }
+    match on {
+        ReferenceOn::Cpu => Ok((None, None)),
+        ReferenceOn::Cuda(n) => Ok((Some(std::sync::Arc::new(Device::open(n)?)), None)),
+        ReferenceOn::Auto => {
+            let Some(n) = candidate_device.or_else(first_device) else {
+                return Ok((None, None));
+            };
+            match Device::open(n) {
+                Ok(d) => Ok((Some(std::sync::Arc::new(d)), None)),
+                Err(e) => Ok((
+                    None,
+                    Some(format!(
+                        "the reference's products stay on the CPU: cuda:{n} could not be opened ({e:#})"
+                    )),
+                )),
+            }
+        }
+    }
+}
+
+/// Device 0 when CUDA is there and reports a device.
+fn first_device() -> Option<usize> {
+    #[cfg(feature = "cuda")]
+    {
+        crate::gpu::DeviceInfo::list()
+            .ok()
+            .filter(|d| !d.is_empty())
+            .map(|_| 0)
+    }
+    #[cfg(not(feature = "cuda"))]
+    None
+}
+
+/// A product's weights as the device takes them.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+enum Raw<'a> {
+    /// Raw GGUF blocks.
+    Gguf {
+        ty: crate::quant::GgmlType,
+        bytes: &'a [u8],
+    },
+    /// f32 rows.
+    Dense(&'a [f32]),
+}
+
+/// Up to `k` indices of `0..n`, the first and the last among them, the others spread evenly
+/// between (each once).
+pub(super) fn spread(n: usize, k: usize) -> Vec<usize> {
+    if n == 0 || k == 0 {
+        return Vec::new();
+    }
+    let k = k.min(n);
+    let mut v: Vec<usize> = if k == 1 {
+        vec![0]
+    } else {
+        (0..k).map(|j| j * (n - 1) / (k - 1)).collect()
+    };
+    v.dedup();
+    v
+}
+
+/// `x · W^T` with `src` through `device` when it makes it, else on the CPU ([`math::matmul_rows`]).
+pub(super) fn matmul_rows(
+    device: Option<&Device>,
+    x: &[f32],
+    t: usize,
+    src: &RowSource<'_>,
+) -> Result<Vec<f32>> {
+    if let Some(d) = device {
+        if let Some(out) = d.products_rows(x, t, src)? {
+            return Ok(out);
+        }
+    }
+    math::matmul_rows(x, t, src)
+}
+
+/// `x · W^T` with the host matrix `w` (named `what` in errors) through `device` when it makes
+/// it, else on the CPU ([`math::matmul`]).
+pub(super) fn matmul_dense(
+    device: Option<&Device>,
+    x: &[f32],
+    t: usize,
+    w: &Matrix,
+    what: &str,
+) -> Result<Vec<f32>> {
+    if let Some(d) = device {
+        if let Some(out) = d.products_dense(x, t, w, what)? {
+            return Ok(out);
+        }
+    }
+    Ok(math::matmul(x, t, w))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spread_takes_the_ends_and_between() {
+        assert_eq!(spread(10, 4), vec![0, 3, 6, 9]);
+        assert_eq!(spread(2, 4), vec![0, 1]);
+        assert_eq!(spread(1, 3), vec![0]);
+        assert_eq!(spread(5, 1), vec![0]);
+        assert!(spread(0, 3).is_empty());
+        assert_eq!(spread(4096, 3), vec![0, 2047, 4095]);
+    }
+}

@@ -1,0 +1,238 @@
+//! The CPU reference's matrix products on a device, bit for bit (`cuda/reference.cu`).
+//!
+//! The reference defines every product element as `engine::cpu::math::dot` computes it: exact
+//! f64 products added into 8 lanes by column, in column order, the lanes combined in a fixed
+//! tree, rounded to f32 once. The kernel `reference_products_f32` computes that same sum with
+//! the same operations in the same order (its source says why the bits agree), so a product
+//! made here is the reference's own value, only made on a device's f64 units; the weights are
+//! dequantized on the device by the bit-exact dequant kernels (`cuda/dequant*.cu`).
+//!
+//! This module only moves values and launches: when the reference uses it, and how each use is
+//! checked against the CPU, is `engine::cpu`'s ([`ReferenceProducts`] is its device).
+
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+
+use super::dequant::OutFormat;
+use super::{Gpu, REFERENCE_SOURCE};
+use crate::quant::GgmlType;
+
+/// Tokens of a block's tile (`REF_BT` in `cuda/reference.cu`).
+const TILE_TOKENS: usize = 32;
+/// Rows of a block's tile (`REF_BR`).
+const TILE_ROWS: usize = 32;
+/// Most f32 weight values dequantized on the device at a time (256 MiB): a larger matrix goes
+/// in chunks of rows.
+const CHUNK_VALUES: usize = 1 << 26;
+
+/// A device that makes the reference's matrix products, on a stream of its own (so that its
+/// work and another engine's on the same device do not wait for each other).
+pub struct ReferenceProducts {
+    gpu: Gpu,
+}
+
+/// Where a product's weights come from.
+pub enum Weights<'a> {
+    /// Raw GGUF blocks of `ty`, whole rows of `cols` values, dequantized on the device.
+    Raw {
+        /// The GGML type.
+        ty: GgmlType,
+        /// The rows' bytes.
+        bytes: &'a [u8],
+    },
+    /// f32 values, row-major.
+    Dense(&'a [f32]),
+}
+
+impl ReferenceProducts {
+    /// Opens device `ordinal` with a stream of its own and starts compiling the kernels the
+    /// products need (the reference family and the dequant families).
+    pub fn open(ordinal: usize) -> Result<ReferenceProducts> {
+        let gpu = Gpu::open_own_stream(ordinal)?;
+        let mut families: Vec<(&'static str, &'static str)> = vec![("reference", REFERENCE_SOURCE)];
+        families.extend(super::DEQUANT_FAMILIES);
+        gpu.compile_ahead(&families);
+        Ok(ReferenceProducts { gpu })
+    }
+
+    /// The device, for report headers.
+    pub fn describe(&self) -> String {
+        self.gpu.describe()
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.gpu.info.ordinal
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.gpu.stream()
+    }
+
+    /// `x · W^T` for `x` `[t, cols]` and `rows` weight rows of `cols` values: `[t, rows]`, every
+    /// element the reference's `dot`. `None` when a raw weight dequantizes to a non-finite value
+    /// (the CPU refuses such a weight and names it: the caller goes back to it).
+    pub fn products(
+        &self,
+        x: &[f32],
+        t: usize,
+        w: Weights<'_>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Option<Vec<f32>>> {
+        if x.len() != t * cols {
+            bail!(
+                "cuda: reference products: {} input values for [{t}, {cols}]",
+                x.len()
+            );
+        }
+        if t == 0 || rows == 0 {
+            return Ok(Some(vec![0.0; t * rows]));
+        }
+        let s = self.stream();
+        let xd = self.gpu.alloc_copy(x, "the reference's product input")?;
+        let mut out = self
+            .gpu
+            .alloc_zeroed::<f32>(t * rows, "the reference's product output")?;
+        let chunk_rows = (CHUNK_VALUES / cols.max(1)).clamp(1, rows);
+        let mut wbuf = self
+            .gpu
+            .alloc_zeroed::<f32>(chunk_rows * cols, "the reference's dequantized weights")?;
+        let mut r0 = 0;
+        while r0 < rows {
+            let n = chunk_rows.min(rows - r0);
+            let values = n * cols;
+            match &w {
+                Weights::Raw { ty, bytes } => {
+                    let per_row = row_bytes(*ty, cols)?;
+                    if bytes.len() != rows * per_row {
+                        bail!(
+                            "cuda: reference products: {} bytes of {ty} for {rows} rows of {cols}",
+                            bytes.len()
+                        );
+                    }
+                    let raw = self.gpu.alloc_copy(
+                        &bytes[r0 * per_row..(r0 + n) * per_row],
+                        "the reference's raw weights",
+                    )?;
+                    self.gpu.dequant_view(
+                        *ty,
+                        OutFormat::F32,
+                        &raw.as_view(),
+                        &mut wbuf.slice_mut(..values),
+                    )?;
+                    if self.count_nonfinite(&wbuf, values)? > 0 {
+                        return Ok(None);
+                    }
+                }
+                Weights::Dense(v) => {
+                    if v.len() != rows * cols {
+                        bail!(
+                            "cuda: reference products: {} weight values for [{rows}, {cols}]",
+                            v.len()
+                        );
+                    }
+                    s.memcpy_htod(
+                        &v[r0 * cols..(r0 + n) * cols],
+                        &mut wbuf.slice_mut(..values),
+                    )
+                    .context("cuda: copying the reference's weights")?;
+                }
+            }
+            self.launch(&xd, &wbuf, &mut out, (t, rows, cols), r0, n)?;
+            r0 += n;
+        }
+        let host = s
+            .clone_dtoh(&out)
+            .context("cuda: reading the reference's products")?;
+        s.synchronize().context("cuda: the reference's products")?;
+        Ok(Some(host))
+    }
+
+    /// Launches the products of weight rows `r0..r0 + n` (the first `n` rows of `w`) into
+    /// columns `r0..r0 + n` of `out` (`[t, rows]`).
+    fn launch(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        (t, rows, cols): (usize, usize, usize),
+        r0: usize,
+        n: usize,
+    ) -> Result<()> {
+        let f = self
+            .gpu
+            .function("reference", REFERENCE_SOURCE, "reference_products_f32")?;
+        let u = |v: usize, what: &str| -> Result<u32> {
+            u32::try_from(v).with_context(|| format!("cuda: reference products: {what} {v}"))
+        };
+        let (tu, nu, ku, ldo) = (
+            u(t, "tokens")?,
+            u(n, "rows")?,
+            u(cols, "columns")?,
+            u(rows, "rows")?,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u(n.div_ceil(TILE_ROWS), "row tiles")?,
+                u(t.div_ceil(TILE_TOKENS), "token tiles")?,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        if cfg.grid_dim.1 > 65_535 {
+            bail!("cuda: reference products: {t} tokens are more than a launch takes");
+        }
+        let mut dst = out.slice_mut(r0..);
+        let mut b = self.stream().launch_builder(&f);
+        b.arg(x)
+            .arg(w)
+            .arg(&mut dst)
+            .arg(&tu)
+            .arg(&nu)
+            .arg(&ku)
+            .arg(&ldo);
+        // SAFETY: `x` holds t * cols values and `w` at least n * cols (allocated so); the kernel
+        // reads x[i * cols + c] for i < t, c < cols and w[j * cols + c] for j < n, and writes
+        // dst[i * ldo + j] for i < t, j < n: the last is (t - 1) * rows + n - 1 < t * rows - r0,
+        // inside `out` from column r0 (n <= rows - r0).
+        unsafe { b.launch(cfg) }.context("cuda: launching reference_products_f32")?;
+        Ok(())
+    }
+
+    /// The non-finite values among the first `n` of `v`.
+    fn count_nonfinite(&self, v: &CudaSlice<f32>, n: usize) -> Result<u64> {
+        let s = self.stream();
+        let mut count = self.gpu.alloc_zeroed::<u64>(1, "a counter")?;
+        let f = self
+            .gpu
+            .function("reference", REFERENCE_SOURCE, "reference_count_nonfinite")?;
+        let n64 = n as u64;
+        let blocks = (n.div_ceil(256) as u64).clamp(1, u64::from(self.gpu.info.sms.max(1)) * 8);
+        let mut b = s.launch_builder(&f);
+        b.arg(v).arg(&n64).arg(&mut count);
+        // SAFETY: `v` holds at least n values; `count` one counter.
+        unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (blocks as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .context("cuda: launching reference_count_nonfinite")?;
+        let c = s.clone_dtoh(&count).context("cuda: reading a counter")?;
+        Ok(c.first().copied().unwrap_or(0))
+    }
+}
+
+/// Bytes of one row of `cols` values of `ty` (whole blocks).
+fn row_bytes(ty: GgmlType, cols: usize) -> Result<usize> {
+    let (bs, ts) = (ty.block_size(), ty.type_size());
+    if bs == 0 || cols % bs != 0 {
+        bail!("cuda: reference products: rows of {cols} values are not whole blocks of {ty}");
+    }
+    Ok(cols / bs * ts)
+}
