@@ -29,7 +29,9 @@
 //! over exactly the slices the layer read (its tensors; only the touched experts' rows), then
 //! [`math::matmul`](crate::engine::cpu::math::matmul) (the engine's own f64-accumulating kernel, parallel over rows) of the
 //! dequantized f32 rows with as many tokens as the layer multiplied them with, in chunks of
-//! [`FLOOR_CHUNK_ELEMS`] values. `wall / floor` says how close the layer gets to its own
+//! [`FLOOR_CHUNK_ELEMS`] values; a slice whose products pass [`FLOOR_SAMPLE_MADDS`]
+//! multiply-adds has them timed over its first chunks to that count and scaled to all its rows
+//! (the reference's multiply-adds at the rate the CPU measured on them). `wall / floor` says how close the layer gets to its own
 //! dequantize-then-multiply cost; everything else the layer does is in the difference.
 //!
 //! # Memory
@@ -80,6 +82,10 @@ pub const DEFAULT_REPS: usize = 3;
 pub const DEFAULT_SAMPLE_INTERVAL: Duration = Duration::from_millis(5);
 /// Values per timed call of the floor measurement (4 MiB of f32).
 pub const FLOOR_CHUNK_ELEMS: usize = 1 << 20;
+/// Multiply-adds of a slice's products that the floor times; a slice with more (a long prompt's
+/// projections: 4096 tokens of a [12288, 6144] matrix are 309 G) has them timed on its first
+/// rows and scaled to the rest, so that the floor costs a fraction of what it measures.
+pub const FLOOR_SAMPLE_MADDS: u64 = 1 << 31;
 /// Layers of the default synthetic model.
 pub const SYNTH_LAYERS: u64 = 2;
 /// Leading dense layers of the default synthetic model (the rest are MoE).

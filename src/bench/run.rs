@@ -1049,8 +1049,14 @@ fn reference_routing(
         layers: layers.clone(),
         experts: BTreeMap::new(),
     };
+    // The reference's large products where `--reference-on` puts them (the same bits).
+    let (device, _) = crate::engine::cpu::device::reference_device(ids.len(), None)?;
+    let mut engine = CpuEngine::new(&weights);
+    if let Some(d) = device {
+        engine = engine.with_device(d);
+    }
     driver::run_from(
-        &CpuEngine::new(&weights),
+        &engine,
         &weights,
         ids,
         &plan,

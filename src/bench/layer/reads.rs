@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use super::{Floor, FLOOR_ACTIVATION, FLOOR_CHUNK_ELEMS};
+use super::{Floor, FLOOR_ACTIVATION, FLOOR_CHUNK_ELEMS, FLOOR_SAMPLE_MADDS};
 use crate::engine::cpu::math;
 use crate::engine::cpu::Matrix;
 use crate::gguf::{Model, TensorRef};
@@ -113,9 +113,13 @@ pub(super) fn reads_of<'m>(
 /// The floor of `reads` (see the module documentation).
 pub(super) fn floor(model: &Model, reads: &[Read<'_>]) -> Result<Floor> {
     let (mut dq, mut mm) = (Duration::ZERO, Duration::ZERO);
+    // Seconds the sampled slices' untimed rows would have taken at their timed rows' rate.
+    let mut mm_scaled = 0.0;
     let mut buf: Vec<f32> = Vec::new();
     for r in reads {
         let cols = r.t.info.row_len() as usize;
+        // This slice's product time and the rows it covers.
+        let (mut mm_read, mut timed) = (Duration::ZERO, 0u64);
         let rows_per_call = (FLOOR_CHUNK_ELEMS / cols.max(1)).max(1) as u64;
         let x = vec![FLOOR_ACTIVATION; r.tokens * cols]; // [tokens, cols]
         let mut row = r.rows.start;
@@ -128,7 +132,14 @@ pub(super) fn floor(model: &Model, reads: &[Read<'_>]) -> Result<Floor> {
             quant::dequantize_par(r.t.info.ty, bytes, &mut buf)
                 .with_context(|| format!("bench: layer: floor of {}", r.t.info.name))?;
             dq += t0.elapsed();
+            // Past FLOOR_SAMPLE_MADDS a slice's products are timed on its first rows and
+            // scaled to all of them: every row costs the same (the same tokens and columns).
+            if r.tokens > 0 && timed * (r.tokens * cols) as u64 >= FLOOR_SAMPLE_MADDS {
+                row = end;
+                continue;
+            }
             if r.tokens > 0 {
+                timed += n as u64;
                 let w = Matrix {
                     rows: n,
                     cols,
@@ -136,15 +147,21 @@ pub(super) fn floor(model: &Model, reads: &[Read<'_>]) -> Result<Floor> {
                 };
                 let t0 = Instant::now();
                 let y = math::matmul(&x, r.tokens, &w);
-                mm += t0.elapsed();
+                let took = t0.elapsed();
+                mm += took;
+                mm_read += took;
                 std::hint::black_box(&y);
                 buf = w.data;
             }
             row = end;
         }
+        if timed > 0 {
+            let all = r.rows.end - r.rows.start;
+            mm_scaled += mm_read.as_secs_f64() * (all as f64 / timed as f64 - 1.0);
+        }
     }
     Ok(Floor {
         dequant_s: dq.as_secs_f64(),
-        matmul_s: mm.as_secs_f64(),
+        matmul_s: mm.as_secs_f64() + mm_scaled,
     })
 }
