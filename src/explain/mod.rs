@@ -137,7 +137,8 @@ impl<'c, 'w> Capture<'c, 'w> {
     }
 
     /// Also computes the bug families' directions of each replayed step on the CPU reference
-    /// of `weights` and hands them to the comparison before the step's pairs.
+    /// of `weights` and hands them to the comparison before the step's pairs (its large
+    /// products on `device`, the reference's, when it has one).
     ///
     /// `exact_replay`: the reference side of every replay pair is the reference's output from
     /// exactly the inputs handed over before it (an engine candidate: true; against a trace a
@@ -151,8 +152,13 @@ impl<'c, 'w> Capture<'c, 'w> {
         weights: &'w Weights<'w>,
         exact_replay: bool,
         modes: Modes,
+        device: Option<std::sync::Arc<crate::engine::cpu::device::Device>>,
     ) -> Capture<'c, 'w> {
-        self.directions = Some(CpuEngine::new(weights));
+        let engine = CpuEngine::new(weights);
+        self.directions = Some(match device {
+            Some(d) => engine.with_device(d),
+            None => engine,
+        });
         self.exact_replay = exact_replay;
         self.chained_directions = modes.chained && !(exact_replay && modes.replay);
         self.replay = modes.replay;

@@ -93,6 +93,7 @@ impl Pass<'_, '_> {
             self.weights,
             trace.is_none(),
             cfg.mode,
+            self.reference.shared_device(),
         );
         let inputs = RunInputs {
             weights: self.weights,

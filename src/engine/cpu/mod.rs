@@ -88,6 +88,11 @@ impl<'w> CpuEngine<'w> {
         self.device.as_deref()
     }
 
+    /// The device that makes its large products, shared (for another engine of the same run).
+    pub fn shared_device(&self) -> Option<Arc<device::Device>> {
+        self.device.clone()
+    }
+
     /// An engine reading `weights` whose RoPE uses `inv_freq` (one per rotated pair) and the
     /// cos/sin factor `attn_factor` instead of the model's: what an engine with another RoPE
     /// base or YaRN magnitude computes (the known bugs of `explain::fault`). With the tables
