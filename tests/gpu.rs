@@ -61,6 +61,45 @@ fn run_against_cuda_without_a_gpu_says_so() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("cuda:N"));
 }
 
+/// `--reference-on cuda` without a device is a clear error naming the flag (exit 2), a bad
+/// value too; `auto` (the default) runs on the CPU then, the same run as `--reference-on cpu`.
+#[test]
+fn reference_on_a_device_without_one_says_so() {
+    let f = fixtures("models/glm5-tiny/glm5-tiny-f32.gguf");
+    let tokens: Vec<String> = (0..70).map(|i| ((i * 37 + 5) % 200).to_string()).collect();
+    let tokens = tokens.join(",");
+    let run = |on: &str| {
+        glmdiff_without_devices(&[
+            "run",
+            f.to_str().unwrap(),
+            "--tokens",
+            &tokens,
+            "--against",
+            "cpu",
+            "--layers",
+            "0..1",
+            "--no-cache",
+            "--reference-on",
+            on,
+        ])
+    };
+    let o = run("cuda");
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--reference-on cuda:0"), "{err}");
+    let o = run("gpu");
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("expected auto, cpu, cuda or cuda:N"), "{err}");
+    for on in ["auto", "cpu"] {
+        let o = run(on);
+        let text =
+            String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(0), "{on}: {text}");
+        assert!(!text.contains("ran on cuda"), "{on}: {text}");
+    }
+}
+
 /// Without CUDA (CI, developers' machines) `dequant-check` is a clear error, exit 2; with it, the
 /// fixtures check clean (exit 0).
 #[test]

@@ -1055,15 +1055,7 @@ fn reference_routing(
     if let Some(d) = device {
         engine = engine.with_device(d);
     }
-    driver::run_from(
-        &engine,
-        &weights,
-        ids,
-        &plan,
-        &[],
-        &mut sink,
-        progress,
-    )?;
+    driver::run_from(&engine, &weights, ids, &plan, &[], &mut sink, progress)?;
     Ok(sink.experts)
 }
 

@@ -17,7 +17,7 @@
 
 use std::sync::Mutex;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 
 use super::math::{self, dot};
 use super::weights::{Matrix, RowSource};
@@ -255,7 +255,12 @@ pub fn reference_device(
     }
     match on {
         ReferenceOn::Cpu => Ok((None, None)),
-        ReferenceOn::Cuda(n) => Ok((Some(std::sync::Arc::new(Device::open(n)?)), None)),
+        ReferenceOn::Cuda(n) => {
+            let d = Device::open(n).with_context(|| {
+                format!("--reference-on cuda:{n}: the reference's products cannot go to device {n}")
+            })?;
+            Ok((Some(std::sync::Arc::new(d)), None))
+        }
         ReferenceOn::Auto => {
             let Some(n) = candidate_device.or_else(first_device) else {
                 return Ok((None, None));
