@@ -102,9 +102,11 @@ where
     check_tokens(inputs.weights, inputs.tokens)?;
     // The sink's own time (the comparison), kept apart from either side's.
     let spent = Cell::new(0.0);
+    let by = std::cell::RefCell::new(std::collections::BTreeMap::new());
     let timed = Timed {
         inner: sink,
         spent: &spent,
+        by: &by,
     };
     let mut run = PairRun::new(reference, candidate, inputs, modes, only_changed, timed)?;
     let mut steps = StepProgress::start(progress, inputs.plan);
@@ -115,7 +117,11 @@ where
     }
     run.finish()?;
     steps.finish();
-    Ok(run.summary)
+    let mut summary = run.summary;
+    let mut times: Vec<(String, f64)> = by.into_inner().into_iter().collect();
+    times.sort_by(|a, b| b.1.total_cmp(&a.1));
+    summary.compare_times = times;
+    Ok(summary)
 }
 
 /// One pass's state across its steps: what it runs on, both sides' walks through the plan, each

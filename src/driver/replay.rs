@@ -22,6 +22,9 @@ pub struct PairSummary {
     pub layer_times: Vec<LayerTime>,
     /// What the reference computed, by cause.
     pub reference_work: ReferenceWork,
+    /// The comparison's seconds by what it was handed (a hook's point and mode, its layers
+    /// together, or the call), the largest first.
+    pub compare_times: Vec<(String, f64)>,
 }
 
 /// The steps the reference engine computed in a pass, by cause (every cause's time is also in

@@ -2,7 +2,8 @@
 //! handed (the comparison: metrics, verdicts, the bug families' directions), so that the driver
 //! can say how much of a layer's time is the comparison rather than either side's steps.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use anyhow::Result;
@@ -18,15 +19,30 @@ pub(super) struct Timed<'s, 'c> {
     pub inner: &'s mut dyn PairSink,
     /// Seconds spent inside `inner` so far.
     pub spent: &'c Cell<f64>,
+    /// The same seconds by what was handed over: a hook's point and mode (`attn_out replay`,
+    /// its layer left out) or the call (`reference_experts`).
+    pub by: &'c RefCell<BTreeMap<String, f64>>,
 }
 
 impl Timed<'_, '_> {
-    fn timed<T>(&mut self, f: impl FnOnce(&mut dyn PairSink) -> T) -> T {
+    fn timed<T>(&mut self, what: &str, f: impl FnOnce(&mut dyn PairSink) -> T) -> T {
         let t0 = Instant::now();
         let out = f(&mut *self.inner);
-        self.spent
-            .set(self.spent.get() + t0.elapsed().as_secs_f64());
+        let s = t0.elapsed().as_secs_f64();
+        self.spent.set(self.spent.get() + s);
+        *self.by.borrow_mut().entry(point_of(what)).or_insert(0.0) += s;
         out
+    }
+}
+
+/// `blk.3.attn_out replay` -> `attn_out replay`: what a time is kept under.
+fn point_of(what: &str) -> String {
+    match what.strip_prefix("blk.") {
+        Some(rest) => match rest.split_once('.') {
+            Some((layer, point)) if layer.chars().all(|c| c.is_ascii_digit()) => point.to_string(),
+            _ => what.to_string(),
+        },
+        None => what.to_string(),
     }
 }
 
@@ -36,11 +52,12 @@ impl PairSink for Timed<'_, '_> {
     }
 
     fn record(&mut self, pair: Pair<'_>) -> Result<()> {
-        self.timed(|s| s.record(pair))
+        let what = format!("{} {}", pair.name, pair.mode.as_str());
+        self.timed(&what, |s| s.record(pair))
     }
 
     fn missing(&mut self, name: &str, mode: Mode, why: &str) {
-        self.timed(|s| s.missing(name, mode, why))
+        self.timed("missing", |s| s.missing(name, mode, why))
     }
 
     fn wants_replay_inputs(&self) -> bool {
@@ -48,7 +65,7 @@ impl PairSink for Timed<'_, '_> {
     }
 
     fn replay_inputs(&mut self, step: &Step, inputs: &[HostTensor]) {
-        self.timed(|s| s.replay_inputs(step, inputs))
+        self.timed("replay_inputs", |s| s.replay_inputs(step, inputs))
     }
 
     fn reference_only(
@@ -58,11 +75,12 @@ impl PairSink for Timed<'_, '_> {
         inputs: &[String],
         reference: &HostTensor,
     ) {
-        self.timed(|s| s.reference_only(name, mode, inputs, reference))
+        let what = format!("{name} {} (reference only)", mode.as_str());
+        self.timed(&what, |s| s.reference_only(name, mode, inputs, reference))
     }
 
     fn followed(&mut self, selection: &str, mode: Mode, rows: &[usize]) {
-        self.timed(|s| s.followed(selection, mode, rows))
+        self.timed("followed", |s| s.followed(selection, mode, rows))
     }
 
     fn wants_reference_experts(&self, step: &Step) -> bool {
@@ -75,7 +93,9 @@ impl PairSink for Timed<'_, '_> {
         inputs: &[HostTensor],
         experts: Vec<(usize, HostTensor)>,
     ) {
-        self.timed(|s| s.reference_experts(step, inputs, experts))
+        self.timed("reference_experts", |s| {
+            s.reference_experts(step, inputs, experts)
+        })
     }
 
     fn wants_chained_inputs(&self) -> bool {
@@ -83,10 +103,24 @@ impl PairSink for Timed<'_, '_> {
     }
 
     fn chained_inputs(&mut self, step: &Step, inputs: &[HostTensor]) {
-        self.timed(|s| s.chained_inputs(step, inputs))
+        self.timed("chained_inputs", |s| s.chained_inputs(step, inputs))
     }
 
     fn plain_chain(&mut self, name: &str, reference: &HostTensor, candidate: &HostTensor) {
-        self.timed(|s| s.plain_chain(name, reference, candidate))
+        let what = format!("{name} (plain chain)");
+        self.timed(&what, |s| s.plain_chain(name, reference, candidate))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::point_of;
+
+    #[test]
+    fn times_are_kept_by_point() {
+        assert_eq!(point_of("blk.12.attn_out replay"), "attn_out replay");
+        assert_eq!(point_of("logits chained"), "logits chained");
+        assert_eq!(point_of("blk.x.y"), "blk.x.y");
+        assert_eq!(point_of("reference_experts"), "reference_experts");
     }
 }

@@ -63,6 +63,8 @@ pub struct Header {
     pub timings: Vec<(String, f64)>,
     /// Wall time of each side's steps per layer (`run` with an engine candidate).
     pub layer_times: Vec<LayerTime>,
+    /// The comparison's seconds by what it was handed (`run`), the largest first.
+    pub compare_times: Vec<(String, f64)>,
     /// What the reference computed, by cause (`run`; `None` for `compare`).
     pub reference_work: Option<ReferenceWork>,
     /// What `--explain` found (`None` without it).
@@ -1020,6 +1022,7 @@ pub fn to_json(h: &Header, c: &Comparison) -> Value {
             "upload_bytes": t.upload_bytes,
             "compare_s": t.compare,
         })).collect::<Vec<_>>(),
+        "compare_times": h.compare_times.iter().map(|(w, s)| json!({"what": w, "seconds": s})).collect::<Vec<_>>(),
         "reference_work": h.reference_work.as_ref().map(|w| {
             let work = |x: &Work| json!({"steps": x.steps, "rows": x.rows, "seconds": x.seconds});
             json!({

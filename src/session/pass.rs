@@ -43,6 +43,8 @@ pub(super) struct Passed {
     pub captured: Option<CapturedStep>,
     /// Each side's time per layer.
     pub layer_times: Vec<LayerTime>,
+    /// The comparison's seconds by what it was handed, the largest first.
+    pub compare_times: Vec<(String, f64)>,
     /// What the reference computed, by cause.
     pub reference_work: ReferenceWork,
     /// The candidate.
@@ -115,6 +117,7 @@ impl Pass<'_, '_> {
             comparison: cmp,
             captured,
             layer_times: summary.layer_times,
+            compare_times: summary.compare_times,
             reference_work: summary.reference_work,
             candidate: desc,
             notes,

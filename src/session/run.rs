@@ -103,6 +103,7 @@ pub fn run(cfg: &RunConfig, watch: &Watch<'_>) -> Result<Ran> {
         cache: start.note,
         timings,
         layer_times: passed.layer_times,
+        compare_times: passed.compare_times,
         reference_work: Some(passed.reference_work),
         explanation,
         repro,
