@@ -258,19 +258,24 @@ __device__ __forceinline__ void dq8_iq1_s(const u8* b, u32 j, float v[8]) {
 }
 
 __device__ __forceinline__ void dq8_iq1_m(const u8* b, u32 j, float v[8]) {
+    // Whole words (the block is 4-aligned here): the scales' two words, the sub-block's four
+    // index bytes, its two bytes of high bits and signs; the same fields as dq_iq1_m's loads.
     const u32 s = j >> 5, q = (j >> 2) & 3u, up = q & 1u;
-    const u32 sc0 = *(const u16*)(b + 48), sc1 = *(const u16*)(b + 50),
-              sc2 = *(const u16*)(b + 52), sc3 = *(const u16*)(b + 54);
+    const u32 w0 = *(const u32*)(b + 48), w1 = *(const u32*)(b + 52);
+    const u32 sc0 = w0 & 0xFFFFu, sc1 = w0 >> 16, sc2 = w1 & 0xFFFFu, sc3 = w1 >> 16;
     const u16 d_bits =
         (u16)((sc0 >> 12) | ((sc1 >> 8) & 0x00F0u) | ((sc2 >> 4) & 0x0F00u) | (sc3 & 0xF000u));
     const float d = cvt_f16(d_bits);  // the hardware conversion here, dq_iq1_m the integer one
-    const u32 s16 = (u32) * (const u16*)(b + 48 + 2 * (s / 2)) >> (6 * (s % 2));
+    const u32 sw = (((s / 2) & 2u) ? w1 : w0) >> (16 * ((s / 2) & 1u));
+    const u32 s16 = (sw & 0xFFFFu) >> (6 * (s % 2));
+    const u32 qs = *(const u32*)(b + 4 * s);
+    const u32 qh = *(const u16*)(b + 32 + 2 * s);
     _Pragma("unroll") for (u32 t = 0; t < 2; t++) {
         const u32 grp = 2 * t + (q >> 1);
         const float dl = t == 0 ? d * (float)(2u * (s16 & 7u) + 1u)
                                 : d * (float)(2u * ((s16 >> 3) & 7u) + 1u);
-        const u32 nib = ((u32)b[32 + 2 * s + grp / 2] >> (4 * (grp % 2))) & 0xFu;
-        const u32 idx = (u32)b[4 * s + grp] | ((nib & 7u) << 8);
+        const u32 nib = (qh >> (4 * grp)) & 0xFu;
+        const u32 idx = ((qs >> (8 * grp)) & 0xFFu) | ((nib & 7u) << 8);
         const float delta = iq1_delta((nib & 8u) != 0);
         const u32 g4 = grid_half(iq1s_grid[idx], up);
         _Pragma("unroll") for (u32 k = 0; k < 4; k++)
