@@ -12,8 +12,14 @@
 
 use std::sync::Arc;
 
+use std::sync::Mutex;
+
 use anyhow::{bail, Context, Result};
-use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    result, CudaEvent, CudaSlice, CudaStream, CudaViewMut, DevicePtrMut, LaunchConfig,
+    PinnedHostSlice, PushKernelArg,
+};
+use rayon::prelude::*;
 
 use super::dequant::OutFormat;
 use super::{Gpu, REFERENCE_SOURCE};
@@ -27,10 +33,58 @@ const TILE_ROWS: usize = 32;
 /// in chunks of rows.
 const CHUNK_VALUES: usize = 1 << 26;
 
+/// Bytes of each pinned staging buffer (two: one is filled while the other's copy runs).
+const STAGE_BYTES: usize = 32 << 20;
+
 /// A device that makes the reference's matrix products, on a stream of its own (so that its
-/// work and another engine's on the same device do not wait for each other).
+/// work and another engine's on the same device do not wait for each other). Host values go
+/// through two pinned staging buffers, filled by all cores while the other one's copy runs;
+/// device buffers are kept between products and grow as needed.
 pub struct ReferenceProducts {
     gpu: Gpu,
+    stage: Mutex<Staging>,
+    bufs: Mutex<Buffers>,
+}
+
+/// The pinned staging buffers and the event recorded after the last copy out of each.
+struct Staging {
+    bufs: Vec<PinnedHostSlice<u8>>,
+    events: Vec<Option<CudaEvent>>,
+    next: usize,
+}
+
+impl Drop for Staging {
+    /// Waits for the copies still reading the pinned buffers before they are freed.
+    fn drop(&mut self) {
+        for e in self.events.iter().flatten() {
+            let _ = e.synchronize();
+        }
+    }
+}
+
+/// Device buffers kept between products (grow-only): raw weight bytes, f32 weights, the input
+/// and the output.
+#[derive(Default)]
+struct Buffers {
+    raw: Option<CudaSlice<u8>>,
+    w: Option<CudaSlice<f32>>,
+    x: Option<CudaSlice<f32>>,
+    out: Option<CudaSlice<f32>>,
+}
+
+/// `slot` holding at least `n` values (a new allocation when it holds fewer).
+fn at_least<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    gpu: &Gpu,
+    slot: &'a mut Option<CudaSlice<T>>,
+    n: usize,
+    what: &str,
+) -> Result<&'a mut CudaSlice<T>> {
+    if slot.as_ref().is_none_or(|b| b.len() < n) {
+        *slot = None;
+        *slot = Some(gpu.alloc_zeroed::<T>(n.max(1), what)?);
+    }
+    slot.as_mut()
+        .ok_or_else(|| anyhow::anyhow!("cuda: {what}: no buffer"))
 }
 
 /// Where a product's weights come from.
@@ -54,7 +108,84 @@ impl ReferenceProducts {
         let mut families: Vec<(&'static str, &'static str)> = vec![("reference", REFERENCE_SOURCE)];
         families.extend(super::DEQUANT_FAMILIES);
         gpu.compile_ahead(&families);
-        Ok(ReferenceProducts { gpu })
+        let mut bufs = Vec::new();
+        for _ in 0..2 {
+            // SAFETY: the memory is unset; nothing reads it before a copy into it fills the
+            // bytes read (`ReferenceProducts::put` copies only what it wrote).
+            let b = unsafe { gpu.context().alloc_pinned_with_flags::<u8>(STAGE_BYTES, 0) }
+                .with_context(|| {
+                    format!(
+                        "cuda: cannot allocate {} MiB of pinned staging memory",
+                        STAGE_BYTES >> 20
+                    )
+                })?;
+            bufs.push(b);
+        }
+        Ok(ReferenceProducts {
+            gpu,
+            stage: Mutex::new(Staging {
+                bufs,
+                events: vec![None, None],
+                next: 0,
+            }),
+            bufs: Mutex::new(Buffers::default()),
+        })
+    }
+
+    /// Copies `src` into `dst` (of the same length) through the staging buffers: all cores fill
+    /// one while the other's copy runs.
+    fn put(&self, src: &[u8], dst: &mut CudaViewMut<'_, u8>) -> Result<()> {
+        if src.len() != dst.len() {
+            bail!("cuda: staging {} bytes into {}", src.len(), dst.len());
+        }
+        let s = self.stream();
+        let mut st = self
+            .stage
+            .lock()
+            .map_err(|_| anyhow::anyhow!("cuda: the staging lock is poisoned"))?;
+        for (i, chunk) in src.chunks(STAGE_BYTES).enumerate() {
+            let slot = st.next;
+            st.next = (slot + 1) % st.bufs.len();
+            if let Some(e) = st.events[slot].take() {
+                e.synchronize()
+                    .context("cuda: waiting for a staging copy")?;
+            }
+            let buf = st.bufs[slot]
+                .as_mut_slice()
+                .context("cuda: pinned staging memory")?;
+            let buf = &mut buf[..chunk.len()];
+            buf.par_chunks_mut(1 << 20)
+                .zip(chunk.par_chunks(1 << 20))
+                .for_each(|(d, s)| d.copy_from_slice(s));
+            let (ptr, rec) = dst.device_ptr_mut(s);
+            // SAFETY: `ptr + i * STAGE_BYTES .. + chunk.len()` lies inside `dst` (it holds
+            // src.len() bytes); `buf` is pinned memory not written again before the event
+            // recorded below says this copy is done (waited for at the slot's next use), and it
+            // lives as long as `self`, whose products end by synchronizing the stream.
+            unsafe {
+                result::memcpy_htod_async(ptr + (i * STAGE_BYTES) as u64, &*buf, s.cu_stream())
+            }
+            .context("cuda: copy to the device")?;
+            drop(rec);
+            st.events[slot] = Some(
+                s.record_event(None)
+                    .context("cuda: recording a staging copy")?,
+            );
+        }
+        Ok(())
+    }
+
+    /// [`ReferenceProducts::put`] of f32 values into the first `src.len()` values of `dst`.
+    fn put_f32(&self, src: &[f32], dst: &mut CudaSlice<f32>) -> Result<()> {
+        // SAFETY: f32 has no padding; the byte view covers exactly `src`'s values.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(src.as_ptr() as *const u8, std::mem::size_of_val(src))
+        };
+        // SAFETY: any bytes are valid f32 values; the view covers the first src.len() values
+        // of `dst` (transmute_mut checks that it holds them).
+        let mut view = unsafe { dst.transmute_mut::<u8>(bytes.len()) }
+            .context("cuda: a device buffer smaller than its values")?;
+        self.put(bytes, &mut view)
     }
 
     /// The device, for report headers.
@@ -92,14 +223,22 @@ impl ReferenceProducts {
             return Ok(Some(vec![0.0; t * rows]));
         }
         let s = self.stream();
-        let xd = self.gpu.alloc_copy(x, "the reference's product input")?;
-        let mut out = self
-            .gpu
-            .alloc_zeroed::<f32>(t * rows, "the reference's product output")?;
+        let mut guard = self
+            .bufs
+            .lock()
+            .map_err(|_| anyhow::anyhow!("cuda: the buffer lock is poisoned"))?;
+        let b = &mut *guard;
+        let g = &self.gpu;
         let chunk_rows = (CHUNK_VALUES / cols.max(1)).clamp(1, rows);
-        let mut wbuf = self
-            .gpu
-            .alloc_zeroed::<f32>(chunk_rows * cols, "the reference's dequantized weights")?;
+        let xd = at_least(g, &mut b.x, t * cols, "the reference's product input")?;
+        self.put_f32(x, xd)?;
+        at_least(g, &mut b.out, t * rows, "the reference's product output")?;
+        at_least(
+            g,
+            &mut b.w,
+            chunk_rows * cols,
+            "the reference's dequantized weights",
+        )?;
         let mut r0 = 0;
         while r0 < rows {
             let n = chunk_rows.min(rows - r0);
@@ -113,17 +252,21 @@ impl ReferenceProducts {
                             bytes.len()
                         );
                     }
-                    let raw = self.gpu.alloc_copy(
-                        &bytes[r0 * per_row..(r0 + n) * per_row],
-                        "the reference's raw weights",
+                    let len = n * per_row;
+                    let raw = at_least(g, &mut b.raw, len, "the reference's raw weights")?;
+                    self.put(
+                        &bytes[r0 * per_row..r0 * per_row + len],
+                        &mut raw.slice_mut(..len),
                     )?;
-                    self.gpu.dequant_view(
+                    let wd = b.w.as_mut().context("cuda: no weight buffer")?;
+                    let raw = b.raw.as_ref().context("cuda: no raw buffer")?;
+                    g.dequant_view(
                         *ty,
                         OutFormat::F32,
-                        &raw.as_view(),
-                        &mut wbuf.slice_mut(..values),
+                        &raw.slice(..len),
+                        &mut wd.slice_mut(..values),
                     )?;
-                    if self.count_nonfinite(&wbuf, values)? > 0 {
+                    if self.count_nonfinite(wd, values)? > 0 {
                         return Ok(None);
                     }
                 }
@@ -134,18 +277,21 @@ impl ReferenceProducts {
                             v.len()
                         );
                     }
-                    s.memcpy_htod(
-                        &v[r0 * cols..(r0 + n) * cols],
-                        &mut wbuf.slice_mut(..values),
-                    )
-                    .context("cuda: copying the reference's weights")?;
+                    let wd = b.w.as_mut().context("cuda: no weight buffer")?;
+                    self.put_f32(&v[r0 * cols..(r0 + n) * cols], wd)?;
                 }
             }
-            self.launch(&xd, &wbuf, &mut out, (t, rows, cols), r0, n)?;
+            let (xd, wd, out) = (
+                b.x.as_ref().context("cuda: no input buffer")?,
+                b.w.as_ref().context("cuda: no weight buffer")?,
+                b.out.as_mut().context("cuda: no output buffer")?,
+            );
+            self.launch(xd, wd, out, (t, rows, cols), r0, n)?;
             r0 += n;
         }
-        let host = s
-            .clone_dtoh(&out)
+        let out = b.out.as_ref().context("cuda: no output buffer")?;
+        let mut host = vec![0f32; t * rows];
+        s.memcpy_dtoh(&out.slice(..t * rows), &mut host)
             .context("cuda: reading the reference's products")?;
         s.synchronize().context("cuda: the reference's products")?;
         Ok(Some(host))
