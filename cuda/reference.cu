@@ -11,79 +11,110 @@
 // +0 on both operands: a lane starts at +0 and is never -0 (an IEEE sum is -0 only when both
 // terms are), so adding +0 * +0 leaves it as it is, as the CPU's zero padding does.
 //
-// Tiling: a block of 256 threads makes a tile of BT = 32 tokens by BR = 32 rows. Thread
-// (g, l) = (tid / 8, tid % 8) keeps lane l of 4 tokens by 8 rows (32 f64 accumulators): tokens
-// 4 (g % 8) .. +4, rows 8 (g / 8) .. +8. Columns advance in chunks of KC = 64, staged in shared
-// memory as f64 (the conversion from f32 is exact), column-major so that a thread's 4 tokens and
-// 8 rows of one column are contiguous; lane l reads columns l, l + 8, .., in order.
+// Tiling: a block of 256 threads makes a tile of BT tokens by BR rows. Thread (g, l) =
+// (tid / 8, tid % 8) keeps lane l of TT tokens by TR rows (TT x TR f64 accumulators): tokens
+// TT (g % 8) .., rows TR (g / 8) ... Columns advance in chunks of KC, staged in shared memory as
+// f64 (the conversion from f32 is exact), column-major so that a thread's tokens and rows of one
+// column are contiguous; lane l reads columns l, l + 8, .., in order.
 
-#define REF_BT 32
-#define REF_BR 32
-#define REF_KC 64
+// Two tilings, the same sums: `reference_products_f32` (TT = 4 tokens by TR = 8 rows a thread,
+// blocks of 32 x 32, KC = 64) and `reference_products_f32_t64` (8 x 8 a thread, blocks of 64
+// tokens by 32 rows, KC = 32: fewer shared-memory loads per multiply-add, more registers).
+// src/gpu/reference.rs times both when it opens the device and uses the faster.
 #define REF_PAD 2
+
+template <int TT, int TR, int KC>
+__device__ __forceinline__ void ref_products(const float* __restrict__ x, const float* __restrict__ w,
+                                             float* __restrict__ out, u32 t, u32 r, u32 k, u32 ldo,
+                                             double* xs_, double* ws_) {
+    constexpr int GT = 8, GR = 4;           // token groups by row groups: 32 groups of 8 lanes
+    constexpr int BT = GT * TT, BR = GR * TR;
+    constexpr int XS = BT + REF_PAD, WS = BR + REF_PAD;
+    const u32 tid = threadIdx.x;
+    const u32 l = tid & 7u, g = tid >> 3;
+    const u32 tg = (g % GT) * TT, rg = (g / GT) * TR;
+    const u64 t0 = (u64)blockIdx.y * BT, r0 = (u64)blockIdx.x * BR;
+
+    double acc[TT][TR];
+#pragma unroll
+    for (int a = 0; a < TT; a++)
+#pragma unroll
+        for (int b = 0; b < TR; b++) acc[a][b] = 0.0;
+
+    for (u64 k0 = 0; k0 < k; k0 += KC) {
+        // Stage the chunk (coalesced along k), column-major in shared memory.
+#pragma unroll
+        for (u32 i = 0; i < (BT * KC) / 256; i++) {
+            const u32 idx = tid + 256u * i;
+            const u32 row = idx / KC, col = idx % KC;
+            const u64 c = k0 + col, tt = t0 + row;
+            xs_[col * XS + row] = (tt < t && c < k) ? (double)x[tt * k + c] : 0.0;
+        }
+#pragma unroll
+        for (u32 i = 0; i < (BR * KC) / 256; i++) {
+            const u32 idx = tid + 256u * i;
+            const u32 row = idx / KC, col = idx % KC;
+            const u64 c = k0 + col, rr = r0 + row;
+            ws_[col * WS + row] = (rr < r && c < k) ? (double)w[rr * k + c] : 0.0;
+        }
+        __syncthreads();
+#pragma unroll
+        for (u32 jj = 0; jj < KC / 8; jj++) {
+            const u32 c = 8u * jj + l;
+            double xv[TT], wv[TR];
+#pragma unroll
+            for (int a = 0; a < TT; a++) xv[a] = xs_[c * XS + tg + a];
+#pragma unroll
+            for (int b = 0; b < TR; b++) wv[b] = ws_[c * WS + rg + b];
+#pragma unroll
+            for (int a = 0; a < TT; a++)
+#pragma unroll
+                for (int b = 0; b < TR; b++) acc[a][b] = __fma_rn(xv[a], wv[b], acc[a][b]);
+        }
+        __syncthreads();
+    }
+
+    // The lanes of one output sit in 8 consecutive threads: the butterfly adds the tree's pairs
+    // (l0 + l1, then (l0 + l1) + (l2 + l3), then the two halves); lane l writes rows rg + l,
+    // rg + 8 + l, ...
+#pragma unroll
+    for (int a = 0; a < TT; a++) {
+        float mine[TR / 8];
+#pragma unroll
+        for (int m = 0; m < TR / 8; m++) mine[m] = 0.0f;
+#pragma unroll
+        for (int b = 0; b < TR; b++) {
+            double s = acc[a][b];
+            s = __dadd_rn(s, __shfl_xor_sync(0xFFFFFFFFu, s, 1));
+            s = __dadd_rn(s, __shfl_xor_sync(0xFFFFFFFFu, s, 2));
+            s = __dadd_rn(s, __shfl_xor_sync(0xFFFFFFFFu, s, 4));
+            if ((u32)(b % 8) == l) mine[b / 8] = __double2float_rn(s);
+        }
+        const u64 tt = t0 + tg + a;
+#pragma unroll
+        for (int m = 0; m < TR / 8; m++) {
+            const u64 rr = r0 + rg + 8 * m + l;
+            if (tt < t && rr < r) out[tt * ldo + rr] = mine[m];
+        }
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(256)
     reference_products_f32(const float* __restrict__ x,  // [t, k]
                            const float* __restrict__ w,  // [r, k]
                            float* __restrict__ out,      // [t, ldo], columns 0..r
                            u32 t, u32 r, u32 k, u32 ldo) {
-    __shared__ double xs[REF_KC][REF_BT + REF_PAD];
-    __shared__ double ws[REF_KC][REF_BR + REF_PAD];
-    const u32 tid = threadIdx.x;
-    const u32 l = tid & 7u, g = tid >> 3;
-    const u32 tg = (g & 7u) * 4u, rg = (g >> 3) * 8u;
-    const u64 t0 = (u64)blockIdx.y * REF_BT, r0 = (u64)blockIdx.x * REF_BR;
+    __shared__ double xs[64 * (32 + REF_PAD)];
+    __shared__ double ws[64 * (32 + REF_PAD)];
+    ref_products<4, 8, 64>(x, w, out, t, r, k, ldo, xs, ws);
+}
 
-    double acc[4][8];
-#pragma unroll
-    for (int a = 0; a < 4; a++)
-#pragma unroll
-        for (int b = 0; b < 8; b++) acc[a][b] = 0.0;
-
-    for (u64 k0 = 0; k0 < k; k0 += REF_KC) {
-        // Stage the chunk: 32 x 64 values of each operand, 8 per thread, coalesced along k.
-#pragma unroll
-        for (u32 i = 0; i < (REF_BT * REF_KC) / 256; i++) {
-            const u32 idx = tid + 256u * i;
-            const u32 row = idx / REF_KC, col = idx % REF_KC;
-            const u64 c = k0 + col;
-            const u64 tt = t0 + row, rr = r0 + row;
-            xs[col][row] = (tt < t && c < k) ? (double)x[tt * k + c] : 0.0;
-            ws[col][row] = (rr < r && c < k) ? (double)w[rr * k + c] : 0.0;
-        }
-        __syncthreads();
-#pragma unroll
-        for (u32 jj = 0; jj < REF_KC / 8; jj++) {
-            const u32 c = 8u * jj + l;
-            double xv[4], wv[8];
-#pragma unroll
-            for (int a = 0; a < 4; a++) xv[a] = xs[c][tg + a];
-#pragma unroll
-            for (int b = 0; b < 8; b++) wv[b] = ws[c][rg + b];
-#pragma unroll
-            for (int a = 0; a < 4; a++)
-#pragma unroll
-                for (int b = 0; b < 8; b++) acc[a][b] = __fma_rn(xv[a], wv[b], acc[a][b]);
-        }
-        __syncthreads();
-    }
-
-    // The lanes of one output sit in 8 consecutive threads: the butterfly adds the tree's pairs
-    // (l0 + l1, then (l0 + l1) + (l2 + l3), then the two halves); lane l writes row rg + l.
-#pragma unroll
-    for (int a = 0; a < 4; a++) {
-        float mine = 0.0f;
-#pragma unroll
-        for (int b = 0; b < 8; b++) {
-            double s = acc[a][b];
-            s = __dadd_rn(s, __shfl_xor_sync(0xFFFFFFFFu, s, 1));
-            s = __dadd_rn(s, __shfl_xor_sync(0xFFFFFFFFu, s, 2));
-            s = __dadd_rn(s, __shfl_xor_sync(0xFFFFFFFFu, s, 4));
-            if ((u32)b == l) mine = __double2float_rn(s);
-        }
-        const u64 tt = t0 + tg + a, rr = r0 + rg + l;
-        if (tt < t && rr < r) out[tt * ldo + rr] = mine;
-    }
+extern "C" __global__ void __launch_bounds__(256, 1)
+    reference_products_f32_t64(const float* __restrict__ x, const float* __restrict__ w,
+                               float* __restrict__ out, u32 t, u32 r, u32 k, u32 ldo) {
+    __shared__ double xs[32 * (64 + REF_PAD)];
+    __shared__ double ws[32 * (32 + REF_PAD)];
+    ref_products<8, 8, 32>(x, w, out, t, r, k, ldo, xs, ws);
 }
 
 // Counts the values of `v` (n of them) that are not finite: the reference refuses a weight that

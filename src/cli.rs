@@ -37,7 +37,7 @@ pub struct Cli {
         value_parser = parse_progress
     )]
     pub progress: ProgressEvery,
-    /// Where the CPU reference makes its matrix products of 64 tokens or more: auto (the CUDA
+    /// Where the CPU reference makes its matrix products of 32 tokens or more: auto (the CUDA
     /// candidate's device, else device 0 when there is one, else the CPU), cpu, cuda or cuda:N.
     /// The values are the CPU's either way: a device sums each element as the CPU does, and
     /// each product made there is checked on the CPU at 12 elements.

@@ -1409,65 +1409,68 @@ mod device {
     fn gpu_reference_products_are_the_cpus_bits() {
         use glmdiff::engine::cpu::math::matmul;
         use glmdiff::engine::cpu::Matrix;
+        use glmdiff::gpu::reference::KERNELS;
         use glmdiff::gpu::reference::{ReferenceProducts, Weights as W};
-        let p = ReferenceProducts::open(0).unwrap();
-        eprintln!("{}", p.describe());
-        let mut rng = SplitMix64::new(41);
-        let mut n = 0;
-        for &t in &[1usize, 31, 64, 97] {
-            for &rows in &[1usize, 33, 100] {
-                for &cols in &[1usize, 7, 8, 63, 65, 300, 1030] {
-                    let x = mixed(&mut rng, t * cols);
-                    let w = Matrix {
-                        rows,
-                        cols,
-                        data: mixed(&mut rng, rows * cols),
-                    };
-                    let want = matmul(&x, t, &w);
-                    let got = p
-                        .products(&x, t, W::Dense(&w.data), rows, cols)
-                        .unwrap()
-                        .unwrap();
-                    let bad = want
-                        .iter()
-                        .zip(&got)
-                        .position(|(a, b)| a.to_bits() != b.to_bits());
-                    assert!(
-                        bad.is_none(),
-                        "t {t} rows {rows} cols {cols}: element {bad:?}"
-                    );
-                    n += 1;
+        for (k, kernel) in KERNELS.iter().enumerate() {
+            let p = ReferenceProducts::open(0).unwrap().with_kernel(k);
+            eprintln!("{} {:?}", p.describe(), p.kernel_rates());
+            let mut rng = SplitMix64::new(41);
+            let mut n = 0;
+            for &t in &[1usize, 31, 64, 97, 130] {
+                for &rows in &[1usize, 33, 100] {
+                    for &cols in &[1usize, 7, 8, 63, 65, 300, 1030] {
+                        let x = mixed(&mut rng, t * cols);
+                        let w = Matrix {
+                            rows,
+                            cols,
+                            data: mixed(&mut rng, rows * cols),
+                        };
+                        let want = matmul(&x, t, &w);
+                        let got = p
+                            .products(&x, t, W::Dense(&w.data), rows, cols)
+                            .unwrap()
+                            .unwrap();
+                        let bad = want
+                            .iter()
+                            .zip(&got)
+                            .position(|(a, b)| a.to_bits() != b.to_bits());
+                        assert!(
+                            bad.is_none(),
+                            "t {t} rows {rows} cols {cols}: element {bad:?}"
+                        );
+                        n += 1;
+                    }
                 }
             }
+            // Quantized rows: random valid blocks of each type, dequantized on the device.
+            for ty in [
+                GgmlType::Q4_K,
+                GgmlType::Q6_K,
+                GgmlType::Q8_0,
+                GgmlType::IQ4_XS,
+                GgmlType::BF16,
+            ] {
+                let (rows, cols, t) = (70usize, 512usize, 80usize);
+                let bytes_n = rows * cols / ty.block_size() * ty.type_size();
+                let mut bytes = vec![0u8; bytes_n];
+                fill_blocks(ty, &mut SplitMix64::new(7), &mut bytes);
+                let mut data = vec![0f32; rows * cols];
+                dequantize_par(ty, &bytes, &mut data).unwrap();
+                let x = mixed(&mut rng, t * cols);
+                let want = matmul(&x, t, &Matrix { rows, cols, data });
+                let got = p
+                    .products(&x, t, W::Raw { ty, bytes: &bytes }, rows, cols)
+                    .unwrap()
+                    .unwrap();
+                let bad = want
+                    .iter()
+                    .zip(&got)
+                    .position(|(a, b)| a.to_bits() != b.to_bits());
+                assert!(bad.is_none(), "{ty}: element {bad:?}");
+                n += 1;
+            }
+            eprintln!("{}: {n} products bit-exact", kernel.0);
         }
-        // Quantized rows: random valid blocks of each type, dequantized on the device.
-        for ty in [
-            GgmlType::Q4_K,
-            GgmlType::Q6_K,
-            GgmlType::Q8_0,
-            GgmlType::IQ4_XS,
-            GgmlType::BF16,
-        ] {
-            let (rows, cols, t) = (70usize, 512usize, 80usize);
-            let bytes_n = rows * cols / ty.block_size() * ty.type_size();
-            let mut bytes = vec![0u8; bytes_n];
-            fill_blocks(ty, &mut SplitMix64::new(7), &mut bytes);
-            let mut data = vec![0f32; rows * cols];
-            dequantize_par(ty, &bytes, &mut data).unwrap();
-            let x = mixed(&mut rng, t * cols);
-            let want = matmul(&x, t, &Matrix { rows, cols, data });
-            let got = p
-                .products(&x, t, W::Raw { ty, bytes: &bytes }, rows, cols)
-                .unwrap()
-                .unwrap();
-            let bad = want
-                .iter()
-                .zip(&got)
-                .position(|(a, b)| a.to_bits() != b.to_bits());
-            assert!(bad.is_none(), "{ty}: element {bad:?}");
-            n += 1;
-        }
-        eprintln!("{n} products bit-exact");
     }
 
     /// `run` with the reference's products on the device gives the same records as with them

@@ -25,10 +25,11 @@ use super::dequant::OutFormat;
 use super::{Gpu, REFERENCE_SOURCE};
 use crate::quant::GgmlType;
 
-/// Tokens of a block's tile (`REF_BT` in `cuda/reference.cu`).
-const TILE_TOKENS: usize = 32;
-/// Rows of a block's tile (`REF_BR`).
-const TILE_ROWS: usize = 32;
+/// The two tilings of `cuda/reference.cu` (the same sums): kernel name, a block's tokens and rows.
+pub const KERNELS: [(&str, usize, usize); 2] = [
+    ("reference_products_f32", 32, 32),
+    ("reference_products_f32_t64", 64, 32),
+];
 /// Most f32 weight values dequantized on the device at a time (256 MiB): a larger matrix goes
 /// in chunks of rows.
 const CHUNK_VALUES: usize = 1 << 26;
@@ -41,9 +42,16 @@ const STAGE_BYTES: usize = 32 << 20;
 /// through two pinned staging buffers, filled by all cores while the other one's copy runs;
 /// device buffers are kept between products and grow as needed.
 pub struct ReferenceProducts {
-    gpu: Gpu,
+    // Fields drop in order: the buffers and the staging memory before the device's context.
     stage: Mutex<Staging>,
     bufs: Mutex<Buffers>,
+    /// The tiling used (an index of [`KERNELS`]): the faster on this device.
+    kernel: usize,
+    /// Each tiling's rate measured at open, G multiply-adds per second.
+    rates: Vec<f64>,
+    /// Seconds the product kernels ran so far (device events).
+    kernel_seconds: Mutex<f64>,
+    gpu: Gpu,
 }
 
 /// The pinned staging buffers and the event recorded after the last copy out of each.
@@ -121,7 +129,7 @@ impl ReferenceProducts {
                 })?;
             bufs.push(b);
         }
-        Ok(ReferenceProducts {
+        let mut p = ReferenceProducts {
             gpu,
             stage: Mutex::new(Staging {
                 bufs,
@@ -129,7 +137,67 @@ impl ReferenceProducts {
                 next: 0,
             }),
             bufs: Mutex::new(Buffers::default()),
-        })
+            kernel: 0,
+            rates: Vec::new(),
+            kernel_seconds: Mutex::new(0.0),
+        };
+        p.rates = p.time_kernels()?;
+        p.kernel = (0..KERNELS.len())
+            .max_by(|&a, &b| p.rates[a].total_cmp(&p.rates[b]))
+            .unwrap_or(0);
+        if let Ok(mut k) = p.kernel_seconds.lock() {
+            *k = 0.0;
+        }
+        Ok(p)
+    }
+
+    /// Each tiling's rate on a product of 512 tokens by 1024 rows of 4096 values (values that
+    /// are not zeros), the best of 3 launches, G multiply-adds per second.
+    fn time_kernels(&self) -> Result<Vec<f64>> {
+        let (t, rows, cols) = (512usize, 1024usize, 4096usize);
+        let values = |n: usize, seed: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i * 7 + seed) % 13) as f32 * 0.25 - 1.5)
+                .collect()
+        };
+        let x = self
+            .gpu
+            .alloc_copy(&values(t * cols, 1), "a timing input")?;
+        let w = self
+            .gpu
+            .alloc_copy(&values(rows * cols, 5), "a timing weight")?;
+        let mut out = self.gpu.alloc_zeroed::<f32>(t * rows, "a timing output")?;
+        let mut rates = Vec::new();
+        for k in 0..KERNELS.len() {
+            let mut best = f64::INFINITY;
+            for _ in 0..3 {
+                best = best.min(self.launch_with(k, &x, &w, &mut out, (t, rows, cols), 0, rows)?);
+            }
+            rates.push((t * rows * cols) as f64 / best / 1e9);
+        }
+        Ok(rates)
+    }
+
+    /// This device with tiling `kernel` of [`KERNELS`] instead of the faster (the tests check
+    /// every tiling's bits).
+    pub fn with_kernel(mut self, kernel: usize) -> ReferenceProducts {
+        self.kernel = kernel.min(KERNELS.len() - 1);
+        self
+    }
+
+    /// Each tiling's measured rate (G multiply-adds per second) and the one used.
+    pub fn kernel_rates(&self) -> (Vec<(&'static str, f64)>, &'static str) {
+        let r = KERNELS
+            .iter()
+            .zip(&self.rates)
+            .map(|(k, &r)| (k.0, r))
+            .collect();
+        (r, KERNELS[self.kernel].0)
+    }
+
+    /// Seconds the product kernels ran so far.
+    pub fn kernel_seconds(&self) -> f64 {
+        self.kernel_seconds.lock().map(|k| *k).unwrap_or(0.0)
     }
 
     /// Copies `src` into `dst` (of the same length) through the staging buffers: all cores fill
@@ -298,19 +366,38 @@ impl ReferenceProducts {
     }
 
     /// Launches the products of weight rows `r0..r0 + n` (the first `n` rows of `w`) into
-    /// columns `r0..r0 + n` of `out` (`[t, rows]`).
+    /// columns `r0..r0 + n` of `out` (`[t, rows]`) with the faster tiling.
     fn launch(
         &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        shape: (usize, usize, usize),
+        r0: usize,
+        n: usize,
+    ) -> Result<()> {
+        let s = self.launch_with(self.kernel, x, w, out, shape, r0, n)?;
+        if let Ok(mut k) = self.kernel_seconds.lock() {
+            *k += s;
+        }
+        Ok(())
+    }
+
+    /// [`ReferenceProducts::launch`] with tiling `kernel` of [`KERNELS`]; waits for it and
+    /// returns the seconds it ran (device events).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_with(
+        &self,
+        kernel: usize,
         x: &CudaSlice<f32>,
         w: &CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
         (t, rows, cols): (usize, usize, usize),
         r0: usize,
         n: usize,
-    ) -> Result<()> {
-        let f = self
-            .gpu
-            .function("reference", REFERENCE_SOURCE, "reference_products_f32")?;
+    ) -> Result<f64> {
+        let (name, tile_tokens, tile_rows) = KERNELS[kernel];
+        let f = self.gpu.function("reference", REFERENCE_SOURCE, name)?;
         let u = |v: usize, what: &str| -> Result<u32> {
             u32::try_from(v).with_context(|| format!("cuda: reference products: {what} {v}"))
         };
@@ -322,8 +409,8 @@ impl ReferenceProducts {
         );
         let cfg = LaunchConfig {
             grid_dim: (
-                u(n.div_ceil(TILE_ROWS), "row tiles")?,
-                u(t.div_ceil(TILE_TOKENS), "token tiles")?,
+                u(n.div_ceil(tile_rows), "row tiles")?,
+                u(t.div_ceil(tile_tokens), "token tiles")?,
                 1,
             ),
             block_dim: (256, 1, 1),
@@ -332,8 +419,14 @@ impl ReferenceProducts {
         if cfg.grid_dim.1 > 65_535 {
             bail!("cuda: reference products: {t} tokens are more than a launch takes");
         }
+        if x.len() < t * cols || w.len() < n * cols || out.len() < t * rows || r0 + n > rows {
+            bail!("cuda: reference products: buffers too small for [{t}, {cols}] x [{n}, {cols}]");
+        }
+        let s = self.stream();
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = s.record_event(timing).context("cuda: an event")?;
         let mut dst = out.slice_mut(r0..);
-        let mut b = self.stream().launch_builder(&f);
+        let mut b = s.launch_builder(&f);
         b.arg(x)
             .arg(w)
             .arg(&mut dst)
@@ -341,12 +434,16 @@ impl ReferenceProducts {
             .arg(&nu)
             .arg(&ku)
             .arg(&ldo);
-        // SAFETY: `x` holds t * cols values and `w` at least n * cols (allocated so); the kernel
+        // SAFETY: `x` holds t * cols values and `w` at least n * cols (checked); the kernel
         // reads x[i * cols + c] for i < t, c < cols and w[j * cols + c] for j < n, and writes
         // dst[i * ldo + j] for i < t, j < n: the last is (t - 1) * rows + n - 1 < t * rows - r0,
-        // inside `out` from column r0 (n <= rows - r0).
-        unsafe { b.launch(cfg) }.context("cuda: launching reference_products_f32")?;
-        Ok(())
+        // inside `out` from column r0 (checked: n <= rows - r0, out holds t * rows).
+        unsafe { b.launch(cfg) }.with_context(|| format!("cuda: launching {name}"))?;
+        let end = s.record_event(timing).context("cuda: an event")?;
+        end.synchronize()
+            .context("cuda: the reference's products")?;
+        let ms = start.elapsed_ms(&end).context("cuda: timing a product")?;
+        Ok(f64::from(ms) / 1e3)
     }
 
     /// The non-finite values among the first `n` of `v`.

@@ -138,12 +138,16 @@ pub(super) fn device_work_note(reference: &CpuEngine<'_>) -> Option<String> {
         return None;
     }
     Some(format!(
-        "the reference's products of {MIN_TOKENS} tokens or more ran on {}: {} products, {:.3} T multiply-adds in {:.2} s, {} of their elements checked on the CPU, all the same bits",
+        "the reference's products of {MIN_TOKENS} tokens or more ran on {}: {} products, {:.3} T multiply-adds in {:.2} s ({:.2} s in the kernels: {}), {} of their elements checked on the CPU, all the same bits; {} products of fewer tokens ({:.3} T multiply-adds) on the CPU",
         d.describe(),
         w.products,
         w.multiply_adds / 1e12,
         w.seconds,
-        w.checked
+        w.kernel_seconds,
+        d.kernels(),
+        w.checked,
+        w.on_cpu,
+        w.on_cpu_multiply_adds / 1e12
     ))
 }
 

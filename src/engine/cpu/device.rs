@@ -25,7 +25,7 @@ use super::weights::{Matrix, RowSource};
 /// Fewest tokens of a product made on the device: with fewer, the weights' upload costs more
 /// than the CPU's dequantization and products (a short prompt's products are bound by reading
 /// the weights, which the CPU does once either way).
-pub const MIN_TOKENS: usize = 64;
+pub const MIN_TOKENS: usize = 32;
 
 /// Weight rows of each product checked on the CPU.
 pub const CHECK_ROWS: usize = 4;
@@ -44,6 +44,12 @@ pub struct DeviceWork {
     pub checked: u64,
     /// Seconds spent in them (uploads, dequantization, products, downloads).
     pub seconds: f64,
+    /// The part of `seconds` the product kernels ran (device events).
+    pub kernel_seconds: f64,
+    /// Products left to the CPU for having fewer than [`MIN_TOKENS`] tokens.
+    pub on_cpu: u64,
+    /// Their multiply-adds.
+    pub on_cpu_multiply_adds: f64,
 }
 
 /// The reference's device: `gpu::reference` behind a lock (the reference's steps call it one
@@ -52,6 +58,8 @@ pub struct Device {
     #[cfg(feature = "cuda")]
     products: Mutex<crate::gpu::reference::ReferenceProducts>,
     describe: String,
+    /// Each tiling's measured rate and the one used, in words.
+    kernels: String,
     work: Mutex<DeviceWork>,
 }
 
@@ -60,8 +68,14 @@ impl Device {
     #[cfg(feature = "cuda")]
     pub fn open(ordinal: usize) -> Result<Device> {
         let p = crate::gpu::reference::ReferenceProducts::open(ordinal)?;
+        let (rates, used) = p.kernel_rates();
+        let rates: Vec<String> = rates
+            .iter()
+            .map(|(k, r)| format!("{k} {:.0} G/s", r))
+            .collect();
         Ok(Device {
             describe: p.describe(),
+            kernels: format!("{} (used: {used})", rates.join(", ")),
             products: Mutex::new(p),
             work: Mutex::new(DeviceWork::default()),
         })
@@ -78,6 +92,22 @@ impl Device {
         &self.describe
     }
 
+    /// Each tiling's multiply-add rate measured at open and the one used, in words.
+    pub fn kernels(&self) -> &str {
+        &self.kernels
+    }
+
+    /// Counts a product of `t` tokens and `madds` multiply-adds left to the CPU.
+    fn declined(&self, t: usize, madds: f64) {
+        if t == 0 {
+            return;
+        }
+        if let Ok(mut w) = self.work.lock() {
+            w.on_cpu += 1;
+            w.on_cpu_multiply_adds += madds;
+        }
+    }
+
     /// What the device did so far.
     pub fn work(&self) -> DeviceWork {
         self.work.lock().map(|w| *w).unwrap_or_default()
@@ -92,6 +122,7 @@ impl Device {
         src: &RowSource<'_>,
     ) -> Result<Option<Vec<f32>>> {
         if t < MIN_TOKENS {
+            self.declined(t, (t * src.rows) as f64 * src.cols as f64);
             return Ok(None);
         }
         let (ty, bytes) = src.raw()?;
@@ -114,6 +145,7 @@ impl Device {
         what: &str,
     ) -> Result<Option<Vec<f32>>> {
         if t < MIN_TOKENS {
+            self.declined(t, (t * w.rows) as f64 * w.cols as f64);
             return Ok(None);
         }
         let out = self.made(x, t, w.rows, w.cols, Raw::Dense(&w.data))?;
