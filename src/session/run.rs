@@ -134,6 +134,13 @@ pub(super) fn reference_engine<'w>(
 pub(super) fn device_work_note(reference: &CpuEngine<'_>) -> Option<String> {
     let d = reference.device()?;
     let w = d.work();
+    if let Some(why) = d.set_aside() {
+        return Some(format!(
+            "the reference's products went back to the CPU after {} on {}: {why}",
+            w.products,
+            d.describe()
+        ));
+    }
     if w.products == 0 {
         return None;
     }

@@ -9,11 +9,12 @@
 //!
 //! Each product made on the device is checked on the CPU before it is used: [`CHECK_ROWS`]
 //! weight rows by [`CHECK_TOKENS`] tokens (the first, the last, and others spread between)
-//! dequantized and summed by [`math::dot`] here, and compared bit for bit. A difference is an
-//! error that names the tensor, the element and both values (the device, its driver or the
-//! kernels are then not computing the definition; `--reference-on cpu` keeps the reference on
-//! the CPU). A weight that dequantizes to a non-finite value goes back to the CPU path, which
-//! names it.
+//! dequantized and summed by [`math::dot`] here, and compared bit for bit. A difference names
+//! the tensor, the element and both values (the device, its driver or the kernels are then not
+//! computing the definition): with `--reference-on cuda:N` it is an error; with `auto` the
+//! device is set aside, this product and every later one are the CPU's, and the run's note says
+//! why. A weight that dequantizes to a non-finite value goes back to the CPU path, which names
+//! it.
 
 use std::sync::Mutex;
 
@@ -61,12 +62,17 @@ pub struct Device {
     /// Each tiling's measured rate and the one used, in words.
     kernels: String,
     work: Mutex<DeviceWork>,
+    /// A difference from the CPU is an error (`--reference-on cuda:N`); else (`auto`) the
+    /// device is set aside and the CPU makes every product from then on, with a note.
+    strict: bool,
+    /// Why the device was set aside, once it was.
+    set_aside: Mutex<Option<String>>,
 }
 
 impl Device {
     /// Device `ordinal` for the reference's products (its kernels start compiling now).
     #[cfg(feature = "cuda")]
-    pub fn open(ordinal: usize) -> Result<Device> {
+    pub fn open(ordinal: usize, strict: bool) -> Result<Device> {
         let p = crate::gpu::reference::ReferenceProducts::open(ordinal)?;
         let (rates, used) = p.kernel_rates();
         let rates: Vec<String> = rates
@@ -78,18 +84,31 @@ impl Device {
             kernels: format!("{} (used: {used})", rates.join(", ")),
             products: Mutex::new(p),
             work: Mutex::new(DeviceWork::default()),
+            strict,
+            set_aside: Mutex::new(None),
         })
     }
 
     /// Without the `cuda` feature there is no device.
     #[cfg(not(feature = "cuda"))]
-    pub fn open(ordinal: usize) -> Result<Device> {
+    pub fn open(ordinal: usize, _strict: bool) -> Result<Device> {
         bail!("cuda:{ordinal}: this glmdiff was built without the cuda feature")
     }
 
     /// The device, options and versions, for report headers.
     pub fn describe(&self) -> &str {
         &self.describe
+    }
+
+    /// Why the device was set aside (a product that differed from the CPU's under `auto`), if
+    /// it was.
+    pub fn set_aside(&self) -> Option<String> {
+        self.set_aside.lock().ok().and_then(|s| s.clone())
+    }
+
+    /// Whether the device still makes products.
+    fn in_use(&self) -> bool {
+        self.set_aside.lock().map(|s| s.is_none()).unwrap_or(false)
     }
 
     /// Each tiling's multiply-add rate measured at open and the one used, in words.
@@ -125,14 +144,20 @@ impl Device {
             self.declined(t, (t * src.rows) as f64 * src.cols as f64);
             return Ok(None);
         }
+        if !self.in_use() {
+            return Ok(None);
+        }
         let (ty, bytes) = src.raw()?;
         let out = self.made(x, t, src.rows, src.cols, Raw::Gguf { ty, bytes })?;
-        if let Some(out) = &out {
-            self.check(x, t, src.rows, src.cols, out, src.name(), &|r, buf| {
-                src.dequantize_into(r..r + 1, buf)
-            })?;
+        match &out {
+            Some(o) => self.checked(
+                self.check(x, t, src.rows, src.cols, o, src.name(), &|r, buf| {
+                    src.dequantize_into(r..r + 1, buf)
+                }),
+                out,
+            ),
+            None => Ok(None),
         }
-        Ok(out)
     }
 
     /// `x · W^T` of `t` tokens with the host matrix `w` on the device, checked; `None` when it
@@ -148,14 +173,35 @@ impl Device {
             self.declined(t, (t * w.rows) as f64 * w.cols as f64);
             return Ok(None);
         }
-        let out = self.made(x, t, w.rows, w.cols, Raw::Dense(&w.data))?;
-        if let Some(out) = &out {
-            self.check(x, t, w.rows, w.cols, out, what, &|r, buf| {
-                buf.copy_from_slice(w.row(r));
-                Ok(())
-            })?;
+        if !self.in_use() {
+            return Ok(None);
         }
-        Ok(out)
+        let out = self.made(x, t, w.rows, w.cols, Raw::Dense(&w.data))?;
+        match &out {
+            Some(o) => self.checked(
+                self.check(x, t, w.rows, w.cols, o, what, &|r, buf| {
+                    buf.copy_from_slice(w.row(r));
+                    Ok(())
+                }),
+                out,
+            ),
+            None => Ok(None),
+        }
+    }
+
+    /// `out` when its check passed; when it failed, the error under `--reference-on cuda:N`,
+    /// else the device set aside (the CPU makes this product and every later one).
+    fn checked(&self, check: Result<()>, out: Option<Vec<f32>>) -> Result<Option<Vec<f32>>> {
+        match check {
+            Ok(()) => Ok(out),
+            Err(e) if self.strict => Err(e),
+            Err(e) => {
+                if let Ok(mut s) = self.set_aside.lock() {
+                    s.get_or_insert(format!("{e:#}"));
+                }
+                Ok(None)
+            }
+        }
     }
 
     /// The product made on the device, counted.
@@ -288,7 +334,7 @@ pub fn reference_device(
     match on {
         ReferenceOn::Cpu => Ok((None, None)),
         ReferenceOn::Cuda(n) => {
-            let d = Device::open(n).with_context(|| {
+            let d = Device::open(n, true).with_context(|| {
                 format!("--reference-on cuda:{n}: the reference's products cannot go to device {n}")
             })?;
             Ok((Some(std::sync::Arc::new(d)), None))
@@ -297,7 +343,7 @@ pub fn reference_device(
             let Some(n) = candidate_device.or_else(first_device) else {
                 return Ok((None, None));
             };
-            match Device::open(n) {
+            match Device::open(n, false) {
                 Ok(d) => Ok((Some(std::sync::Arc::new(d)), None)),
                 Err(e) => Ok((
                     None,
