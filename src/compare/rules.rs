@@ -817,38 +817,45 @@ fn flip_count(
     u: f64,
 ) -> FlipCount {
     use super::flipcount::{count_row, not_top_k, summarize, Row};
+    use rayon::prelude::*;
     let (w, cols) = (width.max(1), sc.cols.max(1));
-    let mut rows = Vec::new();
-    let mut keys = 0usize;
-    for (t, (rr, cr)) in reference.chunks(w).zip(candidate.chunks(w)).enumerate() {
-        if reached(t) {
-            continue;
-        }
-        let Some(r) = sc.values.get(t * cols..(t + 1) * cols) else {
-            break;
-        };
-        keys += r.iter().filter(|x| x.is_finite()).count();
-        let row = Row {
-            reference: r,
-            candidate: sc.candidate.and_then(|c| c.get(t * cols..(t + 1) * cols)),
-            ref_ids: rr,
-            cand_ids: cr,
-        };
-        if let Some(c) = count_row(&row, sc.rel_tol) {
-            rows.push((t, c));
-        }
-    }
+    // Rows are independent: counted on the threads, kept in row order (the same sums as one
+    // at a time: `summarize` adds them in that order).
+    let n = (reference.len() / w)
+        .min(candidate.len() / w)
+        .min(sc.values.len() / cols);
+    let skip: Vec<bool> = (0..n).map(reached).collect();
+    let counted: Vec<(usize, usize, Option<super::flipcount::RowCount>)> = (0..n)
+        .into_par_iter()
+        .filter(|&t| !skip[t])
+        .map(|t| {
+            let r = &sc.values[t * cols..(t + 1) * cols];
+            let row = Row {
+                reference: r,
+                candidate: sc.candidate.and_then(|c| c.get(t * cols..(t + 1) * cols)),
+                ref_ids: &reference[t * w..(t + 1) * w],
+                cand_ids: &candidate[t * w..(t + 1) * w],
+            };
+            let finite = r.iter().filter(|x| x.is_finite()).count();
+            (t, finite, count_row(&row, sc.rel_tol))
+        })
+        .collect();
+    let keys: usize = counted.iter().map(|(_, k, _)| k).sum();
+    let rows: Vec<(usize, super::flipcount::RowCount)> = counted
+        .into_iter()
+        .filter_map(|(t, _, c)| c.map(|c| (t, c)))
+        .collect();
     let (mut own_rows, mut bad) = (0usize, Vec::new());
     if let Some(own) = own {
-        for (t, cr) in candidate.chunks(w).enumerate() {
-            let Some(o) = own.get(t * cols..(t + 1) * cols) else {
-                break;
-            };
-            own_rows += 1;
-            if let Some((gap, tol)) = not_top_k(o, cr, u) {
-                bad.push((t, gap, tol));
-            }
-        }
+        let m = (candidate.len() / w).min(own.len() / cols);
+        own_rows = m;
+        bad = (0..m)
+            .into_par_iter()
+            .filter_map(|t| {
+                not_top_k(&own[t * cols..(t + 1) * cols], &candidate[t * w..(t + 1) * w], u)
+                    .map(|(gap, tol)| (t, gap, tol))
+            })
+            .collect();
     }
     summarize(&rows, keys).with_own(own_rows, &bad)
 }
