@@ -852,8 +852,12 @@ fn flip_count(
         bad = (0..m)
             .into_par_iter()
             .filter_map(|t| {
-                not_top_k(&own[t * cols..(t + 1) * cols], &candidate[t * w..(t + 1) * w], u)
-                    .map(|(gap, tol)| (t, gap, tol))
+                not_top_k(
+                    &own[t * cols..(t + 1) * cols],
+                    &candidate[t * w..(t + 1) * w],
+                    u,
+                )
+                .map(|(gap, tol)| (t, gap, tol))
             })
             .collect();
     }
