@@ -13,7 +13,7 @@
 //! the tensor, the element and both values (the device, its driver or the kernels are then not
 //! computing the definition): with `--reference-on cuda:N` it is an error; with `auto` the
 //! device is set aside, this product and every later one are the CPU's, and the run's note says
-//! why. A weight that dequantizes to a non-finite value goes back to the CPU path, which names
+//! why (as it does for a failure of the device itself: a copy, a launch, its memory). A weight that dequantizes to a non-finite value goes back to the CPU path, which names
 //! it.
 
 use std::sync::Mutex;
@@ -222,17 +222,31 @@ impl Device {
                 Raw::Gguf { ty, bytes } => Weights::Raw { ty, bytes },
                 Raw::Dense(v) => Weights::Dense(v),
             };
-            let out = {
+            let (out, kernel_seconds) = {
                 let p = self.products.lock().map_err(|_| {
                     anyhow::anyhow!("engine: cpu: the reference's device lock is poisoned")
                 })?;
-                p.products(x, t, weights, rows, cols)?
+                let k0 = p.kernel_seconds();
+                // Under `auto` a failure of the device (a copy, a launch, its memory) sets it
+                // aside as a difference does: the CPU makes this product and the rest.
+                let out = match p.products(x, t, weights, rows, cols) {
+                    Ok(out) => out,
+                    Err(e) if !self.strict => {
+                        if let Ok(mut s) = self.set_aside.lock() {
+                            s.get_or_insert(format!("{e:#}"));
+                        }
+                        None
+                    }
+                    Err(e) => return Err(e),
+                };
+                (out, p.kernel_seconds() - k0)
             };
             if out.is_some() {
                 if let Ok(mut work) = self.work.lock() {
                     work.products += 1;
                     work.multiply_adds += (t * rows) as f64 * cols as f64;
                     work.seconds += start.elapsed().as_secs_f64();
+                    work.kernel_seconds += kernel_seconds;
                 }
             }
             Ok(out)
