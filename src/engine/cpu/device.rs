@@ -140,24 +140,14 @@ impl Device {
         t: usize,
         src: &RowSource<'_>,
     ) -> Result<Option<Vec<f32>>> {
-        if t < MIN_TOKENS {
-            self.declined(t, (t * src.rows) as f64 * src.cols as f64);
-            return Ok(None);
-        }
-        if !self.in_use() {
-            return Ok(None);
-        }
         let (ty, bytes) = src.raw()?;
-        let out = self.made(x, t, src.rows, src.cols, Raw::Gguf { ty, bytes })?;
-        match &out {
-            Some(o) => self.checked(
-                self.check(x, t, src.rows, src.cols, o, src.name(), &|r, buf| {
-                    src.dequantize_into(r..r + 1, buf)
-                }),
-                out,
-            ),
-            None => Ok(None),
-        }
+        self.product(
+            (x, t),
+            (src.rows, src.cols),
+            Raw::Gguf { ty, bytes },
+            src.name(),
+            &|r, buf| src.dequantize_into(r..r + 1, buf),
+        )
     }
 
     /// `x · W^T` of `t` tokens with the host matrix `w` on the device, checked; `None` when it
@@ -169,22 +159,39 @@ impl Device {
         w: &Matrix,
         what: &str,
     ) -> Result<Option<Vec<f32>>> {
+        self.product(
+            (x, t),
+            (w.rows, w.cols),
+            Raw::Dense(&w.data),
+            what,
+            &|r, buf| {
+                buf.copy_from_slice(w.row(r));
+                Ok(())
+            },
+        )
+    }
+
+    /// The product of `x` (`t` tokens) with `rows` weight rows of `cols` values given by `w`
+    /// (named `what`; `row(r, buf)` writes row `r` for the check) on the device, checked;
+    /// `None` when it is not made there.
+    fn product(
+        &self,
+        (x, t): (&[f32], usize),
+        (rows, cols): (usize, usize),
+        w: Raw<'_>,
+        what: &str,
+        row: &dyn Fn(usize, &mut [f32]) -> Result<()>,
+    ) -> Result<Option<Vec<f32>>> {
         if t < MIN_TOKENS {
-            self.declined(t, (t * w.rows) as f64 * w.cols as f64);
+            self.declined(t, (t * rows) as f64 * cols as f64);
             return Ok(None);
         }
         if !self.in_use() {
             return Ok(None);
         }
-        let out = self.made(x, t, w.rows, w.cols, Raw::Dense(&w.data))?;
+        let out = self.made(x, t, rows, cols, w)?;
         match &out {
-            Some(o) => self.checked(
-                self.check(x, t, w.rows, w.cols, o, what, &|r, buf| {
-                    buf.copy_from_slice(w.row(r));
-                    Ok(())
-                }),
-                out,
-            ),
+            Some(o) => self.checked(self.check(x, t, rows, cols, o, what, row), out),
             None => Ok(None),
         }
     }
