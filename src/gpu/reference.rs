@@ -257,9 +257,15 @@ impl ReferenceProducts {
                 .as_mut_slice()
                 .context("cuda: pinned staging memory")?;
             let buf = &mut buf[..chunk.len()];
-            buf.par_chunks_mut(1 << 20)
-                .zip(chunk.par_chunks(1 << 20))
-                .for_each(|(d, s)| d.copy_from_slice(s));
+            // On the pool's threads unless this is one of them (a product asked from a task
+            // of the pool would otherwise wait on its own locks while the pool steals it).
+            if rayon::current_thread_index().is_some() {
+                buf.copy_from_slice(chunk);
+            } else {
+                buf.par_chunks_mut(1 << 20)
+                    .zip(chunk.par_chunks(1 << 20))
+                    .for_each(|(d, s)| d.copy_from_slice(s));
+            }
             let (ptr, rec) = dst.device_ptr_mut(s);
             // SAFETY: `ptr + i * STAGE_BYTES .. + chunk.len()` lies inside `dst` (it holds
             // src.len() bytes); `buf` is pinned memory not written again before the event
@@ -270,10 +276,15 @@ impl ReferenceProducts {
             }
             .context("cuda: copy to the device")?;
             drop(rec);
-            st.events[slot] = Some(
-                s.record_event(None)
-                    .context("cuda: recording a staging copy")?,
-            );
+            match s.record_event(None) {
+                Ok(e) => st.events[slot] = Some(e),
+                Err(e) => {
+                    // Nothing would say when the copy is done: wait for it before the buffer
+                    // can be written again or freed.
+                    let _ = s.synchronize();
+                    return Err(e).context("cuda: recording a staging copy");
+                }
+            }
         }
         Ok(())
     }
@@ -397,6 +408,10 @@ impl ReferenceProducts {
         s.memcpy_dtoh(&out.slice(..t * rows), &mut host)
             .context("cuda: reading the reference's products")?;
         s.synchronize().context("cuda: the reference's products")?;
+        // An output past 1 GiB (a long prompt's logits) is not kept for the next product.
+        if t * rows * 4 > 1 << 30 {
+            b.out = None;
+        }
         Ok(Some(host))
     }
 

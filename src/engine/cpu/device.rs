@@ -282,7 +282,9 @@ impl Device {
             for i in spread(t, CHECK_TOKENS) {
                 let want = dot(&x[i * cols..(i + 1) * cols], &buf) as f32;
                 let got = out[i * rows + r];
-                if want.to_bits() != got.to_bits() {
+                // NaN's payload is not part of the definition (x86 and CUDA make different
+                // ones from inf * 0); a reference value that is not finite is refused later.
+                if want.to_bits() != got.to_bits() && !(want.is_nan() && got.is_nan()) {
                     bail!(
                         "engine: cpu: the reference's product with {what} made on {} differs from the CPU's at token {i}, row {r}: {got:e} ({:#010x}) against {want:e} ({:#010x}); the device does not compute the reference's sums (run with --reference-on cpu)",
                         self.describe,
