@@ -1442,6 +1442,30 @@ mod device {
                     }
                 }
             }
+            // Past one staging buffer (32 MiB of input) and past one chunk of dequantized weights
+            // (2^26 values: the rows go in two chunks, the second written from column r0 > 0).
+            for (t, rows, cols) in [(2100usize, 40usize, 4096usize), (40, 17_000, 4096)] {
+                let x = mixed(&mut rng, t * cols);
+                let w = Matrix {
+                    rows,
+                    cols,
+                    data: mixed(&mut rng, rows * cols),
+                };
+                let want = matmul(&x, t, &w);
+                let got = p
+                    .products(&x, t, W::Dense(&w.data), rows, cols)
+                    .unwrap()
+                    .unwrap();
+                let bad = want
+                    .iter()
+                    .zip(&got)
+                    .position(|(a, b)| a.to_bits() != b.to_bits());
+                assert!(
+                    bad.is_none(),
+                    "t {t} rows {rows} cols {cols}: element {bad:?}"
+                );
+                n += 1;
+            }
             // Quantized rows: random valid blocks of each type, dequantized on the device.
             for ty in [
                 GgmlType::Q4_K,
