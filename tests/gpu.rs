@@ -1416,35 +1416,8 @@ mod device {
             eprintln!("{} {:?}", p.describe(), p.kernel_rates());
             let mut rng = SplitMix64::new(41);
             let mut n = 0;
-            for &t in &[1usize, 31, 64, 97, 130] {
-                for &rows in &[1usize, 33, 100] {
-                    for &cols in &[1usize, 7, 8, 63, 65, 300, 1030] {
-                        let x = mixed(&mut rng, t * cols);
-                        let w = Matrix {
-                            rows,
-                            cols,
-                            data: mixed(&mut rng, rows * cols),
-                        };
-                        let want = matmul(&x, t, &w);
-                        let got = p
-                            .products(&x, t, W::Dense(&w.data), rows, cols)
-                            .unwrap()
-                            .unwrap();
-                        let bad = want
-                            .iter()
-                            .zip(&got)
-                            .position(|(a, b)| a.to_bits() != b.to_bits());
-                        assert!(
-                            bad.is_none(),
-                            "t {t} rows {rows} cols {cols}: element {bad:?}"
-                        );
-                        n += 1;
-                    }
-                }
-            }
-            // Past one staging buffer (32 MiB of input) and past one chunk of dequantized weights
-            // (2^26 values: the rows go in two chunks, the second written from column r0 > 0).
-            for (t, rows, cols) in [(2100usize, 40usize, 4096usize), (40, 17_000, 4096)] {
+            // One product of f32 weights against the CPU's.
+            let mut dense = |t: usize, rows: usize, cols: usize| {
                 let x = mixed(&mut rng, t * cols);
                 let w = Matrix {
                     rows,
@@ -1465,7 +1438,18 @@ mod device {
                     "t {t} rows {rows} cols {cols}: element {bad:?}"
                 );
                 n += 1;
+            };
+            for &t in &[1usize, 31, 64, 97, 130] {
+                for &rows in &[1usize, 33, 100] {
+                    for &cols in &[1usize, 7, 8, 63, 65, 300, 1030] {
+                        dense(t, rows, cols);
+                    }
+                }
             }
+            // Past one staging buffer (32 MiB of input) and past one chunk of dequantized weights
+            // (2^26 values: the rows go in two chunks, the second written from column r0 > 0).
+            dense(2100, 40, 4096);
+            dense(40, 17_000, 4096);
             // Quantized rows: random valid blocks of each type, dequantized on the device.
             for ty in [
                 GgmlType::Q4_K,
