@@ -61,7 +61,6 @@ use super::layer::{self, count_ids, glm5_synth, layer_floor, procfs, token_ids, 
 use super::scratch::{ScratchModel, SynthInfo};
 use crate::driver::pair::LayerTime;
 use crate::driver::{self, Plan};
-use crate::engine::cpu::CpuEngine;
 use crate::engine::HostTensor;
 use crate::gguf::Model;
 use crate::model::names;
@@ -1050,11 +1049,7 @@ fn reference_routing(
         experts: BTreeMap::new(),
     };
     // The reference's large products where `--reference-on` puts them (the same bits).
-    let (device, _) = crate::engine::cpu::device::reference_device(ids.len(), None)?;
-    let mut engine = CpuEngine::new(&weights);
-    if let Some(d) = device {
-        engine = engine.with_device(d);
-    }
+    let (engine, _) = crate::engine::cpu::device::reference_engine(&weights, ids.len(), None)?;
     driver::run_from(&engine, &weights, ids, &plan, &[], &mut sink, progress)?;
     Ok(sink.experts)
 }

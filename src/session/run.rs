@@ -14,7 +14,7 @@ use super::tokens::token_text;
 use super::{Ran, Watch};
 use crate::compare::judge::precision_of;
 use crate::compare::{Comparison, Status};
-use crate::engine::cpu::device::{reference_device, MIN_TOKENS};
+use crate::engine::cpu::device::{reference_engine, MIN_TOKENS};
 use crate::engine::cpu::CpuEngine;
 use crate::engine::Engine;
 use crate::explain::case::{self, CaseMeta};
@@ -111,22 +111,6 @@ pub fn run(cfg: &RunConfig, watch: &Watch<'_>) -> Result<Ran> {
     Ok(Ran {
         header,
         comparison: cmp,
-    })
-}
-
-/// The reference engine of a run of `tokens` tokens: its large products on a device as
-/// `--reference-on` says (`candidate_device`: the CUDA candidate's), and a note when `auto`
-/// could not open one.
-pub(super) fn reference_engine<'w>(
-    weights: &'w Weights<'w>,
-    tokens: usize,
-    candidate_device: Option<usize>,
-) -> Result<(CpuEngine<'w>, Option<String>)> {
-    let (device, note) = reference_device(tokens, candidate_device)?;
-    let engine = CpuEngine::new(weights);
-    Ok(match device {
-        Some(d) => (engine.with_device(d), note),
-        None => (engine, note),
     })
 }
 

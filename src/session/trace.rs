@@ -70,7 +70,7 @@ pub fn trace(req: &TraceRequest, progress: &dyn Progress) -> Result<Traced> {
     };
     let mut sink = TraceSink::new(filter);
     let plan = Plan::for_sink(&weights, &sink)?;
-    let (engine, _) = super::run::reference_engine(&weights, tokens.len(), None)?;
+    let (engine, _) = crate::engine::cpu::device::reference_engine(&weights, tokens.len(), None)?;
     let summary = driver::run_from(&engine, &weights, &tokens, &plan, &[], &mut sink, progress)?;
     if summary.hooks_recorded == 0 {
         let layers =

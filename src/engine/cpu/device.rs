@@ -379,6 +379,22 @@ pub fn reference_device(
     }
 }
 
+/// The reference engine of a run of `tokens` tokens: its large products on a device as the
+/// process's [`ReferenceOn`] says (`candidate_device`: the CUDA candidate's), and a note when
+/// `auto` could not open one.
+pub fn reference_engine<'w>(
+    weights: &'w crate::model::Weights<'w>,
+    tokens: usize,
+    candidate_device: Option<usize>,
+) -> Result<(super::CpuEngine<'w>, Option<String>)> {
+    let (device, note) = reference_device(tokens, candidate_device)?;
+    let engine = super::CpuEngine::new(weights);
+    Ok(match device {
+        Some(d) => (engine.with_device(d), note),
+        None => (engine, note),
+    })
+}
+
 /// Device 0 when CUDA is there and reports a device.
 fn first_device() -> Option<usize> {
     #[cfg(feature = "cuda")]

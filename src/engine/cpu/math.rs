@@ -23,7 +23,8 @@ pub mod gemm;
 /// Weight rows a step multiplies with: read from the file and dequantized as they are used (the
 /// reference), or a dense host matrix (another realisation of the same description, e.g. the
 /// weights a faulty loader would have built). Both multiply with the same kernel
-/// ([`gemm::products`], every element [`dot`]'s), so equal values give bit-identical products.
+/// ([`gemm::products`], every element [`dot`]'s), so equal values give bit-identical products;
+/// `CpuEngine::rows_matmul` multiplies either (on the engine's device when it has one).
 pub enum Rows<'m> {
     /// Rows of a GGUF tensor.
     Source(RowSource<'m>),
@@ -32,14 +33,6 @@ pub enum Rows<'m> {
 }
 
 impl Rows<'_> {
-    /// `x · W^T`: `[t, cols]` -> `[t, rows]`.
-    pub fn matmul(&self, x: &[f32], t: usize) -> Result<Vec<f32>> {
-        match self {
-            Rows::Source(src) => matmul_rows(x, t, src),
-            Rows::Dense(m) => Ok(matmul(x, t, m)),
-        }
-    }
-
     /// Values per row.
     pub fn cols(&self) -> usize {
         match self {

@@ -176,8 +176,8 @@ impl<'w> CpuEngine<'w> {
         device::matmul_rows(self.device(), x.as_f32(name)?, t, &src)
     }
 
-    /// `x · W^T` for the weight rows `rows` (`[t, rows.cols()]` -> `[t, rows]`), as
-    /// [`Rows::matmul`] computes it, the large products on the engine's device.
+    /// `x · W^T` for the weight rows `rows` (`[t, rows.cols()]` -> `[t, rows]`): [`math`]'s
+    /// products, the large ones on the engine's device.
     pub fn rows_matmul(&self, rows: &Rows<'_>, x: &[f32], t: usize) -> Result<Vec<f32>> {
         match rows {
             Rows::Source(src) => device::matmul_rows(self.device(), x, t, src),
