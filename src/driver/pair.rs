@@ -121,6 +121,7 @@ where
     let mut times: Vec<(String, f64)> = by.into_inner().into_iter().collect();
     times.sort_by(|a, b| b.1.total_cmp(&a.1));
     summary.compare_times = times;
+    summary.reference_times.sort_by(|a, b| b.1.total_cmp(&a.1));
     Ok(summary)
 }
 
@@ -320,7 +321,7 @@ where
     /// candidate's chained and replayed steps and their uploads.
     fn record_times(&mut self, step: &Step, took: f64, further: usize, cand_done: &mut CandStep) {
         let summary = &mut self.summary;
-        summary.time(step.layer).reference += took;
+        summary.reference_time(step, "own", took);
         if step.op != Op::Alias {
             summary
                 .reference_work
@@ -416,8 +417,8 @@ where
             &mut self.sink,
             &mut self.summary,
         )?;
-        self.summary.time(step.layer).reference +=
-            (t0.elapsed().as_secs_f64() - (self.sink.spent.get() - f0)).max(0.0);
+        let took = (t0.elapsed().as_secs_f64() - (self.sink.spent.get() - f0)).max(0.0);
+        self.summary.reference_time(step, "followed", took);
         Ok(())
     }
 
@@ -872,7 +873,7 @@ fn recompute_reference<R: Engine>(
     };
     let took = t0.elapsed().as_secs_f64();
     work.add(n, took);
-    summary.time(step.layer).reference += took;
+    summary.reference_time(step, "replay", took);
     Ok(out)
 }
 

@@ -4,6 +4,7 @@
 use anyhow::Result;
 
 use super::exec_step;
+use super::timed::point_of;
 use crate::engine::{Engine, HostTensor, UploadStats};
 use crate::model::steps::{expert_hook, hook, point, Op, Step};
 use crate::model::Weights;
@@ -25,6 +26,10 @@ pub struct PairSummary {
     /// The comparison's seconds by what it was handed (a hook's point and mode, its layers
     /// together, or the call), the largest first.
     pub compare_times: Vec<(String, f64)>,
+    /// The reference's seconds by step and cause (`attn_heads own`, `ffn_moe followed`,
+    /// `indexer_topk replay`: a step's first output's point with its layers together), the
+    /// largest first once the pass is done; they add up to the layers' `reference`.
+    pub reference_times: Vec<(String, f64)>,
 }
 
 /// The steps the reference engine computed in a pass, by cause (every cause's time is also in
@@ -105,6 +110,18 @@ impl LayerTime {
 }
 
 impl PairSummary {
+    /// Adds `seconds` of the reference's `step` for `cause` (`own`, `replay`, `followed`) to its
+    /// layer's time and to [`PairSummary::reference_times`].
+    pub(super) fn reference_time(&mut self, step: &Step, cause: &str, seconds: f64) {
+        self.time(step.layer).reference += seconds;
+        let point = step.outputs.first().map_or("-", |o| point_of(o));
+        let what = format!("{point} {cause}");
+        match self.reference_times.iter_mut().find(|(w, _)| *w == what) {
+            Some((_, s)) => *s += seconds,
+            None => self.reference_times.push((what, seconds)),
+        }
+    }
+
     pub(super) fn time(&mut self, layer: Option<usize>) -> &mut LayerTime {
         match self.layer_times.iter().position(|t| t.layer == layer) {
             Some(i) => &mut self.layer_times[i],

@@ -30,19 +30,23 @@ impl Timed<'_, '_> {
         let out = f(&mut *self.inner);
         let s = t0.elapsed().as_secs_f64();
         self.spent.set(self.spent.get() + s);
-        *self.by.borrow_mut().entry(point_of(what)).or_insert(0.0) += s;
+        *self
+            .by
+            .borrow_mut()
+            .entry(point_of(what).to_string())
+            .or_insert(0.0) += s;
         out
     }
 }
 
 /// `blk.3.attn_out replay` -> `attn_out replay`: what a time is kept under.
-fn point_of(what: &str) -> String {
+pub(super) fn point_of(what: &str) -> &str {
     match what.strip_prefix("blk.") {
         Some(rest) => match rest.split_once('.') {
-            Some((layer, point)) if layer.chars().all(|c| c.is_ascii_digit()) => point.to_string(),
-            _ => what.to_string(),
+            Some((layer, point)) if layer.chars().all(|c| c.is_ascii_digit()) => point,
+            _ => what,
         },
-        None => what.to_string(),
+        None => what,
     }
 }
 

@@ -65,6 +65,8 @@ pub struct Header {
     pub layer_times: Vec<LayerTime>,
     /// The comparison's seconds by what it was handed (`run`), the largest first.
     pub compare_times: Vec<(String, f64)>,
+    /// The reference's seconds by step and cause (`run`), the largest first.
+    pub reference_times: Vec<(String, f64)>,
     /// What the reference computed, by cause (`run`; `None` for `compare`).
     pub reference_work: Option<ReferenceWork>,
     /// What `--explain` found (`None` without it).
@@ -1023,6 +1025,7 @@ pub fn to_json(h: &Header, c: &Comparison) -> Value {
             "compare_s": t.compare,
         })).collect::<Vec<_>>(),
         "compare_times": h.compare_times.iter().map(|(w, s)| json!({"what": w, "seconds": s})).collect::<Vec<_>>(),
+        "reference_times": h.reference_times.iter().map(|(w, s)| json!({"what": w, "seconds": s})).collect::<Vec<_>>(),
         "reference_work": h.reference_work.as_ref().map(|w| {
             let work = |x: &Work| json!({"steps": x.steps, "rows": x.rows, "seconds": x.seconds});
             json!({

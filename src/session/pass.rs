@@ -45,6 +45,8 @@ pub(super) struct Passed {
     pub layer_times: Vec<LayerTime>,
     /// The comparison's seconds by what it was handed, the largest first.
     pub compare_times: Vec<(String, f64)>,
+    /// The reference's seconds by step and cause, the largest first.
+    pub reference_times: Vec<(String, f64)>,
     /// What the reference computed, by cause.
     pub reference_work: ReferenceWork,
     /// The candidate.
@@ -118,6 +120,7 @@ impl Pass<'_, '_> {
             captured,
             layer_times: summary.layer_times,
             compare_times: summary.compare_times,
+            reference_times: summary.reference_times,
             reference_work: summary.reference_work,
             candidate: desc,
             notes,

@@ -104,6 +104,7 @@ pub fn run(cfg: &RunConfig, watch: &Watch<'_>) -> Result<Ran> {
         timings,
         layer_times: passed.layer_times,
         compare_times: passed.compare_times,
+        reference_times: passed.reference_times,
         reference_work: Some(passed.reference_work),
         explanation,
         repro,
