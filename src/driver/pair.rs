@@ -331,9 +331,8 @@ where
         if further > 0 {
             summary.reference_work.joint.add(further, took);
         }
+        summary.candidate_time(step, cand_done.chained_seconds, cand_done.replay_seconds);
         let t = summary.time(step.layer);
-        t.chained += cand_done.chained_seconds;
-        t.replay += cand_done.replay_seconds;
         for u in [
             cand_done.chained_upload.take(),
             cand_done.replay_upload.take(),

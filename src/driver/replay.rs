@@ -30,6 +30,10 @@ pub struct PairSummary {
     /// `indexer_topk replay`: a step's first output's point with its layers together), the
     /// largest first once the pass is done; they add up to the layers' `reference`.
     pub reference_times: Vec<(String, f64)>,
+    /// The candidate engine's seconds by step and mode (`attn_heads chained`, `q_b replay`),
+    /// kept as [`PairSummary::reference_times`]; they add up to the layers' `chained` and
+    /// `replay`.
+    pub candidate_times: Vec<(String, f64)>,
 }
 
 /// The steps the reference engine computed in a pass, by cause (every cause's time is also in
@@ -109,16 +113,34 @@ impl LayerTime {
     }
 }
 
+/// Adds `seconds` to `times` under `step`'s first output's point and `cause`.
+fn add_time(times: &mut Vec<(String, f64)>, step: &Step, cause: &str, seconds: f64) {
+    let point = step.outputs.first().map_or("-", |o| point_of(o));
+    let what = format!("{point} {cause}");
+    match times.iter_mut().find(|(w, _)| *w == what) {
+        Some((_, s)) => *s += seconds,
+        None => times.push((what, seconds)),
+    }
+}
+
 impl PairSummary {
     /// Adds `seconds` of the reference's `step` for `cause` (`own`, `replay`, `followed`) to its
     /// layer's time and to [`PairSummary::reference_times`].
     pub(super) fn reference_time(&mut self, step: &Step, cause: &str, seconds: f64) {
         self.time(step.layer).reference += seconds;
-        let point = step.outputs.first().map_or("-", |o| point_of(o));
-        let what = format!("{point} {cause}");
-        match self.reference_times.iter_mut().find(|(w, _)| *w == what) {
-            Some((_, s)) => *s += seconds,
-            None => self.reference_times.push((what, seconds)),
+        add_time(&mut self.reference_times, step, cause, seconds);
+    }
+
+    /// Adds the candidate engine's seconds of `step` in its chain and in replay to its layer's
+    /// times and to [`PairSummary::candidate_times`].
+    pub(super) fn candidate_time(&mut self, step: &Step, chained: f64, replay: f64) {
+        let t = self.time(step.layer);
+        t.chained += chained;
+        t.replay += replay;
+        for (mode, s) in [("chained", chained), ("replay", replay)] {
+            if s > 0.0 {
+                add_time(&mut self.candidate_times, step, mode, s);
+            }
         }
     }
 

@@ -47,6 +47,8 @@ pub(super) struct Passed {
     pub compare_times: Vec<(String, f64)>,
     /// The reference's seconds by step and cause, the largest first.
     pub reference_times: Vec<(String, f64)>,
+    /// The candidate engine's seconds by step and mode, the largest first.
+    pub candidate_times: Vec<(String, f64)>,
     /// What the reference computed, by cause.
     pub reference_work: ReferenceWork,
     /// The candidate.
@@ -121,6 +123,7 @@ impl Pass<'_, '_> {
             layer_times: summary.layer_times,
             compare_times: summary.compare_times,
             reference_times: summary.reference_times,
+            candidate_times: summary.candidate_times,
             reference_work: summary.reference_work,
             candidate: desc,
             notes,

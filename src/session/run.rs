@@ -105,6 +105,7 @@ pub fn run(cfg: &RunConfig, watch: &Watch<'_>) -> Result<Ran> {
         layer_times: passed.layer_times,
         compare_times: passed.compare_times,
         reference_times: passed.reference_times,
+        candidate_times: passed.candidate_times,
         reference_work: Some(passed.reference_work),
         explanation,
         repro,
