@@ -155,6 +155,52 @@ extern "C" __global__ void topk_rows_f32(const float* __restrict__ scores, int* 
     for (u32 slot = m; slot < width; slot++) out[t * width + slot] = -1;
 }
 
+// topk_rows_f32's selection for rows of up to 2^14 keys, one block per row: the row's causal
+// entries s <= t as 64-bit keys (total_key's order made unsigned, in the high half; the index
+// reversed in the low half, so that descending keys mean larger scores first, ties to the lower
+// s), a bitonic sort of the row's power of two in shared memory (dynamic: p2 of them, the
+// padding 0, below any entry), then the first min(k, t + 1) indices; -1 up to width.
+extern "C" __global__ void topk_rows_sort_f32(const float* __restrict__ scores,
+                                              int* __restrict__ out, u32 T, u32 k, u32 width) {
+    extern __shared__ unsigned long long keys[];
+    const u64 t = blockIdx.x;
+    if (t >= T) return;
+    const float* row = scores + t * T;
+    const u32 n = (u32)t + 1, m = k < n ? k : n;
+    u32 p2 = 1;
+    while (p2 < n) p2 <<= 1;
+    for (u32 s = threadIdx.x; s < p2; s += blockDim.x) {
+        unsigned long long v = 0;
+        if (s < n) {
+            const unsigned hi = (unsigned)total_key(row[s]) ^ 0x80000000u;
+            v = ((unsigned long long)hi << 32) | (unsigned long long)(0xFFFFFFFFu - s);
+        }
+        keys[s] = v;
+    }
+    __syncthreads();
+    for (u32 size = 2; size <= p2; size <<= 1) {
+        for (u32 j = size >> 1; j > 0; j >>= 1) {
+            for (u32 i = threadIdx.x; i < p2; i += blockDim.x) {
+                const u32 ixj = i ^ j;
+                if (ixj > i) {
+                    const unsigned long long a = keys[i], b = keys[ixj];
+                    // Descending in blocks with (i & size) == 0, ascending in the others; the
+                    // last merge (size == p2) is descending throughout.
+                    const bool desc = (i & size) == 0;
+                    if (desc ? a < b : a > b) {
+                        keys[i] = b;
+                        keys[ixj] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    for (u32 slot = threadIdx.x; slot < width; slot += blockDim.x)
+        out[t * width + slot] =
+            slot < m ? (int)(0xFFFFFFFFu - (unsigned)(keys[slot] & 0xFFFFFFFFull)) : -1;
+}
+
 // The keys each query may see: mask [T, T] (1 allowed) from the DSA selection [T, sk] (i32,
 // -1 ignored, positions above the diagonal ignored), or causal when sel is null.
 extern "C" __global__ void mla_mask(const int* __restrict__ sel, u8* __restrict__ mask, u32 T,

@@ -1300,6 +1300,56 @@ mod device {
         }
     }
 
+    /// The CUDA engine's causal top-k against the CPU's, element for element: rows sorted in
+    /// shared memory (up to 2^14 keys) and the one-thread-a-row passes past them, with ties,
+    /// infinities and NaNs, k below, at and above a row's length.
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_top_k_is_the_cpus() {
+        let m = Model::open(&fixtures("models/glm5-tiny-q/glm5-tiny-q-mixed.gguf")).unwrap();
+        let w = Weights::new(&m).unwrap();
+        let cpu = CpuEngine::new(&w);
+        let g = gpu();
+        let cuda = CudaEngine::new(&g, &w, GpuDtype::F32).unwrap();
+        let mut rng = SplitMix64::new(41);
+        for (t, k) in [
+            (1, 4),
+            (5, 3),
+            (300, 64),
+            (2100, 2048),
+            (4096, 2048),
+            (7000, 2048),
+            (16385, 16),
+        ] {
+            // Few distinct values (ties everywhere), a few infinities and NaNs.
+            let v: Vec<f32> = (0..t * t)
+                .map(|i| match rng.next_u64() % 97 {
+                    0 => f32::INFINITY,
+                    1 => f32::NEG_INFINITY,
+                    2 => f32::NAN,
+                    3 => -0.0,
+                    _ => ((rng.next_u64() % 64) as f32 - 32.0) * 0.25 + (i % 3) as f32,
+                })
+                .collect();
+            let scores = HostTensor::f32(vec![t, t], v).unwrap();
+            let want = cpu.top_k(&scores, k).unwrap();
+            let up = cuda.upload(&scores).unwrap();
+            let got = cuda.download(&cuda.top_k(&up, k).unwrap()).unwrap();
+            assert_eq!(got.shape, want.shape, "t {t} k {k}");
+            let (a, b) = (got.as_i32("gpu").unwrap(), want.as_i32("cpu").unwrap());
+            if let Some(i) = (0..a.len()).find(|&i| a[i] != b[i]) {
+                let width = want.shape[1];
+                panic!(
+                    "t {t} k {k}: row {} slot {}: gpu {} cpu {}",
+                    i / width,
+                    i % width,
+                    a[i],
+                    b[i]
+                );
+            }
+        }
+    }
+
     /// `bench run --against cuda` on the quantized fixtures (f32 and bf16): the copy floors of
     /// every layer timed are there, from pinned and from pageable memory, each of the layer's
     /// bytes (its tensors, computed here from their dimensions and block table); every row

@@ -14,7 +14,42 @@ use crate::model::hparams::INDEXER_K_NORM_EPS;
 use crate::model::names::{self, blk};
 use crate::model::{rope, RopeSlice};
 
+/// Longest row `topk_rows_sort_f32` sorts (its keys' indices fit the low half of a key with
+/// room to spare; 2^14 keys take 128 KiB of shared memory).
+const SORT_MAX_KEYS: usize = 1 << 14;
+
 impl CudaEngine<'_> {
+    /// Lets kernel `name` of the forward family have `bytes` of dynamic shared memory a block:
+    /// `Ok(())` when it may (past the default 48 KiB it opts in to what the device allows a
+    /// block: 227 KiB on sm_90, 99 KiB on sm_120), else `Err(most)`, the bytes it could have.
+    fn opt_in_shared(&self, name: &str, bytes: usize) -> Result<std::result::Result<(), usize>> {
+        let f = self
+            .gpu
+            .function("forward", crate::gpu::FORWARD_SOURCE, name)?;
+        let optin = self
+            .gpu
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .context("engine: cuda: the device's shared memory per block")?;
+        let fixed = f
+            .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+            .with_context(|| format!("engine: cuda: {name}'s static shared memory"))?;
+        let most = usize::try_from(optin - fixed).unwrap_or(0);
+        if bytes > most {
+            return Ok(Err(most));
+        }
+        if bytes > 48 * 1024 {
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .with_context(|| {
+                format!("engine: cuda: {name}: opting in to {bytes} bytes of shared memory")
+            })?;
+        }
+        Ok(Ok(()))
+    }
+
     /// The `rope` step: interleaved RoPE of `s.heads` heads of `x` into a new tensor.
     pub(super) fn rope_gpu(&self, x: &GpuTensor, s: &RopeSlice) -> Result<GpuTensor> {
         let (t, n) = x.dims2("rope input")?;
@@ -171,16 +206,32 @@ impl CudaEngine<'_> {
             .gpu
             .alloc_zeroed::<i32>((t * width).max(1), "top-k ids")?;
         let (tt, kk, ww) = (t as u32, k as u32, width as u32);
-        launch!(
-            self,
-            "topk_rows_f32",
-            items(self.gpu, t as u64),
-            scores.f32("scores")?,
-            &mut out,
-            &tt,
-            &kk,
-            &ww
-        );
+        // Rows sorted in shared memory (their power of two of 8-byte keys) where a block may
+        // hold the longest; else one thread a row, k passes over it.
+        let smem = t.next_power_of_two() * 8;
+        if t <= SORT_MAX_KEYS && self.opt_in_shared("topk_rows_sort_f32", smem)?.is_ok() {
+            launch!(
+                self,
+                "topk_rows_sort_f32",
+                rows_cfg(t, smem as u32),
+                scores.f32("scores")?,
+                &mut out,
+                &tt,
+                &kk,
+                &ww
+            );
+        } else {
+            launch!(
+                self,
+                "topk_rows_f32",
+                items(self.gpu, t as u64),
+                scores.f32("scores")?,
+                &mut out,
+                &tt,
+                &kk,
+                &ww
+            );
+        }
         Ok(GpuTensor {
             shape: vec![t, width],
             slot: self.slot,
@@ -220,36 +271,12 @@ impl CudaEngine<'_> {
         // opts in to what the device allows a block (227 KiB on sm_90: 29056 tokens; 99 KiB on
         // sm_120).
         let smem = t * 8;
-        let attend = self
-            .gpu
-            .function("forward", crate::gpu::FORWARD_SOURCE, "mla_attend_f32")?;
-        let optin = self
-            .gpu
-            .context()
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .context("engine: cuda: the device's shared memory per block")?;
-        let fixed = attend
-            .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
-            .context("engine: cuda: mla_attend_f32's static shared memory")?;
-        let most = usize::try_from(optin - fixed).unwrap_or(0);
-        if smem > most {
+        if let Err(most) = self.opt_in_shared("mla_attend_f32", smem)? {
             bail!(
                 "engine: cuda: layer {layer} attention: {t} tokens need {smem} bytes of shared memory for one row of scores; {} allows {most} a block (at most {} tokens)",
                 self.gpu.info,
                 most / 8
             );
-        }
-        if smem > 48 * 1024 {
-            attend
-                .set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )
-                .with_context(|| {
-                    format!(
-                        "engine: cuda: mla_attend_f32: opting in to {smem} bytes of shared memory"
-                    )
-                })?;
         }
         let smem = smem as u32;
         let (wk, wv) = self.mla_weights(layer)?;
