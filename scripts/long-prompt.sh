@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GLM-5 layers at long prompts on the GPU machine, with the DSA indexer pruning (index_topk 2048):
-# a synthetic GLM-5-dimension UD-Q4_K_XL model of LONG_LAYERS layers (default 2: layer 0 dense,
-# layer 1 MoE), then for each token count in LONG_TOKENS (default 4096) and each layer in
-# LONG_RUN_LAYERS (default "0 1"): `run --layer N --against cuda --dtype bf16 --mode both` (a
+# a synthetic GLM-5-dimension UD-Q4_K_XL model of LONG_LAYERS layers (default 5: layers 0-2 dense
+# as GLM-5's leading dense blocks, 3-4 MoE, so that layer 3 is a MoE layer with a layer after it
+# and no tail), then for each token count in LONG_TOKENS (default 4096) and each layer in
+# LONG_RUN_LAYERS (default "0 3"): `run --layer N --against cuda --dtype bf16 --mode both` (a
 # correct candidate: must exit 0), with the wall time, the host's peak RSS (/usr/bin/time -v),
 # each side's time per layer and the DSA selection's flips against its noise; then the planted
 # indexer bugs of LONG_PLANTS on layer 0 (must exit 1, named at the indexer).
@@ -18,7 +19,7 @@ bin=${LONG_BIN:-.gpu/glmdiff}
 scratch=${SCRATCH:-/tmp/glmdiff-long}
 mkdir -p "$scratch"
 model=${MODEL:-$scratch/glm5-long.gguf}
-layers=${LONG_LAYERS:-2}
+layers=${LONG_LAYERS:-5}
 summary=()
 # say LINE: keeps LINE for the summary and prints it at once (a run cut short still shows it).
 say() { summary+=("$1"); echo "$1"; }
@@ -69,7 +70,7 @@ PY
 
 for n in ${LONG_TOKENS:-4096}; do
     toks=$(tokens "$n")
-    for l in ${LONG_RUN_LAYERS:-0 1}; do
+    for l in ${LONG_RUN_LAYERS:-0 3}; do
         one "layer$l-t$n-clean" 0 --layer "$l" --tokens "$toks" --against "${AGAINST:-cuda}" ${DTYPE_ARGS---dtype bf16} --mode "${LONG_MODE:-both}"
     done
     for p in ${LONG_PLANTS-indexer_scale:1.02 indexer_wproj_scale:1.02 dsa_topk:2047}; do
