@@ -127,3 +127,74 @@ extern "C" __global__ void reference_count_nonfinite(const float* __restrict__ v
         if ((__float_as_uint(v[i]) & 0x7F800000u) == 0x7F800000u) mine++;
     if (mine) atomicAdd(count, (unsigned long long)mine);
 }
+
+// The CPU reference's MLA attention (src/engine/cpu/attention.rs, attention/tiles.rs), the
+// scores and the weighted sums; the softmax between them stays on the CPU (its exp is the
+// host's). Query i of a call (heads hd) sees the keys keys[offs[i] .. offs[i + 1]] (ascending,
+// each < T); its scores and probabilities sit at (offs[i] - base) * h + hd * len_i + j, j in
+// 0..len_i (len_i = offs[i + 1] - offs[i]).
+//
+// Scores, tiles.rs `scores`: (combine(nope lanes) + combine(rot lanes)) * scale, lane l of each
+// part summing q[c] * k[c] over the part's columns c with c % 8 == l in increasing c by fused
+// multiply-adds from +0 (the product of two f32 values is exact in f64, as on the CPU); the
+// combine is the butterfly of reference_products. q: [n, h, nope + rd] (q_nope then q_rot),
+// kv: [T, h, nope + v] (K's nope part then V), kpe: [T, rd]. A block per (query, head): 32
+// groups of 8 lanes, a key a group; the q row in shared memory (nope + rd doubles).
+extern "C" __global__ void __launch_bounds__(256)
+    reference_mla_scores(const float* __restrict__ q, const float* __restrict__ kv,
+                         const float* __restrict__ kpe, const u64* __restrict__ offs,
+                         const u32* __restrict__ keys, double* __restrict__ out, u32 h, u32 nope,
+                         u32 rd, u32 v, double scale, u64 base) {
+    extern __shared__ double qs[];
+    const u64 i = blockIdx.x;
+    const u32 hd = blockIdx.y, tid = threadIdx.x, l = tid & 7u, g = tid >> 3;
+    const u32 qk = nope + rd;
+    for (u32 c = tid; c < qk; c += blockDim.x) qs[c] = (double)q[(i * h + hd) * qk + c];
+    __syncthreads();
+    const u64 o0 = offs[i], len = offs[i + 1] - o0;
+    double* dst = out + (o0 - base) * h + (u64)hd * len;
+    // Every warp runs the same number of rounds (the shuffles need all its lanes).
+    for (u64 j0 = 0; j0 < len; j0 += 32) {
+        const u64 j = j0 + g;
+        const bool valid = j < len;
+        double a = 0.0, b = 0.0;
+        if (valid) {
+            const u64 key = keys[o0 + j];
+            const float* kr = kv + (key * h + hd) * (u64)(nope + v);
+            for (u32 c = l; c < nope; c += 8) a = __fma_rn(qs[c], (double)kr[c], a);
+            const float* pr = kpe + key * rd;
+            for (u32 c = l; c < rd; c += 8) b = __fma_rn(qs[nope + c], (double)pr[c], b);
+        }
+        a = __dadd_rn(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
+        a = __dadd_rn(a, __shfl_xor_sync(0xFFFFFFFFu, a, 2));
+        a = __dadd_rn(a, __shfl_xor_sync(0xFFFFFFFFu, a, 4));
+        b = __dadd_rn(b, __shfl_xor_sync(0xFFFFFFFFu, b, 1));
+        b = __dadd_rn(b, __shfl_xor_sync(0xFFFFFFFFu, b, 2));
+        b = __dadd_rn(b, __shfl_xor_sync(0xFFFFFFFFu, b, 4));
+        if (valid && l == 0) dst[j] = __dmul_rn(__dadd_rn(a, b), scale);
+    }
+}
+
+// Weighted sums, tiles.rs `weighted_sums` over the query's own keys (a key of the CPU's block
+// outside them has probability +0 and adds +-0, which changes no sum: a sum starts at +0 and is
+// never -0; with a non-finite V value the CPU goes a row at a time, its own keys alone):
+// out[i][hd][d] = f32(sum_j p_j * f64(V[key_j][hd][d])), a product then an add (p is no f32
+// value: the product rounds), ascending j, from +0. A block per (query, head), a thread a value.
+extern "C" __global__ void __launch_bounds__(256)
+    reference_mla_sums(const double* __restrict__ p, const float* __restrict__ kv,
+                       const u64* __restrict__ offs, const u32* __restrict__ keys,
+                       float* __restrict__ out, u32 h, u32 nope, u32 v, u64 base) {
+    const u64 i = blockIdx.x;
+    const u32 hd = blockIdx.y;
+    const u64 o0 = offs[i], len = offs[i + 1] - o0;
+    const double* pr = p + (o0 - base) * h + (u64)hd * len;
+    for (u32 d = threadIdx.x; d < v; d += blockDim.x) {
+        double acc = 0.0;
+        for (u64 j = 0; j < len; j++) {
+            const u64 key = keys[o0 + j];
+            const double x = (double)kv[(key * h + hd) * (u64)(nope + v) + nope + d];
+            acc = __dadd_rn(acc, __dmul_rn(pr[j], x));
+        }
+        out[(i * h + hd) * v + d] = __double2float_rn(acc);
+    }
+}

@@ -32,8 +32,10 @@ fi
 vocab=$("$bin" --wide inspect "$model" 2>/dev/null | awk -F'|' '$2 ~ /^ *vocab_size *$/ {gsub(/ /, "", $3); print $3}')
 vocab=${vocab:-154880}
 
-# tokens N: N pseudo-random ids in [0, vocab) (a fixed seed: the same prompt each call).
-tokens() { awk -v n="$1" -v v="$vocab" 'BEGIN { srand(23); for (i = 0; i < n; i++) printf "%s%d", (i ? "," : ""), int(rand() * v) }'; }
+# tokens N: N pseudo-random ids in [0, vocab), the same each call and with every awk (a
+# Park-Miller generator: its products stay exact in awk's doubles; awk's own rand() after srand()
+# is not the same sequence under every awk).
+tokens() { awk -v n="$1" -v v="$vocab" 'BEGIN { x = 23; for (i = 0; i < n; i++) { x = (x * 48271) % 2147483647; printf "%s%d", (i ? "," : ""), x % v } }'; }
 
 # one LABEL EXPECT ARGS...: one `run`, its exit code against EXPECT, its time and peak RSS, the
 # first divergence and the DSA flips line.

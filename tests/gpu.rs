@@ -1531,6 +1531,86 @@ mod device {
         }
     }
 
+    /// The reference's MLA attention with its scores and weighted sums on the device equals the
+    /// CPU's bit for bit: causal and with DSA selections (ragged, repeated and out-of-range ids),
+    /// all rows and a subset, values over a wide range, an infinite V value (the CPU's rows one
+    /// at a time).
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_reference_attention_is_the_cpus() {
+        use glmdiff::engine::cpu::device::Device;
+        use glmdiff::engine::cpu::mla_host_kv;
+        let m = Model::open(&fixtures("models/glm5-tiny-q/glm5-tiny-q-mixed.gguf")).unwrap();
+        let w = Weights::new(&m).unwrap();
+        let hp = w.hparams().clone();
+        let dev = Device::open(0, true).unwrap();
+        let mut rng = SplitMix64::new(77);
+        let (h, nope, rd, v) = (hp.n_head, hp.qk_nope, hp.qk_rope, hp.v_head);
+        let mut n = 0;
+        for &t in &[40usize, 300, 1500] {
+            let q_b = rand_t(&mut rng, vec![t, h * (nope + rd)], 1.0);
+            let q_pe = rand_t(&mut rng, vec![t, h, rd], 1.0);
+            let kv_norm = rand_t(&mut rng, vec![t, hp.kv_lora_rank], 1.0);
+            let k_pe = rand_t(&mut rng, vec![t, rd], 3.0);
+            let mut kv: Vec<f32> = mixed(&mut rng, t * h * (nope + v));
+            let k = 17usize.min(t);
+            let sel: Vec<i32> = (0..t * k)
+                .map(|i| {
+                    let row = (i / k) as u64;
+                    match rng.next_u64() % 11 {
+                        0 => -1,
+                        1 => (row + 3) as i32,
+                        _ => (rng.next_u64() % (row + 1)) as i32,
+                    }
+                })
+                .collect();
+            let sel = HostTensor::i32(vec![t, k], sel).unwrap();
+            for (label, selection, rows) in [
+                ("causal", None, None),
+                ("selection", Some(&sel), None),
+                (
+                    "selection, rows",
+                    Some(&sel),
+                    Some((0..t).filter(|r| r % 3 != 1).collect::<Vec<_>>()),
+                ),
+            ] {
+                for poison in [false, true] {
+                    let at = (t / 2) * h * (nope + v) + nope + 1;
+                    let kept = kv[at];
+                    if poison {
+                        kv[at] = f32::INFINITY;
+                    }
+                    let x = || MlaInputs {
+                        q_b: &q_b,
+                        q_pe: &q_pe,
+                        kv_norm: &kv_norm,
+                        k_pe: &k_pe,
+                        selection,
+                    };
+                    let cpu = mla_host_kv(&hp, 0, x(), &kv, 0.07, rows.as_deref(), None).unwrap();
+                    let gpu =
+                        mla_host_kv(&hp, 0, x(), &kv, 0.07, rows.as_deref(), Some(&dev)).unwrap();
+                    kv[at] = kept;
+                    let (a, b) = (cpu.as_f32("cpu").unwrap(), gpu.as_f32("gpu").unwrap());
+                    let bad = a.iter().zip(b).position(|(x, y)| {
+                        x.to_bits() != y.to_bits() && !(x.is_nan() && y.is_nan())
+                    });
+                    assert!(
+                        bad.is_none(),
+                        "t {t} {label} poison {poison}: element {bad:?}"
+                    );
+                    n += 1;
+                }
+            }
+        }
+        let work = dev.work();
+        assert!(work.attentions >= 12, "{work:?}");
+        eprintln!(
+            "{n} attentions bit-exact, {} on the device",
+            work.attentions
+        );
+    }
+
     /// `run` with the reference's products on the device gives the same records as with them
     /// on the CPU (80 tokens: every projection of the tiny model is made there), and says so.
     #[test]
@@ -1563,6 +1643,11 @@ mod device {
             let notes = j["notes"].to_string();
             assert_eq!(
                 notes.contains("ran on cuda:0"),
+                on != "cpu",
+                "{on}: {notes}"
+            );
+            assert_eq!(
+                notes.contains(" attentions of "),
                 on != "cpu",
                 "{on}: {notes}"
             );

@@ -226,7 +226,15 @@ fn softmax_scale(
         selection: inputs.get(4),
     };
     // Heads `[n, H*v]` on the n rows.
-    let moved = mla_host_kv(hp, layer, inp(), &kv, scale * (1.0 + SCALE_STEP), rows)?;
+    let moved = mla_host_kv(
+        hp,
+        layer,
+        inp(),
+        &kv,
+        scale * (1.0 + SCALE_STEP),
+        rows,
+        cpu.device(),
+    )?;
     let whole = vec![
         t,
         moved.len() / moved.shape.first().copied().unwrap_or(1).max(1),
@@ -236,7 +244,7 @@ fn softmax_scale(
             Some(r) => o.gather_rows(r)?,
             None => o.clone(),
         },
-        None => mla_host_kv(hp, layer, inp(), &kv, scale, rows)?,
+        None => mla_host_kv(hp, layer, inp(), &kv, scale, rows, cpu.device())?,
     };
     let part_rows = rows.map(<[usize]>::to_vec);
     let mut parts = vec![Part {
@@ -262,7 +270,7 @@ fn softmax_scale(
         k_pe: &k_pe,
         selection: inputs.get(4),
     };
-    let moved = mla_host_kv(hp, layer, moved_inp, &kv, scale, rows)?;
+    let moved = mla_host_kv(hp, layer, moved_inp, &kv, scale, rows, cpu.device())?;
     parts.push(Part {
         label: "rope theta".to_string(),
         family: "rope theta",
@@ -638,7 +646,7 @@ mod tests {
                 k_pe: &k_pe,
                 selection: None,
             };
-            let out = mla_host_kv(hp, 0, x, &kv, s, None).unwrap();
+            let out = mla_host_kv(hp, 0, x, &kv, s, None, None).unwrap();
             let v = out.as_f32("heads").unwrap();
             v.iter().map(|&x| bf16(f64::from(x)) as f32).collect()
         }
@@ -711,7 +719,7 @@ mod tests {
             k_pe: &reference[3],
             selection: None,
         };
-        let base = mla_host_kv(hp, 0, x, &kv, scale, None).unwrap();
+        let base = mla_host_kv(hp, 0, x, &kv, scale, None, None).unwrap();
         let r = base.as_f32("base").unwrap();
         let parts = softmax_scale(cpu, 0, &reference, Some(&base), usize::MAX).unwrap();
         let dirs = directions(&parts);

@@ -78,6 +78,8 @@ struct Buffers {
     w: Option<CudaSlice<f32>>,
     x: Option<CudaSlice<f32>>,
     out: Option<CudaSlice<f32>>,
+    /// The non-finite weight values of the product under way.
+    count: Option<CudaSlice<u64>>,
 }
 
 /// `slot` holding at least `n` values (a new allocation when it holds fewer).
@@ -93,6 +95,26 @@ fn at_least<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>
     }
     slot.as_mut()
         .ok_or_else(|| anyhow::anyhow!("cuda: {what}: no buffer"))
+}
+
+/// Most scores (f64) of one chunk of [`ReferenceProducts::mla`]'s query rows (512 MiB).
+const ATTENTION_SCORES: usize = 1 << 26;
+
+/// What turns a chunk of [`ReferenceProducts::mla`]'s scores (its query rows given) into
+/// probabilities, in place.
+pub type Softmax<'a> = dyn FnMut(&mut [f64], std::ops::Range<usize>) -> Result<()> + 'a;
+
+/// The widths of an MLA attention for [`ReferenceProducts::mla`].
+#[derive(Clone, Copy, Debug)]
+pub struct MlaDims {
+    /// Heads.
+    pub heads: usize,
+    /// Per head, K values without RoPE (and of q_nope).
+    pub nope: usize,
+    /// Per head, rotated values (q_rot; `kpe` is shared by the heads).
+    pub rope: usize,
+    /// Per head, V values.
+    pub v: usize,
 }
 
 /// Where a product's weights come from.
@@ -181,7 +203,10 @@ impl ReferenceProducts {
         for k in 0..KERNELS.len() {
             let mut best = f64::INFINITY;
             for _ in 0..3 {
-                match self.launch_with(k, &x, &w, &mut out, (t, rows, cols), 0, rows) {
+                match self
+                    .launch_with(k, &x, &w, &mut out, (t, rows, cols), 0, rows)
+                    .and_then(|e| elapsed(&[e]))
+                {
                     Ok(s) => best = best.min(s),
                     Err(e) if k + 1 < KERNELS.len() || rates.iter().any(|&r| r > 0.0) => {
                         let _ = e;
@@ -291,12 +316,23 @@ impl ReferenceProducts {
 
     /// [`ReferenceProducts::put`] of f32 values into the first `src.len()` values of `dst`.
     fn put_f32(&self, src: &[f32], dst: &mut CudaSlice<f32>) -> Result<()> {
-        // SAFETY: f32 has no padding; the byte view covers exactly `src`'s values.
+        self.put_values(src, dst)
+    }
+
+    /// [`ReferenceProducts::put`] of plain values (no padding, every bit pattern valid: f32,
+    /// f64, u32, u64) into the first `src.len()` values of `dst`.
+    fn put_values<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        src: &[T],
+        dst: &mut CudaSlice<T>,
+    ) -> Result<()> {
+        // SAFETY: the callers' types have no padding; the byte view covers exactly `src`'s
+        // values.
         let bytes = unsafe {
             std::slice::from_raw_parts(src.as_ptr() as *const u8, std::mem::size_of_val(src))
         };
-        // SAFETY: any bytes are valid f32 values; the view covers the first src.len() values
-        // of `dst` (transmute_mut checks that it holds them).
+        // SAFETY: any bytes are valid values of the callers' types; the view covers the first
+        // src.len() values of `dst` (transmute_mut checks that it holds them).
         let mut view = unsafe { dst.transmute_mut::<u8>(bytes.len()) }
             .context("cuda: a device buffer smaller than its values")?;
         self.put(bytes, &mut view)
@@ -353,6 +389,12 @@ impl ReferenceProducts {
             chunk_rows * cols,
             "the reference's dequantized weights",
         )?;
+        let count = at_least(g, &mut b.count, 1, "a counter")?;
+        s.memset_zeros(count).context("cuda: clearing a counter")?;
+        // Nothing waits for the device until the output is read: each chunk's dequantized
+        // weights are counted (non-finite values) and multiplied in stream order, and the
+        // kernels' events are read once they are done.
+        let mut events = Vec::new();
         let mut r0 = 0;
         while r0 < rows {
             let n = chunk_rows.min(rows - r0);
@@ -380,9 +422,8 @@ impl ReferenceProducts {
                         &raw.slice(..len),
                         &mut wd.slice_mut(..values),
                     )?;
-                    if self.count_nonfinite(wd, values)? > 0 {
-                        return Ok(None);
-                    }
+                    let count = b.count.as_mut().context("cuda: no counter")?;
+                    self.count_nonfinite(wd, values, count)?;
                 }
                 Weights::Dense(v) => {
                     if v.len() != rows * cols {
@@ -400,41 +441,200 @@ impl ReferenceProducts {
                 b.w.as_ref().context("cuda: no weight buffer")?,
                 b.out.as_mut().context("cuda: no output buffer")?,
             );
-            self.launch(xd, wd, out, (t, rows, cols), r0, n)?;
+            events.push(self.launch_with(self.kernel, xd, wd, out, (t, rows, cols), r0, n)?);
             r0 += n;
         }
         let out = b.out.as_ref().context("cuda: no output buffer")?;
         let mut host = vec![0f32; t * rows];
         s.memcpy_dtoh(&out.slice(..t * rows), &mut host)
             .context("cuda: reading the reference's products")?;
+        let count = b.count.as_ref().context("cuda: no counter")?;
+        let nonfinite = s
+            .clone_dtoh(count)
+            .context("cuda: reading a counter")?
+            .first()
+            .copied()
+            .unwrap_or(0);
         s.synchronize().context("cuda: the reference's products")?;
+        let ran = elapsed(&events)?;
+        if let Ok(mut k) = self.kernel_seconds.lock() {
+            *k += ran;
+        }
         // An output past 1 GiB (a long prompt's logits) is not kept for the next product.
         if t * rows * 4 > 1 << 30 {
             b.out = None;
         }
+        if nonfinite > 0 {
+            return Ok(None);
+        }
         Ok(Some(host))
     }
 
-    /// Launches the products of weight rows `r0..r0 + n` (the first `n` rows of `w`) into
-    /// columns `r0..r0 + n` of `out` (`[t, rows]`) with the faster tiling.
-    fn launch(
+    /// The MLA attention of `n` query rows (`q` `[n, h, nope + rd]`: each row's q_nope then
+    /// q_rot per head) over the keys and values of `kv` (`[T, h, nope + v]`: K's nope part then V
+    /// per head) and `kpe` (`[T, rd]`): query `i` sees the keys `keys[offs[i]..offs[i + 1]]`
+    /// (ascending, each `< T`). The scores are made here (`cuda/reference.cu`
+    /// `reference_mla_scores`) and handed, a chunk of query rows at a time, to `softmax`
+    /// (query rows `range`, their scores laid out per query and head as the kernel's comment
+    /// says), which turns them into probabilities in place; the weighted sums are made here
+    /// (`reference_mla_sums`). Returns the heads `[n, h * v]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla(
         &self,
-        x: &CudaSlice<f32>,
-        w: &CudaSlice<f32>,
-        out: &mut CudaSlice<f32>,
-        shape: (usize, usize, usize),
-        r0: usize,
-        n: usize,
-    ) -> Result<()> {
-        let s = self.launch_with(self.kernel, x, w, out, shape, r0, n)?;
-        if let Ok(mut k) = self.kernel_seconds.lock() {
-            *k += s;
+        q: &[f32],
+        kv: &[f32],
+        kpe: &[f32],
+        offs: &[u64],
+        keys: &[u32],
+        d: MlaDims,
+        scale: f64,
+        softmax: &mut Softmax<'_>,
+    ) -> Result<Vec<f32>> {
+        let MlaDims {
+            heads: h,
+            nope,
+            rope: rd,
+            v,
+        } = d;
+        let n = offs.len().saturating_sub(1);
+        let (qk, kvw) = (nope + rd, nope + v);
+        let t = kpe.len().checked_div(rd).unwrap_or(0);
+        if q.len() != n * h * qk
+            || kv.len() != t * h * kvw
+            || offs.last().copied() != Some(keys.len() as u64)
+            || keys.iter().any(|&k| k as usize >= t)
+        {
+            bail!(
+                "cuda: reference attention: {} query values, {} kv values, {} keys for {n} rows of {h} heads",
+                q.len(),
+                kv.len(),
+                keys.len()
+            );
         }
-        Ok(())
+        if n == 0 || h == 0 || v == 0 {
+            return Ok(vec![0.0; n * h * v]);
+        }
+        let g = &self.gpu;
+        let s = self.stream();
+        let mut qd = g.alloc_zeroed::<f32>(q.len(), "the reference's attention queries")?;
+        self.put_f32(q, &mut qd)?;
+        let mut kvd = g.alloc_zeroed::<f32>(kv.len().max(1), "the reference's keys and values")?;
+        self.put_f32(kv, &mut kvd)?;
+        let mut kpd = g.alloc_zeroed::<f32>(kpe.len().max(1), "the reference's rotated keys")?;
+        self.put_f32(kpe, &mut kpd)?;
+        let mut od = g.alloc_zeroed::<u64>(offs.len(), "the reference's key offsets")?;
+        self.put_values(offs, &mut od)?;
+        let mut keyd = g.alloc_zeroed::<u32>(keys.len().max(1), "the reference's keys")?;
+        self.put_values(keys, &mut keyd)?;
+        let mut out = g.alloc_zeroed::<f32>(n * h * v, "the reference's attention heads")?;
+        // Query rows in chunks whose scores take at most ATTENTION_SCORES values.
+        let mut chunks = Vec::new();
+        let mut c0 = 0;
+        while c0 < n {
+            let mut c1 = c0 + 1;
+            while c1 < n && (offs[c1 + 1] - offs[c0]) as usize * h <= ATTENTION_SCORES {
+                c1 += 1;
+            }
+            chunks.push(c0..c1);
+            c0 = c1;
+        }
+        let most = chunks
+            .iter()
+            .map(|r| (offs[r.end] - offs[r.start]) as usize * h)
+            .max()
+            .unwrap_or(0);
+        let mut scores = g.alloc_zeroed::<f64>(most.max(1), "the reference's attention scores")?;
+        let mut host = vec![0f64; most];
+        let scores_f = g.function("reference", REFERENCE_SOURCE, "reference_mla_scores")?;
+        let sums_f = g.function("reference", REFERENCE_SOURCE, "reference_mla_sums")?;
+        let u = |x: usize, what: &str| -> Result<u32> {
+            u32::try_from(x).with_context(|| format!("cuda: reference attention: {what} {x}"))
+        };
+        let (hu, nu, ru, vu) = (u(h, "heads")?, u(nope, "nope")?, u(rd, "rope")?, u(v, "v")?);
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut events = Vec::new();
+        for r in chunks {
+            let m = (offs[r.end] - offs[r.start]) as usize * h;
+            let base = offs[r.start];
+            let grid = (u(r.len(), "query rows")?, hu, 1);
+            let q_view = qd.slice(r.start * h * qk..);
+            let o_view = od.slice(r.start..);
+            let start = s.record_event(timing).context("cuda: an event")?;
+            let mut sc = scores.slice_mut(..m);
+            let mut b = s.launch_builder(&scores_f);
+            b.arg(&q_view)
+                .arg(&kvd)
+                .arg(&kpd)
+                .arg(&o_view)
+                .arg(&keyd)
+                .arg(&mut sc)
+                .arg(&hu)
+                .arg(&nu)
+                .arg(&ru)
+                .arg(&vu)
+                .arg(&scale)
+                .arg(&base);
+            // SAFETY: query row i < r.len() of the view reads q[(i h + hd) qk + c] for c < qk,
+            // inside `qd` (n h qk values); its keys keys[offs[i]..offs[i + 1]] (offs ends at
+            // keys.len(), checked) are each < T (checked), so kv and kpe reads stay inside
+            // [T, h, nope + v] and [T, rd]; it writes (offs[i] - base) h + hd len + j < m for
+            // j < len, inside `sc` (m values). Shared memory: qk doubles.
+            unsafe {
+                b.launch(LaunchConfig {
+                    grid_dim: grid,
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: u(qk * 8, "query bytes")?,
+                })
+            }
+            .context("cuda: launching reference_mla_scores")?;
+            let mid = s.record_event(timing).context("cuda: an event")?;
+            events.push((start, mid));
+            s.memcpy_dtoh(&scores.slice(..m), &mut host[..m])
+                .context("cuda: reading the reference's attention scores")?;
+            s.synchronize()
+                .context("cuda: the reference's attention scores")?;
+            softmax(&mut host[..m], r.clone())?;
+            self.put_values(&host[..m], &mut scores)?;
+            let start = s.record_event(timing).context("cuda: an event")?;
+            let mut o_out = out.slice_mut(r.start * h * v..);
+            let mut b = s.launch_builder(&sums_f);
+            b.arg(&scores)
+                .arg(&kvd)
+                .arg(&o_view)
+                .arg(&keyd)
+                .arg(&mut o_out)
+                .arg(&hu)
+                .arg(&nu)
+                .arg(&vu)
+                .arg(&base);
+            // SAFETY: reads the probabilities at the offsets the scores were written to (< m,
+            // inside `scores`), V values inside [T, h, nope + v] (keys < T), and writes
+            // (i h + hd) v + d < r.len() h v for the chunk's rows, inside `out` from row r.start.
+            unsafe {
+                b.launch(LaunchConfig {
+                    grid_dim: grid,
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .context("cuda: launching reference_mla_sums")?;
+            let end = s.record_event(timing).context("cuda: an event")?;
+            events.push((start, end));
+        }
+        let mut heads = vec![0f32; n * h * v];
+        s.memcpy_dtoh(&out, &mut heads)
+            .context("cuda: reading the reference's attention heads")?;
+        s.synchronize().context("cuda: the reference's attention")?;
+        let ran = elapsed(&events)?;
+        if let Ok(mut k) = self.kernel_seconds.lock() {
+            *k += ran;
+        }
+        Ok(heads)
     }
 
-    /// [`ReferenceProducts::launch`] with tiling `kernel` of [`KERNELS`]; waits for it and
-    /// returns the seconds it ran (device events).
+    /// Launches the products of weight rows `r0..r0 + n` (the first `n` rows of `w`) into
+    /// columns `r0..r0 + n` of `out` (`[t, rows]`) with tiling `kernel` of [`KERNELS`], between
+    /// two recorded events (what [`elapsed`] reads once the stream has passed them).
     #[allow(clippy::too_many_arguments)]
     fn launch_with(
         &self,
@@ -445,7 +645,7 @@ impl ReferenceProducts {
         (t, rows, cols): (usize, usize, usize),
         r0: usize,
         n: usize,
-    ) -> Result<f64> {
+    ) -> Result<(CudaEvent, CudaEvent)> {
         let (name, tile_tokens, tile_rows) = KERNELS[kernel];
         let f = self.gpu.function("reference", REFERENCE_SOURCE, name)?;
         let u = |v: usize, what: &str| -> Result<u32> {
@@ -490,23 +690,25 @@ impl ReferenceProducts {
         // inside `out` from column r0 (checked: n <= rows - r0, out holds t * rows).
         unsafe { b.launch(cfg) }.with_context(|| format!("cuda: launching {name}"))?;
         let end = s.record_event(timing).context("cuda: an event")?;
-        end.synchronize()
-            .context("cuda: the reference's products")?;
-        let ms = start.elapsed_ms(&end).context("cuda: timing a product")?;
-        Ok(f64::from(ms) / 1e3)
+        Ok((start, end))
     }
 
-    /// The non-finite values among the first `n` of `v`.
-    fn count_nonfinite(&self, v: &CudaSlice<f32>, n: usize) -> Result<u64> {
+    /// Adds the non-finite values among the first `n` of `v` to `count` (on the stream: read
+    /// it once the stream has passed this).
+    fn count_nonfinite(
+        &self,
+        v: &CudaSlice<f32>,
+        n: usize,
+        count: &mut CudaSlice<u64>,
+    ) -> Result<()> {
         let s = self.stream();
-        let mut count = self.gpu.alloc_zeroed::<u64>(1, "a counter")?;
         let f = self
             .gpu
             .function("reference", REFERENCE_SOURCE, "reference_count_nonfinite")?;
         let n64 = n as u64;
         let blocks = (n.div_ceil(256) as u64).clamp(1, u64::from(self.gpu.info.sms.max(1)) * 8);
         let mut b = s.launch_builder(&f);
-        b.arg(v).arg(&n64).arg(&mut count);
+        b.arg(v).arg(&n64).arg(count);
         // SAFETY: `v` holds at least n values; `count` one counter.
         unsafe {
             b.launch(LaunchConfig {
@@ -516,9 +718,20 @@ impl ReferenceProducts {
             })
         }
         .context("cuda: launching reference_count_nonfinite")?;
-        let c = s.clone_dtoh(&count).context("cuda: reading a counter")?;
-        Ok(c.first().copied().unwrap_or(0))
+        Ok(())
     }
+}
+
+/// The seconds between each pair of events, added (waits for the last).
+fn elapsed(events: &[(CudaEvent, CudaEvent)]) -> Result<f64> {
+    let mut total = 0.0;
+    for (start, end) in events {
+        end.synchronize()
+            .context("cuda: the reference's products")?;
+        let ms = start.elapsed_ms(end).context("cuda: timing a product")?;
+        total += f64::from(ms) / 1e3;
+    }
+    Ok(total)
 }
 
 /// Bytes of one row of `cols` values of `ty` (whole blocks).

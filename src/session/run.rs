@@ -14,7 +14,7 @@ use super::tokens::token_text;
 use super::{Ran, Watch};
 use crate::compare::judge::precision_of;
 use crate::compare::{Comparison, Status};
-use crate::engine::cpu::device::{reference_engine, MIN_TOKENS};
+use crate::engine::cpu::device::{reference_engine, CHECK_QUERIES, MIN_QUERIES, MIN_TOKENS};
 use crate::engine::cpu::CpuEngine;
 use crate::engine::Engine;
 use crate::explain::case::{self, CaseMeta};
@@ -127,9 +127,17 @@ pub(super) fn device_work_note(reference: &CpuEngine<'_>) -> Option<String> {
             d.describe()
         ));
     }
-    if w.products == 0 {
+    if w.products == 0 && w.attentions == 0 {
         return None;
     }
+    let attentions = if w.attentions > 0 {
+        format!(
+            "; {} attentions of {MIN_QUERIES} query rows or more ({} rows: scores and weighted sums there, softmax here) in {:.2} s, each checked on the CPU at {CHECK_QUERIES} rows",
+            w.attentions, w.attention_rows, w.attention_seconds
+        )
+    } else {
+        String::new()
+    };
     Some(format!(
         "the reference's products of {MIN_TOKENS} tokens or more ran on {}: {} products, {:.3} T multiply-adds in {:.2} s ({:.2} s in the kernels: {}), {} of their elements checked on the CPU, all the same bits; {} products of fewer tokens ({:.3} T multiply-adds) on the CPU",
         d.describe(),
@@ -141,7 +149,7 @@ pub(super) fn device_work_note(reference: &CpuEngine<'_>) -> Option<String> {
         w.checked,
         w.on_cpu,
         w.on_cpu_multiply_adds / 1e12
-    ))
+    ) + &attentions)
 }
 
 /// Whether any hook of `cmp` was compared in some mode (not only listed as missing).

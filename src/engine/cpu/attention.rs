@@ -47,6 +47,7 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
+use super::device::Device;
 #[cfg(test)]
 use super::math::dot;
 use super::math::{dot64, layer_norm, rotate_pairs, softmax_in_place, LANES};
@@ -214,6 +215,7 @@ impl CpuEngine<'_> {
             scale,
             want_probs,
             rows,
+            self.device(),
         )
     }
 
@@ -292,13 +294,14 @@ pub fn mla_host(
     scale: f64,
     want_probs: bool,
 ) -> Result<(HostTensor, Option<HostTensor>)> {
-    mla_queries(hp, layer, x, Kv::B(kv_b), scale, want_probs, None)
+    mla_queries(hp, layer, x, Kv::B(kv_b), scale, want_probs, None, None)
 }
 
 /// [`mla_host`] from the keys and values before the heads' split, `kv = kv_a_norm kv_b^T`
 /// (`[T, H*(nope+v)]`, [`CpuEngine::kv_product`]), instead of kv_b: the same bits; for the
 /// query rows `rows` only (ascending, distinct: heads `[rows.len(), H*v]`, each row the whole
-/// step's bits), all when `None`.
+/// step's bits), all when `None`; its scores and weighted sums on `device` when it makes them
+/// (the same bits, checked).
 pub fn mla_host_kv(
     hp: &HParams,
     layer: usize,
@@ -306,14 +309,16 @@ pub fn mla_host_kv(
     kv: &[f32],
     scale: f64,
     rows: Option<&[usize]>,
+    device: Option<&Device>,
 ) -> Result<HostTensor> {
-    Ok(mla_queries(hp, layer, x, Kv::Product(kv), scale, false, rows)?.0)
+    Ok(mla_queries(hp, layer, x, Kv::Product(kv), scale, false, rows, device)?.0)
 }
 
 /// [`mla_host`] for the query rows `rows` (ascending, distinct, each `< T`; all when `None`)
 /// against every key: heads `[n, H*v]` and probabilities `[H, n, T]` for the `n` rows. Each
 /// query row is computed the same way whichever others are, so a row is bit for bit the
 /// whole step's.
+#[allow(clippy::too_many_arguments)]
 fn mla_queries(
     hp: &HParams,
     layer: usize,
@@ -322,6 +327,7 @@ fn mla_queries(
     scale: f64,
     want_probs: bool,
     rows: Option<&[usize]>,
+    device: Option<&Device>,
 ) -> Result<(HostTensor, Option<HostTensor>)> {
     let MlaInputs {
         q_b,
@@ -407,20 +413,21 @@ fn mla_queries(
             }
         };
         let dims = Dims { h, nope, rd, v };
-        let (heads, probs) = attend(
-            dims,
-            Inputs {
-                qb,
-                qpe,
-                kv,
-                kpe,
-                t,
-            },
-            &queries,
-            &keys_of,
-            scale,
-            want_probs,
-        );
+        let inputs = Inputs {
+            qb,
+            qpe,
+            kv,
+            kpe,
+            t,
+        };
+        let on_device = match device {
+            Some(dev) if !want_probs => attend_on(dev, dims, inputs, &queries, &keys_of, scale)?,
+            _ => None,
+        };
+        let (heads, probs) = match on_device {
+            Some(heads) => (heads, None),
+            None => attend(dims, inputs, &queries, &keys_of, scale, want_probs),
+        };
         let probs = match probs {
             Some(p) => Some(HostTensor::f32(vec![h, n, t], p)?),
             None => None,
@@ -565,6 +572,81 @@ fn round_up(n: usize, m: usize) -> usize {
 fn padded(d: Dims) -> (usize, usize, usize) {
     let np = round_up(d.nope, LANES);
     (np, np + round_up(d.rd, LANES), round_up(d.v, tiles::V_PAD))
+}
+
+/// [`attend`]'s heads (`[n, H*v]`) made on `device` (`None` when it does not make them): the
+/// scores and the weighted sums there, each row's softmax here ([`softmax_in_place`] over its
+/// own keys' scores in their order, as [`block`] does), a few rows checked against [`attend`].
+fn attend_on(
+    device: &Device,
+    d: Dims,
+    x: Inputs<'_>,
+    queries: &[usize],
+    keys_of: &[Vec<u32>],
+    scale: f64,
+) -> Result<Option<Vec<f32>>> {
+    let Dims { h, nope, rd, v } = d;
+    let n = queries.len();
+    if n < super::device::MIN_QUERIES {
+        return Ok(None);
+    }
+    let qk = nope + rd;
+    // The query rows' q_nope then q_rot per head: [n, h, nope + rd].
+    let mut q = vec![0f32; n * h * qk];
+    q.par_chunks_mut(h * qk)
+        .zip(queries.par_iter())
+        .for_each(|(row, &qt)| {
+            for (head, out) in row.chunks_exact_mut(qk).enumerate() {
+                let at = qt * h * qk + head * qk;
+                out[..nope].copy_from_slice(&x.qb[at..at + nope]);
+                let at = (qt * h + head) * rd;
+                out[nope..].copy_from_slice(&x.qpe[at..at + rd]);
+            }
+        });
+    let mut offs = Vec::with_capacity(n + 1);
+    let mut total = 0u64;
+    offs.push(0);
+    for k in keys_of {
+        total += k.len() as u64;
+        offs.push(total);
+    }
+    let keys: Vec<u32> = keys_of.iter().flatten().copied().collect();
+    // A chunk of rows' scores, per row and head its keys' scores: each becomes the row's
+    // softmax over them.
+    let mut softmax = |scores: &mut [f64], rows: std::ops::Range<usize>| -> Result<()> {
+        let mut parts = Vec::with_capacity(rows.len());
+        let mut rest = scores;
+        for i in rows {
+            let len = (offs[i + 1] - offs[i]) as usize;
+            let (part, tail) = rest.split_at_mut(len * h);
+            parts.push((part, len));
+            rest = tail;
+        }
+        parts.into_par_iter().for_each(|(part, len)| {
+            if len > 0 {
+                for head in part.chunks_exact_mut(len) {
+                    softmax_in_place(head);
+                }
+            }
+        });
+        Ok(())
+    };
+    let cpu = |rows: &[usize]| -> Result<Vec<f32>> {
+        let qs: Vec<usize> = rows.iter().map(|&i| queries[i]).collect();
+        let ks: Vec<Vec<u32>> = rows.iter().map(|&i| keys_of[i].clone()).collect();
+        Ok(attend(d, x, &qs, &ks, scale, false).0)
+    };
+    device.attention(
+        &q,
+        x.kv,
+        x.kpe,
+        &offs,
+        &keys,
+        (h, nope, rd, v),
+        scale,
+        &mut softmax,
+        &cpu,
+    )
 }
 
 /// The MLA attention of the query rows `queries` (tokens) whose key lists are `keys_of`
@@ -1170,6 +1252,7 @@ mod timing {
                                             0.07,
                                             want_probs,
                                             rows.as_deref(),
+                                            None,
                                         )
                                     })
                                 })

@@ -34,6 +34,18 @@ pub const CHECK_ROWS: usize = 4;
 /// Tokens of each product checked on the CPU (for each checked row).
 pub const CHECK_TOKENS: usize = 3;
 
+/// What turns a chunk of an attention's scores (its query rows given) into probabilities, in
+/// place (`gpu::reference::Softmax` where there is a device).
+pub type Softmax<'a> = dyn FnMut(&mut [f64], std::ops::Range<usize>) -> Result<()> + 'a;
+
+/// Fewest query rows of an attention made on the device (the keys and values' upload costs
+/// more than a few rows' scores).
+pub const MIN_QUERIES: usize = 32;
+
+/// Query rows of each attention made on the device that the CPU also computes, every head and
+/// value compared bit for bit.
+pub const CHECK_QUERIES: usize = 3;
+
 /// What the device did for the reference so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct DeviceWork {
@@ -51,6 +63,12 @@ pub struct DeviceWork {
     pub on_cpu: u64,
     /// Their multiply-adds.
     pub on_cpu_multiply_adds: f64,
+    /// MLA attentions made on the device (scores and weighted sums; the softmax on the CPU).
+    pub attentions: u64,
+    /// Their query rows.
+    pub attention_rows: u64,
+    /// Seconds spent in them (also in `seconds`; their kernels also in `kernel_seconds`).
+    pub attention_seconds: f64,
 }
 
 /// The reference's device: `gpu::reference` behind a lock (the reference's steps call it one
@@ -194,6 +212,96 @@ impl Device {
             Some(o) => self.checked(self.check(x, t, rows, cols, o, what, row), out),
             None => Ok(None),
         }
+    }
+
+    /// The MLA attention of `n` query rows on the device (see `gpu::reference`'s `mla` for
+    /// the layouts; `softmax` turns a chunk's scores into probabilities on the CPU), checked:
+    /// `cpu(rows)` computes the heads `[rows.len(), h * v]` of the query rows `rows` (indices
+    /// into the call's rows) on the CPU, compared bit for bit at [`CHECK_QUERIES`] rows. `None`
+    /// when it is not made there (fewer than [`MIN_QUERIES`] rows, the device set aside).
+    #[allow(clippy::too_many_arguments)]
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub(super) fn attention(
+        &self,
+        q: &[f32],
+        kv: &[f32],
+        kpe: &[f32],
+        offs: &[u64],
+        keys: &[u32],
+        dims: (usize, usize, usize, usize),
+        scale: f64,
+        softmax: &mut Softmax<'_>,
+        cpu: &dyn Fn(&[usize]) -> Result<Vec<f32>>,
+    ) -> Result<Option<Vec<f32>>> {
+        let n = offs.len().saturating_sub(1);
+        if n < MIN_QUERIES || !self.in_use() {
+            return Ok(None);
+        }
+        #[cfg(feature = "cuda")]
+        {
+            let (heads, nope, rope, v) = dims;
+            let start = std::time::Instant::now();
+            let made = {
+                let p = self.products.lock().map_err(|_| {
+                    anyhow::anyhow!("engine: cpu: the reference's device lock is poisoned")
+                })?;
+                let k0 = p.kernel_seconds();
+                let d = crate::gpu::reference::MlaDims {
+                    heads,
+                    nope,
+                    rope,
+                    v,
+                };
+                match p.mla(q, kv, kpe, offs, keys, d, scale, softmax) {
+                    Ok(out) => Some((out, p.kernel_seconds() - k0)),
+                    Err(e) if !self.strict => {
+                        if let Ok(mut s) = self.set_aside.lock() {
+                            s.get_or_insert(format!("{e:#}"));
+                        }
+                        None
+                    }
+                    Err(e) => return Err(e),
+                }
+            };
+            let Some((out, kernel_seconds)) = made else {
+                return Ok(None);
+            };
+            let width = heads * v;
+            let rows = spread(n, CHECK_QUERIES);
+            let want = cpu(&rows)?;
+            let mut check = Ok(());
+            'rows: for (k, &i) in rows.iter().enumerate() {
+                for c in 0..width {
+                    let (got, want) = (out[i * width + c], want[k * width + c]);
+                    if got.to_bits() != want.to_bits() && !(got.is_nan() && want.is_nan()) {
+                        check = Err(anyhow::anyhow!(
+                            "engine: cpu: the reference's attention made on {} differs from the CPU's at query row {i} of {n}, head {}, value {}: {got:e} ({:#010x}) against {want:e} ({:#010x}); the device does not compute the reference's sums (run with --reference-on cpu)",
+                            self.describe,
+                            c / v.max(1),
+                            c % v.max(1),
+                            got.to_bits(),
+                            want.to_bits()
+                        ));
+                        break 'rows;
+                    }
+                }
+            }
+            let out = self.checked(check, Some(out))?;
+            if out.is_some() {
+                if let Ok(mut work) = self.work.lock() {
+                    let took = start.elapsed().as_secs_f64();
+                    work.attentions += 1;
+                    work.attention_rows += n as u64;
+                    work.attention_seconds += took;
+                    work.seconds += took;
+                    work.kernel_seconds += kernel_seconds;
+                    work.checked += (rows.len() * width) as u64;
+                }
+            }
+            Ok(out)
+        }
+        #[cfg(not(feature = "cuda"))]
+        Ok(None)
     }
 
     /// `out` when its check passed; when it failed, the error under `--reference-on cuda:N`,

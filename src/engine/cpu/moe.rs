@@ -8,6 +8,7 @@
 //! `expert_weights_scale`. Ties in every top-k go to the lower index.
 
 use anyhow::{bail, Result};
+use rayon::prelude::*;
 
 use super::math::Rows;
 use super::math::{sigmoid, softmax_in_place, swiglu};
@@ -169,7 +170,7 @@ impl<'w> CpuEngine<'w> {
         ids: &HostTensor,
         weights: &HostTensor,
         want_expert: &dyn Fn(usize) -> bool,
-        expert: &dyn Fn(usize) -> Result<[Rows<'w>; 3]>,
+        expert: &(dyn Fn(usize) -> Result<[Rows<'w>; 3]> + Sync),
     ) -> Result<ExpertsOut<HostTensor>> {
         self.moe_experts_tokens(layer, x, ids, weights, None, want_expert, expert)
     }
@@ -187,7 +188,7 @@ impl<'w> CpuEngine<'w> {
         weights: &HostTensor,
         rows: Option<&[usize]>,
         want_expert: &dyn Fn(usize) -> bool,
-        expert: &dyn Fn(usize) -> Result<[Rows<'w>; 3]>,
+        expert: &(dyn Fn(usize) -> Result<[Rows<'w>; 3]> + Sync),
     ) -> Result<ExpertsOut<HostTensor>> {
         let group = ExpertGroup {
             x,
@@ -210,7 +211,7 @@ impl<'w> CpuEngine<'w> {
         layer: usize,
         groups: &[ExpertGroup<'_>],
         want_expert: &dyn Fn(usize) -> bool,
-        expert: &dyn Fn(usize) -> Result<[Rows<'w>; 3]>,
+        expert: &(dyn Fn(usize) -> Result<[Rows<'w>; 3]> + Sync),
     ) -> Result<Vec<ExpertsOut<HostTensor>>> {
         let hp = self.weights.hparams();
         // routed[e] = (group, output row, token, weight), group by group in token order.
@@ -263,34 +264,61 @@ impl<'w> CpuEngine<'w> {
         let hidden = hidden.unwrap_or(hp.hidden);
         let mut acc: Vec<Vec<f64>> = n_tokens.iter().map(|&n| vec![0f64; n * hidden]).collect();
         let mut extra: Vec<Vec<(usize, HostTensor)>> = vec![Vec::new(); groups.len()];
-        for (e, toks) in routed.iter().enumerate() {
-            if toks.is_empty() {
-                continue;
-            }
-            let n = toks.len();
-            let xs: Vec<f32> = toks
-                .iter()
-                .flat_map(|&(g, _, tok, _)| values[g][tok * hidden..(tok + 1) * hidden].iter())
-                .copied()
-                .collect(); // [n, hidden]
-            let rows = expert(e)?;
-            if rows[0].cols() != hidden {
-                bail!(
-                    "engine: cpu: layer {layer}: expert {e} takes {} inputs, the hidden size is {hidden}",
-                    rows[0].cols()
-                );
-            }
-            let y = self.expert_output(&rows, &xs, n)?; // [n, hidden]
-            for (i, &(g, row, _, w)) in toks.iter().enumerate() {
-                let w = f64::from(w);
-                for (a, &v) in acc[g][row * hidden..(row + 1) * hidden]
-                    .iter_mut()
-                    .zip(&y[i * hidden..(i + 1) * hidden])
-                {
-                    *a += w * f64::from(v);
+        let active: Vec<usize> = (0..routed.len())
+            .filter(|&e| !routed[e].is_empty())
+            .collect();
+        // Experts go in waves of EXPERT_WAVE, each wave's outputs computed on the threads (a
+        // device's products of one expert overlap the CPU's work on another: its inputs, its
+        // SwiGLU, its checks), then added in ascending expert order, each output row on a
+        // thread of its own: every row's sum runs over its experts in the same order as one
+        // expert at a time.
+        for wave in active.chunks(EXPERT_WAVE) {
+            let ys: Vec<Vec<f32>> = wave
+                .par_iter()
+                .map(|&e| {
+                    let toks = &routed[e];
+                    let xs: Vec<f32> = toks
+                        .iter()
+                        .flat_map(|&(g, _, tok, _)| {
+                            values[g][tok * hidden..(tok + 1) * hidden].iter()
+                        })
+                        .copied()
+                        .collect(); // [n, hidden]
+                    let rows = expert(e)?;
+                    if rows[0].cols() != hidden {
+                        bail!(
+                            "engine: cpu: layer {layer}: expert {e} takes {} inputs, the hidden size is {hidden}",
+                            rows[0].cols()
+                        );
+                    }
+                    self.expert_output(&rows, &xs, toks.len()) // [n, hidden]
+                })
+                .collect::<Result<_>>()?;
+            // Per group and output row, its (expert of the wave, output row of that expert,
+            // weight) in ascending expert order.
+            let mut into: Vec<Vec<Vec<(usize, usize, f64)>>> =
+                n_tokens.iter().map(|&n| vec![Vec::new(); n]).collect();
+            for (k, &e) in wave.iter().enumerate() {
+                for (i, &(g, row, _, w)) in routed[e].iter().enumerate() {
+                    into[g][row].push((k, i, f64::from(w)));
                 }
             }
-            if want_expert(e) {
+            for (a, into) in acc.iter_mut().zip(&into) {
+                a.par_chunks_mut(hidden.max(1))
+                    .zip(into.par_iter())
+                    .for_each(|(a, adds)| {
+                        for &(k, i, w) in adds {
+                            for (a, &v) in a.iter_mut().zip(&ys[k][i * hidden..(i + 1) * hidden]) {
+                                *a += w * f64::from(v);
+                            }
+                        }
+                    });
+            }
+            for (&e, y) in wave.iter().zip(&ys) {
+                if !want_expert(e) {
+                    continue;
+                }
+                let toks = &routed[e];
                 for (g, out) in extra.iter_mut().enumerate() {
                     let ys: Vec<f32> = toks
                         .iter()
@@ -318,6 +346,11 @@ impl<'w> CpuEngine<'w> {
             .collect()
     }
 }
+
+/// Experts computed together (on the threads) before their outputs are added: enough to keep a
+/// device busy while the CPU prepares and checks the others, few enough that their outputs
+/// (`[n_e, hidden]` each) stay small.
+const EXPERT_WAVE: usize = 16;
 
 /// One group of [`CpuEngine::moe_experts_groups`]: a layer's expert inputs and the token rows
 /// computed (all when `None`).

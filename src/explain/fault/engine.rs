@@ -800,10 +800,28 @@ impl<E: Engine> Engine for FaultEngine<'_, '_, E> {
             self.to_host(x.ids)?,
             self.to_host(x.weights)?,
         );
+        // Each selected expert's rows, made here (the experts are computed on the threads,
+        // each taking its own).
+        let n_expert = self.weights.hparams().n_expert;
+        let mut rows: Vec<Option<[Rows<'_>; 3]>> = (0..n_expert).map(|_| None).collect();
+        for &e in ids.as_i32("moe_topk_ids")? {
+            if let Some(slot) = usize::try_from(e).ok().and_then(|e| rows.get_mut(e)) {
+                if slot.is_none() {
+                    *slot = Some(self.expert_rows(layer, e as usize)?);
+                }
+            }
+        }
+        let rows = Mutex::new(rows);
         let out = self
             .host
             .moe_experts_with(layer, &hx, &ids, &w, want_expert, &|e| {
-                self.expert_rows(layer, e)
+                rows.lock()
+                    .map_err(|_| anyhow::anyhow!("explain: the experts' rows lock is poisoned"))?
+                    .get_mut(e)
+                    .and_then(Option::take)
+                    .ok_or_else(|| {
+                        anyhow::anyhow!("explain: layer {layer}: expert {e}'s rows taken twice")
+                    })
             })?;
         Ok(ExpertsOut {
             routed: self.to_engine(&out.routed)?,
