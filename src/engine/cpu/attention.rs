@@ -575,8 +575,8 @@ fn padded(d: Dims) -> (usize, usize, usize) {
 }
 
 /// [`attend`]'s heads (`[n, H*v]`) made on `device` (`None` when it does not make them): the
-/// scores and the weighted sums there, each row's softmax here ([`softmax_in_place`] over its
-/// own keys' scores in their order, as [`block`] does), a few rows checked against [`attend`].
+/// scores and the weighted sums there, each row's softmax here, a few rows checked against
+/// [`attend`] ([`attend_with`]).
 fn attend_on(
     device: &Device,
     d: Dims,
@@ -585,15 +585,51 @@ fn attend_on(
     keys_of: &[Vec<u32>],
     scale: f64,
 ) -> Result<Option<Vec<f32>>> {
-    let Dims { h, nope, rd, v } = d;
-    let n = queries.len();
-    if n < super::device::MIN_QUERIES {
+    if queries.len() < super::device::MIN_QUERIES {
         return Ok(None);
     }
+    let cpu = |rows: &[usize]| -> Result<Vec<f32>> {
+        let qs: Vec<usize> = rows.iter().map(|&i| queries[i]).collect();
+        let ks: Vec<Vec<u32>> = rows.iter().map(|&i| keys_of[i].clone()).collect();
+        Ok(attend(d, x, &qs, &ks, scale, false).0)
+    };
+    attend_with(d, x, queries, keys_of, &mut |q, offs, keys, softmax| {
+        device.attention(
+            q,
+            x.kv,
+            x.kpe,
+            offs,
+            keys,
+            (d.h, d.nope, d.rd, d.v),
+            scale,
+            softmax,
+            &cpu,
+        )
+    })
+}
+
+/// What makes an attention's scores and weighted sums elsewhere: from the query rows' values
+/// (`[n, H, nope + rd]`), the offsets of their keys (`[n + 1]`) and the keys, with the softmax
+/// to apply between (see `gpu::reference`'s `mla` for the layouts).
+type MakeAttention<'a> = dyn FnMut(&[f32], &[u64], &[u32], &mut super::device::Softmax<'_>) -> Result<Option<Vec<f32>>>
+    + 'a;
+
+/// [`attend`]'s heads made by `make` from the query rows' values and key lists laid out for it,
+/// with each row's softmax made here: [`softmax_in_place`] over its own keys' scores in their
+/// order, as [`block`] does.
+fn attend_with(
+    d: Dims,
+    x: Inputs<'_>,
+    queries: &[usize],
+    keys_of: &[Vec<u32>],
+    make: &mut MakeAttention<'_>,
+) -> Result<Option<Vec<f32>>> {
+    let Dims { h, nope, rd, .. } = d;
+    let n = queries.len();
     let qk = nope + rd;
     // The query rows' q_nope then q_rot per head: [n, h, nope + rd].
     let mut q = vec![0f32; n * h * qk];
-    q.par_chunks_mut(h * qk)
+    q.par_chunks_mut((h * qk).max(1))
         .zip(queries.par_iter())
         .for_each(|(row, &qt)| {
             for (head, out) in row.chunks_exact_mut(qk).enumerate() {
@@ -618,6 +654,12 @@ fn attend_on(
         let mut rest = scores;
         for i in rows {
             let len = (offs[i + 1] - offs[i]) as usize;
+            if rest.len() < len * h {
+                bail!(
+                    "engine: cpu: attention: {} scores for query row {i}'s {len} keys of {h} heads",
+                    rest.len()
+                );
+            }
             let (part, tail) = rest.split_at_mut(len * h);
             parts.push((part, len));
             rest = tail;
@@ -631,22 +673,7 @@ fn attend_on(
         });
         Ok(())
     };
-    let cpu = |rows: &[usize]| -> Result<Vec<f32>> {
-        let qs: Vec<usize> = rows.iter().map(|&i| queries[i]).collect();
-        let ks: Vec<Vec<u32>> = rows.iter().map(|&i| keys_of[i].clone()).collect();
-        Ok(attend(d, x, &qs, &ks, scale, false).0)
-    };
-    device.attention(
-        &q,
-        x.kv,
-        x.kpe,
-        &offs,
-        &keys,
-        (h, nope, rd, v),
-        scale,
-        &mut softmax,
-        &cpu,
-    )
+    make(&q, &offs, &keys, &mut softmax)
 }
 
 /// The MLA attention of the query rows `queries` (tokens) whose key lists are `keys_of`
@@ -891,6 +918,159 @@ mod tests {
         assert_eq!(causal_top_k(&[1.0, 3.0, 3.0, 2.0], 2), vec![1, 2]);
         assert_eq!(causal_top_k(&[0.0, 0.0, 0.0], 2), vec![0, 1]);
         assert_eq!(causal_top_k(&[5.0], 4), vec![0]);
+    }
+}
+
+#[cfg(test)]
+mod device_layout {
+    use super::*;
+    use crate::engine::cpu::math::gemm::tests::wild;
+    use crate::util::rng::SplitMix64;
+
+    /// `cuda/reference.cu`'s `reference_mla_scores` and `reference_mla_sums` written out on the
+    /// host with the same operations in the same order (each lane's fused multiply-adds in
+    /// column order, the butterfly as lane 0 sees it, the product then the add of the sums),
+    /// chunked as `gpu::reference`'s `mla` chunks (at most `most` scores a chunk).
+    #[allow(clippy::too_many_arguments)]
+    fn kernels(
+        d: Dims,
+        x: Inputs<'_>,
+        q: &[f32],
+        offs: &[u64],
+        keys: &[u32],
+        scale: f64,
+        most: usize,
+        softmax: &mut super::super::device::Softmax<'_>,
+    ) -> Vec<f32> {
+        let Dims { h, nope, rd, v } = d;
+        let (qk, kvw) = (nope + rd, nope + v);
+        let n = offs.len() - 1;
+        let butterfly = |a: [f64; 8]| -> f64 {
+            let s1: Vec<f64> = (0..8).map(|l| a[l] + a[l ^ 1]).collect();
+            let s2: Vec<f64> = (0..8).map(|l| s1[l] + s1[l ^ 2]).collect();
+            s2[0] + s2[4]
+        };
+        let mut out = vec![0f32; n * h * v];
+        let mut c0 = 0;
+        while c0 < n {
+            let mut c1 = c0 + 1;
+            while c1 < n && (offs[c1 + 1] - offs[c0]) as usize * h <= most {
+                c1 += 1;
+            }
+            let base = offs[c0];
+            let m = (offs[c1] - base) as usize * h;
+            let mut sc = vec![0f64; m];
+            for i in c0..c1 {
+                let (o0, len) = (offs[i], (offs[i + 1] - offs[i]) as usize);
+                for hd in 0..h {
+                    let qr = &q[(i * h + hd) * qk..(i * h + hd + 1) * qk];
+                    for j in 0..len {
+                        let key = keys[o0 as usize + j] as usize;
+                        let kr = &x.kv[(key * h + hd) * kvw..];
+                        let pr = &x.kpe[key * rd..];
+                        let (mut a, mut b) = ([0f64; 8], [0f64; 8]);
+                        for c in 0..nope {
+                            a[c % 8] = f64::from(qr[c]).mul_add(f64::from(kr[c]), a[c % 8]);
+                        }
+                        for c in 0..rd {
+                            b[c % 8] = f64::from(qr[nope + c]).mul_add(f64::from(pr[c]), b[c % 8]);
+                        }
+                        sc[(o0 - base) as usize * h + hd * len + j] =
+                            (butterfly(a) + butterfly(b)) * scale;
+                    }
+                }
+            }
+            softmax(&mut sc, c0..c1).unwrap();
+            for i in c0..c1 {
+                let (o0, len) = (offs[i], (offs[i + 1] - offs[i]) as usize);
+                for hd in 0..h {
+                    let p = &sc[(o0 - base) as usize * h + hd * len..];
+                    for dd in 0..v {
+                        let mut acc = 0f64;
+                        for j in 0..len {
+                            let key = keys[o0 as usize + j] as usize;
+                            let val = f64::from(x.kv[(key * h + hd) * kvw + nope + dd]);
+                            let prod = p[j] * val;
+                            acc += prod;
+                        }
+                        out[(i * h + hd) * v + dd] = acc as f32;
+                    }
+                }
+            }
+            c0 = c1;
+        }
+        out
+    }
+
+    /// The device's scores and weighted sums (as its kernels compute them, written out here),
+    /// with the host's softmax between them, in chunks, give [`attend`]'s heads bit for bit:
+    /// causal and with ragged DSA selections, all rows and a subset, widths not a multiple of
+    /// the lanes, values over the whole exponent range, an infinite V value (the CPU's rows
+    /// one at a time; the device's sums over the own keys alone are the same).
+    #[test]
+    fn device_kernels_and_host_softmax_are_attend() {
+        let mut rng = SplitMix64::new(31);
+        let d = Dims {
+            h: 3,
+            nope: 13,
+            rd: 6,
+            v: 10,
+        };
+        let t = 70;
+        let qb = wild(&mut rng, t * d.h * (d.nope + d.rd));
+        let qpe = wild(&mut rng, t * d.h * d.rd);
+        let mut kv = wild(&mut rng, t * d.h * (d.nope + d.v));
+        let kpe = wild(&mut rng, t * d.rd);
+        let selection: Vec<Vec<u32>> = (0..t)
+            .map(|qt| {
+                let mut k: Vec<u32> = (0..9)
+                    .map(|_| (rng.next_u64() % (qt as u64 + 1)) as u32)
+                    .collect();
+                k.sort_unstable();
+                k.dedup();
+                k
+            })
+            .collect();
+        let causal: Vec<Vec<u32>> = (0..t).map(|qt| (0..=qt as u32).collect()).collect();
+        let mut n = 0;
+        for poison in [false, true] {
+            if poison {
+                kv[5 * d.h * (d.nope + d.v) + d.nope + 2] = f32::INFINITY;
+            }
+            let x = Inputs {
+                qb: &qb,
+                qpe: &qpe,
+                kv: &kv,
+                kpe: &kpe,
+                t,
+            };
+            for keys_of in [&causal, &selection] {
+                for queries in [
+                    (0..t).collect::<Vec<_>>(),
+                    (0..t).filter(|r| r % 4 != 1).collect(),
+                ] {
+                    let ks: Vec<Vec<u32>> = queries.iter().map(|&r| keys_of[r].clone()).collect();
+                    let want = attend(d, x, &queries, &ks, 0.3, false).0;
+                    for most in [1usize, 200, 1 << 20] {
+                        let got =
+                            attend_with(d, x, &queries, &ks, &mut |q, offs, keys, softmax| {
+                                Ok(Some(kernels(d, x, q, offs, keys, 0.3, most, softmax)))
+                            })
+                            .unwrap()
+                            .unwrap();
+                        let bad = want.iter().zip(&got).position(|(a, b)| {
+                            a.to_bits() != b.to_bits() && !(a.is_nan() && b.is_nan())
+                        });
+                        assert!(
+                            bad.is_none(),
+                            "poison {poison} most {most}: element {bad:?}"
+                        );
+                        n += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(n, 24);
     }
 }
 
