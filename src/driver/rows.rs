@@ -20,6 +20,7 @@
 use std::collections::BTreeSet;
 
 use anyhow::{bail, Result};
+use rayon::prelude::*;
 
 use crate::engine::{Engine, ExpertInputs, ExpertsOut, HostData, HostTensor, MlaInputs};
 use crate::model::steps::{expert_hook, hook, point, Op, Step};
@@ -35,8 +36,10 @@ pub(super) fn rows_differing(a: &HostTensor, b: &HostTensor) -> Option<Vec<usize
     }
     let rows = a.shape.first().copied().unwrap_or(0);
     let width = a.len().checked_div(rows).unwrap_or(0).max(1);
+    // Rows compared on the threads (a long prompt's hook holds 25M values), kept in order.
     let differ: Vec<usize> = match (&a.data, &b.data) {
         (HostData::F32(x), HostData::F32(y)) => (0..rows)
+            .into_par_iter()
             .filter(|&t| {
                 let span = t * width..(t + 1) * width;
                 x[span.clone()]
@@ -46,6 +49,7 @@ pub(super) fn rows_differing(a: &HostTensor, b: &HostTensor) -> Option<Vec<usize
             })
             .collect(),
         (HostData::I32(x), HostData::I32(y)) => (0..rows)
+            .into_par_iter()
             .filter(|&t| x[t * width..(t + 1) * width] != y[t * width..(t + 1) * width])
             .collect(),
         _ => return None,
@@ -229,23 +233,45 @@ fn splice(known: &HostTensor, part: &HostTensor, rows: &[usize]) -> Result<HostT
             part.shape
         );
     }
-    let mut out = known.clone();
-    match (&mut out.data, &part.data) {
-        (HostData::F32(o), HostData::F32(p)) => {
-            let o = std::sync::Arc::make_mut(o);
-            for (i, &t) in rows.iter().enumerate() {
-                o[t * width..(t + 1) * width].copy_from_slice(&p[i * width..(i + 1) * width]);
-            }
+    let data = match (&known.data, &part.data) {
+        (HostData::F32(k), HostData::F32(p)) => {
+            HostData::F32(std::sync::Arc::new(spliced(k, p, rows, width)))
         }
-        (HostData::I32(o), HostData::I32(p)) => {
-            let o = std::sync::Arc::make_mut(o);
-            for (i, &t) in rows.iter().enumerate() {
-                o[t * width..(t + 1) * width].copy_from_slice(&p[i * width..(i + 1) * width]);
-            }
+        (HostData::I32(k), HostData::I32(p)) => {
+            HostData::I32(std::sync::Arc::new(spliced(k, p, rows, width)))
         }
         _ => bail!("driver: rows {rows:?}: f32 and i32 values do not mix"),
+    };
+    Ok(HostTensor {
+        shape: known.shape.clone(),
+        data,
+    })
+}
+
+/// `known` (rows of `width` values) with its rows `rows` replaced by those of `part`, copied on
+/// the threads a row at a time (a long prompt's hook holds 25M values).
+fn spliced<T: Copy + Default + Send + Sync>(
+    known: &[T],
+    part: &[T],
+    rows: &[usize],
+    width: usize,
+) -> Vec<T> {
+    // Where each row comes from: the known row, or row i of `part`.
+    let mut from: Vec<Option<usize>> = vec![None; known.len().checked_div(width).unwrap_or(0)];
+    for (i, &t) in rows.iter().enumerate() {
+        if let Some(f) = from.get_mut(t) {
+            *f = Some(i);
+        }
     }
-    Ok(out)
+    let mut out = vec![T::default(); known.len()];
+    out.par_chunks_mut(width.max(1))
+        .zip(from.par_iter())
+        .enumerate()
+        .for_each(|(t, (o, f))| match f {
+            Some(i) => o.copy_from_slice(&part[i * width..(i + 1) * width]),
+            None => o.copy_from_slice(&known[t * width..(t + 1) * width]),
+        });
+    out
 }
 
 /// Attention in the query rows `rows`, spliced into the known heads and probabilities.
