@@ -1434,6 +1434,13 @@ mod device {
 
     /// f32 values of mixed signs over 2^-40 .. 2^20 with a few large opposite pairs, so that
     /// partial sums cancel and any other order of the adds shows in the f32 result.
+    /// The first element whose bits differ between `want` and `got`.
+    fn first_bit_difference(want: &[f32], got: &[f32]) -> Option<usize> {
+        want.iter()
+            .zip(got)
+            .position(|(a, b)| a.to_bits() != b.to_bits())
+    }
+
     fn mixed(rng: &mut SplitMix64, n: usize) -> Vec<f32> {
         (0..n)
             .map(|_| {
@@ -1479,10 +1486,7 @@ mod device {
                     .products(&x, t, W::Dense(&w.data), rows, cols)
                     .unwrap()
                     .unwrap();
-                let bad = want
-                    .iter()
-                    .zip(&got)
-                    .position(|(a, b)| a.to_bits() != b.to_bits());
+                let bad = first_bit_difference(&want, &got);
                 assert!(
                     bad.is_none(),
                     "t {t} rows {rows} cols {cols}: element {bad:?}"
@@ -1520,10 +1524,7 @@ mod device {
                     .products(&x, t, W::Raw { ty, bytes: &bytes }, rows, cols)
                     .unwrap()
                     .unwrap();
-                let bad = want
-                    .iter()
-                    .zip(&got)
-                    .position(|(a, b)| a.to_bits() != b.to_bits());
+                let bad = first_bit_difference(&want, &got);
                 assert!(bad.is_none(), "{ty}: element {bad:?}");
                 n += 1;
             }

@@ -130,16 +130,17 @@ pub(super) fn device_work_note(reference: &CpuEngine<'_>) -> Option<String> {
     if w.products == 0 && w.attentions == 0 {
         return None;
     }
+    // The attentions' time and kernels are part of the device's totals.
     let attentions = if w.attentions > 0 {
         format!(
-            "; {} attentions of {MIN_QUERIES} query rows or more ({} rows: scores and weighted sums there, softmax here) in {:.2} s, each checked on the CPU at {CHECK_QUERIES} rows",
+            " and {} attentions of {MIN_QUERIES} query rows or more ({} rows: scores and weighted sums there, softmax here, each checked at {CHECK_QUERIES} rows; {:.2} s of the time)",
             w.attentions, w.attention_rows, w.attention_seconds
         )
     } else {
         String::new()
     };
     Some(format!(
-        "the reference's products of {MIN_TOKENS} tokens or more ran on {}: {} products, {:.3} T multiply-adds in {:.2} s ({:.2} s in the kernels: {}), {} of their elements checked on the CPU, all the same bits; {} products of fewer tokens ({:.3} T multiply-adds) on the CPU",
+        "the reference's products of {MIN_TOKENS} tokens or more ran on {}: {} products, {:.3} T multiply-adds{attentions}, in {:.2} s ({:.2} s in the kernels: {}), {} of their elements checked on the CPU, all the same bits; {} products of fewer tokens ({:.3} T multiply-adds) on the CPU",
         d.describe(),
         w.products,
         w.multiply_adds / 1e12,
@@ -149,7 +150,7 @@ pub(super) fn device_work_note(reference: &CpuEngine<'_>) -> Option<String> {
         w.checked,
         w.on_cpu,
         w.on_cpu_multiply_adds / 1e12
-    ) + &attentions)
+    ))
 }
 
 /// Whether any hook of `cmp` was compared in some mode (not only listed as missing).
