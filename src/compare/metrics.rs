@@ -394,13 +394,18 @@ pub fn id_metrics(a: &[i32], b: &[i32], width: usize) -> IdMetrics {
         min_jaccard: 1.0,
         differing_rows: Vec::new(),
     };
+    // Each row's similarity on the threads; summed in row order (the same sum as one at a time).
+    let rows: Vec<(bool, f64)> = a
+        .par_chunks(w)
+        .zip(b.par_chunks(w))
+        .map(|(ra, rb)| (ra == rb, jaccard(ra, rb)))
+        .collect();
     let mut sum = 0f64;
-    for (r, (ra, rb)) in a.chunks(w).zip(b.chunks(w)).enumerate() {
+    for (r, (exact, j)) in rows.into_iter().enumerate() {
         m.rows += 1;
-        if ra == rb {
+        if exact {
             m.exact_rows += 1;
         }
-        let j = jaccard(ra, rb);
         if j == 1.0 {
             m.set_equal_rows += 1;
         } else if m.differing_rows.len() < 64 {

@@ -28,6 +28,7 @@
 //! - margin <= tolerance: a near-tie flip (expected, counted); otherwise a confident flip (a
 //!   divergence).
 
+use rayon::prelude::*;
 use serde::Serialize;
 
 use super::metrics::row_set;
@@ -163,7 +164,7 @@ pub fn judge_flips(
 ) -> FlipStats {
     let w = width.max(1);
     let mut st = FlipStats {
-        rows: 0,
+        rows: row_count(reference, candidate, w),
         differing: 0,
         near_tie: 0,
         confident: 0,
@@ -176,23 +177,26 @@ pub fn judge_flips(
         drift: 0,
         count: None,
     };
-    for (t, (rr, cr)) in reference.chunks(w).zip(candidate.chunks(w)).enumerate() {
-        st.rows += 1;
-        let Some((entered, left)) = row_difference(rr, cr) else {
-            continue;
-        };
+    // Each differing row judged on the threads, gathered in row order.
+    let flips: Vec<FlipAt> = row_differences(reference, candidate, w)
+        .into_par_iter()
+        .map(|(t, entered, left)| {
+            let (margin, tolerance) = match scores {
+                None => (f64::INFINITY, 0.0),
+                Some(s) => row_margin(s, t, &entered, &left),
+            };
+            FlipAt {
+                token: t,
+                margin,
+                tolerance,
+                entered,
+                left,
+            }
+        })
+        .collect();
+    for at in flips {
         st.differing += 1;
-        let (margin, tolerance) = match scores {
-            None => (f64::INFINITY, 0.0),
-            Some(s) => row_margin(s, t, &entered, &left),
-        };
-        let at = FlipAt {
-            token: t,
-            margin,
-            tolerance,
-            entered,
-            left,
-        };
+        let (margin, tolerance) = (at.margin, at.tolerance);
         st.margins = Some(match st.margins {
             None => (margin, margin),
             Some((a, b)) => (a.min(margin), b.max(margin)),
@@ -229,29 +233,45 @@ pub fn near_tie_rows(
     let Some(s) = scores else {
         return Vec::new();
     };
-    let w = width.max(1);
-    let mut out = Vec::new();
-    for (t, (rr, cr)) in reference.chunks(w).zip(candidate.chunks(w)).enumerate() {
-        let Some((entered, left)) = row_difference(rr, cr) else {
-            continue;
-        };
-        let (margin, tolerance) = row_margin(s, t, &entered, &left);
-        if margin <= tolerance {
-            out.push(t);
-        }
-    }
-    out
+    row_differences(reference, candidate, width.max(1))
+        .into_par_iter()
+        .filter(|(t, entered, left)| {
+            let (margin, tolerance) = row_margin(s, *t, entered, left);
+            margin <= tolerance
+        })
+        .map(|(t, _, _)| t)
+        .collect()
 }
 
 /// The rows whose sets differ (as [`judge_flips`] counts them), in order.
 pub fn differing_rows(reference: &[i32], candidate: &[i32], width: usize) -> Vec<usize> {
     let w = width.max(1);
     reference
-        .chunks(w)
-        .zip(candidate.chunks(w))
+        .par_chunks(w)
+        .zip(candidate.par_chunks(w))
         .enumerate()
         .filter(|(_, (rr, cr))| row_difference(rr, cr).is_some())
         .map(|(t, _)| t)
+        .collect()
+}
+
+/// The rows both selections have (`w` ids a row, a last short row counted).
+fn row_count(reference: &[i32], candidate: &[i32], w: usize) -> usize {
+    reference.len().div_ceil(w).min(candidate.len().div_ceil(w))
+}
+
+/// Each row whose sets differ, with what entered it and what left it ([`row_difference`]), in
+/// row order; the rows are compared on the threads.
+fn row_differences(
+    reference: &[i32],
+    candidate: &[i32],
+    w: usize,
+) -> Vec<(usize, Vec<i32>, Vec<i32>)> {
+    reference
+        .par_chunks(w)
+        .zip(candidate.par_chunks(w))
+        .enumerate()
+        .filter_map(|(t, (rr, cr))| row_difference(rr, cr).map(|(e, l)| (t, e, l)))
         .collect()
 }
 
