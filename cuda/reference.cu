@@ -198,3 +198,47 @@ extern "C" __global__ void __launch_bounds__(256)
         out[(i * h + hd) * v + d] = __double2float_rn(acc);
     }
 }
+
+// The DSA indexer's scores (src/engine/cpu/attention.rs `index_scores`): for query row t and key
+// s <= t, I(t, s) = f32(acc) with acc = +0, then for each head h in order
+// acc = acc + (f64(hw[t][h]) * scale) * relu(q_h(t) . k(s)) (each a product, then an add:
+// never fused; relu(x) = fmax(x, 0), a NaN giving 0 as the CPU's f64::max does; none unless
+// `relu`), the dot being math.rs `dot`'s: lane l sums q[c] * k[c] over the columns c with
+// c % 8 == l in increasing c by fused multiply-adds from +0 (a product of two f32 values is
+// exact in f64), combined by the butterfly of reference_products. Keys s > t get -inf.
+// q: [T, ni, di], k: [T, di], hw: [T, ni]; out: rows row0 .. row0 + gridDim.x, [rows, T]. A
+// block per query row: 32 groups of 8 lanes, a key a group; the row's q (ni * di doubles) and
+// its head weights times the scale (ni doubles) in shared memory.
+extern "C" __global__ void __launch_bounds__(256)
+    reference_index_scores(const float* __restrict__ q, const float* __restrict__ k,
+                           const float* __restrict__ hw, float* __restrict__ out, u32 t_all,
+                           u32 ni, u32 di, double scale, u32 relu, u32 row0) {
+    extern __shared__ double qs[];
+    double* ws = qs + (u64)ni * di;
+    const u32 t = row0 + blockIdx.x, tid = threadIdx.x, l = tid & 7u, g = tid >> 3;
+    const u64 w = (u64)ni * di;
+    for (u64 c = tid; c < w; c += blockDim.x) qs[c] = (double)q[(u64)t * w + c];
+    for (u32 h = tid; h < ni; h += blockDim.x) ws[h] = __dmul_rn((double)hw[(u64)t * ni + h], scale);
+    __syncthreads();
+    float* dst = out + (u64)blockIdx.x * t_all;
+    for (u32 s = tid; s < t_all; s += blockDim.x)
+        if (s > t) dst[s] = __int_as_float(0xff800000);
+    // Every warp runs the same number of rounds (the shuffles need all its lanes).
+    for (u32 s0 = 0; s0 <= t; s0 += 32) {
+        const u32 s = s0 + g;
+        const bool valid = s <= t;
+        const float* kr = k + (u64)(valid ? s : t) * di;
+        double acc = 0.0;
+        for (u32 h = 0; h < ni; h++) {
+            const double* qh = qs + (u64)h * di;
+            double a = 0.0;
+            for (u32 c = l; c < di; c += 8) a = __fma_rn(qh[c], (double)kr[c], a);
+            a = __dadd_rn(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
+            a = __dadd_rn(a, __shfl_xor_sync(0xFFFFFFFFu, a, 2));
+            a = __dadd_rn(a, __shfl_xor_sync(0xFFFFFFFFu, a, 4));
+            if (relu) a = fmax(a, 0.0);
+            acc = __dadd_rn(acc, __dmul_rn(ws[h], a));
+        }
+        if (valid && l == 0) dst[s] = __double2float_rn(acc);
+    }
+}

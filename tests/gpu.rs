@@ -1612,6 +1612,46 @@ mod device {
         );
     }
 
+    /// The DSA index scores made on the device equal the CPU's bit for bit: GLM-5's indexer
+    /// widths (32 heads of 128) and a narrow odd one, with and without the ReLU, a NaN query
+    /// value and an infinite key value.
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_reference_index_scores_are_the_cpus() {
+        use glmdiff::engine::cpu::device::Device;
+        use glmdiff::engine::cpu::index_scores_on;
+        let dev = Device::open(0, true).unwrap();
+        let mut rng = SplitMix64::new(79);
+        let mut n = 0;
+        for &(t, ni, di) in &[(40usize, 3usize, 37usize), (700, 32, 128), (2100, 32, 128)] {
+            let mut q = mixed(&mut rng, t * ni * di);
+            let mut k = mixed(&mut rng, t * di);
+            let hw: Vec<f32> = mixed(&mut rng, t * ni);
+            q[(t / 2) * ni * di + 5] = f32::NAN;
+            k[(t / 3) * di + 2] = f32::INFINITY;
+            for relu in [true, false] {
+                let scale = 1.0 / ((ni * di) as f64).sqrt();
+                let cpu = index_scores_on(&q, &k, &hw, (t, ni, di), scale, relu, None).unwrap();
+                let gpu =
+                    index_scores_on(&q, &k, &hw, (t, ni, di), scale, relu, Some(&dev)).unwrap();
+                let bad = cpu
+                    .iter()
+                    .zip(&gpu)
+                    .position(|(x, y)| x.to_bits() != y.to_bits() && !(x.is_nan() && y.is_nan()));
+                assert!(
+                    bad.is_none(),
+                    "t {t} heads {ni} width {di} relu {relu}: element {bad:?}: {:?} against {:?}",
+                    bad.map(|i| gpu[i]),
+                    bad.map(|i| cpu[i])
+                );
+                n += 1;
+            }
+        }
+        let work = dev.work();
+        assert_eq!(work.index_scores, n, "{work:?}");
+        eprintln!("{n} index score sets bit-exact on the device");
+    }
+
     /// `run` with the reference's products on the device gives the same records as with them
     /// on the CPU (80 tokens: every projection of the tiny model is made there), and says so.
     #[test]
@@ -1649,6 +1689,11 @@ mod device {
             );
             assert_eq!(
                 notes.contains(" attentions of "),
+                on != "cpu",
+                "{on}: {notes}"
+            );
+            assert_eq!(
+                notes.contains(" DSA index score sets "),
                 on != "cpu",
                 "{on}: {notes}"
             );

@@ -298,6 +298,42 @@ impl Gpu {
             .with_context(|| format!("cuda: kernel {function} not found in {name}"))
     }
 
+    /// Lets kernel `function` of family `name` (source `source`) have `bytes` of dynamic shared
+    /// memory a block: `Ok(())` when it may (past the default 48 KiB it opts in to what the
+    /// device allows a block: 227 KiB on sm_90, 99 KiB on sm_120), else `Err(most)`, the bytes
+    /// it could have.
+    pub fn opt_in_shared(
+        &self,
+        name: &'static str,
+        source: &str,
+        function: &str,
+        bytes: usize,
+    ) -> Result<std::result::Result<(), usize>> {
+        use drv::{CUdevice_attribute, CUfunction_attribute};
+        let f = self.function(name, source, function)?;
+        let optin = self
+            .ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .context("cuda: the device's shared memory per block")?;
+        let fixed = f
+            .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+            .with_context(|| format!("cuda: {function}'s static shared memory"))?;
+        let most = usize::try_from(optin - fixed).unwrap_or(0);
+        if bytes > most {
+            return Ok(Err(most));
+        }
+        if bytes > 48 * 1024 {
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .with_context(|| {
+                format!("cuda: {function}: opting in to {bytes} bytes of shared memory")
+            })?;
+        }
+        Ok(Ok(()))
+    }
+
     /// Compiles (NVRTC, or the disk cache) and loads kernel family `name` (source `source`)
     /// now, unless it is loaded already: a caller that times its launches does it first, so
     /// that no compile falls inside its timings.

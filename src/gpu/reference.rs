@@ -632,6 +632,106 @@ impl ReferenceProducts {
         Ok(heads)
     }
 
+    /// The DSA indexer's scores `[t, t]` (`-inf` above the diagonal) from `q` `[t, ni, di]`,
+    /// `k` `[t, di]` and the head weights `hw` `[t, ni]` (`cuda/reference.cu`
+    /// `reference_index_scores`: the CPU reference's `index_scores`, bit for bit), query rows in
+    /// chunks of at most [`ATTENTION_SCORES`] scores. `Ok(None)` when a row's q and weights do
+    /// not fit a block's shared memory.
+    #[allow(clippy::too_many_arguments)]
+    pub fn index_scores(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        hw: &[f32],
+        (t, ni, di): (usize, usize, usize),
+        scale: f64,
+        relu: bool,
+    ) -> Result<Option<Vec<f32>>> {
+        if q.len() != t * ni * di || k.len() != t * di || hw.len() != t * ni {
+            bail!(
+                "cuda: reference index scores: {} query values, {} key values, {} head weights for {t} rows of {ni} heads of {di}",
+                q.len(),
+                k.len(),
+                hw.len()
+            );
+        }
+        if t == 0 {
+            return Ok(Some(Vec::new()));
+        }
+        const NAME: &str = "reference_index_scores";
+        let smem = (ni * di + ni) * 8;
+        if self
+            .gpu
+            .opt_in_shared("reference", REFERENCE_SOURCE, NAME, smem)?
+            .is_err()
+        {
+            return Ok(None);
+        }
+        let u = |x: usize, what: &str| -> Result<u32> {
+            u32::try_from(x).with_context(|| format!("cuda: reference index scores: {what} {x}"))
+        };
+        let (tu, nu, du, su) = (
+            u(t, "rows")?,
+            u(ni, "heads")?,
+            u(di, "width")?,
+            u(smem, "bytes")?,
+        );
+        let g = &self.gpu;
+        let s = self.stream();
+        let mut qd = g.alloc_zeroed::<f32>(q.len().max(1), "the reference's indexer queries")?;
+        self.put_f32(q, &mut qd)?;
+        let mut kd = g.alloc_zeroed::<f32>(k.len().max(1), "the reference's indexer keys")?;
+        self.put_f32(k, &mut kd)?;
+        let mut wd = g.alloc_zeroed::<f32>(hw.len().max(1), "the reference's indexer weights")?;
+        self.put_f32(hw, &mut wd)?;
+        let rows = (ATTENTION_SCORES / t).clamp(1, t);
+        let mut od = g.alloc_zeroed::<f32>(rows * t, "the reference's index scores")?;
+        let f = g.function("reference", REFERENCE_SOURCE, NAME)?;
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut out = vec![0f32; t * t];
+        let mut events = Vec::new();
+        let relu = u32::from(relu);
+        for r0 in (0..t).step_by(rows) {
+            let m = rows.min(t - r0);
+            let r0u = u(r0, "row")?;
+            let start = s.record_event(timing).context("cuda: an event")?;
+            let mut b = s.launch_builder(&f);
+            b.arg(&qd)
+                .arg(&kd)
+                .arg(&wd)
+                .arg(&mut od)
+                .arg(&tu)
+                .arg(&nu)
+                .arg(&du)
+                .arg(&scale)
+                .arg(&relu)
+                .arg(&r0u);
+            // SAFETY: block i < m makes row r0 + i < t: it reads q[(r0 + i) ni di ..][.. ni di],
+            // hw[(r0 + i) ni ..][.. ni] and k rows s <= r0 + i < t, inside the t ni di, t ni and
+            // t di values uploaded, and writes od[i t + s] for s < t, inside od's rows * t >= m t
+            // values. Shared memory: ni di + ni doubles (opted in above).
+            unsafe {
+                b.launch(LaunchConfig {
+                    grid_dim: (u(m, "rows")?, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: su,
+                })
+            }
+            .with_context(|| format!("cuda: launching {NAME}"))?;
+            let end = s.record_event(timing).context("cuda: an event")?;
+            events.push((start, end));
+            s.memcpy_dtoh(&od.slice(..m * t), &mut out[r0 * t..(r0 + m) * t])
+                .context("cuda: reading the reference's index scores")?;
+        }
+        s.synchronize()
+            .context("cuda: the reference's index scores")?;
+        let ran = elapsed(&events)?;
+        if let Ok(mut k) = self.kernel_seconds.lock() {
+            *k += ran;
+        }
+        Ok(Some(out))
+    }
+
     /// Launches the products of weight rows `r0..r0 + n` (the first `n` rows of `w`) into
     /// columns `r0..r0 + n` of `out` (`[t, rows]`) with tiling `kernel` of [`KERNELS`], between
     /// two recorded events (what [`elapsed`] reads once the stream has passed them).

@@ -127,7 +127,7 @@ pub(super) fn device_work_note(reference: &CpuEngine<'_>) -> Option<String> {
             d.describe()
         ));
     }
-    if w.products == 0 && w.attentions == 0 {
+    if w.products == 0 && w.attentions == 0 && w.index_scores == 0 {
         return None;
     }
     // The attentions' time and kernels are part of the device's totals.
@@ -139,8 +139,16 @@ pub(super) fn device_work_note(reference: &CpuEngine<'_>) -> Option<String> {
     } else {
         String::new()
     };
+    let index = if w.index_scores > 0 {
+        format!(
+            " and {} DSA index score sets ({} query rows, each set checked at {CHECK_QUERIES} rows; {:.2} s of the time)",
+            w.index_scores, w.index_rows, w.index_seconds
+        )
+    } else {
+        String::new()
+    };
     Some(format!(
-        "the reference's products of {MIN_TOKENS} tokens or more ran on {}: {} products, {:.3} T multiply-adds{attentions}, in {:.2} s ({:.2} s in the kernels: {}), {} of their elements checked on the CPU, all the same bits; {} products of fewer tokens ({:.3} T multiply-adds) on the CPU",
+        "the reference's products of {MIN_TOKENS} tokens or more ran on {}: {} products, {:.3} T multiply-adds{attentions}{index}, in {:.2} s ({:.2} s in the kernels: {}), {} of their elements checked on the CPU, all the same bits; {} products of fewer tokens ({:.3} T multiply-adds) on the CPU",
         d.describe(),
         w.products,
         w.multiply_adds / 1e12,

@@ -65,7 +65,8 @@ mod tiles;
 /// `I(t, s) = sum_h hw[t, h] * scale * ReLU(q_h(t) . k(s))` for `s <= t` (`-inf` above the
 /// diagonal; no ReLU unless `relu`), from `q` `[T, nI*dI]`, `k` `[T, dI]` and `hw` `[T, nI]`:
 /// each dot is [`dot`](super::math::dot)'s of the f32 values (on their f64 copies, made once: [`dot64`]), the
-/// heads summed in order, so the bits are those of one `dot` at a time.
+/// heads summed in order, so the bits are those of one `dot` at a time. The rows `rows` only
+/// (`[rows.len(), T]`) when given.
 #[allow(clippy::too_many_arguments)]
 fn index_scores(
     q: &[f32],
@@ -76,12 +77,15 @@ fn index_scores(
     di: usize,
     scale: f64,
     relu: bool,
+    rows: Option<&[usize]>,
 ) -> Vec<f32> {
     let kf: Vec<f64> = k.iter().map(|&v| f64::from(v)).collect(); // [T, dI]
-    let mut out = vec![f32::NEG_INFINITY; t * t];
+    let n = rows.map_or(t, <[usize]>::len);
+    let mut out = vec![f32::NEG_INFINITY; n * t];
     out.par_chunks_mut(t.max(1))
         .enumerate()
-        .for_each(|(qt, row)| {
+        .for_each(|(i, row)| {
+            let qt = rows.map_or(i, |r| r[i]);
             let qf: Vec<f64> = q[qt * ni * di..(qt + 1) * ni * di]
                 .iter()
                 .map(|&v| f64::from(v))
@@ -98,6 +102,36 @@ fn index_scores(
             }
         });
     out
+}
+
+/// The DSA index scores `[T, T]` of `q` `[T, nI*dI]`, `k` `[T, dI]` and `hw` `[T, nI]` (as
+/// [`CpuEngine::indexer_scores_with`] defines them, the scale given): on `device` when there is
+/// one and it takes them (the same bits, checked there against these rows computed here), else
+/// here.
+pub fn index_scores_on(
+    q: &[f32],
+    k: &[f32],
+    hw: &[f32],
+    (t, ni, di): (usize, usize, usize),
+    scale: f64,
+    relu: bool,
+    device: Option<&Device>,
+) -> Result<Vec<f32>> {
+    if q.len() != t * ni * di || k.len() != t * di || hw.len() != t * ni {
+        bail!(
+            "engine: cpu: index scores of {t} rows of {ni} heads of {di}: {} query values, {} key values, {} head weights",
+            q.len(),
+            k.len(),
+            hw.len()
+        );
+    }
+    let on_device = match device {
+        Some(d) => d.index_scores(q, k, hw, (t, ni, di), scale, relu, &|rows| {
+            Ok(index_scores(q, k, hw, t, ni, di, scale, relu, Some(rows)))
+        })?,
+        None => None,
+    };
+    Ok(on_device.unwrap_or_else(|| index_scores(q, k, hw, t, ni, di, scale, relu, None)))
 }
 
 /// A RoPE rotation of one head's rotated values by `cos_sin[i] = (cos, sin)` per frequency, in
@@ -158,7 +192,7 @@ impl CpuEngine<'_> {
             rotate(&mut k[pos * di..pos * di + rope_dim], &cs);
         }
         let scale = 1.0 / ((ni * di) as f64).sqrt();
-        let out = index_scores(&q, &k, &hw, t, ni, di, scale, relu); // [T, T]
+        let out = index_scores_on(&q, &k, &hw, (t, ni, di), scale, relu, self.device())?; // [T, T]
         HostTensor::f32(vec![t, t], out)
     }
 
@@ -883,7 +917,7 @@ mod tests {
             let hw: Vec<f32> = (0..t * ni).map(|_| rng.uniform() - 0.3).collect();
             for relu in [true, false] {
                 let scale = 1.0 / ((ni * di) as f64).sqrt();
-                let got = index_scores(&q, &k, &hw, t, ni, di, scale, relu);
+                let got = index_scores(&q, &k, &hw, t, ni, di, scale, relu, None);
                 for qt in 0..t {
                     for s in 0..t {
                         let want = if s > qt {
@@ -905,6 +939,95 @@ mod tests {
                             want.to_bits(),
                             "t={t} ni={ni} di={di} qt={qt} s={s}"
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    /// `cuda/reference.cu`'s `reference_index_scores` written out on the host operation for
+    /// operation (lane `c % 8` by fused multiply-adds from +0, the butterfly's adds in its
+    /// order, `fmax` for the ReLU, the weight times the scale then times the dot, added), and
+    /// the CPU's rows on their own: both are `index_scores` bit for bit, on wild and cancelling
+    /// values, widths not a multiple of the lanes, a NaN and an infinite value.
+    #[test]
+    fn the_device_kernel_written_out_and_chosen_rows_are_index_scores() {
+        use super::index_scores;
+        use crate::engine::cpu::math::gemm::tests::{cancelling, wild};
+        use crate::util::rng::SplitMix64;
+        #[allow(clippy::too_many_arguments)]
+        fn kernel(
+            q: &[f32],
+            k: &[f32],
+            hw: &[f32],
+            t: usize,
+            ni: usize,
+            di: usize,
+            scale: f64,
+            relu: bool,
+        ) -> Vec<f32> {
+            let mut out = vec![f32::NEG_INFINITY; t * t];
+            for qt in 0..t {
+                let qs: Vec<f64> = q[qt * ni * di..(qt + 1) * ni * di]
+                    .iter()
+                    .map(|&v| f64::from(v))
+                    .collect();
+                let ws: Vec<f64> = (0..ni)
+                    .map(|h| f64::from(hw[qt * ni + h]) * scale)
+                    .collect();
+                for s in 0..=qt {
+                    let mut acc = 0f64;
+                    for h in 0..ni {
+                        let mut v = [0f64; 8];
+                        for (l, lane) in v.iter_mut().enumerate() {
+                            let mut c = l;
+                            while c < di {
+                                *lane = qs[h * di + c].mul_add(f64::from(k[s * di + c]), *lane);
+                                c += 8;
+                            }
+                        }
+                        for m in [1, 2, 4] {
+                            let before = v;
+                            for l in 0..8 {
+                                v[l] = before[l] + before[l ^ m];
+                            }
+                        }
+                        let a = if relu { v[0].max(0.0) } else { v[0] };
+                        acc += ws[h] * a;
+                    }
+                    out[qt * t + s] = acc as f32;
+                }
+            }
+            out
+        }
+        let mut rng = SplitMix64::new(31);
+        for (t, ni, di) in [(1usize, 1usize, 1usize), (6, 3, 7), (9, 4, 16), (11, 2, 37)] {
+            let q = wild(&mut rng, t * ni * di);
+            let k = wild(&mut rng, t * di);
+            let (mut q, mut k) = cancelling(&mut rng, q, k, di);
+            if t > 5 {
+                q[ni * di + 2] = f32::NAN;
+                k[3 * di + 1] = f32::INFINITY;
+            }
+            let hw: Vec<f32> = (0..t * ni).map(|_| rng.uniform() - 0.3).collect();
+            for relu in [true, false] {
+                let scale = 1.0 / ((ni * di) as f64).sqrt();
+                let want = index_scores(&q, &k, &hw, t, ni, di, scale, relu, None);
+                let same =
+                    |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+                let got = kernel(&q, &k, &hw, t, ni, di, scale, relu);
+                for (i, (&a, &b)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        same(a, b),
+                        "kernel: t={t} ni={ni} di={di} at {i}: {a:e} {b:e}"
+                    );
+                }
+                let rows: Vec<usize> = (0..t).rev().step_by(2).collect();
+                let part = index_scores(&q, &k, &hw, t, ni, di, scale, relu, Some(&rows));
+                for (j, &r) in rows.iter().enumerate() {
+                    for c in 0..t {
+                        let (a, b) = (part[j * t + c], want[r * t + c]);
+                        assert!(same(a, b), "rows: t={t} row {r} col {c}: {a:e} {b:e}");
                     }
                 }
             }

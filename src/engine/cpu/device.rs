@@ -69,6 +69,12 @@ pub struct DeviceWork {
     pub attention_rows: u64,
     /// Seconds spent in them (also in `seconds`; their kernels also in `kernel_seconds`).
     pub attention_seconds: f64,
+    /// DSA index score matrices made on the device.
+    pub index_scores: u64,
+    /// Their query rows.
+    pub index_rows: u64,
+    /// Seconds spent in them (also in `seconds`; their kernels also in `kernel_seconds`).
+    pub index_seconds: f64,
 }
 
 /// The reference's device: `gpu::reference` behind a lock (the reference's steps call it one
@@ -296,6 +302,84 @@ impl Device {
                     work.seconds += took;
                     work.kernel_seconds += kernel_seconds;
                     work.checked += (rows.len() * width) as u64;
+                }
+            }
+            Ok(out)
+        }
+        #[cfg(not(feature = "cuda"))]
+        Ok(None)
+    }
+
+    /// The DSA index scores `[t, t]` of `q` `[t, ni, di]`, `k` `[t, di]` and `hw` `[t, ni]` on
+    /// the device (`gpu::reference`'s `index_scores`), checked: `cpu(rows)` computes the rows
+    /// `rows` (`[rows.len(), t]`) on the CPU, compared bit for bit at [`CHECK_QUERIES`] rows.
+    /// `None` when it is not made there (fewer than [`MIN_QUERIES`] rows, the device set
+    /// aside, a row too wide for a block).
+    #[allow(clippy::too_many_arguments)]
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub(super) fn index_scores(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        hw: &[f32],
+        (t, ni, di): (usize, usize, usize),
+        scale: f64,
+        relu: bool,
+        cpu: &dyn Fn(&[usize]) -> Result<Vec<f32>>,
+    ) -> Result<Option<Vec<f32>>> {
+        if t < MIN_QUERIES || !self.in_use() {
+            return Ok(None);
+        }
+        #[cfg(feature = "cuda")]
+        {
+            let start = std::time::Instant::now();
+            let made = {
+                let p = self.products.lock().map_err(|_| {
+                    anyhow::anyhow!("engine: cpu: the reference's device lock is poisoned")
+                })?;
+                let k0 = p.kernel_seconds();
+                match p.index_scores(q, k, hw, (t, ni, di), scale, relu) {
+                    Ok(Some(out)) => Some((out, p.kernel_seconds() - k0)),
+                    Ok(None) => None,
+                    Err(e) if !self.strict => {
+                        if let Ok(mut s) = self.set_aside.lock() {
+                            s.get_or_insert(format!("{e:#}"));
+                        }
+                        None
+                    }
+                    Err(e) => return Err(e),
+                }
+            };
+            let Some((out, kernel_seconds)) = made else {
+                return Ok(None);
+            };
+            let rows = spread(t, CHECK_QUERIES);
+            let want = cpu(&rows)?;
+            let mut check = Ok(());
+            'rows: for (j, &i) in rows.iter().enumerate() {
+                for c in 0..t {
+                    let (got, want) = (out[i * t + c], want[j * t + c]);
+                    if got.to_bits() != want.to_bits() && !(got.is_nan() && want.is_nan()) {
+                        check = Err(anyhow::anyhow!(
+                            "engine: cpu: the reference's DSA index scores made on {} differ from the CPU's at query row {i} of {t}, key {c}: {got:e} ({:#010x}) against {want:e} ({:#010x}); the device does not compute the reference's sums (run with --reference-on cpu)",
+                            self.describe,
+                            got.to_bits(),
+                            want.to_bits()
+                        ));
+                        break 'rows;
+                    }
+                }
+            }
+            let out = self.checked(check, Some(out))?;
+            if out.is_some() {
+                if let Ok(mut work) = self.work.lock() {
+                    let took = start.elapsed().as_secs_f64();
+                    work.index_scores += 1;
+                    work.index_rows += t as u64;
+                    work.index_seconds += took;
+                    work.seconds += took;
+                    work.kernel_seconds += kernel_seconds;
+                    work.checked += (rows.len() * t) as u64;
                 }
             }
             Ok(out)

@@ -29,7 +29,7 @@ use crate::model::names::{self, blk};
 use crate::model::{rope, RopeSlice, Weights};
 use crate::precision::Precision;
 
-pub use attention::{causal_top_k, mla_host, mla_host_kv, Rotate};
+pub use attention::{causal_top_k, index_scores_on, mla_host, mla_host_kv, Rotate};
 pub use math::Rows;
 use moe::ExpertGroup;
 pub use moe::{route_token, selected_weights};

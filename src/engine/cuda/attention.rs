@@ -3,7 +3,6 @@
 //! after).
 
 use anyhow::{bail, Context, Result};
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::gemm::HeadGemm;
@@ -19,35 +18,11 @@ use crate::model::{rope, RopeSlice};
 const SORT_MAX_KEYS: usize = 1 << 14;
 
 impl CudaEngine<'_> {
-    /// Lets kernel `name` of the forward family have `bytes` of dynamic shared memory a block:
-    /// `Ok(())` when it may (past the default 48 KiB it opts in to what the device allows a
-    /// block: 227 KiB on sm_90, 99 KiB on sm_120), else `Err(most)`, the bytes it could have.
+    /// Lets kernel `name` of the forward family have `bytes` of dynamic shared memory a block
+    /// ([`crate::gpu::Gpu::opt_in_shared`]).
     fn opt_in_shared(&self, name: &str, bytes: usize) -> Result<std::result::Result<(), usize>> {
-        let f = self
-            .gpu
-            .function("forward", crate::gpu::FORWARD_SOURCE, name)?;
-        let optin = self
-            .gpu
-            .context()
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .context("engine: cuda: the device's shared memory per block")?;
-        let fixed = f
-            .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
-            .with_context(|| format!("engine: cuda: {name}'s static shared memory"))?;
-        let most = usize::try_from(optin - fixed).unwrap_or(0);
-        if bytes > most {
-            return Ok(Err(most));
-        }
-        if bytes > 48 * 1024 {
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
-            )
-            .with_context(|| {
-                format!("engine: cuda: {name}: opting in to {bytes} bytes of shared memory")
-            })?;
-        }
-        Ok(Ok(()))
+        self.gpu
+            .opt_in_shared("forward", crate::gpu::FORWARD_SOURCE, name, bytes)
     }
 
     /// The `rope` step: interleaved RoPE of `s.heads` heads of `x` into a new tensor.
