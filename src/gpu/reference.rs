@@ -16,7 +16,7 @@ use std::sync::Mutex;
 
 use anyhow::{bail, Context, Result};
 use cudarc::driver::{
-    result, CudaEvent, CudaSlice, CudaStream, CudaViewMut, DevicePtrMut, LaunchConfig,
+    result, CudaEvent, CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig,
     PinnedHostSlice, PushKernelArg,
 };
 use rayon::prelude::*;
@@ -80,6 +80,9 @@ struct Buffers {
     out: Option<CudaSlice<f32>>,
     /// The non-finite weight values of the product under way.
     count: Option<CudaSlice<u64>>,
+    /// Pinned host memory for a chunk of an attention's scores: read back into it, turned
+    /// into probabilities there, copied back from it.
+    scores_host: Option<PinnedHostSlice<f64>>,
 }
 
 /// `slot` holding at least `n` values (a new allocation when it holds fewer).
@@ -544,7 +547,29 @@ impl ReferenceProducts {
             .max()
             .unwrap_or(0);
         let mut scores = g.alloc_zeroed::<f64>(most.max(1), "the reference's attention scores")?;
-        let mut host = vec![0f64; most];
+        let mut bufs = self
+            .bufs
+            .lock()
+            .map_err(|_| anyhow::anyhow!("cuda: the reference's buffers' lock is poisoned"))?;
+        if bufs.scores_host.as_ref().is_none_or(|b| b.len() < most) {
+            bufs.scores_host = None;
+            // SAFETY: the memory is unset; nothing reads it before a copy from the device
+            // fills the values read (each chunk's first `m`).
+            let b = unsafe { g.context().alloc_pinned_with_flags::<f64>(most.max(1), 0) }
+                .with_context(|| {
+                    format!(
+                        "cuda: cannot allocate {} MiB of pinned memory for attention scores",
+                        (most * 8) >> 20
+                    )
+                })?;
+            bufs.scores_host = Some(b);
+        }
+        let host = bufs
+            .scores_host
+            .as_mut()
+            .ok_or_else(|| anyhow::anyhow!("cuda: no pinned memory for attention scores"))?
+            .as_mut_slice()
+            .context("cuda: pinned memory for attention scores")?;
         let scores_f = g.function("reference", REFERENCE_SOURCE, "reference_mla_scores")?;
         let sums_f = g.function("reference", REFERENCE_SOURCE, "reference_mla_sums")?;
         let u = |x: usize, what: &str| -> Result<u32> {
@@ -553,78 +578,99 @@ impl ReferenceProducts {
         let (hu, nu, ru, vu) = (u(h, "heads")?, u(nope, "nope")?, u(rd, "rope")?, u(v, "v")?);
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let mut events = Vec::new();
-        for r in chunks {
-            let m = (offs[r.end] - offs[r.start]) as usize * h;
-            let base = offs[r.start];
-            let grid = (u(r.len(), "query rows")?, hu, 1);
-            let q_view = qd.slice(r.start * h * qk..);
-            let o_view = od.slice(r.start..);
-            let start = s.record_event(timing).context("cuda: an event")?;
-            let mut sc = scores.slice_mut(..m);
-            let mut b = s.launch_builder(&scores_f);
-            b.arg(&q_view)
-                .arg(&kvd)
-                .arg(&kpd)
-                .arg(&o_view)
-                .arg(&keyd)
-                .arg(&mut sc)
-                .arg(&hu)
-                .arg(&nu)
-                .arg(&ru)
-                .arg(&vu)
-                .arg(&scale)
-                .arg(&base);
-            // SAFETY: query row i < r.len() of the view reads q[(i h + hd) qk + c] for c < qk,
-            // inside `qd` (n h qk values); its keys keys[offs[i]..offs[i + 1]] (offs ends at
-            // keys.len(), checked) are each < T (checked), so kv and kpe reads stay inside
-            // [T, h, nope + v] and [T, rd]; it writes (offs[i] - base) h + hd len + j < m for
-            // j < len, inside `sc` (m values). Shared memory: qk doubles.
-            unsafe {
-                b.launch(LaunchConfig {
-                    grid_dim: grid,
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: u(qk * 8, "query bytes")?,
-                })
+        // Every path out of the chunks waits for the stream (a copy may still read the pinned
+        // scores when an error stops them).
+        let ran_chunks = (|| -> Result<Vec<f32>> {
+            for r in chunks {
+                let m = (offs[r.end] - offs[r.start]) as usize * h;
+                let base = offs[r.start];
+                let grid = (u(r.len(), "query rows")?, hu, 1);
+                let q_view = qd.slice(r.start * h * qk..);
+                let o_view = od.slice(r.start..);
+                let start = s.record_event(timing).context("cuda: an event")?;
+                let mut sc = scores.slice_mut(..m);
+                let mut b = s.launch_builder(&scores_f);
+                b.arg(&q_view)
+                    .arg(&kvd)
+                    .arg(&kpd)
+                    .arg(&o_view)
+                    .arg(&keyd)
+                    .arg(&mut sc)
+                    .arg(&hu)
+                    .arg(&nu)
+                    .arg(&ru)
+                    .arg(&vu)
+                    .arg(&scale)
+                    .arg(&base);
+                // SAFETY: query row i < r.len() of the view reads q[(i h + hd) qk + c] for c < qk,
+                // inside `qd` (n h qk values); its keys keys[offs[i]..offs[i + 1]] (offs ends at
+                // keys.len(), checked) are each < T (checked), so kv and kpe reads stay inside
+                // [T, h, nope + v] and [T, rd]; it writes (offs[i] - base) h + hd len + j < m for
+                // j < len, inside `sc` (m values). Shared memory: qk doubles.
+                unsafe {
+                    b.launch(LaunchConfig {
+                        grid_dim: grid,
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: u(qk * 8, "query bytes")?,
+                    })
+                }
+                .context("cuda: launching reference_mla_scores")?;
+                let mid = s.record_event(timing).context("cuda: an event")?;
+                events.push((start, mid));
+                // The scores through pinned memory both ways (the stream waited for before the
+                // host touches it, and before this returns: every path ends in a synchronize).
+                let (src, rec) = scores.device_ptr(s);
+                // SAFETY: `host` holds at least `most >= m` values, `scores` at least m; `host` is
+                // pinned memory not touched by the host before the synchronize below.
+                let copied =
+                    unsafe { result::memcpy_dtoh_async(&mut host[..m], src, s.cu_stream()) };
+                drop(rec);
+                let waited = s.synchronize();
+                copied.context("cuda: reading the reference's attention scores")?;
+                waited.context("cuda: the reference's attention scores")?;
+                softmax(&mut host[..m], r.clone())?;
+                let (dst, rec) = scores.device_ptr_mut(s);
+                // SAFETY: as above; the host does not write `host` again before the next
+                // chunk's synchronize, or the one that ends this call (on every path).
+                let copied = unsafe { result::memcpy_htod_async(dst, &host[..m], s.cu_stream()) };
+                drop(rec);
+                copied.context("cuda: copying the reference's attention probabilities")?;
+                let start = s.record_event(timing).context("cuda: an event")?;
+                let mut o_out = out.slice_mut(r.start * h * v..);
+                let mut b = s.launch_builder(&sums_f);
+                b.arg(&scores)
+                    .arg(&kvd)
+                    .arg(&o_view)
+                    .arg(&keyd)
+                    .arg(&mut o_out)
+                    .arg(&hu)
+                    .arg(&nu)
+                    .arg(&vu)
+                    .arg(&base);
+                // SAFETY: reads the probabilities at the offsets the scores were written to (< m,
+                // inside `scores`), V values inside [T, h, nope + v] (keys < T), and writes
+                // (i h + hd) v + d < r.len() h v for the chunk's rows, inside `out` from row r.start.
+                unsafe {
+                    b.launch(LaunchConfig {
+                        grid_dim: grid,
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
+                }
+                .context("cuda: launching reference_mla_sums")?;
+                let end = s.record_event(timing).context("cuda: an event")?;
+                events.push((start, end));
             }
-            .context("cuda: launching reference_mla_scores")?;
-            let mid = s.record_event(timing).context("cuda: an event")?;
-            events.push((start, mid));
-            s.memcpy_dtoh(&scores.slice(..m), &mut host[..m])
-                .context("cuda: reading the reference's attention scores")?;
-            s.synchronize()
-                .context("cuda: the reference's attention scores")?;
-            softmax(&mut host[..m], r.clone())?;
-            self.put_values(&host[..m], &mut scores)?;
-            let start = s.record_event(timing).context("cuda: an event")?;
-            let mut o_out = out.slice_mut(r.start * h * v..);
-            let mut b = s.launch_builder(&sums_f);
-            b.arg(&scores)
-                .arg(&kvd)
-                .arg(&o_view)
-                .arg(&keyd)
-                .arg(&mut o_out)
-                .arg(&hu)
-                .arg(&nu)
-                .arg(&vu)
-                .arg(&base);
-            // SAFETY: reads the probabilities at the offsets the scores were written to (< m,
-            // inside `scores`), V values inside [T, h, nope + v] (keys < T), and writes
-            // (i h + hd) v + d < r.len() h v for the chunk's rows, inside `out` from row r.start.
-            unsafe {
-                b.launch(LaunchConfig {
-                    grid_dim: grid,
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                })
-            }
-            .context("cuda: launching reference_mla_sums")?;
-            let end = s.record_event(timing).context("cuda: an event")?;
-            events.push((start, end));
+            let mut heads = vec![0f32; n * h * v];
+            s.memcpy_dtoh(&out, &mut heads)
+                .context("cuda: reading the reference's attention heads")?;
+            s.synchronize().context("cuda: the reference's attention")?;
+            Ok(heads)
+        })();
+        if ran_chunks.is_err() {
+            let _ = s.synchronize();
         }
-        let mut heads = vec![0f32; n * h * v];
-        s.memcpy_dtoh(&out, &mut heads)
-            .context("cuda: reading the reference's attention heads")?;
-        s.synchronize().context("cuda: the reference's attention")?;
+        let heads = ran_chunks?;
         let ran = elapsed(&events)?;
         if let Ok(mut k) = self.kernel_seconds.lock() {
             *k += ran;
