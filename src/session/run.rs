@@ -14,7 +14,7 @@ use super::tokens::token_text;
 use super::{Ran, Watch};
 use crate::compare::judge::precision_of;
 use crate::compare::{Comparison, Status};
-use crate::engine::cpu::device::{reference_engine, CHECK_QUERIES, MIN_QUERIES, MIN_TOKENS};
+use crate::engine::cpu::device::{reference_engine, CHECK_QUERIES, MIN_QUERIES};
 use crate::engine::cpu::CpuEngine;
 use crate::engine::Engine;
 use crate::explain::case::{self, CaseMeta};
@@ -148,7 +148,8 @@ pub(super) fn device_work_note(reference: &CpuEngine<'_>) -> Option<String> {
         String::new()
     };
     Some(format!(
-        "the reference's products of {MIN_TOKENS} tokens or more ran on {}: {} products, {:.3} T multiply-adds{attentions}{index}, in {:.2} s ({:.2} s in the kernels: {}), {} of their elements checked on the CPU, all the same bits; {} products of fewer tokens ({:.3} T multiply-adds) on the CPU",
+        "the reference's products of {} tokens or more ran on {}: {} products, {:.3} T multiply-adds{attentions}{index}, in {:.2} s ({:.2} s in the kernels: {}), {} of their elements checked on the CPU, all the same bits; {} products of fewer tokens ({:.3} T multiply-adds) on the CPU",
+        d.min_tokens,
         d.describe(),
         w.products,
         w.multiply_adds / 1e12,

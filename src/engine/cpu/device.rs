@@ -28,6 +28,17 @@ use super::weights::{Matrix, RowSource};
 /// the weights, which the CPU does once either way).
 pub const MIN_TOKENS: usize = 32;
 
+/// The fewest tokens of a product made on the device: [`MIN_TOKENS`], or
+/// `$GLMDIFF_REFERENCE_MIN_TOKENS` when it holds a number of at least 1 (to measure where the
+/// device starts to pay on a machine; the values are the same either way).
+pub fn min_tokens() -> usize {
+    std::env::var("GLMDIFF_REFERENCE_MIN_TOKENS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n >= 1)
+        .unwrap_or(MIN_TOKENS)
+}
+
 /// Weight rows of each product checked on the CPU.
 pub const CHECK_ROWS: usize = 4;
 
@@ -91,6 +102,8 @@ pub struct Device {
     strict: bool,
     /// Why the device was set aside, once it was.
     set_aside: Mutex<Option<String>>,
+    /// Fewest tokens of a product made here ([`min_tokens`] at open).
+    pub min_tokens: usize,
 }
 
 impl Device {
@@ -110,6 +123,7 @@ impl Device {
             work: Mutex::new(DeviceWork::default()),
             strict,
             set_aside: Mutex::new(None),
+            min_tokens: min_tokens(),
         })
     }
 
@@ -206,7 +220,7 @@ impl Device {
         what: &str,
         row: &dyn Fn(usize, &mut [f32]) -> Result<()>,
     ) -> Result<Option<Vec<f32>>> {
-        if t < MIN_TOKENS {
+        if t < self.min_tokens {
             self.declined(t, (t * rows) as f64 * cols as f64);
             return Ok(None);
         }
@@ -543,7 +557,7 @@ pub fn reference_device(
     candidate_device: Option<usize>,
 ) -> Result<(Option<std::sync::Arc<Device>>, Option<String>)> {
     let on = REFERENCE_ON.lock().map(|r| *r).unwrap_or_default();
-    if tokens < MIN_TOKENS {
+    if tokens < min_tokens() {
         return Ok((None, None));
     }
     match on {
