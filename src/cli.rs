@@ -50,6 +50,18 @@ pub struct Cli {
         value_parser = ReferenceOn::parse
     )]
     pub reference_on: ReferenceOn,
+    /// The fewest tokens of a reference product made on its device (see --reference-on): with
+    /// fewer, the CPU makes it. The values are the same either way; this moves where the device
+    /// starts to pay.
+    #[arg(
+        long,
+        global = true,
+        value_name = "N",
+        env = "GLMDIFF_REFERENCE_MIN_TOKENS",
+        default_value = "32",
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub reference_min_tokens: u32,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,

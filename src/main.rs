@@ -49,6 +49,7 @@ fn main() -> ExitCode {
     }
     glmdiff::report::progress::set_interval(cli.progress.0);
     glmdiff::engine::cpu::device::set_reference_on(cli.reference_on);
+    glmdiff::engine::cpu::device::set_min_tokens(cli.reference_min_tokens as usize);
     install_interrupt_handler();
     restore_default_sigpipe();
     let result = match &cli.command {

@@ -103,11 +103,7 @@ where
     // The sink's own time (the comparison), kept apart from either side's.
     let spent = Cell::new(0.0);
     let by = std::cell::RefCell::new(std::collections::BTreeMap::new());
-    let timed = Timed {
-        inner: sink,
-        spent: &spent,
-        by: &by,
-    };
+    let timed = Timed::new(sink, &spent, &by);
     let mut run = PairRun::new(reference, candidate, inputs, modes, only_changed, timed)?;
     let mut steps = StepProgress::start(progress, inputs.plan);
     while let Some(step) = run.refr.peek() {
@@ -224,7 +220,11 @@ where
         } = self.before(step)?;
         let joint_rows: Vec<Vec<usize>> = joint.more.iter().map(|(_, r)| r.clone()).collect();
         let replay_now = replay.as_ref().and_then(|r| r.as_ref().ok());
-        let (ref_done, cand_done) = self.both_sides(step, &wants, joint.more, replay_now);
+        let (ref_done, cand_done, flushed) = self.both_sides(step, &wants, joint.more, replay_now);
+        // The earlier step's comparison, made while this step's reference ran, is counted to
+        // its own layer.
+        let earlier = self.take_flushed();
+        flushed?;
         let RefStep {
             out,
             extra,
@@ -235,15 +235,36 @@ where
             joint_results(&joint_rows, joint_out, joint.follow, joint.replay);
         let mut cand_done = cand_done?;
         self.record_times(step, seconds, further, &mut cand_done);
+        // This step's pairs are compared while the next step's reference runs, unless the
+        // driver asks the sink about this step's selections (their near ties, from the scores
+        // it keeps) or the candidate is a trace (no step of its own to overlap).
+        let hold = matches!(self.candidate, Candidate::Engine(_))
+            && !step.outputs.iter().any(|o| is_selection(o));
+        self.sink.defer = hold.then_some(step.layer);
         let own = self.reference_experts(step, own_experts, out, extra);
-        if self.modes.chained {
-            self.chained(step, &own, &cand_done.chained, follow_prepared)?;
-        }
-        self.replay(step, replay, &own, cand_done.replay.take(), replay_prepared)?;
-        self.segments(step)?;
-        self.summary.time(step.layer).compare += self.sink.spent.get() - compared_before;
+        let handed = (|| {
+            if self.modes.chained {
+                self.chained(step, &own, &cand_done.chained, follow_prepared)?;
+            }
+            self.replay(step, replay, &own, cand_done.replay.take(), replay_prepared)?;
+            self.segments(step)
+        })();
+        self.sink.defer = None;
+        handed?;
+        self.summary.time(step.layer).compare += self.sink.spent.get() - compared_before - earlier;
         self.summary.steps += 1;
         Ok(())
+    }
+
+    /// Adds the seconds the sink spent on held calls since the last call to their steps'
+    /// layers, and returns their sum.
+    fn take_flushed(&mut self) -> f64 {
+        let mut sum = 0.0;
+        for (layer, s) in std::mem::take(&mut self.sink.flushed) {
+            self.summary.time(layer).compare += s;
+            sum += s;
+        }
+        sum
     }
 
     /// What is taken of `step` before the reference runs it (its step may drop its inputs):
@@ -297,22 +318,27 @@ where
     /// The reference's step (CPU threads, with the further rows of `more` in its pass) and the
     /// candidate engine's (its device: its chained step, and its replay from `replay`'s inputs)
     /// at the same time: neither reads the other's values until both are done.
+    ///
+    /// The sink's held calls (the earlier step's pairs) are handed over on this thread once the
+    /// candidate's step is done, while the reference's runs: the third result.
     fn both_sides(
         &mut self,
         step: &Step,
         wants: &HashSet<String>,
         more: Vec<(Vec<R::Tensor>, Vec<usize>)>,
         replay: Option<&ReplayInputs>,
-    ) -> (Result<RefStep<R::Tensor>>, Result<CandStep>) {
+    ) -> (Result<RefStep<R::Tensor>>, Result<CandStep>, Result<()>) {
         let replay = replay.filter(|_| step.op != Op::Alias);
-        let (refr, cand, sink, inputs) = (&mut self.refr, &mut self.cand, &self.sink, self.inputs);
+        let (refr, cand, sink, inputs) =
+            (&mut self.refr, &mut self.cand, &mut self.sink, self.inputs);
         std::thread::scope(|scope| {
             let ref_side = scope.spawn(move || reference_step(refr, step, wants, &more));
-            let cand_done = cand.step(step, inputs, sink, replay);
+            let cand_done = cand.step(step, inputs, &*sink, replay);
+            let flushed = sink.flush();
             let ref_done = ref_side
                 .join()
                 .unwrap_or_else(|_| Err(anyhow::anyhow!("driver: the reference's step panicked")));
-            (ref_done, cand_done)
+            (ref_done, cand_done, flushed)
         })
     }
 
@@ -521,8 +547,12 @@ where
         }
     }
 
-    /// Ends both sides' weight hooks: the reference's runner's, then the candidate's.
+    /// Hands the sink what it still holds, then ends both sides' weight hooks: the
+    /// reference's runner's, then the candidate's.
     fn finish(&mut self) -> Result<()> {
+        let flushed = self.sink.flush();
+        self.take_flushed();
+        flushed?;
         self.refr.finish()?;
         self.cand.finish()
     }

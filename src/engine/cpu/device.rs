@@ -28,16 +28,20 @@ use super::weights::{Matrix, RowSource};
 /// the weights, which the CPU does once either way).
 pub const MIN_TOKENS: usize = 32;
 
-/// The fewest tokens of a product made on the device: [`MIN_TOKENS`], or
-/// `$GLMDIFF_REFERENCE_MIN_TOKENS` when it holds a number of at least 1 (to measure where the
-/// device starts to pay on a machine; the values are the same either way).
+/// The fewest tokens of a product made on the device as the process set it
+/// (`--reference-min-tokens`: [`set_min_tokens`]), [`MIN_TOKENS`] unless set.
 pub fn min_tokens() -> usize {
-    std::env::var("GLMDIFF_REFERENCE_MIN_TOKENS")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|&n| n >= 1)
-        .unwrap_or(MIN_TOKENS)
+    MIN_TOKENS_SET.load(std::sync::atomic::Ordering::Relaxed)
 }
+
+/// Sets the fewest tokens of a product made on the devices of references built from now on (at
+/// least 1).
+pub fn set_min_tokens(n: usize) {
+    MIN_TOKENS_SET.store(n.max(1), std::sync::atomic::Ordering::Relaxed);
+}
+
+static MIN_TOKENS_SET: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(MIN_TOKENS);
 
 /// Weight rows of each product checked on the CPU.
 pub const CHECK_ROWS: usize = 4;
