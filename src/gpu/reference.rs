@@ -51,6 +51,9 @@ pub struct ReferenceProducts {
     rates: Vec<f64>,
     /// Seconds the product kernels ran so far (device events).
     kernel_seconds: Mutex<f64>,
+    /// Seconds spent handing host values to the device so far (staging them, and waiting for a
+    /// staging buffer's earlier copy).
+    upload_seconds: Mutex<f64>,
     gpu: Gpu,
 }
 
@@ -165,6 +168,7 @@ impl ReferenceProducts {
             kernel: 0,
             rates: Vec::new(),
             kernel_seconds: Mutex::new(0.0),
+            upload_seconds: Mutex::new(0.0),
         };
         p.rates = p.time_kernels()?;
         p.kernel = (0..KERNELS.len())
@@ -266,6 +270,21 @@ impl ReferenceProducts {
     /// Copies `src` into `dst` (of the same length) through the staging buffers: all cores fill
     /// one while the other's copy runs.
     fn put(&self, src: &[u8], dst: &mut CudaViewMut<'_, u8>) -> Result<()> {
+        let start = std::time::Instant::now();
+        let out = self.put_staged(src, dst);
+        if let Ok(mut u) = self.upload_seconds.lock() {
+            *u += start.elapsed().as_secs_f64();
+        }
+        out
+    }
+
+    /// Seconds spent handing host values to the device so far.
+    pub fn upload_seconds(&self) -> f64 {
+        self.upload_seconds.lock().map(|u| *u).unwrap_or(0.0)
+    }
+
+    /// [`ReferenceProducts::put`] itself.
+    fn put_staged(&self, src: &[u8], dst: &mut CudaViewMut<'_, u8>) -> Result<()> {
         if src.len() != dst.len() {
             bail!("cuda: staging {} bytes into {}", src.len(), dst.len());
         }

@@ -84,6 +84,11 @@ pub struct DeviceWork {
     pub attention_rows: u64,
     /// Seconds spent in them (also in `seconds`; their kernels also in `kernel_seconds`).
     pub attention_seconds: f64,
+    /// The part of `seconds` spent handing host values to the device (staging them).
+    pub upload_seconds: f64,
+    /// Seconds the reference's threads waited for the device while another product had it
+    /// (summed over threads, like `seconds`).
+    pub wait_seconds: f64,
     /// DSA index score matrices made on the device.
     pub index_scores: u64,
     /// Their query rows.
@@ -439,11 +444,12 @@ impl Device {
                 Raw::Gguf { ty, bytes } => Weights::Raw { ty, bytes },
                 Raw::Dense(v) => Weights::Dense(v),
             };
-            let (out, kernel_seconds) = {
+            let (out, kernel_seconds, upload_seconds, wait_seconds) = {
                 let p = self.products.lock().map_err(|_| {
                     anyhow::anyhow!("engine: cpu: the reference's device lock is poisoned")
                 })?;
-                let k0 = p.kernel_seconds();
+                let waited = start.elapsed().as_secs_f64();
+                let (k0, u0) = (p.kernel_seconds(), p.upload_seconds());
                 // Under `auto` a failure of the device (a copy, a launch, its memory) sets it
                 // aside as a difference does: the CPU makes this product and the rest.
                 let out = match p.products(x, t, weights, rows, cols) {
@@ -456,7 +462,12 @@ impl Device {
                     }
                     Err(e) => return Err(e),
                 };
-                (out, p.kernel_seconds() - k0)
+                (
+                    out,
+                    p.kernel_seconds() - k0,
+                    p.upload_seconds() - u0,
+                    waited,
+                )
             };
             if out.is_some() {
                 if let Ok(mut work) = self.work.lock() {
@@ -464,6 +475,8 @@ impl Device {
                     work.multiply_adds += (t * rows) as f64 * cols as f64;
                     work.seconds += start.elapsed().as_secs_f64();
                     work.kernel_seconds += kernel_seconds;
+                    work.upload_seconds += upload_seconds;
+                    work.wait_seconds += wait_seconds;
                 }
             }
             Ok(out)
