@@ -270,51 +270,31 @@ impl Device {
         {
             let (heads, nope, rope, v) = dims;
             let start = std::time::Instant::now();
-            let made = {
-                let p = self.products.lock().map_err(|_| {
-                    anyhow::anyhow!("engine: cpu: the reference's device lock is poisoned")
-                })?;
-                let k0 = p.kernel_seconds();
-                let d = crate::gpu::reference::MlaDims {
-                    heads,
-                    nope,
-                    rope,
-                    v,
-                };
-                match p.mla(q, kv, kpe, offs, keys, d, scale, softmax) {
-                    Ok(out) => Some((out, p.kernel_seconds() - k0)),
-                    Err(e) if !self.strict => {
-                        if let Ok(mut s) = self.set_aside.lock() {
-                            s.get_or_insert(format!("{e:#}"));
-                        }
-                        None
-                    }
-                    Err(e) => return Err(e),
-                }
+            let d = crate::gpu::reference::MlaDims {
+                heads,
+                nope,
+                rope,
+                v,
             };
+            let made =
+                self.run_there(|p| p.mla(q, kv, kpe, offs, keys, d, scale, softmax).map(Some))?;
             let Some((out, kernel_seconds)) = made else {
                 return Ok(None);
             };
             let width = heads * v;
             let rows = spread(n, CHECK_QUERIES);
             let want = cpu(&rows)?;
-            let mut check = Ok(());
-            'rows: for (k, &i) in rows.iter().enumerate() {
-                for c in 0..width {
-                    let (got, want) = (out[i * width + c], want[k * width + c]);
-                    if got.to_bits() != want.to_bits() && !(got.is_nan() && want.is_nan()) {
-                        check = Err(anyhow::anyhow!(
-                            "engine: cpu: the reference's attention made on {} differs from the CPU's at query row {i} of {n}, head {}, value {}: {got:e} ({:#010x}) against {want:e} ({:#010x}); the device does not compute the reference's sums (run with --reference-on cpu)",
-                            self.describe,
-                            c / v.max(1),
-                            c % v.max(1),
-                            got.to_bits(),
-                            want.to_bits()
-                        ));
-                        break 'rows;
-                    }
-                }
-            }
+            let check = match first_row_difference(&out, &want, &rows, width) {
+                None => Ok(()),
+                Some((i, c, got, want)) => Err(anyhow::anyhow!(
+                    "engine: cpu: the reference's attention made on {} differs from the CPU's at query row {i} of {n}, head {}, value {}: {got:e} ({:#010x}) against {want:e} ({:#010x}); the device does not compute the reference's sums (run with --reference-on cpu)",
+                    self.describe,
+                    c / v.max(1),
+                    c % v.max(1),
+                    got.to_bits(),
+                    want.to_bits()
+                )),
+            };
             let out = self.checked(check, Some(out))?;
             if out.is_some() {
                 if let Ok(mut work) = self.work.lock() {
@@ -356,43 +336,21 @@ impl Device {
         #[cfg(feature = "cuda")]
         {
             let start = std::time::Instant::now();
-            let made = {
-                let p = self.products.lock().map_err(|_| {
-                    anyhow::anyhow!("engine: cpu: the reference's device lock is poisoned")
-                })?;
-                let k0 = p.kernel_seconds();
-                match p.index_scores(q, k, hw, (t, ni, di), scale, relu) {
-                    Ok(Some(out)) => Some((out, p.kernel_seconds() - k0)),
-                    Ok(None) => None,
-                    Err(e) if !self.strict => {
-                        if let Ok(mut s) = self.set_aside.lock() {
-                            s.get_or_insert(format!("{e:#}"));
-                        }
-                        None
-                    }
-                    Err(e) => return Err(e),
-                }
-            };
+            let made = self.run_there(|p| p.index_scores(q, k, hw, (t, ni, di), scale, relu))?;
             let Some((out, kernel_seconds)) = made else {
                 return Ok(None);
             };
             let rows = spread(t, CHECK_QUERIES);
             let want = cpu(&rows)?;
-            let mut check = Ok(());
-            'rows: for (j, &i) in rows.iter().enumerate() {
-                for c in 0..t {
-                    let (got, want) = (out[i * t + c], want[j * t + c]);
-                    if got.to_bits() != want.to_bits() && !(got.is_nan() && want.is_nan()) {
-                        check = Err(anyhow::anyhow!(
-                            "engine: cpu: the reference's DSA index scores made on {} differ from the CPU's at query row {i} of {t}, key {c}: {got:e} ({:#010x}) against {want:e} ({:#010x}); the device does not compute the reference's sums (run with --reference-on cpu)",
-                            self.describe,
-                            got.to_bits(),
-                            want.to_bits()
-                        ));
-                        break 'rows;
-                    }
-                }
-            }
+            let check = match first_row_difference(&out, &want, &rows, t) {
+                None => Ok(()),
+                Some((i, c, got, want)) => Err(anyhow::anyhow!(
+                    "engine: cpu: the reference's DSA index scores made on {} differ from the CPU's at query row {i} of {t}, key {c}: {got:e} ({:#010x}) against {want:e} ({:#010x}); the device does not compute the reference's sums (run with --reference-on cpu)",
+                    self.describe,
+                    got.to_bits(),
+                    want.to_bits()
+                )),
+            };
             let out = self.checked(check, Some(out))?;
             if out.is_some() {
                 if let Ok(mut work) = self.work.lock() {
@@ -409,6 +367,33 @@ impl Device {
         }
         #[cfg(not(feature = "cuda"))]
         Ok(None)
+    }
+
+    /// `make` run with the device's products (under its lock), with the seconds its kernels
+    /// ran; `None` when `make` declines, or when it fails under `auto` (the device is then set
+    /// aside: the CPU makes this and everything after it). A failure under
+    /// `--reference-on cuda:N` is the error.
+    #[cfg(feature = "cuda")]
+    fn run_there(
+        &self,
+        make: impl FnOnce(&crate::gpu::reference::ReferenceProducts) -> Result<Option<Vec<f32>>>,
+    ) -> Result<Option<(Vec<f32>, f64)>> {
+        let p = self
+            .products
+            .lock()
+            .map_err(|_| anyhow::anyhow!("engine: cpu: the reference's device lock is poisoned"))?;
+        let k0 = p.kernel_seconds();
+        match make(&p) {
+            Ok(Some(out)) => Ok(Some((out, p.kernel_seconds() - k0))),
+            Ok(None) => Ok(None),
+            Err(e) if !self.strict => {
+                if let Ok(mut s) = self.set_aside.lock() {
+                    s.get_or_insert(format!("{e:#}"));
+                }
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// `out` when its check passed; when it failed, the error under `--reference-on cuda:N`,
@@ -523,6 +508,27 @@ impl Device {
         }
         Ok(())
     }
+}
+
+/// The first place where rows `rows` of `out` (`width` values each) and `want` (those rows,
+/// `[rows.len(), width]`) differ in their bits (a NaN's payload is no part of the definition):
+/// `(row, column, got, want)`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn first_row_difference(
+    out: &[f32],
+    want: &[f32],
+    rows: &[usize],
+    width: usize,
+) -> Option<(usize, usize, f32, f32)> {
+    for (k, &i) in rows.iter().enumerate() {
+        for c in 0..width {
+            let (got, w) = (out[i * width + c], want[k * width + c]);
+            if got.to_bits() != w.to_bits() && !(got.is_nan() && w.is_nan()) {
+                return Some((i, c, got, w));
+            }
+        }
+    }
+    None
 }
 
 /// Where the reference makes its products of [`MIN_TOKENS`] tokens or more (`--reference-on`).
@@ -694,6 +700,25 @@ pub(super) fn matmul_dense(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_first_row_difference_is_found_by_bits() {
+        use super::first_row_difference;
+        let out = [0.0f32, 1.0, 2.0, 3.0, f32::NAN, 5.0];
+        let rows = [0usize, 2];
+        assert_eq!(
+            first_row_difference(&out, &[0.0, 1.0, -f32::NAN, 5.0], &rows, 2),
+            None
+        );
+        assert_eq!(
+            first_row_difference(&out, &[-0.0, 1.0, f32::NAN, 5.0], &rows, 2),
+            Some((0, 0, 0.0, -0.0))
+        );
+        assert_eq!(
+            first_row_difference(&out, &[0.0, 1.0, f32::NAN, 5.5], &rows, 2),
+            Some((2, 1, 5.0, 5.5))
+        );
+    }
 
     #[test]
     fn spread_takes_the_ends_and_between() {
