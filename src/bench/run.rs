@@ -1084,6 +1084,7 @@ fn cpu_floors(
 }
 
 /// The raw GGUF bytes of the tensors layer `l`'s steps read, as slices of the model's map.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn layer_bytes<'m>(weights: &Weights<'m>, l: usize) -> Result<Vec<&'m [u8]>> {
     let hp = weights.hparams();
     steps::weights_of(&steps::layer_steps(hp, l), weights)
