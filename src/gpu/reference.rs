@@ -702,7 +702,6 @@ impl ReferenceProducts {
     /// `reference_index_scores`: the CPU reference's `index_scores`, bit for bit), query rows in
     /// chunks of at most [`ATTENTION_SCORES`] scores. `Ok(None)` when a row's q and weights do
     /// not fit a block's shared memory.
-    #[allow(clippy::too_many_arguments)]
     pub fn index_scores(
         &self,
         q: &[f32],
