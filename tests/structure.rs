@@ -675,15 +675,19 @@ fn the_judge_is_built_in_one_place_and_the_pair_sink_only_receives() {
         literal.is_empty(),
         "a Judge is built by compare::judge::Judge::new alone; struct literals in: {literal:?}"
     );
-    // The driver hands hooks to the sink; what it asks back is `NearTies`, passed apart.
+    // The driver hands hooks to the sink; what it asks back is `NearTies`, passed apart (and
+    // its wants, which `Answers` gives apart from the sink for its own thread).
     let trace = code_of(&fs::read_to_string(root().join("src/trace/mod.rs")).unwrap());
     let sink = trait_body(&trace, "PairSink").expect("src/trace/mod.rs defines PairSink");
     for (i, _) in sink.match_indices("fn ") {
         let sig = &sink[i..i + sink[i..].find(['{', ';']).unwrap_or(0)];
         let ret = sig.rsplit_once("->").map(|(_, r)| r.trim());
         assert!(
-            matches!(ret, None | Some("bool") | Some("Result<()>")),
-            "PairSink only receives (its methods return nothing, a want, or a Result<()>): {sig}"
+            matches!(
+                ret,
+                None | Some("bool") | Some("Result<()>") | Some("Option<Answers>")
+            ),
+            "PairSink only receives (its methods return nothing, a want, its wants given apart, or a Result<()>): {sig}"
         );
     }
     assert!(trait_body(&trace, "NearTies").is_some());

@@ -42,6 +42,7 @@
 //!   [`Comparison::overrides`] with the number of hooks each decides.
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
 
 use anyhow::Result;
 
@@ -61,7 +62,7 @@ use super::systematic::Part;
 use super::ties::{ScoreBook, SharedScores};
 use crate::model::names::split_blk;
 use crate::tensor::HostTensor;
-use crate::trace::{Mode, NearTies, Pair, PairSink, Swap};
+use crate::trace::{Answers, Mode, NearTies, Pair, PairSink, Swap};
 use crate::util::glob::matches as glob_match;
 
 /// Receives pairs, keeps their metrics and verdicts.
@@ -70,7 +71,7 @@ pub struct Comparison {
     /// The bug families' directions of the next pair of a hook in a mode
     /// ([`Comparison::components`]).
     parts: HashMap<(String, Mode), Vec<Part>>,
-    wants: Box<dyn Fn(&str) -> bool>,
+    wants: Arc<dyn Fn(&str) -> bool + Send + Sync>,
     tokens: Vec<u32>,
     records: Vec<HookRecord>,
     index: HashMap<String, usize>,
@@ -105,14 +106,18 @@ fn in_order(mut v: Vec<String>) -> Vec<String> {
 
 impl Comparison {
     /// A comparison judged by `judge`, of the hooks `wants` selects, for the prompt `tokens`.
-    pub fn new(judge: Judge, wants: Box<dyn Fn(&str) -> bool>, tokens: &[u32]) -> Comparison {
+    pub fn new(
+        judge: Judge,
+        wants: Box<dyn Fn(&str) -> bool + Send + Sync>,
+        tokens: &[u32],
+    ) -> Comparison {
         let scores = ScoreBook::new(judge.selection_bias.clone(), judge.groups);
         Comparison {
             shared: SharedScores::new(scores.clone()),
             scores,
             judge,
             parts: HashMap::new(),
-            wants,
+            wants: Arc::from(wants),
             tokens: tokens.to_vec(),
             records: Vec::new(),
             index: HashMap::new(),
@@ -474,6 +479,15 @@ impl Comparison {
 impl PairSink for Comparison {
     fn wants(&self, name: &str) -> bool {
         (self.wants)(name)
+    }
+
+    fn answers(&self) -> Option<Answers> {
+        Some(Answers {
+            wants: self.wants.clone(),
+            replay_inputs: false,
+            reference_experts: false,
+            chained_inputs: false,
+        })
     }
 
     fn record(&mut self, pair: Pair<'_>) -> Result<()> {

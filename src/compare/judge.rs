@@ -491,7 +491,7 @@ pub fn overrides_with_trace(
 
 /// The hooks a comparison keeps: `--hook` globs (all standard hooks without them), plus the
 /// score hooks behind a wanted selection (their values judge its flips).
-pub fn wants_with_scores(globs: &[String]) -> Box<dyn Fn(&str) -> bool> {
+pub fn wants_with_scores(globs: &[String]) -> Box<dyn Fn(&str) -> bool + Send + Sync> {
     let filter = HookFilter {
         layers: None,
         globs: globs.to_vec(),

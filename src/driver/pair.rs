@@ -38,7 +38,6 @@
 //! lacks is handed to the sink on its own ([`PairSink::reference_only`]: its scores judge a
 //! selection's flips, its steps compose a segment's floor).
 
-use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
@@ -49,7 +48,7 @@ pub use super::replay::{is_selection, LayerTime, PairSummary, ReferenceWork, Wor
 use super::replay::{replay_step, step_wanted};
 use super::rows::{self, Prepared};
 use super::segment::TraceReplay;
-use super::timed::Timed;
+use super::timed::{Closing, Queue, Synced, Timed, WAITING_BYTES};
 use super::{check_tokens, Progress, Residency, Runner, StepProgress};
 use crate::engine::{Engine, ExpertsOut, HostTensor, UploadStats};
 use crate::model::steps::{expert_hook, hook, point, Op, Step};
@@ -75,7 +74,7 @@ pub fn run_pair<R: Engine + Sync, C: Engine>(
     candidate: Candidate<'_, C>,
     inputs: RunInputs<'_>,
     modes: Modes,
-    sink: &mut dyn PairSink,
+    sink: &mut (dyn PairSink + Send),
     progress: &dyn Progress,
 ) -> Result<PairSummary>
 where
@@ -92,7 +91,7 @@ pub(super) fn run_pair_with<R: Engine + Sync, C: Engine>(
     candidate: Candidate<'_, C>,
     inputs: RunInputs<'_>,
     modes: Modes,
-    sink: &mut dyn PairSink,
+    sink: &mut (dyn PairSink + Send),
     progress: &dyn Progress,
     only_changed: bool,
 ) -> Result<PairSummary>
@@ -100,10 +99,66 @@ where
     R::Tensor: Send,
 {
     check_tokens(inputs.weights, inputs.tokens)?;
-    // The sink's own time (the comparison), kept apart from either side's.
-    let spent = Cell::new(0.0);
-    let by = std::cell::RefCell::new(std::collections::BTreeMap::new());
-    let timed = Timed::new(sink, &spent, &by);
+    let Some(answers) = sink.answers() else {
+        let timed = Timed::here(sink);
+        return drive(
+            reference,
+            candidate,
+            inputs,
+            modes,
+            timed,
+            progress,
+            only_changed,
+        );
+    };
+    // The comparison on a thread of its own, in the order of the calls, beside the driver's
+    // later steps; the driver's questions about near ties wait for it.
+    let queue = Queue::new(WAITING_BYTES);
+    std::thread::scope(|scope| {
+        let q = &queue;
+        let serving = scope.spawn(move || q.serve(sink));
+        let closing = Closing(q);
+        let synced = Synced {
+            ties: inputs.ties,
+            queue: q,
+        };
+        let inputs = RunInputs {
+            ties: &synced,
+            ..inputs
+        };
+        let timed = Timed::there(q, answers);
+        let out = drive(
+            reference,
+            candidate,
+            inputs,
+            modes,
+            timed,
+            progress,
+            only_changed,
+        );
+        drop(closing);
+        match serving.join() {
+            Ok(()) => out,
+            Err(_) => out.and(Err(anyhow::anyhow!(
+                "driver: the comparison's thread panicked"
+            ))),
+        }
+    })
+}
+
+/// The pass of [`run_pair_with`], its sink's calls made through `timed`.
+fn drive<'a, R: Engine + Sync, C: Engine>(
+    reference: &'a R,
+    candidate: Candidate<'a, C>,
+    inputs: RunInputs<'a>,
+    modes: Modes,
+    timed: Timed<'a>,
+    progress: &dyn Progress,
+    only_changed: bool,
+) -> Result<PairSummary>
+where
+    R::Tensor: Send,
+{
     let mut run = PairRun::new(reference, candidate, inputs, modes, only_changed, timed)?;
     let mut steps = StepProgress::start(progress, inputs.plan);
     while let Some(step) = run.refr.peek() {
@@ -113,8 +168,9 @@ where
     }
     run.finish()?;
     steps.finish();
+    let by = run.sink.take_by();
     let mut summary = run.summary;
-    let mut times: Vec<(String, f64)> = by.into_inner().into_iter().collect();
+    let mut times: Vec<(String, f64)> = by.into_iter().collect();
     times.sort_by(|a, b| b.1.total_cmp(&a.1));
     summary.compare_times = times;
     summary.reference_times.sort_by(|a, b| b.1.total_cmp(&a.1));
@@ -135,7 +191,7 @@ struct PairRun<'a, R: Engine, C: Engine> {
     /// Whether the reference recomputes only the rows that change ([`run_pair_with`]).
     only_changed: bool,
     /// The sink, with the seconds spent in it (the comparison).
-    sink: Timed<'a, 'a>,
+    sink: Timed<'a>,
     /// The reference's own chain.
     refr: Runner<'a, R>,
     /// A candidate engine's own side.
@@ -177,7 +233,7 @@ where
         inputs: RunInputs<'a>,
         modes: Modes,
         only_changed: bool,
-        sink: Timed<'a, 'a>,
+        sink: Timed<'a>,
     ) -> Result<Self> {
         let RunInputs {
             tokens,
@@ -211,7 +267,10 @@ where
     /// the sink: the reference's step beside the candidate's, then the chained side, the replay
     /// of an engine candidate and the replay across a trace's segments.
     fn step(&mut self, step: &Step) -> Result<()> {
-        let compared_before = self.sink.spent.get();
+        // A comparison that failed on its own thread ends the pass at the next step.
+        self.sink.failed()?;
+        self.sink.layer = step.layer;
+        let blocked_before = self.sink.blocked();
         let Before {
             replay,
             own_experts,
@@ -220,11 +279,7 @@ where
         } = self.before(step)?;
         let joint_rows: Vec<Vec<usize>> = joint.more.iter().map(|(_, r)| r.clone()).collect();
         let replay_now = replay.as_ref().and_then(|r| r.as_ref().ok());
-        let (ref_done, cand_done, flushed) = self.both_sides(step, &wants, joint.more, replay_now);
-        // The earlier step's comparison, made while this step's reference ran, is counted to
-        // its own layer.
-        let earlier = self.take_flushed();
-        flushed?;
+        let (ref_done, cand_done) = self.both_sides(step, &wants, joint.more, replay_now);
         let RefStep {
             out,
             extra,
@@ -235,36 +290,24 @@ where
             joint_results(&joint_rows, joint_out, joint.follow, joint.replay);
         let mut cand_done = cand_done?;
         self.record_times(step, seconds, further, &mut cand_done);
-        // This step's pairs are compared while the next step's reference runs, unless the
-        // driver asks the sink about this step's selections (their near ties, from the scores
-        // it keeps) or the candidate is a trace (no step of its own to overlap).
-        let hold = matches!(self.candidate, Candidate::Engine(_))
-            && !step.outputs.iter().any(|o| is_selection(o));
-        self.sink.defer = hold.then_some(step.layer);
         let own = self.reference_experts(step, own_experts, out, extra);
-        let handed = (|| {
-            if self.modes.chained {
-                self.chained(step, &own, &cand_done.chained, follow_prepared)?;
-            }
-            self.replay(step, replay, &own, cand_done.replay.take(), replay_prepared)?;
-            self.segments(step)
-        })();
-        self.sink.defer = None;
-        handed?;
-        self.summary.time(step.layer).compare += self.sink.spent.get() - compared_before - earlier;
+        if self.modes.chained {
+            self.chained(step, &own, &cand_done.chained, follow_prepared)?;
+        }
+        self.replay(step, replay, &own, cand_done.replay.take(), replay_prepared)?;
+        self.segments(step)?;
+        self.take_done();
+        self.summary.time(step.layer).compare_wait += self.sink.blocked() - blocked_before;
         self.summary.steps += 1;
         Ok(())
     }
 
-    /// Adds the seconds the sink spent on held calls since the last call to their steps'
-    /// layers, and returns their sum.
-    fn take_flushed(&mut self) -> f64 {
-        let mut sum = 0.0;
-        for (layer, s) in std::mem::take(&mut self.sink.flushed) {
+    /// Adds the seconds the sink spent on calls done since the last call (on whichever
+    /// thread) to their steps' layers.
+    fn take_done(&mut self) {
+        for (layer, s) in self.sink.take_done() {
             self.summary.time(layer).compare += s;
-            sum += s;
         }
-        sum
     }
 
     /// What is taken of `step` before the reference runs it (its step may drop its inputs):
@@ -319,26 +362,23 @@ where
     /// candidate engine's (its device: its chained step, and its replay from `replay`'s inputs)
     /// at the same time: neither reads the other's values until both are done.
     ///
-    /// The sink's held calls (the earlier step's pairs) are handed over on this thread once the
-    /// candidate's step is done, while the reference's runs: the third result.
     fn both_sides(
         &mut self,
         step: &Step,
         wants: &HashSet<String>,
         more: Vec<(Vec<R::Tensor>, Vec<usize>)>,
         replay: Option<&ReplayInputs>,
-    ) -> (Result<RefStep<R::Tensor>>, Result<CandStep>, Result<()>) {
+    ) -> (Result<RefStep<R::Tensor>>, Result<CandStep>) {
         let replay = replay.filter(|_| step.op != Op::Alias);
         let (refr, cand, sink, inputs) =
             (&mut self.refr, &mut self.cand, &mut self.sink, self.inputs);
         std::thread::scope(|scope| {
             let ref_side = scope.spawn(move || reference_step(refr, step, wants, &more));
             let cand_done = cand.step(step, inputs, &*sink, replay);
-            let flushed = sink.flush();
             let ref_done = ref_side
                 .join()
                 .unwrap_or_else(|_| Err(anyhow::anyhow!("driver: the reference's step panicked")));
-            (ref_done, cand_done, flushed)
+            (ref_done, cand_done)
         })
     }
 
@@ -424,7 +464,7 @@ where
             ties,
             ..
         } = self.inputs;
-        let (t0, f0) = (Instant::now(), self.sink.spent.get());
+        let (t0, f0) = (Instant::now(), self.sink.blocked());
         self.follow.step(
             FollowStep {
                 reference: self.reference,
@@ -442,7 +482,7 @@ where
             &mut self.sink,
             &mut self.summary,
         )?;
-        let took = (t0.elapsed().as_secs_f64() - (self.sink.spent.get() - f0)).max(0.0);
+        let took = (t0.elapsed().as_secs_f64() - (self.sink.blocked() - f0)).max(0.0);
         self.summary.reference_time(step, "followed", took);
         Ok(())
     }
@@ -550,9 +590,12 @@ where
     /// Hands the sink what it still holds, then ends both sides' weight hooks: the
     /// reference's runner's, then the candidate's.
     fn finish(&mut self) -> Result<()> {
-        let flushed = self.sink.flush();
-        self.take_flushed();
-        flushed?;
+        let blocked = self.sink.blocked();
+        let finished = self.sink.finish();
+        self.take_done();
+        let last = self.sink.layer;
+        self.summary.time(last).compare_wait += self.sink.blocked() - blocked;
+        finished?;
         self.refr.finish()?;
         self.cand.finish()
     }

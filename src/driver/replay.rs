@@ -100,9 +100,14 @@ pub struct LayerTime {
     pub upload: f64,
     /// Bytes of weights the candidate engine's steps of the layer took into use.
     pub upload_bytes: u64,
-    /// The comparison of the layer's pairs (metrics, verdicts, the bug families' directions),
-    /// after both sides' steps; not part of `reference`.
+    /// The comparison of the layer's pairs (metrics, verdicts, the bug families' directions):
+    /// its own seconds, on its thread beside later steps or on the driver's; not part of
+    /// `reference`.
     pub compare: f64,
+    /// The seconds the driver waited for the comparison in the layer's steps (for room in its
+    /// queue, or for the near ties' answers; the last layer's also for the end of the
+    /// comparison): the part of `compare` that the steps did not hide.
+    pub compare_wait: f64,
 }
 
 impl LayerTime {

@@ -1,46 +1,174 @@
-//! A [`PairSink`] in front of another that adds up the time the other spends on what it is
-//! handed (the comparison: metrics, verdicts, the bug families' directions), so that the driver
-//! can say how much of a layer's time is the comparison rather than either side's steps.
+//! A [`PairSink`] in front of another (the comparison: metrics, verdicts, the bug families'
+//! directions) that adds up the seconds the other spends on what it is handed, by layer and by
+//! point, so that the driver can say how much of a layer's time is the comparison rather than
+//! either side's steps.
 //!
-//! It can also hold what it is handed (while [`Timed::defer`] is set) and hand it over later,
-//! in the same order ([`Timed::flush`]): the driver compares one step's pairs while the
-//! reference runs the next step. Nothing the sink answers may depend on what is held: the
-//! driver flushes before a step whose outputs include a selection (it asks the sink's kept
-//! scores about their near ties) and at the end of the pass; what the sink is asked meanwhile
-//! (`wants`, `wants_*`) depends on its options alone.
+//! When the sink answers the driver's questions apart from itself ([`PairSink::answers`]), its
+//! calls are made on a thread of its own ([`Queue::serve`]), in the order the driver made them,
+//! while the driver goes on with the next steps: the comparison of one step runs beside the
+//! reference's later steps. What the driver asks back about selections (their near ties, from
+//! the scores the sink keeps) waits until every call made before is done ([`Synced`]), so every
+//! answer is the one it would be with every call made at once. The values waiting for the
+//! comparison are bounded ([`WAITING_BYTES`]): beyond it the driver waits.
 
-use std::cell::{Cell, RefCell};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{anyhow, Result};
 
 use crate::engine::HostTensor;
 use crate::model::steps::Step;
-use crate::trace::{Mode, Pair, PairSink};
+use crate::trace::{Answers, Mode, NearTies, Pair, PairSink, Swap};
 
-/// Forwards every call to `inner` unchanged (at once, or held and handed over in order by
-/// [`Timed::flush`]), adding the seconds of the calls that hand it work to `spent`.
-pub(super) struct Timed<'s, 'c> {
-    /// The sink.
-    pub inner: &'s mut dyn PairSink,
-    /// Seconds spent inside `inner` so far.
-    pub spent: &'c Cell<f64>,
-    /// The same seconds by what was handed over: a hook's point and mode (`attn_out replay`,
-    /// its layer left out) or the call (`reference_experts`).
-    pub by: &'c RefCell<BTreeMap<String, f64>>,
-    /// Whether calls that hand work over are held for [`Timed::flush`] (set by the driver per
-    /// step), and the layer they are counted to.
-    pub defer: Option<Option<usize>>,
-    /// The calls held, in order, with the layer of the step that made each.
-    held: Vec<(Option<usize>, Held)>,
-    /// Seconds spent by [`Timed::flush`] on held calls, by their step's layer (taken by the
-    /// driver for its layer times).
-    pub flushed: Vec<(Option<usize>, f64)>,
+/// The most bytes of values waiting for the comparison's thread (the driver waits beyond it,
+/// unless nothing waits): at 4096 GLM-5 tokens one step's pairs in both modes are up to about
+/// 1 GiB (the heads' attention output, `[4096, 64 * 256]` f32, reference and candidate, each
+/// mode), so a few steps can wait while a long comparison runs.
+pub(super) const WAITING_BYTES: usize = 4 << 30;
+
+/// Forwards every call to the sink unchanged, on this thread or on the comparison's, adding the
+/// seconds the sink spends on it to its step's layer and its point.
+pub(super) struct Timed<'s> {
+    /// Where the calls go.
+    route: Route<'s>,
+    /// The layer of the step whose calls are being made (set by the driver per step).
+    pub layer: Option<usize>,
+    /// Seconds spent by the sink, by what was handed over: a hook's point and mode (`attn_out
+    /// replay`, its layer left out) or the call (`reference_experts`). Calls made on this
+    /// thread only; the comparison's thread keeps its own ([`Queue`]).
+    by: BTreeMap<String, f64>,
+    /// Seconds spent by the sink on calls made on this thread, by their step's layer, not yet
+    /// taken by the driver.
+    done: Vec<(Option<usize>, f64)>,
+    /// Seconds this thread spent inside the sink's calls (on this thread).
+    here: f64,
 }
 
-/// A call held for [`Timed::flush`], with what it was handed (hook values are shared, not
-/// copied).
+/// Where a [`Timed`]'s calls go.
+enum Route<'s> {
+    /// To the sink, at once, on this thread.
+    Here(&'s mut dyn PairSink),
+    /// To the comparison's thread, through `queue`; `answers` answers the driver's questions.
+    There { queue: &'s Queue, answers: Answers },
+}
+
+impl<'s> Timed<'s> {
+    /// Every call made at once on this thread.
+    pub fn here(sink: &'s mut dyn PairSink) -> Timed<'s> {
+        Timed::with(Route::Here(sink))
+    }
+
+    /// Every call left to the thread serving `queue` ([`Queue::serve`]); the driver's
+    /// questions answered by `answers` (the sink's).
+    pub fn there(queue: &'s Queue, answers: Answers) -> Timed<'s> {
+        Timed::with(Route::There { queue, answers })
+    }
+
+    fn with(route: Route<'s>) -> Timed<'s> {
+        Timed {
+            route,
+            layer: None,
+            by: BTreeMap::new(),
+            done: Vec::new(),
+            here: 0.0,
+        }
+    }
+
+    /// Seconds this thread has spent in the sink's calls and waiting for the comparison's
+    /// thread (its queue's room and the near ties' answers), so far.
+    pub fn blocked(&self) -> f64 {
+        match &self.route {
+            Route::Here(_) => self.here,
+            Route::There { queue, .. } => queue.lock().waited,
+        }
+    }
+
+    /// The first error of a call the comparison's thread has made, if any (without waiting):
+    /// the pass ends with it.
+    pub fn failed(&self) -> Result<()> {
+        match &self.route {
+            Route::Here(_) => Ok(()),
+            Route::There { queue, .. } => queue.error(),
+        }
+    }
+
+    /// Waits until every call made so far is done; the first error of one, if any.
+    pub fn finish(&mut self) -> Result<()> {
+        match &self.route {
+            Route::Here(_) => Ok(()),
+            Route::There { queue, .. } => {
+                queue.drain();
+                queue.error()
+            }
+        }
+    }
+
+    /// The seconds the sink spent on calls done since the last call, by their step's layer.
+    pub fn take_done(&mut self) -> Vec<(Option<usize>, f64)> {
+        let mut done = std::mem::take(&mut self.done);
+        if let Route::There { queue, .. } = &self.route {
+            done.extend(std::mem::take(&mut queue.lock().done));
+        }
+        done
+    }
+
+    /// The seconds by point, of every call done (the comparison's thread's and this one's).
+    pub fn take_by(&mut self) -> BTreeMap<String, f64> {
+        let mut by = std::mem::take(&mut self.by);
+        if let Route::There { queue, .. } = &self.route {
+            for (k, s) in std::mem::take(&mut queue.lock().by) {
+                *by.entry(k).or_insert(0.0) += s;
+            }
+        }
+        by
+    }
+
+    /// Makes `call`: at once, or on the comparison's thread. An error of a call made here is
+    /// returned; one made there comes out of [`Timed::failed`] or [`Timed::finish`].
+    fn call(&mut self, call: Held) -> Result<()> {
+        match &mut self.route {
+            Route::Here(sink) => {
+                let what = call.what();
+                let t0 = Instant::now();
+                let out = call.hand(&mut **sink);
+                let s = t0.elapsed().as_secs_f64();
+                self.here += s;
+                self.done.push((self.layer, s));
+                *self.by.entry(point_of(&what).to_string()).or_insert(0.0) += s;
+                out
+            }
+            Route::There { queue, .. } => {
+                queue.push(self.layer, call);
+                Ok(())
+            }
+        }
+    }
+
+    /// Makes a call that returns nothing: an error made here is kept by the sink's own
+    /// reckoning (these calls cannot fail).
+    fn tell(&mut self, call: Held) {
+        // Only `record` can fail; the others' `hand` is always Ok.
+        let _ = self.call(call);
+    }
+
+    /// The questions, from the sink here or from its answers there.
+    fn ask(&self) -> Asked<'_> {
+        match &self.route {
+            Route::Here(sink) => Asked::Sink(&**sink),
+            Route::There { answers, .. } => Asked::Answers(answers),
+        }
+    }
+}
+
+/// Who answers the driver's questions.
+enum Asked<'a> {
+    Sink(&'a dyn PairSink),
+    Answers(&'a Answers),
+}
+
+/// A call of the sink, with what it was handed (hook values are shared, not copied).
 enum Held {
     Record {
         name: String,
@@ -86,63 +214,49 @@ enum Held {
     },
 }
 
-impl<'s, 'c> Timed<'s, 'c> {
-    /// `inner`, its time added to `spent` and `by`; nothing held.
-    pub fn new(
-        inner: &'s mut dyn PairSink,
-        spent: &'c Cell<f64>,
-        by: &'c RefCell<BTreeMap<String, f64>>,
-    ) -> Timed<'s, 'c> {
-        Timed {
-            inner,
-            spent,
-            by,
-            defer: None,
-            held: Vec::new(),
-            flushed: Vec::new(),
-        }
-    }
-
-    fn timed<T>(&mut self, what: &str, f: impl FnOnce(&mut dyn PairSink) -> T) -> T {
-        let t0 = Instant::now();
-        let out = f(&mut *self.inner);
-        let s = t0.elapsed().as_secs_f64();
-        self.spent.set(self.spent.get() + s);
-        *self
-            .by
-            .borrow_mut()
-            .entry(point_of(what).to_string())
-            .or_insert(0.0) += s;
-        out
-    }
-
-    /// Holds `call` when calls are deferred (`true`), else leaves it to the caller.
-    fn hold(&mut self, call: impl FnOnce() -> Held) -> bool {
-        match self.defer {
-            Some(layer) => {
-                self.held.push((layer, call()));
-                true
+impl Held {
+    /// What its seconds are kept under ([`point_of`] takes the layer off).
+    fn what(&self) -> String {
+        match self {
+            Held::Record { name, mode, .. } => format!("{name} {}", mode.as_str()),
+            Held::Missing { .. } => "missing".into(),
+            Held::ReplayInputs { .. } => "replay_inputs".into(),
+            Held::ReferenceOnly { name, mode, .. } => {
+                format!("{name} {} (reference only)", mode.as_str())
             }
-            None => false,
+            Held::Followed { .. } => "followed".into(),
+            Held::ReferenceExperts { .. } => "reference_experts".into(),
+            Held::ChainedInputs { .. } => "chained_inputs".into(),
+            Held::PlainChain { name, .. } => format!("{name} (plain chain)"),
         }
     }
 
-    /// Hands the held calls to the sink in order (their seconds in `spent`, `by` and
-    /// `flushed`); the first error stops it (the rest are dropped: the pass ends with it).
-    pub fn flush(&mut self) -> Result<()> {
-        let held = std::mem::take(&mut self.held);
-        for (layer, call) in held {
-            let before = self.spent.get();
-            let out = self.hand(call);
-            self.flushed.push((layer, self.spent.get() - before));
-            out?;
+    /// The bytes of the values it holds (shared with others or not: what it keeps alive).
+    fn bytes(&self) -> usize {
+        let sum = |v: &[HostTensor]| v.iter().map(|t| t.len() * 4).sum::<usize>();
+        match self {
+            Held::Record {
+                reference,
+                candidate,
+                ..
+            }
+            | Held::PlainChain {
+                reference,
+                candidate,
+                ..
+            } => (reference.len() + candidate.len()) * 4,
+            Held::ReferenceOnly { reference, .. } => reference.len() * 4,
+            Held::ReplayInputs { inputs, .. } | Held::ChainedInputs { inputs, .. } => sum(inputs),
+            Held::ReferenceExperts {
+                inputs, experts, ..
+            } => sum(inputs) + experts.iter().map(|(_, t)| t.len() * 4).sum::<usize>(),
+            Held::Missing { .. } | Held::Followed { .. } => 0,
         }
-        Ok(())
     }
 
-    /// Hands one held call to the sink, timed.
-    fn hand(&mut self, call: Held) -> Result<()> {
-        match call {
+    /// Makes the call on `sink`.
+    fn hand(self, sink: &mut dyn PairSink) -> Result<()> {
+        match self {
             Held::Record {
                 name,
                 mode,
@@ -150,83 +264,229 @@ impl<'s, 'c> Timed<'s, 'c> {
                 reference,
                 candidate,
                 note,
-            } => self.record_now(Pair {
-                name: &name,
-                mode,
-                inputs: &inputs,
-                reference,
-                candidate,
-                note,
-            }),
-            Held::Missing { name, mode, why } => {
-                self.timed("missing", |s| s.missing(&name, mode, &why));
-                Ok(())
+            } => {
+                return sink.record(Pair {
+                    name: &name,
+                    mode,
+                    inputs: &inputs,
+                    reference,
+                    candidate,
+                    note,
+                })
             }
-            Held::ReplayInputs { step, inputs } => {
-                self.timed("replay_inputs", |s| s.replay_inputs(&step, &inputs));
-                Ok(())
-            }
+            Held::Missing { name, mode, why } => sink.missing(&name, mode, &why),
+            Held::ReplayInputs { step, inputs } => sink.replay_inputs(&step, &inputs),
             Held::ReferenceOnly {
                 name,
                 mode,
                 inputs,
                 reference,
-            } => {
-                self.reference_only_now(&name, mode, &inputs, &reference);
-                Ok(())
-            }
+            } => sink.reference_only(&name, mode, &inputs, &reference),
             Held::Followed {
                 selection,
                 mode,
                 rows,
-            } => {
-                self.timed("followed", |s| s.followed(&selection, mode, &rows));
-                Ok(())
-            }
+            } => sink.followed(&selection, mode, &rows),
             Held::ReferenceExperts {
                 step,
                 inputs,
                 experts,
-            } => {
-                self.timed("reference_experts", |s| {
-                    s.reference_experts(&step, &inputs, experts)
-                });
-                Ok(())
-            }
-            Held::ChainedInputs { step, inputs } => {
-                self.timed("chained_inputs", |s| s.chained_inputs(&step, &inputs));
-                Ok(())
-            }
+            } => sink.reference_experts(&step, &inputs, experts),
+            Held::ChainedInputs { step, inputs } => sink.chained_inputs(&step, &inputs),
             Held::PlainChain {
                 name,
                 reference,
                 candidate,
-            } => {
-                self.plain_chain_now(&name, &reference, &candidate);
-                Ok(())
-            }
+            } => sink.plain_chain(&name, &reference, &candidate),
+        }
+        Ok(())
+    }
+}
+
+/// The calls waiting for the comparison's thread, in order, and what it has done.
+pub(super) struct Queue {
+    state: Mutex<QueueState>,
+    /// Signalled on every change of `state`.
+    changed: Condvar,
+    /// [`WAITING_BYTES`], or less in tests.
+    room: usize,
+}
+
+#[derive(Default)]
+struct QueueState {
+    /// The calls not yet taken, with their step's layer and bytes.
+    calls: VecDeque<(Option<usize>, usize, Held)>,
+    /// The bytes of `calls` and of the call being made.
+    bytes: usize,
+    /// Whether a call is being made.
+    busy: bool,
+    /// No more calls come: the thread ends once `calls` is empty.
+    closed: bool,
+    /// A call failed: the calls after it are dropped, not made.
+    failed: bool,
+    /// The first failure, until taken.
+    error: Option<anyhow::Error>,
+    /// Seconds of the calls done, by their step's layer, until taken.
+    done: Vec<(Option<usize>, f64)>,
+    /// The same by point, until taken.
+    by: BTreeMap<String, f64>,
+    /// Seconds the driver waited for the comparison.
+    waited: f64,
+}
+
+impl Queue {
+    /// An empty queue of at most `room` waiting bytes.
+    pub fn new(room: usize) -> Queue {
+        Queue {
+            state: Mutex::new(QueueState::default()),
+            changed: Condvar::new(),
+            room,
         }
     }
 
-    fn record_now(&mut self, pair: Pair<'_>) -> Result<()> {
-        let what = format!("{} {}", pair.name, pair.mode.as_str());
-        self.timed(&what, |s| s.record(pair))
+    fn lock(&self) -> MutexGuard<'_, QueueState> {
+        // A panic while the lock was held leaves plain counters: go on with them.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn reference_only_now(
-        &mut self,
-        name: &str,
+    fn wait<'g>(&self, g: MutexGuard<'g, QueueState>) -> MutexGuard<'g, QueueState> {
+        self.changed.wait(g).unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues `call` of a step of `layer` (after the calls queued before), once there is room.
+    fn push(&self, layer: Option<usize>, call: Held) {
+        let bytes = call.bytes();
+        let mut s = self.lock();
+        let t0 = Instant::now();
+        let mut waited = false;
+        while s.bytes > 0 && s.bytes + bytes > self.room && !s.failed {
+            waited = true;
+            s = self.wait(s);
+        }
+        if waited {
+            s.waited += t0.elapsed().as_secs_f64();
+        }
+        if s.failed {
+            return;
+        }
+        s.bytes += bytes;
+        s.calls.push_back((layer, bytes, call));
+        self.changed.notify_all();
+    }
+
+    /// Waits until every call queued so far is done (or dropped after a failure).
+    fn drain(&self) {
+        let mut s = self.lock();
+        let t0 = Instant::now();
+        let mut waited = false;
+        while !s.calls.is_empty() || s.busy {
+            waited = true;
+            s = self.wait(s);
+        }
+        if waited {
+            s.waited += t0.elapsed().as_secs_f64();
+        }
+    }
+
+    /// The first failure, once (the calls after it are dropped either way).
+    fn error(&self) -> Result<()> {
+        match self.lock().error.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// No more calls come: [`Queue::serve`] returns once the queued ones are done.
+    pub fn close(&self) {
+        self.lock().closed = true;
+        self.changed.notify_all();
+    }
+
+    /// Makes the queued calls on `sink` in order, until [`Queue::close`]; after a call fails
+    /// (an error or a panic), the rest are dropped.
+    pub fn serve(&self, sink: &mut dyn PairSink) {
+        loop {
+            let (layer, bytes, call) = {
+                let mut s = self.lock();
+                loop {
+                    if let Some(c) = s.calls.pop_front() {
+                        s.busy = true;
+                        break c;
+                    }
+                    if s.closed {
+                        return;
+                    }
+                    s = self.wait(s);
+                }
+            };
+            let what = call.what();
+            let failed = self.lock().failed;
+            let t0 = Instant::now();
+            let out = if failed {
+                drop(call);
+                Ok(())
+            } else {
+                catch_unwind(AssertUnwindSafe(|| call.hand(&mut *sink)))
+                    .unwrap_or_else(|_| Err(anyhow!("the comparison panicked at {what}")))
+            };
+            let secs = t0.elapsed().as_secs_f64();
+            let mut s = self.lock();
+            s.busy = false;
+            s.bytes -= bytes;
+            if !failed {
+                s.done.push((layer, secs));
+                *s.by.entry(point_of(&what).to_string()).or_insert(0.0) += secs;
+            }
+            if let Err(e) = out {
+                s.failed = true;
+                s.error = Some(e);
+            }
+            drop(s);
+            self.changed.notify_all();
+        }
+    }
+}
+
+/// Closes its queue when dropped: the comparison's thread ends however the pass does.
+pub(super) struct Closing<'q>(pub &'q Queue);
+
+impl Drop for Closing<'_> {
+    fn drop(&mut self) {
+        self.0.close();
+    }
+}
+
+/// The driver's questions about near ties, answered once every call queued before is done (the
+/// scores they hand over are what the answers are computed from).
+pub(super) struct Synced<'a> {
+    /// The sink's answers.
+    pub ties: &'a (dyn NearTies + Sync),
+    /// The comparison's calls.
+    pub queue: &'a Queue,
+}
+
+impl NearTies for Synced<'_> {
+    fn near_ties(
+        &self,
+        selection: &str,
         mode: Mode,
-        inputs: &[String],
-        reference: &HostTensor,
-    ) {
-        let what = format!("{name} {} (reference only)", mode.as_str());
-        self.timed(&what, |s| s.reference_only(name, mode, inputs, reference))
+        chosen: &HostTensor,
+        per_row: usize,
+    ) -> Vec<Swap> {
+        self.queue.drain();
+        self.ties.near_ties(selection, mode, chosen, per_row)
     }
 
-    fn plain_chain_now(&mut self, name: &str, reference: &HostTensor, candidate: &HostTensor) {
-        let what = format!("{name} (plain chain)");
-        self.timed(&what, |s| s.plain_chain(name, reference, candidate))
+    fn near_tie_rows(
+        &self,
+        selection: &str,
+        mode: Mode,
+        reference: &HostTensor,
+        candidate: &HostTensor,
+    ) -> Vec<usize> {
+        self.queue.drain();
+        self.ties
+            .near_tie_rows(selection, mode, reference, candidate)
     }
 }
 
@@ -241,50 +501,45 @@ pub(super) fn point_of(what: &str) -> &str {
     }
 }
 
-impl PairSink for Timed<'_, '_> {
+impl PairSink for Timed<'_> {
     fn wants(&self, name: &str) -> bool {
-        self.inner.wants(name)
+        match self.ask() {
+            Asked::Sink(s) => s.wants(name),
+            Asked::Answers(a) => (a.wants)(name),
+        }
     }
 
     fn record(&mut self, pair: Pair<'_>) -> Result<()> {
-        let Some(layer) = self.defer else {
-            return self.record_now(pair);
-        };
-        self.held.push((
-            layer,
-            Held::Record {
-                name: pair.name.to_string(),
-                mode: pair.mode,
-                inputs: pair.inputs.to_vec(),
-                reference: pair.reference,
-                candidate: pair.candidate,
-                note: pair.note,
-            },
-        ));
-        Ok(())
+        self.call(Held::Record {
+            name: pair.name.to_string(),
+            mode: pair.mode,
+            inputs: pair.inputs.to_vec(),
+            reference: pair.reference,
+            candidate: pair.candidate,
+            note: pair.note,
+        })
     }
 
     fn missing(&mut self, name: &str, mode: Mode, why: &str) {
-        if !self.hold(|| Held::Missing {
+        self.tell(Held::Missing {
             name: name.to_string(),
             mode,
             why: why.to_string(),
-        }) {
-            self.timed("missing", |s| s.missing(name, mode, why))
-        }
+        })
     }
 
     fn wants_replay_inputs(&self) -> bool {
-        self.inner.wants_replay_inputs()
+        match self.ask() {
+            Asked::Sink(s) => s.wants_replay_inputs(),
+            Asked::Answers(a) => a.replay_inputs,
+        }
     }
 
     fn replay_inputs(&mut self, step: &Step, inputs: &[HostTensor]) {
-        if !self.hold(|| Held::ReplayInputs {
+        self.tell(Held::ReplayInputs {
             step: step.clone(),
             inputs: inputs.to_vec(),
-        }) {
-            self.timed("replay_inputs", |s| s.replay_inputs(step, inputs))
-        }
+        })
     }
 
     fn reference_only(
@@ -294,28 +549,27 @@ impl PairSink for Timed<'_, '_> {
         inputs: &[String],
         reference: &HostTensor,
     ) {
-        if !self.hold(|| Held::ReferenceOnly {
+        self.tell(Held::ReferenceOnly {
             name: name.to_string(),
             mode,
             inputs: inputs.to_vec(),
             reference: reference.clone(),
-        }) {
-            self.reference_only_now(name, mode, inputs, reference)
-        }
+        })
     }
 
     fn followed(&mut self, selection: &str, mode: Mode, rows: &[usize]) {
-        if !self.hold(|| Held::Followed {
+        self.tell(Held::Followed {
             selection: selection.to_string(),
             mode,
             rows: rows.to_vec(),
-        }) {
-            self.timed("followed", |s| s.followed(selection, mode, rows))
-        }
+        })
     }
 
     fn wants_reference_experts(&self, step: &Step) -> bool {
-        self.inner.wants_reference_experts(step)
+        match self.ask() {
+            Asked::Sink(s) => s.wants_reference_experts(step),
+            Asked::Answers(a) => a.reference_experts,
+        }
     }
 
     fn reference_experts(
@@ -324,42 +578,33 @@ impl PairSink for Timed<'_, '_> {
         inputs: &[HostTensor],
         experts: Vec<(usize, HostTensor)>,
     ) {
-        match self.defer {
-            Some(layer) => self.held.push((
-                layer,
-                Held::ReferenceExperts {
-                    step: step.clone(),
-                    inputs: inputs.to_vec(),
-                    experts,
-                },
-            )),
-            None => self.timed("reference_experts", |s| {
-                s.reference_experts(step, inputs, experts)
-            }),
-        }
+        self.tell(Held::ReferenceExperts {
+            step: step.clone(),
+            inputs: inputs.to_vec(),
+            experts,
+        })
     }
 
     fn wants_chained_inputs(&self) -> bool {
-        self.inner.wants_chained_inputs()
+        match self.ask() {
+            Asked::Sink(s) => s.wants_chained_inputs(),
+            Asked::Answers(a) => a.chained_inputs,
+        }
     }
 
     fn chained_inputs(&mut self, step: &Step, inputs: &[HostTensor]) {
-        if !self.hold(|| Held::ChainedInputs {
+        self.tell(Held::ChainedInputs {
             step: step.clone(),
             inputs: inputs.to_vec(),
-        }) {
-            self.timed("chained_inputs", |s| s.chained_inputs(step, inputs))
-        }
+        })
     }
 
     fn plain_chain(&mut self, name: &str, reference: &HostTensor, candidate: &HostTensor) {
-        if !self.hold(|| Held::PlainChain {
+        self.tell(Held::PlainChain {
             name: name.to_string(),
             reference: reference.clone(),
             candidate: candidate.clone(),
-        }) {
-            self.plain_chain_now(name, reference, candidate)
-        }
+        })
     }
 }
 
@@ -367,19 +612,26 @@ impl PairSink for Timed<'_, '_> {
 mod tests {
     use super::*;
     use crate::model::steps::Op;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
 
-    /// Logs every call it is handed; a pair named `bad` is an error.
+    /// Logs every call it is handed and counts its pairs in `seen`; a pair named `bad` is an
+    /// error, one named `panic` a panic, one named `slow` takes 20 ms.
     #[derive(Default)]
-    struct Log(Vec<String>);
+    struct Log(Vec<String>, Arc<AtomicUsize>);
 
     impl PairSink for Log {
         fn wants(&self, _: &str) -> bool {
             true
         }
         fn record(&mut self, p: Pair<'_>) -> Result<()> {
-            if p.name == "bad" {
-                anyhow::bail!("bad pair");
+            match p.name {
+                "bad" => anyhow::bail!("bad pair"),
+                "panic" => panic!("a pair the sink cannot take"),
+                "slow" => std::thread::sleep(std::time::Duration::from_millis(20)),
+                _ => {}
             }
+            self.1.fetch_add(1, Ordering::SeqCst);
             let v = p.reference.as_f32("r")?.to_vec();
             self.0.push(format!(
                 "record {} {:?} {v:?} {:?}",
@@ -427,7 +679,7 @@ mod tests {
     }
 
     /// One of every call, in an order a step makes them.
-    fn calls(t: &mut Timed<'_, '_>) -> Result<()> {
+    fn calls(t: &mut Timed<'_>) -> Result<()> {
         let x = |v: f32| HostTensor::f32(vec![1], vec![v]).unwrap_or_else(|e| panic!("{e}"));
         let step = Step {
             op: Op::Alias,
@@ -454,46 +706,138 @@ mod tests {
         Ok(())
     }
 
-    /// Held calls reach the sink at the flush as they would have at once: the same calls with
-    /// the same values in the same order; their seconds are counted to the step's layer; an
-    /// error of a held pair comes out of the flush.
-    #[test]
-    fn held_calls_are_handed_over_in_order_at_the_flush() {
-        let (spent, by) = (Cell::new(0.0), RefCell::new(BTreeMap::new()));
-        let mut now = Log::default();
-        calls(&mut Timed::new(&mut now, &spent, &by)).unwrap();
-        assert_eq!(now.0.len(), 8);
+    fn answers() -> Answers {
+        Answers {
+            wants: Arc::new(|_: &str| true),
+            replay_inputs: true,
+            reference_experts: true,
+            chained_inputs: true,
+        }
+    }
 
-        let mut later = Log::default();
-        let mut t = Timed::new(&mut later, &spent, &by);
-        t.defer = Some(Some(7));
-        calls(&mut t).unwrap();
-        t.defer = None;
-        assert_eq!(t.held.len(), 8, "held, not handed over yet");
-        t.flush().unwrap();
-        assert_eq!(t.flushed.len(), 8);
-        assert!(t.flushed.iter().all(|(l, s)| *l == Some(7) && *s >= 0.0));
-        t.flush().unwrap();
-        assert_eq!(t.flushed.len(), 8, "nothing held twice");
-        drop(t);
-        assert_eq!(later.0, now.0);
-
-        let mut bad = Log::default();
-        let mut t = Timed::new(&mut bad, &spent, &by);
-        t.defer = Some(None);
-        let x = HostTensor::f32(vec![1], vec![0.0]).unwrap();
-        let pair = |name: &'static str| Pair {
+    fn pair(name: &'static str) -> Pair<'static> {
+        let x = HostTensor::f32(vec![1], vec![0.0]).unwrap_or_else(|e| panic!("{e}"));
+        Pair {
             name,
             mode: Mode::Replay,
             inputs: &[],
             reference: x.clone(),
-            candidate: x.clone(),
+            candidate: x,
             note: None,
-        };
-        t.record(pair("bad")).unwrap();
-        t.record(pair("after")).unwrap();
-        let err = t.flush().unwrap_err();
-        assert!(format!("{err:#}").contains("bad pair"));
+        }
+    }
+
+    /// Seconds done by layer.
+    type Done = Vec<(Option<usize>, f64)>;
+
+    /// `make` on a [`Timed`] whose calls go to `sink` on a thread of its own (a queue of
+    /// `room` bytes), then the end of the pass: `make`'s result, the end's, and the seconds
+    /// done by layer.
+    fn there<T>(
+        sink: &mut Log,
+        room: usize,
+        make: impl FnOnce(&mut Timed<'_>) -> T,
+    ) -> (T, Result<()>, Done) {
+        let queue = Queue::new(room);
+        std::thread::scope(|scope| {
+            let q = &queue;
+            let serving = scope.spawn(move || q.serve(sink));
+            let closing = Closing(q);
+            let mut t = Timed::there(q, answers());
+            t.layer = Some(7);
+            let made = make(&mut t);
+            let end = t.finish();
+            let done = t.take_done();
+            drop(closing);
+            serving
+                .join()
+                .unwrap_or_else(|_| panic!("the serving thread panicked"));
+            (made, end, done)
+        })
+    }
+
+    /// Calls made on the comparison's thread reach the sink as they would at once: the same
+    /// calls with the same values in the same order, with a queue of any room (1 byte: every
+    /// call waits for the one before); their seconds are counted to the step's layer.
+    #[test]
+    fn calls_on_the_comparisons_thread_are_the_same_in_order() {
+        let mut now = Log::default();
+        let mut t = Timed::here(&mut now);
+        calls(&mut t).unwrap();
+        assert_eq!(t.take_done().len(), 8);
+        drop(t);
+        assert_eq!(now.0.len(), 8);
+        for room in [1, WAITING_BYTES] {
+            let mut later = Log::default();
+            let (made, end, done) = there(&mut later, room, calls);
+            made.unwrap();
+            end.unwrap();
+            assert_eq!(done.len(), 8);
+            assert!(done.iter().all(|(l, s)| *l == Some(7) && *s >= 0.0));
+            assert_eq!(later.0, now.0, "room {room}");
+        }
+    }
+
+    /// A pair that fails there ends the pass at the next check: the calls after it are not
+    /// made, and its error (or its panic, as an error) comes out once.
+    #[test]
+    fn a_failure_there_comes_out_and_stops_the_calls_after_it() {
+        for (name, says) in [("bad", "bad pair"), ("panic", "the comparison panicked")] {
+            let mut sink = Log::default();
+            let (made, end, _) = there(&mut sink, WAITING_BYTES, |t| {
+                t.record(pair(name)).unwrap();
+                t.record(pair("after")).unwrap();
+                t.finish().unwrap_err()
+            });
+            assert!(format!("{made:#}").contains(says), "{made:#}");
+            end.unwrap();
+            assert!(sink.0.is_empty(), "{:?}", sink.0);
+        }
+    }
+
+    /// The near ties' answers wait for every call queued before them: the scores they are
+    /// computed from.
+    #[test]
+    fn near_ties_are_answered_after_the_calls_before_them() {
+        /// Answers with the number of pairs the sink has taken.
+        struct Seen(Arc<AtomicUsize>);
+        impl NearTies for Seen {
+            fn near_ties(&self, _: &str, _: Mode, _: &HostTensor, _: usize) -> Vec<Swap> {
+                Vec::new()
+            }
+            fn near_tie_rows(
+                &self,
+                _: &str,
+                _: Mode,
+                _: &HostTensor,
+                _: &HostTensor,
+            ) -> Vec<usize> {
+                vec![self.0.load(Ordering::SeqCst)]
+            }
+        }
+        let mut sink = Log::default();
+        let seen = Seen(sink.1.clone());
+        let queue = Queue::new(WAITING_BYTES);
+        let x = HostTensor::f32(vec![1], vec![0.0]).unwrap();
+        let rows = std::thread::scope(|scope| {
+            let q = &queue;
+            let serving = scope.spawn(|| q.serve(&mut sink));
+            let closing = Closing(q);
+            let mut t = Timed::there(q, answers());
+            for _ in 0..3 {
+                t.record(pair("slow")).unwrap();
+            }
+            let synced = Synced {
+                ties: &seen,
+                queue: q,
+            };
+            let rows = synced.near_tie_rows("s", Mode::Replay, &x, &x);
+            assert!(t.blocked() > 0.0, "the driver waited");
+            drop(closing);
+            serving.join().unwrap();
+            rows
+        });
+        assert_eq!(rows, vec![3]);
     }
 
     #[test]

@@ -36,7 +36,7 @@ use crate::model::names::{self, blk};
 use crate::model::steps::{point, Op, Step};
 use crate::model::{Gating, Weights};
 use crate::quant::GgmlType;
-use crate::trace::{Mode, Pair, PairSink};
+use crate::trace::{Answers, Mode, Pair, PairSink};
 use crate::util::progress::Progress;
 use directions::Own;
 
@@ -174,6 +174,18 @@ impl<'c, 'w> Capture<'c, 'w> {
 impl PairSink for Capture<'_, '_> {
     fn wants(&self, name: &str) -> bool {
         self.inner.wants(name)
+    }
+
+    /// The inputs of replayed steps are asked for even after a step was captured (then they
+    /// are kept, and not used: nothing more is captured).
+    fn answers(&self) -> Option<Answers> {
+        let inner = self.inner.answers()?;
+        Some(Answers {
+            replay_inputs: self.enabled || self.directions.is_some(),
+            reference_experts: self.directions.is_some(),
+            chained_inputs: self.directions.is_some() && self.chained_directions,
+            ..inner
+        })
     }
 
     fn record(&mut self, pair: Pair<'_>) -> Result<()> {

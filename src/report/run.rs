@@ -130,6 +130,7 @@ fn layer_time_line(times: &[LayerTime], width: Option<usize>) -> Option<String> 
         ));
     }
     parts.extend(part("comparison", |t| t.compare));
+    parts.extend(part("waited for the comparison", |t| t.compare_wait));
     Some(wrap_items(
         &format!("per layer (mean over {}): ", layers.len()),
         &parts,
@@ -1025,6 +1026,7 @@ pub fn to_json(h: &Header, c: &Comparison) -> Value {
             "upload_s": t.upload,
             "upload_bytes": t.upload_bytes,
             "compare_s": t.compare,
+            "compare_wait_s": t.compare_wait,
         })).collect::<Vec<_>>(),
         "compare_times": h.compare_times.iter().map(|(w, s)| json!({"what": w, "seconds": s})).collect::<Vec<_>>(),
         "reference_times": h.reference_times.iter().map(|(w, s)| json!({"what": w, "seconds": s})).collect::<Vec<_>>(),
@@ -1096,6 +1098,7 @@ mod tests {
             upload: up,
             upload_bytes: bytes,
             compare: 0.0,
+            compare_wait: 0.0,
         }
     }
 

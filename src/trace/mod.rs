@@ -16,6 +16,7 @@ pub mod file;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
+use std::sync::Arc;
 
 use anyhow::{bail, Result};
 
@@ -101,8 +102,32 @@ pub struct Swap {
     pub tolerance: f64,
 }
 
+/// A sink's answers to the driver's questions ([`PairSink::wants`] and the `wants_*` family),
+/// given apart from the sink so that the sink can take its calls on a thread of its own while
+/// the driver goes on ([`PairSink::answers`]). They may say yes where the sink itself would say
+/// no (it is then handed values it would not have asked for, and its results are the same);
+/// never no where it would say yes.
+#[derive(Clone)]
+pub struct Answers {
+    /// [`PairSink::wants`].
+    pub wants: Arc<dyn Fn(&str) -> bool + Send + Sync>,
+    /// [`PairSink::wants_replay_inputs`], for every step.
+    pub replay_inputs: bool,
+    /// [`PairSink::wants_reference_experts`], for every step.
+    pub reference_experts: bool,
+    /// [`PairSink::wants_chained_inputs`], for every step.
+    pub chained_inputs: bool,
+}
+
 /// Receives (reference, candidate) pairs.
 pub trait PairSink {
+    /// The sink's answers to the driver's questions, for the whole pass, when they do not
+    /// depend on what it has been handed (then the driver may hand it its calls on another
+    /// thread, in order, and go on meanwhile). Default: none (every call is made on the
+    /// driver's thread).
+    fn answers(&self) -> Option<Answers> {
+        None
+    }
     /// Whether the sink compares hook `name` (asked before anything is downloaded).
     fn wants(&self, name: &str) -> bool;
     /// One pair (only for names [`PairSink::wants`] accepted).
