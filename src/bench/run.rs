@@ -305,8 +305,11 @@ pub struct LayerRow {
     pub upload_s: f64,
     /// Weight bytes the candidate took into use.
     pub upload_bytes: u64,
-    /// The comparison of the layer's pairs after both sides' steps (`run`'s `compare_s`).
+    /// The comparison of the layer's pairs, its own seconds (`run`'s `compare_s`).
     pub compare_s: f64,
+    /// The part of the layer's wall the driver waited for the comparison (`run`'s
+    /// `compare_wait_s`).
+    pub compare_wait_s: f64,
     /// Routed experts the reference's tokens touched (0 for a dense layer).
     pub experts: usize,
     /// The CPU reference's floor (dequant + matmul), when measured.
@@ -848,6 +851,7 @@ fn layer_rows(
                 upload_s: t.upload,
                 upload_bytes: t.upload_bytes,
                 compare_s: t.compare,
+                compare_wait_s: t.compare_wait,
                 experts: routing.get(&l).map_or(0, BTreeMap::len),
                 floor: None,
                 floor_s: None,
@@ -1233,6 +1237,7 @@ mod tests {
             upload_s: 0.0,
             upload_bytes: 0,
             compare_s: 0.0,
+            compare_wait_s: 0.0,
             experts: 8,
             floor: None,
             floor_s: None,
@@ -1285,6 +1290,7 @@ mod tests {
             upload_s: 0.0625,
             upload_bytes: 1 << 30,
             compare_s: 0.125,
+            compare_wait_s: 0.0,
             experts: 8,
             floor: None,
             floor_s: Some(0.5),

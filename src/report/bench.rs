@@ -394,7 +394,7 @@ fn run_layer_table(r: &run::Report) -> String {
     if cuda {
         cols.extend([("upload ms", 2), ("upload MiB", 5)]);
     }
-    cols.push(("compare ms", 2));
+    cols.extend([("compare ms", 2), ("waited ms", 4)]);
     cols.extend([("floor ms", 1), ("ref / floor", 0)]);
     if copies {
         cols.extend([
@@ -417,7 +417,7 @@ fn run_layer_table(r: &run::Report) -> String {
             if cuda {
                 cells.extend([ms(l.upload_s), mib(l.upload_bytes)]);
             }
-            cells.push(ms(l.compare_s));
+            cells.extend([ms(l.compare_s), ms(l.compare_wait_s)]);
             cells.extend([opt_ms(l.floor_s), ratio(l.ratios.reference_over_floor)]);
             if copies {
                 cells.extend([
@@ -620,6 +620,7 @@ mod tests {
                 upload_s: 0.004,
                 upload_bytes: 5_500_000_000,
                 compare_s: 0.031,
+            compare_wait_s: 0.0,
                 experts: 112,
                 floor: Some(layer::Floor {
                     dequant_s: 0.1,
