@@ -1532,6 +1532,153 @@ mod device {
         }
     }
 
+    /// Products packed in pinned parcels by their threads and queued during their turn
+    /// (`gpu::parcels`, `ReferenceProducts::submit`) equal the CPU's bit for bit: f32 and raw
+    /// quantized weights, several queued before the first is waited for (each one's output
+    /// copied back before the next overwrites the device's buffers), 48 asked from the threads
+    /// at once under one lock as the reference asks them; a raw weight that dequantizes to
+    /// infinity gives none (the CPU names it).
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_reference_packed_products_are_the_cpus_bits() {
+        use glmdiff::engine::cpu::math::matmul;
+        use glmdiff::engine::cpu::Matrix;
+        use glmdiff::gpu::reference::{ReferenceProducts, Weights as W};
+        use rayon::prelude::*;
+        /// One product: its input, tokens, weights (raw blocks or f32), rows, columns and the
+        /// CPU's output.
+        struct Case {
+            x: Vec<f32>,
+            t: usize,
+            raw: Option<(GgmlType, Vec<u8>)>,
+            dense: Vec<f32>,
+            rows: usize,
+            cols: usize,
+            want: Vec<f32>,
+        }
+        fn weights(c: &Case) -> W<'_> {
+            match &c.raw {
+                Some((ty, bytes)) => W::Raw { ty: *ty, bytes },
+                None => W::Dense(&c.dense),
+            }
+        }
+        let p = ReferenceProducts::open(0).unwrap();
+        let parcels = p.parcels();
+        let mut rng = SplitMix64::new(43);
+        let mut cases = Vec::new();
+        for &(t, rows, cols) in &[
+            (32usize, 70usize, 512usize),
+            (97, 33, 300),
+            (130, 100, 1030),
+        ] {
+            let x = mixed(&mut rng, t * cols);
+            let dense = mixed(&mut rng, rows * cols);
+            let want = matmul(
+                &x,
+                t,
+                &Matrix {
+                    rows,
+                    cols,
+                    data: dense.clone(),
+                },
+            );
+            cases.push(Case {
+                x,
+                t,
+                raw: None,
+                dense,
+                rows,
+                cols,
+                want,
+            });
+        }
+        for ty in [
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+            GgmlType::IQ4_XS,
+            GgmlType::BF16,
+        ] {
+            let (rows, cols, t) = (96usize, 768usize, 40usize);
+            let mut bytes = vec![0u8; rows * cols / ty.block_size() * ty.type_size()];
+            fill_blocks(ty, &mut SplitMix64::new(9), &mut bytes);
+            let mut data = vec![0f32; rows * cols];
+            dequantize_par(ty, &bytes, &mut data).unwrap();
+            let x = mixed(&mut rng, t * cols);
+            let want = matmul(&x, t, &Matrix { rows, cols, data });
+            cases.push(Case {
+                x,
+                t,
+                raw: Some((ty, bytes)),
+                dense: Vec::new(),
+                rows,
+                cols,
+                want,
+            });
+        }
+        // All queued, then all waited for, in order.
+        let mut sent = Vec::new();
+        for c in &cases {
+            let mut parcel = parcels
+                .pack(&c.x, c.t, &weights(c), c.rows, c.cols)
+                .unwrap()
+                .unwrap();
+            let s = p.submit(&mut parcel).unwrap();
+            sent.push((parcel, s));
+        }
+        for (i, ((mut parcel, s), c)) in sent.into_iter().zip(&cases).enumerate() {
+            let (got, secs) = s.wait(&mut parcel).unwrap();
+            let got = got.unwrap();
+            assert!(secs > 0.0);
+            let bad = first_bit_difference(&c.want, &got);
+            assert!(bad.is_none(), "case {i}: element {bad:?}");
+            parcels.give(parcel);
+        }
+        // From the threads, each packing its own before its turn.
+        let turn = std::sync::Mutex::new(());
+        (0..48).into_par_iter().for_each(|i| {
+            let c = &cases[i % cases.len()];
+            let mut parcel = parcels
+                .pack(&c.x, c.t, &weights(c), c.rows, c.cols)
+                .unwrap()
+                .unwrap();
+            let s = {
+                let _turn = turn.lock().unwrap();
+                p.submit(&mut parcel).unwrap()
+            };
+            let (got, _) = s.wait(&mut parcel).unwrap();
+            let bad = first_bit_difference(&c.want, &got.unwrap());
+            assert!(bad.is_none(), "product {i}: element {bad:?}");
+            parcels.give(parcel);
+        });
+        // A BF16 weight of +inf (0x7f80): no product.
+        let (rows, cols, t) = (4usize, 64usize, 8usize);
+        let mut bytes = vec![0u8; rows * cols * 2];
+        bytes[2 * 70..2 * 70 + 2].copy_from_slice(&0x7f80u16.to_le_bytes());
+        let x = mixed(&mut rng, t * cols);
+        let mut parcel = parcels
+            .pack(
+                &x,
+                t,
+                &W::Raw {
+                    ty: GgmlType::BF16,
+                    bytes: &bytes,
+                },
+                rows,
+                cols,
+            )
+            .unwrap()
+            .unwrap();
+        let s = p.submit(&mut parcel).unwrap();
+        assert!(s.wait(&mut parcel).unwrap().0.is_none());
+        // Too large for a parcel: left to the staging path.
+        let big = vec![0f32; 4096 * 4096];
+        assert!(parcels
+            .pack(&big, 4096, &W::Dense(&big), 4096, 4096)
+            .unwrap()
+            .is_none());
+    }
+
     /// The reference's MLA attention with its scores and weighted sums on the device equals the
     /// CPU's bit for bit: causal and with DSA selections (ragged, repeated and out-of-range ids),
     /// all rows and a subset, values over a wide range, an infinite V value (the CPU's rows one
@@ -1696,6 +1843,10 @@ mod device {
                 notes.contains(" DSA index score sets "),
                 on != "cpu",
                 "{on}: {notes}"
+            );
+            assert!(
+                on == "cpu" || !notes.contains("(0 of them packed"),
+                "the products are packed by their threads: {notes}"
             );
             records.push(j["records"].clone());
         }

@@ -9,7 +9,9 @@
 //!
 //! [`nvrtc`] compiles, [`tables`] writes the CPU's lookup tables as CUDA source, [`dequant`]
 //! launches the dequant kernels and the on-device comparison, [`upload`] puts file ranges on a
-//! device from a thread of its own (pinned staging, a copy stream) behind the compute.
+//! device from a thread of its own (pinned staging, a copy stream) behind the compute,
+//! [`reference`] makes the CPU reference's products and attention there, [`parcels`] is the
+//! pinned memory its small products' values travel through.
 
 pub mod tables;
 
@@ -20,6 +22,8 @@ pub mod dequant;
 mod device;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
+#[cfg(feature = "cuda")]
+pub mod parcels;
 #[cfg(feature = "cuda")]
 pub mod reference;
 #[cfg(feature = "cuda")]

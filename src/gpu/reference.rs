@@ -22,6 +22,7 @@ use cudarc::driver::{
 use rayon::prelude::*;
 
 use super::dequant::OutFormat;
+use super::parcels::{Packed, Parcel, Parcels};
 use super::{Gpu, REFERENCE_SOURCE};
 use crate::quant::GgmlType;
 
@@ -372,6 +373,140 @@ impl ReferenceProducts {
 
     fn stream(&self) -> &Arc<CudaStream> {
         self.gpu.stream()
+    }
+
+    /// A store of pinned parcels for products packed by their callers ([`Parcels`]).
+    pub fn parcels(&self) -> Parcels {
+        Parcels::new(self.gpu.context().clone())
+    }
+
+    /// Queues the product packed in `parcel` on the stream: its input and weights copied from
+    /// the parcel, the weights dequantized and counted, the product, its output and count
+    /// copied back into the parcel; returns without waiting for them ([`Sent::wait`] does).
+    /// The caller holds the device's turn while this runs, not while it waits: the next
+    /// product's copies queue behind this one's on the same stream, so the device buffers
+    /// reused are not written before this product has read them. On an error the stream is
+    /// waited for, so that nothing still reads or writes the parcel.
+    pub fn submit(&self, parcel: &mut Parcel) -> Result<Sent> {
+        let out = self.submit_queued(parcel);
+        if out.is_err() {
+            let _ = self.stream().synchronize();
+        }
+        out
+    }
+
+    /// [`ReferenceProducts::submit`] itself.
+    fn submit_queued(&self, parcel: &mut Parcel) -> Result<Sent> {
+        let (t, rows, cols) = parcel.dims;
+        if t == 0 || rows == 0 {
+            bail!("cuda: reference products: an empty product [{t}, {rows}] in a parcel");
+        }
+        let s = self.stream();
+        let g = &self.gpu;
+        let mut guard = self
+            .bufs
+            .lock()
+            .map_err(|_| anyhow::anyhow!("cuda: the buffer lock is poisoned"))?;
+        let b = &mut *guard;
+        let chunk_rows = (CHUNK_VALUES / cols.max(1)).clamp(1, rows);
+        let layout = parcel.layout.clone();
+        let packed = parcel.packed;
+        let host = parcel
+            .buf
+            .as_mut_slice()
+            .context("cuda: a product's pinned memory")?;
+        let xd = at_least(g, &mut b.x, t * cols, "the reference's product input")?;
+        let (ptr, rec) = xd.device_ptr_mut(s);
+        // SAFETY: `xd` holds at least t * cols f32 values, the bytes of `layout.x` (the input
+        // packed there); the parcel's pinned memory is not touched by the host until the event
+        // recorded at the end says every copy is done (Sent::wait), or the stream is waited
+        // for after an error (submit).
+        unsafe { result::memcpy_htod_async(ptr, &host[layout.x.clone()], s.cu_stream()) }
+            .context("cuda: copying a product's input to the device")?;
+        drop(rec);
+        at_least(g, &mut b.out, t * rows, "the reference's product output")?;
+        at_least(
+            g,
+            &mut b.w,
+            chunk_rows * cols,
+            "the reference's dequantized weights",
+        )?;
+        let count = at_least(g, &mut b.count, 1, "a counter")?;
+        s.memset_zeros(count).context("cuda: clearing a counter")?;
+        let mut events = Vec::new();
+        let mut r0 = 0;
+        while r0 < rows {
+            let n = chunk_rows.min(rows - r0);
+            let values = n * cols;
+            match packed {
+                Packed::Raw(ty) => {
+                    let per_row = row_bytes(ty, cols)?;
+                    let len = n * per_row;
+                    let from = layout.w.start + r0 * per_row;
+                    let raw = at_least(g, &mut b.raw, len, "the reference's raw weights")?;
+                    let (ptr, rec) = raw.device_ptr_mut(s);
+                    // SAFETY: `raw` holds at least `len` bytes; `from..from + len` lies inside
+                    // `layout.w` (rows * per_row bytes, checked when packed); the parcel as
+                    // above.
+                    unsafe {
+                        result::memcpy_htod_async(ptr, &host[from..from + len], s.cu_stream())
+                    }
+                    .context("cuda: copying a product's weights to the device")?;
+                    drop(rec);
+                    let wd = b.w.as_mut().context("cuda: no weight buffer")?;
+                    let raw = b.raw.as_ref().context("cuda: no raw buffer")?;
+                    g.dequant_view(
+                        ty,
+                        OutFormat::F32,
+                        &raw.slice(..len),
+                        &mut wd.slice_mut(..values),
+                    )?;
+                    let count = b.count.as_mut().context("cuda: no counter")?;
+                    self.count_nonfinite(wd, values, count)?;
+                }
+                Packed::Dense => {
+                    let from = layout.w.start + r0 * cols * 4;
+                    let wd = b.w.as_mut().context("cuda: no weight buffer")?;
+                    let (ptr, rec) = wd.device_ptr_mut(s);
+                    // SAFETY: `wd` holds at least chunk_rows * cols >= n * cols values; the
+                    // bytes copied are rows r0..r0 + n of the f32 weights in `layout.w`; the
+                    // parcel as above.
+                    unsafe {
+                        result::memcpy_htod_async(
+                            ptr,
+                            &host[from..from + values * 4],
+                            s.cu_stream(),
+                        )
+                    }
+                    .context("cuda: copying a product's weights to the device")?;
+                    drop(rec);
+                }
+            }
+            let (xd, wd, out) = (
+                b.x.as_ref().context("cuda: no input buffer")?,
+                b.w.as_ref().context("cuda: no weight buffer")?,
+                b.out.as_mut().context("cuda: no output buffer")?,
+            );
+            events.push(self.launch_with(self.kernel, xd, wd, out, (t, rows, cols), r0, n)?);
+            r0 += n;
+        }
+        let out = b.out.as_ref().context("cuda: no output buffer")?;
+        let (src, rec) = out.device_ptr(s);
+        // SAFETY: `layout.out` holds t * rows * 4 bytes, `out` at least t * rows values; the
+        // parcel as above.
+        unsafe { result::memcpy_dtoh_async(&mut host[layout.out.clone()], src, s.cu_stream()) }
+            .context("cuda: reading the reference's products")?;
+        drop(rec);
+        let count = b.count.as_ref().context("cuda: no counter")?;
+        let (src, rec) = count.device_ptr(s);
+        // SAFETY: `layout.count` holds 8 bytes, the counter one u64; the parcel as above.
+        unsafe { result::memcpy_dtoh_async(&mut host[layout.count.clone()], src, s.cu_stream()) }
+            .context("cuda: reading a counter")?;
+        drop(rec);
+        let done = s
+            .record_event(None)
+            .context("cuda: recording a product's end")?;
+        Ok(Sent { events, done })
     }
 
     /// `x · W^T` for `x` `[t, cols]` and `rows` weight rows of `cols` values: `[t, rows]`, every
@@ -886,6 +1021,27 @@ impl ReferenceProducts {
     }
 }
 
+/// A product queued by [`ReferenceProducts::submit`]: the events around its kernels and the
+/// one after its copies back.
+pub struct Sent {
+    events: Vec<(CudaEvent, CudaEvent)>,
+    done: CudaEvent,
+}
+
+impl Sent {
+    /// Waits for the product and reads it from `parcel` (the one it was submitted with): its
+    /// output `[t, rows]` (`None` when a raw weight dequantized to a non-finite value) and the
+    /// seconds its kernels ran.
+    pub fn wait(self, parcel: &mut Parcel) -> Result<(Option<Vec<f32>>, f64)> {
+        self.done
+            .synchronize()
+            .context("cuda: the reference's products")?;
+        let ran = elapsed(&self.events)?;
+        let (out, nonfinite) = parcel.read()?;
+        Ok(((nonfinite == 0).then_some(out), ran))
+    }
+}
+
 /// The seconds between each pair of events, added (waits for the last).
 fn elapsed(events: &[(CudaEvent, CudaEvent)]) -> Result<f64> {
     let mut total = 0.0;
@@ -899,7 +1055,7 @@ fn elapsed(events: &[(CudaEvent, CudaEvent)]) -> Result<f64> {
 }
 
 /// Bytes of one row of `cols` values of `ty` (whole blocks).
-fn row_bytes(ty: GgmlType, cols: usize) -> Result<usize> {
+pub(super) fn row_bytes(ty: GgmlType, cols: usize) -> Result<usize> {
     let (bs, ts) = (ty.block_size(), ty.type_size());
     if bs == 0 || cols % bs != 0 {
         bail!("cuda: reference products: rows of {cols} values are not whole blocks of {ty}");

@@ -620,7 +620,7 @@ mod tests {
                 upload_s: 0.004,
                 upload_bytes: 5_500_000_000,
                 compare_s: 0.031,
-            compare_wait_s: 0.0,
+                compare_wait_s: 0.0,
                 experts: 112,
                 floor: Some(layer::Floor {
                     dequant_s: 0.1,

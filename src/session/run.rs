@@ -148,10 +148,11 @@ pub(super) fn device_work_note(reference: &CpuEngine<'_>) -> Option<String> {
         String::new()
     };
     Some(format!(
-        "the reference's products of {} tokens or more ran on {}: {} products, {:.3} T multiply-adds{attentions}{index}, in {:.2} s ({:.2} s in the kernels: {}; the products' {:.2} s staging and copying their values to it, {:.2} s waiting for another's turn), {} of their elements checked on the CPU, all the same bits; {} products of fewer tokens ({:.3} T multiply-adds) on the CPU",
+        "the reference's products of {} tokens or more ran on {}: {} products ({} of them packed in pinned memory by their threads before their turn), {:.3} T multiply-adds{attentions}{index}, in {:.2} s ({:.2} s in the kernels: {}; the products' {:.2} s staging and copying their values to it, {:.2} s waiting for another's turn), {} of their elements checked on the CPU, all the same bits; {} products of fewer tokens ({:.3} T multiply-adds) on the CPU",
         d.min_tokens,
         d.describe(),
         w.products,
+        w.packed,
         w.multiply_adds / 1e12,
         w.seconds,
         w.kernel_seconds,

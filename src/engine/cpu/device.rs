@@ -89,6 +89,9 @@ pub struct DeviceWork {
     /// Seconds the reference's threads waited for the device while another product had it
     /// (summed over threads, like `seconds`).
     pub wait_seconds: f64,
+    /// The part of `products` packed in pinned memory by their callers before their turn
+    /// (`gpu::parcels`), their turn only queuing their copies and kernels.
+    pub packed: u64,
     /// DSA index score matrices made on the device.
     pub index_scores: u64,
     /// Their query rows.
@@ -102,6 +105,10 @@ pub struct DeviceWork {
 pub struct Device {
     #[cfg(feature = "cuda")]
     products: Mutex<crate::gpu::reference::ReferenceProducts>,
+    /// Pinned memory for the products small enough to be packed by their callers before their
+    /// turn ([`crate::gpu::parcels`]).
+    #[cfg(feature = "cuda")]
+    parcels: crate::gpu::parcels::Parcels,
     describe: String,
     /// Each tiling's measured rate and the one used, in words.
     kernels: String,
@@ -128,6 +135,7 @@ impl Device {
         Ok(Device {
             describe: p.describe(),
             kernels: format!("{} (used: {used})", rates.join(", ")),
+            parcels: p.parcels(),
             products: Mutex::new(p),
             work: Mutex::new(DeviceWork::default()),
             strict,
@@ -411,6 +419,55 @@ impl Device {
         }
     }
 
+    /// The product packed in `parcel` (`t` tokens, `rows` rows of `cols`), queued during the
+    /// device's turn and waited for after it, counted (its packing, since `start`, as the
+    /// staging of its values); the parcel is kept for another product.
+    #[cfg(feature = "cuda")]
+    fn made_packed(
+        &self,
+        mut parcel: crate::gpu::parcels::Parcel,
+        start: std::time::Instant,
+        t: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Option<Vec<f32>>> {
+        let upload_seconds = start.elapsed().as_secs_f64();
+        let (sent, wait_seconds) = {
+            let t0 = std::time::Instant::now();
+            let p = self.products.lock().map_err(|_| {
+                anyhow::anyhow!("engine: cpu: the reference's device lock is poisoned")
+            })?;
+            let waited = t0.elapsed().as_secs_f64();
+            (p.submit(&mut parcel), waited)
+        };
+        let done = sent.and_then(|s| s.wait(&mut parcel));
+        self.parcels.give(parcel);
+        // Under `auto` a failure of the device (a copy, a launch, its memory) sets it aside as
+        // a difference does: the CPU makes this product and the rest.
+        let (out, kernel_seconds) = match done {
+            Ok(d) => d,
+            Err(e) if !self.strict => {
+                if let Ok(mut s) = self.set_aside.lock() {
+                    s.get_or_insert(format!("{e:#}"));
+                }
+                (None, 0.0)
+            }
+            Err(e) => return Err(e),
+        };
+        if out.is_some() {
+            if let Ok(mut work) = self.work.lock() {
+                work.products += 1;
+                work.multiply_adds += (t * rows) as f64 * cols as f64;
+                work.seconds += start.elapsed().as_secs_f64();
+                work.kernel_seconds += kernel_seconds;
+                work.upload_seconds += upload_seconds;
+                work.wait_seconds += wait_seconds;
+                work.packed += 1;
+            }
+        }
+        Ok(out)
+    }
+
     /// The product made on the device, counted.
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     fn made(
@@ -429,6 +486,21 @@ impl Device {
                 Raw::Gguf { ty, bytes } => Weights::Raw { ty, bytes },
                 Raw::Dense(v) => Weights::Dense(v),
             };
+            // A small product is packed in pinned memory by this thread before its turn, and
+            // waited for after it: the turn only queues its copies and kernels.
+            let packed = match self.parcels.pack(x, t, &weights, rows, cols) {
+                Ok(p) => p,
+                Err(e) if !self.strict => {
+                    if let Ok(mut s) = self.set_aside.lock() {
+                        s.get_or_insert(format!("{e:#}"));
+                    }
+                    return Ok(None);
+                }
+                Err(e) => return Err(e),
+            };
+            if let Some(parcel) = packed {
+                return self.made_packed(parcel, start, t, rows, cols);
+            }
             let (out, kernel_seconds, upload_seconds, wait_seconds) = {
                 let p = self.products.lock().map_err(|_| {
                     anyhow::anyhow!("engine: cpu: the reference's device lock is poisoned")
