@@ -169,7 +169,9 @@ where
     run.finish()?;
     steps.finish();
     let by = run.sink.take_by();
+    let waits = run.sink.waits();
     let mut summary = run.summary;
+    summary.compare_waits = waits;
     let mut times: Vec<(String, f64)> = by.into_iter().collect();
     times.sort_by(|a, b| b.1.total_cmp(&a.1));
     summary.compare_times = times;

@@ -34,6 +34,9 @@ pub struct PairSummary {
     /// kept as [`PairSummary::reference_times`]; they add up to the layers' `chained` and
     /// `replay`.
     pub candidate_times: Vec<(String, f64)>,
+    /// The seconds the driver waited for the comparison's thread, by cause (`waited for the
+    /// comparison's end`, `... near ties`, `... queue`), where it waited.
+    pub compare_waits: Vec<(String, f64)>,
 }
 
 /// The steps the reference engine computed in a pass, by cause (every cause's time is also in

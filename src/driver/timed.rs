@@ -99,8 +99,25 @@ impl<'s> Timed<'s> {
         match &self.route {
             Route::Here(_) => Ok(()),
             Route::There { queue, .. } => {
-                queue.drain();
+                queue.drain(2);
                 queue.error()
+            }
+        }
+    }
+
+    /// The seconds this thread waited for the comparison's thread, by cause ([`WAITS`]), where
+    /// it waited.
+    pub fn waits(&self) -> Vec<(String, f64)> {
+        match &self.route {
+            Route::Here(_) => Vec::new(),
+            Route::There { queue, .. } => {
+                let waits = queue.lock().waits;
+                WAITS
+                    .iter()
+                    .zip(waits)
+                    .filter(|(_, s)| *s > 0.0)
+                    .map(|(w, s)| (w.to_string(), s))
+                    .collect()
             }
         }
     }
@@ -332,7 +349,17 @@ struct QueueState {
     by: BTreeMap<String, f64>,
     /// Seconds the driver waited for the comparison.
     waited: f64,
+    /// The same by cause ([`WAITS`]).
+    waits: [f64; 3],
 }
+
+/// Why the driver waited for the comparison: room in its queue, the answers about a selection's
+/// near ties, its end.
+pub(super) const WAITS: [&str; 3] = [
+    "waited for the comparison's queue",
+    "waited for the comparison's near ties",
+    "waited for the comparison's end",
+];
 
 impl Queue {
     /// An empty queue of at most `room` waiting bytes.
@@ -364,7 +391,9 @@ impl Queue {
             s = self.wait(s);
         }
         if waited {
-            s.waited += t0.elapsed().as_secs_f64();
+            let w = t0.elapsed().as_secs_f64();
+            s.waited += w;
+            s.waits[0] += w;
         }
         if s.failed {
             return;
@@ -374,8 +403,9 @@ impl Queue {
         self.changed.notify_all();
     }
 
-    /// Waits until every call queued so far is done (or dropped after a failure).
-    fn drain(&self) {
+    /// Waits until every call queued so far is done (or dropped after a failure), the wait
+    /// counted to cause `why` of [`WAITS`].
+    fn drain(&self, why: usize) {
         let mut s = self.lock();
         let t0 = Instant::now();
         let mut waited = false;
@@ -384,7 +414,9 @@ impl Queue {
             s = self.wait(s);
         }
         if waited {
-            s.waited += t0.elapsed().as_secs_f64();
+            let w = t0.elapsed().as_secs_f64();
+            s.waited += w;
+            s.waits[why] += w;
         }
     }
 
@@ -473,7 +505,7 @@ impl NearTies for Synced<'_> {
         chosen: &HostTensor,
         per_row: usize,
     ) -> Vec<Swap> {
-        self.queue.drain();
+        self.queue.drain(1);
         self.ties.near_ties(selection, mode, chosen, per_row)
     }
 
@@ -484,7 +516,7 @@ impl NearTies for Synced<'_> {
         reference: &HostTensor,
         candidate: &HostTensor,
     ) -> Vec<usize> {
-        self.queue.drain();
+        self.queue.drain(1);
         self.ties
             .near_tie_rows(selection, mode, reference, candidate)
     }
@@ -833,6 +865,11 @@ mod tests {
             };
             let rows = synced.near_tie_rows("s", Mode::Replay, &x, &x);
             assert!(t.blocked() > 0.0, "the driver waited");
+            let waits = t.waits();
+            assert!(
+                waits.len() == 1 && waits[0].0.ends_with("near ties"),
+                "{waits:?}"
+            );
             drop(closing);
             serving.join().unwrap();
             rows

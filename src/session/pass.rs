@@ -45,6 +45,8 @@ pub(super) struct Passed {
     pub layer_times: Vec<LayerTime>,
     /// The comparison's seconds by what it was handed, the largest first.
     pub compare_times: Vec<(String, f64)>,
+    /// The driver's waits for the comparison, by cause.
+    pub compare_waits: Vec<(String, f64)>,
     /// The reference's seconds by step and cause, the largest first.
     pub reference_times: Vec<(String, f64)>,
     /// The candidate engine's seconds by step and mode, the largest first.
@@ -122,6 +124,7 @@ impl Pass<'_, '_> {
             captured,
             layer_times: summary.layer_times,
             compare_times: summary.compare_times,
+            compare_waits: summary.compare_waits,
             reference_times: summary.reference_times,
             candidate_times: summary.candidate_times,
             reference_work: summary.reference_work,

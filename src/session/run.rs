@@ -46,6 +46,10 @@ pub fn run(cfg: &RunConfig, watch: &Watch<'_>) -> Result<Ran> {
     let passed = compare_candidate(&pass)?;
     let mut timings: Vec<(String, f64)> = start.timing.into_iter().collect();
     timings.push(("compared".to_string(), passed.seconds));
+    // Waits of 5 ms or more (what the text's two decimals show).
+    for (why, s) in passed.compare_waits.iter().filter(|w| w.1 >= 0.005) {
+        timings.push((why.clone(), *s));
+    }
     let cmp = passed.comparison;
     if cmp.records().is_empty() {
         bail!(
