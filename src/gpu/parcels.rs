@@ -11,7 +11,6 @@ use std::sync::{Arc, Mutex};
 use anyhow::{bail, Context, Result};
 use cudarc::driver::{CudaContext, PinnedHostSlice};
 
-use super::reference::Weights;
 use crate::quant::GgmlType;
 
 /// Most bytes of one product packed in a parcel: its input, weights, output and counter (a
@@ -97,7 +96,7 @@ impl Parcels {
         }
         let (w_bytes, packed): (&[u8], Packed) = match w {
             Weights::Raw { ty, bytes } => {
-                let per_row = super::reference::row_bytes(*ty, cols)?;
+                let per_row = row_bytes(*ty, cols)?;
                 if bytes.len() != rows * per_row {
                     bail!(
                         "cuda: reference products: {} bytes of {ty} for {rows} rows of {cols}",
@@ -203,4 +202,26 @@ fn f32_bytes(v: &[f32]) -> &[u8] {
     // SAFETY: f32 has no padding and every byte of it may be read as u8; the view covers
     // exactly `v`'s values.
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+/// Where a product's weights come from.
+pub enum Weights<'a> {
+    /// Raw GGUF blocks of `ty`, whole rows of `cols` values, dequantized on the device.
+    Raw {
+        /// The GGML type.
+        ty: GgmlType,
+        /// The rows' bytes.
+        bytes: &'a [u8],
+    },
+    /// f32 values, row-major.
+    Dense(&'a [f32]),
+}
+
+/// Bytes of one row of `cols` values of `ty` (whole blocks).
+pub(super) fn row_bytes(ty: GgmlType, cols: usize) -> Result<usize> {
+    let (bs, ts) = (ty.block_size(), ty.type_size());
+    if bs == 0 || cols % bs != 0 {
+        bail!("cuda: reference products: rows of {cols} values are not whole blocks of {ty}");
+    }
+    Ok(cols / bs * ts)
 }
