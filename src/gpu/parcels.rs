@@ -94,26 +94,10 @@ impl Parcels {
                 x.len()
             );
         }
+        check_weights(w, rows, cols)?;
         let (w_bytes, packed): (&[u8], Packed) = match w {
-            Weights::Raw { ty, bytes } => {
-                let per_row = row_bytes(*ty, cols)?;
-                if bytes.len() != rows * per_row {
-                    bail!(
-                        "cuda: reference products: {} bytes of {ty} for {rows} rows of {cols}",
-                        bytes.len()
-                    );
-                }
-                (bytes, Packed::Raw(*ty))
-            }
-            Weights::Dense(v) => {
-                if v.len() != rows * cols {
-                    bail!(
-                        "cuda: reference products: {} weight values for [{rows}, {cols}]",
-                        v.len()
-                    );
-                }
-                (f32_bytes(v), Packed::Dense)
-            }
+            Weights::Raw { ty, bytes } => (bytes, Packed::Raw(*ty)),
+            Weights::Dense(v) => (f32_bytes(v), Packed::Dense),
         };
         if t == 0 || rows == 0 {
             return Ok(None);
@@ -215,6 +199,30 @@ pub enum Weights<'a> {
     },
     /// f32 values, row-major.
     Dense(&'a [f32]),
+}
+
+/// Whether `w` holds `rows` rows of `cols` values (whole blocks of its type, when raw).
+pub(super) fn check_weights(w: &Weights<'_>, rows: usize, cols: usize) -> Result<()> {
+    match w {
+        Weights::Raw { ty, bytes } => {
+            let per_row = row_bytes(*ty, cols)?;
+            if bytes.len() != rows * per_row {
+                bail!(
+                    "cuda: reference products: {} bytes of {ty} for {rows} rows of {cols}",
+                    bytes.len()
+                );
+            }
+        }
+        Weights::Dense(v) => {
+            if v.len() != rows * cols {
+                bail!(
+                    "cuda: reference products: {} weight values for [{rows}, {cols}]",
+                    v.len()
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Bytes of one row of `cols` values of `ty` (whole blocks).

@@ -23,8 +23,9 @@ use rayon::prelude::*;
 
 use super::dequant::OutFormat;
 pub use super::parcels::Weights;
-use super::parcels::{row_bytes, Packed, Parcel, Parcels};
+use super::parcels::{check_weights, row_bytes, Packed, Parcel, Parcels};
 use super::{Gpu, REFERENCE_SOURCE};
+use crate::quant::GgmlType;
 
 /// The two tilings of `cuda/reference.cu` (the same sums): kernel name, a block's tokens and rows.
 pub const KERNELS: [(&str, usize, usize); 2] = [
@@ -363,6 +364,51 @@ impl ReferenceProducts {
         self.gpu.stream()
     }
 
+    /// The device buffers of a product of `t` tokens by `rows` rows of `cols` (input, output,
+    /// a chunk's dequantized weights, the non-finite counter, cleared): the rows of a chunk.
+    fn product_buffers(
+        &self,
+        b: &mut Buffers,
+        (t, rows, cols): (usize, usize, usize),
+    ) -> Result<usize> {
+        let g = &self.gpu;
+        let chunk_rows = (CHUNK_VALUES / cols.max(1)).clamp(1, rows);
+        at_least(g, &mut b.x, t * cols, "the reference's product input")?;
+        at_least(g, &mut b.out, t * rows, "the reference's product output")?;
+        at_least(
+            g,
+            &mut b.w,
+            chunk_rows * cols,
+            "the reference's dequantized weights",
+        )?;
+        let count = at_least(g, &mut b.count, 1, "a counter")?;
+        self.stream()
+            .memset_zeros(count)
+            .context("cuda: clearing a counter")?;
+        Ok(chunk_rows)
+    }
+
+    /// The first `len` raw bytes of `ty` on the device dequantized into the first `values`
+    /// weights, their non-finite values counted.
+    fn dequant_chunk(
+        &self,
+        b: &mut Buffers,
+        ty: GgmlType,
+        len: usize,
+        values: usize,
+    ) -> Result<()> {
+        let wd = b.w.as_mut().context("cuda: no weight buffer")?;
+        let raw = b.raw.as_ref().context("cuda: no raw buffer")?;
+        self.gpu.dequant_view(
+            ty,
+            OutFormat::F32,
+            &raw.slice(..len),
+            &mut wd.slice_mut(..values),
+        )?;
+        let count = b.count.as_mut().context("cuda: no counter")?;
+        self.count_nonfinite(wd, values, count)
+    }
+
     /// A store of pinned parcels for products packed by their callers ([`Parcels`]).
     pub fn parcels(&self) -> Parcels {
         Parcels::new(self.gpu.context().clone())
@@ -396,14 +442,14 @@ impl ReferenceProducts {
             .lock()
             .map_err(|_| anyhow::anyhow!("cuda: the buffer lock is poisoned"))?;
         let b = &mut *guard;
-        let chunk_rows = (CHUNK_VALUES / cols.max(1)).clamp(1, rows);
+        let chunk_rows = self.product_buffers(b, (t, rows, cols))?;
         let layout = parcel.layout.clone();
         let packed = parcel.packed;
         let host = parcel
             .buf
             .as_mut_slice()
             .context("cuda: a product's pinned memory")?;
-        let xd = at_least(g, &mut b.x, t * cols, "the reference's product input")?;
+        let xd = b.x.as_mut().context("cuda: no input buffer")?;
         let (ptr, rec) = xd.device_ptr_mut(s);
         // SAFETY: `xd` holds at least t * cols f32 values, the bytes of `layout.x` (the input
         // packed there); the parcel's pinned memory is not touched by the host until the event
@@ -412,15 +458,6 @@ impl ReferenceProducts {
         unsafe { result::memcpy_htod_async(ptr, &host[layout.x.clone()], s.cu_stream()) }
             .context("cuda: copying a product's input to the device")?;
         drop(rec);
-        at_least(g, &mut b.out, t * rows, "the reference's product output")?;
-        at_least(
-            g,
-            &mut b.w,
-            chunk_rows * cols,
-            "the reference's dequantized weights",
-        )?;
-        let count = at_least(g, &mut b.count, 1, "a counter")?;
-        s.memset_zeros(count).context("cuda: clearing a counter")?;
         let mut events = Vec::new();
         let mut r0 = 0;
         while r0 < rows {
@@ -441,16 +478,7 @@ impl ReferenceProducts {
                     }
                     .context("cuda: copying a product's weights to the device")?;
                     drop(rec);
-                    let wd = b.w.as_mut().context("cuda: no weight buffer")?;
-                    let raw = b.raw.as_ref().context("cuda: no raw buffer")?;
-                    g.dequant_view(
-                        ty,
-                        OutFormat::F32,
-                        &raw.slice(..len),
-                        &mut wd.slice_mut(..values),
-                    )?;
-                    let count = b.count.as_mut().context("cuda: no counter")?;
-                    self.count_nonfinite(wd, values, count)?;
+                    self.dequant_chunk(b, ty, len, values)?;
                 }
                 Packed::Dense => {
                     let from = layout.w.start + r0 * cols * 4;
@@ -524,18 +552,10 @@ impl ReferenceProducts {
             .map_err(|_| anyhow::anyhow!("cuda: the buffer lock is poisoned"))?;
         let b = &mut *guard;
         let g = &self.gpu;
-        let chunk_rows = (CHUNK_VALUES / cols.max(1)).clamp(1, rows);
-        let xd = at_least(g, &mut b.x, t * cols, "the reference's product input")?;
+        check_weights(&w, rows, cols)?;
+        let chunk_rows = self.product_buffers(b, (t, rows, cols))?;
+        let xd = b.x.as_mut().context("cuda: no input buffer")?;
         self.put_f32(x, xd)?;
-        at_least(g, &mut b.out, t * rows, "the reference's product output")?;
-        at_least(
-            g,
-            &mut b.w,
-            chunk_rows * cols,
-            "the reference's dequantized weights",
-        )?;
-        let count = at_least(g, &mut b.count, 1, "a counter")?;
-        s.memset_zeros(count).context("cuda: clearing a counter")?;
         // Nothing waits for the device until the output is read: each chunk's dequantized
         // weights are counted (non-finite values) and multiplied in stream order, and the
         // kernels' events are read once they are done.
@@ -547,36 +567,15 @@ impl ReferenceProducts {
             match &w {
                 Weights::Raw { ty, bytes } => {
                     let per_row = row_bytes(*ty, cols)?;
-                    if bytes.len() != rows * per_row {
-                        bail!(
-                            "cuda: reference products: {} bytes of {ty} for {rows} rows of {cols}",
-                            bytes.len()
-                        );
-                    }
                     let len = n * per_row;
                     let raw = at_least(g, &mut b.raw, len, "the reference's raw weights")?;
                     self.put(
                         &bytes[r0 * per_row..r0 * per_row + len],
                         &mut raw.slice_mut(..len),
                     )?;
-                    let wd = b.w.as_mut().context("cuda: no weight buffer")?;
-                    let raw = b.raw.as_ref().context("cuda: no raw buffer")?;
-                    g.dequant_view(
-                        *ty,
-                        OutFormat::F32,
-                        &raw.slice(..len),
-                        &mut wd.slice_mut(..values),
-                    )?;
-                    let count = b.count.as_mut().context("cuda: no counter")?;
-                    self.count_nonfinite(wd, values, count)?;
+                    self.dequant_chunk(b, *ty, len, values)?;
                 }
                 Weights::Dense(v) => {
-                    if v.len() != rows * cols {
-                        bail!(
-                            "cuda: reference products: {} weight values for [{rows}, {cols}]",
-                            v.len()
-                        );
-                    }
                     let wd = b.w.as_mut().context("cuda: no weight buffer")?;
                     self.put_f32(&v[r0 * cols..(r0 + n) * cols], wd)?;
                 }

@@ -419,6 +419,27 @@ impl Device {
         }
     }
 
+    /// Counts a product of `t` tokens by `rows` rows of `cols` made on the device since
+    /// `start`: its kernels', staging and waiting seconds (`secs`), and whether it was packed.
+    #[cfg(feature = "cuda")]
+    fn count_made(
+        &self,
+        (t, rows, cols): (usize, usize, usize),
+        start: std::time::Instant,
+        [kernel, upload, wait]: [f64; 3],
+        packed: bool,
+    ) {
+        if let Ok(mut work) = self.work.lock() {
+            work.products += 1;
+            work.multiply_adds += (t * rows) as f64 * cols as f64;
+            work.seconds += start.elapsed().as_secs_f64();
+            work.kernel_seconds += kernel;
+            work.upload_seconds += upload;
+            work.wait_seconds += wait;
+            work.packed += u64::from(packed);
+        }
+    }
+
     /// The product packed in `parcel` (`t` tokens, `rows` rows of `cols`), queued during the
     /// device's turn and waited for after it, counted (its packing, since `start`, as the
     /// staging of its values); the parcel is kept for another product.
@@ -455,15 +476,8 @@ impl Device {
             Err(e) => return Err(e),
         };
         if out.is_some() {
-            if let Ok(mut work) = self.work.lock() {
-                work.products += 1;
-                work.multiply_adds += (t * rows) as f64 * cols as f64;
-                work.seconds += start.elapsed().as_secs_f64();
-                work.kernel_seconds += kernel_seconds;
-                work.upload_seconds += upload_seconds;
-                work.wait_seconds += wait_seconds;
-                work.packed += 1;
-            }
+            let secs = [kernel_seconds, upload_seconds, wait_seconds];
+            self.count_made((t, rows, cols), start, secs, true);
         }
         Ok(out)
     }
@@ -527,14 +541,8 @@ impl Device {
                 )
             };
             if out.is_some() {
-                if let Ok(mut work) = self.work.lock() {
-                    work.products += 1;
-                    work.multiply_adds += (t * rows) as f64 * cols as f64;
-                    work.seconds += start.elapsed().as_secs_f64();
-                    work.kernel_seconds += kernel_seconds;
-                    work.upload_seconds += upload_seconds;
-                    work.wait_seconds += wait_seconds;
-                }
+                let secs = [kernel_seconds, upload_seconds, wait_seconds];
+                self.count_made((t, rows, cols), start, secs, false);
             }
             Ok(out)
         }
