@@ -105,9 +105,8 @@ fn at_least<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>
         .ok_or_else(|| anyhow::anyhow!("cuda: {what}: no buffer"))
 }
 
-/// Most scores (f64) of one chunk of [`ReferenceProducts::mla`]'s query rows (256 MiB; two
-/// chunks are under way at a time).
-const ATTENTION_SCORES: usize = 1 << 25;
+/// Most scores (f64) of one chunk of [`ReferenceProducts::mla`]'s query rows (512 MiB).
+const ATTENTION_SCORES: usize = 1 << 26;
 
 /// What turns a chunk of [`ReferenceProducts::mla`]'s scores (its query rows given) into
 /// probabilities, in place.
@@ -687,28 +686,20 @@ impl ReferenceProducts {
             .map(|r| (offs[r.end] - offs[r.start]) as usize * h)
             .max()
             .unwrap_or(0);
-        // Two chunks' scores at a time: while the host turns one into probabilities, the device
-        // makes the next one's and copies them out (each half of the pinned memory, and each
-        // device buffer, serves every other chunk).
-        let pair = if chunks.len() > 1 { 2 } else { 1 };
-        let mut scores = Vec::with_capacity(pair);
-        for _ in 0..pair {
-            scores.push(g.alloc_zeroed::<f64>(most.max(1), "the reference's attention scores")?);
-        }
+        let mut scores = g.alloc_zeroed::<f64>(most.max(1), "the reference's attention scores")?;
         let mut bufs = self
             .bufs
             .lock()
             .map_err(|_| anyhow::anyhow!("cuda: the reference's buffers' lock is poisoned"))?;
-        let host_len = pair * most.max(1);
-        if bufs.scores_host.as_ref().is_none_or(|b| b.len() < host_len) {
+        if bufs.scores_host.as_ref().is_none_or(|b| b.len() < most) {
             bufs.scores_host = None;
             // SAFETY: the memory is unset; nothing reads it before a copy from the device
-            // fills the values read (each chunk's first `m` of its half).
-            let b = unsafe { g.context().alloc_pinned_with_flags::<f64>(host_len, 0) }
+            // fills the values read (each chunk's first `m`).
+            let b = unsafe { g.context().alloc_pinned_with_flags::<f64>(most.max(1), 0) }
                 .with_context(|| {
                     format!(
                         "cuda: cannot allocate {} MiB of pinned memory for attention scores",
-                        (host_len * 8) >> 20
+                        (most * 8) >> 20
                     )
                 })?;
             bufs.scores_host = Some(b);
@@ -719,7 +710,6 @@ impl ReferenceProducts {
             .ok_or_else(|| anyhow::anyhow!("cuda: no pinned memory for attention scores"))?
             .as_mut_slice()
             .context("cuda: pinned memory for attention scores")?;
-        let mut hosts: Vec<&mut [f64]> = host[..host_len].chunks_mut(most.max(1)).collect();
         let scores_f = g.function("reference", REFERENCE_SOURCE, "reference_mla_scores")?;
         let sums_f = g.function("reference", REFERENCE_SOURCE, "reference_mla_sums")?;
         let u = |x: usize, what: &str| -> Result<u32> {
@@ -728,100 +718,67 @@ impl ReferenceProducts {
         let (hu, nu, ru, vu) = (u(h, "heads")?, u(nope, "nope")?, u(rd, "rope")?, u(v, "v")?);
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let mut events = Vec::new();
-        // Chunk `r`'s scores made into `sc` and copied to `host`, queued on the stream: the
-        // event after the copy.
-        let queue_scores = |r: &std::ops::Range<usize>,
-                            sc: &mut CudaSlice<f64>,
-                            host: &mut [f64],
-                            events: &mut Vec<(CudaEvent, CudaEvent)>|
-         -> Result<CudaEvent> {
-            let m = (offs[r.end] - offs[r.start]) as usize * h;
-            let base = offs[r.start];
-            let grid = (u(r.len(), "query rows")?, hu, 1);
-            let q_view = qd.slice(r.start * h * qk..);
-            let o_view = od.slice(r.start..);
-            let start = s.record_event(timing).context("cuda: an event")?;
-            let mut sc_view = sc.slice_mut(..m);
-            let mut b = s.launch_builder(&scores_f);
-            b.arg(&q_view)
-                .arg(&kvd)
-                .arg(&kpd)
-                .arg(&o_view)
-                .arg(&keyd)
-                .arg(&mut sc_view)
-                .arg(&hu)
-                .arg(&nu)
-                .arg(&ru)
-                .arg(&vu)
-                .arg(&scale)
-                .arg(&base);
-            // SAFETY: query row i < r.len() of the view reads q[(i h + hd) qk + c] for c < qk,
-            // inside `qd` (n h qk values); its keys keys[offs[i]..offs[i + 1]] (offs ends at
-            // keys.len(), checked) are each < T (checked), so kv and kpe reads stay inside
-            // [T, h, nope + v] and [T, rd]; it writes (offs[i] - base) h + hd len + j < m for
-            // j < len, inside `sc` (most >= m values). Shared memory: qk doubles.
-            unsafe {
-                b.launch(LaunchConfig {
-                    grid_dim: grid,
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: u(qk * 8, "query bytes")?,
-                })
-            }
-            .context("cuda: launching reference_mla_scores")?;
-            let mid = s.record_event(timing).context("cuda: an event")?;
-            events.push((start, mid));
-            let (src, rec) = sc.device_ptr(s);
-            // SAFETY: `host` holds at least `most >= m` values, `sc` at least m; `host` is
-            // pinned memory the host does not touch before the event returned here is done
-            // (and every path out of the chunks ends in a synchronize).
-            let copied = unsafe { result::memcpy_dtoh_async(&mut host[..m], src, s.cu_stream()) };
-            drop(rec);
-            copied.context("cuda: reading the reference's attention scores")?;
-            s.record_event(None)
-                .context("cuda: recording the scores' copy")
-        };
         // Every path out of the chunks waits for the stream (a copy may still read the pinned
         // scores when an error stops them).
         let ran_chunks = (|| -> Result<Vec<f32>> {
-            let mut copied: Vec<Option<CudaEvent>> = (0..pair).map(|_| None).collect();
-            if let Some(r) = chunks.first() {
-                copied[0] = Some(queue_scores(r, &mut scores[0], hosts[0], &mut events)?);
-            }
-            for (i, r) in chunks.iter().enumerate() {
-                let slot = i % pair;
-                // The next chunk's scores are made on the device while this one's softmax
-                // runs here (its buffers' last use, two chunks ago, is earlier on the stream).
-                if let Some(next) = chunks.get(i + 1) {
-                    let other = (i + 1) % pair;
-                    copied[other] = Some(queue_scores(
-                        next,
-                        &mut scores[other],
-                        hosts[other],
-                        &mut events,
-                    )?);
-                }
+            for r in chunks {
                 let m = (offs[r.end] - offs[r.start]) as usize * h;
                 let base = offs[r.start];
                 let grid = (u(r.len(), "query rows")?, hu, 1);
+                let q_view = qd.slice(r.start * h * qk..);
                 let o_view = od.slice(r.start..);
-                copied[slot]
-                    .take()
-                    .context("cuda: a chunk's scores were not queued")?
-                    .synchronize()
-                    .context("cuda: the reference's attention scores")?;
-                softmax(&mut hosts[slot][..m], r.clone())?;
-                let sc = &mut scores[slot];
-                let (dst, rec) = sc.device_ptr_mut(s);
-                // SAFETY: as above; the host does not write this half again before the event
-                // of its next chunk's copy, queued after this copy on the stream, is done.
-                let copied_back =
-                    unsafe { result::memcpy_htod_async(dst, &hosts[slot][..m], s.cu_stream()) };
+                let start = s.record_event(timing).context("cuda: an event")?;
+                let mut sc = scores.slice_mut(..m);
+                let mut b = s.launch_builder(&scores_f);
+                b.arg(&q_view)
+                    .arg(&kvd)
+                    .arg(&kpd)
+                    .arg(&o_view)
+                    .arg(&keyd)
+                    .arg(&mut sc)
+                    .arg(&hu)
+                    .arg(&nu)
+                    .arg(&ru)
+                    .arg(&vu)
+                    .arg(&scale)
+                    .arg(&base);
+                // SAFETY: query row i < r.len() of the view reads q[(i h + hd) qk + c] for c < qk,
+                // inside `qd` (n h qk values); its keys keys[offs[i]..offs[i + 1]] (offs ends at
+                // keys.len(), checked) are each < T (checked), so kv and kpe reads stay inside
+                // [T, h, nope + v] and [T, rd]; it writes (offs[i] - base) h + hd len + j < m for
+                // j < len, inside `sc` (m values). Shared memory: qk doubles.
+                unsafe {
+                    b.launch(LaunchConfig {
+                        grid_dim: grid,
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: u(qk * 8, "query bytes")?,
+                    })
+                }
+                .context("cuda: launching reference_mla_scores")?;
+                let mid = s.record_event(timing).context("cuda: an event")?;
+                events.push((start, mid));
+                // The scores through pinned memory both ways (the stream waited for before the
+                // host touches it, and before this returns: every path ends in a synchronize).
+                let (src, rec) = scores.device_ptr(s);
+                // SAFETY: `host` holds at least `most >= m` values, `scores` at least m; `host` is
+                // pinned memory not touched by the host before the synchronize below.
+                let copied =
+                    unsafe { result::memcpy_dtoh_async(&mut host[..m], src, s.cu_stream()) };
                 drop(rec);
-                copied_back.context("cuda: copying the reference's attention probabilities")?;
+                let waited = s.synchronize();
+                copied.context("cuda: reading the reference's attention scores")?;
+                waited.context("cuda: the reference's attention scores")?;
+                softmax(&mut host[..m], r.clone())?;
+                let (dst, rec) = scores.device_ptr_mut(s);
+                // SAFETY: as above; the host does not write `host` again before the next
+                // chunk's synchronize, or the one that ends this call (on every path).
+                let copied = unsafe { result::memcpy_htod_async(dst, &host[..m], s.cu_stream()) };
+                drop(rec);
+                copied.context("cuda: copying the reference's attention probabilities")?;
                 let start = s.record_event(timing).context("cuda: an event")?;
                 let mut o_out = out.slice_mut(r.start * h * v..);
                 let mut b = s.launch_builder(&sums_f);
-                b.arg(&*sc)
+                b.arg(&scores)
                     .arg(&kvd)
                     .arg(&o_view)
                     .arg(&keyd)
@@ -831,7 +788,7 @@ impl ReferenceProducts {
                     .arg(&vu)
                     .arg(&base);
                 // SAFETY: reads the probabilities at the offsets the scores were written to (< m,
-                // inside `sc`), V values inside [T, h, nope + v] (keys < T), and writes
+                // inside `scores`), V values inside [T, h, nope + v] (keys < T), and writes
                 // (i h + hd) v + d < r.len() h v for the chunk's rows, inside `out` from row r.start.
                 unsafe {
                     b.launch(LaunchConfig {
