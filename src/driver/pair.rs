@@ -136,6 +136,10 @@ where
             progress,
             only_changed,
         );
+        if out.is_err() {
+            // The pass ended: what still waits for the comparison would not be read.
+            q.abandon();
+        }
         drop(closing);
         match serving.join() {
             Ok(()) => out,

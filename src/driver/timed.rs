@@ -428,6 +428,13 @@ impl Queue {
         }
     }
 
+    /// The pass ended with an error of the driver's: the calls still queued are dropped, not
+    /// made (their results would not be read).
+    pub fn abandon(&self) {
+        self.lock().failed = true;
+        self.changed.notify_all();
+    }
+
     /// No more calls come: [`Queue::serve`] returns once the queued ones are done.
     pub fn close(&self) {
         self.lock().closed = true;
@@ -825,6 +832,23 @@ mod tests {
             end.unwrap();
             assert!(sink.0.is_empty(), "{:?}", sink.0);
         }
+    }
+
+    /// Calls still queued when the pass is abandoned are dropped, not made.
+    #[test]
+    fn an_abandoned_pass_drops_the_calls_still_queued() {
+        let mut sink = Log::default();
+        let (_, end, done) = there(&mut sink, WAITING_BYTES, |t| {
+            t.record(pair("slow")).unwrap();
+            let Route::There { queue, .. } = &t.route else {
+                panic!("a queue");
+            };
+            queue.abandon();
+            t.record(pair("after")).unwrap();
+        });
+        end.unwrap();
+        assert!(done.len() <= 1, "{done:?}");
+        assert!(!sink.0.iter().any(|c| c.contains("after")), "{:?}", sink.0);
     }
 
     /// The near ties' answers wait for every call queued before them: the scores they are
