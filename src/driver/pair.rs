@@ -367,7 +367,6 @@ where
     /// The reference's step (CPU threads, with the further rows of `more` in its pass) and the
     /// candidate engine's (its device: its chained step, and its replay from `replay`'s inputs)
     /// at the same time: neither reads the other's values until both are done.
-    ///
     fn both_sides(
         &mut self,
         step: &Step,
@@ -593,8 +592,9 @@ where
         }
     }
 
-    /// Hands the sink what it still holds, then ends both sides' weight hooks: the
-    /// reference's runner's, then the candidate's.
+    /// Waits for the comparison of what the sink was handed (its end counted to the last
+    /// step's layer), then ends both sides' weight hooks: the reference's runner's, then the
+    /// candidate's.
     fn finish(&mut self) -> Result<()> {
         let blocked = self.sink.blocked();
         let finished = self.sink.finish();

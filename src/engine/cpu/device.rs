@@ -391,24 +391,16 @@ impl Device {
             .lock()
             .map_err(|_| anyhow::anyhow!("engine: cpu: the reference's device lock is poisoned"))?;
         let k0 = p.kernel_seconds();
-        match make(&p) {
-            Ok(Some(out)) => Ok(Some((out, p.kernel_seconds() - k0))),
-            Ok(None) => Ok(None),
-            Err(e) if !self.strict => {
-                if let Ok(mut s) = self.set_aside.lock() {
-                    s.get_or_insert(format!("{e:#}"));
-                }
-                Ok(None)
-            }
-            Err(e) => Err(e),
-        }
+        let made = self.or_set_aside(make(&p))?.flatten();
+        Ok(made.map(|out| (out, p.kernel_seconds() - k0)))
     }
 
-    /// `out` when its check passed; when it failed, the error under `--reference-on cuda:N`,
-    /// else the device set aside (the CPU makes this product and every later one).
-    fn checked(&self, check: Result<()>, out: Option<Vec<f32>>) -> Result<Option<Vec<f32>>> {
-        match check {
-            Ok(()) => Ok(out),
+    /// `r`'s value; a failure of the device or a difference from the CPU is the error under
+    /// `--reference-on cuda:N`, else (`auto`) it sets the device aside (the CPU makes this
+    /// product and every later one): `None`.
+    fn or_set_aside<T>(&self, r: Result<T>) -> Result<Option<T>> {
+        match r {
+            Ok(v) => Ok(Some(v)),
             Err(e) if self.strict => Err(e),
             Err(e) => {
                 if let Ok(mut s) = self.set_aside.lock() {
@@ -417,6 +409,11 @@ impl Device {
                 Ok(None)
             }
         }
+    }
+
+    /// `out` when its check passed; when it failed, see [`Device::or_set_aside`].
+    fn checked(&self, check: Result<()>, out: Option<Vec<f32>>) -> Result<Option<Vec<f32>>> {
+        Ok(self.or_set_aside(check)?.and(out))
     }
 
     /// Counts a product of `t` tokens by `rows` rows of `cols` made on the device since
@@ -465,16 +462,7 @@ impl Device {
         self.parcels.give(parcel);
         // Under `auto` a failure of the device (a copy, a launch, its memory) sets it aside as
         // a difference does: the CPU makes this product and the rest.
-        let (out, kernel_seconds) = match done {
-            Ok(d) => d,
-            Err(e) if !self.strict => {
-                if let Ok(mut s) = self.set_aside.lock() {
-                    s.get_or_insert(format!("{e:#}"));
-                }
-                (None, 0.0)
-            }
-            Err(e) => return Err(e),
-        };
+        let (out, kernel_seconds) = self.or_set_aside(done)?.unwrap_or((None, 0.0));
         if out.is_some() {
             let secs = [kernel_seconds, upload_seconds, wait_seconds];
             self.count_made((t, rows, cols), start, secs, true);
@@ -502,15 +490,9 @@ impl Device {
             };
             // A small product is packed in pinned memory by this thread before its turn, and
             // waited for after it: the turn only queues its copies and kernels.
-            let packed = match self.parcels.pack(x, t, &weights, rows, cols) {
-                Ok(p) => p,
-                Err(e) if !self.strict => {
-                    if let Ok(mut s) = self.set_aside.lock() {
-                        s.get_or_insert(format!("{e:#}"));
-                    }
-                    return Ok(None);
-                }
-                Err(e) => return Err(e),
+            let Some(packed) = self.or_set_aside(self.parcels.pack(x, t, &weights, rows, cols))?
+            else {
+                return Ok(None);
             };
             if let Some(parcel) = packed {
                 return self.made_packed(parcel, start, t, rows, cols);
@@ -523,16 +505,9 @@ impl Device {
                 let (k0, u0) = (p.kernel_seconds(), p.upload_seconds());
                 // Under `auto` a failure of the device (a copy, a launch, its memory) sets it
                 // aside as a difference does: the CPU makes this product and the rest.
-                let out = match p.products(x, t, weights, rows, cols) {
-                    Ok(out) => out,
-                    Err(e) if !self.strict => {
-                        if let Ok(mut s) = self.set_aside.lock() {
-                            s.get_or_insert(format!("{e:#}"));
-                        }
-                        None
-                    }
-                    Err(e) => return Err(e),
-                };
+                let out = self
+                    .or_set_aside(p.products(x, t, weights, rows, cols))?
+                    .flatten();
                 (
                     out,
                     p.kernel_seconds() - k0,
