@@ -130,7 +130,7 @@ fn checksum(values: &[(String, HostTensor)]) -> u64 {
 fn non_finite(values: &[(String, HostTensor)]) -> Option<String> {
     values.iter().find_map(|(name, t)| match &t.data {
         HostData::F32(v) => {
-            let first = v.iter().position(|x| !x.is_finite())?;
+            let first = crate::quant::first_non_finite(v)?;
             let n = v.iter().filter(|x| !x.is_finite()).count();
             Some(format!(
                 "{name} holds {n} non-finite values of {} (the first at index {first}); a residual stream is finite",

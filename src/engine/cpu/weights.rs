@@ -29,7 +29,7 @@ pub struct Matrix {
 /// a comparison would blame on the candidate: the model itself is broken, said at the first
 /// weight the reference reads, with the element (exit 2 like any bad input).
 fn finite(slice: &WeightSlice<'_>, first: usize, values: &[f32]) -> Result<()> {
-    let Some(i) = values.iter().position(|v| !v.is_finite()) else {
+    let Some(i) = crate::quant::first_non_finite(values) else {
         return Ok(());
     };
     let cols = slice.cols.max(1);
