@@ -20,6 +20,7 @@ use anyhow::{anyhow, Result};
 
 use crate::engine::HostTensor;
 use crate::model::steps::Step;
+use crate::tensor::HostData;
 use crate::trace::{Answers, Mode, NearTies, Pair, PairSink, Swap};
 
 /// The most bytes of values waiting for the comparison's thread (the driver waits beyond it,
@@ -523,10 +524,31 @@ impl NearTies for Synced<'_> {
         reference: &HostTensor,
         candidate: &HostTensor,
     ) -> Vec<usize> {
+        if same_sets(reference, candidate) {
+            // No row differs, so no row differs by near ties alone, whatever the scores: the
+            // answer needs no wait (a short prompt's DSA rows keep every key, in an order the
+            // candidate's own scores may change).
+            return Vec::new();
+        }
         self.queue.drain(1);
         self.ties
             .near_tie_rows(selection, mode, reference, candidate)
     }
+}
+
+/// Whether two selections (`[T, k]` ids) of the same shape hold the same
+/// set of ids in every row ([`crate::compare::selection::differing_rows`]); `false` where
+/// either is not ids or the shapes differ.
+fn same_sets(reference: &HostTensor, candidate: &HostTensor) -> bool {
+    // Matched, not `as_i32`: its error for float values would be built (with a backtrace
+    // where RUST_BACKTRACE asks for one) only to be dropped.
+    let (HostData::I32(r), HostData::I32(c), Some(&width)) =
+        (&reference.data, &candidate.data, reference.shape.last())
+    else {
+        return false;
+    };
+    reference.shape == candidate.shape
+        && crate::compare::selection::differing_rows(r, c, width).is_empty()
 }
 
 /// `blk.3.attn_out replay` -> `attn_out replay`: what a time is kept under.
@@ -899,6 +921,50 @@ mod tests {
             rows
         });
         assert_eq!(rows, vec![3]);
+    }
+
+    /// A question about selections whose rows hold the same sets (in another order) is
+    /// answered at once, with no row; one about sets that differ waits for the calls before.
+    #[test]
+    fn near_tie_rows_of_the_same_sets_need_no_wait() {
+        struct Rows;
+        impl NearTies for Rows {
+            fn near_ties(&self, _: &str, _: Mode, _: &HostTensor, _: usize) -> Vec<Swap> {
+                Vec::new()
+            }
+            fn near_tie_rows(
+                &self,
+                _: &str,
+                _: Mode,
+                _: &HostTensor,
+                _: &HostTensor,
+            ) -> Vec<usize> {
+                vec![1]
+            }
+        }
+        let mut sink = Log::default();
+        let queue = Queue::new(WAITING_BYTES);
+        let ids = |v: Vec<i32>| HostTensor::i32(vec![2, 3], v).unwrap();
+        let reference = ids(vec![0, 1, 2, 5, 4, -1]);
+        let reordered = ids(vec![2, 0, 1, 4, 5, -1]);
+        let flipped = ids(vec![0, 1, 2, 5, 3, -1]);
+        std::thread::scope(|scope| {
+            let q = &queue;
+            let serving = scope.spawn(|| q.serve(&mut sink));
+            let closing = Closing(q);
+            let mut t = Timed::there(q, answers());
+            let synced = Synced {
+                ties: &Rows,
+                queue: q,
+            };
+            t.record(pair("slow")).unwrap();
+            let rows = synced.near_tie_rows("s", Mode::Chained, &reference, &reordered);
+            assert!(rows.is_empty() && t.blocked() == 0.0, "{rows:?}");
+            let rows = synced.near_tie_rows("s", Mode::Chained, &reference, &flipped);
+            assert!(rows == vec![1] && t.blocked() > 0.0, "{rows:?}");
+            drop(closing);
+            serving.join().unwrap();
+        });
     }
 
     #[test]
