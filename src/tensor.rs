@@ -182,10 +182,13 @@ impl HostTensor {
         let HostData::F32(v) = &self.data else {
             return None;
         };
+        // Most tensors hold none: found by the vectorised search, the slow loop below runs only
+        // from the first non-finite value on.
+        let first = crate::quant::first_non_finite(v)?;
         let rows = self.shape.first().copied().unwrap_or(1).max(1);
         let cols = v.len() / rows;
         let mut found: Option<NonFinite> = None;
-        for (i, &x) in v.iter().enumerate() {
+        for (i, &x) in v.iter().enumerate().skip(first) {
             if x.is_finite() {
                 continue;
             }
@@ -254,4 +257,30 @@ fn check_len(shape: &[usize], n: usize) -> Result<()> {
         bail!("tensor: shape {shape:?} needs {want} values, got {n}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The first non-finite value and the count, by hand: none; one after 300 finite values;
+    /// the causal mask's `-inf` above the diagonal left out, a NaN below it counted.
+    #[test]
+    fn non_finite_by_hand() {
+        let t = |shape: Vec<usize>, v: Vec<f32>| HostTensor::f32(shape, v).unwrap();
+        assert!(t(vec![2, 300], vec![1.0; 600]).non_finite(false).is_none());
+        let mut v = vec![0.5f32; 600];
+        v[301] = f32::INFINITY;
+        v[599] = f32::NAN;
+        let f = t(vec![2, 300], v).non_finite(false).unwrap();
+        assert_eq!((f.row, f.col, f.value, f.count), (1, 1, f32::INFINITY, 2));
+        // 3 x 3 scores: -inf above the diagonal (masked), a NaN at (2, 0).
+        let n = f32::NEG_INFINITY;
+        let scores = vec![0.0, n, n, 0.0, 0.0, n, f32::NAN, 0.0, 0.0];
+        let f = t(vec![3, 3], scores.clone()).non_finite(true).unwrap();
+        assert_eq!((f.row, f.col, f.count), (2, 0, 1));
+        assert!(f.value.is_nan());
+        let f = t(vec![3, 3], scores).non_finite(false).unwrap();
+        assert_eq!((f.row, f.col, f.value, f.count), (0, 1, n, 4));
+    }
 }
