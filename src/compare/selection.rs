@@ -277,10 +277,10 @@ fn row_differences(
 
 /// What entered a row's set and what left it, `None` when the sets (and their padding) agree.
 fn row_difference(rr: &[i32], cr: &[i32]) -> Option<(Vec<i32>, Vec<i32>)> {
-    let (sr, sc) = (row_set(rr), row_set(cr));
-    if sr == sc && rr.iter().filter(|&&x| x < 0).count() == cr.iter().filter(|&&x| x < 0).count() {
+    if crate::trace::rows_agree(rr, cr) {
         return None;
     }
+    let (sr, sc) = (row_set(rr), row_set(cr));
     let entered: Vec<i32> = sc
         .iter()
         .copied()

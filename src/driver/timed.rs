@@ -20,7 +20,6 @@ use anyhow::{anyhow, Result};
 
 use crate::engine::HostTensor;
 use crate::model::steps::Step;
-use crate::tensor::HostData;
 use crate::trace::{Answers, Mode, NearTies, Pair, PairSink, Swap};
 
 /// The most bytes of values waiting for the comparison's thread (the driver waits beyond it,
@@ -524,7 +523,7 @@ impl NearTies for Synced<'_> {
         reference: &HostTensor,
         candidate: &HostTensor,
     ) -> Vec<usize> {
-        if same_sets(reference, candidate) {
+        if crate::trace::selections_agree(reference, candidate) {
             // No row differs, so no row differs by near ties alone, whatever the scores: the
             // answer needs no wait (a short prompt's DSA rows keep every key, in an order the
             // candidate's own scores may change).
@@ -534,21 +533,6 @@ impl NearTies for Synced<'_> {
         self.ties
             .near_tie_rows(selection, mode, reference, candidate)
     }
-}
-
-/// Whether two selections (`[T, k]` ids) of the same shape hold the same
-/// set of ids in every row ([`crate::compare::selection::differing_rows`]); `false` where
-/// either is not ids or the shapes differ.
-fn same_sets(reference: &HostTensor, candidate: &HostTensor) -> bool {
-    // Matched, not `as_i32`: its error for float values would be built (with a backtrace
-    // where RUST_BACKTRACE asks for one) only to be dropped.
-    let (HostData::I32(r), HostData::I32(c), Some(&width)) =
-        (&reference.data, &candidate.data, reference.shape.last())
-    else {
-        return false;
-    };
-    reference.shape == candidate.shape
-        && crate::compare::selection::differing_rows(r, c, width).is_empty()
 }
 
 /// `blk.3.attn_out replay` -> `attn_out replay`: what a time is kept under.

@@ -22,7 +22,7 @@ use anyhow::{bail, Result};
 
 use crate::model::names::split_blk;
 use crate::model::steps::{point, Step};
-use crate::tensor::HostTensor;
+use crate::tensor::{HostData, HostTensor};
 use crate::util::glob::matches_any;
 
 pub use file::{
@@ -228,6 +228,37 @@ pub trait NearTies {
     ) -> Vec<usize>;
 }
 
+/// Whether two rows of a selection (ids; negative ids pad a row) hold the same set of ids and
+/// as many padding entries, in whatever order: a row no [`NearTies`] answer names, since
+/// nothing in it flipped.
+pub fn rows_agree(reference: &[i32], candidate: &[i32]) -> bool {
+    let set = |row: &[i32]| {
+        let mut s: Vec<i32> = row.iter().copied().filter(|&x| x >= 0).collect();
+        s.sort_unstable();
+        s.dedup();
+        s
+    };
+    let pads = |row: &[i32]| row.iter().filter(|&&x| x < 0).count();
+    pads(reference) == pads(candidate) && set(reference) == set(candidate)
+}
+
+/// Whether two selections (`[T, k]` ids) of the same shape agree in every row
+/// ([`rows_agree`], the rows compared on the threads); `false` where either holds floats or
+/// the shapes differ.
+pub fn selections_agree(reference: &HostTensor, candidate: &HostTensor) -> bool {
+    use rayon::prelude::*;
+    let (HostData::I32(r), HostData::I32(c), Some(&width)) =
+        (&reference.data, &candidate.data, reference.shape.last())
+    else {
+        return false;
+    };
+    let w = width.max(1);
+    reference.shape == candidate.shape
+        && r.par_chunks(w)
+            .zip(c.par_chunks(w))
+            .all(|(rr, cr)| rows_agree(rr, cr))
+}
+
 /// No near ties: for a driver whose sink keeps no scores.
 pub struct NoNearTies;
 
@@ -343,6 +374,22 @@ impl Sink for TraceSink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Rows agree by set and padding, whatever the order; selections of floats or of other
+    /// shapes never agree.
+    #[test]
+    fn selections_agree_by_row_sets() {
+        assert!(rows_agree(&[3, 1, 2, -1], &[2, 3, 1, -1]));
+        assert!(!rows_agree(&[3, 1, 2, -1], &[2, 3, 4, -1]));
+        assert!(!rows_agree(&[3, 1, -1, -1], &[3, 1, 1, -1]));
+        let ids = |shape: Vec<usize>, v: Vec<i32>| HostTensor::i32(shape, v).unwrap();
+        let a = ids(vec![2, 2], vec![0, 1, 5, 4]);
+        assert!(selections_agree(&a, &ids(vec![2, 2], vec![1, 0, 4, 5])));
+        assert!(!selections_agree(&a, &ids(vec![2, 2], vec![1, 0, 4, 6])));
+        assert!(!selections_agree(&a, &ids(vec![4, 1], vec![0, 1, 5, 4])));
+        let f = HostTensor::f32(vec![2, 2], vec![0.0; 4]).unwrap();
+        assert!(!selections_agree(&f, &f));
+    }
 
     #[test]
     fn filter_layers_globs_and_optional_points() {
