@@ -857,26 +857,22 @@ mod tests {
         assert!(!sink.0.iter().any(|c| c.contains("after")), "{:?}", sink.0);
     }
 
+    /// Answers a question about near-tie rows with the number of pairs the sink has taken.
+    struct Seen(Arc<AtomicUsize>);
+
+    impl NearTies for Seen {
+        fn near_ties(&self, _: &str, _: Mode, _: &HostTensor, _: usize) -> Vec<Swap> {
+            Vec::new()
+        }
+        fn near_tie_rows(&self, _: &str, _: Mode, _: &HostTensor, _: &HostTensor) -> Vec<usize> {
+            vec![self.0.load(Ordering::SeqCst)]
+        }
+    }
+
     /// The near ties' answers wait for every call queued before them: the scores they are
     /// computed from.
     #[test]
     fn near_ties_are_answered_after_the_calls_before_them() {
-        /// Answers with the number of pairs the sink has taken.
-        struct Seen(Arc<AtomicUsize>);
-        impl NearTies for Seen {
-            fn near_ties(&self, _: &str, _: Mode, _: &HostTensor, _: usize) -> Vec<Swap> {
-                Vec::new()
-            }
-            fn near_tie_rows(
-                &self,
-                _: &str,
-                _: Mode,
-                _: &HostTensor,
-                _: &HostTensor,
-            ) -> Vec<usize> {
-                vec![self.0.load(Ordering::SeqCst)]
-            }
-        }
         let mut sink = Log::default();
         let seen = Seen(sink.1.clone());
         let queue = Queue::new(WAITING_BYTES);
@@ -908,25 +904,12 @@ mod tests {
     }
 
     /// A question about selections whose rows hold the same sets (in another order) is
-    /// answered at once, with no row; one about sets that differ waits for the calls before.
+    /// answered at once, with no row; one about sets that differ waits for the call before and
+    /// sees it.
     #[test]
     fn near_tie_rows_of_the_same_sets_need_no_wait() {
-        struct Rows;
-        impl NearTies for Rows {
-            fn near_ties(&self, _: &str, _: Mode, _: &HostTensor, _: usize) -> Vec<Swap> {
-                Vec::new()
-            }
-            fn near_tie_rows(
-                &self,
-                _: &str,
-                _: Mode,
-                _: &HostTensor,
-                _: &HostTensor,
-            ) -> Vec<usize> {
-                vec![1]
-            }
-        }
         let mut sink = Log::default();
+        let seen = Seen(sink.1.clone());
         let queue = Queue::new(WAITING_BYTES);
         let ids = |v: Vec<i32>| HostTensor::i32(vec![2, 3], v).unwrap();
         let reference = ids(vec![0, 1, 2, 5, 4, -1]);
@@ -938,7 +921,7 @@ mod tests {
             let closing = Closing(q);
             let mut t = Timed::there(q, answers());
             let synced = Synced {
-                ties: &Rows,
+                ties: &seen,
                 queue: q,
             };
             t.record(pair("slow")).unwrap();
