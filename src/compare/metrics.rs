@@ -420,13 +420,7 @@ pub fn id_metrics(a: &[i32], b: &[i32], width: usize) -> IdMetrics {
     m
 }
 
-/// Sorted set of the non-negative entries of a row.
-pub fn row_set(row: &[i32]) -> Vec<i32> {
-    let mut s: Vec<i32> = row.iter().copied().filter(|&x| x >= 0).collect();
-    s.sort_unstable();
-    s.dedup();
-    s
-}
+pub use crate::trace::row_set;
 
 /// Jaccard similarity `|A ∩ B| / |A ∪ B|` of two rows' sets (1 when both are empty).
 pub fn jaccard(a: &[i32], b: &[i32]) -> f64 {

@@ -90,8 +90,9 @@ pub fn dequantize_to_vec(ty: GgmlType, src: &[u8], n_elements: usize) -> Result<
     Ok(out)
 }
 
-/// Values per run of [`first_non_finite`]: each run is tested with no branch inside (a
-/// vectorisable OR of comparisons), and only a run that holds a NaN or an infinity is searched.
+/// Values per run of [`first_non_finite`]: each run is tested with no branch inside (its
+/// largest magnitude, or an OR of comparisons), and only a run that holds a NaN or an infinity
+/// is searched.
 const FINITE_RUN: usize = 256;
 
 multiversion! {
@@ -160,8 +161,9 @@ pub(crate) fn f16_le(b: &[u8]) -> f32 {
 
 #[cfg(test)]
 mod tests {
-    /// [`super::first_non_finite`] finds what `position` finds at every SIMD level the CPU has: none, each special value at
-    /// each place of a run and across runs, and the first of several.
+    /// [`super::first_non_finite`] finds what `position` finds at every SIMD level the CPU
+    /// has: none, each special value at each place of a run and across runs, and the first of
+    /// several.
     #[test]
     fn first_non_finite_is_positions() {
         use super::simd::{detected, with_cap, Level};

@@ -232,14 +232,16 @@ pub trait NearTies {
 /// as many padding entries, in whatever order: a row no [`NearTies`] answer names, since
 /// nothing in it flipped.
 pub fn rows_agree(reference: &[i32], candidate: &[i32]) -> bool {
-    let set = |row: &[i32]| {
-        let mut s: Vec<i32> = row.iter().copied().filter(|&x| x >= 0).collect();
-        s.sort_unstable();
-        s.dedup();
-        s
-    };
     let pads = |row: &[i32]| row.iter().filter(|&&x| x < 0).count();
-    pads(reference) == pads(candidate) && set(reference) == set(candidate)
+    pads(reference) == pads(candidate) && row_set(reference) == row_set(candidate)
+}
+
+/// Sorted set of the non-negative entries of a row of a selection.
+pub fn row_set(row: &[i32]) -> Vec<i32> {
+    let mut s: Vec<i32> = row.iter().copied().filter(|&x| x >= 0).collect();
+    s.sort_unstable();
+    s.dedup();
+    s
 }
 
 /// Whether two selections (`[T, k]` ids) of the same shape agree in every row
