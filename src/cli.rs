@@ -285,6 +285,17 @@ pub struct PrefetchArgs {
     /// default when $GLMDIFF_NO_PREFETCH is set to anything but empty or 0.
     #[arg(long, env = "GLMDIFF_NO_PREFETCH", default_value = "0", value_parser = parse_switch)]
     pub no_prefetch: bool,
+    /// How a MoE layer's stacked expert tensors reach the device: auto (only the experts a step
+    /// routes to, uploaded after its router, when at most half are expected to be: short
+    /// prompts; else whole), routed (always those only) or whole (every expert, prefetched with
+    /// the layer). The same bits either way. Default from $GLMDIFF_EXPERT_UPLOADS.
+    #[arg(
+        long,
+        value_enum,
+        env = "GLMDIFF_EXPERT_UPLOADS",
+        default_value = "auto"
+    )]
+    pub expert_uploads: crate::words::ExpertUploads,
 }
 
 /// The flags `run` and `compare` share: which hooks, floors and precisions, and the outputs.
@@ -781,6 +792,29 @@ mod tests {
         if std::env::var_os("GLMDIFF_NO_PREFETCH").is_none() {
             assert!(!no_prefetch(&[]));
         }
+        use crate::words::ExpertUploads;
+        let uploads = |args: &[&str]| {
+            let c = Cli::try_parse_from([&["glmdiff", "bench", "run"], args].concat());
+            let Command::Bench(BenchCommand::Run(r)) = c.map_err(|e| e.to_string())?.command else {
+                panic!("not bench run")
+            };
+            Ok::<_, String>(r.prefetch.expert_uploads)
+        };
+        for (w, m) in [
+            ("auto", ExpertUploads::Auto),
+            ("routed", ExpertUploads::Routed),
+            ("whole", ExpertUploads::Whole),
+        ] {
+            assert_eq!(uploads(&["--expert-uploads", w]), Ok(m));
+        }
+        if std::env::var_os("GLMDIFF_EXPERT_UPLOADS").is_none() {
+            assert_eq!(uploads(&[]), Ok(ExpertUploads::Auto));
+        }
+        let e = uploads(&["--expert-uploads", "some"]).unwrap_err();
+        assert!(
+            e.contains("auto") && e.contains("routed") && e.contains("whole"),
+            "{e}"
+        );
     }
 
     #[test]

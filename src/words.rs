@@ -207,6 +207,46 @@ impl fmt::Display for CudaDtype {
     }
 }
 
+/// How the CUDA engine puts a MoE layer's stacked expert tensors on the device
+/// (`--expert-uploads`); the same bits either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ExpertUploads {
+    /// By expert, only the routed ones, when a step is expected to route to at most half of
+    /// the experts (the prompt's tokens are few); else whole.
+    #[default]
+    Auto,
+    /// Always by expert, only the routed ones, after the router.
+    Routed,
+    /// Always whole: every expert, prefetched with the layer.
+    Whole,
+}
+
+impl ExpertUploads {
+    /// The word `--expert-uploads` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExpertUploads::Auto => "auto",
+            ExpertUploads::Routed => "routed",
+            ExpertUploads::Whole => "whole",
+        }
+    }
+}
+
+/// The words of `--expert-uploads`.
+impl ValueEnum for ExpertUploads {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[
+            ExpertUploads::Auto,
+            ExpertUploads::Routed,
+            ExpertUploads::Whole,
+        ]
+    }
+
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        Some(PossibleValue::new(self.as_str()))
+    }
+}
+
 /// The candidate's precision at the hooks a glob matches.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PrecisionOverride {

@@ -1034,6 +1034,77 @@ mod device {
         v
     }
 
+    /// Routed expert uploads change which bytes go to the device, not the results: every hook
+    /// of a chained run of the whole model is bit-identical with the stacked expert tensors
+    /// uploaded whole and by expert (routed and `auto`, prefetch on and off, one device and a
+    /// two-device run), at 2 tokens (the fixtures' 8 experts, 2 a token: `auto` goes by
+    /// expert) and 16 (whole); by expert at 2 tokens no prefetch falls back and fewer bytes go
+    /// up than whole.
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_routed_expert_uploads_are_bit_identical() {
+        use glmdiff::driver::{run, Plan};
+        use glmdiff::engine::cuda::multi::MultiCudaEngine;
+        use glmdiff::engine::cuda::ExpertUploads;
+        use glmdiff::trace::{HookFilter, TraceSink};
+
+        let gpus = [gpu(), gpu()];
+        for m in [
+            "models/glm5-tiny-q/glm5-tiny-q-mixed.gguf",
+            "models/dsv3-tiny-q/dsv3-tiny-q-mixed.gguf",
+        ] {
+            let model = Model::open(&fixtures(m)).unwrap();
+            let w = Weights::new(&model).unwrap();
+            let plan = Plan::full(&w).unwrap();
+            let n_vocab = w.n_vocab() as u32;
+            for n in [2u32, 16] {
+                let tokens: Vec<u32> = (0..n).map(|i| (i * 37 + 11) % n_vocab).collect();
+                let one = |mode: ExpertUploads, prefetch: bool| {
+                    let e = CudaEngine::new(&gpus[0], &w, GpuDtype::F32)
+                        .unwrap()
+                        .with_prefetch(prefetch)
+                        .with_expert_uploads(mode);
+                    let mut sink = TraceSink::new(HookFilter::default());
+                    run(&e, &w, &tokens, &plan, &mut sink).unwrap();
+                    (
+                        sink.into_tensors(),
+                        e.take_upload_stats(),
+                        e.prefetch_summary(),
+                    )
+                };
+                let (whole, up_whole, _) = one(ExpertUploads::Whole, true);
+                assert!(whole.contains_key("logits") && whole.len() > 20, "{m}");
+                for (mode, prefetch) in [
+                    (ExpertUploads::Routed, true),
+                    (ExpertUploads::Routed, false),
+                    (ExpertUploads::Auto, true),
+                ] {
+                    let (got, up, pf) = one(mode, prefetch);
+                    eprintln!(
+                        "== {m}, {n} tokens, {mode:?}, prefetch {prefetch}: {up:?} {pf:?} (whole: {up_whole:?})"
+                    );
+                    let d = differing(&whole, &got);
+                    assert!(d.is_empty(), "{m} {n} {mode:?} {prefetch}: changed {d:?}");
+                    assert_eq!(pf.fallbacks, 0, "{m} {n} {mode:?}: {pf:?}");
+                    if n == 2 && mode != ExpertUploads::Whole {
+                        assert!(
+                            up.bytes < up_whole.bytes,
+                            "{m}: by expert {} bytes, whole {}",
+                            up.bytes,
+                            up_whole.bytes
+                        );
+                    }
+                }
+                let e = MultiCudaEngine::new(&gpus, &w, GpuDtype::F32).unwrap();
+                let e = e.with_expert_uploads(ExpertUploads::Routed);
+                let mut sink = TraceSink::new(HookFilter::default());
+                run(&e, &w, &tokens, &plan, &mut sink).unwrap();
+                let d = differing(&whole, &sink.into_tensors());
+                assert!(d.is_empty(), "{m} {n}: two devices by expert changed {d:?}");
+            }
+        }
+    }
+
     /// Prefetch changes where the bytes come from, not the results: every hook of a chained
     /// run of the whole model (the CUDA engine on one device, and as a two-device run on the
     /// one GPU) is bit-identical with prefetch on and off (and off twice, so a difference is

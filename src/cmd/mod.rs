@@ -33,10 +33,14 @@ use crate::session::Against;
 use crate::util::guard::{is_stdout, Guard};
 
 /// Sets whether the CUDA engines this command opens prefetch the next layer's weights
-/// (`--no-prefetch`), before it opens any.
+/// (`--no-prefetch`) and how they upload stacked expert tensors (`--expert-uploads`), before it
+/// opens any.
 pub(crate) fn set_prefetch(args: &PrefetchArgs) {
     #[cfg(feature = "cuda")]
-    crate::engine::cuda::set_prefetch_by_default(!args.no_prefetch);
+    {
+        crate::engine::cuda::set_prefetch_by_default(!args.no_prefetch);
+        crate::engine::cuda::set_expert_uploads_by_default(args.expert_uploads);
+    }
     // Without the `cuda` feature no engine uploads weights.
     #[cfg(not(feature = "cuda"))]
     let _ = args;

@@ -477,11 +477,11 @@ impl<'g> DeviceCheck<'g> {
             id,
             generation: self.generation,
             what: t.info.name.clone(),
-            src: FileRange {
+            src: vec![FileRange {
                 path: path.to_path_buf(),
                 offset,
                 len,
-            },
+            }],
             head: raw[..k].to_vec(),
             tail: raw[raw.len() - k..].to_vec(),
             dst,

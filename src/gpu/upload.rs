@@ -73,7 +73,7 @@ pub struct FileRange {
     pub len: usize,
 }
 
-/// One range to put on the device.
+/// Byte ranges to put on the device, one after another in a buffer of their own.
 pub struct Job {
     /// The caller's id of the job (its [`Done`] carries it).
     pub id: u64,
@@ -81,20 +81,55 @@ pub struct Job {
     pub generation: u64,
     /// What the bytes are (a tensor name), for messages.
     pub what: String,
-    /// Where the bytes are.
-    pub src: FileRange,
-    /// The bytes the range must start with, and end with (taken by the caller from its own view
-    /// of the file): a file changed since the caller read it is refused, not uploaded.
+    /// Where the bytes are: one range (a tensor), or several (a stacked tensor's rows of some
+    /// experts), copied one after another from the buffer's start.
+    pub src: Vec<FileRange>,
+    /// The bytes the ranges, one after another, must start with, and end with (taken by the
+    /// caller from its own view of the file): a file changed since the caller read it is
+    /// refused, not uploaded.
     pub head: Vec<u8>,
     /// See `head`.
     pub tail: Vec<u8>,
-    /// The device buffer, at least `src.len` bytes (the first `src.len` are filled), allocated
+    /// The device buffer, at least [`Job::len`] bytes (those first are filled), allocated
     /// on the compute stream ([`alloc_dst`]) or taken back from an earlier job once the compute
     /// stream's work with it is issued (`after` comes after that work).
     pub dst: CudaSlice<u8>,
     /// Recorded on the compute stream after `dst` was allocated (and after any work that
     /// still uses it).
     pub after: Arc<CudaEvent>,
+}
+
+impl Job {
+    /// Bytes of the job: its ranges' lengths added.
+    pub fn len(&self) -> usize {
+        self.src.iter().map(|r| r.len).sum()
+    }
+
+    /// Whether the job has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Where the bytes are, for messages: `<len> bytes at offset <o> of <file>`, or the ranges'
+    /// count and the first range's offset when there are several.
+    fn describe(&self) -> String {
+        match self.src.as_slice() {
+            [] => "no bytes".to_string(),
+            [r] => format!(
+                "{} bytes at offset {} of {}",
+                r.len,
+                r.offset,
+                r.path.display()
+            ),
+            [r, ..] => format!(
+                "{} bytes in {} ranges of {} (the first at offset {})",
+                self.len(),
+                self.src.len(),
+                r.path.display(),
+                r.offset
+            ),
+        }
+    }
 }
 
 /// A job's device buffer with every copy into it issued.
@@ -106,7 +141,7 @@ pub struct Ready {
     done: CudaEvent,
     /// Host seconds the upload thread spent reading the job's bytes from the file.
     read_s: f64,
-    /// Bytes copied (the job's `src.len`; the buffer may be larger).
+    /// Bytes copied ([`Job::len`]; the buffer may be larger).
     bytes: usize,
 }
 
@@ -417,6 +452,7 @@ impl Worker {
     fn upload(&mut self, mut job: Job) -> Outcome {
         let mut issued = false;
         let mut timing = (None, 0.0);
+        let bytes = job.len();
         match self.copy_chunks(&mut job, &mut issued, &mut timing) {
             Ok(true) => {
                 // A job without bytes has no first copy: its two events are recorded together.
@@ -430,7 +466,7 @@ impl Worker {
                         start,
                         done,
                         read_s: timing.1,
-                        bytes: job.src.len,
+                        bytes,
                     }),
                     Err(e) => {
                         self.abandon(job.dst, issued);
@@ -443,14 +479,9 @@ impl Worker {
                 Outcome::Cancelled
             }
             Err(why) => {
+                let at = job.describe();
                 self.abandon(job.dst, issued);
-                Outcome::Failed(format!(
-                    "{}: {} bytes at offset {} of {}: {why}",
-                    job.what,
-                    job.src.len,
-                    job.src.offset,
-                    job.src.path.display()
-                ))
+                Outcome::Failed(format!("{}: {at}: {why}", job.what))
             }
         }
     }
@@ -479,42 +510,66 @@ impl Worker {
         issued: &mut bool,
         timing: &mut (Option<CudaEvent>, f64),
     ) -> Result<bool, String> {
-        if job.dst.len() < job.src.len {
+        let len = job.len();
+        if job.dst.len() < len {
             return Err(format!(
-                "the device buffer holds {} bytes, not {}",
-                job.dst.len(),
-                job.src.len
+                "the device buffer holds {} bytes, not {len}",
+                job.dst.len()
             ));
         }
         self.copy
             .stream
             .wait(&job.after)
             .map_err(|e| format!("cuda: ordering the copy after the allocation: {e}"))?;
-        if job.head.len() > job.src.len || job.tail.len() > job.src.len {
+        if job.head.len() > len || job.tail.len() > len {
             return Err("a fingerprint longer than the range".to_string());
         }
+        for r in &job.src {
+            open_cached(&mut self.files, &r.path)?;
+        }
+        let files: Vec<&File> = job
+            .src
+            .iter()
+            .map(|r| {
+                self.files
+                    .get(&r.path)
+                    .ok_or_else(|| format!("{} not opened", r.path.display()))
+            })
+            .collect::<Result<_, String>>()?;
+        let pieces: Vec<Piece<'_>> = job
+            .src
+            .iter()
+            .zip(&files)
+            .map(|(r, f)| Piece {
+                file: f,
+                path: &r.path,
+                offset: r.offset,
+                len: r.len,
+            })
+            .collect();
         let chunk = self.ring.bufs.first().map_or(0, |b| b.len());
-        let tail_at = job.src.len - job.tail.len();
-        for r in chunks(job.src.len, chunk) {
+        let tail_at = len - job.tail.len();
+        for r in chunks(len, chunk) {
             if self.cancelled(job.generation) {
                 return Ok(false);
             }
             let slot = self.ring.next()?;
-            let path = &job.src.path;
-            let offset = job.src.offset + r.start as u64;
-            let file = open_cached(&mut self.files, path)?;
             let buf = self.ring.bufs[slot]
                 .as_mut_slice()
                 .map_err(|e| format!("cuda: staging buffer: {e}"))?;
             let buf = &mut buf[..r.len()];
             let t0 = std::time::Instant::now();
-            read_parts(file, offset, buf, READERS)
-                .map_err(|e| format!("reading {}: {e}", path.display()))?;
+            read_parts(&pieces, r.start, buf, READERS)?;
             timing.1 += t0.elapsed().as_secs_f64();
             if !agrees(&job.head, 0, buf, r.start) || !agrees(&job.tail, tail_at, buf, r.start) {
+                let paths: std::collections::BTreeSet<String> = job
+                    .src
+                    .iter()
+                    .map(|r| r.path.display().to_string())
+                    .collect();
                 return Err(format!(
                     "the file's bytes differ from those mapped when the model was opened (was {} changed?)",
-                    path.display()
+                    paths.into_iter().collect::<Vec<_>>().join(", ")
                 ));
             }
             if timing.0.is_none() {
@@ -526,7 +581,7 @@ impl Worker {
             }
             let (ptr, rec) = job.dst.device_ptr_mut(&self.copy.stream);
             // SAFETY: `ptr + r.start .. + r.len()` lies inside `dst` (checked: dst holds at least
-            // src.len bytes and r is inside 0..src.len); `buf` is pinned memory that is not
+            // the job's `len` bytes and r is inside 0..len); `buf` is pinned memory that is not
             // written again before the event recorded below says this copy is done
             // (`Ring::next`), and it outlives the copy (the ring waits for its events when
             // dropped); the copy stream waited for `dst`'s allocation above.
@@ -599,12 +654,59 @@ pub fn agrees(want: &[u8], want_at: usize, got: &[u8], got_at: usize) -> bool {
     lo >= hi || want[lo - want_at..hi - want_at] == got[lo - got_at..hi - got_at]
 }
 
-/// Fills `buf` with the bytes of `file` at `offset`, its parts ([`parts`]) read by threads of
-/// their own.
-fn read_parts(file: &File, offset: u64, buf: &mut [u8], readers: usize) -> std::io::Result<()> {
+/// One file range of a job, its file open.
+#[derive(Clone, Copy)]
+struct Piece<'f> {
+    file: &'f File,
+    path: &'f Path,
+    offset: u64,
+    len: usize,
+}
+
+/// The reads that fill bytes `at..at + len` of `pieces` laid one after another: for each
+/// range of a piece overlapping them, `(index of the piece, offset in its file, offset in the
+/// bytes asked for, length)`, in order.
+fn spans(lens: &[usize], at: usize, len: usize) -> Vec<(usize, u64, usize, usize)> {
+    let mut v = Vec::new();
+    let mut start = 0;
+    for (i, &l) in lens.iter().enumerate() {
+        let (lo, hi) = (start.max(at), (start + l).min(at + len));
+        if lo < hi {
+            v.push((i, (lo - start) as u64, lo - at, hi - lo));
+        }
+        start += l;
+        if start >= at + len {
+            break;
+        }
+    }
+    v
+}
+
+/// Fills `buf` with bytes `at..at + buf.len()` of `pieces` laid one after another, its parts
+/// ([`parts`]) read by threads of their own; an error names the file and the offset.
+fn read_parts(
+    pieces: &[Piece<'_>],
+    at: usize,
+    buf: &mut [u8],
+    readers: usize,
+) -> Result<(), String> {
+    let lens: Vec<usize> = pieces.iter().map(|p| p.len).collect();
+    let read = |part: &mut [u8], part_at: usize| -> Result<(), String> {
+        for (i, in_piece, in_part, n) in spans(&lens, at + part_at, part.len()) {
+            let p = pieces[i];
+            let offset = p.offset + in_piece;
+            read_at(p.file, &mut part[in_part..in_part + n], offset).map_err(|e| {
+                format!(
+                    "reading {n} bytes at offset {offset} of {}: {e}",
+                    p.path.display()
+                )
+            })?;
+        }
+        Ok(())
+    };
     let ps = parts(buf.len(), readers, MIN_PART);
     if ps.len() <= 1 {
-        return read_at(file, buf, offset);
+        return read(buf, 0);
     }
     std::thread::scope(|s| {
         let mut rest: &mut [u8] = buf;
@@ -612,14 +714,16 @@ fn read_parts(file: &File, offset: u64, buf: &mut [u8], readers: usize) -> std::
         for r in ps {
             let (part, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
             rest = tail;
-            let at = offset + r.start as u64;
+            let read = &read;
             handles.push(
-                std::thread::Builder::new().spawn_scoped(s, move || read_at(file, part, at))?,
+                std::thread::Builder::new()
+                    .spawn_scoped(s, move || read(part, r.start))
+                    .map_err(|e| format!("starting a reader thread: {e}"))?,
             );
         }
         handles.into_iter().try_for_each(|h| {
             h.join()
-                .unwrap_or_else(|_| Err(std::io::Error::other("a reader thread panicked")))
+                .unwrap_or_else(|_| Err("a reader thread panicked".to_string()))
         })
     })
 }
@@ -732,10 +836,52 @@ mod tests {
             .collect();
         std::fs::write(&path, &data).unwrap();
         let f = File::open(&path).unwrap();
+        let whole = |offset: u64, len: usize| Piece {
+            file: &f,
+            path: &path,
+            offset,
+            len,
+        };
         let mut buf = vec![0u8; data.len() - 5];
-        read_parts(&f, 5, &mut buf, READERS).unwrap();
+        read_parts(&[whole(5, data.len() - 5)], 0, &mut buf, READERS).unwrap();
         assert_eq!(buf, data[5..]);
         let mut past = vec![0u8; 10];
-        assert!(read_parts(&f, data.len() as u64 - 5, &mut past, READERS).is_err());
+        let e = read_parts(&[whole(data.len() as u64 - 5, 10)], 0, &mut past, READERS).unwrap_err();
+        assert!(
+            e.contains(&format!("offset {}", data.len() - 5)) && e.contains("f.bin"),
+            "{e}"
+        );
+        // Ranges laid one after another (a stacked tensor's rows of some experts), read from
+        // the middle of the second on, parts crossing from one range to the next.
+        let ranges = [
+            (0, 1000),
+            (MIN_PART + 3, 2 * MIN_PART + 11),
+            (100, 5),
+            (17, MIN_PART - 2),
+        ];
+        let pieces: Vec<Piece<'_>> = ranges.iter().map(|&(o, l)| whole(o as u64, l)).collect();
+        let laid: Vec<u8> = ranges
+            .iter()
+            .flat_map(|&(o, l)| data[o..o + l].iter().copied())
+            .collect();
+        for (at, len) in [(0, laid.len()), (1500, laid.len() - 1500), (999, 3), (7, 0)] {
+            let mut buf = vec![0u8; len];
+            read_parts(&pieces, at, &mut buf, READERS).unwrap();
+            assert_eq!(buf, laid[at..at + len], "{at} {len}");
+        }
+    }
+
+    #[test]
+    fn spans_cut_the_ranges_laid_one_after_another() {
+        // Ranges of 10, 0, 5 and 20 bytes: 0..10, 10..15, 15..35 laid out.
+        let lens = [10, 0, 5, 20];
+        assert_eq!(
+            spans(&lens, 0, 35),
+            vec![(0, 0, 0, 10), (2, 0, 10, 5), (3, 0, 15, 20)]
+        );
+        assert_eq!(spans(&lens, 8, 4), vec![(0, 8, 0, 2), (2, 0, 2, 2)]);
+        assert_eq!(spans(&lens, 12, 3), vec![(2, 2, 0, 3)]);
+        assert_eq!(spans(&lens, 30, 5), vec![(3, 15, 0, 5)]);
+        assert!(spans(&lens, 35, 0).is_empty() && spans(&lens, 3, 0).is_empty());
     }
 }

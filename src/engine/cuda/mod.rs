@@ -7,7 +7,8 @@
 //!   by the bit-exact kernels of `cuda/dequant*.cu`, a chunk of rows at a time, then multiplied
 //!   with cuBLAS SGEMM (pedantic math: no TF32);
 //! - only the experts a step routes to are dequantized (a stacked expert tensor is read as one
-//!   expert's row range of its raw bytes);
+//!   expert's row range of its raw bytes), and at short prompts only those are uploaded, after
+//!   the router (`routed`);
 //! - MLA runs in the *absorbed* form: `W_UK` folded into the query (`q_lat = q_nope · W_UK`),
 //!   attention over the latent `c_kv` and `k_pe`, `W_UV` applied after, the form whose kernels
 //!   broke on a new GPU in the field; the reference stays naive, so a run compares the two forms.
@@ -20,7 +21,8 @@
 //!
 //! Rooms: `tensor` (device tensors, launch configurations, the `launch!` macro), `gemm`
 //! (cuBLAS and the chunked projections), `weights` (raw-block residency, dequantization into
-//! scratch), `prefetch` (the next layer's raw blocks uploaded behind the current one),
+//! scratch), `prefetch` (the next layer's raw blocks uploaded behind the current one), `routed`
+//! (the routed experts' rows uploaded by expert at short prompts),
 //! `attention` (RoPE, the DSA indexer, MLA), `moe` (router, experts, SwiGLU); this file holds
 //! the engine and its [`Engine`] implementation, which delegates to them; [`multi`] spreads the
 //! layers over several devices.
@@ -30,6 +32,7 @@ mod gemm;
 mod moe;
 pub mod multi;
 mod prefetch;
+mod routed;
 mod tensor;
 mod weights;
 
@@ -56,6 +59,10 @@ use tensor::{items, launch, rows_cfg, GpuData};
 
 pub use prefetch::{
     prefetch_by_default, set_prefetch_by_default, PrefetchSummary, PREFETCH_RESERVE,
+};
+pub use routed::{
+    expected_routed_share, expert_uploads_by_default, set_expert_uploads_by_default, ExpertUploads,
+    ROUTED_SHARE_MAX,
 };
 pub use tensor::GpuTensor;
 
@@ -105,6 +112,12 @@ pub struct CudaEngine<'w> {
     vectors: RefCell<HashMap<String, Rc<CudaSlice<f32>>>>,
     /// The next layer's raw blocks on their way ([`prefetch`]).
     prefetch: RefCell<prefetch::Prefetch>,
+    /// How stacked expert tensors reach the device ([`routed`]).
+    expert_uploads: ExpertUploads,
+    /// The tokens of the last prompt embedded or routed (what `auto` expert uploads go by).
+    tokens: Cell<Option<usize>>,
+    /// The experts of stacked tensors put on the device by expert ([`routed`]).
+    routed: RefCell<routed::RoutedIndex>,
     /// Weight uploads since the driver last asked ([`Engine::take_upload_stats`]).
     upload_stats: Cell<UploadStats>,
 }
@@ -152,6 +165,9 @@ impl<'w> CudaEngine<'w> {
             raw: RefCell::new(HashMap::new()),
             vectors: RefCell::new(HashMap::new()),
             prefetch: RefCell::new(prefetch::Prefetch::new(prefetch::prefetch_by_default())),
+            expert_uploads: routed::expert_uploads_by_default(),
+            tokens: Cell::new(None),
+            routed: RefCell::new(HashMap::new()),
             upload_stats: Cell::new(UploadStats::default()),
         })
     }
@@ -228,6 +244,7 @@ impl Engine for CudaEngine<'_> {
         {
             bail!("engine: cuda: token id {id} at position {i} is outside the vocabulary of {n_vocab}");
         }
+        self.tokens.set(Some(ids.len()));
         let n = ids.len() * hidden;
         let mut out = self.zeros_f32(n, "embedding")?;
         if n > 0 {

@@ -30,6 +30,7 @@ impl CudaEngine<'_> {
             bail!("engine: cuda: layer {layer} router: {e} experts, {} used, groups {:?}: the router kernel takes at most 512 experts, 64 used and 64 groups", hp.n_expert_used, hp.groups);
         }
         let k = hp.n_expert_used;
+        self.tokens.set(Some(t));
         let bias_name = names::blk(layer, blk::EXP_PROBS_B);
         let bias = if self.weights.has(&bias_name) {
             Some(self.vector(&bias_name)?)
@@ -134,6 +135,17 @@ impl CudaEngine<'_> {
         let down_name = names::blk(layer, blk::FFN_DOWN_EXPS);
         let use_fused = !self.weights.has(&gate_name) && self.weights.has(&fused);
         let ff = hp.n_ff_exp;
+        // At short prompts only the routed experts' rows are put on the device (`routed`).
+        self.tokens.set(Some(t));
+        let stacked: Vec<&str> = if use_fused {
+            vec![&fused, &down_name]
+        } else {
+            vec![&gate_name, &up_name, &down_name]
+        };
+        let experts: Vec<usize> = (0..hp.n_expert)
+            .filter(|&e| !routed[e].is_empty())
+            .collect();
+        self.upload_routed(layer, &stacked, &experts)?;
         let mut acc = self
             .gpu
             .alloc_zeroed::<f64>((t * hidden).max(1), "expert sum")?;

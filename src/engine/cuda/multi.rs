@@ -189,6 +189,17 @@ impl<'w> MultiCudaEngine<'w> {
         self
     }
 
+    /// The same engines with stacked expert tensors uploaded as `mode` says
+    /// ([`CudaEngine::with_expert_uploads`]).
+    pub fn with_expert_uploads(mut self, mode: super::ExpertUploads) -> MultiCudaEngine<'w> {
+        self.engines = self
+            .engines
+            .into_iter()
+            .map(|e| e.with_expert_uploads(mode))
+            .collect();
+        self
+    }
+
     /// What prefetching did, over every device.
     pub fn prefetch_summary(&self) -> PrefetchSummary {
         let mut s = PrefetchSummary::default();

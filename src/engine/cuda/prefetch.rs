@@ -24,6 +24,7 @@ use cudarc::driver::CudaSlice;
 
 use super::CudaEngine;
 use crate::gpu::upload::{alloc_dst, Done, FileRange, Job, Outcome, Uploader};
+use crate::gpu::Gpu;
 
 /// Free device memory a layer's prefetch leaves untouched: the current layer's scratch
 /// (dequantized weights, activations, cuBLAS workspace), as the several-device plan allows it.
@@ -199,6 +200,91 @@ impl Prefetch {
         self.drop_layers(|l| l == layer);
     }
 
+    /// Whether `name` is on its way (or arrived, not yet taken).
+    pub(super) fn is_pending(&self, name: &str) -> bool {
+        self.pending.contains_key(name)
+    }
+
+    /// Whether uploads can be sent: prefetching is on and the uploader has not stopped.
+    pub(super) fn can_send(&self) -> bool {
+        self.on && !self.dead
+    }
+
+    /// Sends `wants` of layer `layer` to the uploader (started on first use), each into a
+    /// device buffer of its own allocated here, and files them as pending; what cannot be
+    /// sent is counted as a fallback (uploaded on demand when a step reads it), with the
+    /// reason noted.
+    pub(super) fn send(&mut self, gpu: &Gpu, layer: usize, wants: Vec<Want>) {
+        if self.uploader.is_none() {
+            match Uploader::start(gpu) {
+                Ok(u) => self.uploader = Some(u),
+                Err(e) => {
+                    self.dead = true;
+                    self.summary.fallbacks += wants.len();
+                    self.note(format!("prefetch off on cuda:{}: {e:#}", gpu.info.ordinal));
+                    return;
+                }
+            }
+        }
+        let n_wants = wants.len();
+        let mut ready = Vec::with_capacity(n_wants);
+        for w in wants {
+            match alloc_dst(gpu, w.len(), &w.name) {
+                Ok(d) => ready.push((w, d)),
+                Err(e) => {
+                    self.note(format!("layer {layer} prefetched in part: {e:#}"));
+                    break;
+                }
+            }
+        }
+        // The copy stream starts after the allocations, in the compute stream's order.
+        // (Nothing was copied into the buffers yet: on failure they are freed as they are.)
+        let after = match gpu.stream().record_event(None) {
+            Ok(e) => Arc::new(e),
+            Err(e) => {
+                self.summary.fallbacks += n_wants;
+                self.note(format!("layer {layer} not prefetched: cuda: {e}"));
+                return;
+            }
+        };
+        let mut sent = 0;
+        for (w, dst) in ready {
+            let id = self.next_id;
+            self.next_id += 1;
+            let job = Job {
+                id,
+                generation: self.generation,
+                what: w.name.clone(),
+                src: w.src,
+                head: w.head,
+                tail: w.tail,
+                dst,
+                after: after.clone(),
+            };
+            let Some(u) = &self.uploader else { break };
+            match u.send(job) {
+                Ok(()) => {
+                    sent += 1;
+                    self.pending.insert(
+                        w.name,
+                        Entry {
+                            id,
+                            layer,
+                            state: State::Issued,
+                        },
+                    );
+                }
+                // No copy was issued into it: the buffer is freed as it is.
+                Err(_job) => {
+                    self.dead = true;
+                    self.note("the upload thread stopped".to_string());
+                    break;
+                }
+            }
+        }
+        self.summary.fallbacks += n_wants - sent;
+    }
+
     /// Layer `layer` ends: its prefetched tensors no step took are dropped.
     pub(super) fn end(&mut self, layer: usize) {
         self.begun = None;
@@ -219,12 +305,20 @@ impl Drop for Prefetch {
     }
 }
 
-/// A tensor to prefetch.
-struct Want {
-    name: String,
-    src: FileRange,
-    head: Vec<u8>,
-    tail: Vec<u8>,
+/// Bytes to prefetch: a tensor's raw blocks, or a stacked tensor's rows of some experts
+/// (`super::routed`), filed under `name`.
+pub(super) struct Want {
+    pub(super) name: String,
+    pub(super) src: Vec<FileRange>,
+    pub(super) head: Vec<u8>,
+    pub(super) tail: Vec<u8>,
+}
+
+impl Want {
+    /// Bytes to upload.
+    pub(super) fn len(&self) -> usize {
+        self.src.iter().map(|r| r.len).sum()
+    }
 }
 
 impl CudaEngine<'_> {
@@ -245,8 +339,14 @@ impl CudaEngine<'_> {
     fn prefetch_wants(&self, p: &Prefetch, weights: &[String]) -> Vec<Want> {
         let raw = self.raw.borrow();
         let mut v = Vec::new();
+        let by_expert = self.routed_uploads();
         for name in weights {
             if raw.contains_key(name) || p.pending.contains_key(name) {
+                continue;
+            }
+            // The stacked expert tensors of a step that routes few tokens: only the routed
+            // experts' rows, uploaded after the router (`super::routed`).
+            if by_expert && super::routed::is_stacked_experts(name) {
                 continue;
             }
             // A tensor the model lacks is the step's to report; a 1-D tensor is uploaded as f32
@@ -266,11 +366,11 @@ impl CudaEngine<'_> {
             let k = FINGERPRINT.min(data.len());
             v.push(Want {
                 name: name.clone(),
-                src: FileRange {
+                src: vec![FileRange {
                     path: path.to_path_buf(),
                     offset,
                     len: data.len(),
-                },
+                }],
                 head: data[..k].to_vec(),
                 tail: data[data.len() - k..].to_vec(),
             });
@@ -293,12 +393,12 @@ impl CudaEngine<'_> {
             return;
         }
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-        let need: u64 = wants.iter().map(|w| w.src.len as u64).sum();
+        let need: u64 = wants.iter().map(|w| w.len() as u64).sum();
         // The current layer's tensors still to be uploaded on demand need their room too.
         let current: u64 = self
             .prefetch_wants(p, &p.begun_weights)
             .iter()
-            .map(|w| w.src.len as u64)
+            .map(|w| w.len() as u64)
             .sum();
         match self.gpu.memory() {
             Ok((free, _)) if free >= need + current + PREFETCH_RESERVE => {}
@@ -320,77 +420,7 @@ impl CudaEngine<'_> {
                 return;
             }
         }
-        if p.uploader.is_none() {
-            match Uploader::start(self.gpu) {
-                Ok(u) => p.uploader = Some(u),
-                Err(e) => {
-                    p.dead = true;
-                    p.summary.fallbacks += wants.len();
-                    p.note(format!(
-                        "prefetch off on cuda:{}: {e:#}",
-                        self.gpu.info.ordinal
-                    ));
-                    return;
-                }
-            }
-        }
-        let n_wants = wants.len();
-        let mut ready = Vec::with_capacity(n_wants);
-        for w in wants {
-            match alloc_dst(self.gpu, w.src.len, &w.name) {
-                Ok(d) => ready.push((w, d)),
-                Err(e) => {
-                    p.note(format!("layer {layer} prefetched in part: {e:#}"));
-                    break;
-                }
-            }
-        }
-        // The copy stream starts after the allocations, in the compute stream's order.
-        // (Nothing was copied into the buffers yet: on failure they are freed as they are.)
-        let after = match self.gpu.stream().record_event(None) {
-            Ok(e) => Arc::new(e),
-            Err(e) => {
-                p.summary.fallbacks += n_wants;
-                p.note(format!("layer {layer} not prefetched: cuda: {e}"));
-                return;
-            }
-        };
-        let mut sent = 0;
-        for (w, dst) in ready {
-            let id = p.next_id;
-            p.next_id += 1;
-            let job = Job {
-                id,
-                generation: p.generation,
-                what: w.name.clone(),
-                src: w.src,
-                head: w.head,
-                tail: w.tail,
-                dst,
-                after: after.clone(),
-            };
-            let Some(u) = &p.uploader else { break };
-            match u.send(job) {
-                Ok(()) => {
-                    sent += 1;
-                    p.pending.insert(
-                        w.name,
-                        Entry {
-                            id,
-                            layer,
-                            state: State::Issued,
-                        },
-                    );
-                }
-                // No copy was issued into it: the buffer is freed as it is.
-                Err(_job) => {
-                    p.dead = true;
-                    p.note("the upload thread stopped".to_string());
-                    break;
-                }
-            }
-        }
-        p.summary.fallbacks += n_wants - sent;
+        p.send(self.gpu, layer, wants);
     }
 
     /// Tensor `name` from its prefetch, the compute stream ordered after its copies; `None`

@@ -18,6 +18,9 @@ impl CudaEngine<'_> {
     /// Frees the device copies of every tensor whose name starts with `prefix` (e.g. `blk.3.`).
     pub fn forget(&self, prefix: &str) {
         self.raw.borrow_mut().retain(|k, _| !k.starts_with(prefix));
+        self.routed
+            .borrow_mut()
+            .retain(|k, _| !k.starts_with(prefix));
         self.vectors
             .borrow_mut()
             .retain(|k, _| !k.starts_with(prefix));
@@ -70,8 +73,12 @@ impl CudaEngine<'_> {
         let ty = t.info.ty;
         let cols = t.info.ne[0] as usize;
         let row_bytes = cols / ty.block_size() * ty.type_size();
-        let raw = self.raw(name)?;
-        let view = raw.slice(rows.start * row_bytes..rows.end * row_bytes);
+        // An expert's rows uploaded by expert (`routed`), else the whole tensor's raw blocks.
+        let (raw, at) = match self.routed_rows(name, &rows, row_bytes)? {
+            Some(held) => held,
+            None => (self.raw(name)?, rows.start * row_bytes),
+        };
+        let view = raw.slice(at..at + rows.len() * row_bytes);
         self.gpu
             .dequant_view(ty, format, &view, dst)
             .with_context(|| format!("engine: cuda: dequantizing {name} rows {rows:?}"))
