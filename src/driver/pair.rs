@@ -112,11 +112,17 @@ where
         );
     };
     // The comparison on a thread of its own, in the order of the calls, beside the driver's
-    // later steps; the driver's questions about near ties wait for it.
+    // later steps; the driver's questions about near ties wait for it. Its parallel work runs
+    // on threads of lower priority, so that it takes the cores the reference leaves idle rather
+    // than the reference's (the values are the same on any threads).
     let queue = Queue::new(WAITING_BYTES);
+    let pool = crate::util::background::pool("compare", rayon::current_num_threads());
     std::thread::scope(|scope| {
         let q = &queue;
-        let serving = scope.spawn(move || q.serve(sink));
+        let serving = scope.spawn(move || match &pool {
+            Some(p) => p.install(|| q.serve(sink)),
+            None => q.serve(sink),
+        });
         let closing = Closing(q);
         let synced = Synced {
             ties: inputs.ties,

@@ -4,6 +4,7 @@
 //! the SplitMix64 generator ([`rng`]), top-k with ties ([`topk`]) and shell quoting ([`shell`]).
 
 pub mod atomic;
+pub mod background;
 pub mod cache_dir;
 pub mod glob;
 pub mod guard;
