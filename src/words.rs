@@ -208,7 +208,8 @@ impl fmt::Display for CudaDtype {
 }
 
 /// How the CUDA engine puts a MoE layer's stacked expert tensors on the device
-/// (`--expert-uploads`); the same bits either way.
+/// (`--expert-uploads`); the same bits either way. The engine's own type is chosen from it where
+/// the engine's default is set.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ExpertUploads {
     /// By expert, only the routed ones, when a step is expected to route to at most half of

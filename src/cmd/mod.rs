@@ -39,7 +39,13 @@ pub(crate) fn set_prefetch(args: &PrefetchArgs) {
     #[cfg(feature = "cuda")]
     {
         crate::engine::cuda::set_prefetch_by_default(!args.no_prefetch);
-        crate::engine::cuda::set_expert_uploads_by_default(args.expert_uploads);
+        use crate::engine::cuda::ExpertUploads as Engine;
+        use crate::words::ExpertUploads as Word;
+        crate::engine::cuda::set_expert_uploads_by_default(match args.expert_uploads {
+            Word::Auto => Engine::Auto,
+            Word::Routed => Engine::Routed,
+            Word::Whole => Engine::Whole,
+        });
     }
     // Without the `cuda` feature no engine uploads weights.
     #[cfg(not(feature = "cuda"))]

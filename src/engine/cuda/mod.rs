@@ -386,7 +386,8 @@ impl Engine for CudaEngine<'_> {
 
     /// Prefetches of other layers are dropped (see [`prefetch`]).
     fn begin_layer(&self, layer: usize, weights: &[String]) -> Result<()> {
-        self.prefetch.borrow_mut().begin(layer, weights);
+        let whole = self.whole_tensors(weights);
+        self.prefetch.borrow_mut().begin(layer, &whole);
         Ok(())
     }
 
@@ -403,7 +404,9 @@ impl Engine for CudaEngine<'_> {
     /// [`prefetch`]); never an error.
     fn prefetch_layer(&self, layer: usize, weights: &[String]) -> Result<()> {
         let t0 = Instant::now();
-        self.prefetch_tensors(layer, weights);
+        // The stacked expert tensors of a step that routes few tokens are uploaded by expert,
+        // after its router (`routed`).
+        self.prefetch_tensors(layer, &self.whole_tensors(weights));
         self.count_upload(t0, 0);
         Ok(())
     }

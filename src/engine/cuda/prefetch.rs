@@ -339,14 +339,8 @@ impl CudaEngine<'_> {
     fn prefetch_wants(&self, p: &Prefetch, weights: &[String]) -> Vec<Want> {
         let raw = self.raw.borrow();
         let mut v = Vec::new();
-        let by_expert = self.routed_uploads();
         for name in weights {
             if raw.contains_key(name) || p.pending.contains_key(name) {
-                continue;
-            }
-            // The stacked expert tensors of a step that routes few tokens: only the routed
-            // experts' rows, uploaded after the router (`super::routed`).
-            if by_expert && super::routed::is_stacked_experts(name) {
                 continue;
             }
             // A tensor the model lacks is the step's to report; a 1-D tensor is uploaded as f32

@@ -30,7 +30,6 @@ use super::prefetch::Want;
 use super::CudaEngine;
 use crate::gpu::upload::FileRange;
 use crate::model::names::{self, blk};
-pub use crate::words::ExpertUploads;
 
 /// Experts of one upload job of a stacked tensor: a group of GLM-5 Q4_K `ffn_gate_exps` rows is
 /// 113 MB, enough for the uploader's four readers, and the step starts on the first group while
@@ -44,6 +43,19 @@ pub const ROUTED_SHARE_MAX: f64 = 0.5;
 
 /// Bytes of an expert's first and last rows compared between the memory map and the file.
 const FINGERPRINT: usize = 64;
+
+/// How the stacked expert tensors reach the device (the command's `--expert-uploads`); the
+/// same bits either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ExpertUploads {
+    /// By expert when few are routed ([`ROUTED_SHARE_MAX`]), else whole.
+    #[default]
+    Auto,
+    /// Always by expert, the routed ones only, after the router.
+    Routed,
+    /// Always whole (every expert, prefetched with the layer).
+    Whole,
+}
 
 /// [`ExpertUploads`] of the engines opened from now on ([`set_expert_uploads_by_default`]).
 static BY_DEFAULT: AtomicU8 = AtomicU8::new(0);
@@ -122,6 +134,17 @@ impl CudaEngine<'_> {
     pub fn with_expert_uploads(mut self, mode: ExpertUploads) -> Self {
         self.expert_uploads = mode;
         self
+    }
+
+    /// The tensors of `weights` (a layer's) that go to the device whole, prefetched with their
+    /// layer: all but the stacked expert tensors while uploads go by expert.
+    pub(super) fn whole_tensors(&self, weights: &[String]) -> Vec<String> {
+        let by_expert = self.routed_uploads();
+        weights
+            .iter()
+            .filter(|n| !(by_expert && is_stacked_experts(n)))
+            .cloned()
+            .collect()
     }
 
     /// Whether the stacked expert tensors go by expert now: the mode, and for `auto` the last
