@@ -6,8 +6,8 @@
 //!
 //! 1. [`util`]: glob matching, atomic writes (and the temporaries in flight an interrupt
 //!    removes), the output guard (outputs never overwrite inputs), array files, the cache
-//!    directory and the FNV-1a hash, SplitMix64, top-k with ties, the progress trait. Imports
-//!    nothing from the crate.
+//!    directory and the FNV-1a hash, SplitMix64, top-k with ties, the progress trait, thread
+//!    pools of lower priority. Imports nothing from the crate.
 //! 2. [`quant`]: the GGML type table and the dequantizers (each compiled for the baseline,
 //!    AVX2 and AVX-512 and chosen at run time, [`quant::simd`]). Imports nothing from the crate;
 //!    per-type facts of higher layers (CUDA kernel stems, how `synth` and `bench` draw blocks,
