@@ -61,7 +61,7 @@ use super::selection::{has_near_tie, implied_bias, Scores};
 use super::systematic::Part;
 use super::ties::{ScoreBook, SharedScores};
 use crate::model::names::split_blk;
-use crate::tensor::HostTensor;
+use crate::tensor::{HostData, HostTensor};
 use crate::trace::{Answers, Mode, NearTies, Pair, PairSink, Swap};
 use crate::util::glob::matches as glob_match;
 
@@ -583,7 +583,7 @@ impl PairSink for Comparison {
                 let (carried, from, mut through) = self
                     .segment_inputs(name, inputs)
                     .unwrap_or_else(|| (Vec::new(), in_order(inputs.to_vec()), Vec::new()));
-                let ids = reference.as_i32("").is_ok();
+                let ids = matches!(reference.data, HostData::I32(_));
                 let rel = if ids {
                     0.0
                 } else {
@@ -611,7 +611,7 @@ impl PairSink for Comparison {
                 let norm = l2(reference);
                 let kind = self.judge.info(name).kind;
                 let composed = self.composed_chained(name, inputs, own, norm);
-                let ids = reference.as_i32("").is_ok();
+                let ids = matches!(reference.data, HostData::I32(_));
                 // What the scores would be allowed in chained mode: the floor plus what their
                 // inputs carry, amplified, or composed over their step where the candidate
                 // lacks those inputs too.
