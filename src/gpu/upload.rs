@@ -99,10 +99,15 @@ pub struct Job {
     pub after: Arc<CudaEvent>,
 }
 
+/// Bytes of `ranges` laid one after another.
+pub fn total_len(ranges: &[FileRange]) -> usize {
+    ranges.iter().map(|r| r.len).sum()
+}
+
 impl Job {
     /// Bytes of the job: its ranges' lengths added.
     pub fn len(&self) -> usize {
-        self.src.iter().map(|r| r.len).sum()
+        total_len(&self.src)
     }
 
     /// Whether the job has no bytes.

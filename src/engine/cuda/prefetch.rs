@@ -23,7 +23,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 
 use super::CudaEngine;
-use crate::gpu::upload::{alloc_dst, Done, FileRange, Job, Outcome, Uploader};
+use crate::gpu::upload::{alloc_dst, total_len, Done, FileRange, Job, Outcome, Uploader};
 use crate::gpu::Gpu;
 
 /// Free device memory a layer's prefetch leaves untouched: the current layer's scratch
@@ -317,7 +317,7 @@ pub(super) struct Want {
 impl Want {
     /// Bytes to upload.
     pub(super) fn len(&self) -> usize {
-        self.src.iter().map(|r| r.len).sum()
+        total_len(&self.src)
     }
 }
 

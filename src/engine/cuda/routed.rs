@@ -12,9 +12,9 @@
 //! or it failed) a group is copied on demand from the memory map. Either way the bytes are the
 //! file's, the rows those of the whole tensor: the same values, the same bits.
 //!
-//! When ([`ExpertUploads`], `--expert-uploads`): `auto` (the default) when the expected share of experts a step
-//! routes to, with every token's experts spread evenly, is at most [`ROUTED_SHARE_MAX`] (GLM-5:
-//! up to 21 tokens); `routed` and `whole` force one way. The token count is the last prompt the
+//! When ([`ExpertUploads`], `--expert-uploads`): `auto` (the default) when the expected share
+//! of experts a step routes to, with every token's experts spread evenly, is at most
+//! [`ROUTED_SHARE_MAX`] (GLM-5: up to 21 tokens); `routed` and `whole` force one way. The token count is the last prompt the
 //! engine embedded or routed; a layer prefetched before the engine saw any is prefetched whole.
 
 use std::collections::HashMap;
