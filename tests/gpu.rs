@@ -1040,6 +1040,115 @@ mod device {
     /// two-device run), at 2 tokens (the fixtures' 8 experts, 2 a token: `auto` goes by
     /// expert) and 16 (whole); by expert at 2 tokens no prefetch falls back and fewer bytes go
     /// up than whole.
+    /// The uploader copies file ranges to the device bit for bit from either source: staged, and
+    /// from the mapped file's registered pages (`gpu::upload::Source::Mapped`). Ranges at odd
+    /// offsets and lengths, ranges sharing pages (within a job, and across jobs in flight at
+    /// once), a range inside one page, an empty range, a page-aligned one, and jobs larger than
+    /// a staging buffer; the expected bytes are the file's, as written here. A job whose
+    /// fingerprint disagrees with the file fails, naming it; the uploader's later jobs still
+    /// land.
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_mapped_uploads_equal_the_file() {
+        use glmdiff::gpu::upload::{
+            alloc_dst, FileRange, Job, Outcome, Source, Uploader, STAGING_BYTES,
+        };
+        use std::sync::Arc;
+        let _ = NEEDS;
+        let g = gpu();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bytes.bin");
+        let len = STAGING_BYTES + (40 << 20) + 1234;
+        let mut rng = SplitMix64::new(7);
+        let data: Vec<u8> = (0..len).map(|_| (rng.next_u64() >> 56) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        let range = |offset: usize, len: usize| FileRange {
+            path: path.clone(),
+            offset: offset as u64,
+            len,
+        };
+        // Each job's ranges, laid one after another in its buffer.
+        let jobs: Vec<Vec<FileRange>> = vec![
+            vec![range(5, 3 * 4096 + 17)],
+            // Adjacent ranges sharing pages, then a range inside one page, an empty one.
+            vec![
+                range(3 * 4096 + 22, 10_000),
+                range(3 * 4096 + 22 + 10_000, 70_001),
+                range(100_000 + 10, 300),
+                range(9, 0),
+            ],
+            // Shares a page with the job before it (in flight at the same time).
+            vec![range(3 * 4096 + 22 + 80_001, 50_000)],
+            vec![range(8192, 16 * 4096)],
+            // Larger than a staging buffer, unaligned at both ends.
+            vec![range(4096 * 300 + 1, STAGING_BYTES + (20 << 20) + 3)],
+            // The same bytes twice in one job, and again in the next.
+            vec![range(1 << 20, 1 << 20), range(1 << 20, 1 << 20)],
+            vec![range((1 << 20) + 4095, (1 << 20) + 2)],
+        ];
+        for source in [Source::Mapped, Source::Staged] {
+            let up = Uploader::start_from(&g, source).unwrap();
+            let after = Arc::new(g.stream().record_event(None).unwrap());
+            let mut want = Vec::new();
+            for (id, src) in jobs.iter().enumerate() {
+                let bytes: Vec<u8> = src
+                    .iter()
+                    .flat_map(|r| data[r.offset as usize..r.offset as usize + r.len].iter())
+                    .copied()
+                    .collect();
+                let k = 64.min(bytes.len());
+                let mut head = bytes[..k].to_vec();
+                // Job 3's fingerprint is wrong: that job fails.
+                if id == 3 {
+                    head[0] ^= 1;
+                }
+                let dst = alloc_dst(&g, bytes.len().max(1), "test").unwrap();
+                up.send(Job {
+                    id: id as u64,
+                    generation: 0,
+                    what: format!("job {id}"),
+                    src: src.clone(),
+                    head,
+                    tail: bytes[bytes.len() - k..].to_vec(),
+                    dst,
+                    after: after.clone(),
+                })
+                .map_err(|_| "send")
+                .unwrap();
+                want.push(bytes);
+            }
+            for _ in 0..jobs.len() {
+                let d = up.recv().unwrap();
+                let id = d.id as usize;
+                match d.outcome {
+                    Outcome::Ready(r) => {
+                        assert_ne!(id, 3, "{source:?}: a wrong fingerprint was uploaded");
+                        assert!(r.note().is_none(), "{source:?}: {:?}", r.note());
+                        let buf = r.take(g.stream()).unwrap();
+                        let mut host = vec![0u8; want[id].len()];
+                        if !host.is_empty() {
+                            g.stream()
+                                .memcpy_dtoh(&buf.slice(0..host.len()), &mut host)
+                                .unwrap();
+                        }
+                        assert!(
+                            host == want[id],
+                            "{source:?}: job {id} differs from the file"
+                        );
+                    }
+                    Outcome::Failed(why) => {
+                        assert_eq!(id, 3, "{source:?}: job {id} failed: {why}");
+                        assert!(
+                            why.contains("job 3") && why.contains("bytes.bin"),
+                            "{source:?}: {why}"
+                        );
+                    }
+                    Outcome::Cancelled => panic!("{source:?}: job {id} cancelled"),
+                }
+            }
+        }
+    }
+
     #[test]
     #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
     fn gpu_routed_expert_uploads_are_bit_identical() {

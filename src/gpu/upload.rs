@@ -1,6 +1,6 @@
 //! Uploads behind compute: byte ranges of files put on a device by a host thread of their own,
-//! through pinned staging memory and a copy stream of their own, while the caller's thread and
-//! the device's compute stream go on with other work. The CUDA engine's prefetch
+//! through pinned staging memory or from the file's registered pages, and a copy stream of their
+//! own, while the caller's thread and the device's compute stream go on with other work. The CUDA engine's prefetch
 //! (`engine::cuda::prefetch`) and dequant-check's pipeline (`dcheck`) both use it.
 //!
 //! # How
@@ -32,6 +32,16 @@
 //! bookkeeping on every launch of the compute stream): every ordering across the two streams is
 //! the explicit event waits above.
 //!
+//! # From the mapped file ([`Source::Mapped`])
+//! Instead of the staging copy, the thread can map the file and register the pages of a job's
+//! ranges with the driver (`cuMemHostRegister`, read-only): the device's copy engine then reads
+//! the page cache itself, and no host thread copies the bytes. The pages a job registers
+//! (its ranges rounded out to pages, merged where they touch) stay registered until its copies
+//! are done; they are unregistered when a later job starts and finds them done, or before a
+//! later job registers a page they hold (two registrations may not share a page), and all of
+//! them before the thread ends. When the driver refuses a registration, that job and every
+//! later one go through the staging buffers, and the job's [`Ready::note`] says why.
+//!
 //! Every failure of a job (the file, the device) comes back as [`Outcome::Failed`] with the
 //! reason, never as a panic; the caller decides what to do instead.
 
@@ -61,6 +71,19 @@ pub const STAGING_SLOTS: usize = 2;
 pub const READERS: usize = 4;
 /// Smallest part of a chunk given to a reader thread of its own.
 pub const MIN_PART: usize = 8 << 20;
+
+/// How the upload thread puts a job's bytes on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// Read into pinned staging buffers by [`READERS`] threads, copied from there.
+    Staged,
+    /// Copied by the device from the file's mapped pages, registered with the driver for the
+    /// copy (see the module documentation); staged where the driver refuses.
+    Mapped,
+}
+
+/// Page size the registered ranges are rounded to.
+const PAGE: usize = 4096;
 
 /// Where a job's bytes are: `len` bytes at `offset` of the file `path`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -148,6 +171,9 @@ pub struct Ready {
     read_s: f64,
     /// Bytes copied ([`Job::len`]; the buffer may be larger).
     bytes: usize,
+    /// Why the job went through the staging buffers though the thread copies from the mapped
+    /// file ([`Source::Mapped`]): the driver refused to register its pages.
+    note: Option<String>,
 }
 
 /// How long a job's copies took: taken with [`Ready::take_timed`], read once they are finished.
@@ -157,7 +183,8 @@ pub struct CopyTiming {
     /// Bytes copied.
     pub bytes: usize,
     /// Host seconds the upload thread spent reading the bytes from the file into pinned
-    /// staging memory (positional reads, [`READERS`] threads a chunk).
+    /// staging memory (positional reads, [`READERS`] threads a chunk), or registering their
+    /// mapped pages ([`Source::Mapped`]).
     pub read_s: f64,
 }
 
@@ -175,6 +202,12 @@ impl CopyTiming {
 }
 
 impl Ready {
+    /// Why a job of a thread that copies from the mapped file ([`Source::Mapped`]) was staged
+    /// instead, if it was.
+    pub fn note(&self) -> Option<&str> {
+        self.note.as_deref()
+    }
+
     /// Whether the copies are finished (false on a device error: [`Ready::take`] reports it).
     pub fn is_complete(&self) -> bool {
         self.done.is_complete()
@@ -347,8 +380,14 @@ pub struct Uploader {
 }
 
 impl Uploader {
-    /// Starts the copy stream, the staging ring and the thread on `gpu`.
+    /// Starts the copy stream, the staging ring and the thread on `gpu`, staging every job
+    /// ([`Source::Staged`]).
     pub fn start(gpu: &Gpu) -> Result<Uploader> {
+        Uploader::start_from(gpu, Source::Staged)
+    }
+
+    /// [`Uploader::start`], the jobs' bytes taken from `source`.
+    pub fn start_from(gpu: &Gpu, source: Source) -> Result<Uploader> {
         let ctx = gpu.context().clone();
         let copy = CopyStream::new(&ctx)?;
         let ring = Ring::new(&ctx, STAGING_SLOTS, STAGING_BYTES)?;
@@ -357,6 +396,12 @@ impl Uploader {
         let (job_tx, job_rx) = mpsc::channel::<Job>();
         let (done_tx, done_rx) = mpsc::channel::<Done>();
         let worker = Worker {
+            pins: Pins::default(),
+            maps: HashMap::new(),
+            mapped: match source {
+                Source::Mapped => Ok(()),
+                Source::Staged => Err(String::new()),
+            },
             ctx,
             copy,
             ring,
@@ -420,8 +465,14 @@ impl Drop for Uploader {
     }
 }
 
-/// The upload thread's state.
+/// The upload thread's state. Fields drop in order: the registered pages are unregistered
+/// (after their copies) before the maps they lie in.
 struct Worker {
+    pins: Pins,
+    maps: HashMap<PathBuf, memmap2::Mmap>,
+    /// Ok: jobs are copied from the mapped files ([`Source::Mapped`]); Err: staged, and why
+    /// (empty when staging was asked for).
+    mapped: Result<(), String>,
     ctx: Arc<CudaContext>,
     copy: CopyStream,
     ring: Ring,
@@ -452,13 +503,28 @@ impl Worker {
         generation < self.cancel.load(Ordering::Acquire)
     }
 
-    /// Reads and copies every chunk of `job`; on failure the buffer is retired after the
-    /// copies already issued into it.
+    /// Copies `job` from the mapped file ([`Source::Mapped`]) when the driver registers its
+    /// pages, else reads and copies every chunk of it through the staging buffers; on failure
+    /// the buffer is retired after the copies already issued into it.
     fn upload(&mut self, mut job: Job) -> Outcome {
         let mut issued = false;
         let mut timing = (None, 0.0);
         let bytes = job.len();
-        match self.copy_chunks(&mut job, &mut issued, &mut timing) {
+        let mut note = None;
+        let copied = if self.mapped.is_ok() {
+            match self.copy_mapped(&mut job, &mut issued, &mut timing) {
+                Ok(Some(copied)) => Ok(copied),
+                Ok(None) => {
+                    let why = self.mapped.clone().err().unwrap_or_default();
+                    note = Some(format!("uploads staged from {}: {why}", job.what));
+                    self.copy_chunks(&mut job, &mut issued, &mut timing)
+                }
+                Err(e) => Err(e),
+            }
+        } else {
+            self.copy_chunks(&mut job, &mut issued, &mut timing)
+        };
+        match copied {
             Ok(true) => {
                 // A job without bytes has no first copy: its two events are recorded together.
                 let start = match timing.0.take() {
@@ -472,6 +538,7 @@ impl Worker {
                         done,
                         read_s: timing.1,
                         bytes,
+                        note,
                     }),
                     Err(e) => {
                         self.abandon(job.dst, issued);
@@ -505,6 +572,183 @@ impl Worker {
             }
         }
         drop(dst);
+    }
+
+    /// Copies `job` from the mapped file: its ranges' pages registered with the driver, one
+    /// asynchronous copy per range. Ok(Some(true)): every copy issued; Ok(Some(false)):
+    /// cancelled before any; Ok(None): the driver refused a registration (nothing was copied;
+    /// `self.mapped` says why), so the job is to be staged. `timing` gets the event recorded
+    /// before the first copy and the seconds spent registering.
+    fn copy_mapped(
+        &mut self,
+        job: &mut Job,
+        issued: &mut bool,
+        timing: &mut (Option<CudaEvent>, f64),
+    ) -> Result<Option<bool>, String> {
+        use cudarc::driver::sys;
+        let len = job.len();
+        if job.dst.len() < len {
+            return Err(format!(
+                "the device buffer holds {} bytes, not {len}",
+                job.dst.len()
+            ));
+        }
+        if job.head.len() > len || job.tail.len() > len {
+            return Err("a fingerprint longer than the range".to_string());
+        }
+        if self.cancelled(job.generation) {
+            return Ok(Some(false));
+        }
+        self.copy
+            .stream
+            .wait(&job.after)
+            .map_err(|e| format!("cuda: ordering the copy after the allocation: {e}"))?;
+        // The ranges' host addresses in the maps: (address, length), laid in order.
+        let mut host: Vec<(usize, usize)> = Vec::with_capacity(job.src.len());
+        for r in &job.src {
+            let m = map_cached(&mut self.maps, &r.path)?;
+            let end = r.offset.checked_add(r.len as u64);
+            if end.is_none_or(|e| e > m.len() as u64) {
+                return Err(format!(
+                    "{} bytes at offset {} of {}: past the file's end ({} bytes)",
+                    r.len,
+                    r.offset,
+                    r.path.display(),
+                    m.len()
+                ));
+            }
+            host.push((m.as_ptr() as usize + r.offset as usize, r.len));
+        }
+        // SAFETY: every range lies inside its live map (checked above), which is only read.
+        let laid = |at: usize, n: usize| -> Vec<u8> {
+            let lens: Vec<usize> = host.iter().map(|h| h.1).collect();
+            let mut v = Vec::with_capacity(n);
+            for (i, in_piece, _, k) in spans(&lens, at, n) {
+                let a = host[i].0 + in_piece as usize;
+                v.extend_from_slice(unsafe { std::slice::from_raw_parts(a as *const u8, k) });
+            }
+            v
+        };
+        if laid(0, job.head.len()) != job.head
+            || laid(len - job.tail.len(), job.tail.len()) != job.tail
+        {
+            return Err(changed_file(job));
+        }
+        // Each range's whole pages are copied where they lie, registered; its ends on pages
+        // it shares with other bytes (less than a page each) go through a staging buffer, so
+        // that no page is registered by two jobs at once.
+        let pieces = mapped_pieces(&host);
+        let pages = page_spans(&pieces);
+        let t0 = std::time::Instant::now();
+        self.pins.release(&pages)?;
+        let mut registered = Vec::with_capacity(pages.len());
+        for &(lo, hi) in &pages {
+            // SAFETY: `lo..hi` is page-aligned and lies inside a live read-only map of this
+            // thread's (whole pages of the jobs' ranges); no page of it is registered already
+            // (`release` unregistered every earlier span sharing one); it stays registered, and
+            // the map alive, until its copies are done (`Pins`).
+            let r = unsafe {
+                sys::cuMemHostRegister_v2(
+                    lo as *mut std::ffi::c_void,
+                    hi - lo,
+                    sys::CU_MEMHOSTREGISTER_READ_ONLY,
+                )
+            };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                unregister(&registered);
+                timing.1 += t0.elapsed().as_secs_f64();
+                self.mapped = Err(format!(
+                    "the driver did not register {} bytes of the mapped file ({r:?})",
+                    hi - lo
+                ));
+                return Ok(None);
+            }
+            registered.push((lo, hi));
+        }
+        timing.1 += t0.elapsed().as_secs_f64();
+        let start = timing_event(&self.ctx, &self.copy.stream)
+            .map_err(|e| format!("cuda: recording an upload's start: {e}"));
+        let start = match start {
+            Ok(e) => e,
+            Err(e) => {
+                unregister(&registered);
+                return Err(e);
+            }
+        };
+        timing.0 = Some(start);
+        *issued = true;
+        let failed = self.issue_mapped(job, &pieces).err();
+        match timing_event(&self.ctx, &self.copy.stream) {
+            Ok(done) => self.pins.held.push(Pin {
+                spans: registered,
+                done,
+            }),
+            Err(e) => {
+                // The copies' end cannot be marked: wait for the stream before unregistering.
+                let _ = self.copy.stream.synchronize();
+                unregister(&registered);
+                return Err(format!("cuda: recording a copy: {e}"));
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(Some(true)),
+        }
+    }
+
+    /// Issues the copies of `pieces` into `job.dst` on the copy stream: the staged ones (a
+    /// range's ends) first, gathered into the next staging buffer, then the registered ones
+    /// straight from their pages.
+    fn issue_mapped(&mut self, job: &mut Job, pieces: &[MappedPiece]) -> Result<(), String> {
+        use cudarc::driver::sys;
+        let staged: usize = pieces.iter().filter(|p| !p.registered).map(|p| p.len).sum();
+        let (ptr, rec) = job.dst.device_ptr_mut(&self.copy.stream);
+        let stream = self.copy.stream.cu_stream();
+        let copy = |dst: u64, src: *const u8, n: usize| -> Result<(), String> {
+            // SAFETY: `dst .. + n` lies inside the job's buffer (a piece's place in the ranges
+            // laid one after another, which the buffer holds: checked by the caller); `src`
+            // is pinned (a staging buffer not refilled before this copy's event, or registered
+            // pages of a live map kept registered until the job's copies are done).
+            let r = unsafe {
+                sys::cuMemcpyHtoDAsync_v2(dst, src as *const std::ffi::c_void, n, stream)
+            };
+            if r == sys::CUresult::CUDA_SUCCESS {
+                Ok(())
+            } else {
+                Err(format!("cuda: copy to the device: {r:?}"))
+            }
+        };
+        let result = (|| {
+            if staged > 0 {
+                let slot = self.ring.next()?;
+                let buf = self.ring.bufs[slot]
+                    .as_mut_slice()
+                    .map_err(|e| format!("cuda: staging buffer: {e}"))?;
+                if staged > buf.len() {
+                    return Err(format!(
+                        "{staged} bytes of range ends for one staging buffer"
+                    ));
+                }
+                let mut at = 0;
+                for p in pieces.iter().filter(|p| !p.registered) {
+                    // SAFETY: the piece lies inside a live map of this thread's (checked when the
+                    // ranges were placed), which is only read.
+                    let src = unsafe { std::slice::from_raw_parts(p.host as *const u8, p.len) };
+                    buf[at..at + p.len].copy_from_slice(src);
+                    copy(ptr + p.dst as u64, buf[at..].as_ptr(), p.len)?;
+                    at += p.len;
+                }
+                self.ring.events[slot]
+                    .record(&self.copy.stream)
+                    .map_err(|e| format!("cuda: recording a copy: {e}"))?;
+            }
+            for p in pieces.iter().filter(|p| p.registered) {
+                copy(ptr + p.dst as u64, p.host as *const u8, p.len)?;
+            }
+            Ok(())
+        })();
+        drop(rec);
+        result
     }
 
     /// Ok(true): every chunk copied; Ok(false): cancelled on the way. `timing` gets the event
@@ -567,15 +811,7 @@ impl Worker {
             read_parts(&pieces, r.start, buf, READERS)?;
             timing.1 += t0.elapsed().as_secs_f64();
             if !agrees(&job.head, 0, buf, r.start) || !agrees(&job.tail, tail_at, buf, r.start) {
-                let paths: std::collections::BTreeSet<String> = job
-                    .src
-                    .iter()
-                    .map(|r| r.path.display().to_string())
-                    .collect();
-                return Err(format!(
-                    "the file's bytes differ from those mapped when the model was opened (was {} changed?)",
-                    paths.into_iter().collect::<Vec<_>>().join(", ")
-                ));
+                return Err(changed_file(job));
             }
             if timing.0.is_none() {
                 // After the first read, so the copy stream's time starts with the first copy.
@@ -601,6 +837,160 @@ impl Worker {
                 .map_err(|e| format!("cuda: recording a copy: {e}"))?;
         }
         Ok(true)
+    }
+}
+
+/// The error of a job whose file's bytes differ from its fingerprints.
+fn changed_file(job: &Job) -> String {
+    let paths: std::collections::BTreeSet<String> = job
+        .src
+        .iter()
+        .map(|r| r.path.display().to_string())
+        .collect();
+    format!(
+        "the file's bytes differ from those mapped when the model was opened (was {} changed?)",
+        paths.into_iter().collect::<Vec<_>>().join(", ")
+    )
+}
+
+/// `path` mapped read-only, once.
+fn map_cached<'m>(
+    maps: &'m mut HashMap<PathBuf, memmap2::Mmap>,
+    path: &Path,
+) -> Result<&'m memmap2::Mmap, String> {
+    if !maps.contains_key(path) {
+        let f = File::open(path).map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        // SAFETY: a read-only shared map; the model's own reader maps the same file the same
+        // way, and a file changed under it is caught by the jobs' fingerprints.
+        let m = unsafe { memmap2::Mmap::map(&f) }
+            .map_err(|e| format!("cannot map {}: {e}", path.display()))?;
+        maps.insert(path.to_path_buf(), m);
+    }
+    maps.get(path)
+        .ok_or_else(|| format!("{} not mapped", path.display()))
+}
+
+/// One copy of a job copied from the mapped file: `len` bytes at host address `host` to offset
+/// `dst` of the job's buffer; `registered`: whole pages of one range (copied from where they
+/// lie), else one of a range's ends (staged).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct MappedPiece {
+    host: usize,
+    len: usize,
+    dst: usize,
+    registered: bool,
+}
+
+/// The copies of the host ranges `(address, length)`, laid one after another from offset 0:
+/// each range's whole pages as one registered piece, the bytes before and after them (on pages
+/// the range shares with other bytes) as staged pieces; a range on no whole page is one staged
+/// piece. Empty ranges give none.
+fn mapped_pieces(host: &[(usize, usize)]) -> Vec<MappedPiece> {
+    let mut v = Vec::with_capacity(3 * host.len());
+    let mut dst = 0;
+    for &(a, n) in host {
+        let (lo, hi) = (a.div_ceil(PAGE) * PAGE, (a + n) / PAGE * PAGE);
+        let parts = if lo < hi {
+            [
+                (a, lo - a, false),
+                (lo, hi - lo, true),
+                (hi, a + n - hi, false),
+            ]
+        } else {
+            [(a, n, false), (a + n, 0, false), (a + n, 0, false)]
+        };
+        for (h, len, registered) in parts {
+            if len > 0 {
+                v.push(MappedPiece {
+                    host: h,
+                    len,
+                    dst: dst + (h - a),
+                    registered,
+                });
+            }
+        }
+        dst += n;
+    }
+    v
+}
+
+/// The page spans to register for `pieces`: the registered pieces (whole pages), sorted,
+/// merged where they touch; `(start, end)` addresses.
+fn page_spans(pieces: &[MappedPiece]) -> Vec<(usize, usize)> {
+    let mut v: Vec<(usize, usize)> = pieces
+        .iter()
+        .filter(|p| p.registered)
+        .map(|p| (p.host, p.host + p.len))
+        .collect();
+    v.sort_unstable();
+    let mut out: Vec<(usize, usize)> = Vec::with_capacity(v.len());
+    for (lo, hi) in v {
+        match out.last_mut() {
+            Some(last) if lo <= last.1 => last.1 = last.1.max(hi),
+            _ => out.push((lo, hi)),
+        }
+    }
+    out
+}
+
+/// Unregisters the page spans `spans` (registered by [`Worker::copy_mapped`]); a failure
+/// leaves the pages pinned until the process ends, which is harmless.
+fn unregister(spans: &[(usize, usize)]) {
+    for &(lo, _) in spans {
+        // SAFETY: `lo` starts a span this thread registered and has not unregistered; its
+        // copies are done (every caller waits for them, or issued none).
+        let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(lo as *mut std::ffi::c_void) };
+    }
+}
+
+/// The page spans of one job copied from the mapped file, registered until `done`.
+struct Pin {
+    spans: Vec<(usize, usize)>,
+    done: CudaEvent,
+}
+
+/// The registered page spans whose copies may still run.
+#[derive(Default)]
+struct Pins {
+    held: Vec<Pin>,
+}
+
+impl Pins {
+    /// Unregisters the spans whose copies are done, and those sharing a page with `spans`
+    /// (after waiting for their copies); the others stay.
+    fn release(&mut self, spans: &[(usize, usize)]) -> Result<(), String> {
+        let mut err = None;
+        let mut keep = Vec::with_capacity(self.held.len());
+        for p in std::mem::take(&mut self.held) {
+            let shares = p
+                .spans
+                .iter()
+                .any(|&(lo, hi)| spans.iter().any(|&(a, b)| a < hi && lo < b));
+            if shares {
+                if let Err(e) = p.done.synchronize() {
+                    err.get_or_insert(format!("cuda: waiting for an earlier upload: {e}"));
+                    keep.push(p);
+                    continue;
+                }
+            } else if !p.done.is_complete() {
+                keep.push(p);
+                continue;
+            }
+            unregister(&p.spans);
+        }
+        self.held = keep;
+        err.map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for Pins {
+    /// Waits for every copy still reading registered pages, then unregisters them (before the
+    /// maps they lie in are dropped: see [`Worker`]).
+    fn drop(&mut self) {
+        for p in self.held.drain(..) {
+            let _ = p.done.synchronize();
+            unregister(&p.spans);
+        }
     }
 }
 
@@ -877,6 +1267,36 @@ mod tests {
     }
 
     #[test]
+    fn mapped_pieces_by_hand() {
+        let p = |host: usize, len: usize, dst: usize, registered: bool| MappedPiece {
+            host,
+            len,
+            dst,
+            registered,
+        };
+        // 12288 bytes from 41060 (10 pages + 100): 3996 bytes to the next page (45056), its two
+        // whole pages (to 53248), 100 bytes after; then 100 bytes inside one page, an empty
+        // range, and two whole pages.
+        let host = [(41060, 3 * 4096), (8192 + 10, 100), (5, 0), (16384, 8192)];
+        assert_eq!(
+            mapped_pieces(&host),
+            vec![
+                p(41060, 3996, 0, false),
+                p(45056, 8192, 3996, true),
+                p(53248, 100, 12188, false),
+                p(8202, 100, 12288, false),
+                p(16384, 8192, 12388, true),
+            ]
+        );
+        // The registered spans sorted; touching and repeated ones merged.
+        let pieces = mapped_pieces(&host);
+        assert_eq!(page_spans(&pieces), vec![(16384, 24576), (45056, 53248)]);
+        let touching = mapped_pieces(&[(4096, 4096), (0, 4096), (0, 4096), (8192, 1)]);
+        assert_eq!(page_spans(&touching), vec![(0, 8192)]);
+        assert!(page_spans(&mapped_pieces(&[(1, 4094), (0, 0)])).is_empty());
+    }
+
+    #[test]
     fn spans_cut_the_ranges_laid_one_after_another() {
         // Ranges of 10, 0, 5 and 20 bytes: 0..10, 10..15, 15..35 laid out.
         let lens = [10, 0, 5, 20];
@@ -888,5 +1308,203 @@ mod tests {
         assert_eq!(spans(&lens, 12, 3), vec![(2, 2, 0, 3)]);
         assert_eq!(spans(&lens, 30, 5), vec![(3, 15, 0, 5)]);
         assert!(spans(&lens, 35, 0).is_empty() && spans(&lens, 3, 0).is_empty());
+    }
+    /// Host-to-device copy rates of file bytes in the page cache, by the staging path (this
+    /// module's [`Uploader`]) and by registering the file's mapped pages with the driver and
+    /// copying from them (no staging copy): the registration, the copy and the unregistration
+    /// timed apart, on a fresh map and on one whose pages are mapped already, from one thread
+    /// and from [`READERS`] threads at once. A probe for the GPU machine:
+    /// `GLMDIFF_REGISTER_FILE=<a file of 2 GiB or more> cargo test --release --lib
+    /// registered_copy_speed -- --ignored --nocapture` (returns early without the variable).
+    #[test]
+    #[ignore]
+    fn registered_copy_speed() {
+        use cudarc::driver::sys;
+        use std::time::Instant;
+        let Ok(path) = std::env::var("GLMDIFF_REGISTER_FILE") else {
+            eprintln!("registered_copy_speed: GLMDIFF_REGISTER_FILE not set, skipped");
+            return;
+        };
+        let path = PathBuf::from(path);
+        let gpu = Gpu::open(0).unwrap();
+        let ctx = gpu.context().clone();
+        ctx.bind_to_thread().unwrap();
+        for (name, a) in [
+            (
+                "host register supported",
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED,
+            ),
+            (
+                "read-only host register supported",
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED,
+            ),
+            (
+                "pageable memory access",
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS,
+            ),
+        ] {
+            println!("{name}: {:?}", ctx.attribute(a));
+        }
+        let file = File::open(&path).unwrap();
+        let flen = file.metadata().unwrap().len() as usize;
+        let base = 256usize << 20;
+        let sizes: Vec<usize> = [16usize << 20, 128 << 20, 512 << 20, 1536 << 20]
+            .into_iter()
+            .filter(|&s| base + s <= flen)
+            .collect();
+        // Bring the bytes into the page cache.
+        let mut warm = vec![0u8; 64 << 20];
+        let top = base + sizes.last().copied().unwrap_or(0);
+        let mut at = base;
+        while at < top {
+            let n = warm.len().min(top - at);
+            read_at(&file, &mut warm[..n], at as u64).unwrap();
+            at += n;
+        }
+        drop(warm);
+        let dst = alloc_dst(&gpu, sizes.last().copied().unwrap_or(1), "probe").unwrap();
+        let stream = gpu.stream().clone();
+        let gbs = |bytes: usize, s: f64| bytes as f64 / s / 1e9;
+        // The staging path, through an uploader.
+        let up = Uploader::start(&gpu).unwrap();
+        let mut dst = Some(dst);
+        for &size in &sizes {
+            for _ in 0..2 {
+                let after = Arc::new(stream.record_event(None).unwrap());
+                let t0 = Instant::now();
+                up.send(Job {
+                    id: 0,
+                    generation: 0,
+                    what: "probe".into(),
+                    src: vec![FileRange {
+                        path: path.clone(),
+                        offset: base as u64,
+                        len: size,
+                    }],
+                    head: Vec::new(),
+                    tail: Vec::new(),
+                    dst: dst.take().unwrap(),
+                    after,
+                })
+                .map_err(|_| "send")
+                .unwrap();
+                let done = up.recv().unwrap();
+                let Outcome::Ready(r) = done.outcome else {
+                    panic!("staging upload failed")
+                };
+                r.wait_host().unwrap();
+                let s = t0.elapsed().as_secs_f64();
+                println!(
+                    "staging {:5} MiB: {:7.1} ms, {:5.1} GB/s (reads {:.1} ms)",
+                    size >> 20,
+                    s * 1e3,
+                    gbs(size, s),
+                    r.read_s * 1e3
+                );
+                dst = Some(r.take(&stream).unwrap());
+            }
+        }
+        drop(up);
+        let mut dst = dst.unwrap();
+        // Registered: register, copy, unregister, on `threads` threads (a part each).
+        let registered = |size: usize, threads: usize, populate: bool, dst: &mut CudaSlice<u8>| {
+            // SAFETY: a read-only shared map of a file nothing writes during the probe.
+            let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+            let p = map[base..].as_ptr();
+            if populate {
+                // SAFETY: the range lies inside the live map.
+                let r = unsafe { libc::madvise(p as *mut libc::c_void, size, 22) };
+                assert_eq!(
+                    r,
+                    0,
+                    "MADV_POPULATE_READ: {}",
+                    std::io::Error::last_os_error()
+                );
+            }
+            let part = size.div_ceil(threads).div_ceil(4096) * 4096;
+            let (dptr, rec) = dst.device_ptr_mut(&stream);
+            let t0 = Instant::now();
+            let times: Vec<(f64, f64)> = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..threads)
+                    .map(|i| {
+                        let ctx = ctx.clone();
+                        let p = p as usize;
+                        s.spawn(move || {
+                            ctx.bind_to_thread().unwrap();
+                            let lo = (i * part).min(size);
+                            let hi = ((i + 1) * part).min(size);
+                            if lo >= hi {
+                                return (0.0, 0.0);
+                            }
+                            let hp = (p + lo) as *mut std::ffi::c_void;
+                            let t = Instant::now();
+                            // SAFETY: a page-aligned range of the live read-only map.
+                            let r = unsafe {
+                                sys::cuMemHostRegister_v2(
+                                    hp,
+                                    hi - lo,
+                                    sys::CU_MEMHOSTREGISTER_READ_ONLY,
+                                )
+                            };
+                            assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "register");
+                            let reg = t.elapsed().as_secs_f64();
+                            let cs = ctx.new_stream().unwrap();
+                            // SAFETY: the destination holds `size` bytes; the host range is
+                            // registered and stays so until the synchronize below.
+                            unsafe {
+                                let r = sys::cuMemcpyHtoDAsync_v2(
+                                    dptr + lo as u64,
+                                    hp,
+                                    hi - lo,
+                                    cs.cu_stream(),
+                                );
+                                assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "copy");
+                            }
+                            cs.synchronize().unwrap();
+                            let t2 = Instant::now();
+                            // SAFETY: registered above; its copy is done.
+                            let r = unsafe { sys::cuMemHostUnregister(hp) };
+                            assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "unregister");
+                            (reg, t2.elapsed().as_secs_f64())
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let total = t0.elapsed().as_secs_f64();
+            drop(rec);
+            let reg = times.iter().map(|t| t.0).fold(0.0, f64::max);
+            let unreg = times.iter().map(|t| t.1).fold(0.0, f64::max);
+            println!(
+                "registered {:5} MiB, {threads} thread(s), {}: {:7.1} ms, {:5.1} GB/s \
+                 (register {:.1} ms, unregister {:.1} ms, slowest thread)",
+                size >> 20,
+                if populate {
+                    "mapped first"
+                } else {
+                    "fresh map"
+                },
+                total * 1e3,
+                gbs(size, total),
+                reg * 1e3,
+                unreg * 1e3
+            );
+        };
+        for &size in &sizes {
+            for (threads, populate) in [(1, false), (1, true), (READERS, false), (READERS, true)] {
+                registered(size, threads, populate, &mut dst);
+            }
+        }
+        // A check of the bytes: the last registered copy against the file.
+        let size = sizes.last().copied().unwrap_or(0).min(16 << 20);
+        let mut host = vec![0u8; size];
+        stream.memcpy_dtoh(&dst.slice(0..size), &mut host).unwrap();
+        let mut want = vec![0u8; size];
+        read_at(&file, &mut want, base as u64).unwrap();
+        assert!(host == want, "registered copy differs from the file");
+        println!(
+            "registered copy: the first {} MiB equal the file",
+            size >> 20
+        );
     }
 }

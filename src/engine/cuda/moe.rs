@@ -78,6 +78,24 @@ impl CudaEngine<'_> {
             &norm,
             &hp.expert_weights_scale
         );
+        // At short prompts the routed experts' rows go up by expert: their uploads start here,
+        // behind whatever runs between the router and the expert step (the expert step starts
+        // those still missing, e.g. of another routing).
+        if self.routed_uploads() {
+            let s = self.gpu.stream();
+            let picked = s
+                .clone_dtoh(&ids)
+                .context("engine: cuda: reading expert ids")?;
+            let mut experts: Vec<usize> = picked
+                .iter()
+                .filter_map(|&e| usize::try_from(e).ok().filter(|&e| e < hp.n_expert))
+                .collect();
+            experts.sort_unstable();
+            experts.dedup();
+            let names = self.stacked_expert_names(layer);
+            let stacked: Vec<&str> = names.iter().map(String::as_str).collect();
+            self.upload_routed(layer, &stacked, &experts)?;
+        }
         Ok(Routing {
             probs: self.tensor_f32(vec![t, e], probs),
             ids: GpuTensor {
@@ -135,13 +153,11 @@ impl CudaEngine<'_> {
         let down_name = names::blk(layer, blk::FFN_DOWN_EXPS);
         let use_fused = !self.weights.has(&gate_name) && self.weights.has(&fused);
         let ff = hp.n_ff_exp;
-        // At short prompts only the routed experts' rows are put on the device (`routed`).
+        // At short prompts only the routed experts' rows are put on the device (`routed`); the
+        // router started their uploads, this starts those of experts it did not pick.
         self.tokens.set(Some(t));
-        let stacked: Vec<&str> = if use_fused {
-            vec![&fused, &down_name]
-        } else {
-            vec![&gate_name, &up_name, &down_name]
-        };
+        let names = self.stacked_expert_names(layer);
+        let stacked: Vec<&str> = names.iter().map(String::as_str).collect();
         let experts: Vec<usize> = (0..hp.n_expert)
             .filter(|&e| !routed[e].is_empty())
             .collect();

@@ -162,6 +162,20 @@ impl CudaEngine<'_> {
         }
     }
 
+    /// The stacked expert tensors of layer `layer` its expert step reads: the fused
+    /// `ffn_gate_up_exps` (when the model has no `ffn_gate_exps`) or `ffn_gate_exps` and
+    /// `ffn_up_exps`, then `ffn_down_exps`.
+    pub(super) fn stacked_expert_names(&self, layer: usize) -> Vec<String> {
+        let gate = names::blk(layer, blk::FFN_GATE_EXPS);
+        let fused = names::blk(layer, blk::FFN_GATE_UP_EXPS);
+        let down = names::blk(layer, blk::FFN_DOWN_EXPS);
+        if !self.weights.has(&gate) && self.weights.has(&fused) {
+            vec![fused, down]
+        } else {
+            vec![gate, names::blk(layer, blk::FFN_UP_EXPS), down]
+        }
+    }
+
     /// Starts the uploads of the rows of `experts` (sorted, distinct) of the stacked tensors
     /// `tensors` of layer `layer`, for those of the tensors that go by expert (not on the
     /// device whole, nor on their way whole) and those of the experts not already there.
