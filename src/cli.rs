@@ -296,6 +296,18 @@ pub struct PrefetchArgs {
         default_value = "auto"
     )]
     pub expert_uploads: crate::words::ExpertUploads,
+    /// Where uploads take the weights' bytes: mapped (the device copies the model file's pages
+    /// in the page cache, registered with the driver for the copy; no host copy) or staged (host
+    /// threads read them into pinned buffers first). The same bytes either way; where the
+    /// driver refuses to register pages, uploads are staged and a note says so. Default from
+    /// $GLMDIFF_UPLOAD_FROM.
+    #[arg(
+        long,
+        value_enum,
+        env = "GLMDIFF_UPLOAD_FROM",
+        default_value = "mapped"
+    )]
+    pub upload_from: crate::words::UploadFrom,
 }
 
 /// The flags `run` and `compare` share: which hooks, floors and precisions, and the outputs.
@@ -815,6 +827,21 @@ mod tests {
             e.contains("auto") && e.contains("routed") && e.contains("whole"),
             "{e}"
         );
+        use crate::words::UploadFrom;
+        let from = |args: &[&str]| {
+            let c = Cli::try_parse_from([&["glmdiff", "run", "m.gguf"], args].concat());
+            let Command::Run(r) = c.map_err(|e| e.to_string())?.command else {
+                panic!("not run")
+            };
+            Ok::<_, String>(r.prefetch.upload_from)
+        };
+        assert_eq!(from(&["--upload-from", "staged"]), Ok(UploadFrom::Staged));
+        assert_eq!(from(&["--upload-from", "mapped"]), Ok(UploadFrom::Mapped));
+        if std::env::var_os("GLMDIFF_UPLOAD_FROM").is_none() {
+            assert_eq!(from(&[]), Ok(UploadFrom::Mapped));
+        }
+        let e = from(&["--upload-from", "stage"]).unwrap_err();
+        assert!(e.contains("mapped") && e.contains("staged"), "{e}");
     }
 
     #[test]

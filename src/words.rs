@@ -248,6 +248,39 @@ impl ValueEnum for ExpertUploads {
     }
 }
 
+/// Where the CUDA engine's uploads take the weights' bytes (`--upload-from`); the same bytes
+/// either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UploadFrom {
+    /// The device copies the file's mapped pages, registered with the driver for the copy
+    /// (staged where the driver refuses).
+    #[default]
+    Mapped,
+    /// Host threads read the bytes into pinned staging buffers, copied from there.
+    Staged,
+}
+
+impl UploadFrom {
+    /// The word `--upload-from` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UploadFrom::Mapped => "mapped",
+            UploadFrom::Staged => "staged",
+        }
+    }
+}
+
+/// The words of `--upload-from`.
+impl ValueEnum for UploadFrom {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[UploadFrom::Mapped, UploadFrom::Staged]
+    }
+
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        Some(PossibleValue::new(self.as_str()))
+    }
+}
+
 /// The candidate's precision at the hooks a glob matches.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PrecisionOverride {

@@ -33,8 +33,8 @@ use crate::session::Against;
 use crate::util::guard::{is_stdout, Guard};
 
 /// Sets whether the CUDA engines this command opens prefetch the next layer's weights
-/// (`--no-prefetch`) and how they upload stacked expert tensors (`--expert-uploads`), before it
-/// opens any.
+/// (`--no-prefetch`), how they upload stacked expert tensors (`--expert-uploads`) and where
+/// their uploads take the bytes (`--upload-from`), before it opens any.
 pub(crate) fn set_prefetch(args: &PrefetchArgs) {
     #[cfg(feature = "cuda")]
     {
@@ -45,6 +45,12 @@ pub(crate) fn set_prefetch(args: &PrefetchArgs) {
             Word::Auto => Engine::Auto,
             Word::Routed => Engine::Routed,
             Word::Whole => Engine::Whole,
+        });
+        use crate::gpu::upload::Source;
+        use crate::words::UploadFrom;
+        crate::gpu::upload::set_source_by_default(match args.upload_from {
+            UploadFrom::Mapped => Source::Mapped,
+            UploadFrom::Staged => Source::Staged,
         });
     }
     // Without the `cuda` feature no engine uploads weights.

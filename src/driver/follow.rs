@@ -27,7 +27,9 @@
 //! computed in the rows that reach only ([`super::rows`]). A routed-experts step's rows are
 //! computed by the own chain's step, in its pass over the experts' weights
 //! ([`Follow::experts_request`], [`super::Runner::step_joint`]): at short prompts a MoE layer
-//! costs the dequantization of its selected experts, which would otherwise be paid twice.
+//! costs the dequantization of its selected experts, which would otherwise be paid twice. At
+//! short prompts a projection's, the router's and the shared MLP's rows are computed the same
+//! way, beside the own chain's rows in one call ([`rows::joins_rows`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
@@ -240,10 +242,11 @@ impl Follow {
         Ok(out)
     }
 
-    /// The inputs of the next step, a routed-experts step that the own chain (`plain`) is
-    /// about to run, and the rows in which they differ from the own chain's, when this chain
-    /// would compute those rows ([`rows::recompute`]): the own chain's step can compute them in
-    /// the same pass over the experts ([`super::Runner::step_joint`]), and hands them to
+    /// The inputs of the next step, a routed-experts step (or at short prompts a row-wise step
+    /// with weights, [`rows::joins_rows`]) that the own chain (`plain`) is about to run, and
+    /// the rows in which they differ from the own chain's, when this chain would compute those
+    /// rows ([`rows::recompute`]): the own chain's step can compute them in the same pass over
+    /// the weights ([`super::Runner::step_joint`]), and hands them to
     /// [`FollowStep::prepared`]. `None` while both chains are one, where the inputs are the own
     /// chain's, where rounds of alternatives are tried, or for another step.
     #[allow(clippy::type_complexity)]
@@ -256,7 +259,15 @@ impl Follow {
         let Some(env) = &self.env else {
             return Ok(None);
         };
-        if !self.only_changed || !matches!(step.op, Op::MoeExperts { .. }) {
+        let joins = match step.op {
+            Op::MoeExperts { .. } => true,
+            ref op => {
+                rows::joins_rows(op)
+                    && plain.engine().rows_independent()
+                    && plain.tokens.len() <= rows::JOINT_ROWS_MAX_TOKENS
+            }
+        };
+        if !self.only_changed || !joins {
             return Ok(None);
         }
         let mut chain = Vec::with_capacity(step.inputs.len());

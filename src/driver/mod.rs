@@ -36,11 +36,12 @@ use std::ops::Range;
 
 use anyhow::{bail, Context, Result};
 
-use crate::engine::{Engine, ExpertInputs, ExpertsOut, HostTensor, MlaInputs};
+use crate::engine::{Engine, ExpertInputs, ExpertsOut, HostData, HostTensor, MlaInputs};
 use crate::model::steps::{self, expert_hook, hook, point, Op, Step};
 use crate::model::Weights;
 use crate::trace::Sink;
 use residency::Residency;
+use rows::JointOut;
 
 /// The steps to run.
 #[derive(Clone, Debug)]
@@ -325,6 +326,92 @@ fn exec_experts_joint<E: Engine>(
     Ok((experts_outputs(layer, out.own), out.more))
 }
 
+/// A row-wise step with weights ([`rows::joins_rows`]) in one call on the own inputs' rows and,
+/// after them, each further input's rows of `more`: the own outputs (the first rows; the same
+/// bits as the step alone, since a row depends on its own input row only where the engine's
+/// rows are independent) and each further input's outputs in its rows. `None` (nothing run)
+/// where an input or an output is not f32 rows, or the further inputs do not match the own.
+#[allow(clippy::type_complexity)]
+fn exec_rows_joint<E: Engine>(
+    engine: &E,
+    step: &Step,
+    own: &[&E::Tensor],
+    more: &[(Vec<E::Tensor>, Vec<usize>)],
+    tokens: &[u32],
+    wants: &dyn Fn(&str) -> bool,
+) -> Result<Option<(StepOutputs<E::Tensor>, Vec<Option<JointOut<E::Tensor>>>)>> {
+    // Per input, `[T + R, width]`: the own rows, then each further input's rows in order.
+    let mut joint = Vec::with_capacity(own.len());
+    let mut t_own = None;
+    for (i, x) in own.iter().enumerate() {
+        let host = engine.download(x)?;
+        let (HostData::F32(v), Some(&t)) = (&host.data, host.shape.first()) else {
+            return Ok(None);
+        };
+        if t_own.is_some_and(|n| n != t) {
+            return Ok(None);
+        }
+        t_own = Some(t);
+        let mut data: Vec<f32> = v.to_vec();
+        let mut rows_all = t;
+        for (inputs, rows) in more {
+            let Some(m) = inputs.get(i) else {
+                return Ok(None);
+            };
+            let m = engine.download(m)?;
+            if m.shape != host.shape {
+                return Ok(None);
+            }
+            let HostData::F32(p) = m.gather_rows(rows)?.data else {
+                return Ok(None);
+            };
+            data.extend_from_slice(&p);
+            rows_all += rows.len();
+        }
+        let mut shape = host.shape.clone();
+        shape[0] = rows_all;
+        joint.push(engine.upload(&HostTensor::f32(shape, data)?)?);
+    }
+    let Some(t) = t_own else {
+        return Ok(None);
+    };
+    let refs: Vec<&E::Tensor> = joint.iter().collect();
+    let out = exec_step(engine, step, &refs, tokens, wants)?;
+    if !out.extra.is_empty() {
+        bail!(
+            "driver: step {:?} gave optional outputs beside a joint computation",
+            step.outputs
+        );
+    }
+    let total: usize = t + more.iter().map(|(_, r)| r.len()).sum::<usize>();
+    let mut own_out = Vec::with_capacity(out.outputs.len());
+    let mut parts: Vec<Vec<(String, HostTensor)>> = vec![Vec::new(); more.len()];
+    for (name, o) in step.outputs.iter().zip(&out.outputs) {
+        let host = engine.download(o)?;
+        if host.shape.first() != Some(&total) {
+            bail!(
+                "driver: step output {name} of a joint computation has shape {:?}, not {total} rows",
+                host.shape
+            );
+        }
+        let own_rows: Vec<usize> = (0..t).collect();
+        own_out.push(engine.upload(&host.gather_rows(&own_rows)?)?);
+        let mut at = t;
+        for ((_, rows), part) in more.iter().zip(parts.iter_mut()) {
+            let r: Vec<usize> = (at..at + rows.len()).collect();
+            part.push((name.clone(), host.gather_rows(&r)?));
+            at += rows.len();
+        }
+    }
+    Ok(Some((
+        StepOutputs {
+            outputs: own_out,
+            extra: Vec::new(),
+        },
+        parts.into_iter().map(|p| Some(JointOut::Rows(p))).collect(),
+    )))
+}
+
 /// A routed-experts step's outputs of layer `layer` as a step gives them: the routed sum, then
 /// each expert's outputs under its hook name.
 fn experts_outputs<T>(layer: usize, out: ExpertsOut<T>) -> StepOutputs<T> {
@@ -438,17 +525,18 @@ impl<'a, E: Engine> Runner<'a, E> {
         self.step_joint(wants, &[]).map(|(extra, _)| extra)
     }
 
-    /// [`Runner::step`], where the next step is a routed-experts step, with the same step from
-    /// each further inputs of `more` (one tensor per step input) in its rows computed in the
-    /// same pass over the experts' weights ([`Engine::moe_experts_joint`]): also returns their
-    /// results (`None` where the engine computes only whole steps; none for another step or
-    /// an empty `more`).
+    /// [`Runner::step`], with the same step from each further inputs of `more` (one tensor per
+    /// step input) in its rows computed in the same pass over the weights: a routed-experts
+    /// step's ([`Engine::moe_experts_joint`]), or at short prompts a row-wise step's with
+    /// weights ([`rows::joins_rows`], one call on the own rows and the further ones after them,
+    /// where the engine's rows are independent). Also returns their results (`None` where the
+    /// engine computes only whole steps; none for another step or an empty `more`).
     #[allow(clippy::type_complexity)]
-    pub fn step_joint(
+    fn step_joint(
         &mut self,
         wants: &dyn Fn(&str) -> bool,
         more: &[(Vec<E::Tensor>, Vec<usize>)],
-    ) -> Result<(Vec<(String, E::Tensor)>, Vec<Option<ExpertsOut<E::Tensor>>>)> {
+    ) -> Result<(Vec<(String, E::Tensor)>, Vec<Option<JointOut<E::Tensor>>>)> {
         let i = self.next;
         let s = self
             .plan
@@ -475,10 +563,24 @@ impl<'a, E: Engine> Runner<'a, E> {
                 })
                 .collect::<Result<Vec<_>>>()?;
             let context = || format!("driver: step {} ({})", s.outputs.join(", "), op_name(&s.op));
-            match (&s.op, inputs.as_slice()) {
-                (Op::MoeExperts { layer }, [x, ids, weights]) if !more.is_empty() => {
-                    exec_experts_joint(self.engine, *layer, [x, ids, weights], more, wants)
-                        .with_context(context)?
+            let joined = if !more.is_empty()
+                && rows::joins_rows(&s.op)
+                && self.engine.rows_independent()
+                && self.tokens.len() <= rows::JOINT_ROWS_MAX_TOKENS
+            {
+                exec_rows_joint(self.engine, s, &inputs, more, self.tokens, wants)
+                    .with_context(context)?
+            } else {
+                None
+            };
+            match (joined, &s.op, inputs.as_slice()) {
+                (Some(j), _, _) => j,
+                (None, Op::MoeExperts { layer }, [x, ids, weights]) if !more.is_empty() => {
+                    let (out, more) =
+                        exec_experts_joint(self.engine, *layer, [x, ids, weights], more, wants)
+                            .with_context(context)?;
+                    let more = more.into_iter().map(|o| o.map(JointOut::Experts)).collect();
+                    (out, more)
                 }
                 _ => (
                     exec_step(self.engine, s, &inputs, self.tokens, wants).with_context(context)?,

@@ -46,11 +46,11 @@ use anyhow::{Context, Result};
 use super::follow::{Follow, FollowStep};
 pub use super::replay::{is_selection, LayerTime, PairSummary, ReferenceWork, Work};
 use super::replay::{replay_step, step_wanted};
-use super::rows::{self, Prepared};
+use super::rows::{self, JointOut, Prepared};
 use super::segment::TraceReplay;
 use super::timed::{Closing, Queue, Synced, Timed, WAITING_BYTES};
 use super::{check_tokens, Progress, Residency, Runner, StepProgress};
-use crate::engine::{Engine, ExpertsOut, HostTensor, UploadStats};
+use crate::engine::{Engine, HostTensor, UploadStats};
 use crate::model::steps::{expert_hook, hook, point, Op, Step};
 use crate::model::Weights;
 use crate::trace::{Mode, Pair, PairSink, TraceFile};
@@ -618,7 +618,7 @@ where
 /// followed chain's and the replay's entries of them (`follow`, `replay`).
 fn joint_results<T>(
     rows: &[Vec<usize>],
-    mut out: Vec<Option<ExpertsOut<T>>>,
+    mut out: Vec<Option<JointOut<T>>>,
     follow: Option<usize>,
     replay: Option<usize>,
 ) -> (usize, Option<Prepared<T>>, Option<Prepared<T>>) {
@@ -793,7 +793,7 @@ struct RefStep<T> {
     /// Its optional hooks asked for, on the host.
     extra: Vec<(String, HostTensor)>,
     /// The further rows computed in its pass ([`Joint::more`]), in order.
-    joint: Vec<Option<ExpertsOut<T>>>,
+    joint: Vec<Option<JointOut<T>>>,
     /// Seconds it took.
     seconds: f64,
 }
@@ -998,7 +998,8 @@ fn experts_requests<R: Engine>(
         follow: None,
         replay: None,
     };
-    if !matches!(step.op, Op::MoeExperts { .. }) {
+    let experts = matches!(step.op, Op::MoeExperts { .. });
+    if !experts && !rows::joins_rows(&step.op) {
         return Ok(joint);
     }
     let upload = |values: &[&HostTensor]| -> Result<Vec<R::Tensor>> {
@@ -1012,7 +1013,8 @@ fn experts_requests<R: Engine>(
                 .push((upload(&inputs.iter().collect::<Vec<_>>())?, rows));
         }
     }
-    if let Some(r) = replay.filter(|r| joint_for.replay && r.substituted) {
+    // A replayed step takes the candidate's selection only in the steps that read one.
+    if let Some(r) = replay.filter(|r| experts && joint_for.replay && r.substituted) {
         let values: Vec<&HostTensor> = r.values.iter().collect();
         if let Some(rows) = rows::rows_reached(step, &values, &r.base()).filter(|x| !x.is_empty()) {
             joint.replay = Some(joint.more.len());

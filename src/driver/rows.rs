@@ -15,7 +15,9 @@
 //! An engine that computes only whole steps, inputs of another shape, a step of another kind,
 //! or changes that reach every row leave the whole step to the caller ([`recompute`] returns
 //! `None`). A routed-experts step's rows may come already computed ([`Prepared`]: the own
-//! chain's step computed them in its pass over the experts), even every row.
+//! chain's step computed them in its pass over the experts), even every row; so may a row-wise
+//! step's with weights at short prompts ([`joins_rows`]: the own chain's step computed them
+//! beside its own rows, in one pass over the weights).
 
 use std::collections::BTreeSet;
 
@@ -57,13 +59,41 @@ pub(super) fn rows_differing(a: &HostTensor, b: &HostTensor) -> Option<Vec<usize
     Some(differ)
 }
 
-/// A routed-experts step's outputs in some token rows, computed ahead of [`recompute`]
-/// ([`Engine::moe_experts_rows`] of the rows the change reaches).
+/// A step's outputs in some token rows, computed ahead of [`recompute`] beside the own chain's
+/// step ([`super::Runner::step_joint`]).
 pub(super) struct Prepared<T> {
     /// The token rows computed, ascending.
     pub(super) rows: Vec<usize>,
     /// Their outputs.
-    pub(super) out: ExpertsOut<T>,
+    pub(super) out: JointOut<T>,
+}
+
+/// The outputs of one further input of a joint step, in its rows.
+pub(super) enum JointOut<T> {
+    /// A routed-experts step's ([`Engine::moe_experts_joint`]).
+    Experts(ExpertsOut<T>),
+    /// A row-wise step's with weights ([`joins_rows`]): its declared outputs, `[rows, ..]` each,
+    /// in the step's order.
+    Rows(Vec<(String, HostTensor)>),
+}
+
+/// Most tokens of a prompt whose row-wise steps with weights compute a changed chain's rows
+/// beside the own chain's ([`joins_rows`]). A step's weights are dequantized once for every
+/// row either way; at a few tokens that is most of the step (at 16 tokens a projection's
+/// dequantization costs about what 4 tokens of its products do), so computing the changed
+/// rows apart costs nearly a second step. From about a hundred tokens the products dominate
+/// and joining saves little, while the joint step's inputs and outputs are copies of the
+/// whole step's.
+pub(super) const JOINT_ROWS_MAX_TOKENS: usize = 64;
+
+/// Whether `op` is a row-wise step with weights ([`row_wise`]: a projection, the router's
+/// logits, the shared MLP), whose changed rows the own chain's step computes beside its own at
+/// short prompts ([`JOINT_ROWS_MAX_TOKENS`]).
+pub(super) fn joins_rows(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Linear { .. } | Op::RouterLogits { .. } | Op::Mlp { .. }
+    )
 }
 
 /// What [`recompute`] gives.
@@ -138,7 +168,13 @@ pub(super) fn recompute<E: Engine>(
     let Some(rows) = rows_reached(step, inputs, base) else {
         return Ok(None);
     };
-    let prepared = prepared.filter(|p| p.rows == rows && matches!(step.op, Op::MoeExperts { .. }));
+    let prepared = prepared.filter(|p| {
+        p.rows == rows
+            && match &p.out {
+                JointOut::Experts(_) => matches!(step.op, Op::MoeExperts { .. }),
+                JointOut::Rows(_) => joins_rows(&step.op),
+            }
+    });
     let n_rows = inputs.first().and_then(|t| t.shape.first()).copied();
     if n_rows.is_none_or(|n| rows.len() >= n && prepared.is_none()) {
         return Ok(None);
@@ -155,9 +191,18 @@ pub(super) fn recompute<E: Engine>(
             &rows,
             &known_of,
             wants,
-            prepared.map(|p| p.out),
+            prepared.and_then(|p| match p.out {
+                JointOut::Experts(e) => Some(e),
+                JointOut::Rows(_) => None,
+            }),
         )?,
-        _ if row_wise(&step.op) => by_rows(engine, step, inputs, &rows, &known_of, wants)?,
+        _ if row_wise(&step.op) => {
+            let part = prepared.and_then(|p| match p.out {
+                JointOut::Rows(r) => Some(r),
+                JointOut::Experts(_) => None,
+            });
+            by_rows(engine, step, inputs, &rows, &known_of, wants, part)?
+        }
         _ => None,
     };
     Ok(out.map(|outputs| Recomputed {
@@ -183,8 +228,9 @@ fn row_wise(op: &Op) -> bool {
     )
 }
 
-/// A row-wise step ([`row_wise`]) in the rows `rows`: run on those rows of its inputs, its
-/// outputs spliced into the known ones. Only for an engine whose rows are independent
+/// A row-wise step ([`row_wise`]) in the rows `rows`: run on those rows of its inputs (or
+/// taken from `part`, those rows' outputs computed beside the own chain's step), its outputs
+/// spliced into the known ones. Only for an engine whose rows are independent
 /// ([`Engine::rows_independent`]): then a row's bits are the whole step's.
 fn by_rows<'k, E: Engine>(
     engine: &E,
@@ -193,6 +239,7 @@ fn by_rows<'k, E: Engine>(
     rows: &[usize],
     known: &dyn Fn(&str) -> Option<&'k HostTensor>,
     wants: &dyn Fn(&str) -> bool,
+    part: Option<Vec<(String, HostTensor)>>,
 ) -> Result<Option<Vec<(String, HostTensor)>>> {
     if !engine.rows_independent() {
         return Ok(None);
@@ -208,12 +255,18 @@ fn by_rows<'k, E: Engine>(
         }
         return Ok(Some(out));
     }
-    let part: Vec<HostTensor> = inputs
-        .iter()
-        .map(|t| t.gather_rows(rows))
-        .collect::<Result<_>>()?;
+    let computed = match part {
+        Some(p) => p.into_iter().filter(|(n, _)| wants(n)).collect(),
+        None => {
+            let part: Vec<HostTensor> = inputs
+                .iter()
+                .map(|t| t.gather_rows(rows))
+                .collect::<Result<_>>()?;
+            super::replay::replay_step(engine, step, &part, &[], wants)?
+        }
+    };
     let mut out = Vec::new();
-    for (n, p) in super::replay::replay_step(engine, step, &part, &[], wants)? {
+    for (n, p) in computed {
         let Some(k) = known(&n) else {
             return Ok(None);
         };
@@ -706,6 +759,18 @@ mod tests {
             );
             assert_eq!(whole_work.joint.steps, 0, "{file}");
             assert_eq!(default_work.joint.steps, 0, "{file}");
+            // At 21 tokens the projections', the router's and the shared MLP's followed rows are
+            // computed beside the own chain's too: more joint steps than expert steps.
+            let expert_steps = Plan::full(&w)
+                .unwrap()
+                .steps
+                .iter()
+                .filter(|s| matches!(s.op, Op::MoeExperts { .. }))
+                .count();
+            assert!(
+                t <= JOINT_ROWS_MAX_TOKENS && work.joint.steps > expert_steps,
+                "{file}: {work:?}, {expert_steps} expert steps"
+            );
             // The engine without rows recomputes whole replayed steps.
             assert_eq!(default_work.replay_rows.steps, 0, "{file}");
             assert_eq!(

@@ -49,7 +49,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -80,6 +80,24 @@ pub enum Source {
     /// Copied by the device from the file's mapped pages, registered with the driver for the
     /// copy (see the module documentation); staged where the driver refuses.
     Mapped,
+}
+
+/// Whether uploaders started with [`source_by_default`] stage ([`set_source_by_default`]).
+static STAGED_BY_DEFAULT: AtomicBool = AtomicBool::new(false);
+
+/// Where the uploads of engines opened from now on take their bytes: the command's
+/// `--upload-from`, set once at its start, before any engine opens.
+pub fn set_source_by_default(source: Source) {
+    STAGED_BY_DEFAULT.store(source == Source::Staged, Ordering::Relaxed);
+}
+
+/// The source [`set_source_by_default`] set ([`Source::Mapped`] unless told otherwise).
+pub fn source_by_default() -> Source {
+    if STAGED_BY_DEFAULT.load(Ordering::Relaxed) {
+        Source::Staged
+    } else {
+        Source::Mapped
+    }
 }
 
 /// Page size the registered ranges are rounded to.

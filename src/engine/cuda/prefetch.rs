@@ -1,6 +1,6 @@
 //! Prefetch: the raw blocks of the layer a walk begins next ([`Engine::prefetch_layer`]) put on
 //! the device by an [`Uploader`] (a thread of its own copying from the model's mapped files, or
-//! through pinned staging buffers: [`UPLOAD_FROM_ENV`]; a copy stream of its own) while the current layer's steps run on the host
+//! through pinned staging buffers: `--upload-from`; a copy stream of its own) while the current layer's steps run on the host
 //! and the compute stream; [`CudaEngine::raw`] takes a prefetched tensor instead of uploading it,
 //! after making the compute stream wait for its copies.
 //!
@@ -23,7 +23,9 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 
 use super::CudaEngine;
-use crate::gpu::upload::{alloc_dst, total_len, Done, FileRange, Job, Outcome, Source, Uploader};
+use crate::gpu::upload::{
+    alloc_dst, source_by_default, total_len, Done, FileRange, Job, Outcome, Uploader,
+};
 use crate::gpu::Gpu;
 
 /// Free device memory a layer's prefetch leaves untouched: the current layer's scratch
@@ -33,29 +35,6 @@ pub const PREFETCH_RESERVE: u64 = 2 << 30;
 const FINGERPRINT: usize = 64;
 /// Distinct reasons kept in [`PrefetchSummary::notes`].
 const MAX_NOTES: usize = 4;
-
-/// The environment variable that picks how the uploader puts bytes on the device:
-/// `mapped` (the default: the device copies the file's mapped pages, registered for the copy)
-/// or `staged` (host threads read them into pinned staging buffers first); see `gpu::upload`.
-pub const UPLOAD_FROM_ENV: &str = "GLMDIFF_UPLOAD_FROM";
-
-/// How the uploader takes its bytes: [`UPLOAD_FROM_ENV`]'s word ([`source_of`]).
-pub fn upload_source() -> Result<Source, String> {
-    source_of(std::env::var(UPLOAD_FROM_ENV).ok().as_deref())
-}
-
-/// The [`Source`] of an [`UPLOAD_FROM_ENV`] value: `mapped` (or unset, or empty) maps,
-/// `staged` stages; another word is an error naming it.
-pub fn source_of(word: Option<&str>) -> Result<Source, String> {
-    match word.map(str::trim) {
-        None | Some("") => Ok(Source::Mapped),
-        Some(w) if w.eq_ignore_ascii_case("mapped") => Ok(Source::Mapped),
-        Some(w) if w.eq_ignore_ascii_case("staged") => Ok(Source::Staged),
-        Some(w) => Err(format!(
-            "{UPLOAD_FROM_ENV}={w:?} is neither `mapped` nor `staged`: uploads copy the mapped file"
-        )),
-    }
-}
 
 /// Whether engines opened from now on prefetch ([`set_prefetch_by_default`]).
 static BY_DEFAULT: AtomicBool = AtomicBool::new(true);
@@ -239,11 +218,7 @@ impl Prefetch {
     /// reason noted.
     pub(super) fn send(&mut self, gpu: &Gpu, layer: usize, wants: Vec<Want>) {
         if self.uploader.is_none() {
-            let source = upload_source().unwrap_or_else(|why| {
-                self.note(why);
-                Source::Mapped
-            });
-            match Uploader::start_from(gpu, source) {
+            match Uploader::start_from(gpu, source_by_default()) {
                 Ok(u) => self.uploader = Some(u),
                 Err(e) => {
                     self.dead = true;
@@ -503,19 +478,6 @@ impl CudaEngine<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn upload_source_by_word() {
-        assert_eq!(source_of(None), Ok(Source::Mapped));
-        assert_eq!(source_of(Some("")), Ok(Source::Mapped));
-        assert_eq!(source_of(Some(" Mapped ")), Ok(Source::Mapped));
-        assert_eq!(source_of(Some("staged")), Ok(Source::Staged));
-        let e = source_of(Some("stage")).unwrap_err();
-        assert!(
-            e.contains(UPLOAD_FROM_ENV) && e.contains("\"stage\""),
-            "{e}"
-        );
-    }
 
     fn entry(p: &mut Prefetch, name: &str, layer: usize, arrived: bool) {
         let id = p.next_id;
