@@ -637,12 +637,14 @@ impl Worker {
             }
             host.push((m.as_ptr() as usize + r.offset as usize, r.len));
         }
-        // SAFETY: every range lies inside its live map (checked above), which is only read.
+        // Bytes `at..at + n` of the ranges laid one after another, read from the maps.
         let laid = |at: usize, n: usize| -> Vec<u8> {
             let lens: Vec<usize> = host.iter().map(|h| h.1).collect();
             let mut v = Vec::with_capacity(n);
             for (i, in_piece, _, k) in spans(&lens, at, n) {
                 let a = host[i].0 + in_piece as usize;
+                // SAFETY: `a .. a + k` lies inside range `i`, inside its live map (checked
+                // above), which is only read.
                 v.extend_from_slice(unsafe { std::slice::from_raw_parts(a as *const u8, k) });
             }
             v

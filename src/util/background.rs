@@ -3,64 +3,28 @@
 //! pass beside the reference's steps: it takes the cores the reference leaves idle, between its
 //! steps and in their serial parts, and catches up whenever the driver waits for it).
 //!
-//! The priority is Linux's per thread: the idle scheduling class (`SCHED_IDLE`,
-//! `sched_setscheduler` on the thread's id), where a thread runs only on a core no normal thread
-//! wants and gives it up at once when one does; or, where the class is refused, the nice value
-//! raised by [`BACKGROUND_NICE`] (`setpriority`), where it still takes about a tenth of a
-//! contended core. Neither needs a privilege. Where neither can
-//! be had (another system, a refusal), the threads run at the normal priority: only the speed
-//! differs, never a value (the work's results do not depend on the threads that run it).
+//! The priority is the Linux per-thread nice value (`setpriority` on the thread's id), raised by
+//! [`BACKGROUND_NICE`]: raising it needs no privilege. Where it cannot be raised (another
+//! system, a refusal), the threads run at the normal priority: only the speed differs, never a
+//! value (the work's results do not depend on the threads that run it).
 
 /// How much the background threads' nice value is raised: at 10 a thread competing with
 /// normal ones gets about a tenth of a core's share (the kernel's weights 110 against 1024).
 pub const BACKGROUND_NICE: i32 = 10;
 
-/// How background threads are lowered.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Policy {
-    /// The idle scheduling class.
-    Idle,
-    /// The nice value raised by [`BACKGROUND_NICE`] (where the idle class is refused).
-    Nice,
-}
-
-/// How the background threads are lowered: the idle class ([`Policy::Nice`] where a thread
-/// cannot enter it).
-pub const POLICY: Policy = Policy::Idle;
-
-/// A pool of `threads` threads named `<name>-<i>`, each at a lower priority ([`POLICY`]);
-/// `None` when the pool cannot be built (its work then runs on the caller's pool).
+/// A pool of `threads` threads named `<name>-<i>`, each at a lower priority
+/// ([`BACKGROUND_NICE`]); `None` when the pool cannot be built (its work then runs on the
+/// caller's pool).
 pub fn pool(name: &str, threads: usize) -> Option<rayon::ThreadPool> {
     let name = name.to_string();
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
         .thread_name(move |i| format!("{name}-{i}"))
         .start_handler(|_| {
-            if POLICY == Policy::Idle && idle_this_thread() {
-                return;
-            }
             lower_this_thread();
         })
         .build()
         .ok()
-}
-
-/// Puts the calling thread in the idle scheduling class (best effort); whether it did.
-pub fn idle_this_thread() -> bool {
-    #[cfg(target_os = "linux")]
-    {
-        let param = libc::sched_param { sched_priority: 0 };
-        // SAFETY: gettid takes no arguments; sched_setscheduler reads one sched_param through a
-        // pointer to a live local (the thread's id as the pid: Linux's per-thread policy).
-        unsafe {
-            let tid = libc::syscall(libc::SYS_gettid) as libc::pid_t;
-            libc::sched_setscheduler(tid, libc::SCHED_IDLE, &param) == 0
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        false
-    }
 }
 
 /// Raises the calling thread's nice value by [`BACKGROUND_NICE`] (best effort); whether it did.
@@ -95,9 +59,8 @@ pub fn lower_this_thread() -> bool {
 mod tests {
     use super::*;
 
-    /// The pool's threads run its work in the idle class (with the nice policy, at a nice value
-    /// raised by BACKGROUND_NICE, capped at 19), the caller's own stays as it was, and a
-    /// parallel sum gives the same value there.
+    /// The pool's threads run its work at a nice value raised by BACKGROUND_NICE (capped at
+    /// 19), the caller's own stays as it was, and a parallel sum gives the same value there.
     #[test]
     fn pool_threads_run_lower() {
         #[cfg(target_os = "linux")]
@@ -111,18 +74,10 @@ mod tests {
         let p = pool("test-bg", 2).expect("a pool");
         #[cfg(target_os = "linux")]
         {
-            // SAFETY: sched_getscheduler takes the thread's id (0: the caller).
-            let class = || unsafe { libc::sched_getscheduler(0) };
-            let (before, class_before) = (nice(), class());
-            let (inside, class_inside) = p.install(|| (nice(), class()));
-            match POLICY {
-                Policy::Idle => assert_eq!(class_inside, libc::SCHED_IDLE),
-                Policy::Nice => {
-                    assert_eq!(inside, (before + BACKGROUND_NICE).min(19));
-                    assert_eq!(class_inside, class_before);
-                }
-            }
-            assert_eq!((nice(), class()), (before, class_before));
+            let before = nice();
+            let inside = p.install(nice);
+            assert_eq!(inside, (before + BACKGROUND_NICE).min(19));
+            assert_eq!(nice(), before);
         }
         use rayon::prelude::*;
         let v: Vec<f64> = (0..100_000).map(|i| f64::from(i) * 0.5).collect();
