@@ -5,7 +5,7 @@
 #   scripts/gpu-test.sh run       on the GPU machine, from the repository root, with .gpu carried:
 #                                 GPU tests and the ignored unit tests, dequant-check on the quant fixtures and on a synthetic
 #                                 GLM-5-dimension UD-Q4_K_XL model, the regression suite against the CUDA
-#                                 engine, the dequant benchmark and `bench run` (GLM-5 dimensions, 16 tokens), compute-sanitizer over the dequant and
+#                                 engine, the dequant benchmark, `bench run` (GLM-5 dimensions, 16 tokens) and the upload probe, compute-sanitizer over the dequant and
 #                                 forward kernels; logs in $OUT/gpu-logs.tgz (default ./gpu-out), a summary last.
 #                                 GPU_STEPS="tests bench" runs only those parts.
 set -uo pipefail
@@ -100,6 +100,12 @@ run() {
     echo "== bench run --against cuda: GLM-5 dimensions (one dense and two MoE layers), 16 tokens"
     "$bin" --wide bench run --against cuda --tokens 16 --reps 2 --project glm5 2>&1 | tee "$logs/bench-run.txt"
     summary+=("bench run --against cuda, 16 tokens, GLM-5 projected: exit ${PIPESTATUS[0]}, $(grep -m1 -E '(reference|candidate) \([0-9.]+x\)' "$logs/bench-run.txt" | tr -s ' ')")
+    echo "== registered_copy_speed: staged uploads against copies from registered pages (a 2 GiB file)"
+    local reg; reg=$(mktemp -d)
+    head -c $((2 << 30)) /dev/urandom > "$reg/bytes.bin"
+    GLMDIFF_REGISTER_FILE="$reg/bytes.bin" .gpu/unit registered_copy_speed --ignored --nocapture --test-threads=1 2>&1 | tee "$logs/registered-copy.txt"
+    summary+=("registered_copy_speed: $(grep -m1 -E '^test result' "$logs/registered-copy.txt"); $(grep -E '1536 MiB' "$logs/registered-copy.txt" | head -n 3 | tr -s ' ' | tr '\n' ';')")
+    rm -rf "$reg"
     fi
 
     if ! want sanitizer; then
