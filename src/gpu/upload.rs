@@ -39,8 +39,9 @@
 //! (its ranges rounded out to pages, merged where they touch) stay registered until its copies
 //! are done; they are unregistered when a later job starts and finds them done, or before a
 //! later job registers a page they hold (two registrations may not share a page), and all of
-//! them before the thread ends. When the driver refuses a registration, that job and every
-//! later one go through the staging buffers, and the job's [`Ready::note`] says why.
+//! them before the thread ends. When a file cannot be mapped or the driver refuses a
+//! registration, that job and every later one go through the staging buffers, and the job's
+//! [`Ready::note`] says why.
 //!
 //! Every failure of a job (the file, the device) comes back as [`Outcome::Failed`] with the
 //! reason, never as a panic; the caller decides what to do instead.
@@ -594,8 +595,8 @@ impl Worker {
 
     /// Copies `job` from the mapped file: its ranges' pages registered with the driver, one
     /// asynchronous copy per range. Ok(Some(true)): every copy issued; Ok(Some(false)):
-    /// cancelled before any; Ok(None): the driver refused a registration (nothing was copied;
-    /// `self.mapped` says why), so the job is to be staged. `timing` gets the event recorded
+    /// cancelled before any; Ok(None): a file could not be mapped or the driver refused a
+    /// registration (nothing was copied; `self.mapped` says why), so the job is to be staged. `timing` gets the event recorded
     /// before the first copy and the seconds spent registering.
     fn copy_mapped(
         &mut self,
@@ -624,7 +625,14 @@ impl Worker {
         // The ranges' host addresses in the maps: (address, length), laid in order.
         let mut host: Vec<(usize, usize)> = Vec::with_capacity(job.src.len());
         for r in &job.src {
-            let m = map_cached(&mut self.maps, &r.path)?;
+            // A file that cannot be mapped (a file system without maps) is staged instead.
+            let m = match map_cached(&mut self.maps, &r.path) {
+                Ok(m) => m,
+                Err(why) => {
+                    self.mapped = Err(why);
+                    return Ok(None);
+                }
+            };
             let end = r.offset.checked_add(r.len as u64);
             if end.is_none_or(|e| e > m.len() as u64) {
                 return Err(format!(
