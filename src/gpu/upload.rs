@@ -1,7 +1,8 @@
 //! Uploads behind compute: byte ranges of files put on a device by a host thread of their own,
 //! through pinned staging memory or from the file's registered pages, and a copy stream of their
-//! own, while the caller's thread and the device's compute stream go on with other work. The CUDA engine's prefetch
-//! (`engine::cuda::prefetch`) and dequant-check's pipeline (`dcheck`) both use it.
+//! own, while the caller's thread and the device's compute stream go on with other work. The
+//! CUDA engine's prefetch (`engine::cuda::prefetch`) and dequant-check's pipeline (`dcheck`) both
+//! use it.
 //!
 //! # How
 //! [`Uploader::start`] creates a non-blocking copy stream (no implicit synchronisation with the
@@ -596,8 +597,8 @@ impl Worker {
     /// Copies `job` from the mapped file: its ranges' pages registered with the driver, one
     /// asynchronous copy per range. Ok(Some(true)): every copy issued; Ok(Some(false)):
     /// cancelled before any; Ok(None): a file could not be mapped or the driver refused a
-    /// registration (nothing was copied; `self.mapped` says why), so the job is to be staged. `timing` gets the event recorded
-    /// before the first copy and the seconds spent registering.
+    /// registration (nothing was copied; `self.mapped` says why), so the job is to be staged.
+    /// `timing` gets the event recorded before the first copy and the seconds spent registering.
     fn copy_mapped(
         &mut self,
         job: &mut Job,

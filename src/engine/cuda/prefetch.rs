@@ -1,8 +1,8 @@
 //! Prefetch: the raw blocks of the layer a walk begins next ([`Engine::prefetch_layer`]) put on
 //! the device by an [`Uploader`] (a thread of its own copying from the model's mapped files, or
-//! through pinned staging buffers: `--upload-from`; a copy stream of its own) while the current layer's steps run on the host
-//! and the compute stream; [`CudaEngine::raw`] takes a prefetched tensor instead of uploading it,
-//! after making the compute stream wait for its copies.
+//! through pinned staging buffers: `--upload-from`; a copy stream of its own) while the current
+//! layer's steps run on the host and the compute stream; [`CudaEngine::raw`] takes a prefetched
+//! tensor instead of uploading it, after making the compute stream wait for its copies.
 //!
 //! Bounds: a tensor is prefetched only when the device's free memory holds the whole layer's
 //! raw blocks plus [`PREFETCH_RESERVE`] (the current layer's scratch), so the device holds at
