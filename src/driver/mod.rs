@@ -386,6 +386,7 @@ fn exec_rows_joint<E: Engine>(
     let total: usize = t + more.iter().map(|(_, r)| r.len()).sum::<usize>();
     let mut own_out = Vec::with_capacity(out.outputs.len());
     let mut parts: Vec<Vec<(String, HostTensor)>> = vec![Vec::new(); more.len()];
+    let own_rows: Vec<usize> = (0..t).collect();
     for (name, o) in step.outputs.iter().zip(&out.outputs) {
         let host = engine.download(o)?;
         if host.shape.first() != Some(&total) {
@@ -394,7 +395,6 @@ fn exec_rows_joint<E: Engine>(
                 host.shape
             );
         }
-        let own_rows: Vec<usize> = (0..t).collect();
         own_out.push(engine.upload(&host.gather_rows(&own_rows)?)?);
         let mut at = t;
         for ((_, rows), part) in more.iter().zip(parts.iter_mut()) {

@@ -147,17 +147,18 @@ impl CudaEngine<'_> {
                 routed[e as usize].push((tok as i32, ws[tok * k + j]));
             }
         }
-        let gate_name = names::blk(layer, blk::FFN_GATE_EXPS);
-        let fused = names::blk(layer, blk::FFN_GATE_UP_EXPS);
-        let up_name = names::blk(layer, blk::FFN_UP_EXPS);
-        let down_name = names::blk(layer, blk::FFN_DOWN_EXPS);
-        let use_fused = !self.weights.has(&gate_name) && self.weights.has(&fused);
         let ff = hp.n_ff_exp;
         // At short prompts only the routed experts' rows are put on the device (`routed`); the
         // router started their uploads, this starts those of experts it did not pick.
         self.tokens.set(Some(t));
         let names = self.stacked_expert_names(layer);
         let stacked: Vec<&str> = names.iter().map(String::as_str).collect();
+        // The fused `ffn_gate_up_exps` and `ffn_down_exps`, or gate, up and down.
+        let (gate_up, down_name) = match stacked.as_slice() {
+            [fused, down] => (GateUp::Fused(fused), *down),
+            [gate, up, down] => (GateUp::Split(gate, up), *down),
+            _ => bail!("engine: cuda: layer {layer} experts: stacked tensors {stacked:?}"),
+        };
         let experts: Vec<usize> = (0..hp.n_expert)
             .filter(|&e| !routed[e].is_empty())
             .collect();
@@ -189,17 +190,18 @@ impl CudaEngine<'_> {
                 &nn,
                 &hid
             );
-            let (g, u) = if use_fused {
-                let base = e * 2 * ff;
-                (
-                    self.project(&xe, n, &fused, base..base + ff)?,
-                    self.project(&xe, n, &fused, base + ff..base + 2 * ff)?,
-                )
-            } else {
-                (
-                    self.project(&xe, n, &gate_name, e * ff..(e + 1) * ff)?,
-                    self.project(&xe, n, &up_name, e * ff..(e + 1) * ff)?,
-                )
+            let (g, u) = match gate_up {
+                GateUp::Fused(fused) => {
+                    let base = e * 2 * ff;
+                    (
+                        self.project(&xe, n, fused, base..base + ff)?,
+                        self.project(&xe, n, fused, base + ff..base + 2 * ff)?,
+                    )
+                }
+                GateUp::Split(gate, up) => (
+                    self.project(&xe, n, gate, e * ff..(e + 1) * ff)?,
+                    self.project(&xe, n, up, e * ff..(e + 1) * ff)?,
+                ),
             };
             let mut act = self.zeros_f32(n * ff, "expert activation")?;
             let nf = (n * ff) as u64;
@@ -213,7 +215,7 @@ impl CudaEngine<'_> {
                 &nf
             );
             let act = self.finish(act)?;
-            let y = self.project(&act, n, &down_name, e * hidden..(e + 1) * hidden)?;
+            let y = self.project(&act, n, down_name, e * hidden..(e + 1) * hidden)?;
             launch!(
                 self,
                 "scatter_add_f64",
@@ -268,4 +270,12 @@ impl CudaEngine<'_> {
         );
         Ok(self.tensor_f32(a.shape.clone(), self.finish(y)?))
     }
+}
+
+/// The stacked gate and up tensors of an expert step: fused (`ffn_gate_up_exps`, each expert's
+/// gate rows then its up rows) or apart.
+#[derive(Clone, Copy)]
+enum GateUp<'a> {
+    Fused(&'a str),
+    Split(&'a str, &'a str),
 }
