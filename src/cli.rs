@@ -62,6 +62,32 @@ pub struct Cli {
         value_parser = clap::value_parser!(u32).range(1..)
     )]
     pub reference_min_tokens: u32,
+    /// How host threads wait for a CUDA device: block (sleep until it is done, leaving the
+    /// cores to the CPU reference), spin, yield (spin, yielding between polls) or auto (the
+    /// driver's choice: spin on a machine with more cores than contexts). Only the speed
+    /// changes.
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        value_name = "HOW",
+        env = "GLMDIFF_GPU_WAIT",
+        default_value = "block"
+    )]
+    pub gpu_wait: crate::words::GpuWait,
+    /// Where a run's comparison computes beside the reference: background (a pool as large as
+    /// the reference's, at a lower priority: it takes the cores the reference leaves idle) or N
+    /// (N threads at the normal priority; `RAYON_NUM_THREADS` sizes the reference's pool). Only
+    /// the speed changes.
+    #[arg(
+        long,
+        global = true,
+        value_name = "background|N",
+        env = "GLMDIFF_COMPARE_POOL",
+        default_value = "background",
+        value_parser = parse_compare_pool
+    )]
+    pub compare_pool: ComparePool,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -543,6 +569,22 @@ pub fn parse_progress(s: &str) -> Result<ProgressEvery> {
     }
 }
 
+/// `--compare-pool`: the comparison's pool (see [`parse_compare_pool`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ComparePool(pub Option<usize>);
+
+/// Parses `--compare-pool`: `background` (`None`) or a number of threads of 1 or more.
+pub fn parse_compare_pool(s: &str) -> Result<ComparePool> {
+    let s = s.trim();
+    if s.eq_ignore_ascii_case("background") {
+        return Ok(ComparePool(None));
+    }
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(ComparePool(Some(n))),
+        _ => bail!("expected `background` or a number of threads of 1 or more, got `{s}`"),
+    }
+}
+
 /// Parses `--cpu-simd`: base, avx2 or avx512 (any case).
 pub fn parse_cpu_simd(s: &str) -> Result<Level> {
     Level::from_name(s).with_context(|| format!("{s:?} is not a level: base, avx2 or avx512"))
@@ -842,6 +884,40 @@ mod tests {
         }
         let e = from(&["--upload-from", "stage"]).unwrap_err();
         assert!(e.contains("mapped") && e.contains("staged"), "{e}");
+        use crate::words::GpuWait;
+        let wait = |args: &[&str]| {
+            let c = Cli::try_parse_from([&["glmdiff"], args, &["run", "m.gguf"]].concat());
+            Ok::<_, String>(c.map_err(|e| e.to_string())?.gpu_wait)
+        };
+        for (w, m) in [
+            ("block", GpuWait::Block),
+            ("spin", GpuWait::Spin),
+            ("yield", GpuWait::Yield),
+            ("auto", GpuWait::Auto),
+        ] {
+            assert_eq!(wait(&["--gpu-wait", w]), Ok(m));
+        }
+        if std::env::var_os("GLMDIFF_GPU_WAIT").is_none() {
+            assert_eq!(wait(&[]), Ok(GpuWait::Block));
+        }
+        let e = wait(&["--gpu-wait", "sleep"]).unwrap_err();
+        assert!(e.contains("block") && e.contains("spin"), "{e}");
+        let pool = |args: &[&str]| {
+            let c = Cli::try_parse_from([&["glmdiff", "run", "m.gguf"], args].concat());
+            Ok::<_, String>(c.map_err(|e| e.to_string())?.compare_pool)
+        };
+        assert_eq!(pool(&["--compare-pool", "3"]), Ok(ComparePool(Some(3))));
+        assert_eq!(
+            pool(&["--compare-pool", "Background"]),
+            Ok(ComparePool(None))
+        );
+        if std::env::var_os("GLMDIFF_COMPARE_POOL").is_none() {
+            assert_eq!(pool(&[]), Ok(ComparePool(None)));
+        }
+        for bad in ["0", "-1", "two"] {
+            let e = pool(&["--compare-pool", bad]).unwrap_err();
+            assert!(e.contains("background"), "{e}");
+        }
     }
 
     #[test]

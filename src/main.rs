@@ -50,6 +50,8 @@ fn main() -> ExitCode {
     glmdiff::report::progress::set_interval(cli.progress.0);
     glmdiff::engine::cpu::device::set_reference_on(cli.reference_on);
     glmdiff::engine::cpu::device::set_min_tokens(cli.reference_min_tokens as usize);
+    cmd::set_gpu_wait(cli.gpu_wait);
+    glmdiff::util::background::set_compare_threads(cli.compare_pool.0);
     install_interrupt_handler();
     restore_default_sigpipe();
     let result = match &cli.command {

@@ -281,6 +281,46 @@ impl ValueEnum for UploadFrom {
     }
 }
 
+/// How a host thread waits for the device (`--gpu-wait`): the CUDA context's scheduling flag.
+/// Only where the waiting threads' time goes changes, never a value.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GpuWait {
+    /// Sleep until the device is done (`CU_CTX_SCHED_BLOCKING_SYNC`): the cores stay with the
+    /// reference's threads.
+    #[default]
+    Block,
+    /// Spin on a core until the device is done (`CU_CTX_SCHED_SPIN`).
+    Spin,
+    /// Spin, yielding the core between polls (`CU_CTX_SCHED_YIELD`).
+    Yield,
+    /// The driver's choice (`CU_CTX_SCHED_AUTO`: spin while the process has fewer contexts than
+    /// the machine has cores).
+    Auto,
+}
+
+impl GpuWait {
+    /// The word `--gpu-wait` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GpuWait::Block => "block",
+            GpuWait::Spin => "spin",
+            GpuWait::Yield => "yield",
+            GpuWait::Auto => "auto",
+        }
+    }
+}
+
+/// The words of `--gpu-wait`.
+impl ValueEnum for GpuWait {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[GpuWait::Block, GpuWait::Spin, GpuWait::Yield, GpuWait::Auto]
+    }
+
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        Some(PossibleValue::new(self.as_str()))
+    }
+}
+
 /// The candidate's precision at the hooks a glob matches.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PrecisionOverride {

@@ -58,6 +58,25 @@ pub(crate) fn set_prefetch(args: &PrefetchArgs) {
     let _ = args;
 }
 
+/// Sets how the host threads of the CUDA devices this command opens wait for them
+/// (`--gpu-wait`), before it opens any.
+pub fn set_gpu_wait(how: crate::words::GpuWait) {
+    #[cfg(feature = "cuda")]
+    {
+        use crate::gpu::Wait;
+        use crate::words::GpuWait;
+        crate::gpu::set_wait_by_default(match how {
+            GpuWait::Block => Wait::Block,
+            GpuWait::Spin => Wait::Spin,
+            GpuWait::Yield => Wait::Yield,
+            GpuWait::Auto => Wait::Auto,
+        });
+    }
+    // Without the `cuda` feature no device is opened.
+    #[cfg(not(feature = "cuda"))]
+    let _ = how;
+}
+
 /// The level the CPU's dequantizers and matrix products are capped at: `flag` (`--cpu-simd`),
 /// else `env` (the value of [`crate::quant::simd::LEVEL_ENV`], read once at the start) when it
 /// names a level (an unknown value is ignored); `None`: no cap, the widest the CPU has.

@@ -116,7 +116,7 @@ where
     // on threads of lower priority, so that it takes the cores the reference leaves idle rather
     // than the reference's (the values are the same on any threads).
     let queue = Queue::new(WAITING_BYTES);
-    let pool = crate::util::background::pool("compare", rayon::current_num_threads());
+    let pool = crate::util::background::compare_pool(rayon::current_num_threads());
     std::thread::scope(|scope| {
         let q = &queue;
         let serving = scope.spawn(move || match &pool {

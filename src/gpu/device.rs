@@ -2,12 +2,13 @@
 //! kernel modules compiled and loaded once per device.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Context, Result};
 use cudarc::driver::{
-    sys as drv, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr,
-    DriverError, ValidAsZeroBits,
+    sys as drv, sys::CUctx_flags, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream,
+    DeviceRepr, DriverError, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -204,12 +205,74 @@ pub struct Gpu {
     pub options: CompileOptions,
     /// NVRTC and driver versions, `(nvrtc, driver)` as `major.minor` strings.
     pub versions: (String, String),
+    /// How host threads wait for it ([`Wait`]), in words.
+    wait: String,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     /// Families being compiled on threads of their own ([`Gpu::compile_ahead`]): their
     /// CUBINs, taken by the first load.
     pending: Mutex<HashMap<&'static str, Compiling>>,
+}
+
+/// How the host threads of a device's context wait for it (the context's scheduling flag,
+/// `cuCtxSetFlags`); only where their time goes changes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Wait {
+    /// Sleep until the device is done (`CU_CTX_SCHED_BLOCKING_SYNC`). A thread that spins
+    /// holds a core for as long as it waits: beside the CPU reference's pool, which has a
+    /// thread per core, that core's share of every parallel step then waits for it.
+    #[default]
+    Block,
+    /// Spin on a core (`CU_CTX_SCHED_SPIN`).
+    Spin,
+    /// Spin, yielding between polls (`CU_CTX_SCHED_YIELD`).
+    Yield,
+    /// The driver's heuristic (`CU_CTX_SCHED_AUTO`).
+    Auto,
+}
+
+impl Wait {
+    /// The word for reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Wait::Block => "block",
+            Wait::Spin => "spin",
+            Wait::Yield => "yield",
+            Wait::Auto => "auto",
+        }
+    }
+
+    fn flags(self) -> CUctx_flags {
+        match self {
+            Wait::Block => CUctx_flags::CU_CTX_SCHED_BLOCKING_SYNC,
+            Wait::Spin => CUctx_flags::CU_CTX_SCHED_SPIN,
+            Wait::Yield => CUctx_flags::CU_CTX_SCHED_YIELD,
+            Wait::Auto => CUctx_flags::CU_CTX_SCHED_AUTO,
+        }
+    }
+
+    fn from_u8(v: u8) -> Wait {
+        match v {
+            1 => Wait::Spin,
+            2 => Wait::Yield,
+            3 => Wait::Auto,
+            _ => Wait::Block,
+        }
+    }
+}
+
+/// The [`Wait`] of the devices opened from now on (a [`Wait`] as `u8`).
+static WAIT: AtomicU8 = AtomicU8::new(Wait::Block as u8);
+
+/// Sets how the host threads of the devices opened from now on wait for them (`--gpu-wait`).
+pub fn set_wait_by_default(wait: Wait) {
+    WAIT.store(wait as u8, Ordering::Relaxed);
+}
+
+/// The [`Wait`] [`set_wait_by_default`] set ([`Wait::Block`] unless told otherwise).
+pub fn wait_by_default() -> Wait {
+    Wait::from_u8(WAIT.load(Ordering::Relaxed))
 }
 
 /// A kernel family's compile on its own thread.
@@ -241,6 +304,14 @@ impl Gpu {
         };
         let ctx = CudaContext::new(ordinal)
             .with_context(|| format!("cuda: creating a context on device {ordinal}"))?;
+        // The device's primary context, shared by every `Gpu` of this device: its flag holds
+        // for all of them. A driver that refuses it keeps its own (only the speed differs),
+        // and the report says which.
+        let want = wait_by_default();
+        let wait = match ctx.set_flags(want.flags()) {
+            Ok(()) => want.as_str().to_string(),
+            Err(e) => format!("{} (the driver refused: {e})", Wait::Auto.as_str()),
+        };
         let stream = if own_stream {
             ctx.new_stream()
                 .with_context(|| format!("cuda: creating a stream on device {ordinal}"))?
@@ -260,6 +331,7 @@ impl Gpu {
                 format!("{}.{}", drv_ver / 1000, (drv_ver % 1000) / 10),
             ),
             info,
+            wait,
             ctx,
             stream,
             modules: Mutex::new(HashMap::new()),
@@ -280,8 +352,8 @@ impl Gpu {
     /// A line for report headers: device, options, NVRTC and driver versions.
     pub fn describe(&self) -> String {
         format!(
-            "{} | NVRTC {} ({}) | driver CUDA {}",
-            self.info, self.versions.0, self.options, self.versions.1
+            "{} | NVRTC {} ({}) | driver CUDA {} | host waits: {}",
+            self.info, self.versions.0, self.options, self.versions.1, self.wait
         )
     }
 

@@ -30,7 +30,7 @@ pub mod reference;
 pub mod upload;
 
 #[cfg(feature = "cuda")]
-pub use device::{probe_libraries, DeviceInfo, Gpu};
+pub use device::{probe_libraries, set_wait_by_default, wait_by_default, DeviceInfo, Gpu, Wait};
 
 /// Where the CUDA libraries usually are, for error messages.
 #[cfg(feature = "cuda")]

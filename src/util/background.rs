@@ -8,6 +8,8 @@
 //! system, a refusal), the threads run at the normal priority: only the speed differs, never a
 //! value (the work's results do not depend on the threads that run it).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 /// How much the background threads' nice value is raised: at 10 a thread competing with
 /// normal ones gets about a tenth of a core's share (the kernel's weights 110 against 1024).
 pub const BACKGROUND_NICE: i32 = 10;
@@ -16,15 +18,42 @@ pub const BACKGROUND_NICE: i32 = 10;
 /// ([`BACKGROUND_NICE`]); `None` when the pool cannot be built (its work then runs on the
 /// caller's pool).
 pub fn pool(name: &str, threads: usize) -> Option<rayon::ThreadPool> {
+    pool_at(name, threads, true)
+}
+
+/// A pool of `threads` threads named `<name>-<i>`, at a lower priority when `lower`.
+fn pool_at(name: &str, threads: usize, lower: bool) -> Option<rayon::ThreadPool> {
     let name = name.to_string();
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
         .thread_name(move |i| format!("{name}-{i}"))
-        .start_handler(|_| {
-            lower_this_thread();
+        .start_handler(move |_| {
+            if lower {
+                lower_this_thread();
+            }
         })
         .build()
         .ok()
+}
+
+/// The comparison's pool as `--compare-pool` set it: 0 for [`pool`]'s (as many threads as
+/// the reference's pool, at a lower priority), else that many threads at the normal priority.
+static COMPARE_THREADS: AtomicUsize = AtomicUsize::new(0);
+
+/// Sets the comparison's pool of the passes started from now on (`--compare-pool`): `None`,
+/// as many threads as the reference's pool at a lower priority; `Some(n)`, `n` threads at the
+/// normal priority (the cores the reference's pool leaves free: `RAYON_NUM_THREADS` sizes it).
+pub fn set_compare_threads(n: Option<usize>) {
+    COMPARE_THREADS.store(n.unwrap_or(0), Ordering::Relaxed);
+}
+
+/// The pool the comparison of a pass runs its parallel work on, as [`set_compare_threads`]
+/// set it, beside a reference pool of `reference_threads`; `None` when it cannot be built.
+pub fn compare_pool(reference_threads: usize) -> Option<rayon::ThreadPool> {
+    match COMPARE_THREADS.load(Ordering::Relaxed) {
+        0 => pool("compare", reference_threads),
+        n => pool_at("compare", n, false),
+    }
 }
 
 /// Raises the calling thread's nice value by [`BACKGROUND_NICE`] (best effort); whether it did.
@@ -86,5 +115,10 @@ mod tests {
             s.iter().sum()
         };
         assert_eq!(p.install(|| chunks(&v)).to_bits(), chunks(&v).to_bits());
+        // `--compare-pool N`: N threads at the caller's priority.
+        let q = pool_at("test-normal", 3, false).expect("a pool");
+        assert_eq!(q.current_num_threads(), 3);
+        #[cfg(target_os = "linux")]
+        assert_eq!(q.install(nice), nice());
     }
 }
