@@ -310,6 +310,9 @@ pub struct LayerRow {
     /// The part of the layer's wall the driver waited for the comparison (`run`'s
     /// `compare_wait_s`).
     pub compare_wait_s: f64,
+    /// The part of the layer's wall the driver waited for the candidate's side of a step after
+    /// the reference's side was done (`run`'s `candidate_beyond_s`).
+    pub candidate_beyond_s: f64,
     /// Routed experts the reference's tokens touched (0 for a dense layer).
     pub experts: usize,
     /// The CPU reference's floor (dequant + matmul), when measured.
@@ -852,6 +855,7 @@ fn layer_rows(
                 upload_bytes: t.upload_bytes,
                 compare_s: t.compare,
                 compare_wait_s: t.compare_wait,
+                candidate_beyond_s: t.candidate_beyond,
                 experts: routing.get(&l).map_or(0, BTreeMap::len),
                 floor: None,
                 floor_s: None,
@@ -1238,6 +1242,7 @@ mod tests {
             upload_bytes: 0,
             compare_s: 0.0,
             compare_wait_s: 0.0,
+            candidate_beyond_s: 0.0,
             experts: 8,
             floor: None,
             floor_s: None,
@@ -1291,6 +1296,7 @@ mod tests {
             upload_bytes: 1 << 30,
             compare_s: 0.125,
             compare_wait_s: 0.0,
+            candidate_beyond_s: 0.0,
             experts: 8,
             floor: None,
             floor_s: Some(0.5),

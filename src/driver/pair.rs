@@ -291,13 +291,16 @@ where
         } = self.before(step)?;
         let joint_rows: Vec<Vec<usize>> = joint.more.iter().map(|(_, r)| r.clone()).collect();
         let replay_now = replay.as_ref().and_then(|r| r.as_ref().ok());
+        let sides = std::time::Instant::now();
         let (ref_done, cand_done) = self.both_sides(step, &wants, joint.more, replay_now);
+        let sides = sides.elapsed().as_secs_f64();
         let RefStep {
             out,
             extra,
             joint: joint_out,
             seconds,
         } = ref_done?;
+        self.summary.time(step.layer).candidate_beyond += (sides - seconds).max(0.0);
         let (further, follow_prepared, replay_prepared) =
             joint_results(&joint_rows, joint_out, joint.follow, joint.replay);
         let mut cand_done = cand_done?;

@@ -111,6 +111,10 @@ pub struct LayerTime {
     /// queue, or for the near ties' answers; the last layer's also for the end of the
     /// comparison): the part of `compare` that the steps did not hide.
     pub compare_wait: f64,
+    /// The part of the layer's time the driver waited for the candidate engine's side of a
+    /// step after the reference's side of it was done (summed over the steps; 0 without an
+    /// engine candidate): what the candidate added to the wall beyond the reference.
+    pub candidate_beyond: f64,
 }
 
 impl LayerTime {

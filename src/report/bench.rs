@@ -395,6 +395,9 @@ fn run_layer_table(r: &run::Report) -> String {
         cols.extend([("upload ms", 2), ("upload MiB", 5)]);
     }
     cols.extend([("compare ms", 2), ("waited ms", 4)]);
+    if cuda {
+        cols.push(("cand beyond ms", 3));
+    }
     cols.extend([("floor ms", 1), ("ref / floor", 0)]);
     if copies {
         cols.extend([
@@ -418,6 +421,9 @@ fn run_layer_table(r: &run::Report) -> String {
                 cells.extend([ms(l.upload_s), mib(l.upload_bytes)]);
             }
             cells.extend([ms(l.compare_s), ms(l.compare_wait_s)]);
+            if cuda {
+                cells.push(ms(l.candidate_beyond_s));
+            }
             cells.extend([opt_ms(l.floor_s), ratio(l.ratios.reference_over_floor)]);
             if copies {
                 cells.extend([
@@ -621,6 +627,7 @@ mod tests {
                 upload_bytes: 5_500_000_000,
                 compare_s: 0.031,
                 compare_wait_s: 0.0,
+                candidate_beyond_s: 0.0,
                 experts: 112,
                 floor: Some(layer::Floor {
                     dequant_s: 0.1,

@@ -1027,6 +1027,7 @@ pub fn to_json(h: &Header, c: &Comparison) -> Value {
             "upload_bytes": t.upload_bytes,
             "compare_s": t.compare,
             "compare_wait_s": t.compare_wait,
+            "candidate_beyond_s": t.candidate_beyond,
         })).collect::<Vec<_>>(),
         "compare_times": h.compare_times.iter().map(|(w, s)| json!({"what": w, "seconds": s})).collect::<Vec<_>>(),
         "reference_times": h.reference_times.iter().map(|(w, s)| json!({"what": w, "seconds": s})).collect::<Vec<_>>(),
@@ -1099,6 +1100,7 @@ mod tests {
             upload_bytes: bytes,
             compare: 0.0,
             compare_wait: 0.0,
+            candidate_beyond: 0.0,
         }
     }
 
