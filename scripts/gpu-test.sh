@@ -5,7 +5,8 @@
 #   scripts/gpu-test.sh run       on the GPU machine, from the repository root, with .gpu carried:
 #                                 GPU tests and the ignored unit tests, dequant-check on the quant fixtures and on a synthetic
 #                                 GLM-5-dimension UD-Q4_K_XL model, the regression suite against the CUDA
-#                                 engine, the dequant benchmark, `bench run` (GLM-5 dimensions, 16 tokens) and the upload probe, compute-sanitizer over the dequant and
+#                                 engine, the dequant benchmark, `bench run` (GLM-5 dimensions, 16 tokens; then --gpu-wait auto against
+#                                 block with each thread's CPU time, scripts/thread-cpu.sh) and the upload probe, compute-sanitizer over the dequant and
 #                                 forward kernels; logs in $OUT/gpu-logs.tgz (default ./gpu-out), a summary last.
 #                                 GPU_STEPS="tests bench" runs only those parts.
 set -uo pipefail
@@ -100,6 +101,18 @@ run() {
     echo "== bench run --against cuda: GLM-5 dimensions (one dense and two MoE layers), 16 tokens"
     "$bin" --wide bench run --against cuda --tokens 16 --reps 2 --project glm5 2>&1 | tee "$logs/bench-run.txt"
     summary+=("bench run --against cuda, 16 tokens, GLM-5 projected: exit ${PIPESTATUS[0]}, $(grep -m1 -E '(reference|candidate) \([0-9.]+x\)' "$logs/bench-run.txt" | tr -s ' ')")
+    echo "== bench run, 16 tokens: host waits (--gpu-wait) auto against block, twice each, alternating; CPU time by thread"
+    local bm; bm=$(mktemp -d)
+    "$bin" synth --arch glm-dsa --dims glm5 --layers 5 --out "$bm/glm5.gguf" > /dev/null 2>&1
+    local i=0 w
+    for w in auto block auto block; do
+        i=$((i + 1))
+        scripts/thread-cpu.sh "$logs/threads-$i-$w.txt" "$bin" --wide --gpu-wait "$w" bench run --model "$bm/glm5.gguf" \
+            --against cuda --dtype bf16 --tokens 16 --reps 2 --project glm5 > "$logs/bench-run-$i-$w.txt" 2>&1
+        summary+=("bench run --gpu-wait $w ($i): exit $?, $(grep -E '^\| 16 ' "$logs/bench-run-$i-$w.txt" | grep -E '4 MoE|x 0' | tr -s ' -' | tr '\n' ' ' | cut -c1-330)")
+        summary+=("  threads: $(sed -n '2,6p' "$logs/threads-$i-$w.txt" | tr -s ' ' | tr '\n' ';')")
+    done
+    rm -rf "$bm"
     echo "== registered_copy_speed: staged uploads against copies from registered pages (a 2 GiB file)"
     local reg; reg=$(mktemp -d)
     head -c $((2 << 30)) /dev/urandom > "$reg/bytes.bin"

@@ -62,17 +62,16 @@ pub struct Cli {
         value_parser = clap::value_parser!(u32).range(1..)
     )]
     pub reference_min_tokens: u32,
-    /// How host threads wait for a CUDA device: block (sleep until it is done, leaving the
-    /// cores to the CPU reference), spin, yield (spin, yielding between polls) or auto (the
-    /// driver's choice: spin on a machine with more cores than contexts). Only the speed
-    /// changes.
+    /// How host threads wait for a CUDA device: auto (the driver's choice: spin on a machine
+    /// with more cores than contexts), block (sleep until it is done, leaving the core to the
+    /// CPU reference), spin, or yield (spin, yielding between polls). Only the speed changes.
     #[arg(
         long,
         global = true,
         value_enum,
         value_name = "HOW",
         env = "GLMDIFF_GPU_WAIT",
-        default_value = "block"
+        default_value = "auto"
     )]
     pub gpu_wait: crate::words::GpuWait,
     /// Where a run's comparison computes beside the reference: background (a pool as large as
@@ -898,7 +897,7 @@ mod tests {
             assert_eq!(wait(&["--gpu-wait", w]), Ok(m));
         }
         if std::env::var_os("GLMDIFF_GPU_WAIT").is_none() {
-            assert_eq!(wait(&[]), Ok(GpuWait::Block));
+            assert_eq!(wait(&[]), Ok(GpuWait::Auto));
         }
         let e = wait(&["--gpu-wait", "sleep"]).unwrap_err();
         assert!(e.contains("block") && e.contains("spin"), "{e}");

@@ -285,9 +285,8 @@ impl ValueEnum for UploadFrom {
 /// Only where the waiting threads' time goes changes, never a value.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum GpuWait {
-    /// Sleep until the device is done (`CU_CTX_SCHED_BLOCKING_SYNC`): the cores stay with the
-    /// reference's threads.
-    #[default]
+    /// Sleep until the device is done (`CU_CTX_SCHED_BLOCKING_SYNC`): the core is free for the
+    /// reference's threads meanwhile.
     Block,
     /// Spin on a core until the device is done (`CU_CTX_SCHED_SPIN`).
     Spin,
@@ -295,6 +294,7 @@ pub enum GpuWait {
     Yield,
     /// The driver's choice (`CU_CTX_SCHED_AUTO`: spin while the process has fewer contexts than
     /// the machine has cores).
+    #[default]
     Auto,
 }
 
@@ -313,7 +313,7 @@ impl GpuWait {
 /// The words of `--gpu-wait`.
 impl ValueEnum for GpuWait {
     fn value_variants<'a>() -> &'a [Self] {
-        &[GpuWait::Block, GpuWait::Spin, GpuWait::Yield, GpuWait::Auto]
+        &[GpuWait::Auto, GpuWait::Block, GpuWait::Spin, GpuWait::Yield]
     }
 
     fn to_possible_value(&self) -> Option<PossibleValue> {

@@ -67,6 +67,13 @@ fn check_run(run: &Value, layers: std::ops::Range<usize>, n_dense: usize, k: usi
             close(c, f(&row["chained_s"]) + f(&row["replay_s"])),
             "{row}"
         );
+        // The wall the driver waited for the candidate's side beyond the reference's: part of
+        // the layer's wall, and of the candidate's own time (up to the steps' thread hand-overs).
+        let beyond = f(&row["candidate_beyond_s"]);
+        assert!(
+            beyond >= 0.0 && beyond <= wall && beyond <= c + 0.05,
+            "{row}"
+        );
         // A CPU candidate uploads nothing and has no copy floor.
         assert_eq!(
             (f(&row["upload_s"]), row["upload_bytes"].as_u64()),

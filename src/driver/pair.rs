@@ -300,7 +300,9 @@ where
             joint: joint_out,
             seconds,
         } = ref_done?;
-        self.summary.time(step.layer).candidate_beyond += (sides - seconds).max(0.0);
+        if matches!(self.candidate, Candidate::Engine(_)) {
+            self.summary.time(step.layer).candidate_beyond += (sides - seconds).max(0.0);
+        }
         let (further, follow_prepared, replay_prepared) =
             joint_results(&joint_rows, joint_out, joint.follow, joint.replay);
         let mut cand_done = cand_done?;

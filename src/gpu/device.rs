@@ -220,15 +220,16 @@ pub struct Gpu {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Wait {
     /// Sleep until the device is done (`CU_CTX_SCHED_BLOCKING_SYNC`). A thread that spins
-    /// holds a core for as long as it waits: beside the CPU reference's pool, which has a
-    /// thread per core, that core's share of every parallel step then waits for it.
-    #[default]
+    /// holds a core for as long as it waits, beside the CPU reference's pool, which has a
+    /// thread per core; a sleeping one wakes later (the driver's wake-up on every wait).
     Block,
     /// Spin on a core (`CU_CTX_SCHED_SPIN`).
     Spin,
     /// Spin, yielding between polls (`CU_CTX_SCHED_YIELD`).
     Yield,
-    /// The driver's heuristic (`CU_CTX_SCHED_AUTO`).
+    /// The driver's heuristic (`CU_CTX_SCHED_AUTO`: spin while the process has fewer
+    /// contexts than the machine has cores).
+    #[default]
     Auto,
 }
 
@@ -254,23 +255,23 @@ impl Wait {
 
     fn from_u8(v: u8) -> Wait {
         match v {
+            0 => Wait::Block,
             1 => Wait::Spin,
             2 => Wait::Yield,
-            3 => Wait::Auto,
-            _ => Wait::Block,
+            _ => Wait::Auto,
         }
     }
 }
 
 /// The [`Wait`] of the devices opened from now on (a [`Wait`] as `u8`).
-static WAIT: AtomicU8 = AtomicU8::new(Wait::Block as u8);
+static WAIT: AtomicU8 = AtomicU8::new(Wait::Auto as u8);
 
 /// Sets how the host threads of the devices opened from now on wait for them (`--gpu-wait`).
 pub fn set_wait_by_default(wait: Wait) {
     WAIT.store(wait as u8, Ordering::Relaxed);
 }
 
-/// The [`Wait`] [`set_wait_by_default`] set ([`Wait::Block`] unless told otherwise).
+/// The [`Wait`] [`set_wait_by_default`] set ([`Wait::Auto`] unless told otherwise).
 pub fn wait_by_default() -> Wait {
     Wait::from_u8(WAIT.load(Ordering::Relaxed))
 }
