@@ -306,12 +306,19 @@ impl Gpu {
         let ctx = CudaContext::new(ordinal)
             .with_context(|| format!("cuda: creating a context on device {ordinal}"))?;
         // The device's primary context, shared by every `Gpu` of this device: its flag holds
-        // for all of them. A driver that refuses it keeps its own (only the speed differs),
-        // and the report says which.
+        // for all of them. `auto` is the context's own default, left as it is; a driver that
+        // refuses another keeps its own (only the speed differs), and the report says which.
         let want = wait_by_default();
-        let wait = match ctx.set_flags(want.flags()) {
-            Ok(()) => want.as_str().to_string(),
-            Err(e) => format!("{} (the driver refused: {e})", Wait::Auto.as_str()),
+        let wait = match want {
+            Wait::Auto => want.as_str().to_string(),
+            _ => match ctx.set_flags(want.flags()) {
+                Ok(()) => want.as_str().to_string(),
+                Err(e) => format!(
+                    "{} (the driver refused {}: {e})",
+                    Wait::Auto.as_str(),
+                    want.as_str()
+                ),
+            },
         };
         let stream = if own_stream {
             ctx.new_stream()
