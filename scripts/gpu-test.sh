@@ -6,7 +6,7 @@
 #                                 GPU tests and the ignored unit tests, dequant-check on the quant fixtures and on a synthetic
 #                                 GLM-5-dimension UD-Q4_K_XL model, the regression suite against the CUDA
 #                                 engine, the dequant benchmark, `bench run` (GLM-5 dimensions, 16 tokens; then --gpu-wait auto against
-#                                 block with each thread's CPU time, scripts/thread-cpu.sh) and the upload probe, compute-sanitizer over the dequant and
+#                                 block with each thread's CPU time, scripts/thread-cpu.sh), the products' two paths on every thread and the upload probe, compute-sanitizer over the dequant and
 #                                 forward kernels; logs in $OUT/gpu-logs.tgz (default ./gpu-out), a summary last.
 #                                 GPU_STEPS="tests bench" runs only those parts.
 set -uo pipefail
@@ -113,6 +113,9 @@ run() {
         summary+=("  threads: $(sed -n '2,6p' "$logs/threads-$i-$w.txt" | tr -s ' ' | tr '\n' ';')")
     done
     rm -rf "$bm"
+    echo "== small_tokens_parallel_speed: the products' direct and blocked paths around 32 tokens, every thread at once"
+    .gpu/unit small_tokens_parallel_speed --ignored --nocapture --test-threads=1 2>&1 | tee "$logs/small-tokens.txt"
+    summary+=("small_tokens_parallel_speed: $(grep -E ' t=(24|31|32|48|63):' "$logs/small-tokens.txt" | tr -s ' ' | tr '\n' ';')")
     echo "== registered_copy_speed: staged uploads against copies from registered pages (a 2 GiB file)"
     local reg; reg=$(mktemp -d)
     head -c $((2 << 30)) /dev/urandom > "$reg/bytes.bin"

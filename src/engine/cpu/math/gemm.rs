@@ -686,4 +686,53 @@ pub(crate) mod tests {
             }
         }
     }
+
+    /// The direct and the blocked path on every thread at once, as a projection of a short
+    /// prompt gets them (`[t, 6144] x [6144 -> 16384]`, 16 rows a task, the weights beyond the
+    /// caches): GFLOP/s of wall time (best of 5) at the widest SIMD build, for the token counts
+    /// around [`SMALL_TOKENS`], where the paths part. Many threads share the last-level cache
+    /// there, which a single thread's figures (`small_tokens_speed`) do not show:
+    /// `cargo test --release --lib small_tokens_parallel_speed -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn small_tokens_parallel_speed() {
+        use rayon::prelude::*;
+        let (k, rows, n) = (6144, 16384, 16);
+        let mut rng = SplitMix64::new(9);
+        let w: Vec<f32> = (0..rows * k).map(|_| rng.uniform() - 0.5).collect();
+        for t in [16usize, 24, 31, 32, 40, 48, 63] {
+            let x: Vec<f32> = (0..t * k).map(|_| rng.uniform() - 0.5).collect();
+            let gflop = 2.0 * (t * rows * k) as f64 * 1e-9;
+            let rate = |direct: bool| {
+                let mut out = vec![0f32; rows * t];
+                (0..5)
+                    .map(|_| {
+                        let start = std::time::Instant::now();
+                        out.par_chunks_mut(n * t).enumerate().for_each_init(
+                            Scratch::default,
+                            |s, (task, o)| {
+                                let r0 = task * n;
+                                let m = o.len() / t;
+                                products_by(&x, t, &w[r0 * k..(r0 + m) * k], m, k, o, s, direct);
+                            },
+                        );
+                        std::hint::black_box(&mut out);
+                        gflop / start.elapsed().as_secs_f64()
+                    })
+                    .fold(0.0, f64::max)
+            };
+            let (d, b) = (rate(true), rate(false));
+            println!(
+                "{} threads, {} t={t:2}: direct {d:6.1} GFLOP/s, blocked {b:6.1} ({:.2}x){}",
+                rayon::current_num_threads(),
+                detected().name(),
+                d / b,
+                if t < SMALL_TOKENS {
+                    "  <- products"
+                } else {
+                    ""
+                }
+            );
+        }
+    }
 }
