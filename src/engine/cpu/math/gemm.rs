@@ -55,19 +55,32 @@
 //! *The blocked path*, with more tokens: the rows are converted to f64 once per call. Tokens
 //! go in blocks of [`TOKEN_BLOCK`] and columns in blocks of [`COL_BLOCK`]: per pair of blocks
 //! the tokens' columns are converted into a small f64 buffer (from cache), then for each tile
-//! of [`TILE_TOKENS`] tokens by `TR` rows the tile's lanes are loaded into registers, advanced
-//! over the block's columns and stored back. A tile loads `TILE_TOKENS + TR` vectors of [`LANES`]
-//! values per `TILE_TOKENS * TR` multiply-adds; the weight tile stays in L1, the token block
-//! and the lanes in L2, and the activations are read from memory once per call, so a caller
-//! with many tokens gives each call many rows ([`super::rows_per_task`]).
-//! `TR` is 4 in the AVX-512 build (16 accumulators of 8 f64 and 8 operands in 32 registers),
-//! 2 in the AVX2 build (16 registers of 4 f64) and 1 in the baseline build (SSE2).
+//! of `TT` tokens by `TR` rows the tile's lanes are loaded into registers, advanced over the
+//! block's columns and stored back. A tile loads `TT + TR` vectors of [`LANES`] values per
+//! `TT * TR` multiply-adds; the weight tile stays in L1, the token block and the lanes in L2,
+//! and the activations are read from memory once per call, so a caller with many tokens gives
+//! each call many rows ([`super::rows_per_task`]).
+//! `TR` is 4 in the AVX-512 build (`TT` = [`TILE_TOKENS`], 4: 16 accumulators of 8 f64 and 8
+//! operands in 32 registers), 2 in the AVX2 build and 1 in the baseline build (SSE2), both with
+//! `TT` = [`NARROW_TILE_TOKENS`], 3: the accumulators of 3 tokens by 2 rows take 12 of AVX2's
+//! 16 registers of 4 f64 (those of 3 tokens by 1 row 12 of SSE2's 16 of 2), leaving room for
+//! the operands. With 4 tokens, as in the AVX-512 build, the accumulators alone took all 16
+//! and spilled: on a 2-core Zen 3 VM (AVX2), `[t, 6144] x [6144 -> 2048]` on one thread
+//! (`math::tests::matmul_speed`) went from 12.6-13.1 to 16.9-20.3 GFLOP/s at t = 32-1024,
+//! the blocked path of `tests::small_tokens_speed` from 4.8 to 3.2 ns a value at t = 32 and
+//! from 9.3 to 5.9 at t = 63 (the baseline build 7.8 to 7.2 and 15.1 to 11.3), and
+//! `tests::small_tokens_parallel_speed` on both cores from 25.0-25.8 to 39.0-42.5 GFLOP/s at
+//! t = 16-63 (the direct path 44.0-48.2 there).
 
 use super::{combine, LANES};
 use crate::quant::simd::multiversion;
 
-/// Tokens of a tile (the last tile of a token block may have fewer).
+/// Tokens of a tile of the direct path, and of the blocked path in the AVX-512 build (the last
+/// tile of a token block may have fewer).
 pub const TILE_TOKENS: usize = 4;
+/// Tokens of a blocked path's tile in the AVX2 and baseline builds (fewer registers: see the
+/// module documentation).
+pub const NARROW_TILE_TOKENS: usize = 3;
 /// Tokens per block: their converted columns and the lanes of their outputs stay in cache.
 pub const TOKEN_BLOCK: usize = 64;
 /// Columns per block, a multiple of [`LANES`].
@@ -323,6 +336,11 @@ fn products_blocked<const TR: usize, const FMA: bool>(
         x: xf,
         lanes,
     } = s;
+    let tt = if TR >= 4 {
+        TILE_TOKENS
+    } else {
+        NARROW_TILE_TOKENS
+    };
     for t0 in (0..t).step_by(TOKEN_BLOCK) {
         let tb = TOKEN_BLOCK.min(t - t0);
         lanes.clear();
@@ -340,25 +358,17 @@ fn products_blocked<const TR: usize, const FMA: bool>(
             }
             for r0 in (0..np).step_by(TR) {
                 let wt = &wf[r0 * kp + c0..];
-                let full = tb / TILE_TOKENS * TILE_TOKENS;
-                for i0 in (0..full).step_by(TILE_TOKENS) {
-                    tile::<TILE_TOKENS, TR, FMA>(
-                        &xf[i0 * cb..],
-                        cb,
-                        wt,
-                        kp,
-                        cb,
-                        &mut lanes[i0 * np + r0..],
-                        np,
-                    );
-                }
-                if full < tb {
-                    let (xt, lt) = (&xf[full * cb..], &mut lanes[full * np + r0..]);
-                    match tb - full {
+                let mut i0 = 0;
+                while i0 < tb {
+                    let m = (tb - i0).min(tt);
+                    let (xt, lt) = (&xf[i0 * cb..], &mut lanes[i0 * np + r0..]);
+                    match m {
                         1 => tile::<1, TR, FMA>(xt, cb, wt, kp, cb, lt, np),
                         2 => tile::<2, TR, FMA>(xt, cb, wt, kp, cb, lt, np),
-                        _ => tile::<3, TR, FMA>(xt, cb, wt, kp, cb, lt, np),
+                        3 => tile::<3, TR, FMA>(xt, cb, wt, kp, cb, lt, np),
+                        _ => tile::<TILE_TOKENS, TR, FMA>(xt, cb, wt, kp, cb, lt, np),
                     }
+                    i0 += m;
                 }
             }
         }
