@@ -98,13 +98,11 @@ pub fn matmul_into(x: &[f32], t: usize, w: &Matrix, out: &mut [f32], out_cols: u
     let tt = t.max(1);
     // [w.rows, t]: each task's rows against every token.
     let mut tr = vec![0f32; w.rows * tt];
-    tr.par_chunks_mut(n * tt)
-        .enumerate()
-        .for_each_init(gemm::Scratch::default, |s, (task, o)| {
-            let r0 = task * n;
-            let m = o.len() / tt;
-            gemm::products(x, t, &w.data[r0 * k..(r0 + m) * k], m, k, o, s);
-        });
+    tr.par_chunks_mut(n * tt).enumerate().for_each(|(task, o)| {
+        let r0 = task * n;
+        let m = o.len() / tt;
+        with_scratch(|s| gemm::products(x, t, &w.data[r0 * k..(r0 + m) * k], m, k, o, &mut s.gemm));
+    });
     transpose_into(&tr, w.rows, t, out, out_cols, col0);
 }
 
@@ -168,11 +166,39 @@ fn transpose_into(
         });
 }
 
-/// Scratch of one thread's tasks of [`matmul_rows`]: the dequantized rows and [`gemm`]'s own.
+/// Scratch of one thread's tasks of [`matmul_rows`] and [`matmul_into`]: the dequantized rows
+/// and [`gemm`]'s own.
 #[derive(Default)]
 struct RowsScratch {
     rows: Vec<f32>,
     gemm: gemm::Scratch,
+}
+
+/// Bytes of a thread's [`RowsScratch`] kept for its next task; more is freed after a task.
+/// A task with fewer than [`gemm::TOKEN_BLOCK`] tokens of 16384 columns holds 1 MiB of rows
+/// and 4 MiB of converted tokens, so every projection of GLM-5 keeps its buffers.
+const SCRATCH_KEEP_BYTES: usize = 16 << 20;
+
+thread_local! {
+    /// This thread's [`RowsScratch`], kept from one task to the next: a fresh one per task (or
+    /// per rayon job) costs an allocation, page faults and a zero fill of every buffer, about
+    /// as much as a short prompt's products of a task.
+    static ROWS_SCRATCH: std::cell::RefCell<RowsScratch> = std::cell::RefCell::new(RowsScratch::default());
+}
+
+/// `f` with this thread's [`RowsScratch`], or with a fresh one when it is in use (a task that
+/// waits for other work may run another task on its thread). Only the speed depends on which.
+fn with_scratch<R>(f: impl FnOnce(&mut RowsScratch) -> R) -> R {
+    ROWS_SCRATCH.with(|c| match c.try_borrow_mut() {
+        Ok(mut s) => {
+            let r = f(&mut s);
+            if s.rows.capacity() * 4 + s.gemm.bytes() > SCRATCH_KEEP_BYTES {
+                *s = RowsScratch::default();
+            }
+            r
+        }
+        Err(_) => f(&mut RowsScratch::default()),
+    })
 }
 
 /// `x · W^T` for weight rows read from a quantized tensor: `[t, src.cols]` -> `[t, src.rows]`.
@@ -186,17 +212,18 @@ pub fn matmul_rows(x: &[f32], t: usize, src: &RowSource<'_>) -> Result<Vec<f32>>
     let tt = t.max(1);
     // [src.rows, t]: each task's rows against every token.
     let mut tr = vec![0f32; src.rows * tt];
-    tr.par_chunks_mut(n * tt).enumerate().try_for_each_init(
-        RowsScratch::default,
-        |s: &mut RowsScratch, (task, o)| -> Result<()> {
+    tr.par_chunks_mut(n * tt)
+        .enumerate()
+        .try_for_each(|(task, o)| -> Result<()> {
             let r0 = task * n;
             let m = o.len() / tt;
-            s.rows.resize(m * k, 0.0);
-            src.dequantize_into(r0..r0 + m, &mut s.rows)?;
-            gemm::products(x, t, &s.rows, m, k, o, &mut s.gemm);
-            Ok(())
-        },
-    )?;
+            with_scratch(|s| {
+                s.rows.resize(m * k, 0.0);
+                src.dequantize_into(r0..r0 + m, &mut s.rows)?;
+                gemm::products(x, t, &s.rows, m, k, o, &mut s.gemm);
+                Ok(())
+            })
+        })?;
     let mut out = vec![0f32; t * src.rows];
     transpose_into(&tr, src.rows, t, &mut out, src.rows, 0);
     Ok(out)

@@ -105,6 +105,13 @@ pub struct Scratch {
     lanes: Vec<[f64; LANES]>,
 }
 
+impl Scratch {
+    /// Bytes its buffers hold (their capacity).
+    pub fn bytes(&self) -> usize {
+        (self.w.capacity() + self.x.capacity()) * 8 + self.lanes.capacity() * 8 * LANES
+    }
+}
+
 multiversion! {
     /// `out[r * t + tok] = dot(x[tok], w[r]) as f32` for the `n` rows `w` (`[n, k]`) and the
     /// `t` tokens `x` (`[t, k]`): every value bit for bit [`dot`](super::dot)'s (see the module
@@ -193,12 +200,11 @@ fn products_direct<const TR: usize, const FMA: bool>(
 ) {
     let kp = k.div_ceil(LANES) * LANES;
     let Scratch { x: xf, lanes, .. } = s;
-    xf.resize(t * kp, 0.0);
-    for (d, src) in xf.chunks_exact_mut(kp).zip(x.chunks_exact(k)).take(t) {
-        for (d, &v) in d.iter_mut().zip(src) {
-            *d = f64::from(v);
-        }
-        d[k..].fill(0.0);
+    // Written once (no zero fill first): `[t, kp]`.
+    xf.clear();
+    for src in x.chunks_exact(k).take(t) {
+        xf.extend(src.iter().map(|&v| f64::from(v)));
+        xf.extend(std::iter::repeat_n(0.0, kp - k));
     }
     let xf = &xf[..t * kp];
     let full = n / TR * TR;
