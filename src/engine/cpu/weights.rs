@@ -147,6 +147,84 @@ pub fn assemble_kv_b(
     out
 }
 
+/// The dimensions of a split kv_b ([`KvB::Split`]).
+#[derive(Clone, Copy)]
+struct KvBDims {
+    heads: usize,
+    nope: usize,
+    v: usize,
+    kv_lora: usize,
+}
+
+/// [`assemble_kv_b`] of the split tensors `k_b` and `v_b` read from the file head by head on the
+/// threads, into `buf`'s allocation: each head's `k_b` rows dequantized into a small buffer and
+/// transposed in tiles, its `v_b` rows dequantized in place. The same values (dequantization
+/// goes block by block, and rows hold whole blocks); `[H*(nope+v), kv_lora]`.
+fn assemble_kv_b_by_head(
+    k_b: &WeightSlice<'_>,
+    v_b: &WeightSlice<'_>,
+    d: KvBDims,
+    mut buf: Vec<f32>,
+) -> Result<Vec<f32>> {
+    let (ks, vs) = (RowSource::new(k_b.clone()), RowSource::new(v_b.clone()));
+    let KvBDims {
+        heads,
+        nope,
+        v,
+        kv_lora,
+    } = d;
+    if (ks.rows, ks.cols, vs.rows, vs.cols) != (heads * kv_lora, nope, heads * v, kv_lora) {
+        bail!(
+            "model: {}: {} holds {} rows of {} and {} {} rows of {}, where {heads} heads of nope {nope}, \
+             v {v} and kv_lora {kv_lora} need {} of {nope} and {} of {kv_lora}",
+            k_b.model().path().display(),
+            ks.name(),
+            ks.rows,
+            ks.cols,
+            vs.name(),
+            vs.rows,
+            vs.cols,
+            heads * kv_lora,
+            heads * v
+        );
+    }
+    let per_head = (nope + v) * kv_lora;
+    if buf.len() != heads * per_head {
+        buf.clear();
+        buf.resize(heads * per_head, 0.0);
+    }
+    if per_head == 0 {
+        return Ok(buf);
+    }
+    buf.par_chunks_mut(per_head).enumerate().try_for_each_init(
+        Vec::new,
+        |kh: &mut Vec<f32>, (h, o)| -> Result<()> {
+            kh.resize(kv_lora * nope, 0.0);
+            ks.dequantize_into(h * kv_lora..(h + 1) * kv_lora, kh)?; // [kv_lora, nope]
+            let (ko, vo) = o.split_at_mut(nope * kv_lora); // [nope, kv_lora], [v, kv_lora]
+            transpose(kh, kv_lora, nope, ko);
+            vs.dequantize_into(h * v..(h + 1) * v, vo)
+        },
+    )?;
+    Ok(buf)
+}
+
+/// `dst[j * rows + i] = src[i * cols + j]`: `src` `[rows, cols]` transposed into `dst`
+/// `[cols, rows]`, in tiles of 16 by 16 (a column read a value at a time takes a cache line a
+/// value).
+fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
+    const TILE: usize = 16;
+    for i0 in (0..rows).step_by(TILE) {
+        for j0 in (0..cols).step_by(TILE) {
+            for i in i0..(i0 + TILE).min(rows) {
+                for j in j0..(j0 + TILE).min(cols) {
+                    dst[j * rows + i] = src[i * cols + j];
+                }
+            }
+        }
+    }
+}
+
 impl<'w> CpuEngine<'w> {
     /// The 1-D tensor `name` (norm weight, bias) in f32.
     pub fn host_vector(&self, name: &str) -> Result<Vec<f32>> {
@@ -169,15 +247,21 @@ impl<'w> CpuEngine<'w> {
 
     /// Layer `layer`'s kv_b as [`CpuEngine::host_kv_b`] assembles it, kept for the next call
     /// with the same layer (one layer at a time: 59 MB at GLM-5 size).
+    /// Another layer's kept kv_b lends it its buffer when nothing else holds it (59 MB a
+    /// layer at GLM-5 size, page faults and all, was about 4% of a 16-token layer's CPU time).
     pub fn kv_b(&self, layer: usize) -> Result<Arc<Matrix>> {
-        if let Ok(kept) = self.kv_b.lock() {
+        let mut buf = Vec::new();
+        if let Ok(mut kept) = self.kv_b.lock() {
             if let Some((l, m)) = kept.as_ref() {
                 if *l == layer {
                     return Ok(Arc::clone(m));
                 }
             }
+            if let Some(Ok(m)) = kept.take().map(|(_, m)| Arc::try_unwrap(m)) {
+                buf = m.data;
+            }
         }
-        let m = Arc::new(self.host_kv_b(layer)?);
+        let m = Arc::new(self.host_kv_b_in(layer, buf)?);
         if let Ok(mut kept) = self.kv_b.lock() {
             *kept = Some((layer, Arc::clone(&m)));
         }
@@ -188,6 +272,12 @@ impl<'w> CpuEngine<'w> {
     /// rows per head, `nope` K rows then `v` V rows; reassembled from `attn_k_b`/`attn_v_b`
     /// ([`assemble_kv_b`]) or read from the legacy unsplit `attn_kv_b`.
     pub fn host_kv_b(&self, layer: usize) -> Result<Matrix> {
+        self.host_kv_b_in(layer, Vec::new())
+    }
+
+    /// [`CpuEngine::host_kv_b`] written into `buf`'s allocation (any length; its values are
+    /// not read).
+    fn host_kv_b_in(&self, layer: usize, buf: Vec<f32>) -> Result<Matrix> {
         match self.weights.kv_b_desc(layer)? {
             KvB::Legacy(kv_b) => Ok(Matrix {
                 rows: kv_b.n_rows(),
@@ -202,13 +292,26 @@ impl<'w> CpuEngine<'w> {
                 v,
                 kv_lora,
             } => {
-                let k = dequantize_finite(&k_b)?; // [H, kv_lora, nope]
-                let vv = dequantize_finite(&v_b)?; // [H, v, kv_lora]
-                Ok(Matrix {
-                    rows: heads * (nope + v),
-                    cols: kv_lora,
-                    data: assemble_kv_b(&k, &vv, heads, nope, v, kv_lora),
-                })
+                let dims = KvBDims {
+                    heads,
+                    nope,
+                    v,
+                    kv_lora,
+                };
+                match assemble_kv_b_by_head(&k_b, &v_b, dims, buf) {
+                    Ok(data) => Ok(Matrix {
+                        rows: heads * (nope + v),
+                        cols: kv_lora,
+                        data,
+                    }),
+                    Err(e) => {
+                        // The error of the whole tensors, as every other read of a weight
+                        // gives it (the first non-finite value of `k_b`, then of `v_b`).
+                        dequantize_finite(&k_b)?;
+                        dequantize_finite(&v_b)?;
+                        Err(e)
+                    }
+                }
             }
         }
     }
@@ -217,6 +320,108 @@ impl<'w> CpuEngine<'w> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gguf::Model;
+    use crate::model::names::{self, blk};
+    use crate::model::testutil::{build_with, metadata, tensor_names, tiny_hparams};
+    use crate::model::{Arch, Weights};
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// kv_b rebuilt head by head, into a fresh buffer, another layer's, or one of another length
+    /// holding NaN, is bit for bit [`assemble_kv_b`] of the whole tensors' dequantized values, on
+    /// the quantized and the f32 fixtures of both architectures.
+    #[test]
+    fn kv_b_by_head_is_the_whole_tensors_assembled() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/models");
+        for rel in [
+            "glm5-tiny-q/glm5-tiny-q-mixed.gguf",
+            "glm5-tiny/glm5-tiny-f32.gguf",
+            "dsv3-tiny-q/dsv3-tiny-q-mixed.gguf",
+            "dsv3-tiny/dsv3-tiny-f32.gguf",
+        ] {
+            let model = Model::open(&dir.join(rel)).unwrap();
+            let w = Weights::new(&model).unwrap();
+            let cpu = CpuEngine::new(&w);
+            let n_layer = w.hparams().n_layer;
+            let want: Vec<Vec<f32>> = (0..n_layer)
+                .map(|l| match w.kv_b_desc(l).unwrap() {
+                    KvB::Split {
+                        k_b,
+                        v_b,
+                        heads,
+                        nope,
+                        v,
+                        kv_lora,
+                    } => assemble_kv_b(
+                        &k_b.dequantize().unwrap(),
+                        &v_b.dequantize().unwrap(),
+                        heads,
+                        nope,
+                        v,
+                        kv_lora,
+                    ),
+                    KvB::Legacy(_) => panic!("{rel}: layer {l}: unsplit kv_b"),
+                })
+                .collect();
+            // Each layer after the first takes the buffer of the one before.
+            for l in (0..n_layer).chain((0..n_layer).rev()) {
+                let got = cpu.kv_b(l).unwrap();
+                assert_eq!(bits(&got.data), bits(&want[l]), "{rel}: layer {l}");
+                assert_eq!(got.rows * got.cols, want[l].len());
+            }
+            let got = cpu.host_kv_b_in(0, vec![f32::NAN; 7]).unwrap();
+            assert_eq!(bits(&got.data), bits(&want[0]), "{rel}: another length");
+            let got = cpu.host_kv_b_in(0, vec![f32::NAN; want[0].len()]).unwrap();
+            assert_eq!(bits(&got.data), bits(&want[0]), "{rel}: NaN in the buffer");
+        }
+    }
+
+    /// A non-finite value in `attn_k_b` or `attn_v_b` is reported as a read of the whole tensor
+    /// reports it: the tensor, the first such value's row and column, and the count over the
+    /// tensor (`attn_k_b`'s first when both hold one).
+    #[test]
+    fn kv_b_non_finite_is_the_whole_tensors_error() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let (k_b, v_b) = (names::blk(0, blk::ATTN_K_B), names::blk(0, blk::ATTN_V_B));
+        let (nk, nv) = (
+            hp.n_head * hp.kv_lora_rank * hp.qk_nope,
+            hp.n_head * hp.v_head * hp.kv_lora_rank,
+        );
+        let with = |k: &[(usize, f32)], v: &[(usize, f32)]| {
+            let mut over = std::collections::HashMap::new();
+            let (mut kv, mut vv) = (vec![0.25f32; nk], vec![0.5f32; nv]);
+            k.iter().for_each(|&(i, x)| kv[i] = x);
+            v.iter().for_each(|&(i, x)| vv[i] = x);
+            over.insert(k_b.clone(), kv);
+            over.insert(v_b.clone(), vv);
+            build_with(&hp, &metadata(&hp), &tensor_names(&hp), 32, &over)
+        };
+        for (k, v, name) in [
+            (vec![(nk - 1, f32::NAN)], vec![], &k_b),
+            (vec![], vec![(3, f32::INFINITY), (nv - 2, f32::NAN)], &v_b),
+            (
+                vec![(nk / 2 + 1, f32::NEG_INFINITY)],
+                vec![(0, f32::NAN)],
+                &k_b,
+            ),
+        ] {
+            let model = with(&k, &v);
+            let w = Weights::new(&model).unwrap();
+            let cpu = CpuEngine::new(&w);
+            let got = format!("{:#}", cpu.host_kv_b(0).unwrap_err());
+            let want = format!(
+                "{:#}",
+                dequantize_finite(&w.tensor_desc(name).unwrap()).unwrap_err()
+            );
+            assert_eq!(got, want);
+            assert!(
+                got.contains(name.as_str()) && got.contains("non-finite"),
+                "{got}"
+            );
+        }
+    }
 
     /// H=2, nope=2, v=1, kv_lora=3. HF kv_b rows (per head: K0, K1, V0), written by hand:
     /// head 0: [1,2,3] [4,5,6] [7,8,9]; head 1: [10,11,12] [13,14,15] [16,17,18].
