@@ -114,7 +114,8 @@ where
     // The comparison on a thread of its own, in the order of the calls, beside the driver's
     // later steps; the driver's questions about near ties wait for it. Its parallel work runs
     // on threads of lower priority, so that it takes the cores the reference leaves idle rather
-    // than the reference's (the values are the same on any threads).
+    // than the reference's, or with `--compare-pool N` on N threads of the normal priority (the
+    // values are the same on any threads).
     let queue = Queue::new(WAITING_BYTES);
     let pool = crate::util::background::compare_pool(rayon::current_num_threads());
     std::thread::scope(|scope| {
@@ -291,17 +292,18 @@ where
         } = self.before(step)?;
         let joint_rows: Vec<Vec<usize>> = joint.more.iter().map(|(_, r)| r.clone()).collect();
         let replay_now = replay.as_ref().and_then(|r| r.as_ref().ok());
-        let sides = std::time::Instant::now();
-        let (ref_done, cand_done) = self.both_sides(step, &wants, joint.more, replay_now);
-        let sides = sides.elapsed().as_secs_f64();
+        let (ref_done, (cand_done, cand_ended)) =
+            self.both_sides(step, &wants, joint.more, replay_now);
         let RefStep {
             out,
             extra,
             joint: joint_out,
             seconds,
+            ended,
         } = ref_done?;
         if matches!(self.candidate, Candidate::Engine(_)) {
-            self.summary.time(step.layer).candidate_beyond += (sides - seconds).max(0.0);
+            self.summary.time(step.layer).candidate_beyond +=
+                cand_ended.saturating_duration_since(ended).as_secs_f64();
         }
         let (further, follow_prepared, replay_prepared) =
             joint_results(&joint_rows, joint_out, joint.follow, joint.replay);
@@ -377,20 +379,21 @@ where
 
     /// The reference's step (CPU threads, with the further rows of `more` in its pass) and the
     /// candidate engine's (its device: its chained step, and its replay from `replay`'s inputs)
-    /// at the same time: neither reads the other's values until both are done.
+    /// at the same time: neither reads the other's values until both are done. The candidate's
+    /// side comes with the moment it ended.
     fn both_sides(
         &mut self,
         step: &Step,
         wants: &HashSet<String>,
         more: Vec<(Vec<R::Tensor>, Vec<usize>)>,
         replay: Option<&ReplayInputs>,
-    ) -> (Result<RefStep<R::Tensor>>, Result<CandStep>) {
+    ) -> (Result<RefStep<R::Tensor>>, CandSide) {
         let replay = replay.filter(|_| step.op != Op::Alias);
         let (refr, cand, sink, inputs) =
             (&mut self.refr, &mut self.cand, &mut self.sink, self.inputs);
         std::thread::scope(|scope| {
             let ref_side = scope.spawn(move || reference_step(refr, step, wants, &more));
-            let cand_done = cand.step(step, inputs, &*sink, replay);
+            let cand_done = (cand.step(step, inputs, &*sink, replay), Instant::now());
             let ref_done = ref_side
                 .join()
                 .unwrap_or_else(|_| Err(anyhow::anyhow!("driver: the reference's step panicked")));
@@ -673,6 +676,7 @@ fn reference_step<R: Engine>(
         extra,
         joint,
         seconds: t0.elapsed().as_secs_f64(),
+        ended: Instant::now(),
     })
 }
 
@@ -801,7 +805,12 @@ struct RefStep<T> {
     joint: Vec<Option<JointOut<T>>>,
     /// Seconds it took.
     seconds: f64,
+    /// When it ended (its outputs on the host).
+    ended: Instant,
 }
+
+/// The candidate engine's side of a step and the moment it ended.
+type CandSide = (Result<CandStep>, Instant);
 
 /// The candidate engine's side of one step, run beside the reference's.
 #[derive(Default)]

@@ -276,6 +276,21 @@ pub fn wait_by_default() -> Wait {
     Wait::from_u8(WAIT.load(Ordering::Relaxed))
 }
 
+/// Sets the scheduling bits of `ctx`'s flags to `want`'s and keeps the others
+/// (`cuCtxSetFlags` replaces every flag, the coredump and memory-operation ones too).
+fn set_sched_flags(ctx: &CudaContext, want: Wait) -> std::result::Result<(), DriverError> {
+    ctx.bind_to_thread()?;
+    let mut flags: std::ffi::c_uint = 0;
+    // SAFETY: `flags` is a live local the driver writes; `ctx` is current on this thread (bound
+    // above).
+    unsafe { drv::cuCtxGetFlags(&mut flags) }.result()?;
+    let sched = CUctx_flags::CU_CTX_SCHED_MASK as u32;
+    let new = (flags & !sched) | want.flags() as u32;
+    // SAFETY: `ctx` is current on this thread; `new` is its own flags with only the scheduling
+    // bits replaced by one valid scheduling flag.
+    unsafe { drv::cuCtxSetFlags(new) }.result()
+}
+
 /// A kernel family's compile on its own thread.
 type Compiling = std::thread::JoinHandle<Result<Vec<u8>>>;
 
@@ -311,7 +326,7 @@ impl Gpu {
         let want = wait_by_default();
         let wait = match want {
             Wait::Auto => want.as_str().to_string(),
-            _ => match ctx.set_flags(want.flags()) {
+            _ => match set_sched_flags(&ctx, want) {
                 Ok(()) => want.as_str().to_string(),
                 Err(e) => format!(
                     "{} (the driver refused {}: {e})",

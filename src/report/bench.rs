@@ -368,7 +368,8 @@ pub fn render_run(r: &run::Report) -> String {
         "Times are per layer. wall: the pass over the layer (each step's two sides at the same time,\n\
          downloads, the comparison; layer 0 holds the embedding). reference, candidate (chain +\n\
          replay) and upload (the candidate's wait for its weights, part of candidate) as the driver\n\
-         records them. floor: the CPU reference's dequantize_par + matmul of the layer's slices\n\
+         records them; cand beyond: the wall by which the candidate's side of each step ended after\n\
+         the reference's, summed over the layer's steps. floor: the CPU reference's dequantize_par + matmul of the layer's slices\n\
          (touched experts) with the same tokens. copy: the layer's raw GGUF bytes host-to-device from\n\
          pinned and pageable memory.\n\
          Projection: the sum over kinds of layers at the depth x mean wall per layer (over a kind's\n\

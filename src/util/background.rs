@@ -1,7 +1,9 @@
 //! Background threads: a rayon pool whose threads run at a lower scheduling priority than the
 //! process's others, for work that must not slow the work it runs beside (the comparison of a
 //! pass beside the reference's steps: it takes the cores the reference leaves idle, between its
-//! steps and in their serial parts, and catches up whenever the driver waits for it).
+//! steps and in their serial parts, and catches up whenever the driver waits for it). A pool of
+//! a fixed size at the normal priority takes its place when one is asked for
+//! ([`set_compare_threads`], `--compare-pool N`).
 //!
 //! The priority is the Linux per-thread nice value (`setpriority` on the thread's id), raised by
 //! [`BACKGROUND_NICE`]: raising it needs no privilege. Where it cannot be raised (another

@@ -176,8 +176,10 @@ struct RowsScratch {
 
 /// Bytes of a thread's [`RowsScratch`] kept for its next task; more is freed after a task.
 /// A task with fewer than [`gemm::TOKEN_BLOCK`] tokens of 16384 columns holds 1 MiB of rows
-/// and 4 MiB of converted tokens, so every projection of GLM-5 keeps its buffers.
-const SCRATCH_KEEP_BYTES: usize = 16 << 20;
+/// and up to 4 MiB of converted tokens, one with more 1 MiB of rows and 2 MiB of them in f64,
+/// so every projection of GLM-5 keeps its buffers; a process keeps at most this much a thread
+/// that made products (about 3-7 MiB at GLM-5's sizes: 50-110 MiB for 16 threads).
+const SCRATCH_KEEP_BYTES: usize = 8 << 20;
 
 thread_local! {
     /// This thread's [`RowsScratch`], kept from one task to the next: a fresh one per task (or

@@ -138,7 +138,8 @@ fn madd<const FMA: bool>(a: f64, b: f64, c: f64) -> f64 {
     }
 }
 
-/// [`products`] with tiles of [`TILE_TOKENS`] tokens by `TR` rows, fused multiply-adds when
+/// [`products`] with tiles of up to [`TILE_TOKENS`] tokens by `TR` rows (the module
+/// documentation gives each build's), fused multiply-adds when
 /// `FMA`: the direct path with fewer than [`SMALL_TOKENS`] tokens ([`SMALL_TOKENS_BASE`]
 /// without `FMA`, the baseline build), else the blocked one.
 #[inline(always)]
