@@ -6,7 +6,7 @@
 #                                 GPU tests and the ignored unit tests, dequant-check on the quant fixtures and on a synthetic
 #                                 GLM-5-dimension UD-Q4_K_XL model, the regression suite against the CUDA
 #                                 engine, the dequant benchmark, `bench run` (GLM-5 dimensions, 16 tokens; then --gpu-wait auto against
-#                                 block with each thread's CPU time, scripts/thread-cpu.sh), the products' two paths on every thread and the upload probe, compute-sanitizer over the dequant and
+#                                 block with each thread's CPU time, scripts/thread-cpu.sh, and the cores shared out: block, 14 reference threads, a compare pool of 2), the products' two paths on every thread and the upload probe, compute-sanitizer over the dequant and
 #                                 forward kernels; logs in $OUT/gpu-logs.tgz (default ./gpu-out), a summary last.
 #                                 GPU_STEPS="tests bench" runs only those parts.
 set -uo pipefail
@@ -112,6 +112,12 @@ run() {
         summary+=("bench run --gpu-wait $w ($i): exit $?, $(grep -E '^\| 16 ' "$logs/bench-run-$i-$w.txt" | grep -E '4 MoE|x 0' | tr -s ' -' | tr '\n' ' ' | cut -c1-330)")
         summary+=("  threads: $(sed -n '2,6p' "$logs/threads-$i-$w.txt" | tr -s ' ' | tr '\n' ';')")
     done
+    echo "== bench run, 16 tokens: the cores shared out (--gpu-wait block, RAYON_NUM_THREADS=14, --compare-pool 2)"
+    RAYON_NUM_THREADS=14 scripts/thread-cpu.sh "$logs/threads-parted.txt" "$bin" --wide --gpu-wait block --compare-pool 2 \
+        bench run --model "$bm/glm5.gguf" --against cuda --dtype bf16 --tokens 16 --reps 2 --project glm5 \
+        > "$logs/bench-run-parted.txt" 2>&1
+    summary+=("bench run, block, 14 reference threads, compare pool 2: exit $?, $(grep -E '^\| 16 ' "$logs/bench-run-parted.txt" | grep -E '4 MoE|x 0' | tr -s ' -' | tr '\n' ' ' | cut -c1-330)")
+    summary+=("  threads: $(sed -n '2,6p' "$logs/threads-parted.txt" | tr -s ' ' | tr '\n' ';')")
     rm -rf "$bm"
     echo "== small_tokens_parallel_speed: the products' direct and blocked paths around 32 tokens, every thread at once"
     .gpu/unit small_tokens_parallel_speed --ignored --nocapture --test-threads=1 2>&1 | tee "$logs/small-tokens.txt"
