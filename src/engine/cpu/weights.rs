@@ -378,6 +378,26 @@ mod tests {
         }
     }
 
+    /// The tiled transpose moves every value where the definition puts it, with whole and
+    /// partial tiles in both directions (the fixtures' heads fit in one partial tile).
+    #[test]
+    fn transpose_in_tiles_by_definition() {
+        for (rows, cols) in [(1, 1), (16, 16), (37, 20), (512, 192), (5, 33)] {
+            let src: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+            let mut dst = vec![f32::NAN; rows * cols];
+            transpose(&src, rows, cols, &mut dst);
+            for i in 0..rows {
+                for j in 0..cols {
+                    assert_eq!(
+                        dst[j * rows + i],
+                        src[i * cols + j],
+                        "{rows}x{cols} at {i},{j}"
+                    );
+                }
+            }
+        }
+    }
+
     /// A non-finite value in `attn_k_b` or `attn_v_b` is reported as a read of the whole tensor
     /// reports it: the tensor, the first such value's row and column, and the count over the
     /// tensor (`attn_k_b`'s first when both hold one).
