@@ -369,9 +369,9 @@ pub fn render_run(r: &run::Report) -> String {
          downloads, the comparison; layer 0 holds the embedding). reference, candidate (chain +\n\
          replay) and upload (the candidate's wait for its weights, part of candidate) as the driver\n\
          records them; cand beyond: the wall by which the candidate's side of each step ended after\n\
-         the reference's, summed over the layer's steps. floor: the CPU reference's dequantize_par + matmul of the layer's slices\n\
-         (touched experts) with the same tokens. copy: the layer's raw GGUF bytes host-to-device from\n\
-         pinned and pageable memory.\n\
+         the reference's, summed over the layer's steps. floor: the CPU reference's dequantize_par +\n\
+         matmul of the layer's slices (touched experts) with the same tokens. copy: the layer's raw\n\
+         GGUF bytes host-to-device from pinned and pageable memory.\n\
          Projection: the sum over kinds of layers at the depth x mean wall per layer (over a kind's\n\
          layers after its first when more are timed: the first MoE layer runs before any near-tie\n\
          expert flip is followed); each side's the same of its time; bound by: the side whose\n\

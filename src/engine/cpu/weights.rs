@@ -246,9 +246,9 @@ impl<'w> CpuEngine<'w> {
     }
 
     /// Layer `layer`'s kv_b as [`CpuEngine::host_kv_b`] assembles it, kept for the next call
-    /// with the same layer (one layer at a time: 59 MB at GLM-5 size).
-    /// Another layer's kept kv_b lends it its buffer when nothing else holds it (59 MB a
-    /// layer at GLM-5 size, page faults and all, was about 4% of a 16-token layer's CPU time).
+    /// with the same layer (one layer at a time: 59 MB at GLM-5 size). The kept layer's buffer
+    /// serves the next one when nothing else holds it (new memory each layer, page faults and
+    /// all, was about 4% of a 16-token layer's CPU time).
     pub fn kv_b(&self, layer: usize) -> Result<Arc<Matrix>> {
         let mut buf = Vec::new();
         if let Ok(mut kept) = self.kv_b.lock() {
