@@ -511,7 +511,7 @@ pub struct BenchLayerArgs {
 #[derive(Debug, Args)]
 #[command(allow_negative_numbers = true)]
 pub struct BenchRunArgs {
-    /// A model to run (default: a synthetic GLM-5-dimension model, one dense and two MoE
+    /// A model to run (default: a synthetic GLM-5-dimension model, two dense and two MoE
     /// layers, written to a temporary file).
     #[arg(long)]
     pub model: Option<PathBuf>,

@@ -35,11 +35,14 @@
 //! # Projection
 //! The whole run at a depth ([`Depth`]: `--project glm5`, or the model's own layer counts) is
 //! projected as the sum over layer kinds of (layers of that kind) x (mean measured wall time
-//! per layer of that kind, over its layers after the first when more are timed: [`by_kind`]);
-//! the same sum over each side's time says which side bounds it ([`project`]). Steps outside
-//! the layers (embedding, output layer) are not in it. The layers timed by default run from 0
-//! through the second MoE layer, the first where a low-precision candidate's near-tie expert
-//! flips are followed (the synthetic model has one dense and two MoE layers).
+//! per layer of that kind, over its layers after the first when more are timed: [`by_kind`]),
+//! the first then counted once as itself: the run's first layer holds the embedding and the
+//! candidate's first uploads, which no prefetch hides, and the first MoE layer runs before any
+//! near-tie expert flip is followed; each happens once in a whole run. The same sum over each
+//! side's time says which side bounds it ([`project`]). The output layer is not in it. The
+//! layers timed by default run from 0 through the second MoE layer, the first where a
+//! low-precision candidate's near-tie expert flips are followed (the synthetic model has two
+//! dense and two MoE layers).
 //!
 //! # Memory
 //! Per token count, over the timed passes: `VmHWM` (reset before each pass where
@@ -336,6 +339,9 @@ pub struct KindRow {
     pub layers: usize,
     /// Whether the kind's first layer timed was left out of the means ([`by_kind`]).
     pub after_first: bool,
+    /// That first layer, when it was left out: it counts once, as itself, in a projection
+    /// ([`project`]).
+    pub first: Option<FirstLayer>,
     /// Mean wall time per layer, seconds.
     pub wall_s: f64,
     /// Mean reference time per layer, seconds.
@@ -354,6 +360,20 @@ pub enum Side {
     Candidate,
 }
 
+/// A kind's first layer timed, left out of its means ([`by_kind`]): the one layer of a whole
+/// run it is like (the run's first layer, or the first MoE layer, before any near-tie flip).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct FirstLayer {
+    /// The layer.
+    pub layer: usize,
+    /// Its wall time, seconds.
+    pub wall_s: f64,
+    /// Its reference time, seconds.
+    pub reference_s: f64,
+    /// Its candidate time, seconds.
+    pub candidate_s: f64,
+}
+
 /// One kind's share of a projection.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Term {
@@ -361,13 +381,18 @@ pub struct Term {
     pub kind: LayerKind,
     /// Layers of this kind at the depth.
     pub count: usize,
+    /// The kind's first layer timed, counted once as itself when its means leave it out
+    /// (`None` otherwise).
+    pub first: Option<FirstLayer>,
+    /// Layers at the mean: `count`, less one with `first`.
+    pub at_mean: usize,
     /// Measured wall time per layer (the mean), seconds.
     pub wall_s: f64,
-    /// `count * wall_s`.
+    /// `first`'s wall time + `at_mean * wall_s`.
     pub total_s: f64,
-    /// `count *` the mean reference time per layer.
+    /// The same of the reference's time.
     pub reference_s: f64,
-    /// `count *` the mean candidate time per layer.
+    /// The same of the candidate's time.
     pub candidate_s: f64,
 }
 
@@ -553,10 +578,15 @@ fn check_layers(r: &Range<usize>, n_layer: usize, n_block: usize, what: &str) ->
 /// them runs there as in every later layer of a real run.
 pub const SYNTH_MOE_LAYERS: u64 = 2;
 
-/// `bench layer`'s synthetic model ([`glm5_synth`]) with [`SYNTH_MOE_LAYERS`] MoE layers.
+/// Dense layers of the synthetic model: the second is like every dense layer of a real run
+/// after its first (no embedding; the candidate's weights prefetched during the layer before).
+pub const SYNTH_DENSE_LAYERS: u64 = 2;
+
+/// `bench layer`'s synthetic model ([`glm5_synth`]) with [`SYNTH_DENSE_LAYERS`] dense and
+/// [`SYNTH_MOE_LAYERS`] MoE layers.
 fn run_synth() -> Result<SynthOptions> {
     let mut synth = glm5_synth()?;
-    let n_dense = synth.dims.n_dense;
+    let n_dense = SYNTH_DENSE_LAYERS;
     let mut dims = Dims::preset(synth.arch, "glm5")?.with_layers(n_dense + SYNTH_MOE_LAYERS)?;
     dims.n_dense = n_dense;
     dims.nextn = synth.dims.nextn;
@@ -899,10 +929,17 @@ pub fn by_kind(rows: &[LayerRow]) -> Vec<KindRow> {
             };
             let n = rs.len();
             let mean = |f: fn(&LayerRow) -> f64| rs.iter().map(|r| f(r)).sum::<f64>() / n as f64;
+            let first = of_kind.first().filter(|_| after_first).map(|r| FirstLayer {
+                layer: r.layer,
+                wall_s: r.wall_s,
+                reference_s: r.reference_s,
+                candidate_s: r.candidate_s,
+            });
             (n > 0).then(|| KindRow {
                 kind,
                 layers: n,
                 after_first,
+                first,
                 wall_s: mean(|r| r.wall_s),
                 reference_s: mean(|r| r.reference_s),
                 candidate_s: mean(|r| r.candidate_s),
@@ -912,8 +949,12 @@ pub fn by_kind(rows: &[LayerRow]) -> Vec<KindRow> {
 }
 
 /// The whole run at `depth` from the per-kind means `kinds`: for each kind the depth has,
-/// `count * wall_s` (and the same of each side's time); the side with the larger sum bounds it.
-/// `None` when a kind the depth has is not in `kinds`.
+/// `count * wall_s` (and the same of each side's time), except that a kind's first layer timed,
+/// when its means leave it out, counts once as itself and the other `count - 1` at the mean: it
+/// is like one layer of a whole run (the run's first, with the embedding and the candidate's
+/// first uploads, which no prefetch hides; or the first MoE layer, before any near-tie expert
+/// flip is followed), not like the rest. The side with the larger sum bounds it. `None` when a
+/// kind the depth has is not in `kinds`.
 pub fn project(depth: &Depth, kinds: &[KindRow]) -> Option<Projection> {
     let mut terms = Vec::new();
     for kind in [LayerKind::Dense, LayerKind::Moe] {
@@ -922,14 +963,21 @@ pub fn project(depth: &Depth, kinds: &[KindRow]) -> Option<Projection> {
             continue;
         }
         let k = kinds.iter().find(|k| k.kind == kind)?;
-        let n = count as f64;
+        let first = k.first.clone();
+        let at_mean = count - usize::from(first.is_some());
+        let n = at_mean as f64;
+        let (w0, r0, c0) = first.as_ref().map_or((0.0, 0.0, 0.0), |f| {
+            (f.wall_s, f.reference_s, f.candidate_s)
+        });
         terms.push(Term {
             kind,
             count,
+            first,
+            at_mean,
             wall_s: k.wall_s,
-            total_s: n * k.wall_s,
-            reference_s: n * k.reference_s,
-            candidate_s: n * k.candidate_s,
+            total_s: w0 + n * k.wall_s,
+            reference_s: r0 + n * k.reference_s,
+            candidate_s: c0 + n * k.candidate_s,
         });
     }
     let total_s = terms.iter().map(|t| t.total_s).sum();
@@ -1149,6 +1197,7 @@ mod tests {
             kind,
             layers: 1,
             after_first: false,
+            first: None,
             wall_s,
             reference_s,
             candidate_s,
@@ -1252,12 +1301,12 @@ mod tests {
         }
     }
 
-    /// The synthetic model has GLM-5's dimensions, one dense and two MoE layers, no MTP block.
+    /// The synthetic model has GLM-5's dimensions, two dense and two MoE layers, no MTP block.
     #[test]
-    fn the_synthetic_model_has_a_second_moe_layer() {
+    fn the_synthetic_model_has_a_second_layer_of_each_kind() {
         let s = run_synth().unwrap();
         let layer = glm5_synth().unwrap();
-        assert_eq!((s.dims.n_layer, s.dims.n_dense, s.dims.nextn), (3, 1, 0));
+        assert_eq!((s.dims.n_layer, s.dims.n_dense, s.dims.nextn), (4, 2, 0));
         assert_eq!((s.dims.hidden, s.dims.n_expert), (6144, 256));
         assert_eq!((s.mix, s.seed), (layer.mix, layer.seed));
     }
@@ -1280,6 +1329,67 @@ mod tests {
         );
         assert_eq!((k[1].layers, k[1].after_first, k[1].wall_s), (2, true, 2.5));
         assert_eq!((k[1].reference_s, k[1].candidate_s), (1.25, 0.625));
+        assert_eq!(k[0].first, None);
+        let f = k[1].first.as_ref().unwrap();
+        assert_eq!(
+            (f.layer, f.wall_s, f.reference_s, f.candidate_s),
+            (1, 1.0, 0.5, 0.25)
+        );
+    }
+
+    /// A kind's first layer timed, left out of its means, counts once as itself. GLM-5's depth
+    /// (3 dense + 75 MoE) from layers 0-1 dense (4 s, then 1 s) and 2-4 MoE (2, 3, 5 s; reference
+    /// half the wall, candidate a quarter): dense 4 + 2 * 1 = 6 s; MoE 2 + 74 * (3 + 5) / 2 =
+    /// 2 + 296 = 298 s; whole 304 s; reference 152 s, candidate 76 s (ratio 2).
+    #[test]
+    fn projection_counts_a_kinds_first_layer_once() {
+        let rows = [
+            row(0, LayerKind::Dense, 4.0),
+            row(1, LayerKind::Dense, 1.0),
+            row(2, LayerKind::Moe, 2.0),
+            row(3, LayerKind::Moe, 3.0),
+            row(4, LayerKind::Moe, 5.0),
+        ];
+        let p = project(&Depth::named("glm5").unwrap(), &by_kind(&rows)).unwrap();
+        let t: Vec<(usize, usize, Option<usize>, f64, f64)> = p
+            .terms
+            .iter()
+            .map(|t| {
+                (
+                    t.count,
+                    t.at_mean,
+                    t.first.as_ref().map(|f| f.layer),
+                    t.wall_s,
+                    t.total_s,
+                )
+            })
+            .collect();
+        assert_eq!(
+            t,
+            vec![(3, 2, Some(0), 1.0, 6.0), (75, 74, Some(2), 4.0, 298.0)]
+        );
+        assert_eq!(
+            (p.total_s, p.reference_s, p.candidate_s),
+            (304.0, 152.0, 76.0)
+        );
+        assert_eq!((p.bound, p.bound_ratio), (Side::Reference, Some(2.0)));
+        // A lone layer of a kind stands for all of it: 3 * 4 + 75 * 2 = 162 s.
+        let p = project(
+            &Depth::named("glm5").unwrap(),
+            &by_kind(
+                &rows[..1]
+                    .iter()
+                    .chain(&rows[2..3])
+                    .cloned()
+                    .collect::<Vec<_>>(),
+            ),
+        )
+        .unwrap();
+        assert_eq!(p.total_s, 162.0);
+        assert!(p
+            .terms
+            .iter()
+            .all(|t| t.first.is_none() && t.at_mean == t.count));
     }
 
     #[test]

@@ -373,9 +373,11 @@ pub fn render_run(r: &run::Report) -> String {
          matmul of the layer's slices (touched experts) with the same tokens. copy: the layer's raw\n\
          GGUF bytes host-to-device from pinned and pageable memory.\n\
          Projection: the sum over kinds of layers at the depth x mean wall per layer (over a kind's\n\
-         layers after its first when more are timed: the first MoE layer runs before any near-tie\n\
-         expert flip is followed); each side's the same of its time; bound by: the side whose\n\
-         projected time is larger, and its ratio to the other.\n\
+         layers after its first when more are timed), that first counted once as itself (\"first +\n\
+         n x mean\"): the run's first layer holds the embedding and the candidate's first uploads,\n\
+         and the first MoE layer runs before any near-tie expert flip is followed; each side's the\n\
+         same of its time; bound by: the side whose projected time is larger, and its ratio to the\n\
+         other.\n\
          Memory: VmHWM (reset before each pass), RssAnon and RssFile sampled during the passes.\n",
     );
     s
@@ -463,8 +465,8 @@ fn run_projection_table(r: &run::Report) -> String {
         ("dense layers x s", 2),
         ("MoE layers x s", 1),
         ("whole run s", 0),
-        ("reference s", 0),
-        ("candidate s", 0),
+        ("ref s", 0),
+        ("cand s", 0),
         ("bound by", 0),
     ]);
     for run in &r.runs {
@@ -472,12 +474,17 @@ fn run_projection_table(r: &run::Report) -> String {
             t.add_row(vec![run.tokens.to_string(), "-".into(), "-".into()]);
             continue;
         };
+        // A kind's first layer timed, counted once as itself, before the layers at the mean.
         let term = |k: layer::LayerKind| {
             p.terms
                 .iter()
                 .find(|t| t.kind == k)
-                .map_or("-".to_string(), |t| {
-                    format!("{} x {}", t.count, secs(t.wall_s))
+                .map_or("-".to_string(), |t| match &t.first {
+                    Some(f) if t.at_mean > 0 => {
+                        format!("{} + {} x {}", secs(f.wall_s), t.at_mean, secs(t.wall_s))
+                    }
+                    Some(f) => secs(f.wall_s),
+                    None => format!("{} x {}", t.count, secs(t.wall_s)),
                 })
         };
         t.add_row(vec![
