@@ -5,8 +5,8 @@
 #   scripts/gpu-test.sh run       on the GPU machine, from the repository root, with .gpu carried:
 #                                 GPU tests and the ignored unit tests, dequant-check on the quant fixtures and on a synthetic
 #                                 GLM-5-dimension UD-Q4_K_XL model, the regression suite against the CUDA
-#                                 engine, the dequant benchmark, `bench run` (GLM-5 dimensions, 16 tokens; then --gpu-wait auto against
-#                                 block with each thread's CPU time, scripts/thread-cpu.sh, and the cores shared out: block, 14 reference threads, a compare pool of 2), the products' two paths on every thread and the upload probe, compute-sanitizer over the dequant and
+#                                 engine, the dequant benchmark, `bench run` (GLM-5 dimensions, 16 tokens; then --candidate-ahead off
+#                                 against on, bf16 with each thread's CPU time, scripts/thread-cpu.sh, and f32), the products' two paths on every thread and the upload probe, compute-sanitizer over the dequant and
 #                                 forward kernels; logs in $OUT/gpu-logs.tgz (default ./gpu-out), a summary last.
 #                                 GPU_STEPS="tests bench" runs only those parts.
 set -uo pipefail
@@ -101,23 +101,22 @@ run() {
     echo "== bench run --against cuda: GLM-5 dimensions (one dense and two MoE layers), 16 tokens"
     "$bin" --wide bench run --against cuda --tokens 16 --reps 2 --project glm5 2>&1 | tee "$logs/bench-run.txt"
     summary+=("bench run --against cuda, 16 tokens, GLM-5 projected: exit ${PIPESTATUS[0]}, $(grep -m1 -E '(reference|candidate) \([0-9.]+x\)' "$logs/bench-run.txt" | tr -s ' ')")
-    echo "== bench run, 16 tokens: host waits (--gpu-wait) auto against block, twice each, alternating; CPU time by thread"
+    echo "== bench run, 16 tokens: the candidate's chain run ahead to its routing (--candidate-ahead) off against on, twice each, alternating; CPU time by thread"
     local bm; bm=$(mktemp -d)
     "$bin" synth --arch glm-dsa --dims glm5 --layers 5 --out "$bm/glm5.gguf" > /dev/null 2>&1
-    local i=0 w
-    for w in auto block auto block; do
+    local i=0 a
+    for a in off on off on; do
         i=$((i + 1))
-        scripts/thread-cpu.sh "$logs/threads-$i-$w.txt" "$bin" --wide --gpu-wait "$w" bench run --model "$bm/glm5.gguf" \
-            --against cuda --dtype bf16 --tokens 16 --reps 2 --project glm5 > "$logs/bench-run-$i-$w.txt" 2>&1
-        summary+=("bench run --gpu-wait $w ($i): exit $?, $(grep -E '^\| 16 ' "$logs/bench-run-$i-$w.txt" | grep -E '4 MoE|x 0' | tr -s ' -' | tr '\n' ' ' | cut -c1-330)")
-        summary+=("  threads: $(sed -n '2,6p' "$logs/threads-$i-$w.txt" | tr -s ' ' | tr '\n' ';')")
+        scripts/thread-cpu.sh "$logs/threads-$i-$a.txt" "$bin" --wide --candidate-ahead "$a" bench run --model "$bm/glm5.gguf" \
+            --against cuda --dtype bf16 --tokens 16 --reps 2 --project glm5 > "$logs/bench-run-$i-$a.txt" 2>&1
+        summary+=("bench run --candidate-ahead $a ($i): exit $?, $(grep -E '^\| 16 ' "$logs/bench-run-$i-$a.txt" | grep -E '4 MoE|x 0|\+' | tr -s ' -' | tr '\n' ' ' | cut -c1-330)")
+        summary+=("  threads: $(sed -n '2,6p' "$logs/threads-$i-$a.txt" | tr -s ' ' | tr '\n' ';')")
     done
-    echo "== bench run, 16 tokens: the cores shared out (--gpu-wait block, RAYON_NUM_THREADS=14, --compare-pool 2)"
-    RAYON_NUM_THREADS=14 scripts/thread-cpu.sh "$logs/threads-parted.txt" "$bin" --wide --gpu-wait block --compare-pool 2 \
-        bench run --model "$bm/glm5.gguf" --against cuda --dtype bf16 --tokens 16 --reps 2 --project glm5 \
-        > "$logs/bench-run-parted.txt" 2>&1
-    summary+=("bench run, block, 14 reference threads, compare pool 2: exit $?, $(grep -E '^\| 16 ' "$logs/bench-run-parted.txt" | grep -E '4 MoE|x 0' | tr -s ' -' | tr '\n' ' ' | cut -c1-330)")
-    summary+=("  threads: $(sed -n '2,6p' "$logs/threads-parted.txt" | tr -s ' ' | tr '\n' ';')")
+    echo "== bench run, 16 tokens, the default f32 candidate on bench run's own synthetic model: --candidate-ahead off against on"
+    for a in off on; do
+        "$bin" --wide --candidate-ahead "$a" bench run --against cuda --tokens 16 --reps 2 --project glm5 > "$logs/bench-run-f32-$a.txt" 2>&1
+        summary+=("bench run f32 --candidate-ahead $a: exit $?, $(grep -E '^\| 16 ' "$logs/bench-run-f32-$a.txt" | grep -E 'MoE|x 0|\+' | tr -s ' -' | tr '\n' ' ' | cut -c1-400)")
+    done
     rm -rf "$bm"
     echo "== small_tokens_parallel_speed: the products' direct and blocked paths around 32 tokens, every thread at once"
     .gpu/unit small_tokens_parallel_speed --ignored --nocapture --test-threads=1 2>&1 | tee "$logs/small-tokens.txt"

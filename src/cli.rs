@@ -87,6 +87,19 @@ pub struct Cli {
         value_parser = parse_compare_pool
     )]
     pub compare_pool: ComparePool,
+    /// Whether a run's candidate engine runs its own chain ahead of the pass at prompts of up to
+    /// 64 tokens: while the reference computes a step, the candidate's next chained steps of the
+    /// layer, up to its routing (an engine that uploads its routed experts starts them there).
+    /// Only the speed changes.
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        value_name = "on|off",
+        env = "GLMDIFF_CANDIDATE_AHEAD",
+        default_value = "off"
+    )]
+    pub candidate_ahead: crate::words::Switch,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -917,6 +930,18 @@ mod tests {
             let e = pool(&["--compare-pool", bad]).unwrap_err();
             assert!(e.contains("background"), "{e}");
         }
+        use crate::words::Switch;
+        let ahead = |args: &[&str]| {
+            let c = Cli::try_parse_from([&["glmdiff", "bench", "run"], args].concat());
+            Ok::<_, String>(c.map_err(|e| e.to_string())?.candidate_ahead)
+        };
+        assert_eq!(ahead(&["--candidate-ahead", "on"]), Ok(Switch::On));
+        assert_eq!(ahead(&["--candidate-ahead", "off"]), Ok(Switch::Off));
+        if std::env::var_os("GLMDIFF_CANDIDATE_AHEAD").is_none() {
+            assert_eq!(ahead(&[]), Ok(Switch::Off));
+        }
+        let e = ahead(&["--candidate-ahead", "yes"]).unwrap_err();
+        assert!(e.contains("on") && e.contains("off"), "{e}");
     }
 
     #[test]

@@ -52,6 +52,7 @@ fn main() -> ExitCode {
     glmdiff::engine::cpu::device::set_min_tokens(cli.reference_min_tokens as usize);
     cmd::set_gpu_wait(cli.gpu_wait);
     glmdiff::util::background::set_compare_threads(cli.compare_pool.0);
+    glmdiff::driver::pair::set_candidate_ahead(cli.candidate_ahead.is_on());
     install_interrupt_handler();
     restore_default_sigpipe();
     let result = match &cli.command {

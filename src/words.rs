@@ -321,6 +321,37 @@ impl ValueEnum for GpuWait {
     }
 }
 
+/// `on` or `off` (`--candidate-ahead`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Switch {
+    /// On.
+    On,
+    /// Off.
+    #[default]
+    Off,
+}
+
+impl Switch {
+    /// Whether it is on.
+    pub fn is_on(self) -> bool {
+        self == Switch::On
+    }
+}
+
+/// The words `on` and `off`.
+impl ValueEnum for Switch {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[Switch::On, Switch::Off]
+    }
+
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        Some(PossibleValue::new(match self {
+            Switch::On => "on",
+            Switch::Off => "off",
+        }))
+    }
+}
+
 /// The candidate's precision at the hooks a glob matches.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PrecisionOverride {

@@ -1149,6 +1149,76 @@ mod device {
         }
     }
 
+    /// The CUDA candidate's chain run ahead of the pass to each layer's routing
+    /// (`--candidate-ahead on`, its routed uploads started there) changes nothing a run reports
+    /// but its times: the same exit and the same JSON less its timings, f32 and bf16, 16 tokens.
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_candidate_ahead_changes_only_the_times() {
+        fn strip(v: &serde_json::Value) -> serde_json::Value {
+            use serde_json::Value;
+            const TIMES: [&str; 9] = [
+                "timings",
+                "layer_times",
+                "compare_times",
+                "reference_times",
+                "candidate_times",
+                "reference_work",
+                "command",
+                "rerun",
+                "repro",
+            ];
+            match v {
+                Value::Object(m) => Value::Object(
+                    m.iter()
+                        .filter(|(k, _)| !TIMES.contains(&k.as_str()))
+                        .map(|(k, v)| (k.clone(), strip(v)))
+                        .collect(),
+                ),
+                Value::Array(a) => Value::Array(a.iter().map(strip).collect()),
+                x => x.clone(),
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let tokens: Vec<String> = (0..16u32)
+            .map(|i| ((i * 37 + 11) % 200).to_string())
+            .collect();
+        let tokens = tokens.join(",");
+        for m in [
+            "models/glm5-tiny-q/glm5-tiny-q-mixed.gguf",
+            "models/dsv3-tiny-q/dsv3-tiny-q-mixed.gguf",
+        ] {
+            let f = fixtures(m);
+            for dtype in ["f32", "bf16"] {
+                let mut got = Vec::new();
+                for ahead in ["off", "on"] {
+                    let json = dir.path().join(format!("{ahead}-{dtype}.json"));
+                    let o = glmdiff(&[
+                        "--candidate-ahead",
+                        ahead,
+                        "run",
+                        f.to_str().unwrap(),
+                        "--tokens",
+                        &tokens,
+                        "--against",
+                        "cuda",
+                        "--dtype",
+                        dtype,
+                        "--no-cache",
+                        "--json",
+                        json.to_str().unwrap(),
+                    ]);
+                    let j: serde_json::Value =
+                        serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+                    got.push((o.status.code(), strip(&j)));
+                }
+                eprintln!("== {m} {dtype}: exits {:?} {:?}", got[0].0, got[1].0);
+                assert_eq!(got[0].0, got[1].0, "{m} {dtype}");
+                assert!(got[0].1 == got[1].1, "{m} {dtype}: the runs' JSON differ");
+            }
+        }
+    }
+
     #[test]
     #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
     fn gpu_routed_expert_uploads_are_bit_identical() {

@@ -38,7 +38,8 @@
 //! lacks is handed to the sink on its own ([`PairSink::reference_only`]: its scores judge a
 //! selection's flips, its steps compose a segment's floor).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -80,12 +81,35 @@ pub fn run_pair<R: Engine + Sync, C: Engine>(
 where
     R::Tensor: Send,
 {
-    run_pair_with(reference, candidate, inputs, modes, sink, progress, true)
+    let ahead = if candidate_ahead() {
+        Ahead::WhileReferenceRuns
+    } else {
+        Ahead::Off
+    };
+    run_pair_with(
+        reference, candidate, inputs, modes, sink, progress, true, ahead,
+    )
+}
+
+/// Whether and how far the candidate's chain runs ahead of the pass
+/// ([`CandidateSide::run_ahead`]) at prompts of up to [`AHEAD_MAX_TOKENS`] tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Ahead {
+    /// It runs each step with the pass.
+    Off,
+    /// While the reference's side of a step runs.
+    WhileReferenceRuns,
+    /// Up to its layer's routing whatever the reference does (tests: every step that can run
+    /// ahead does).
+    #[cfg(test)]
+    ToTheRouting,
 }
 
 /// [`run_pair`], where the reference recomputes a replayed step with the candidate's selection
 /// and runs the followed chain only where they change ([`super::rows`]) when `only_changed`, and
-/// whole otherwise (what tests compare it with: the results are the same bit for bit).
+/// whole otherwise, and the candidate's chain runs `ahead` of the pass or not (what tests
+/// compare it with: the results are the same bit for bit).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn run_pair_with<R: Engine + Sync, C: Engine>(
     reference: &R,
     candidate: Candidate<'_, C>,
@@ -94,6 +118,7 @@ pub(super) fn run_pair_with<R: Engine + Sync, C: Engine>(
     sink: &mut (dyn PairSink + Send),
     progress: &dyn Progress,
     only_changed: bool,
+    ahead: Ahead,
 ) -> Result<PairSummary>
 where
     R::Tensor: Send,
@@ -109,6 +134,7 @@ where
             timed,
             progress,
             only_changed,
+            ahead,
         );
     };
     // The comparison on a thread of its own, in the order of the calls, beside the driver's
@@ -142,6 +168,7 @@ where
             timed,
             progress,
             only_changed,
+            ahead,
         );
         if out.is_err() {
             // The pass ended: what still waits for the comparison would not be read.
@@ -158,6 +185,7 @@ where
 }
 
 /// The pass of [`run_pair_with`], its sink's calls made through `timed`.
+#[allow(clippy::too_many_arguments)]
 fn drive<'a, R: Engine + Sync, C: Engine>(
     reference: &'a R,
     candidate: Candidate<'a, C>,
@@ -166,11 +194,17 @@ fn drive<'a, R: Engine + Sync, C: Engine>(
     timed: Timed<'a>,
     progress: &dyn Progress,
     only_changed: bool,
+    ahead: Ahead,
 ) -> Result<PairSummary>
 where
     R::Tensor: Send,
 {
     let mut run = PairRun::new(reference, candidate, inputs, modes, only_changed, timed)?;
+    run.ahead = if inputs.tokens.len() <= AHEAD_MAX_TOKENS {
+        ahead
+    } else {
+        Ahead::Off
+    };
     let mut steps = StepProgress::start(progress, inputs.plan);
     while let Some(step) = run.refr.peek() {
         steps.before(step);
@@ -203,6 +237,8 @@ struct PairRun<'a, R: Engine, C: Engine> {
     modes: Modes,
     /// Whether the reference recomputes only the rows that change ([`run_pair_with`]).
     only_changed: bool,
+    /// Whether the candidate's chain runs ahead of the pass ([`run_pair_with`]).
+    ahead: Ahead,
     /// The sink, with the seconds spent in it (the comparison).
     sink: Timed<'a>,
     /// The reference's own chain.
@@ -266,6 +302,7 @@ where
             inputs,
             modes,
             only_changed,
+            ahead: Ahead::Off,
             sink,
             refr,
             cand,
@@ -292,7 +329,7 @@ where
         } = self.before(step)?;
         let joint_rows: Vec<Vec<usize>> = joint.more.iter().map(|(_, r)| r.clone()).collect();
         let replay_now = replay.as_ref().and_then(|r| r.as_ref().ok());
-        let (ref_done, (cand_done, cand_ended)) =
+        let (ref_done, (cand_done, cand_ended), ran_ahead) =
             self.both_sides(step, &wants, joint.more, replay_now);
         let RefStep {
             out,
@@ -301,6 +338,7 @@ where
             seconds,
             ended,
         } = ref_done?;
+        self.summary.candidate_ahead_steps += ran_ahead;
         if matches!(self.candidate, Candidate::Engine(_)) {
             self.summary.time(step.layer).candidate_beyond +=
                 cand_ended.saturating_duration_since(ended).as_secs_f64();
@@ -380,24 +418,37 @@ where
     /// The reference's step (CPU threads, with the further rows of `more` in its pass) and the
     /// candidate engine's (its device: its chained step, and its replay from `replay`'s inputs)
     /// at the same time: neither reads the other's values until both are done. The candidate's
-    /// side comes with the moment it ended.
+    /// side comes with the moment it ended, and with the steps its chain ran ahead of the pass
+    /// meanwhile ([`CandidateSide::run_ahead`]).
     fn both_sides(
         &mut self,
         step: &Step,
         wants: &HashSet<String>,
         more: Vec<(Vec<R::Tensor>, Vec<usize>)>,
         replay: Option<&ReplayInputs>,
-    ) -> (Result<RefStep<R::Tensor>>, CandSide) {
+    ) -> (Result<RefStep<R::Tensor>>, CandSide, usize) {
         let replay = replay.filter(|_| step.op != Op::Alias);
         let (refr, cand, sink, inputs) =
             (&mut self.refr, &mut self.cand, &mut self.sink, self.inputs);
+        let ahead = self.ahead;
+        let ref_ended = AtomicBool::new(false);
         std::thread::scope(|scope| {
-            let ref_side = scope.spawn(move || reference_step(refr, step, wants, &more));
+            let ended = &ref_ended;
+            let ref_side = scope.spawn(move || {
+                let done = reference_step(refr, step, wants, &more);
+                ended.store(true, Ordering::Release);
+                done
+            });
             let cand_done = (cand.step(step, inputs, &*sink, replay), Instant::now());
+            let before = cand.ahead.len();
+            if ahead != Ahead::Off && cand_done.0.is_ok() {
+                cand.run_ahead(step, &*sink, &ref_ended, ahead);
+            }
+            let ran_ahead = cand.ahead.len().saturating_sub(before);
             let ref_done = ref_side
                 .join()
                 .unwrap_or_else(|_| Err(anyhow::anyhow!("driver: the reference's step panicked")));
-            (ref_done, cand_done)
+            (ref_done, cand_done, ran_ahead)
         })
     }
 
@@ -690,6 +741,9 @@ struct CandidateSide<'a, C: Engine> {
     /// The weight hooks of a candidate engine that only replays (no runner of its own): it
     /// begins the layers with a step it replays.
     residency: Residency,
+    /// Chained steps run ahead of the pass ([`CandidateSide::run_ahead`]), in order, with what
+    /// each gave.
+    ahead: VecDeque<(&'a Step, Result<Chained>)>,
 }
 
 impl<'a, C: Engine> CandidateSide<'a, C> {
@@ -727,6 +781,7 @@ impl<'a, C: Engine> CandidateSide<'a, C> {
             engine,
             runner,
             residency,
+            ahead: VecDeque::new(),
         })
     }
 
@@ -755,32 +810,67 @@ impl<'a, C: Engine> CandidateSide<'a, C> {
     }
 
     /// The runner's step (chained mode): the outputs `sink` wants and the selections, on the
-    /// host, into `done`.
+    /// host, into `done`; taken from the steps run ahead when the chain ran it already.
     fn chained(&mut self, step: &Step, sink: &dyn PairSink, done: &mut CandStep) -> Result<()> {
         let Some(c) = &mut self.runner else {
             return Ok(());
         };
-        let t0 = Instant::now();
-        let extra = {
-            let wants = |n: &str| sink.wants(n);
-            c.step(&wants)?
+        let got = match self.ahead.pop_front() {
+            Some((ran, got)) => {
+                if ran.outputs != step.outputs {
+                    anyhow::bail!(
+                        "driver: the candidate's chain ran ahead to step {:?}, the pass is at {:?}",
+                        ran.outputs,
+                        step.outputs
+                    );
+                }
+                got?
+            }
+            None => run_chained(c, step, sink)?,
         };
-        for n in &step.outputs {
-            if sink.wants(n) || is_selection(n) {
-                let t = c
-                    .get(n)
-                    .with_context(|| format!("driver: output {n} of the step just run is gone"))?;
-                done.chained.insert(n.clone(), c.engine().download(t)?);
-            }
-        }
-        for (n, t) in extra {
-            if sink.wants(&n) {
-                done.chained.insert(n, c.engine().download(&t)?);
-            }
-        }
-        done.chained_seconds = t0.elapsed().as_secs_f64();
-        done.chained_upload = Some(c.engine().take_upload_stats());
+        done.chained = got.out;
+        done.chained_seconds = got.seconds;
+        done.chained_upload = got.upload;
         Ok(())
+    }
+
+    /// While the reference's side of the step `last` has not `ended`, runs the candidate's
+    /// chain ahead, up to and including the routing of `last`'s layer (the chain does not
+    /// depend on the reference's values): an engine that uploads the experts its routing picks
+    /// starts them there, behind the reference's attention, instead of at the step the pass
+    /// reaches the router. Each step's outputs wait in [`CandidateSide::ahead`] for the pass;
+    /// nothing else changes (the pass hands them to the sink at their own step, in order). Runs
+    /// nothing in a layer without a routing step ahead, nor past an error (which waits there
+    /// too, for its own step).
+    fn run_ahead(&mut self, last: &Step, sink: &dyn PairSink, ended: &AtomicBool, how: Ahead) {
+        let Some(c) = &mut self.runner else {
+            return;
+        };
+        let Some(layer) = last.layer else {
+            return;
+        };
+        if self.ahead.back().is_some_and(|(_, r)| r.is_err()) {
+            return;
+        }
+        let waits = how == Ahead::WhileReferenceRuns;
+        while !(waits && ended.load(Ordering::Acquire)) {
+            let Some(next) = c.peek() else {
+                break;
+            };
+            let route_ahead = c.plan.steps[c.next..]
+                .iter()
+                .take_while(|s| s.layer == Some(layer))
+                .any(|s| matches!(s.op, Op::MoeRoute { .. }));
+            if next.layer != Some(layer) || !route_ahead {
+                break;
+            }
+            let got = run_chained(c, next, sink);
+            let stop = got.is_err() || matches!(next.op, Op::MoeRoute { .. });
+            self.ahead.push_back((next, got));
+            if stop {
+                break;
+            }
+        }
     }
 
     /// Ends the candidate's weight hooks: its runner's, then those of its replay.
@@ -793,6 +883,72 @@ impl<'a, C: Engine> CandidateSide<'a, C> {
         }
         Ok(())
     }
+}
+
+/// Most tokens of a prompt whose candidate chain runs ahead of the pass
+/// ([`CandidateSide::run_ahead`]): its steps' outputs wait on the host until the pass reaches
+/// them, a few KB each at short prompts, where the reference's steps are short enough that the
+/// candidate's upload of its routed experts shows (at long prompts the reference's layer is
+/// seconds and the uploads are prefetched whole).
+pub(super) const AHEAD_MAX_TOKENS: usize = 64;
+
+/// Whether the candidate's chain runs ahead of the pass at short prompts (`--candidate-ahead`;
+/// [`set_candidate_ahead`]). Off unless set.
+pub fn candidate_ahead() -> bool {
+    CANDIDATE_AHEAD.load(Ordering::Relaxed)
+}
+
+/// Sets whether the candidate's chain runs ahead of the pass at short prompts (up to its
+/// layer's routing, while the reference's side of a step runs); only when the steps run
+/// changes, not their values.
+pub fn set_candidate_ahead(on: bool) {
+    CANDIDATE_AHEAD.store(on, Ordering::Relaxed);
+}
+
+static CANDIDATE_AHEAD: AtomicBool = AtomicBool::new(false);
+
+/// What one step of the candidate's chain gave.
+#[derive(Default)]
+struct Chained {
+    /// The outputs the sink wants and the selections, on the host.
+    out: HashMap<String, HostTensor>,
+    /// Seconds of the step.
+    seconds: f64,
+    /// Its uploads.
+    upload: Option<UploadStats>,
+}
+
+/// Runs the chain `c`'s next step, `step`: the outputs `sink` wants and the selections, on the
+/// host.
+fn run_chained<C: Engine>(
+    c: &mut Runner<'_, C>,
+    step: &Step,
+    sink: &dyn PairSink,
+) -> Result<Chained> {
+    let t0 = Instant::now();
+    let extra = {
+        let wants = |n: &str| sink.wants(n);
+        c.step(&wants)?
+    };
+    let mut out = HashMap::new();
+    for n in &step.outputs {
+        if sink.wants(n) || is_selection(n) {
+            let t = c
+                .get(n)
+                .with_context(|| format!("driver: output {n} of the step just run is gone"))?;
+            out.insert(n.clone(), c.engine().download(t)?);
+        }
+    }
+    for (n, t) in extra {
+        if sink.wants(&n) {
+            out.insert(n, c.engine().download(&t)?);
+        }
+    }
+    Ok(Chained {
+        out,
+        seconds: t0.elapsed().as_secs_f64(),
+        upload: Some(c.engine().take_upload_stats()),
+    })
 }
 
 /// The reference's side of one step, run beside the candidate's.

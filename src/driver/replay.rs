@@ -37,6 +37,9 @@ pub struct PairSummary {
     /// The seconds the driver waited for the comparison's thread, by cause (`waited for the
     /// comparison's end`, `... near ties`, `... queue`), where it waited.
     pub compare_waits: Vec<(String, f64)>,
+    /// Steps of the candidate's chain run ahead of the pass (`--candidate-ahead`), while the
+    /// reference's side of an earlier step ran.
+    pub candidate_ahead_steps: usize,
 }
 
 /// The steps the reference engine computed in a pass, by cause (every cause's time is also in

@@ -555,7 +555,7 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::driver::pair::{run_pair_with, Candidate, Modes, ReferenceWork, RunInputs};
+    use crate::driver::pair::{run_pair_with, Ahead, Candidate, Modes, ReferenceWork, RunInputs};
     use crate::driver::{NoProgress, Plan};
     use crate::engine::cpu::CpuEngine;
     use crate::explain::fault::{Fault, FaultEngine, FaultKind};
@@ -643,7 +643,8 @@ mod tests {
         w: &Weights<'_>,
         tokens: &[u32],
         only_changed: bool,
-    ) -> (Vec<Event>, ReferenceWork)
+        ahead: Ahead,
+    ) -> (Vec<Event>, ReferenceWork, usize)
     where
         R::Tensor: Send,
     {
@@ -664,9 +665,10 @@ mod tests {
             &mut log,
             &NoProgress,
             only_changed,
+            ahead,
         )
         .unwrap();
-        (log.0, s.reference_work)
+        (log.0, s.reference_work, s.candidate_ahead_steps)
     }
 
     fn fixture(rel: &str) -> Model {
@@ -711,9 +713,31 @@ mod tests {
                 .map(|i| (i * 7 + 3) % w.n_vocab() as u32)
                 .collect();
             let t = tokens.len();
-            let (whole, whole_work) = pass(&cpu, &cand, &w, &tokens, false);
-            let (rows, work) = pass(&cpu, &cand, &w, &tokens, true);
-            let (default, default_work) = pass(&whole_steps, &cand, &w, &tokens, true);
+            let (whole, whole_work, _) = pass(&cpu, &cand, &w, &tokens, false, Ahead::Off);
+            let (rows, work, _) = pass(&cpu, &cand, &w, &tokens, true, Ahead::Off);
+            let (default, default_work, _) =
+                pass(&whole_steps, &cand, &w, &tokens, true, Ahead::Off);
+            // The candidate's chain run ahead to each MoE layer's routing: the same events.
+            let (ahead, ahead_work, ran) =
+                pass(&cpu, &cand, &w, &tokens, true, Ahead::ToTheRouting);
+            assert!(ran > 0, "{file}");
+            assert_eq!(rows, ahead, "{file}");
+            // As far as the reference's steps leave it time: the same events.
+            let (while_ref, _, _) = pass(&cpu, &cand, &w, &tokens, true, Ahead::WhileReferenceRuns);
+            assert_eq!(rows, while_ref, "{file}");
+            let counts = |w: &ReferenceWork| {
+                [
+                    w.plain,
+                    w.replay_whole,
+                    w.replay_rows,
+                    w.followed_whole,
+                    w.followed_rows,
+                    w.followed_reused,
+                    w.joint,
+                ]
+                .map(|x| (x.steps, x.rows))
+            };
+            assert_eq!(counts(&work), counts(&ahead_work), "{file}");
             assert!(
                 whole.iter().any(|e| matches!(e, Event::Followed(..))),
                 "{file}"
