@@ -675,6 +675,52 @@ mod tests {
         Model::open(&Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)).unwrap()
     }
 
+    /// The candidate's chain run ahead of the pass to each MoE layer's routing (all of it, and
+    /// as far as the reference's steps leave it time): every event of the pass is bit for bit
+    /// the same, and so is what the reference computed, with a candidate whose selections
+    /// differ (its chained routing is what the pass follows).
+    #[test]
+    fn the_candidates_chain_run_ahead_gives_the_same_pass() {
+        for file in [
+            "fixtures/models/glm5-tiny/glm5-tiny-f32.gguf",
+            "fixtures/models/glm5-tiny-q/glm5-tiny-q-mixed.gguf",
+            "fixtures/models/dsv3-tiny/dsv3-tiny-f32.gguf",
+        ] {
+            let model = fixture(file);
+            let w = Weights::new(&model).unwrap();
+            let cpu = CpuEngine::new(&w);
+            let cand = FaultEngine::new(&cpu, &w, vec![Fault::new(FaultKind::BiasUnused, None)]);
+            let tokens: Vec<u32> = (0..21u32)
+                .map(|i| (i * 7 + 3) % w.n_vocab() as u32)
+                .collect();
+            let (rows, work, none) = pass(&cpu, &cand, &w, &tokens, true, Ahead::Off);
+            assert_eq!(none, 0);
+            assert!(
+                rows.iter().any(|e| matches!(e, Event::Followed(..))),
+                "{file}"
+            );
+            let (ahead, ahead_work, ran) =
+                pass(&cpu, &cand, &w, &tokens, true, Ahead::ToTheRouting);
+            assert!(ran > 0, "{file}");
+            assert_eq!(rows, ahead, "{file}");
+            let counts = |w: &ReferenceWork| {
+                [
+                    w.plain,
+                    w.replay_whole,
+                    w.replay_rows,
+                    w.followed_whole,
+                    w.followed_rows,
+                    w.followed_reused,
+                    w.joint,
+                ]
+                .map(|x| (x.steps, x.rows))
+            };
+            assert_eq!(counts(&work), counts(&ahead_work), "{file}");
+            let (while_ref, _, _) = pass(&cpu, &cand, &w, &tokens, true, Ahead::WhileReferenceRuns);
+            assert_eq!(rows, while_ref, "{file}");
+        }
+    }
+
     /// A candidate that selects other DSA keys (layer 0) or other experts in some rows: the
     /// reference recomputes its replayed attention and expert steps only in the rows the
     /// candidate's selection changes, and the followed chain only where it differs from the
@@ -717,27 +763,6 @@ mod tests {
             let (rows, work, _) = pass(&cpu, &cand, &w, &tokens, true, Ahead::Off);
             let (default, default_work, _) =
                 pass(&whole_steps, &cand, &w, &tokens, true, Ahead::Off);
-            // The candidate's chain run ahead to each MoE layer's routing: the same events.
-            let (ahead, ahead_work, ran) =
-                pass(&cpu, &cand, &w, &tokens, true, Ahead::ToTheRouting);
-            assert!(ran > 0, "{file}");
-            assert_eq!(rows, ahead, "{file}");
-            // As far as the reference's steps leave it time: the same events.
-            let (while_ref, _, _) = pass(&cpu, &cand, &w, &tokens, true, Ahead::WhileReferenceRuns);
-            assert_eq!(rows, while_ref, "{file}");
-            let counts = |w: &ReferenceWork| {
-                [
-                    w.plain,
-                    w.replay_whole,
-                    w.replay_rows,
-                    w.followed_whole,
-                    w.followed_rows,
-                    w.followed_reused,
-                    w.joint,
-                ]
-                .map(|x| (x.steps, x.rows))
-            };
-            assert_eq!(counts(&work), counts(&ahead_work), "{file}");
             assert!(
                 whole.iter().any(|e| matches!(e, Event::Followed(..))),
                 "{file}"
