@@ -169,6 +169,8 @@ pub struct Settings {
     pub dtype: Option<String>,
     /// How the candidate was chosen (`--against auto`), in words.
     pub choice: Option<String>,
+    /// Whether the candidate's chain runs ahead of the pass (`--candidate-ahead`).
+    pub candidate_ahead: bool,
 }
 
 /// What one run of the pipeline returns.

@@ -302,7 +302,12 @@ pub fn render_run(r: &run::Report) -> String {
         r.n_dense
     ));
     s.push_str(&format!(
-        "pipeline: glmdiff run --against {} --mode {}{}; candidate: {}\n",
+        "pipeline: glmdiff{} run --against {} --mode {}{}; candidate: {}\n",
+        if st.candidate_ahead {
+            " --candidate-ahead on"
+        } else {
+            ""
+        },
         st.spec,
         st.mode,
         st.dtype
@@ -683,6 +688,7 @@ mod tests {
                 mode: "both".into(),
                 dtype: Some("bf16".into()),
                 choice: None,
+                candidate_ahead: false,
             },
             candidate: "cuda:0 NVIDIA H200 sm_90 (139.8 GiB, 132 SMs), bf16 weights".into(),
             seed: 1,

@@ -109,6 +109,7 @@ impl Pipeline for RunPipeline {
                 CandidateKind::Cuda(_) => Some(self.dtype.as_str().to_string()),
             },
             choice: self.choice.clone(),
+            candidate_ahead: crate::driver::pair::candidate_ahead(),
         }
     }
 
