@@ -852,18 +852,19 @@ impl<'a, C: Engine> CandidateSide<'a, C> {
         if self.ahead.back().is_some_and(|(_, r)| r.is_err()) {
             return;
         }
+        // Every step from here to the layer's routing is of the layer.
+        let route_ahead = c.plan.steps[c.next..]
+            .iter()
+            .take_while(|s| s.layer == Some(layer))
+            .any(|s| matches!(s.op, Op::MoeRoute { .. }));
+        if !route_ahead {
+            return;
+        }
         let waits = how == Ahead::WhileReferenceRuns;
         while !(waits && ended.load(Ordering::Acquire)) {
             let Some(next) = c.peek() else {
                 break;
             };
-            let route_ahead = c.plan.steps[c.next..]
-                .iter()
-                .take_while(|s| s.layer == Some(layer))
-                .any(|s| matches!(s.op, Op::MoeRoute { .. }));
-            if next.layer != Some(layer) || !route_ahead {
-                break;
-            }
             let got = run_chained(c, next, sink);
             let stop = got.is_err() || matches!(next.op, Op::MoeRoute { .. });
             self.ahead.push_back((next, got));
