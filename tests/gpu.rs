@@ -1157,12 +1157,13 @@ mod device {
     fn gpu_candidate_ahead_changes_only_the_times() {
         fn strip(v: &serde_json::Value) -> serde_json::Value {
             use serde_json::Value;
-            const TIMES: [&str; 9] = [
+            const TIMES: [&str; 10] = [
                 "timings",
                 "layer_times",
                 "compare_times",
                 "reference_times",
                 "candidate_times",
+                "candidate_beyond_times",
                 "reference_work",
                 "command",
                 "rerun",

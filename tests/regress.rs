@@ -33,6 +33,7 @@ fn stable(mut r: Value) -> String {
     o.remove("compare_times");
     o.remove("reference_times");
     o.remove("candidate_times");
+    o.remove("candidate_beyond_times");
     o.remove("cache");
     // The reference's work by cause: its steps and rows are stable, its seconds are times.
     if let Some(w) = o.get_mut("reference_work").and_then(Value::as_object_mut) {

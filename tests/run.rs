@@ -538,6 +538,68 @@ fn layer_runs_reuse_the_reference_cache() {
     assert!(t(&b, "reference prefix (cache)").is_some());
 }
 
+/// `run --json`'s times by step, with an engine candidate: each the largest first; the wall by
+/// which the candidate's side of a step ended after the reference's, by step, adds up to the
+/// layers' own.
+#[test]
+fn json_times_by_step_add_up() {
+    let cache = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = fixtures().join("glm5-tiny-q/glm5-tiny-q-mixed.gguf");
+    let json = dir.path().join("r.json");
+    let o = glmdiff(
+        cache.path(),
+        &[
+            "run",
+            gguf.to_str().unwrap(),
+            "--against",
+            "cpu",
+            "--tokens",
+            "5",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let j = read_json(&json);
+    let secs = |key: &str| -> Vec<f64> {
+        let a = j[key]
+            .as_array()
+            .unwrap_or_else(|| panic!("{key}: {}", j[key]));
+        a.iter().map(|t| t["seconds"].as_f64().unwrap()).collect()
+    };
+    for key in [
+        "reference_times",
+        "candidate_times",
+        "candidate_beyond_times",
+    ] {
+        let s = secs(key);
+        assert!(
+            !s.is_empty() || key == "candidate_beyond_times",
+            "{key} empty"
+        );
+        assert!(
+            s.windows(2).all(|w| w[0] >= w[1]),
+            "{key} not largest first: {s:?}"
+        );
+    }
+    let whats = j["candidate_beyond_times"].as_array().unwrap();
+    assert!(whats
+        .iter()
+        .all(|t| t["what"].as_str().unwrap().ends_with(" beyond")));
+    let by_step: f64 = secs("candidate_beyond_times").iter().sum();
+    let by_layer: f64 = j["layer_times"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["candidate_beyond_s"].as_f64().unwrap())
+        .sum();
+    assert!(
+        (by_step - by_layer).abs() <= 1e-9 * (1.0 + by_layer),
+        "{by_step} by step against {by_layer} by layer"
+    );
+}
+
 #[test]
 fn json_contract_plot_and_errors() {
     let cache = tempfile::tempdir().unwrap();

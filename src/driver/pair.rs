@@ -220,7 +220,13 @@ where
     let mut times: Vec<(String, f64)> = by.into_iter().collect();
     times.sort_by(|a, b| b.1.total_cmp(&a.1));
     summary.compare_times = times;
-    summary.reference_times.sort_by(|a, b| b.1.total_cmp(&a.1));
+    for times in [
+        &mut summary.reference_times,
+        &mut summary.candidate_times,
+        &mut summary.candidate_beyond_times,
+    ] {
+        times.sort_by(|a, b| b.1.total_cmp(&a.1));
+    }
     Ok(summary)
 }
 
@@ -340,8 +346,8 @@ where
         } = ref_done?;
         self.summary.candidate_ahead_steps += ran_ahead;
         if matches!(self.candidate, Candidate::Engine(_)) {
-            self.summary.time(step.layer).candidate_beyond +=
-                cand_ended.saturating_duration_since(ended).as_secs_f64();
+            let beyond = cand_ended.saturating_duration_since(ended).as_secs_f64();
+            self.summary.candidate_beyond(step, beyond);
         }
         let (further, follow_prepared, replay_prepared) =
             joint_results(&joint_rows, joint_out, joint.follow, joint.replay);

@@ -34,6 +34,10 @@ pub struct PairSummary {
     /// kept as [`PairSummary::reference_times`]; they add up to the layers' `chained` and
     /// `replay`.
     pub candidate_times: Vec<(String, f64)>,
+    /// The wall by which the candidate engine's side of a step ended after the reference's, by
+    /// step (`q_b beyond`, named as [`PairSummary::reference_times`]), the largest first; they
+    /// add up to the layers' `candidate_beyond`.
+    pub candidate_beyond_times: Vec<(String, f64)>,
     /// The seconds the driver waited for the comparison's thread, by cause (`waited for the
     /// comparison's end`, `... near ties`, `... queue`), where it waited.
     pub compare_waits: Vec<(String, f64)>,
@@ -156,6 +160,15 @@ impl PairSummary {
             if s > 0.0 {
                 add_time(&mut self.candidate_times, step, mode, s);
             }
+        }
+    }
+
+    /// Adds `seconds` by which the candidate engine's side of `step` ended after the reference's
+    /// to its layer's `candidate_beyond` and to [`PairSummary::candidate_beyond_times`].
+    pub(super) fn candidate_beyond(&mut self, step: &Step, seconds: f64) {
+        self.time(step.layer).candidate_beyond += seconds;
+        if seconds > 0.0 {
+            add_time(&mut self.candidate_beyond_times, step, "beyond", seconds);
         }
     }
 

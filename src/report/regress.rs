@@ -27,7 +27,7 @@ fn e(x: f64) -> String {
 
 /// The JSONL record of a case: `run --json`'s document (when the run got that far) without the
 /// cache note, which moves to `cache`; the case's own facts under `regress`; its wall time added
-/// to `timings` as `case`. Only times (`timings`, `layer_times`, `compare_times`, `reference_times`, `candidate_times`, `reference_work`'s seconds) and
+/// to `timings` as `case`. Only times (`timings`, `layer_times`, `compare_times`, `reference_times`, `candidate_times`, `candidate_beyond_times`, `reference_work`'s seconds) and
 /// `cache` differ between runs of the same inputs.
 pub fn case_record(run: Option<(&Header, &Comparison)>, facts: &CaseFacts, seconds: f64) -> Value {
     let mut doc = match run {

@@ -69,6 +69,9 @@ pub struct Header {
     pub reference_times: Vec<(String, f64)>,
     /// The candidate engine's seconds by step and mode (`run`), the largest first.
     pub candidate_times: Vec<(String, f64)>,
+    /// The wall by which the candidate engine's side of a step ended after the reference's, by
+    /// step (`run`), the largest first.
+    pub candidate_beyond_times: Vec<(String, f64)>,
     /// What the reference computed, by cause (`run`; `None` for `compare`).
     pub reference_work: Option<ReferenceWork>,
     /// What `--explain` found (`None` without it).
@@ -1032,6 +1035,7 @@ pub fn to_json(h: &Header, c: &Comparison) -> Value {
         "compare_times": h.compare_times.iter().map(|(w, s)| json!({"what": w, "seconds": s})).collect::<Vec<_>>(),
         "reference_times": h.reference_times.iter().map(|(w, s)| json!({"what": w, "seconds": s})).collect::<Vec<_>>(),
         "candidate_times": h.candidate_times.iter().map(|(w, s)| json!({"what": w, "seconds": s})).collect::<Vec<_>>(),
+        "candidate_beyond_times": h.candidate_beyond_times.iter().map(|(w, s)| json!({"what": w, "seconds": s})).collect::<Vec<_>>(),
         "reference_work": h.reference_work.as_ref().map(|w| {
             let work = |x: &Work| json!({"steps": x.steps, "rows": x.rows, "seconds": x.seconds});
             json!({

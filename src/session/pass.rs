@@ -51,6 +51,9 @@ pub(super) struct Passed {
     pub reference_times: Vec<(String, f64)>,
     /// The candidate engine's seconds by step and mode, the largest first.
     pub candidate_times: Vec<(String, f64)>,
+    /// The wall by which the candidate engine's side of a step ended after the reference's, by
+    /// step, the largest first.
+    pub candidate_beyond_times: Vec<(String, f64)>,
     /// What the reference computed, by cause.
     pub reference_work: ReferenceWork,
     /// The candidate.
@@ -127,6 +130,7 @@ impl Pass<'_, '_> {
             compare_waits: summary.compare_waits,
             reference_times: summary.reference_times,
             candidate_times: summary.candidate_times,
+            candidate_beyond_times: summary.candidate_beyond_times,
             reference_work: summary.reference_work,
             candidate: desc,
             notes,

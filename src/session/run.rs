@@ -110,6 +110,7 @@ pub fn run(cfg: &RunConfig, watch: &Watch<'_>) -> Result<Ran> {
         compare_times: passed.compare_times,
         reference_times: passed.reference_times,
         candidate_times: passed.candidate_times,
+        candidate_beyond_times: passed.candidate_beyond_times,
         reference_work: Some(passed.reference_work),
         explanation,
         repro,
