@@ -7,7 +7,7 @@
 #                                 GLM-5-dimension UD-Q4_K_XL model, the regression suite against the CUDA
 #                                 engine, the dequant benchmark, `bench run` (GLM-5 dimensions, 16 tokens; then --candidate-ahead off
 #                                 against on, bf16 with each thread's CPU time, scripts/thread-cpu.sh, and f32; run --json's
-#                                 candidate_beyond_times off against on), the products' two paths on every thread and the upload probe, compute-sanitizer over the dequant and
+#                                 candidate_beyond_times off against on, and on with staged uploads), the products' two paths on every thread and the upload probe, compute-sanitizer over the dequant and
 #                                 forward kernels; logs in $OUT/gpu-logs.tgz (default ./gpu-out), a summary last.
 #                                 GPU_STEPS="tests bench" runs only those parts.
 set -uo pipefail
@@ -113,11 +113,14 @@ run() {
         summary+=("bench run --candidate-ahead $a ($i): exit $?, $(grep -E '^\| 16 ' "$logs/bench-run-$i-$a.txt" | grep -E '4 MoE|x 0|\+' | tr -s ' -' | tr '\n' ' ' | cut -c1-330)")
         summary+=("  threads: $(sed -n '2,6p' "$logs/threads-$i-$a.txt" | tr -s ' ' | tr '\n' ';')")
     done
-    echo "== run --json, 16 tokens, f32: where the candidate's side ends after the reference's, by step (candidate_beyond_times), --candidate-ahead off against on"
-    for a in off on; do
-        "$bin" --wide --candidate-ahead "$a" run "$bm/glm5.gguf" --against cuda --tokens 16 --no-cache --json "$logs/run-ahead-$a.json" > "$logs/run-ahead-$a.txt" 2>&1
+    echo "== run --json, 16 tokens, f32: where the candidate's side ends after the reference's, by step (candidate_beyond_times), --candidate-ahead off against on, and on with staged uploads"
+    # on-staged: the routed uploads through pinned buffers (no page registration beside the steps).
+    for a in off on on-staged; do
+        local how=(--candidate-ahead "${a%-staged}")
+        [ "$a" = on-staged ] && how+=(--upload-from staged)
+        "$bin" --wide "${how[@]}" run "$bm/glm5.gguf" --against cuda --tokens 16 --no-cache --json "$logs/run-ahead-$a.json" > "$logs/run-ahead-$a.txt" 2>&1
         local rc=$?
-        summary+=("run --candidate-ahead $a: exit $rc, by step: $(python3 -c 'import json, sys
+        summary+=("run ${how[*]}: exit $rc, by step: $(python3 -c 'import json, sys
 j = json.load(open(sys.argv[1]))
 print("; ".join(t["what"] + " " + format(t["seconds"] * 1e3, ".1f") + " ms" for t in j["candidate_beyond_times"][:6]))' "$logs/run-ahead-$a.json" 2>&1 | cut -c1-300)")
     done
