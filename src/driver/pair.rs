@@ -915,7 +915,6 @@ pub fn set_candidate_ahead(on: bool) {
 static CANDIDATE_AHEAD: AtomicBool = AtomicBool::new(false);
 
 /// What one step of the candidate's chain gave.
-#[derive(Default)]
 struct Chained {
     /// The outputs the sink wants and the selections, on the host.
     out: HashMap<String, HostTensor>,
