@@ -115,10 +115,12 @@ run() {
     done
     echo "== run --json, 16 tokens, f32: where the candidate's side ends after the reference's, by step (candidate_beyond_times), --candidate-ahead off against on, and on with staged uploads"
     # on-staged: the routed uploads through pinned buffers (no page registration beside the steps).
+    # `run --tokens` takes token ids: 16 fixed ids below the synthetic model's vocabulary.
+    local ids=95771,124003,126955,75693,110301,60413,118115,2534,108352,68857,63353,59308,3655,78751,80178,88834
     for a in off on on-staged; do
         local how=(--candidate-ahead "${a%-staged}")
         [ "$a" = on-staged ] && how+=(--upload-from staged)
-        "$bin" --wide "${how[@]}" run "$bm/glm5.gguf" --against cuda --tokens 16 --no-cache --json "$logs/run-ahead-$a.json" > "$logs/run-ahead-$a.txt" 2>&1
+        "$bin" --wide "${how[@]}" run "$bm/glm5.gguf" --against cuda --tokens "$ids" --no-cache --json "$logs/run-ahead-$a.json" > "$logs/run-ahead-$a.txt" 2>&1
         local rc=$?
         summary+=("run ${how[*]}: exit $rc, by step: $(python3 -c 'import json, sys
 j = json.load(open(sys.argv[1]))
