@@ -90,6 +90,36 @@ pub fn dequantize_to_vec(ty: GgmlType, src: &[u8], n_elements: usize) -> Result<
     Ok(out)
 }
 
+/// Whether every value dequantized from `src` (whole blocks of `ty`) is finite, shown from the
+/// blocks' f16 scales alone: `true` only for a type whose values are a finite scale times, or
+/// less, a small integer (Q4_K, Q5_K: `(d*sc)*q - (dmin*m)` with `sc, m <= 63`, `q <= 31`;
+/// Q6_K: `(d*sc)*q` with `|sc| <= 128`, `|q| <= 32`; Q8_0: `d*q` with `|q| <= 128`: every
+/// intermediate at most 65504 * 128 * 32, about 2.7e8, far inside f32's range, so every step is
+/// finite once the scales are) and every block's scales finite. `false` says nothing: a caller then looks at
+/// the values themselves ([`first_non_finite`]), which also finds the element to name. About
+/// one f16 test per block instead of one per value.
+pub fn finite_by_scales(ty: GgmlType, src: &[u8]) -> bool {
+    // (block bytes, offsets of the block's f16 scales)
+    let (bytes, scales): (usize, &[usize]) = match ty {
+        GgmlType::Q4_K => (144, &[0, 2]),
+        GgmlType::Q5_K => (176, &[0, 2]),
+        GgmlType::Q6_K => (210, &[208]),
+        GgmlType::Q8_0 => (34, &[0]),
+        _ => return false,
+    };
+    if src.is_empty() || src.len() % bytes != 0 {
+        return false;
+    }
+    // An f16 is finite unless its exponent bits are all ones.
+    let mut all_finite = true;
+    for b in src.chunks_exact(bytes) {
+        for &o in scales {
+            all_finite &= u16::from_le_bytes([b[o], b[o + 1]]) & 0x7c00 != 0x7c00;
+        }
+    }
+    all_finite
+}
+
 /// Values per run of [`first_non_finite`]: each run is tested with no branch inside (its
 /// largest magnitude, or an OR of comparisons), and only a run that holds a NaN or an infinity
 /// is searched.
@@ -161,6 +191,51 @@ pub(crate) fn f16_le(b: &[u8]) -> f32 {
 
 #[cfg(test)]
 mod tests {
+    /// [`super::finite_by_scales`]: blocks of random bytes whose f16 scales are every finite
+    /// kind (the largest, subnormals, zeros, both signs) give `true` and finite values; one
+    /// infinite or NaN scale anywhere gives `false`; a type it does not cover, and a partial
+    /// block, give `false`.
+    #[test]
+    fn finite_by_scales_is_the_values() {
+        use super::GgmlType as G;
+        let mut rng = crate::util::rng::SplitMix64::new(0x5ca1e5);
+        let kinds: [u16; 8] = [
+            0x7bff, 0xfbff, 0x0001, 0x8001, 0x0000, 0x8000, 0x3c00, 0x5a3f,
+        ];
+        for (ty, bytes, scales) in [
+            (G::Q4_K, 144usize, vec![0usize, 2]),
+            (G::Q5_K, 176, vec![0, 2]),
+            (G::Q6_K, 210, vec![208]),
+            (G::Q8_0, 34, vec![0]),
+        ] {
+            let per = if ty == G::Q8_0 { 32 } else { 256 };
+            for round in 0..64 {
+                let blocks = 1 + round % 5;
+                let mut src = vec![0u8; blocks * bytes];
+                rng.fill(&mut src);
+                for (i, b) in src.chunks_exact_mut(bytes).enumerate() {
+                    for (j, &o) in scales.iter().enumerate() {
+                        let k = kinds[(round + i + j) % kinds.len()];
+                        b[o..o + 2].copy_from_slice(&k.to_le_bytes());
+                    }
+                }
+                let mut y = vec![0f32; blocks * per];
+                super::dequantize(ty, &src, &mut y).unwrap();
+                assert!(super::finite_by_scales(ty, &src), "{ty:?} round {round}");
+                assert_eq!(super::first_non_finite(&y), None, "{ty:?} round {round}");
+                for bad in [0x7c00u16, 0xfc00, 0x7e00, 0x7c01] {
+                    let mut s2 = src.clone();
+                    let at = (round % blocks) * bytes + scales[round % scales.len()];
+                    s2[at..at + 2].copy_from_slice(&bad.to_le_bytes());
+                    assert!(!super::finite_by_scales(ty, &s2), "{ty:?} {bad:#x}");
+                }
+                assert!(!super::finite_by_scales(ty, &src[..src.len() - 1]));
+            }
+        }
+        assert!(!super::finite_by_scales(G::F32, &[0u8; 8]));
+        assert!(!super::finite_by_scales(G::BF16, &[0u8; 8]));
+    }
+
     /// [`super::first_non_finite`] finds what `position` finds at every SIMD level the CPU
     /// has: none, each special value at each place of a run and across runs, and the first of
     /// several.
