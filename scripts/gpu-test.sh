@@ -7,7 +7,9 @@
 #                                 GLM-5-dimension UD-Q4_K_XL model, the regression suite against the CUDA
 #                                 engine, the dequant benchmark, `bench run` (GLM-5 dimensions, 16 tokens; then --candidate-ahead off
 #                                 against on, bf16 with each thread's CPU time, scripts/thread-cpu.sh, and f32; run --json's
-#                                 candidate_beyond_times off against on, and on with staged uploads), the products' two paths on every thread and the upload probe, compute-sanitizer over the dequant and
+#                                 candidate_beyond_times and reference_times off against on, on with staged uploads, and bf16,
+#                                 with each thread's system time, waits for a core and page faults, against `bench layer`, the
+#                                 reference alone), the products' two paths on every thread and the upload probe, compute-sanitizer over the dequant and
 #                                 forward kernels; logs in $OUT/gpu-logs.tgz (default ./gpu-out), a summary last.
 #                                 GPU_STEPS="tests bench" runs only those parts.
 set -uo pipefail
@@ -113,19 +115,30 @@ run() {
         summary+=("bench run --candidate-ahead $a ($i): exit $?, $(grep -E '^\| 16 ' "$logs/bench-run-$i-$a.txt" | grep -E '4 MoE|x 0|\+' | tr -s ' -' | tr '\n' ' ' | cut -c1-330)")
         summary+=("  threads: $(sed -n '2,6p' "$logs/threads-$i-$a.txt" | tr -s ' ' | tr '\n' ';')")
     done
-    echo "== run --json, 16 tokens, f32: where the candidate's side ends after the reference's, by step (candidate_beyond_times), --candidate-ahead off against on, and on with staged uploads"
+    echo "== run --json, 16 tokens: where the candidate's side ends after the reference's, by step (candidate_beyond_times), --candidate-ahead off against on, on with staged uploads (f32), and off (bf16)"
     # on-staged: the routed uploads through pinned buffers (no page registration beside the steps).
     # `run --tokens` takes token ids: 16 fixed ids below the synthetic model's vocabulary.
     local ids=95771,124003,126955,75693,110301,60413,118115,2534,108352,68857,63353,59308,3655,78751,80178,88834
-    for a in off on on-staged; do
-        local how=(--candidate-ahead "${a%-staged}")
+    # Each also under scripts/thread-cpu.sh, with the reference's steps (reference_times, the
+    # layers together) and its threads' system time, waits for a core and page faults: against
+    # the reference alone (`bench layer`, below), where the pipeline's reference loses its time.
+    for a in off on on-staged off-bf16; do
+        local how=(--candidate-ahead "${a%%-*}") dt=f32
         [ "$a" = on-staged ] && how+=(--upload-from staged)
-        "$bin" --wide "${how[@]}" run "$bm/glm5.gguf" --against cuda --tokens "$ids" --no-cache --json "$logs/run-ahead-$a.json" > "$logs/run-ahead-$a.txt" 2>&1
+        [ "$a" = off-bf16 ] && dt=bf16
+        scripts/thread-cpu.sh "$logs/threads-run-$a.txt" "$bin" --wide "${how[@]}" run "$bm/glm5.gguf" --against cuda --dtype "$dt" \
+            --tokens "$ids" --no-cache --json "$logs/run-ahead-$a.json" > "$logs/run-ahead-$a.txt" 2>&1
         local rc=$?
-        summary+=("run ${how[*]}: exit $rc, by step: $(python3 -c 'import json, sys
+        summary+=("run $dt ${how[*]}: exit $rc, $(python3 -c 'import json, sys
 j = json.load(open(sys.argv[1]))
-print("; ".join(t["what"] + " " + format(t["seconds"] * 1e3, ".1f") + " ms" for t in j["candidate_beyond_times"][:6]))' "$logs/run-ahead-$a.json" 2>&1 | cut -c1-300)")
+top = lambda k, n: "; ".join(t["what"] + " " + format(t["seconds"] * 1e3, ".1f") + " ms" for t in j[k][:n])
+print("by step:", top("candidate_beyond_times", 6), "| reference:", top("reference_times", 10))' "$logs/run-ahead-$a.json" 2>&1 | cut -c1-700)")
+        summary+=("  threads: $(sed -n '2,6p' "$logs/threads-run-$a.txt" | tr -s ' ' | tr '\n' ';')")
     done
+    echo "== bench layer, 16 tokens: the reference alone (no candidate, its page faults left to a warm-up run) on the same model"
+    scripts/thread-cpu.sh "$logs/threads-layer.txt" "$bin" --wide bench layer --model "$bm/glm5.gguf" --tokens 16 > "$logs/bench-layer.txt" 2>&1
+    summary+=("bench layer: exit $?, $(grep -E '^\| 16 ' "$logs/bench-layer.txt" | head -n 2 | tr -s ' -' | tr '\n' ' ' | cut -c1-400)")
+    summary+=("  threads: $(sed -n '2,4p' "$logs/threads-layer.txt" | tr -s ' ' | tr '\n' ';')")
     echo "== bench run, 16 tokens, the default f32 candidate on bench run's own synthetic model: --candidate-ahead off against on"
     for a in off on; do
         "$bin" --wide --candidate-ahead "$a" bench run --against cuda --tokens 16 --reps 2 --project glm5 > "$logs/bench-run-f32-$a.txt" 2>&1

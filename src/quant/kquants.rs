@@ -384,3 +384,57 @@ mod tests {
         assert_eq!(y[64], 2032.0); // ib2: ls 0 -> 0.5*-32 = -16, * kv[0] = -127
     }
 }
+
+#[cfg(test)]
+mod speed {
+    /// Thread CPU seconds.
+    fn thread_cpu_s() -> f64 {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a valid timespec for the call to write.
+        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+    }
+
+    /// ns per value of dequantizing a reference task's rows (16 rows of 6144, in cache) of
+    /// Q4_K, Q6_K and Q8_0 at every SIMD level the CPU has: `cargo test --release --lib
+    /// dequant_task_speed -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn dequant_task_speed() {
+        use crate::quant::simd::{detected, with_cap, Level};
+        use crate::quant::GgmlType as G;
+        let n = 16 * 6144;
+        let mut rng = crate::util::rng::SplitMix64::new(5);
+        for (ty, bytes, per) in [(G::Q4_K, 144, 256), (G::Q6_K, 210, 256), (G::Q8_0, 34, 32)] {
+            let mut src = vec![0u8; n / per * bytes];
+            rng.fill(&mut src);
+            for b in src.chunks_exact_mut(bytes) {
+                let at = if ty == G::Q6_K { 208 } else { 0 };
+                b[at..at + 2].copy_from_slice(&0x2c00u16.to_le_bytes());
+                if ty != G::Q8_0 && ty != G::Q6_K {
+                    b[2..4].copy_from_slice(&0x2c00u16.to_le_bytes());
+                }
+            }
+            let mut y = vec![0f32; n];
+            for l in [Level::Base, Level::Avx2, Level::Avx512] {
+                if l > detected() {
+                    continue;
+                }
+                let best = (0..9)
+                    .map(|_| {
+                        let c = thread_cpu_s();
+                        for _ in 0..100 {
+                            with_cap(l, || crate::quant::dequantize(ty, &src, &mut y)).unwrap();
+                            std::hint::black_box(&mut y);
+                        }
+                        (thread_cpu_s() - c) * 1e9 / (100 * n) as f64
+                    })
+                    .fold(f64::INFINITY, f64::min);
+                println!("{ty:?} {:6}: {best:.3} ns/value", l.name());
+            }
+        }
+    }
+}
