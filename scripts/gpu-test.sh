@@ -11,7 +11,8 @@
 #                                 with each thread's system time, waits for a core and page faults, against `bench layer`, the
 #                                 reference alone), the products' two paths on every thread and the upload probe, compute-sanitizer over the dequant and
 #                                 forward kernels; logs in $OUT/gpu-logs.tgz (default ./gpu-out), a summary last.
-#                                 GPU_STEPS="tests bench" runs only those parts.
+#                                 GPU_STEPS="tests bench" runs only those parts (bench's pieces: bench-dequant,
+#                                 bench-default, bench-ahead, bench-steps, bench-f32, bench-probes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,7 +50,8 @@ run() {
     export NVIDIA_TF32_OVERRIDE=0 CUBLAS_WORKSPACE_CONFIG=:4096:8
     export GLMDIFF_REPO=$PWD GLMDIFF_BIN=$PWD/.gpu/glmdiff GLMDIFF_CACHE_DIR=$(mktemp -d)
     local bin=.gpu/glmdiff summary=()
-    # GPU_STEPS selects parts: tests fixtures synth regress bench sanitizer (default: all).
+    # GPU_STEPS selects parts: tests fixtures synth regress bench sanitizer (default: all); bench's
+    # pieces alone: bench-dequant bench-default bench-ahead bench-steps bench-f32 bench-probes.
     local steps=" ${GPU_STEPS:-tests fixtures synth regress bench sanitizer} "
     want() { [[ "$steps" == *" $1 "* ]]; }
     nvidia-smi -L | tee "$logs/devices.txt"
@@ -97,16 +99,25 @@ run() {
     summary+=("regress suite-cuda: exit ${PIPESTATUS[0]}, $(tail -n 1 "$logs/regress.txt" | cut -c1-160)")
     fi
 
-    if want bench; then
+    # The bench part in pieces (GPU_STEPS may name them alone): bench-dequant, bench-default,
+    # bench-ahead, bench-steps (the by-step runs and bench layer), bench-f32, bench-probes.
+    wantb() { want bench || want "$1"; }
+    if wantb bench-dequant; then
     echo "== bench dequant --device 0"
     "$bin" bench dequant --device 0 2>&1 | tee "$logs/bench.txt"
     summary+=("bench dequant --device 0: $(grep -E 'copy' "$logs/bench.txt" | head -n 1)")
+    fi
+    if wantb bench-default; then
     echo "== bench run --against cuda: GLM-5 dimensions (one dense and two MoE layers), 16 tokens"
     "$bin" --wide bench run --against cuda --tokens 16 --reps 2 --project glm5 2>&1 | tee "$logs/bench-run.txt"
     summary+=("bench run --against cuda, 16 tokens, GLM-5 projected: exit ${PIPESTATUS[0]}, $(grep -m1 -E '(reference|candidate) \([0-9.]+x\)' "$logs/bench-run.txt" | tr -s ' ')")
-    echo "== bench run, 16 tokens: the candidate's chain run ahead to its routing (--candidate-ahead) off against on, twice each, alternating; CPU time by thread"
+    fi
     local bm; bm=$(mktemp -d)
+    if wantb bench-ahead || wantb bench-steps; then
     "$bin" synth --arch glm-dsa --dims glm5 --layers 5 --out "$bm/glm5.gguf" > /dev/null 2>&1
+    fi
+    if wantb bench-ahead; then
+    echo "== bench run, 16 tokens: the candidate's chain run ahead to its routing (--candidate-ahead) off against on, twice each, alternating; CPU time by thread"
     local i=0 a
     for a in off on off on; do
         i=$((i + 1))
@@ -115,6 +126,8 @@ run() {
         summary+=("bench run --candidate-ahead $a ($i): exit $?, $(grep -E '^\| 16 ' "$logs/bench-run-$i-$a.txt" | grep -E '4 MoE|x 0|\+' | tr -s ' -' | tr '\n' ' ' | cut -c1-330)")
         summary+=("  threads: $(sed -n '2,6p' "$logs/threads-$i-$a.txt" | tr -s ' ' | tr '\n' ';')")
     done
+    fi
+    if wantb bench-steps; then
     echo "== run --json, 16 tokens: where the candidate's side ends after the reference's, by step (candidate_beyond_times), --candidate-ahead off against on, on with staged uploads (f32), and off (bf16)"
     # on-staged: the routed uploads through pinned buffers (no page registration beside the steps).
     # `run --tokens` takes token ids: 16 fixed ids below the synthetic model's vocabulary.
@@ -139,12 +152,16 @@ print("by step:", top("candidate_beyond_times", 6), "| reference:", top("referen
     scripts/thread-cpu.sh "$logs/threads-layer.txt" "$bin" --wide bench layer --model "$bm/glm5.gguf" --tokens 16 > "$logs/bench-layer.txt" 2>&1
     summary+=("bench layer: exit $?, $(grep -E '^\| 16 ' "$logs/bench-layer.txt" | head -n 2 | tr -s ' -' | tr '\n' ' ' | cut -c1-400)")
     summary+=("  threads: $(sed -n '2,4p' "$logs/threads-layer.txt" | tr -s ' ' | tr '\n' ';')")
+    fi
+    if wantb bench-f32; then
     echo "== bench run, 16 tokens, the default f32 candidate on bench run's own synthetic model: --candidate-ahead off against on"
     for a in off on; do
         "$bin" --wide --candidate-ahead "$a" bench run --against cuda --tokens 16 --reps 2 --project glm5 > "$logs/bench-run-f32-$a.txt" 2>&1
         summary+=("bench run f32 --candidate-ahead $a: exit $?, $(grep -E '^\| 16 ' "$logs/bench-run-f32-$a.txt" | grep -E 'MoE|x 0|\+' | tr -s ' -' | tr '\n' ' ' | cut -c1-400)")
     done
+    fi
     rm -rf "$bm"
+    if wantb bench-probes; then
     echo "== small_tokens_parallel_speed: the products' direct and blocked paths around 32 tokens, every thread at once"
     .gpu/unit small_tokens_parallel_speed --ignored --nocapture --test-threads=1 2>&1 | tee "$logs/small-tokens.txt"
     summary+=("small_tokens_parallel_speed: $(grep -E ' t=(24|31|32|48|63):' "$logs/small-tokens.txt" | tr -s ' ' | tr '\n' ';')")

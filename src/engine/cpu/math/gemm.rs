@@ -659,11 +659,16 @@ pub(crate) mod tests {
     /// expert's matrix product gets them (16 rows of 6144 values, in cache), at each SIMD
     /// build: ns per weight value of thread CPU time (best of 7 runs of 64 calls), and which
     /// path [`products`] takes:
-    /// `cargo test --release --lib small_tokens_speed -- --ignored --nocapture`.
+    /// `cargo test --release --lib small_tokens_speed -- --ignored --nocapture`
+    /// (`GLMDIFF_SMALL_TOKENS_K` sets the row's values, e.g. 16384 as GLM-5's attention output).
     #[test]
     #[ignore]
     fn small_tokens_speed() {
-        let (n, k, calls) = (16, 6144, 64);
+        let k: usize = std::env::var("GLMDIFF_SMALL_TOKENS_K")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(6144);
+        let (n, calls) = (16, 64);
         let mut rng = SplitMix64::new(3);
         let w: Vec<f32> = (0..n * k).map(|_| rng.uniform() - 0.5).collect();
         let mut s = Scratch::default();
