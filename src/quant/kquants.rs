@@ -387,16 +387,7 @@ mod tests {
 
 #[cfg(test)]
 mod speed {
-    /// Thread CPU seconds.
-    fn thread_cpu_s() -> f64 {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: `ts` is a valid timespec for the call to write.
-        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-        ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
-    }
+    use crate::util::thread_cpu_s;
 
     /// ns per value of dequantizing a reference task's rows (16 rows of 6144, in cache) of
     /// Q4_K, Q6_K and Q8_0 at every SIMD level the CPU has: `cargo test --release --lib

@@ -16,6 +16,19 @@ pub mod safetensors_stream;
 pub mod shell;
 pub mod topk;
 
+/// CPU time of the calling thread so far, seconds (`CLOCK_THREAD_CPUTIME_ID`): the speed tests'
+/// clock.
+#[cfg(all(test, unix))]
+pub(crate) fn thread_cpu_s() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec through a pointer to a live local.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
 /// Opens `path` for reading once it is known to be a regular file (followed through links): a
 /// FIFO blocks its open until a writer comes, a device or socket its reads, so they are refused
 /// before the open. `who` starts the error (`gguf`, `trace`).

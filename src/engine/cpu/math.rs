@@ -472,16 +472,7 @@ mod tests {
         assert_eq!(rows_per_task(0, 0), 64);
     }
 
-    /// Thread CPU time of the calling thread, seconds.
-    fn thread_cpu_s() -> f64 {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: clock_gettime writes one timespec through a pointer to a live local.
-        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-        ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
-    }
+    use crate::util::thread_cpu_s;
 
     /// The products as they were computed before [`gemm`]: tasks of [`ROW_TASK_ELEMS`] values
     /// of rows, each row against every token with [`dot`] (`[rows, t]`).

@@ -448,16 +448,7 @@ mod tests {
         assert!((w[0] - 1.25).abs() < 1e-6 && (w[1] - 2.5 / 3.0).abs() < 1e-6);
     }
 
-    /// Thread CPU time of the calling thread, seconds.
-    fn thread_cpu_s() -> f64 {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: clock_gettime writes one timespec through a pointer to a live local.
-        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-        ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
-    }
+    use crate::util::thread_cpu_s;
 
     /// Time of one routed expert of a real-size model (`[gate, up, down]` dequantized and
     /// multiplied, [`CpuEngine::expert_output`]) on one thread, ms of thread CPU time per expert

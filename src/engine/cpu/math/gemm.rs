@@ -644,16 +644,7 @@ pub(crate) mod tests {
         assert_eq!(out, vec![7.0; 2]);
     }
 
-    /// Thread CPU time of the calling thread, seconds.
-    fn thread_cpu_s() -> f64 {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: clock_gettime writes one timespec through a pointer to a live local.
-        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-        ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
-    }
+    use crate::util::thread_cpu_s;
 
     /// Speed of the direct and the blocked path with few tokens, as a task of a routed
     /// expert's matrix product gets them (16 rows of 6144 values, in cache), at each SIMD
