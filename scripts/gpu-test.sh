@@ -2,6 +2,7 @@
 # The whole GPU check of glmdiff in one call.
 #
 #   scripts/gpu-test.sh prepare   here (no GPU): release build, test build, binaries into .gpu/
+#                                 (GPU_BASE=REV also builds revision REV's glmdiff, .gpu/glmdiff-base, for bench-ab)
 #   scripts/gpu-test.sh run       on the GPU machine, from the repository root, with .gpu carried:
 #                                 GPU tests and the ignored unit tests, dequant-check on the quant fixtures and on a synthetic
 #                                 GLM-5-dimension UD-Q4_K_XL model, the regression suite against the CUDA
@@ -12,7 +13,8 @@
 #                                 reference alone), the products' two paths on every thread and the upload probe, compute-sanitizer over the dequant and
 #                                 forward kernels; logs in $OUT/gpu-logs.tgz (default ./gpu-out), a summary last.
 #                                 GPU_STEPS="tests bench" runs only those parts (bench's pieces: bench-dequant,
-#                                 bench-default, bench-ahead, bench-steps, bench-f32, bench-probes).
+#                                 bench-default, bench-ahead, bench-steps, bench-f32, bench-probes; bench-ab, named alone,
+#                                 times this binary against the base one, bf16 at 16 tokens, alternating).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,7 +41,24 @@ for l in sys.stdin:
     cp "$tests" .gpu/tests
     cp "$unit" .gpu/unit
     grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
-    echo "ready: .gpu/glmdiff .gpu/tests .gpu/unit; on the GPU machine run: bash scripts/gpu-test.sh run (carry .gpu)"
+    rm -f .gpu/glmdiff-base .gpu/glmdiff-base.rev
+    if [ -n "${GPU_BASE:-}" ]; then
+        # The binary of another revision, for bench-ab: built in a worktree of its own.
+        local wt; wt=$(mktemp -d)
+        git worktree add --detach "$wt/src" "$GPU_BASE" > /dev/null
+        (cd "$wt/src" && CARGO_TARGET_DIR="$wt/target" cargo build --release) || { git worktree remove --force "$wt/src"; exit 2; }
+        cp "$wt/target/release/glmdiff" .gpu/glmdiff-base
+        git rev-parse --short "$GPU_BASE" > .gpu/glmdiff-base.rev
+        git worktree remove --force "$wt/src"
+        rm -rf "$wt"
+        echo "base: .gpu/glmdiff-base ($(cat .gpu/glmdiff-base.rev))"
+    fi
+    # Symbols off, so that the binaries travel to the GPU machine within its carry limit (64 MiB).
+    if command -v strip > /dev/null; then
+        strip .gpu/glmdiff .gpu/tests .gpu/unit
+        [ -x .gpu/glmdiff-base ] && strip .gpu/glmdiff-base
+    fi
+    echo "ready: .gpu/glmdiff .gpu/tests .gpu/unit ($(du -sh .gpu | cut -f1)); on the GPU machine run: bash scripts/gpu-test.sh run (carry .gpu)"
 }
 
 run() {
@@ -51,7 +70,8 @@ run() {
     export GLMDIFF_REPO=$PWD GLMDIFF_BIN=$PWD/.gpu/glmdiff GLMDIFF_CACHE_DIR=$(mktemp -d)
     local bin=.gpu/glmdiff summary=()
     # GPU_STEPS selects parts: tests fixtures synth regress bench sanitizer (default: all); bench's
-    # pieces alone: bench-dequant bench-default bench-ahead bench-steps bench-f32 bench-probes.
+    # pieces alone: bench-dequant bench-default bench-ahead bench-steps bench-f32 bench-probes;
+    # bench-ab (named alone only): bf16 `bench run` against the base binary of `GPU_BASE=REV prepare`.
     local steps=" ${GPU_STEPS:-tests fixtures synth regress bench sanitizer} "
     want() { [[ "$steps" == *" $1 "* ]]; }
     nvidia-smi -L | tee "$logs/devices.txt"
@@ -112,13 +132,13 @@ run() {
     "$bin" --wide bench run --against cuda --tokens 16 --reps 2 --project glm5 2>&1 | tee "$logs/bench-run.txt"
     summary+=("bench run --against cuda, 16 tokens, GLM-5 projected: exit ${PIPESTATUS[0]}, $(grep -m1 -E '(reference|candidate) \([0-9.]+x\)' "$logs/bench-run.txt" | tr -s ' ')")
     fi
-    local bm; bm=$(mktemp -d)
+    local bm i=0; bm=$(mktemp -d)
     if wantb bench-ahead || wantb bench-steps; then
     "$bin" synth --arch glm-dsa --dims glm5 --layers 5 --out "$bm/glm5.gguf" > /dev/null 2>&1
     fi
     if wantb bench-ahead; then
     echo "== bench run, 16 tokens: the candidate's chain run ahead to its routing (--candidate-ahead) off against on, twice each, alternating; CPU time by thread"
-    local i=0 a
+    local a
     for a in off on off on; do
         i=$((i + 1))
         scripts/thread-cpu.sh "$logs/threads-$i-$a.txt" "$bin" --wide --candidate-ahead "$a" bench run --model "$bm/glm5.gguf" \
@@ -152,6 +172,18 @@ print("by step:", top("candidate_beyond_times", 6), "| reference:", top("referen
     scripts/thread-cpu.sh "$logs/threads-layer.txt" "$bin" --wide bench layer --model "$bm/glm5.gguf" --tokens 16 > "$logs/bench-layer.txt" 2>&1
     summary+=("bench layer: exit $?, $(grep -E '^\| 16 ' "$logs/bench-layer.txt" | head -n 2 | tr -s ' -' | tr '\n' ' ' | cut -c1-400)")
     summary+=("  threads: $(sed -n '2,4p' "$logs/threads-layer.txt" | tr -s ' ' | tr '\n' ';')")
+    fi
+    if want bench-ab && [ -x .gpu/glmdiff-base ]; then
+    echo "== bench run, 16 tokens, bf16: this binary against the base revision's ($(cat .gpu/glmdiff-base.rev 2>/dev/null)), twice each, alternating"
+    [ -s "$bm/glm5.gguf" ] || "$bin" synth --arch glm-dsa --dims glm5 --layers 5 --out "$bm/glm5.gguf" > /dev/null 2>&1
+    local b
+    for b in glmdiff glmdiff-base glmdiff glmdiff-base; do
+        i=$((i + 1))
+        scripts/thread-cpu.sh "$logs/threads-ab-$i-$b.txt" ".gpu/$b" --wide bench run --model "$bm/glm5.gguf" \
+            --against cuda --dtype bf16 --tokens 16 --reps 2 --project glm5 > "$logs/bench-ab-$i-$b.txt" 2>&1
+        summary+=("bench run $b ($i): exit $?, $(grep -E '^\| 16 ' "$logs/bench-ab-$i-$b.txt" | grep -E '4 MoE|x 0|\+' | tr -s ' -' | tr '\n' ' ' | cut -c1-330)")
+        summary+=("  threads: $(sed -n '2,4p' "$logs/threads-ab-$i-$b.txt" | tr -s ' ' | tr '\n' ';')")
+    done
     fi
     if wantb bench-f32; then
     echo "== bench run, 16 tokens, the default f32 candidate on bench run's own synthetic model: --candidate-ahead off against on"
