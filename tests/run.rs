@@ -546,8 +546,7 @@ fn json_times_by_step_add_up() {
     let cache = tempfile::tempdir().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let gguf = fixtures().join("glm5-tiny-q/glm5-tiny-q-mixed.gguf");
-    let json = dir.path().join("r.json");
-    let o = glmdiff(
+    let (code, j, out) = crate::common::run_json(
         cache.path(),
         &[
             "run",
@@ -556,12 +555,10 @@ fn json_times_by_step_add_up() {
             "cpu",
             "--tokens",
             "5",
-            "--json",
-            json.to_str().unwrap(),
         ],
+        &dir.path().join("r.json"),
     );
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    let j = read_json(&json);
+    assert_eq!(code, 0, "{out}");
     let secs = |key: &str| -> Vec<f64> {
         let a = j[key]
             .as_array()
