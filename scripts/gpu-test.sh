@@ -69,6 +69,16 @@ run() {
     export NVIDIA_TF32_OVERRIDE=0 CUBLAS_WORKSPACE_CONFIG=:4096:8
     export GLMDIFF_REPO=$PWD GLMDIFF_BIN=$PWD/.gpu/glmdiff GLMDIFF_CACHE_DIR=$(mktemp -d)
     local bin=.gpu/glmdiff summary=()
+    # The summary and the logs also when a signal stops the run (`timeout` signals the whole
+    # process group: the step running ends, then this trap runs).
+    finish() {
+        echo
+        echo "== summary"
+        printf '%s\n' "${summary[@]}" | tee "$logs/summary.txt"
+        # At most 8 files come back from the GPU machine: pack the logs into one.
+        tar -C "$logs" -czf "$out/gpu-logs.tgz" . && cp "$logs/summary.txt" "$out/summary.txt"
+    }
+    trap 'summary+=("stopped by a signal"); finish; exit 124' TERM INT
     # GPU_STEPS selects parts: tests fixtures synth regress bench sanitizer (default: all); bench's
     # pieces alone: bench-dequant bench-default bench-ahead bench-steps bench-f32 bench-probes;
     # bench-ab (named alone only): bf16 `bench run` against the base binary of `GPU_BASE=REV prepare`.
@@ -230,11 +240,8 @@ print("by step:", top("candidate_beyond_times", 6), "| reference:", top("referen
         summary+=("compute-sanitizer: not found")
     fi
 
-    echo
-    echo "== summary"
-    printf '%s\n' "${summary[@]}" | tee "$logs/summary.txt"
-    # At most 8 files come back from the GPU machine: pack the logs into one.
-    tar -C "$logs" -czf "$out/gpu-logs.tgz" . && cp "$logs/summary.txt" "$out/summary.txt"
+    finish
+    trap - TERM INT
 }
 
 case "${1:-}" in
