@@ -66,3 +66,30 @@ extern "C" __global__ void hash_f32(const float* __restrict__ v, u64 n, u64 base
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
     if ((threadIdx.x & 31) == 0) atomicAdd(out, acc);
 }
+
+// hash_bytes(p, n, base, out): *out += sum over i < ceil(n / 4) of mix64(w_i ^ (base + i) * GAMMA),
+// wrapping, where w_i is the little-endian u32 of bytes 4i .. 4i + 4 of p (zeros past n): raw bytes,
+// no bit pattern made equal to another. src/gpu/resident.rs computes the same on the CPU
+// (`hash_bytes_host`), so that bytes another engine put on the device are proven to be the file's
+// without copying them back. p need not be aligned: an unaligned or last word is read by bytes.
+extern "C" __global__ void hash_bytes(const unsigned char* __restrict__ p, u64 n, u64 base,
+                                      u64* out) {
+    u64 acc = 0;
+    u64 words = (n + 3) / 4;
+    bool aligned = (((unsigned long long)p) & 3ull) == 0;
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += stride) {
+        u32 w = 0;
+        if (aligned && 4 * i + 4 <= n) {
+            w = ((const u32*)p)[i];
+        } else {
+            for (int k = 0; k < 4; k++) {
+                u64 j = 4 * i + k;
+                if (j < n) w |= (u32)p[j] << (8 * k);
+            }
+        }
+        acc += mix64((u64)w ^ ((base + i) * 0x9E3779B97F4A7C15ull));
+    }
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+    if ((threadIdx.x & 31) == 0) atomicAdd(out, acc);
+}

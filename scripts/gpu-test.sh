@@ -13,7 +13,7 @@
 #                                 reference alone), the products' two paths on every thread and the upload probe, compute-sanitizer over the dequant and
 #                                 forward kernels; logs in $OUT/gpu-logs.tgz (default ./gpu-out), a summary last.
 #                                 GPU_STEPS="tests bench" runs only those parts (bench's pieces: bench-dequant,
-#                                 bench-default, bench-ahead, bench-steps, bench-f32, bench-probes; bench-ab, named alone,
+#                                 bench-default, bench-ahead, bench-steps, bench-reuse, bench-f32, bench-probes; bench-ab, named alone,
 #                                 times this binary against the base one, bf16 at 16 tokens, alternating).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,7 +80,7 @@ run() {
     }
     trap 'summary+=("stopped by a signal"); finish; exit 124' TERM INT
     # GPU_STEPS selects parts: tests fixtures synth regress bench sanitizer (default: all); bench's
-    # pieces alone: bench-dequant bench-default bench-ahead bench-steps bench-f32 bench-probes;
+    # pieces alone: bench-dequant bench-default bench-ahead bench-steps bench-reuse bench-f32 bench-probes;
     # bench-ab (named alone only): bf16 `bench run` against the base binary of `GPU_BASE=REV prepare`.
     local steps=" ${GPU_STEPS:-tests fixtures synth regress bench sanitizer} "
     want() { [[ "$steps" == *" $1 "* ]]; }
@@ -143,7 +143,7 @@ run() {
     summary+=("bench run --against cuda, 16 tokens, GLM-5 projected: exit ${PIPESTATUS[0]}, $(grep -m1 -E '(reference|candidate) \([0-9.]+x\)' "$logs/bench-run.txt" | tr -s ' ')")
     fi
     local bm i=0; bm=$(mktemp -d)
-    if wantb bench-ahead || wantb bench-steps; then
+    if wantb bench-ahead || wantb bench-steps || wantb bench-reuse; then
     "$bin" synth --arch glm-dsa --dims glm5 --layers 5 --out "$bm/glm5.gguf" > /dev/null 2>&1
     fi
     if wantb bench-ahead; then
@@ -182,6 +182,28 @@ print("by step:", top("candidate_beyond_times", 6), "| reference:", top("referen
     scripts/thread-cpu.sh "$logs/threads-layer.txt" "$bin" --wide bench layer --model "$bm/glm5.gguf" --tokens 16 > "$logs/bench-layer.txt" 2>&1
     summary+=("bench layer: exit $?, $(grep -E '^\| 16 ' "$logs/bench-layer.txt" | head -n 2 | tr -s ' -' | tr '\n' ' ' | cut -c1-400)")
     summary+=("  threads: $(sed -n '2,4p' "$logs/threads-layer.txt" | tr -s ' ' | tr '\n' ';')")
+    fi
+    if wantb bench-reuse; then
+    echo "== bench run, 16 tokens, bf16: the reference's products from the candidate's routed experts on the device (--reference-reuse) off against on, twice each, alternating"
+    local r
+    for r in off on off on; do
+        i=$((i + 1))
+        scripts/thread-cpu.sh "$logs/threads-reuse-$i-$r.txt" "$bin" --wide --reference-reuse "$r" bench run --model "$bm/glm5.gguf" \
+            --against cuda --dtype bf16 --tokens 16 --reps 2 --project glm5 > "$logs/bench-reuse-$i-$r.txt" 2>&1
+        summary+=("bench run --reference-reuse $r ($i): exit $?, $(grep -E '^\| 16 ' "$logs/bench-reuse-$i-$r.txt" | grep -E '4 MoE|x 0|\+' | tr -s ' -' | tr '\n' ' ' | cut -c1-330)")
+        summary+=("  threads: $(sed -n '2,4p' "$logs/threads-reuse-$i-$r.txt" | tr -s ' ' | tr '\n' ';')")
+    done
+    local ids=95771,124003,126955,75693,110301,60413,118115,2534,108352,68857,63353,59308,3655,78751,80178,88834
+    for r in off on; do
+        "$bin" --wide --reference-reuse "$r" run "$bm/glm5.gguf" --against cuda --dtype bf16 --tokens "$ids" --no-cache \
+            --json "$logs/run-reuse-$r.json" > "$logs/run-reuse-$r.txt" 2>&1
+        local rc=$?
+        summary+=("run bf16 --reference-reuse $r: exit $rc, $(python3 -c 'import json, sys
+j = json.load(open(sys.argv[1]))
+top = lambda k, n: "; ".join(t["what"] + " " + format(t["seconds"] * 1e3, ".1f") + " ms" for t in j[k][:n])
+dev = [n for n in j["notes"] if "candidate" in n and "device bytes" in n]
+print("reference:", top("reference_times", 6), "|", (dev[0][:600] if dev else "none made from the candidate bytes"))' "$logs/run-reuse-$r.json" 2>&1 | cut -c1-900)")
+    done
     fi
     if want bench-ab && [ -x .gpu/glmdiff-base ]; then
     echo "== bench run, 16 tokens, bf16: this binary against the base revision's ($(cat .gpu/glmdiff-base.rev 2>/dev/null)), twice each, alternating"

@@ -100,6 +100,19 @@ pub struct Cli {
         default_value = "off"
     )]
     pub candidate_ahead: crate::words::Switch,
+    /// Whether the reference makes its products with a CUDA candidate's routed experts from the
+    /// weight bytes the candidate put on the device, at any token count, instead of on the CPU:
+    /// each span of bytes is first proven to be the file's (its hash on the device against the
+    /// file's), and each product is checked on the CPU at 12 elements. Only the speed changes.
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        value_name = "on|off",
+        env = "GLMDIFF_REFERENCE_REUSE",
+        default_value = "off"
+    )]
+    pub reference_reuse: crate::words::Switch,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,

@@ -53,6 +53,8 @@ fn main() -> ExitCode {
     cmd::set_gpu_wait(cli.gpu_wait);
     glmdiff::util::background::set_compare_threads(cli.compare_pool.0);
     glmdiff::driver::pair::set_candidate_ahead(cli.candidate_ahead.is_on());
+    #[cfg(feature = "cuda")]
+    glmdiff::gpu::resident::set_reuse(cli.reference_reuse.is_on());
     install_interrupt_handler();
     restore_default_sigpipe();
     let result = match &cli.command {

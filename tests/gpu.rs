@@ -2104,4 +2104,210 @@ mod device {
         assert!(records[0].as_array().is_some_and(|r| !r.is_empty()));
         assert_eq!(records[0], records[1]);
     }
+
+    /// `gpu::resident`'s hash on the device is the host's over any span of bytes (lengths not a
+    /// multiple of 4, unaligned starts), and one flipped bit changes it.
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_resident_bytes_hash_as_on_the_host() {
+        use glmdiff::gpu::resident::hash_bytes_host;
+        let _ = NEEDS;
+        let g = gpu();
+        let mut rng = SplitMix64::new(31);
+        let bytes: Vec<u8> = (0..1_000_003)
+            .map(|_| (rng.next_u64() >> 56) as u8)
+            .collect();
+        let d = g.alloc_copy(&bytes, "bytes").unwrap();
+        for (at, len) in [
+            (0usize, 0usize),
+            (0, 1),
+            (1, 7),
+            (2, 4),
+            (3, 4099),
+            (0, 1_000_003),
+            (5, 999_990),
+        ] {
+            let got = g.hash_bytes(&d.slice(at..at + len), 7).unwrap();
+            assert_eq!(got, hash_bytes_host(&bytes[at..at + len], 7), "{at} {len}");
+        }
+        let mut flipped = bytes.clone();
+        flipped[500_001] ^= 0x20;
+        let f = g.alloc_copy(&flipped, "flipped").unwrap();
+        assert_ne!(
+            g.hash_bytes(&f.as_view(), 0).unwrap(),
+            hash_bytes_host(&bytes, 0)
+        );
+    }
+
+    /// The reference's products made from device bytes offered for an expert's rows
+    /// (`--reference-reuse`) are the CPU's bits; bytes that differ from the file (one flipped bit
+    /// in each of an expert's three tensors, planted here) are refused by their hash, named, and
+    /// those products made on the CPU from the file.
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_reference_reuses_only_the_files_bytes() {
+        use glmdiff::engine::cpu::device::Device;
+        use glmdiff::engine::cpu::math::Rows;
+        use glmdiff::gpu::resident::{self, FileSpan, OnDevice};
+        use std::sync::Arc;
+        let g = gpu();
+        let model = Model::open(&fixtures("models/glm5-tiny-q/glm5-tiny-q-mixed.gguf")).unwrap();
+        let w = Weights::new(&model).unwrap();
+        let hp = w.hparams();
+        let layer = hp.n_dense;
+        let cpu = CpuEngine::new(&w);
+        let dev = CpuEngine::new(&w).with_device(Arc::new(Device::open(0, false).unwrap()));
+        resident::set_reuse(true);
+        let mut rng = SplitMix64::new(3);
+        let xs: Vec<f32> = (0..2 * hp.hidden).map(|_| rng.uniform() - 0.5).collect();
+        let mut offered = 0u64;
+        for (e, flip) in [(0usize, false), (1, true)] {
+            for r in cpu.expert_rows(layer, e).unwrap().iter() {
+                let Rows::Source(src) = r else {
+                    panic!("expert {e}: rows not from the file")
+                };
+                let (path, offset, len) = src.file_range().unwrap().unwrap();
+                let mut b = src.raw().unwrap().1.to_vec();
+                if flip {
+                    b[len as usize / 2] ^= 0x04;
+                } else {
+                    offered += len;
+                }
+                // The span at an odd place of a larger buffer, as in a group of experts.
+                let mut padded = vec![0xa5u8; 36];
+                padded.extend_from_slice(&b);
+                let buf = Arc::new(g.alloc_copy(&padded, "offered").unwrap());
+                let span = FileSpan {
+                    path: path.to_path_buf(),
+                    offset,
+                    len,
+                };
+                resident::offer(
+                    layer,
+                    span,
+                    OnDevice {
+                        ordinal: 0,
+                        buf,
+                        at: 36,
+                    },
+                );
+            }
+            for n in [1usize, 2] {
+                let want = cpu
+                    .expert_output(&cpu.expert_rows(layer, e).unwrap(), &xs[..n * hp.hidden], n)
+                    .unwrap();
+                let got = dev
+                    .expert_output(&dev.expert_rows(layer, e).unwrap(), &xs[..n * hp.hidden], n)
+                    .unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "expert {e}, {n} tokens");
+            }
+        }
+        resident::keep_around(usize::MAX - 5);
+        resident::set_reuse(false);
+        let d = dev.device().unwrap();
+        let work = d.work();
+        eprintln!("{work:?}; {:?}", d.refusal());
+        assert_eq!(work.reused, 6, "{work:?}");
+        assert_eq!(work.reused_bytes, offered, "{work:?}");
+        assert_eq!(work.refused, 3, "{work:?}");
+        assert!(d.set_aside().is_none(), "{:?}", d.set_aside());
+        let why = d.refusal().unwrap();
+        assert!(
+            why.contains(&format!("blk.{layer}.ffn_")) && why.contains("hash"),
+            "{why}"
+        );
+    }
+
+    /// `run --reference-reuse on` gives the run of `off` (records, verdicts, exit) against a
+    /// CUDA candidate that uploads its routed experts, f32 and bf16, and says in its note how
+    /// many products it made from the candidate's bytes; `off` makes none.
+    #[test]
+    #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
+    fn gpu_reference_reuse_changes_only_the_times() {
+        fn strip(v: &serde_json::Value) -> serde_json::Value {
+            use serde_json::Value;
+            const TIMES: [&str; 11] = [
+                "timings",
+                "layer_times",
+                "compare_times",
+                "reference_times",
+                "candidate_times",
+                "candidate_beyond_times",
+                "reference_work",
+                "command",
+                "rerun",
+                "repro",
+                "notes",
+            ];
+            match v {
+                Value::Object(m) => Value::Object(
+                    m.iter()
+                        .filter(|(k, _)| !TIMES.contains(&k.as_str()))
+                        .map(|(k, v)| (k.clone(), strip(v)))
+                        .collect(),
+                ),
+                Value::Array(a) => Value::Array(a.iter().map(strip).collect()),
+                x => x.clone(),
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let tokens: Vec<String> = (0..16u32)
+            .map(|i| ((i * 37 + 11) % 200).to_string())
+            .collect();
+        let tokens = tokens.join(",");
+        for m in [
+            "models/glm5-tiny-q/glm5-tiny-q-mixed.gguf",
+            "models/dsv3-tiny-q/dsv3-tiny-q-mixed.gguf",
+        ] {
+            let f = fixtures(m);
+            for dtype in ["f32", "bf16"] {
+                let mut got = Vec::new();
+                for reuse in ["off", "on"] {
+                    let json = dir.path().join(format!("{reuse}-{dtype}.json"));
+                    let o = glmdiff(&[
+                        "--reference-reuse",
+                        reuse,
+                        "run",
+                        f.to_str().unwrap(),
+                        "--expert-uploads",
+                        "routed",
+                        "--tokens",
+                        &tokens,
+                        "--against",
+                        "cuda",
+                        "--dtype",
+                        dtype,
+                        "--no-cache",
+                        "--json",
+                        json.to_str().unwrap(),
+                    ]);
+                    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+                    let j: serde_json::Value = serde_json::from_slice(
+                        &std::fs::read(&json).unwrap_or_else(|e| panic!("{m} {reuse}: {e}: {err}")),
+                    )
+                    .unwrap();
+                    let notes = j["notes"].to_string();
+                    eprintln!(
+                        "== {m} {dtype} reuse {reuse}: exit {:?}; {notes}",
+                        o.status.code()
+                    );
+                    assert_eq!(
+                        notes.contains("from the CUDA candidate's device bytes"),
+                        reuse == "on",
+                        "{m} {dtype} {reuse}: {notes}"
+                    );
+                    assert!(!notes.contains("differed from the file"), "{notes}");
+                    got.push((o.status.code(), strip(&j)));
+                }
+                assert_eq!(got[0].0, got[1].0, "{m} {dtype}");
+                assert!(
+                    matches!(got[0].0, Some(0 | 1)),
+                    "{m} {dtype}: {:?}",
+                    got[0].0
+                );
+                assert_eq!(got[0].1, got[1].1, "{m} {dtype}");
+            }
+        }
+    }
 }

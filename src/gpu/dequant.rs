@@ -41,7 +41,7 @@ impl OutFormat {
 const DQ_PER_THREAD: u64 = 8;
 
 /// A grid for `n` work items: 256 threads a block, at most 32 blocks per SM (grid-stride loops).
-fn grid(gpu: &Gpu, n: u64) -> LaunchConfig {
+pub(super) fn grid(gpu: &Gpu, n: u64) -> LaunchConfig {
     let threads = 256u32;
     let blocks = n
         .div_ceil(u64::from(threads))

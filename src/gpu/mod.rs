@@ -11,7 +11,8 @@
 //! launches the dequant kernels and the on-device comparison, [`upload`] puts file ranges on a
 //! device from a thread of its own (pinned staging, a copy stream) behind the compute,
 //! [`reference`] makes the CPU reference's products and attention there, [`parcels`] is the
-//! pinned memory its small products' values travel through.
+//! pinned memory its small products' values travel through, [`resident`] offers the CUDA
+//! candidate's weight bytes on a device to those products (proven to be the file's by a hash).
 
 pub mod tables;
 
@@ -26,6 +27,8 @@ pub mod nvrtc;
 pub mod parcels;
 #[cfg(feature = "cuda")]
 pub mod reference;
+#[cfg(feature = "cuda")]
+pub mod resident;
 #[cfg(feature = "cuda")]
 pub mod upload;
 

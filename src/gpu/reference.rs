@@ -408,6 +408,11 @@ impl ReferenceProducts {
         self.count_nonfinite(wd, values, count)
     }
 
+    /// The hash of the device bytes `v` (`gpu::resident`'s, base 0), on this device's stream.
+    pub fn hash_bytes(&self, v: &cudarc::driver::CudaView<'_, u8>) -> Result<u64> {
+        self.gpu.hash_bytes(v, 0)
+    }
+
     /// A store of pinned parcels for products packed by their callers ([`Parcels`]).
     pub fn parcels(&self) -> Parcels {
         Parcels::new(self.gpu.context().clone())
@@ -577,6 +582,20 @@ impl ReferenceProducts {
                 Weights::Dense(v) => {
                     let wd = b.w.as_mut().context("cuda: no weight buffer")?;
                     self.put_f32(&v[r0 * cols..(r0 + n) * cols], wd)?;
+                }
+                Weights::Device { ty, bytes } => {
+                    let per_row = row_bytes(*ty, cols)?;
+                    let from = r0 * per_row;
+                    let raw = bytes.slice(from..from + n * per_row);
+                    let wd = b.w.as_mut().context("cuda: no weight buffer")?;
+                    self.gpu.dequant_view(
+                        *ty,
+                        OutFormat::F32,
+                        &raw,
+                        &mut wd.slice_mut(..values),
+                    )?;
+                    let count = b.count.as_mut().context("cuda: no counter")?;
+                    self.count_nonfinite(wd, values, count)?;
                 }
             }
             let (xd, wd, out) = (

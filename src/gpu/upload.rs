@@ -466,6 +466,17 @@ impl Uploader {
         self.done.try_recv().ok()
     }
 
+    /// The next outcome if there is one already; `Err(())` once the thread has stopped and
+    /// every outcome was taken.
+    #[allow(clippy::result_unit_err)]
+    pub fn try_recv_alive(&self) -> std::result::Result<Option<Done>, ()> {
+        match self.done.try_recv() {
+            Ok(d) => Ok(Some(d)),
+            Err(std::sync::mpsc::TryRecvError::Empty) => Ok(None),
+            Err(std::sync::mpsc::TryRecvError::Disconnected) => Err(()),
+        }
+    }
+
     /// The compute stream the buffers belong to.
     pub fn compute(&self) -> &CudaStream {
         &self.compute

@@ -132,7 +132,7 @@ pub(super) fn device_work_note(reference: &CpuEngine<'_>) -> Option<String> {
             d.describe()
         ));
     }
-    if w.products == 0 && w.attentions == 0 && w.index_scores == 0 {
+    if w.products == 0 && w.attentions == 0 && w.index_scores == 0 && w.refused == 0 {
         return None;
     }
     // The attentions' time and kernels are part of the device's totals.
@@ -152,8 +152,47 @@ pub(super) fn device_work_note(reference: &CpuEngine<'_>) -> Option<String> {
     } else {
         String::new()
     };
+    if d.reuse_only {
+        return Some(format!(
+            "the reference's products with the CUDA candidate's routed experts ran on {} from the CUDA candidate's device bytes of them: {} products, {:.3} T multiply-adds, {:.2} GB of those bytes proven to be the file's by their hash ({:.2} s), in {:.2} s ({:.2} s in the kernels), {} of their elements checked on the CPU, all the same bits; {} products ({:.3} T multiply-adds) on the CPU{}",
+            d.describe(),
+            w.reused,
+            w.multiply_adds / 1e12,
+            w.reused_bytes as f64 / 1e9,
+            w.hash_seconds,
+            w.seconds,
+            w.kernel_seconds,
+            w.checked,
+            w.on_cpu,
+            w.on_cpu_multiply_adds / 1e12,
+            match d.refusal() {
+                Some(first) => format!(
+                    "; {} spans of the candidate's device bytes differed from the file and were not used (their products made on the CPU): {first}",
+                    w.refused
+                ),
+                None => String::new(),
+            }
+        ));
+    }
+    let reused = if w.reused > 0 || w.refused > 0 {
+        format!(
+            ", {} of them (of any token count) from the CUDA candidate's device bytes of its routed experts, {:.2} GB of them proven to be the file's by their hash ({:.2} s){}",
+            w.reused,
+            w.reused_bytes as f64 / 1e9,
+            w.hash_seconds,
+            match d.refusal() {
+                Some(first) => format!(
+                    "; {} spans of those bytes differed from the file and were not used (their products made on the CPU): {first}",
+                    w.refused
+                ),
+                None => String::new(),
+            }
+        )
+    } else {
+        String::new()
+    };
     Some(format!(
-        "the reference's products of {} tokens or more ran on {}: {} products ({} of them packed in pinned memory by their threads before their turn), {:.3} T multiply-adds{attentions}{index}, in {:.2} s ({:.2} s in the kernels: {}; the products' {:.2} s staging and copying their values to it, {:.2} s waiting for another's turn), {} of their elements checked on the CPU, all the same bits; {} products of fewer tokens ({:.3} T multiply-adds) on the CPU",
+        "the reference's products of {} tokens or more ran on {}: {} products ({} of them packed in pinned memory by their threads before their turn{reused}), {:.3} T multiply-adds{attentions}{index}, in {:.2} s ({:.2} s in the kernels: {}; the products' {:.2} s staging and copying their values to it, {:.2} s waiting for another's turn), {} of their elements checked on the CPU, all the same bits; {} products of fewer tokens ({:.3} T multiply-adds) on the CPU",
         d.min_tokens,
         d.describe(),
         w.products,

@@ -98,6 +98,15 @@ pub struct DeviceWork {
     pub index_rows: u64,
     /// Seconds spent in them (also in `seconds`; their kernels also in `kernel_seconds`).
     pub index_seconds: f64,
+    /// The part of `products` made from weight bytes the CUDA candidate put on the device
+    /// (`gpu::resident`, `--reference-reuse`), whatever their token count.
+    pub reused: u64,
+    /// The candidate's device bytes proven to be the file's by their hash before that use.
+    pub reused_bytes: u64,
+    /// Seconds spent hashing them (host and device; also in `seconds`).
+    pub hash_seconds: f64,
+    /// Spans of the candidate's device bytes that differed from the file (not used).
+    pub refused: u64,
 }
 
 /// The reference's device: `gpu::reference` behind a lock (the reference's steps call it one
@@ -120,6 +129,16 @@ pub struct Device {
     set_aside: Mutex<Option<String>>,
     /// Fewest tokens of a product made here ([`min_tokens`] at open).
     pub min_tokens: usize,
+    /// The device's ordinal.
+    ordinal: usize,
+    /// Spans of the candidate's device bytes hashed so far, and whether they were the file's.
+    #[cfg(feature = "cuda")]
+    proven: Mutex<std::collections::HashMap<Proof, bool>>,
+    /// The first span of the candidate's device bytes that differed from the file, in words.
+    refusal: Mutex<Option<String>>,
+    /// Opened for the products made from the CUDA candidate's device bytes alone (a prompt
+    /// shorter than `min_tokens`): every other product stays on the CPU.
+    pub reuse_only: bool,
 }
 
 impl Device {
@@ -141,6 +160,10 @@ impl Device {
             strict,
             set_aside: Mutex::new(None),
             min_tokens: min_tokens(),
+            ordinal,
+            proven: Mutex::new(std::collections::HashMap::new()),
+            refusal: Mutex::new(None),
+            reuse_only: false,
         })
     }
 
@@ -159,6 +182,17 @@ impl Device {
     /// it was.
     pub fn set_aside(&self) -> Option<String> {
         self.set_aside.lock().ok().and_then(|s| s.clone())
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The first span of the CUDA candidate's device bytes whose hash differed from the file's
+    /// (those products were made on the CPU), in words.
+    pub fn refusal(&self) -> Option<String> {
+        self.refusal.lock().ok().and_then(|r| r.clone())
     }
 
     /// Whether the device still makes products.
@@ -196,13 +230,134 @@ impl Device {
         src: &RowSource<'_>,
     ) -> Result<Option<Vec<f32>>> {
         let (ty, bytes) = src.raw()?;
+        let row = |r: usize, buf: &mut [f32]| src.dequantize_into(r..r + 1, buf);
+        #[cfg(feature = "cuda")]
+        if t > 0
+            && (t < self.min_tokens || self.reuse_only)
+            && crate::gpu::resident::reuse()
+            && self.in_use()
+        {
+            if let Some(out) = self.reused(x, t, src, ty, bytes)? {
+                return self.checked(
+                    self.check(x, t, src.rows, src.cols, &out, src.name(), &row),
+                    Some(out),
+                );
+            }
+        }
         self.product(
             (x, t),
             (src.rows, src.cols),
             Raw::Gguf { ty, bytes },
             src.name(),
-            &|r, buf| src.dequantize_into(r..r + 1, buf),
+            &row,
         )
+    }
+
+    /// `x · W^T` of `t` tokens made from the CUDA candidate's device bytes of `src`'s rows
+    /// (`gpu::resident`), once their hash proved them the file's (`bytes`, the reference's own
+    /// map of them); `None` when the candidate offers none on this device, they differ from the
+    /// file (counted, the first named in [`Device::refusal`]), or a weight is not finite. Not
+    /// yet checked against the CPU (the caller does).
+    #[cfg(feature = "cuda")]
+    fn reused(
+        &self,
+        x: &[f32],
+        t: usize,
+        src: &RowSource<'_>,
+        ty: crate::quant::GgmlType,
+        bytes: &[u8],
+    ) -> Result<Option<Vec<f32>>> {
+        use crate::gpu::resident::{self, FileSpan};
+        let Some((path, offset, len)) = src.file_range()? else {
+            return Ok(None);
+        };
+        let span = FileSpan {
+            path: path.to_path_buf(),
+            offset,
+            len,
+        };
+        let Some(on) = resident::find(&span, self.ordinal) else {
+            return Ok(None);
+        };
+        let Some(view) = on.view(bytes.len()) else {
+            return Ok(None);
+        };
+        let start = std::time::Instant::now();
+        // Proven once per span and buffer (another buffer offered for the span is hashed anew).
+        let proof = (
+            span.clone(),
+            std::sync::Arc::as_ptr(&on.buf) as usize,
+            on.at,
+        );
+        let known = self.proven.lock().ok().and_then(|p| p.get(&proof).copied());
+        let proven = match known {
+            Some(p) => p,
+            None => {
+                // The file's hash on this thread's cores, before the device's turn.
+                let want = resident::hash_bytes_host(bytes, 0);
+                let got = {
+                    let p = self.products.lock().map_err(|_| {
+                        anyhow::anyhow!("engine: cpu: the reference's device lock is poisoned")
+                    })?;
+                    self.or_set_aside(p.hash_bytes(&view))?
+                };
+                let Some(got) = got else {
+                    return Ok(None);
+                };
+                let same = got == want;
+                if let Ok(mut p) = self.proven.lock() {
+                    p.insert(proof, same);
+                }
+                if let Ok(mut w) = self.work.lock() {
+                    w.hash_seconds += start.elapsed().as_secs_f64();
+                    if same {
+                        w.reused_bytes += len;
+                    } else {
+                        w.refused += 1;
+                    }
+                }
+                if !same {
+                    if let Ok(mut r) = self.refusal.lock() {
+                        r.get_or_insert(format!(
+                            "the candidate's device bytes of {} (bytes {offset}..{} of {}) hash to {got:#018x}, the file's to {want:#018x}",
+                            src.name(),
+                            offset + len,
+                            span.path.display()
+                        ));
+                    }
+                }
+                same
+            }
+        };
+        if !proven {
+            return Ok(None);
+        }
+        let weights = crate::gpu::reference::Weights::Device { ty, bytes: view };
+        let (out, kernel_seconds, wait_seconds) = {
+            let p = self.products.lock().map_err(|_| {
+                anyhow::anyhow!("engine: cpu: the reference's device lock is poisoned")
+            })?;
+            let waited = start.elapsed().as_secs_f64();
+            let k0 = p.kernel_seconds();
+            let out = self
+                .or_set_aside(p.products(x, t, weights, src.rows, src.cols))?
+                .flatten();
+            (out, p.kernel_seconds() - k0, waited)
+        };
+        // The buffer's handle goes only now: the products waited for their stream.
+        drop(on);
+        if out.is_some() {
+            self.count_made(
+                (t, src.rows, src.cols),
+                start,
+                [kernel_seconds, 0.0, wait_seconds],
+                false,
+            );
+            if let Ok(mut w) = self.work.lock() {
+                w.reused += 1;
+            }
+        }
+        Ok(out)
     }
 
     /// `x · W^T` of `t` tokens with the host matrix `w` on the device, checked; `None` when it
@@ -237,7 +392,7 @@ impl Device {
         what: &str,
         row: &dyn Fn(usize, &mut [f32]) -> Result<()>,
     ) -> Result<Option<Vec<f32>>> {
-        if t < self.min_tokens {
+        if t < self.min_tokens || self.reuse_only {
             self.declined(t, (t * rows) as f64 * cols as f64);
             return Ok(None);
         }
@@ -271,7 +426,7 @@ impl Device {
         cpu: &dyn Fn(&[usize]) -> Result<Vec<f32>>,
     ) -> Result<Option<Vec<f32>>> {
         let n = offs.len().saturating_sub(1);
-        if n < MIN_QUERIES || !self.in_use() {
+        if n < MIN_QUERIES || self.reuse_only || !self.in_use() {
             return Ok(None);
         }
         #[cfg(feature = "cuda")]
@@ -338,7 +493,7 @@ impl Device {
         relu: bool,
         cpu: &dyn Fn(&[usize]) -> Result<Vec<f32>>,
     ) -> Result<Option<Vec<f32>>> {
-        if t < MIN_QUERIES || !self.in_use() {
+        if t < MIN_QUERIES || self.reuse_only || !self.in_use() {
             return Ok(None);
         }
         #[cfg(feature = "cuda")]
@@ -635,15 +790,22 @@ pub fn reference_device(
     candidate_device: Option<usize>,
 ) -> Result<(Option<std::sync::Arc<Device>>, Option<String>)> {
     let on = REFERENCE_ON.lock().map(|r| *r).unwrap_or_default();
-    if tokens < min_tokens() {
+    // With fewer tokens no product goes to a device, but for those made from the CUDA
+    // candidate's device bytes (`--reference-reuse`), on its device.
+    #[cfg(feature = "cuda")]
+    let reused = crate::gpu::resident::reuse() && candidate_device.is_some();
+    #[cfg(not(feature = "cuda"))]
+    let reused = false;
+    if tokens < min_tokens() && !reused {
         return Ok((None, None));
     }
     match on {
         ReferenceOn::Cpu => Ok((None, None)),
         ReferenceOn::Cuda(n) => {
-            let d = Device::open(n, true).with_context(|| {
+            let mut d = Device::open(n, true).with_context(|| {
                 format!("--reference-on cuda:{n}: the reference's products cannot go to device {n}")
             })?;
+            d.reuse_only = tokens < min_tokens();
             Ok((Some(std::sync::Arc::new(d)), None))
         }
         ReferenceOn::Auto => {
@@ -651,7 +813,10 @@ pub fn reference_device(
                 return Ok((None, None));
             };
             match Device::open(n, false) {
-                Ok(d) => Ok((Some(std::sync::Arc::new(d)), None)),
+                Ok(mut d) => {
+                    d.reuse_only = tokens < min_tokens();
+                    Ok((Some(std::sync::Arc::new(d)), None))
+                }
                 Err(e) => Ok((
                     None,
                     Some(format!(
@@ -691,6 +856,11 @@ fn first_device() -> Option<usize> {
     #[cfg(not(feature = "cuda"))]
     None
 }
+
+/// A span of the CUDA candidate's device bytes as the reference proved it: the file span, the
+/// buffer (its handle's address) and the span's offset in it.
+#[cfg(feature = "cuda")]
+type Proof = (crate::gpu::resident::FileSpan, usize, usize);
 
 /// A product's weights as the device takes them.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]

@@ -87,6 +87,12 @@ impl<'m> RowSource<'m> {
         self.slice.name()
     }
 
+    /// Where its rows lie in a file: the shard's path, their first byte and their length
+    /// (`None` for a model held in memory).
+    pub fn file_range(&self) -> Result<Option<(&'m std::path::Path, u64, u64)>> {
+        self.slice.file_range()
+    }
+
     /// The GGML type and raw GGUF bytes of all its rows (whole blocks, `rows * cols` values).
     pub fn raw(&self) -> Result<(crate::quant::GgmlType, &'m [u8])> {
         Ok((self.slice.ty(), self.slice.data()?))

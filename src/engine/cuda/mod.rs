@@ -40,6 +40,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -107,7 +108,7 @@ pub struct CudaEngine<'w> {
     n_freq: usize,
     attn_factor: f64,
     /// Raw GGUF bytes of the tensors uploaded so far, by name.
-    raw: RefCell<HashMap<String, Rc<CudaSlice<u8>>>>,
+    raw: RefCell<HashMap<String, Arc<CudaSlice<u8>>>>,
     /// f32 vectors (norm weights, biases) uploaded so far, by name.
     vectors: RefCell<HashMap<String, Rc<CudaSlice<f32>>>>,
     /// The next layer's raw blocks on their way ([`prefetch`]).
@@ -386,6 +387,9 @@ impl Engine for CudaEngine<'_> {
 
     /// Prefetches of other layers are dropped (see [`prefetch`]).
     fn begin_layer(&self, layer: usize, weights: &[String]) -> Result<()> {
+        // The routed experts offered to the reference stay for the layer before this one too
+        // (the reference may still be in it).
+        crate::gpu::resident::keep_around(layer);
         let whole = self.whole_tensors(weights);
         self.prefetch.borrow_mut().begin(layer, &whole);
         Ok(())

@@ -97,6 +97,10 @@ enum State {
     Arrived(Outcome),
 }
 
+/// How often a wait for an upload polls while the reference may use this engine's routed
+/// experts (`gpu::resident`), microseconds.
+const POLL_MICROS: u64 = 300;
+
 /// The prefetch state of one engine.
 pub(super) struct Prefetch {
     on: bool,
@@ -154,6 +158,36 @@ impl Prefetch {
             Some(e) if matches!(e.state, State::Issued) => e.state = State::Arrived(d.outcome),
             _ => self.retire(d.outcome),
         }
+    }
+
+    /// Whether taking `name` would wait: its upload under way (and the uploader alive), or
+    /// back with its copies not done yet; files the outcomes already back first.
+    pub(super) fn would_wait(&mut self, name: &str) -> bool {
+        loop {
+            match self.uploader.as_ref().map(Uploader::try_recv_alive) {
+                Some(Ok(Some(d))) => self.place(d),
+                Some(Ok(None)) => break,
+                Some(Err(())) | None => {
+                    self.dead = true;
+                    break;
+                }
+            }
+        }
+        match self.pending.get(name).map(|e| &e.state) {
+            Some(State::Issued) => !self.dead,
+            Some(State::Arrived(Outcome::Ready(r))) => !r.is_complete(),
+            _ => false,
+        }
+    }
+
+    /// Whether the upload of `name` is back and its copies done (its buffer can be taken
+    /// without waiting); files the outcomes already back first.
+    pub(super) fn is_back(&mut self, name: &str) -> bool {
+        self.drain();
+        matches!(
+            self.pending.get(name).map(|e| &e.state),
+            Some(State::Arrived(Outcome::Ready(r))) if r.is_complete()
+        )
     }
 
     /// Files every outcome already back.
@@ -423,6 +457,14 @@ impl CudaEngine<'_> {
     /// when it was not prefetched or its prefetch failed (then it is uploaded on demand).
     /// Waits on the host only for a tensor still under way.
     pub(super) fn take_prefetched(&self, name: &str) -> Option<CudaSlice<u8>> {
+        // While the reference may use this engine's routed experts (`gpu::resident`), the wait
+        // polls and offers every other group as soon as its copies are done.
+        if crate::gpu::resident::reuse() {
+            while self.prefetch.borrow_mut().would_wait(name) {
+                self.offer_arrived();
+                std::thread::sleep(std::time::Duration::from_micros(POLL_MICROS));
+            }
+        }
         let mut guard = self.prefetch.borrow_mut();
         let p: &mut Prefetch = &mut guard;
         let entry = p.pending.remove(name)?;

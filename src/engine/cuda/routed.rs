@@ -21,6 +21,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -28,6 +29,7 @@ use cudarc::driver::CudaSlice;
 
 use super::prefetch::Want;
 use super::CudaEngine;
+use crate::gpu::resident;
 use crate::gpu::upload::FileRange;
 use crate::model::names::{self, blk};
 
@@ -271,7 +273,7 @@ impl CudaEngine<'_> {
         name: &str,
         rows: &Range<usize>,
         row_bytes: usize,
-    ) -> Result<Option<(Rc<CudaSlice<u8>>, usize)>> {
+    ) -> Result<Option<(Arc<CudaSlice<u8>>, usize)>> {
         let (group, at) = {
             let index = self.routed.borrow();
             let Some(by_expert) = index.get(name) else {
@@ -300,7 +302,7 @@ impl CudaEngine<'_> {
     /// The device buffer of `group`: already taken, taken from its upload now (the compute
     /// stream ordered after its copies), or copied on demand from the memory map; counted as
     /// the engine's weight uploads.
-    fn group_buffer(&self, group: &Group) -> Result<Rc<CudaSlice<u8>>> {
+    fn group_buffer(&self, group: &Group) -> Result<Arc<CudaSlice<u8>>> {
         if let Some(b) = self.raw.borrow().get(&group.key) {
             return Ok(b.clone());
         }
@@ -319,9 +321,72 @@ impl CudaEngine<'_> {
             }
         };
         self.count_upload(t0, d.len());
-        let d = Rc::new(d);
+        let d = Arc::new(d);
         self.raw.borrow_mut().insert(group.key.clone(), d.clone());
+        self.offer_group(group, &d);
         Ok(d)
+    }
+
+    /// Offers the rows of `group`'s experts, held in `buf` (its copies done), to the
+    /// reference's products on this device (`gpu::resident`, `--reference-reuse`), by the file
+    /// span each expert's rows come from.
+    fn offer_group(&self, group: &Group, buf: &Arc<CudaSlice<u8>>) {
+        if !resident::reuse() {
+            return;
+        }
+        let Some((layer, _)) = names::split_blk(&group.tensor) else {
+            return;
+        };
+        let mut at = 0usize;
+        for &e in &group.experts {
+            let Ok(desc) = self.weights.expert_desc(&group.tensor, e) else {
+                return;
+            };
+            let Ok(Some((path, offset, len))) = desc.file_range() else {
+                return;
+            };
+            resident::offer(
+                layer,
+                resident::FileSpan {
+                    path: path.to_path_buf(),
+                    offset,
+                    len,
+                },
+                resident::OnDevice {
+                    ordinal: self.gpu.info.ordinal,
+                    buf: buf.clone(),
+                    at,
+                },
+            );
+            at += len as usize;
+        }
+    }
+
+    /// Takes every routed group whose upload is back and done into the engine's buffers and
+    /// offers it to the reference (`gpu::resident`), without waiting for any: the reference's
+    /// products can use a group as soon as it is on the device, not when this engine's step
+    /// reaches it.
+    pub(super) fn offer_arrived(&self) {
+        if !resident::reuse() {
+            return;
+        }
+        let groups: Vec<Rc<Group>> = {
+            let index = self.routed.borrow();
+            let raw = self.raw.borrow();
+            let mut p = self.prefetch.borrow_mut();
+            let mut seen = std::collections::HashSet::new();
+            index
+                .values()
+                .flat_map(|by_expert| by_expert.values())
+                .filter(|slot| seen.insert(slot.group.key.clone()))
+                .filter(|slot| !raw.contains_key(&slot.group.key) && p.is_back(&slot.group.key))
+                .map(|slot| slot.group.clone())
+                .collect()
+        };
+        for g in groups {
+            // A failure here is met again, and reported, when the step needs the group.
+            let _ = self.group_buffer(&g);
+        }
     }
 }
 

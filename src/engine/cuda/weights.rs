@@ -4,6 +4,7 @@
 
 use std::ops::Range;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -28,7 +29,7 @@ impl CudaEngine<'_> {
 
     /// The raw blocks of tensor `name` on the device: taken from its prefetch, or uploaded on
     /// first use; the time and bytes are counted as the engine's weight uploads.
-    pub(super) fn raw(&self, name: &str) -> Result<Rc<CudaSlice<u8>>> {
+    pub(super) fn raw(&self, name: &str) -> Result<Arc<CudaSlice<u8>>> {
         if let Some(r) = self.raw.borrow().get(name) {
             return Ok(r.clone());
         }
@@ -45,7 +46,7 @@ impl CudaEngine<'_> {
             }
         };
         self.count_upload(t0, d.len());
-        let d = Rc::new(d);
+        let d = Arc::new(d);
         self.raw.borrow_mut().insert(name.to_string(), d.clone());
         Ok(d)
     }
