@@ -166,15 +166,15 @@ impl Prefetch {
         loop {
             match self.uploader.as_ref().map(Uploader::try_recv_alive) {
                 Some(Ok(Some(d))) => self.place(d),
-                Some(Ok(None)) => break,
-                Some(Err(())) | None => {
+                Some(Ok(None)) | None => break,
+                Some(Err(())) => {
                     self.dead = true;
                     break;
                 }
             }
         }
         match self.pending.get(name).map(|e| &e.state) {
-            Some(State::Issued) => !self.dead,
+            Some(State::Issued) => !self.dead && self.uploader.is_some(),
             Some(State::Arrived(Outcome::Ready(r))) => !r.is_complete(),
             _ => false,
         }
@@ -537,6 +537,20 @@ mod tests {
         let mut v: Vec<String> = p.pending.keys().cloned().collect();
         v.sort();
         v
+    }
+
+    /// Without an uploader nothing would wait and the prefetch stays usable; an outcome that
+    /// came back failed is not waited for either; a name never sent is not.
+    #[test]
+    fn would_wait_without_an_uploader_waits_for_nothing() {
+        let mut p = Prefetch::new(true);
+        entry(&mut p, "blk.1.a", 1, false);
+        entry(&mut p, "blk.1.b", 1, true);
+        assert!(!p.would_wait("blk.1.a"));
+        assert!(!p.would_wait("blk.1.b"));
+        assert!(!p.would_wait("blk.1.c"));
+        assert!(!p.is_back("blk.1.a") && !p.is_back("blk.1.b"));
+        assert!(!p.dead);
     }
 
     /// The host-side bookkeeping: beginning a layer drops the prefetches of every other layer,
