@@ -117,6 +117,50 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     ref_products<8, 8, 32>(x, w, out, t, r, k, ldo, xs, ws);
 }
 
+// A product of a few tokens (a routed expert's one or two at a short prompt): the tiles above would
+// compute up to 32 tokens for each, so here thread (row, lane l) = (block row + tid / 8, tid % 8)
+// keeps lane l of FEW_T tokens of one row, reading columns l, l + 8, .. in order straight from the
+// weights (each weight once for the FEW_T tokens), 32 rows a block, FEW_T tokens a block row of the
+// grid. The same lanes, the same fused multiply-adds in the same order, the same tree and rounding:
+// the same bits. Columns past the end are not visited (the CPU's +0 * +0 leaves a lane as it is),
+// tokens past the end are computed from +0 and not written.
+#define FEW_T 4
+extern "C" __global__ void __launch_bounds__(256)
+    reference_products_f32_few(const float* __restrict__ x,  // [t, k]
+                               const float* __restrict__ w,  // [r, k]
+                               float* __restrict__ out,      // [t, ldo], columns 0..r
+                               u32 t, u32 r, u32 k, u32 ldo) {
+    const u32 l = threadIdx.x & 7u;
+    const u64 row = (u64)blockIdx.x * 32 + (threadIdx.x >> 3);
+    const u64 t0 = (u64)blockIdx.y * FEW_T;
+    double acc[FEW_T];
+#pragma unroll
+    for (int a = 0; a < FEW_T; a++) acc[a] = 0.0;
+    if (row < r) {
+        const float* __restrict__ wr = w + row * k;
+#pragma unroll 4
+        for (u64 c = l; c < k; c += 8) {
+            const double wv = (double)wr[c];
+#pragma unroll
+            for (int a = 0; a < FEW_T; a++) {
+                const u64 tt = t0 + a;
+                const double xv = tt < t ? (double)x[tt * k + c] : 0.0;
+                acc[a] = __fma_rn(xv, wv, acc[a]);
+            }
+        }
+    }
+    // Every thread of the warp takes part in the tree (a row past the end holds zeros).
+#pragma unroll
+    for (int a = 0; a < FEW_T; a++) {
+        double s = acc[a];
+        s = __dadd_rn(s, __shfl_xor_sync(0xFFFFFFFFu, s, 1));
+        s = __dadd_rn(s, __shfl_xor_sync(0xFFFFFFFFu, s, 2));
+        s = __dadd_rn(s, __shfl_xor_sync(0xFFFFFFFFu, s, 4));
+        const u64 tt = t0 + a;
+        if (l == 0 && row < r && tt < t) out[tt * ldo + row] = __double2float_rn(s);
+    }
+}
+
 // Counts the values of `v` (n of them) that are not finite: the reference refuses a weight that
 // holds one (src/engine/cpu/weights.rs `finite`), so a product with one goes back to the CPU,
 // which names it.

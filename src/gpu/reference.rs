@@ -32,6 +32,12 @@ pub const KERNELS: [(&str, usize, usize); 2] = [
     ("reference_products_f32", 32, 32),
     ("reference_products_f32_t64", 64, 32),
 ];
+/// The kernel of products of at most [`FEW_TOKENS`] tokens (the same sums as [`KERNELS`]):
+/// kernel name, a block's tokens and rows.
+pub const FEW: (&str, usize, usize) = ("reference_products_f32_few", 4, 32);
+/// Most tokens of a product made by [`FEW`] instead of the tiles (which compute 32 or 64 tokens
+/// a tile whatever the product has: a routed expert's one or two at a short prompt).
+pub const FEW_TOKENS: usize = 8;
 /// Most f32 weight values dequantized on the device at a time (256 MiB): a larger matrix goes
 /// in chunks of rows.
 const CHUNK_VALUES: usize = 1 << 26;
@@ -950,7 +956,11 @@ impl ReferenceProducts {
         r0: usize,
         n: usize,
     ) -> Result<(CudaEvent, CudaEvent)> {
-        let (name, tile_tokens, tile_rows) = KERNELS[kernel];
+        let (name, tile_tokens, tile_rows) = if t <= FEW_TOKENS {
+            FEW
+        } else {
+            KERNELS[kernel]
+        };
         let f = self.gpu.function("reference", REFERENCE_SOURCE, name)?;
         let u = |v: usize, what: &str| -> Result<u32> {
             u32::try_from(v).with_context(|| format!("cuda: reference products: {what} {v}"))

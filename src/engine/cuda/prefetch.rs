@@ -97,10 +97,6 @@ enum State {
     Arrived(Outcome),
 }
 
-/// How often a wait for an upload polls while the reference may use this engine's routed
-/// experts (`gpu::resident`), microseconds.
-const POLL_MICROS: u64 = 300;
-
 /// The prefetch state of one engine.
 pub(super) struct Prefetch {
     on: bool,
@@ -160,34 +156,25 @@ impl Prefetch {
         }
     }
 
-    /// Whether taking `name` would wait: its upload under way (and the uploader alive), or
-    /// back with its copies not done yet; files the outcomes already back first.
-    pub(super) fn would_wait(&mut self, name: &str) -> bool {
-        loop {
-            match self.uploader.as_ref().map(Uploader::try_recv_alive) {
-                Some(Ok(Some(d))) => self.place(d),
-                Some(Ok(None)) | None => break,
-                Some(Err(())) => {
+    /// Where the upload of `name` stands, the outcomes already back filed first: `Some(true)`
+    /// when its copies are done (taken without a wait), `Some(false)` while it or they are under
+    /// way (the uploader alive), `None` else (not sent, failed, no uploader: a take won't wait).
+    pub(super) fn upload_done(&mut self, name: &str) -> Option<bool> {
+        while let Some(r) = self.uploader.as_ref().map(Uploader::try_recv_alive) {
+            match r {
+                Ok(Some(d)) => self.place(d),
+                Ok(None) => break,
+                Err(()) => {
                     self.dead = true;
                     break;
                 }
             }
         }
-        match self.pending.get(name).map(|e| &e.state) {
-            Some(State::Issued) => !self.dead && self.uploader.is_some(),
-            Some(State::Arrived(Outcome::Ready(r))) => !r.is_complete(),
-            _ => false,
+        match &self.pending.get(name)?.state {
+            State::Issued => (!self.dead && self.uploader.is_some()).then_some(false),
+            State::Arrived(Outcome::Ready(r)) => Some(r.is_complete()),
+            State::Arrived(_) => None,
         }
-    }
-
-    /// Whether the upload of `name` is back and its copies done (its buffer can be taken
-    /// without waiting); files the outcomes already back first.
-    pub(super) fn is_back(&mut self, name: &str) -> bool {
-        self.drain();
-        matches!(
-            self.pending.get(name).map(|e| &e.state),
-            Some(State::Arrived(Outcome::Ready(r))) if r.is_complete()
-        )
     }
 
     /// Files every outcome already back.
@@ -457,14 +444,7 @@ impl CudaEngine<'_> {
     /// when it was not prefetched or its prefetch failed (then it is uploaded on demand).
     /// Waits on the host only for a tensor still under way.
     pub(super) fn take_prefetched(&self, name: &str) -> Option<CudaSlice<u8>> {
-        // While the reference may use this engine's routed experts (`gpu::resident`), the wait
-        // polls and offers every other group as soon as its copies are done.
-        if crate::gpu::resident::reuse() {
-            while self.prefetch.borrow_mut().would_wait(name) {
-                self.offer_arrived();
-                std::thread::sleep(std::time::Duration::from_micros(POLL_MICROS));
-            }
-        }
+        self.wait_offering(name);
         let mut guard = self.prefetch.borrow_mut();
         let p: &mut Prefetch = &mut guard;
         let entry = p.pending.remove(name)?;
@@ -518,6 +498,9 @@ impl CudaEngine<'_> {
 }
 
 #[cfg(test)]
+mod upload_done_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -537,20 +520,6 @@ mod tests {
         let mut v: Vec<String> = p.pending.keys().cloned().collect();
         v.sort();
         v
-    }
-
-    /// Without an uploader nothing would wait and the prefetch stays usable; an outcome that
-    /// came back failed is not waited for either; a name never sent is not.
-    #[test]
-    fn would_wait_without_an_uploader_waits_for_nothing() {
-        let mut p = Prefetch::new(true);
-        entry(&mut p, "blk.1.a", 1, false);
-        entry(&mut p, "blk.1.b", 1, true);
-        assert!(!p.would_wait("blk.1.a"));
-        assert!(!p.would_wait("blk.1.b"));
-        assert!(!p.would_wait("blk.1.c"));
-        assert!(!p.is_back("blk.1.a") && !p.is_back("blk.1.b"));
-        assert!(!p.dead);
     }
 
     /// The host-side bookkeeping: beginning a layer drops the prefetches of every other layer,

@@ -43,6 +43,10 @@ pub const GROUP: usize = 16;
 /// less than uploading most of them after the router.
 pub const ROUTED_SHARE_MAX: f64 = 0.5;
 
+/// How often a wait for an upload polls while the reference may use this engine's routed
+/// experts (`gpu::resident`), microseconds.
+const POLL_MICROS: u64 = 300;
+
 /// Bytes of an expert's first and last rows compared between the memory map and the file.
 const FINGERPRINT: usize = 64;
 
@@ -362,6 +366,19 @@ impl CudaEngine<'_> {
         }
     }
 
+    /// While the reference may use this engine's routed experts (`gpu::resident`), waits for
+    /// the upload of `name` by polling, offering every other group as soon as its copies are
+    /// done; returns at once otherwise (the take then waits as it always has).
+    pub(super) fn wait_offering(&self, name: &str) {
+        if !resident::reuse() {
+            return;
+        }
+        while self.prefetch.borrow_mut().upload_done(name) == Some(false) {
+            self.offer_arrived();
+            std::thread::sleep(std::time::Duration::from_micros(POLL_MICROS));
+        }
+    }
+
     /// Takes every routed group whose upload is back and done into the engine's buffers and
     /// offers it to the reference (`gpu::resident`), without waiting for any: the reference's
     /// products can use a group as soon as it is on the device, not when this engine's step
@@ -379,7 +396,10 @@ impl CudaEngine<'_> {
                 .values()
                 .flat_map(|by_expert| by_expert.values())
                 .filter(|slot| seen.insert(slot.group.key.clone()))
-                .filter(|slot| !raw.contains_key(&slot.group.key) && p.is_back(&slot.group.key))
+                .filter(|slot| {
+                    !raw.contains_key(&slot.group.key)
+                        && p.upload_done(&slot.group.key) == Some(true)
+                })
                 .map(|slot| slot.group.clone())
                 .collect()
         };
