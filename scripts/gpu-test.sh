@@ -184,25 +184,27 @@ print("by step:", top("candidate_beyond_times", 6), "| reference:", top("referen
     summary+=("  threads: $(sed -n '2,4p' "$logs/threads-layer.txt" | tr -s ' ' | tr '\n' ';')")
     fi
     if wantb bench-reuse; then
-    echo "== bench run, 16 tokens, bf16: the reference's products from the candidate's routed experts on the device (--reference-reuse) off against on, twice each, alternating"
+    echo "== bench run, 16 tokens, bf16: the reference's products from the candidate's routed experts on the device (--reference-reuse) off and on, with --candidate-ahead off and on"
     local r
-    for r in off on off on; do
+    for r in "off off" "off on" "on off" "on on"; do
         i=$((i + 1))
-        scripts/thread-cpu.sh "$logs/threads-reuse-$i-$r.txt" "$bin" --wide --reference-reuse "$r" bench run --model "$bm/glm5.gguf" \
-            --against cuda --dtype bf16 --tokens 16 --reps 2 --project glm5 > "$logs/bench-reuse-$i-$r.txt" 2>&1
-        summary+=("bench run --reference-reuse $r ($i): exit $?, $(grep -E '^\| 16 ' "$logs/bench-reuse-$i-$r.txt" | grep -E '4 MoE|x 0|\+' | tr -s ' -' | tr '\n' ' ' | cut -c1-330)")
-        summary+=("  threads: $(sed -n '2,4p' "$logs/threads-reuse-$i-$r.txt" | tr -s ' ' | tr '\n' ';')")
+        set -- $r
+        scripts/thread-cpu.sh "$logs/threads-reuse-$i-$1-$2.txt" "$bin" --wide --candidate-ahead "$1" --reference-reuse "$2" bench run \
+            --model "$bm/glm5.gguf" --against cuda --dtype bf16 --tokens 16 --reps 2 --project glm5 > "$logs/bench-reuse-$i-$1-$2.txt" 2>&1
+        summary+=("bench run --candidate-ahead $1 --reference-reuse $2: exit $?, $(grep -E '^\| 16 ' "$logs/bench-reuse-$i-$1-$2.txt" | grep -E '4 MoE|x 0|\+' | tr -s ' -' | tr '\n' ' ' | cut -c1-330)")
+        summary+=("  threads: $(sed -n '2,4p' "$logs/threads-reuse-$i-$1-$2.txt" | tr -s ' ' | tr '\n' ';')")
     done
+    set --
     local ids=95771,124003,126955,75693,110301,60413,118115,2534,108352,68857,63353,59308,3655,78751,80178,88834
     for r in off on; do
-        "$bin" --wide --reference-reuse "$r" run "$bm/glm5.gguf" --against cuda --dtype bf16 --tokens "$ids" --no-cache \
+        "$bin" --wide --candidate-ahead "$r" --reference-reuse on run "$bm/glm5.gguf" --against cuda --dtype bf16 --tokens "$ids" --no-cache \
             --json "$logs/run-reuse-$r.json" > "$logs/run-reuse-$r.txt" 2>&1
         local rc=$?
-        summary+=("run bf16 --reference-reuse $r: exit $rc, $(python3 -c 'import json, sys
+        summary+=("run bf16 --candidate-ahead $r --reference-reuse on: exit $rc, $(python3 -c 'import json, sys
 j = json.load(open(sys.argv[1]))
 top = lambda k, n: "; ".join(t["what"] + " " + format(t["seconds"] * 1e3, ".1f") + " ms" for t in j[k][:n])
-dev = [n for n in j["notes"] if "candidate" in n and "device bytes" in n]
-print("reference:", top("reference_times", 6), "|", (dev[0][:600] if dev else "none made from the candidate bytes"))' "$logs/run-reuse-$r.json" 2>&1 | cut -c1-900)")
+dev = [n for n in j["notes"] if "device bytes" in n]
+print("reference:", top("reference_times", 6), "|", (dev[0][:700] if dev else "none made from the candidate bytes"))' "$logs/run-reuse-$r.json" 2>&1 | cut -c1-1000)")
     done
     fi
     if want bench-ab && [ -x .gpu/glmdiff-base ]; then

@@ -2220,8 +2220,8 @@ mod device {
     }
 
     /// `run --reference-reuse on` gives the run of `off` (records, verdicts, exit) against a
-    /// CUDA candidate that uploads its routed experts, f32 and bf16, and says in its note how
-    /// many products it made from the candidate's bytes; `off` makes none.
+    /// CUDA candidate that uploads its routed experts, f32 and bf16, with no span refused; `off`
+    /// makes no product from the candidate's bytes.
     #[test]
     #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
     fn gpu_reference_reuse_changes_only_the_times() {
@@ -2292,11 +2292,12 @@ mod device {
                         "== {m} {dtype} reuse {reuse}: exit {:?}; {notes}",
                         o.status.code()
                     );
-                    assert_eq!(
-                        notes.contains("from the CUDA candidate's device bytes"),
-                        reuse == "on",
-                        "{m} {dtype} {reuse}: {notes}"
-                    );
+                    // Whether the reference met an offer before making a product on the CPU
+                    // depends on the timing (a tiny model's experts take microseconds there);
+                    // `gpu_reference_reuses_only_the_files_bytes` makes them deterministically.
+                    if reuse == "off" {
+                        assert!(!notes.contains("device bytes"), "{m} {dtype}: {notes}");
+                    }
                     assert!(!notes.contains("differed from the file"), "{notes}");
                     got.push((o.status.code(), strip(&j)));
                 }

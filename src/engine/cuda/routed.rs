@@ -194,11 +194,14 @@ impl CudaEngine<'_> {
         if !self.routed_uploads() {
             return Ok(());
         }
-        let mut wants = Vec::new();
+        // Per tensor, its groups' uploads in expert order.
+        let mut by_tensor: Vec<Vec<Want>> = Vec::new();
         {
             let mut index = self.routed.borrow_mut();
             let p = self.prefetch.borrow();
             for &name in tensors {
+                by_tensor.push(Vec::new());
+                let wants = by_tensor.last_mut().context("engine: cuda: no tensor")?;
                 if self.raw.borrow().contains_key(name) || p.is_pending(name) {
                     continue;
                 }
@@ -260,6 +263,15 @@ impl CudaEngine<'_> {
                     }
                 }
             }
+        }
+        // Interleaved by group (the first experts' gate, up and down rows, then the next
+        // experts'): the step, and the reference's products from these bytes
+        // (`gpu::resident`), can start on the first experts while the others are copied.
+        let most = by_tensor.iter().map(Vec::len).max().unwrap_or(0);
+        let mut wants = Vec::with_capacity(by_tensor.iter().map(Vec::len).sum());
+        let mut iters: Vec<_> = by_tensor.into_iter().map(Vec::into_iter).collect();
+        for _ in 0..most {
+            wants.extend(iters.iter_mut().filter_map(Iterator::next));
         }
         let mut p = self.prefetch.borrow_mut();
         if !wants.is_empty() && p.can_send() {
