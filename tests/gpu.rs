@@ -1155,7 +1155,23 @@ mod device {
     #[test]
     #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
     fn gpu_candidate_ahead_changes_only_the_times() {
-        fn strip(v: &serde_json::Value) -> serde_json::Value {
+        for (what, runs) in cuda_runs_by_setting("--candidate-ahead", &[], &[]) {
+            eprintln!("== {what}: exits {:?} {:?}", runs[0].0, runs[1].0);
+            assert_eq!(runs[0].0, runs[1].0, "{what}");
+            assert!(runs[0].1 == runs[1].1, "{what}: the runs' JSON differ");
+        }
+    }
+
+    /// `run --against cuda` of 16 tokens on both quantized fixtures, f32 and bf16, with the
+    /// global flag `flag` off then on (and `extra` after `run`): per model and dtype, each run's
+    /// exit code, its JSON without its times, commands and `ignore`'s keys, and its notes.
+    #[allow(clippy::type_complexity)]
+    fn cuda_runs_by_setting(
+        flag: &str,
+        extra: &[&str],
+        ignore: &[&str],
+    ) -> Vec<(String, Vec<(Option<i32>, serde_json::Value, String)>)> {
+        fn strip(v: &serde_json::Value, ignore: &[&str]) -> serde_json::Value {
             use serde_json::Value;
             const TIMES: [&str; 10] = [
                 "timings",
@@ -1172,11 +1188,13 @@ mod device {
             match v {
                 Value::Object(m) => Value::Object(
                     m.iter()
-                        .filter(|(k, _)| !TIMES.contains(&k.as_str()))
-                        .map(|(k, v)| (k.clone(), strip(v)))
+                        .filter(|(k, _)| {
+                            !TIMES.contains(&k.as_str()) && !ignore.contains(&k.as_str())
+                        })
+                        .map(|(k, v)| (k.clone(), strip(v, ignore)))
                         .collect(),
                 ),
-                Value::Array(a) => Value::Array(a.iter().map(strip).collect()),
+                Value::Array(a) => Value::Array(a.iter().map(|v| strip(v, ignore)).collect()),
                 x => x.clone(),
             }
         }
@@ -1185,6 +1203,7 @@ mod device {
             .map(|i| ((i * 37 + 11) % 200).to_string())
             .collect();
         let tokens = tokens.join(",");
+        let mut out = Vec::new();
         for m in [
             "models/glm5-tiny-q/glm5-tiny-q-mixed.gguf",
             "models/dsv3-tiny-q/dsv3-tiny-q-mixed.gguf",
@@ -1192,13 +1211,11 @@ mod device {
             let f = fixtures(m);
             for dtype in ["f32", "bf16"] {
                 let mut got = Vec::new();
-                for ahead in ["off", "on"] {
-                    let json = dir.path().join(format!("{ahead}-{dtype}.json"));
-                    let o = glmdiff(&[
-                        "--candidate-ahead",
-                        ahead,
-                        "run",
-                        f.to_str().unwrap(),
+                for setting in ["off", "on"] {
+                    let json = dir.path().join(format!("{setting}-{dtype}.json"));
+                    let mut args = vec![flag, setting, "run", f.to_str().unwrap()];
+                    args.extend_from_slice(extra);
+                    args.extend_from_slice(&[
                         "--tokens",
                         &tokens,
                         "--against",
@@ -1209,15 +1226,20 @@ mod device {
                         "--json",
                         json.to_str().unwrap(),
                     ]);
-                    let j: serde_json::Value =
-                        serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
-                    got.push((o.status.code(), strip(&j)));
+                    let o = glmdiff(&args);
+                    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+                    let j: serde_json::Value = serde_json::from_slice(
+                        &std::fs::read(&json)
+                            .unwrap_or_else(|e| panic!("{m} {flag} {setting}: {e}: {err}")),
+                    )
+                    .unwrap();
+                    let notes = j["notes"].to_string();
+                    got.push((o.status.code(), strip(&j, ignore), notes));
                 }
-                eprintln!("== {m} {dtype}: exits {:?} {:?}", got[0].0, got[1].0);
-                assert_eq!(got[0].0, got[1].0, "{m} {dtype}");
-                assert!(got[0].1 == got[1].1, "{m} {dtype}: the runs' JSON differ");
+                out.push((format!("{m} {dtype}"), got));
             }
         }
+        out
     }
 
     #[test]
@@ -2225,90 +2247,21 @@ mod device {
     #[test]
     #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
     fn gpu_reference_reuse_changes_only_the_times() {
-        fn strip(v: &serde_json::Value) -> serde_json::Value {
-            use serde_json::Value;
-            const TIMES: [&str; 11] = [
-                "timings",
-                "layer_times",
-                "compare_times",
-                "reference_times",
-                "candidate_times",
-                "candidate_beyond_times",
-                "reference_work",
-                "command",
-                "rerun",
-                "repro",
-                "notes",
-            ];
-            match v {
-                Value::Object(m) => Value::Object(
-                    m.iter()
-                        .filter(|(k, _)| !TIMES.contains(&k.as_str()))
-                        .map(|(k, v)| (k.clone(), strip(v)))
-                        .collect(),
-                ),
-                Value::Array(a) => Value::Array(a.iter().map(strip).collect()),
-                x => x.clone(),
-            }
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let tokens: Vec<String> = (0..16u32)
-            .map(|i| ((i * 37 + 11) % 200).to_string())
-            .collect();
-        let tokens = tokens.join(",");
-        for m in [
-            "models/glm5-tiny-q/glm5-tiny-q-mixed.gguf",
-            "models/dsv3-tiny-q/dsv3-tiny-q-mixed.gguf",
-        ] {
-            let f = fixtures(m);
-            for dtype in ["f32", "bf16"] {
-                let mut got = Vec::new();
-                for reuse in ["off", "on"] {
-                    let json = dir.path().join(format!("{reuse}-{dtype}.json"));
-                    let o = glmdiff(&[
-                        "--reference-reuse",
-                        reuse,
-                        "run",
-                        f.to_str().unwrap(),
-                        "--expert-uploads",
-                        "routed",
-                        "--tokens",
-                        &tokens,
-                        "--against",
-                        "cuda",
-                        "--dtype",
-                        dtype,
-                        "--no-cache",
-                        "--json",
-                        json.to_str().unwrap(),
-                    ]);
-                    let err = String::from_utf8_lossy(&o.stderr).into_owned();
-                    let j: serde_json::Value = serde_json::from_slice(
-                        &std::fs::read(&json).unwrap_or_else(|e| panic!("{m} {reuse}: {e}: {err}")),
-                    )
-                    .unwrap();
-                    let notes = j["notes"].to_string();
-                    eprintln!(
-                        "== {m} {dtype} reuse {reuse}: exit {:?}; {notes}",
-                        o.status.code()
-                    );
-                    // Whether the reference met an offer before making a product on the CPU
-                    // depends on the timing (a tiny model's experts take microseconds there);
-                    // `gpu_reference_reuses_only_the_files_bytes` makes them deterministically.
-                    if reuse == "off" {
-                        assert!(!notes.contains("device bytes"), "{m} {dtype}: {notes}");
-                    }
-                    assert!(!notes.contains("differed from the file"), "{notes}");
-                    got.push((o.status.code(), strip(&j)));
+        let extra = ["--expert-uploads", "routed"];
+        for (what, runs) in cuda_runs_by_setting("--reference-reuse", &extra, &["notes"]) {
+            for (setting, (exit, _, notes)) in ["off", "on"].iter().zip(&runs) {
+                eprintln!("== {what} reuse {setting}: exit {exit:?}; {notes}");
+                // Whether the reference met an offer before making a product on the CPU
+                // depends on the timing (a tiny model's experts take microseconds there);
+                // `gpu_reference_reuses_only_the_files_bytes` makes them deterministically.
+                if *setting == "off" {
+                    assert!(!notes.contains("device bytes"), "{what}: {notes}");
                 }
-                assert_eq!(got[0].0, got[1].0, "{m} {dtype}");
-                assert!(
-                    matches!(got[0].0, Some(0 | 1)),
-                    "{m} {dtype}: {:?}",
-                    got[0].0
-                );
-                assert_eq!(got[0].1, got[1].1, "{m} {dtype}");
+                assert!(!notes.contains("differed from the file"), "{notes}");
             }
+            assert_eq!(runs[0].0, runs[1].0, "{what}");
+            assert!(matches!(runs[0].0, Some(0 | 1)), "{what}: {:?}", runs[0].0);
+            assert!(runs[0].1 == runs[1].1, "{what}: the runs' JSON differ");
         }
     }
 }
