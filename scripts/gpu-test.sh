@@ -186,7 +186,7 @@ print("by step:", top("candidate_beyond_times", 6), "| reference:", top("referen
     if wantb bench-reuse; then
     echo "== bench run, 16 tokens, bf16: the reference's products from the candidate's routed experts on the device (--reference-reuse) off and on, with --candidate-ahead off and on"
     local r
-    for r in "off off" "off on" "on off" "on on"; do
+    for r in "on off" "on on" "off off" "off on"; do
         i=$((i + 1))
         set -- $r
         scripts/thread-cpu.sh "$logs/threads-reuse-$i-$1-$2.txt" "$bin" --wide --candidate-ahead "$1" --reference-reuse "$2" bench run \
