@@ -16,8 +16,8 @@ use std::sync::Mutex;
 
 use anyhow::{bail, Context, Result};
 use cudarc::driver::{
-    result, CudaEvent, CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig,
-    PinnedHostSlice, PushKernelArg,
+    result, CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
+    LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use rayon::prelude::*;
 
@@ -393,23 +393,23 @@ impl ReferenceProducts {
         Ok(chunk_rows)
     }
 
-    /// The first `len` raw bytes of `ty` on the device dequantized into the first `values`
-    /// weights, their non-finite values counted.
+    /// Raw bytes of `ty` on the device dequantized into the first `values` weights, their
+    /// non-finite values counted: `from`'s when given (another engine's, `gpu::resident`), else
+    /// the first `len` of the raw buffer.
     fn dequant_chunk(
         &self,
         b: &mut Buffers,
         ty: GgmlType,
-        len: usize,
+        (len, from): (usize, Option<&CudaView<'_, u8>>),
         values: usize,
     ) -> Result<()> {
         let wd = b.w.as_mut().context("cuda: no weight buffer")?;
-        let raw = b.raw.as_ref().context("cuda: no raw buffer")?;
-        self.gpu.dequant_view(
-            ty,
-            OutFormat::F32,
-            &raw.slice(..len),
-            &mut wd.slice_mut(..values),
-        )?;
+        let raw = match from {
+            Some(v) => v.slice(..len),
+            None => b.raw.as_ref().context("cuda: no raw buffer")?.slice(..len),
+        };
+        self.gpu
+            .dequant_view(ty, OutFormat::F32, &raw, &mut wd.slice_mut(..values))?;
         let count = b.count.as_mut().context("cuda: no counter")?;
         self.count_nonfinite(wd, values, count)
     }
@@ -488,7 +488,7 @@ impl ReferenceProducts {
                     }
                     .context("cuda: copying a product's weights to the device")?;
                     drop(rec);
-                    self.dequant_chunk(b, ty, len, values)?;
+                    self.dequant_chunk(b, ty, (len, None), values)?;
                 }
                 Packed::Dense => {
                     let from = layout.w.start + r0 * cols * 4;
@@ -583,7 +583,7 @@ impl ReferenceProducts {
                         &bytes[r0 * per_row..r0 * per_row + len],
                         &mut raw.slice_mut(..len),
                     )?;
-                    self.dequant_chunk(b, *ty, len, values)?;
+                    self.dequant_chunk(b, *ty, (len, None), values)?;
                 }
                 Weights::Dense(v) => {
                     let wd = b.w.as_mut().context("cuda: no weight buffer")?;
@@ -591,17 +591,8 @@ impl ReferenceProducts {
                 }
                 Weights::Device { ty, bytes } => {
                     let per_row = row_bytes(*ty, cols)?;
-                    let from = r0 * per_row;
-                    let raw = bytes.slice(from..from + n * per_row);
-                    let wd = b.w.as_mut().context("cuda: no weight buffer")?;
-                    self.gpu.dequant_view(
-                        *ty,
-                        OutFormat::F32,
-                        &raw,
-                        &mut wd.slice_mut(..values),
-                    )?;
-                    let count = b.count.as_mut().context("cuda: no counter")?;
-                    self.count_nonfinite(wd, values, count)?;
+                    let rows_bytes = bytes.slice(r0 * per_row..);
+                    self.dequant_chunk(b, *ty, (n * per_row, Some(&rows_bytes)), values)?;
                 }
             }
             let (xd, wd, out) = (

@@ -148,21 +148,6 @@ pub fn keep_around(layer: usize) {
     }
 }
 
-/// Forgets every offer.
-pub fn forget_all() {
-    if let Ok(mut o) = OFFERS.lock() {
-        *o = None;
-    }
-}
-
-/// Spans offered now (for tests and notes).
-pub fn offered() -> usize {
-    OFFERS
-        .lock()
-        .map(|o| o.as_ref().map_or(0, |o| o.spans.len()))
-        .unwrap_or(0)
-}
-
 /// Bytes per parallel task of [`hash_bytes_host`] (a multiple of 4).
 const HASH_TASK: usize = 1 << 18;
 
@@ -176,11 +161,6 @@ pub fn hash_bytes_host(bytes: &[u8], base: u64) -> u64 {
         .enumerate()
         .map(|(c, chunk)| hash_words(chunk, base.wrapping_add((c * HASH_TASK / 4) as u64)))
         .reduce(|| 0u64, u64::wrapping_add)
-}
-
-/// [`hash_bytes_host`] on the calling thread alone (the same value).
-pub fn hash_bytes_serial(bytes: &[u8], base: u64) -> u64 {
-    hash_words(bytes, base)
 }
 
 multiversion! {
@@ -269,7 +249,7 @@ mod tests {
             .wrapping_add(mix64(0x8000_00ff ^ 6u64.wrapping_mul(GAMMA)))
             .wrapping_add(mix64(7 ^ 7u64.wrapping_mul(GAMMA)));
         assert_eq!(hash_bytes_host(&bytes, 5), want);
-        assert_eq!(hash_bytes_serial(&bytes, 5), want);
+        assert_eq!(hash_words(&bytes, 5), want);
         assert_eq!(hash_bytes_host(&[], 3), 0);
     }
 
@@ -291,7 +271,7 @@ mod tests {
             3 * HASH_TASK + 2,
         ] {
             let bytes: Vec<u8> = (0..n).map(|_| (rng.next_u64() >> 56) as u8).collect();
-            let h = hash_bytes_serial(&bytes, 11);
+            let h = hash_words(&bytes, 11);
             assert_eq!(hash_bytes_host(&bytes, 11), h, "{n}");
             for l in [Level::Base, Level::Avx2, Level::Avx512] {
                 if l <= detected() {

@@ -165,13 +165,7 @@ pub(super) fn device_work_note(reference: &CpuEngine<'_>) -> Option<String> {
             w.checked,
             w.on_cpu,
             w.on_cpu_multiply_adds / 1e12,
-            match d.refusal() {
-                Some(first) => format!(
-                    "; {} spans of the candidate's device bytes differed from the file and were not used (their products made on the CPU): {first}",
-                    w.refused
-                ),
-                None => String::new(),
-            }
+            refused(d, &w)
         ));
     }
     let reused = if w.reused > 0 || w.refused > 0 {
@@ -180,13 +174,7 @@ pub(super) fn device_work_note(reference: &CpuEngine<'_>) -> Option<String> {
             w.reused,
             w.reused_bytes as f64 / 1e9,
             w.hash_seconds,
-            match d.refusal() {
-                Some(first) => format!(
-                    "; {} spans of those bytes differed from the file and were not used (their products made on the CPU): {first}",
-                    w.refused
-                ),
-                None => String::new(),
-            }
+            refused(d, &w)
         )
     } else {
         String::new()
@@ -207,6 +195,21 @@ pub(super) fn device_work_note(reference: &CpuEngine<'_>) -> Option<String> {
         w.on_cpu,
         w.on_cpu_multiply_adds / 1e12
     ))
+}
+
+/// The note's clause on the spans of the CUDA candidate's device bytes the reference refused
+/// (their hash differed from the file's), empty when none was.
+fn refused(
+    d: &crate::engine::cpu::device::Device,
+    w: &crate::engine::cpu::device::DeviceWork,
+) -> String {
+    match d.refusal() {
+        Some(first) => format!(
+            "; {} spans of the candidate's device bytes differed from the file and were not used (their products made on the CPU): {first}",
+            w.refused
+        ),
+        None => String::new(),
+    }
 }
 
 /// Whether any hook of `cmp` was compared in some mode (not only listed as missing).

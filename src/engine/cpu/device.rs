@@ -184,11 +184,6 @@ impl Device {
         self.set_aside.lock().ok().and_then(|s| s.clone())
     }
 
-    /// The device's ordinal.
-    pub fn ordinal(&self) -> usize {
-        self.ordinal
-    }
-
     /// The first span of the CUDA candidate's device bytes whose hash differed from the file's
     /// (those products were made on the CPU), in words.
     pub fn refusal(&self) -> Option<String> {
