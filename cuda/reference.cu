@@ -172,6 +172,16 @@ extern "C" __global__ void reference_count_nonfinite(const float* __restrict__ v
     if (mine) atomicAdd(count, (unsigned long long)mine);
 }
 
+// Copies n 32-bit words from src to dst, either of them host memory mapped into the device's
+// address space (a product's pinned parcel, src/gpu/parcels.rs): a product's input and outputs
+// then travel by the device's own loads and stores over the link, not as copies queued on a copy
+// engine behind another stream's bulk uploads.
+extern "C" __global__ void reference_copy_words(const u32* __restrict__ src, u32* __restrict__ dst,
+                                                u64 n) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}
+
 // The CPU reference's MLA attention (src/engine/cpu/attention.rs, attention/tiles.rs), the
 // scores and the weighted sums; the softmax between them stays on the CPU (its exp is the
 // host's). Query i of a call (heads hd) sees the keys keys[offs[i] .. offs[i + 1]] (ascending,

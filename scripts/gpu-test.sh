@@ -166,13 +166,14 @@ run() {
     # layers together) and its threads' system time, waits for a core and page faults: against
     # the reference alone (`bench layer`, below), where the pipeline's reference loses its time.
     for a in off on on-staged off-bf16; do
-        local how=(--candidate-ahead "${a%%-*}") dt=f32
-        [ "$a" = on-staged ] && how+=(--upload-from staged)
+        # `--upload-from` is run's own flag (after `run`), `--candidate-ahead` a global one.
+        local how=(--candidate-ahead "${a%%-*}") dt=f32 from=()
+        [ "$a" = on-staged ] && from=(--upload-from staged)
         [ "$a" = off-bf16 ] && dt=bf16
         scripts/thread-cpu.sh "$logs/threads-run-$a.txt" "$bin" --wide "${how[@]}" run "$bm/glm5.gguf" --against cuda --dtype "$dt" \
-            --tokens "$ids" --no-cache --json "$logs/run-ahead-$a.json" > "$logs/run-ahead-$a.txt" 2>&1
+            "${from[@]}" --tokens "$ids" --no-cache --json "$logs/run-ahead-$a.json" > "$logs/run-ahead-$a.txt" 2>&1
         local rc=$?
-        summary+=("run $dt ${how[*]}: exit $rc, $(python3 -c 'import json, sys
+        summary+=("run $dt ${how[*]} ${from[*]}: exit $rc, $(python3 -c 'import json, sys
 j = json.load(open(sys.argv[1]))
 top = lambda k, n: "; ".join(t["what"] + " " + format(t["seconds"] * 1e3, ".1f") + " ms" for t in j[k][:n])
 print("by step:", top("candidate_beyond_times", 6), "| reference:", top("reference_times", 10))' "$logs/run-ahead-$a.json" 2>&1 | cut -c1-700)")

@@ -451,6 +451,13 @@ where
                 cand.run_ahead(step, &*sink, &ref_ended, ahead);
             }
             let ran_ahead = cand.ahead.len().saturating_sub(before);
+            // While the reference's side runs, the candidate offers it the weights whose
+            // uploads finish (`--reference-reuse`; an engine without any returns at once).
+            if let Some(c) = cand.engine {
+                while !ref_ended.load(Ordering::Acquire) && c.offer_uploads() {
+                    std::thread::sleep(OFFER_POLL);
+                }
+            }
             let ref_done = ref_side
                 .join()
                 .unwrap_or_else(|_| Err(anyhow::anyhow!("driver: the reference's step panicked")));
@@ -891,6 +898,11 @@ impl<'a, C: Engine> CandidateSide<'a, C> {
         Ok(())
     }
 }
+
+/// How often the pass asks the candidate to offer the reference its finished uploads while it
+/// waits for the reference's side of a step ([`Engine::offer_uploads`]): a copy of a routed
+/// group of 16 experts takes milliseconds.
+const OFFER_POLL: std::time::Duration = std::time::Duration::from_micros(300);
 
 /// Most tokens of a prompt whose candidate chain runs ahead of the pass
 /// ([`CandidateSide::run_ahead`]): its steps' outputs wait on the host until the pass reaches

@@ -172,6 +172,14 @@ pub trait Engine {
     fn take_upload_stats(&self) -> UploadStats {
         UploadStats::default()
     }
+    /// Offers the reference the weights whose uploads have finished since the last call
+    /// (`--reference-reuse`: `gpu::resident`), without waiting for any; returns whether uploads
+    /// it would offer are still under way. The pass calls it while it waits for the
+    /// reference's side of a step, so that an offer follows its copies, not this engine's
+    /// steps. Default: nothing to offer.
+    fn offer_uploads(&self) -> bool {
+        false
+    }
 
     /// Copies a host tensor into the engine.
     fn upload(&self, t: &HostTensor) -> Result<Self::Tensor>;

@@ -34,6 +34,8 @@ pub struct Layout {
     pub out: Range<usize>,
     /// The count of non-finite weight values (u64).
     pub count: Range<usize>,
+    /// The hash of device weights ([`Packed::OnDevice`], when asked; u64).
+    pub hash: Range<usize>,
 }
 
 /// What a parcel's weights are.
@@ -43,12 +45,17 @@ pub enum Packed {
     Raw(GgmlType),
     /// f32 values.
     Dense,
+    /// None: raw GGUF rows of this type already on the device (`Weights::Device`), given when
+    /// the product is queued (`ReferenceProducts::submit_device`).
+    OnDevice(GgmlType),
 }
 
 /// One product's values in pinned memory (see the module's text), with its shape.
 pub struct Parcel {
-    /// The pinned bytes (at least `layout.count.end`).
+    /// The pinned bytes (at least `layout.hash.end`).
     pub(super) buf: PinnedHostSlice<u8>,
+    /// Their address in the device's address space (the memory is mapped there).
+    pub(super) dev: u64,
     /// Where its parts lie.
     pub layout: Layout,
     /// What its weights are.
@@ -60,7 +67,8 @@ pub struct Parcel {
 /// Kept parcels, and the context that allocates new ones.
 pub struct Parcels {
     ctx: Arc<CudaContext>,
-    free: Mutex<Vec<PinnedHostSlice<u8>>>,
+    /// Kept parcels' memory, with its device address.
+    free: Mutex<Vec<(PinnedHostSlice<u8>, u64)>>,
 }
 
 /// `n` rounded up to 256.
@@ -104,42 +112,89 @@ impl Parcels {
         if t == 0 || rows == 0 {
             return Ok(None);
         }
-        let x_at = 0..x.len() * 4;
-        let w_at = aligned(x_at.end)..aligned(x_at.end) + w_bytes.len();
-        let out_at = aligned(w_at.end)..aligned(w_at.end) + t * rows * 4;
-        let count_at = aligned(out_at.end)..aligned(out_at.end) + 8;
-        if count_at.end > PARCEL_BYTES {
+        let Some(mut parcel) = self.parcel(x, t, w_bytes.len(), packed, (rows, cols))? else {
+            return Ok(None);
+        };
+        let at = parcel.layout.w.clone();
+        parcel
+            .buf
+            .as_mut_slice()
+            .context("cuda: a product's pinned memory")?[at]
+            .copy_from_slice(w_bytes);
+        Ok(Some(parcel))
+    }
+
+    /// The input `x` (`[t, cols]`) of a product with `rows` raw rows of `ty` already on the
+    /// device, packed in a parcel with room for the output, the count and the weights' hash;
+    /// `None` when it needs more than [`PARCEL_BYTES`] (or is empty). Given back as
+    /// [`Parcels::pack`]'s.
+    pub fn pack_input(
+        &self,
+        x: &[f32],
+        t: usize,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Option<Parcel>> {
+        if x.len() != t * cols {
+            bail!(
+                "cuda: reference products: {} input values for [{t}, {cols}]",
+                x.len()
+            );
+        }
+        row_bytes(ty, cols)?;
+        if t == 0 || rows == 0 {
             return Ok(None);
         }
-        let mut buf = self.take(count_at.end)?;
-        {
-            let b = buf
-                .as_mut_slice()
-                .context("cuda: a product's pinned memory")?;
-            b[x_at.clone()].copy_from_slice(f32_bytes(x));
-            b[w_at.clone()].copy_from_slice(w_bytes);
+        self.parcel(x, t, 0, Packed::OnDevice(ty), (rows, cols))
+    }
+
+    /// A parcel laid out for `x` (copied in), `w_len` bytes of weights, the output of `t`
+    /// tokens by `rows`, the count and the hash; `None` past [`PARCEL_BYTES`].
+    fn parcel(
+        &self,
+        x: &[f32],
+        t: usize,
+        w_len: usize,
+        packed: Packed,
+        (rows, cols): (usize, usize),
+    ) -> Result<Option<Parcel>> {
+        let x_at = 0..x.len() * 4;
+        let w_at = aligned(x_at.end)..aligned(x_at.end) + w_len;
+        let out_at = aligned(w_at.end)..aligned(w_at.end) + t * rows * 4;
+        let count_at = aligned(out_at.end)..aligned(out_at.end) + 8;
+        let hash_at = count_at.end..count_at.end + 8;
+        if hash_at.end > PARCEL_BYTES {
+            return Ok(None);
         }
+        let (mut buf, dev) = self.take(hash_at.end)?;
+        buf.as_mut_slice()
+            .context("cuda: a product's pinned memory")?[x_at.clone()]
+        .copy_from_slice(f32_bytes(x));
         Ok(Some(Parcel {
             buf,
+            dev,
             layout: Layout {
                 x: x_at,
                 w: w_at,
                 out: out_at,
                 count: count_at,
+                hash: hash_at,
             },
             packed,
             dims: (t, rows, cols),
         }))
     }
 
-    /// A kept parcel of at least `n` bytes (the smallest such), or a new one.
-    fn take(&self, n: usize) -> Result<PinnedHostSlice<u8>> {
+    /// A kept parcel of at least `n` bytes (the smallest such), or a new one, with its device
+    /// address.
+    fn take(&self, n: usize) -> Result<(PinnedHostSlice<u8>, u64)> {
         if let Ok(mut free) = self.free.lock() {
             let best = free
                 .iter()
                 .enumerate()
-                .filter(|(_, b)| b.len() >= n)
-                .min_by_key(|(_, b)| b.len())
+                .filter(|(_, (b, _))| b.len() >= n)
+                .min_by_key(|(_, (b, _))| b.len())
                 .map(|(i, _)| i);
             if let Some(i) = best {
                 return Ok(free.swap_remove(i));
@@ -147,20 +202,41 @@ impl Parcels {
         }
         let size = n.next_power_of_two().clamp(SMALLEST, PARCEL_BYTES).max(n);
         // SAFETY: the memory is unset; the host reads only what it wrote (the input and
-        // weights) or what a copy from the device wrote after the copy's event (the output).
-        unsafe { self.ctx.alloc_pinned_with_flags::<u8>(size, 0) }.with_context(|| {
+        // weights) or what the device wrote before the product's end event (the outputs).
+        let mut buf = unsafe {
+            self.ctx
+                .alloc_pinned_with_flags::<u8>(size, cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP)
+        }
+        .with_context(|| {
             format!(
                 "cuda: cannot allocate {} MiB of pinned memory for a reference product",
                 size >> 20
             )
-        })
+        })?;
+        let host = buf
+            .as_mut_ptr()
+            .context("cuda: a product's pinned memory")?;
+        let mut dev = 0u64;
+        // SAFETY: `host` is the start of a live allocation of cuMemHostAlloc, mapped into the
+        // device's address space (CU_MEMHOSTALLOC_DEVICEMAP); `dev` receives its address there.
+        let r = unsafe {
+            cudarc::driver::sys::cuMemHostGetDevicePointer_v2(
+                &mut dev,
+                host as *mut std::ffi::c_void,
+                0,
+            )
+        };
+        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            bail!("cuda: the device address of a product's pinned memory: {r:?}");
+        }
+        Ok((buf, dev))
     }
 
     /// Keeps `parcel`'s memory for another product (the copies that used it are done: the
     /// caller waited for them).
     pub fn give(&self, parcel: Parcel) {
         if let Ok(mut free) = self.free.lock() {
-            free.push(parcel.buf);
+            free.push((parcel.buf, parcel.dev));
         }
     }
 }
@@ -177,10 +253,27 @@ impl Parcel {
             .chunks_exact(4)
             .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
-        let c = &b[self.layout.count.clone()];
-        let count = u64::from_ne_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+        let count = word(&b[self.layout.count.clone()]);
         Ok((out, count))
     }
+
+    /// The device weights' hash read from the parcel (after the copies back are done).
+    pub(super) fn read_hash(&mut self) -> Result<u64> {
+        let b = self
+            .buf
+            .as_mut_slice()
+            .context("cuda: a product's pinned memory")?;
+        Ok(word(&b[self.layout.hash.clone()]))
+    }
+}
+
+/// The u64 of 8 bytes (native order, as the device wrote it).
+fn word(c: &[u8]) -> u64 {
+    let mut w = [0u8; 8];
+    for (d, s) in w.iter_mut().zip(c) {
+        *d = *s;
+    }
+    u64::from_ne_bytes(w)
 }
 
 /// The bytes of f32 values.

@@ -91,6 +91,8 @@ struct Buffers {
     out: Option<CudaSlice<f32>>,
     /// The non-finite weight values of the product under way.
     count: Option<CudaSlice<u64>>,
+    /// The hash of the device weights of the product under way (`submit_device`).
+    hash: Option<CudaSlice<u64>>,
     /// Pinned host memory for a chunk of an attention's scores: read back into it, turned
     /// into probabilities there, copied back from it.
     scores_host: Option<PinnedHostSlice<f64>>,
@@ -490,6 +492,9 @@ impl ReferenceProducts {
                     drop(rec);
                     self.dequant_chunk(b, ty, (len, None), values)?;
                 }
+                Packed::OnDevice(_) => bail!(
+                    "cuda: reference products: a parcel of device weights queued without them"
+                ),
                 Packed::Dense => {
                     let from = layout.w.start + r0 * cols * 4;
                     let wd = b.w.as_mut().context("cuda: no weight buffer")?;
@@ -533,6 +538,138 @@ impl ReferenceProducts {
             .record_event(None)
             .context("cuda: recording a product's end")?;
         Ok(Sent { events, done })
+    }
+
+    /// Queues the product packed in `parcel` by [`Parcels::pack_input`] with the raw rows
+    /// `bytes` already on the device (another engine's, `gpu::resident`), as
+    /// [`ReferenceProducts::submit`] queues one: its input copied from the parcel, the rows
+    /// dequantized from `bytes` and counted, the product, its output and count copied back;
+    /// when `hash`, first the hash of `bytes` (`Gpu::hash_bytes`, base 0), copied back too
+    /// ([`Sent::wait_hashed`]). `bytes` must stay on the device until the product is waited for.
+    pub fn submit_device(
+        &self,
+        parcel: &mut Parcel,
+        bytes: &CudaView<'_, u8>,
+        hash: bool,
+    ) -> Result<Sent> {
+        let out = self.submit_device_queued(parcel, bytes, hash);
+        if out.is_err() {
+            let _ = self.stream().synchronize();
+        }
+        out
+    }
+
+    /// [`ReferenceProducts::submit_device`] itself. The parcel's input and outputs travel by
+    /// [`ReferenceProducts::copy_words`] (the parcel is mapped into the device's address
+    /// space), not by copies: a copy queues on a copy engine behind the bulk uploads another
+    /// stream of the device may have issued (the candidate's routed experts), a kernel's loads
+    /// and stores do not.
+    fn submit_device_queued(
+        &self,
+        parcel: &mut Parcel,
+        bytes: &CudaView<'_, u8>,
+        hash: bool,
+    ) -> Result<Sent> {
+        let (t, rows, cols) = parcel.dims;
+        let Packed::OnDevice(ty) = parcel.packed else {
+            bail!("cuda: reference products: a packed parcel queued as one of device weights");
+        };
+        if t == 0 || rows == 0 {
+            bail!("cuda: reference products: an empty product [{t}, {rows}] in a parcel");
+        }
+        let per_row = row_bytes(ty, cols)?;
+        if bytes.len() != rows * per_row {
+            bail!(
+                "cuda: reference products: {} device bytes of {ty} for {rows} rows of {cols}",
+                bytes.len()
+            );
+        }
+        let s = self.stream();
+        let mut guard = self
+            .bufs
+            .lock()
+            .map_err(|_| anyhow::anyhow!("cuda: the buffer lock is poisoned"))?;
+        let b = &mut *guard;
+        let chunk_rows = self.product_buffers(b, (t, rows, cols))?;
+        let layout = parcel.layout.clone();
+        // The parcel's pinned memory, in the device's address space: it is not touched by
+        // the host until the event recorded at the end says the kernels that read and write
+        // it are done (Sent::wait), or the stream is waited for after an error (submit_device).
+        let host = |r: &std::ops::Range<usize>| parcel.dev + r.start as u64;
+        let words = |r: &std::ops::Range<usize>| r.len() / 4;
+        {
+            let xd = b.x.as_mut().context("cuda: no input buffer")?;
+            let (ptr, rec) = xd.device_ptr_mut(s);
+            // `xd` holds at least t * cols f32 values, the words of `layout.x`.
+            self.copy_words(host(&layout.x), ptr, words(&layout.x))?;
+            drop(rec);
+        }
+        if hash {
+            let h = at_least(&self.gpu, &mut b.hash, 1, "a hash")?;
+            s.memset_zeros(h).context("cuda: clearing a hash")?;
+            self.gpu.hash_bytes_queued(bytes, 0, h)?;
+            let (src, rec) = h.device_ptr(s);
+            // `layout.hash` holds 8 bytes, the hash one u64.
+            self.copy_words(src, host(&layout.hash), words(&layout.hash))?;
+            drop(rec);
+        }
+        let mut events = Vec::new();
+        let mut r0 = 0;
+        while r0 < rows {
+            let n = chunk_rows.min(rows - r0);
+            let rows_bytes = bytes.slice(r0 * per_row..);
+            self.dequant_chunk(b, ty, (n * per_row, Some(&rows_bytes)), n * cols)?;
+            let (xd, wd, out) = (
+                b.x.as_ref().context("cuda: no input buffer")?,
+                b.w.as_ref().context("cuda: no weight buffer")?,
+                b.out.as_mut().context("cuda: no output buffer")?,
+            );
+            events.push(self.launch_with(self.kernel, xd, wd, out, (t, rows, cols), r0, n)?);
+            r0 += n;
+        }
+        let out = b.out.as_ref().context("cuda: no output buffer")?;
+        let (src, rec) = out.device_ptr(s);
+        // `layout.out` holds t * rows * 4 bytes, `out` at least t * rows values.
+        self.copy_words(src, host(&layout.out), words(&layout.out))?;
+        drop(rec);
+        let count = b.count.as_ref().context("cuda: no counter")?;
+        let (src, rec) = count.device_ptr(s);
+        // `layout.count` holds 8 bytes, the counter one u64.
+        self.copy_words(src, host(&layout.count), words(&layout.count))?;
+        drop(rec);
+        let done = s
+            .record_event(None)
+            .context("cuda: recording a product's end")?;
+        Ok(Sent { events, done })
+    }
+
+    /// Queues the copy of `words` 32-bit words from device address `src` to `dst` on the stream
+    /// by a kernel (`reference_copy_words`): either may be host memory mapped into the
+    /// device's address space. The caller vouches that both hold `words` words.
+    fn copy_words(&self, src: u64, dst: u64, words: usize) -> Result<()> {
+        if words == 0 {
+            return Ok(());
+        }
+        let f = self
+            .gpu
+            .function("reference", REFERENCE_SOURCE, "reference_copy_words")?;
+        let n = words as u64;
+        let blocks = (words.div_ceil(256) as u64).clamp(1, u64::from(self.gpu.info.sms.max(1)) * 4);
+        let mut b = self.stream().launch_builder(&f);
+        b.arg(&src).arg(&dst).arg(&n);
+        // SAFETY: the callers pass `src` and `dst` holding at least `words` 32-bit words each
+        // (device buffers, or ranges of a live parcel mapped into the device's address space
+        // that the host does not touch until the stream has passed this kernel); the kernel
+        // reads src[i] and writes dst[i] for i < n only.
+        unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (blocks as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .context("cuda: launching reference_copy_words")?;
+        Ok(())
     }
 
     /// `x · W^T` for `x` `[t, cols]` and `rows` weight rows of `cols` values: `[t, rows]`, every
@@ -1045,6 +1182,13 @@ impl Sent {
         let ran = elapsed(&self.events)?;
         let (out, nonfinite) = parcel.read()?;
         Ok(((nonfinite == 0).then_some(out), ran))
+    }
+
+    /// [`Sent::wait`] of a product queued by [`ReferenceProducts::submit_device`] with its
+    /// hash, with the device weights' hash.
+    pub fn wait_hashed(self, parcel: &mut Parcel) -> Result<(Option<Vec<f32>>, f64, u64)> {
+        let (out, ran) = self.wait(parcel)?;
+        Ok((out, ran, parcel.read_hash()?))
     }
 }
 

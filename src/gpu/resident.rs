@@ -2,23 +2,24 @@
 //! same device (`--reference-reuse`).
 //!
 //! At a short prompt a MoE layer's reference spends about half of its CPU time dequantizing and
-//! multiplying the routed experts, one or two tokens each, while the CUDA candidate uploads the
-//! same experts' raw GGUF rows to the device for its own step. The reference's products on a
-//! device (`engine::cpu::device`) do not pay there when they upload the weights themselves (the
-//! link is the candidate's bottleneck), but they do with bytes already on the device. So the
-//! candidate offers each routed group it holds, by file span (the shard's path, the byte offset
-//! and length of an expert's rows), and the reference looks its products' weights up by the
-//! same span ([`find`]).
+//! multiplying the routed experts, one or two tokens each, and most of the rest in the products
+//! of the layer's other weights, while the CUDA candidate uploads the same raw GGUF rows to the
+//! device for its own steps. The reference's products on a device (`engine::cpu::device`) do not
+//! pay there when they upload the weights themselves (the link is the candidate's bottleneck),
+//! but they do with bytes already on the device. So the candidate offers what it holds by file
+//! span (the shard's path, the byte offset and length): each routed group's experts' rows, and
+//! each whole tensor of a layer (attention, shared expert, dense MLP) once its copies are done;
+//! the reference looks its products' weights up by the same span ([`find`]).
 //!
 //! The bytes stay the file's by proof, not by trust: before the reference uses a span's device
-//! bytes it compares their hash on the device ([`Gpu::hash_bytes`], `cuda/compare.cu`
-//! `hash_bytes`) with the hash of the same span read from its own memory map of the file
-//! ([`hash_bytes_host`]), a wrapping sum over the span's 4-byte words of `mix64(word ^ (base +
-//! i) * GAMMA)`; a span whose hashes differ is not used (the reference makes that product on
-//! the CPU from the file, and the run's note names the span). The products themselves are
-//! checked as every device product is (`engine::cpu::device`: rows and tokens against the
-//! CPU's `dot`, bit for bit). The values are the reference's own either way: only where the
-//! multiply-adds run changes.
+//! bytes it compares their hash on the device ([`Gpu::hash_bytes_queued`], `cuda/compare.cu`
+//! `hash_bytes`, queued with the product) with the hash of the same span read from its own
+//! memory map of the file ([`hash_bytes_host`]), a wrapping sum over the span's 4-byte words of
+//! `mix64(word ^ (base + i) * GAMMA)`; a span whose hashes differ is not used (the reference
+//! makes that product on the CPU from the file, and the run's note names the span). The products
+//! themselves are checked as every device product is (`engine::cpu::device`: rows and tokens
+//! against the CPU's `dot`, bit for bit). The values are the reference's own either way: only
+//! where the multiply-adds run changes.
 //!
 //! An offered span keeps the candidate's buffer alive (a shared handle) until the candidate
 //! forgets the layer's offers ([`keep_around`]: as it begins a layer, those of every other
@@ -197,23 +198,41 @@ fn hash_words_body(bytes: &[u8], start: u64) -> u64 {
 impl Gpu {
     /// [`hash_bytes_host`] of the device bytes `v`, on this device's stream (waits for it).
     pub fn hash_bytes(&self, v: &CudaView<'_, u8>, base: u64) -> Result<u64> {
-        let s = self.stream();
         let mut out = self.alloc_zeroed::<u64>(1, "hash")?;
-        let n = v.len() as u64;
-        if n == 0 {
-            return Ok(0);
-        }
-        let f = self.function("compare", COMPARE_SOURCE, "hash_bytes")?;
-        let mut b = s.launch_builder(&f);
-        b.arg(v).arg(&n).arg(&base).arg(&mut out);
-        // SAFETY: `v` holds n bytes, which the kernel reads below n only; `out` is one counter;
-        // blocks are multiples of 32 threads (the warp reduction needs whole warps).
-        unsafe { b.launch(grid(self, n.div_ceil(4))) }.context("cuda: launching hash_bytes")?;
-        let h = s.clone_dtoh(&out).context("cuda: reading a hash")?;
+        self.hash_bytes_queued(v, base, &mut out)?;
+        let h = self
+            .stream()
+            .clone_dtoh(&out)
+            .context("cuda: reading a hash")?;
         match h.first() {
             Some(&h) => Ok(h),
             None => bail!("cuda: hash_bytes gave no value"),
         }
+    }
+
+    /// Queues [`hash_bytes_host`] of the device bytes `v` on this device's stream, added into
+    /// `out`'s first value (zero it first; read it once the stream has passed this).
+    pub fn hash_bytes_queued(
+        &self,
+        v: &CudaView<'_, u8>,
+        base: u64,
+        out: &mut CudaSlice<u64>,
+    ) -> Result<()> {
+        let n = v.len() as u64;
+        if n == 0 {
+            return Ok(());
+        }
+        if out.is_empty() {
+            bail!("cuda: hash_bytes: no place for the hash");
+        }
+        let f = self.function("compare", COMPARE_SOURCE, "hash_bytes")?;
+        let mut b = self.stream().launch_builder(&f);
+        b.arg(v).arg(&n).arg(&base).arg(out);
+        // SAFETY: `v` holds n bytes, which the kernel reads below n only; `out` holds at least
+        // one counter, the only one written; blocks are multiples of 32 threads (the warp
+        // reduction needs whole warps).
+        unsafe { b.launch(grid(self, n.div_ceil(4))) }.context("cuda: launching hash_bytes")?;
+        Ok(())
     }
 }
 

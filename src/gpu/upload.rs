@@ -1178,6 +1178,10 @@ fn read_at(_: &File, _: &mut [u8], _: u64) -> std::io::Result<()> {
 }
 
 #[cfg(test)]
+#[path = "upload/beside_tests.rs"]
+mod beside_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

@@ -285,68 +285,66 @@ impl Device {
             on.at,
         );
         let known = self.proven.lock().ok().and_then(|p| p.get(&proof).copied());
-        let proven = match known {
-            Some(p) => p,
-            None => {
-                // The file's hash on this thread's cores, before the device's turn.
-                let want = resident::hash_bytes_host(bytes, 0);
-                let got = {
-                    let p = self.products.lock().map_err(|_| {
-                        anyhow::anyhow!("engine: cpu: the reference's device lock is poisoned")
-                    })?;
-                    self.or_set_aside(p.hash_bytes(&view))?
-                };
-                let Some(got) = got else {
-                    return Ok(None);
-                };
-                let same = got == want;
-                if let Ok(mut p) = self.proven.lock() {
-                    p.insert(proof, same);
-                }
-                if let Ok(mut w) = self.work.lock() {
-                    w.hash_seconds += start.elapsed().as_secs_f64();
-                    if same {
-                        w.reused_bytes += len;
-                    } else {
-                        w.refused += 1;
-                    }
-                }
-                if !same {
-                    if let Ok(mut r) = self.refusal.lock() {
-                        r.get_or_insert(format!(
-                            "the candidate's device bytes of {} (bytes {offset}..{} of {}) hash to {got:#018x}, the file's to {want:#018x}",
-                            src.name(),
-                            offset + len,
-                            span.path.display()
-                        ));
-                    }
-                }
-                same
-            }
-        };
-        if !proven {
+        if known == Some(false) {
             return Ok(None);
         }
-        let weights = crate::gpu::reference::Weights::Device { ty, bytes: view };
-        let (out, kernel_seconds, wait_seconds) = {
+        let hash = known.is_none();
+        // The input packed by this thread before the device's turn, which only queues the
+        // copies and kernels (and the hash of the bytes, not yet proven); this thread hashes
+        // the file's bytes meanwhile, then waits for the product.
+        let packed = self.parcels.pack_input(x, t, ty, src.rows, src.cols);
+        let Some(mut parcel) = self.or_set_aside(packed)?.flatten() else {
+            return Ok(None);
+        };
+        let (sent, wait_seconds) = {
+            let t0 = std::time::Instant::now();
             let p = self.products.lock().map_err(|_| {
                 anyhow::anyhow!("engine: cpu: the reference's device lock is poisoned")
             })?;
-            let waited = start.elapsed().as_secs_f64();
-            let k0 = p.kernel_seconds();
-            let out = self
-                .or_set_aside(p.products(x, t, weights, src.rows, src.cols))?
-                .flatten();
-            (out, p.kernel_seconds() - k0, waited)
+            let waited = t0.elapsed().as_secs_f64();
+            (p.submit_device(&mut parcel, &view, hash), waited)
         };
+        let h0 = std::time::Instant::now();
+        let want = (hash && sent.is_ok()).then(|| resident::hash_bytes_host(bytes, 0));
+        let hash_seconds = h0.elapsed().as_secs_f64();
+        let done = sent.and_then(|s| s.wait_hashed(&mut parcel));
         // The buffer's handle goes only now: the products waited for their stream.
         drop(on);
+        self.parcels.give(parcel);
+        let Some((out, kernel_seconds, got)) = self.or_set_aside(done)? else {
+            return Ok(None);
+        };
+        if let Some(want) = want {
+            let same = got == want;
+            if let Ok(mut p) = self.proven.lock() {
+                p.insert(proof, same);
+            }
+            if let Ok(mut w) = self.work.lock() {
+                w.hash_seconds += hash_seconds;
+                if same {
+                    w.reused_bytes += len;
+                } else {
+                    w.refused += 1;
+                }
+            }
+            if !same {
+                if let Ok(mut r) = self.refusal.lock() {
+                    r.get_or_insert(format!(
+                        "the candidate's device bytes of {} (bytes {offset}..{} of {}) hash to {got:#018x}, the file's to {want:#018x}",
+                        src.name(),
+                        offset + len,
+                        span.path.display()
+                    ));
+                }
+                return Ok(None);
+            }
+        }
         if out.is_some() {
             self.count_made(
                 (t, src.rows, src.cols),
                 start,
                 [kernel_seconds, 0.0, wait_seconds],
-                false,
+                true,
             );
             if let Ok(mut w) = self.work.lock() {
                 w.reused += 1;

@@ -419,6 +419,10 @@ impl Engine for CudaEngine<'_> {
         self.upload_stats.take()
     }
 
+    fn offer_uploads(&self) -> bool {
+        self.offer_arrived()
+    }
+
     fn zeros_like(&self, x: &GpuTensor) -> Result<GpuTensor> {
         let n: usize = x.shape.iter().product();
         Ok(self.tensor_f32(x.shape.clone(), self.zeros_f32(n, "zeros")?))

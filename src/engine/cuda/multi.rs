@@ -307,6 +307,13 @@ impl Engine for MultiCudaEngine<'_> {
         }
     }
 
+    fn offer_uploads(&self) -> bool {
+        // Every engine offers (no short-circuit).
+        self.engines
+            .iter()
+            .fold(false, |under_way, e| e.offer_uploads() | under_way)
+    }
+
     fn take_upload_stats(&self) -> UploadStats {
         let mut s = UploadStats::default();
         for e in &self.engines {

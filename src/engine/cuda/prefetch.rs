@@ -84,7 +84,7 @@ impl PrefetchSummary {
 }
 
 /// A prefetched tensor not yet taken.
-struct Entry {
+pub(super) struct Entry {
     id: u64,
     layer: usize,
     state: State,
@@ -108,7 +108,7 @@ pub(super) struct Prefetch {
     begun_weights: Vec<String>,
     next_id: u64,
     generation: u64,
-    pending: HashMap<String, Entry>,
+    pub(super) pending: HashMap<String, Entry>,
     summary: PrefetchSummary,
 }
 

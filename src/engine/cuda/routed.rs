@@ -394,11 +394,13 @@ impl CudaEngine<'_> {
     /// Takes every routed group whose upload is back and done into the engine's buffers and
     /// offers it to the reference (`gpu::resident`), without waiting for any: the reference's
     /// products can use a group as soon as it is on the device, not when this engine's step
-    /// reaches it.
-    pub(super) fn offer_arrived(&self) {
+    /// reaches it. Returns whether a routed group's upload is still under way (false without
+    /// `--reference-reuse`).
+    pub(super) fn offer_arrived(&self) -> bool {
         if !resident::reuse() {
-            return;
+            return false;
         }
+        let mut under_way = false;
         let groups: Vec<Rc<Group>> = {
             let index = self.routed.borrow();
             let raw = self.raw.borrow();
@@ -408,9 +410,14 @@ impl CudaEngine<'_> {
                 .values()
                 .flat_map(|by_expert| by_expert.values())
                 .filter(|slot| seen.insert(slot.group.key.clone()))
-                .filter(|slot| {
-                    !raw.contains_key(&slot.group.key)
-                        && p.upload_done(&slot.group.key) == Some(true)
+                .filter(|slot| !raw.contains_key(&slot.group.key))
+                .filter(|slot| match p.upload_done(&slot.group.key) {
+                    Some(true) => true,
+                    Some(false) => {
+                        under_way = true;
+                        false
+                    }
+                    None => false,
                 })
                 .map(|slot| slot.group.clone())
                 .collect()
@@ -419,6 +426,34 @@ impl CudaEngine<'_> {
             // A failure here is met again, and reported, when the step needs the group.
             let _ = self.group_buffer(&g);
         }
+        // The whole tensors of the layers begun or prefetched (attention, shared expert, dense
+        // MLP), taken as their copies finish (`raw` offers them).
+        let whole: Vec<String> = {
+            let raw = self.raw.borrow();
+            let mut p = self.prefetch.borrow_mut();
+            let names: Vec<String> = p
+                .pending
+                .keys()
+                .filter(|n| names::split_blk(n).is_some() && self.weights.has(n))
+                .filter(|n| !raw.contains_key(*n))
+                .cloned()
+                .collect();
+            names
+                .into_iter()
+                .filter(|n| match p.upload_done(n) {
+                    Some(true) => true,
+                    Some(false) => {
+                        under_way = true;
+                        false
+                    }
+                    None => false,
+                })
+                .collect()
+        };
+        for name in whole {
+            let _ = self.raw(&name);
+        }
+        under_way
     }
 }
 

@@ -48,7 +48,39 @@ impl CudaEngine<'_> {
         self.count_upload(t0, d.len());
         let d = Arc::new(d);
         self.raw.borrow_mut().insert(name.to_string(), d.clone());
+        self.offer_tensor(name, &d);
         Ok(d)
+    }
+
+    /// Offers the raw blocks of a layer's tensor `name`, held whole in `buf`, to the
+    /// reference's products on this device (`gpu::resident`, `--reference-reuse`), by the
+    /// tensor's file span.
+    fn offer_tensor(&self, name: &str, buf: &Arc<CudaSlice<u8>>) {
+        if !crate::gpu::resident::reuse() {
+            return;
+        }
+        let Some((layer, _)) = names::split_blk(name) else {
+            return;
+        };
+        let Ok(desc) = self.weights.tensor_desc(name) else {
+            return;
+        };
+        let Ok(Some((path, offset, len))) = desc.file_range() else {
+            return;
+        };
+        crate::gpu::resident::offer(
+            layer,
+            crate::gpu::resident::FileSpan {
+                path: path.to_path_buf(),
+                offset,
+                len,
+            },
+            crate::gpu::resident::OnDevice {
+                ordinal: self.gpu.info.ordinal,
+                buf: buf.clone(),
+                at: 0,
+            },
+        );
     }
 
     /// Rows `rows` (of the tensor's `ne[1]*ne[2]...` rows of `ne[0]` values) of `name`,
