@@ -28,17 +28,25 @@ fn latencies(n: usize, mut op: impl FnMut()) -> (f64, f64, f64) {
 /// (`reference_copy_words`); with nothing else on the device, behind 6 GiB of copies from pinned
 /// memory queued on another stream (in 8 MiB copies: the first operation waits for what was
 /// queued before it when copies from both streams share one queue), and beside an uploader that
-/// registers and copies 1.5 GiB of a mapped file (`GLMDIFF_REGISTER_FILE`, 2 GiB or more; the
-/// probe returns early without it). `cargo test --release --lib small_work_beside_uploads --
-/// --ignored --nocapture`.
+/// registers and copies 1.5 GiB of a mapped file (written first, in the temporary directory).
+/// `cargo test --release --lib small_work_beside_uploads -- --ignored --nocapture`.
 #[test]
 #[ignore]
 fn small_work_beside_uploads() {
-    let Ok(path) = std::env::var("GLMDIFF_REGISTER_FILE") else {
-        eprintln!("small_work_beside_uploads: GLMDIFF_REGISTER_FILE not set, skipped");
-        return;
-    };
-    let path = PathBuf::from(path);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bytes.bin");
+    {
+        use std::io::Write;
+        let mut rng = crate::util::rng::SplitMix64::new(3);
+        let mut f = std::io::BufWriter::new(File::create(&path).unwrap());
+        let mut block = vec![0u8; 1 << 20];
+        for _ in 0..(1536 + 64) {
+            for w in block.chunks_exact_mut(8) {
+                w.copy_from_slice(&rng.next_u64().to_le_bytes());
+            }
+            f.write_all(&block).unwrap();
+        }
+    }
     let gpu = Gpu::open(0).unwrap();
     let probe = Gpu::open_own_stream(0).unwrap();
     let ctx = gpu.context().clone();
@@ -134,8 +142,6 @@ fn small_work_beside_uploads() {
     drop(bulk_dev);
     // Beside an uploader registering and copying a mapped file, 16 jobs of 96 MiB.
     let file = File::open(&path).unwrap();
-    let flen = file.metadata().unwrap().len() as usize;
-    assert!(flen >= 2 << 30, "GLMDIFF_REGISTER_FILE must hold 2 GiB");
     let mut warm = vec![0u8; 64 << 20];
     let mut at = 0;
     while at < BULK {
