@@ -13,7 +13,8 @@
 #                                 reference alone), the products' two paths on every thread and the upload probe, compute-sanitizer over the dequant and
 #                                 forward kernels; logs in $OUT/gpu-logs.tgz (default ./gpu-out), a summary last.
 #                                 GPU_STEPS="tests bench" runs only those parts (bench's pieces: bench-dequant,
-#                                 bench-default, bench-ahead, bench-steps, bench-reuse, bench-f32, bench-probes; bench-ab, named alone,
+#                                 bench-default, bench-ahead, bench-steps, bench-reuse, bench-f32, bench-probes (probe-beside: its
+#                                 first probe, small work beside bulk uploads, alone); bench-ab, named alone,
 #                                 times this binary against the base one, bf16 at 16 tokens, alternating).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,7 +81,8 @@ run() {
     }
     trap 'summary+=("stopped by a signal"); finish; exit 124' TERM INT
     # GPU_STEPS selects parts: tests fixtures synth regress bench sanitizer (default: all); bench's
-    # pieces alone: bench-dequant bench-default bench-ahead bench-steps bench-reuse bench-f32 bench-probes;
+    # pieces alone: bench-dequant bench-default bench-ahead bench-steps bench-reuse bench-f32 bench-probes
+    # (probe-beside: its first probe alone, seconds);
     # bench-ab (named alone only): bf16 `bench run` against the base binary of `GPU_BASE=REV prepare`.
     local steps=" ${GPU_STEPS:-tests fixtures synth regress bench sanitizer} "
     want() { [[ "$steps" == *" $1 "* ]]; }
@@ -228,6 +230,12 @@ print("reference:", top("reference_times", 6), "|", (dev[0][:700] if dev else "n
     done
     fi
     rm -rf "$bm"
+    if wantb bench-probes || want probe-beside; then
+    echo "== small_work_beside_uploads: a small copy, a kernel and a mapped kernel copy on a stream of their own, alone, behind 6 GiB of copies queued on another stream, and beside an uploader registering 1.5 GiB"
+    .gpu/unit small_work_beside_uploads --ignored --nocapture --test-threads=1 2>&1 | tee "$logs/beside.txt"
+    summary+=("small_work_beside_uploads: $(grep -m1 -E '^test result' "$logs/beside.txt")")
+    while read -r l; do summary+=("  $l"); done < <(grep -E '^(alone|behind|beside)' "$logs/beside.txt" | cut -c1-230)
+    fi
     if wantb bench-probes; then
     echo "== small_tokens_parallel_speed: the products' direct and blocked paths around 32 tokens, every thread at once"
     .gpu/unit small_tokens_parallel_speed --ignored --nocapture --test-threads=1 2>&1 | tee "$logs/small-tokens.txt"

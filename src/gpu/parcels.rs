@@ -54,8 +54,9 @@ pub enum Packed {
 pub struct Parcel {
     /// The pinned bytes (at least `layout.hash.end`).
     pub(super) buf: PinnedHostSlice<u8>,
-    /// Their address in the device's address space (the memory is mapped there).
-    pub(super) dev: u64,
+    /// Their address in the device's address space (the memory is mapped there); `None` when
+    /// the driver gave none (then only copies reach them: `ReferenceProducts::submit`).
+    pub(super) dev: Option<u64>,
     /// Where its parts lie.
     pub layout: Layout,
     /// What its weights are.
@@ -68,7 +69,7 @@ pub struct Parcel {
 pub struct Parcels {
     ctx: Arc<CudaContext>,
     /// Kept parcels' memory, with its device address.
-    free: Mutex<Vec<(PinnedHostSlice<u8>, u64)>>,
+    free: Mutex<Vec<(PinnedHostSlice<u8>, Option<u64>)>>,
 }
 
 /// `n` rounded up to 256.
@@ -188,7 +189,7 @@ impl Parcels {
 
     /// A kept parcel of at least `n` bytes (the smallest such), or a new one, with its device
     /// address.
-    fn take(&self, n: usize) -> Result<(PinnedHostSlice<u8>, u64)> {
+    fn take(&self, n: usize) -> Result<(PinnedHostSlice<u8>, Option<u64>)> {
         if let Ok(mut free) = self.free.lock() {
             let best = free
                 .iter()
@@ -226,9 +227,8 @@ impl Parcels {
                 0,
             )
         };
-        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-            bail!("cuda: the device address of a product's pinned memory: {r:?}");
-        }
+        // Without an address the parcel still serves the products whose values are copied.
+        let dev = (r == cudarc::driver::sys::CUresult::CUDA_SUCCESS).then_some(dev);
         Ok((buf, dev))
     }
 

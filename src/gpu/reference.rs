@@ -595,7 +595,10 @@ impl ReferenceProducts {
         // The parcel's pinned memory, in the device's address space: it is not touched by
         // the host until the event recorded at the end says the kernels that read and write
         // it are done (Sent::wait), or the stream is waited for after an error (submit_device).
-        let host = |r: &std::ops::Range<usize>| parcel.dev + r.start as u64;
+        let Some(dev) = parcel.dev else {
+            bail!("cuda: reference products: the driver gave no device address for a product's pinned memory");
+        };
+        let host = |r: &std::ops::Range<usize>| dev + r.start as u64;
         let words = |r: &std::ops::Range<usize>| r.len() / 4;
         {
             let xd = b.x.as_mut().context("cuda: no input buffer")?;
