@@ -408,6 +408,18 @@ impl Uploader {
 
     /// [`Uploader::start`], the jobs' bytes taken from `source`.
     pub fn start_from(gpu: &Gpu, source: Source) -> Result<Uploader> {
+        Uploader::start_giving_way(gpu, source, std::time::Duration::ZERO)
+    }
+
+    /// [`Uploader::start_from`], the thread sleeping `give_way` after each registration of a
+    /// mapped file's pages ([`Source::Mapped`]), so that other threads' calls into the driver,
+    /// which a registration may hold up, get their turn between two (a probe's setting:
+    /// `small_work_beside_uploads`).
+    pub fn start_giving_way(
+        gpu: &Gpu,
+        source: Source,
+        give_way: std::time::Duration,
+    ) -> Result<Uploader> {
         let ctx = gpu.context().clone();
         let copy = CopyStream::new(&ctx)?;
         let ring = Ring::new(&ctx, STAGING_SLOTS, STAGING_BYTES)?;
@@ -428,6 +440,7 @@ impl Uploader {
             compute: compute.clone(),
             cancel: cancel.clone(),
             files: HashMap::new(),
+            give_way,
         };
         let thread = std::thread::Builder::new()
             .name(format!("upload-cuda{}", gpu.info.ordinal))
@@ -510,6 +523,8 @@ struct Worker {
     compute: Arc<CudaStream>,
     cancel: Arc<AtomicU64>,
     files: HashMap<PathBuf, File>,
+    /// Slept after each registration of mapped pages ([`Uploader::start_giving_way`]).
+    give_way: std::time::Duration,
 }
 
 impl Worker {
@@ -704,6 +719,9 @@ impl Worker {
                 return Ok(None);
             }
             registered.push((lo, hi));
+            if !self.give_way.is_zero() {
+                std::thread::sleep(self.give_way);
+            }
         }
         timing.1 += t0.elapsed().as_secs_f64();
         let start = timing_event(&self.ctx, &self.copy.stream)
