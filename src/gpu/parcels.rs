@@ -45,8 +45,8 @@ pub enum Packed {
     Raw(GgmlType),
     /// f32 values.
     Dense,
-    /// None: raw GGUF rows of this type already on the device (`Weights::Device`), given when
-    /// the product is queued (`ReferenceProducts::submit_device`).
+    /// None: raw GGUF rows of this type already on the device (another engine's,
+    /// `gpu::resident`), given when the product is queued (`ReferenceProducts::submit_device`).
     OnDevice(GgmlType),
 }
 
@@ -107,8 +107,6 @@ impl Parcels {
         let (w_bytes, packed): (&[u8], Packed) = match w {
             Weights::Raw { ty, bytes } => (bytes, Packed::Raw(*ty)),
             Weights::Dense(v) => (f32_bytes(v), Packed::Dense),
-            // On the device already: nothing of the weights to pack.
-            Weights::Device { .. } => return Ok(None),
         };
         if t == 0 || rows == 0 {
             return Ok(None);
@@ -294,29 +292,12 @@ pub enum Weights<'a> {
     },
     /// f32 values, row-major.
     Dense(&'a [f32]),
-    /// Raw GGUF blocks of `ty` already on the device, whole rows of `cols` values (another
-    /// engine's bytes, proven to be the file's: `gpu::resident`), dequantized there.
-    Device {
-        /// The GGML type.
-        ty: GgmlType,
-        /// The rows' bytes on the device.
-        bytes: cudarc::driver::CudaView<'a, u8>,
-    },
 }
 
 /// Whether `w` holds `rows` rows of `cols` values (whole blocks of its type, when raw).
 pub(super) fn check_weights(w: &Weights<'_>, rows: usize, cols: usize) -> Result<()> {
     match w {
         Weights::Raw { ty, bytes } => {
-            let per_row = row_bytes(*ty, cols)?;
-            if bytes.len() != rows * per_row {
-                bail!(
-                    "cuda: reference products: {} bytes of {ty} for {rows} rows of {cols}",
-                    bytes.len()
-                );
-            }
-        }
-        Weights::Device { ty, bytes } => {
             let per_row = row_bytes(*ty, cols)?;
             if bytes.len() != rows * per_row {
                 bail!(

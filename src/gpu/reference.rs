@@ -729,11 +729,6 @@ impl ReferenceProducts {
                     let wd = b.w.as_mut().context("cuda: no weight buffer")?;
                     self.put_f32(&v[r0 * cols..(r0 + n) * cols], wd)?;
                 }
-                Weights::Device { ty, bytes } => {
-                    let per_row = row_bytes(*ty, cols)?;
-                    let rows_bytes = bytes.slice(r0 * per_row..);
-                    self.dequant_chunk(b, *ty, (n * per_row, Some(&rows_bytes)), values)?;
-                }
             }
             let (xd, wd, out) = (
                 b.x.as_ref().context("cuda: no input buffer")?,
