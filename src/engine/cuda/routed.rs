@@ -394,8 +394,8 @@ impl CudaEngine<'_> {
     /// Takes every routed group whose upload is back and done into the engine's buffers and
     /// offers it to the reference (`gpu::resident`), without waiting for any: the reference's
     /// products can use a group as soon as it is on the device, not when this engine's step
-    /// reaches it. Returns whether a routed group's upload is still under way (false without
-    /// `--reference-reuse`).
+    /// reaches it; so are the whole tensors prefetched for a layer. Returns whether such an
+    /// upload is still under way (false without `--reference-reuse`).
     pub(super) fn offer_arrived(&self) -> bool {
         if !resident::reuse() {
             return false;
@@ -411,14 +411,7 @@ impl CudaEngine<'_> {
                 .flat_map(|by_expert| by_expert.values())
                 .filter(|slot| seen.insert(slot.group.key.clone()))
                 .filter(|slot| !raw.contains_key(&slot.group.key))
-                .filter(|slot| match p.upload_done(&slot.group.key) {
-                    Some(true) => true,
-                    Some(false) => {
-                        under_way = true;
-                        false
-                    }
-                    None => false,
-                })
+                .filter(|slot| arrived(&mut p, &slot.group.key, &mut under_way))
                 .map(|slot| slot.group.clone())
                 .collect()
         };
@@ -440,20 +433,26 @@ impl CudaEngine<'_> {
                 .collect();
             names
                 .into_iter()
-                .filter(|n| match p.upload_done(n) {
-                    Some(true) => true,
-                    Some(false) => {
-                        under_way = true;
-                        false
-                    }
-                    None => false,
-                })
+                .filter(|n| arrived(&mut p, n, &mut under_way))
                 .collect()
         };
         for name in whole {
             let _ = self.raw(&name);
         }
         under_way
+    }
+}
+
+/// Whether the upload filed as `name` is back with its copies done; one still under way sets
+/// `under_way`.
+fn arrived(p: &mut super::prefetch::Prefetch, name: &str, under_way: &mut bool) -> bool {
+    match p.upload_done(name) {
+        Some(true) => true,
+        Some(false) => {
+            *under_way = true;
+            false
+        }
+        None => false,
     }
 }
 
