@@ -100,10 +100,11 @@ pub struct Cli {
         default_value = "off"
     )]
     pub candidate_ahead: crate::words::Switch,
-    /// Whether the reference makes its products with a CUDA candidate's routed experts from the
-    /// weight bytes the candidate put on the device, at any token count, instead of on the CPU:
-    /// each span of bytes is first proven to be the file's (its hash on the device against the
-    /// file's), and each product is checked on the CPU at 12 elements. Only the speed changes.
+    /// Whether the reference makes its products of fewer than --reference-min-tokens tokens from
+    /// the weight bytes a CUDA candidate put on the device (its routed experts, each layer's
+    /// whole tensors) instead of on the CPU: each span of bytes is first proven to be the file's
+    /// (its hash on the device against the file's), and each product is checked on the CPU at
+    /// 12 elements. Only the speed changes.
     #[arg(
         long,
         global = true,
@@ -359,6 +360,18 @@ pub struct PrefetchArgs {
         default_value = "mapped"
     )]
     pub upload_from: crate::words::UploadFrom,
+    /// Microseconds the upload thread sleeps after each registration of the model file's pages
+    /// (`--upload-from mapped`), so that other threads' calls into the CUDA driver get their
+    /// turn between two; 0 (the default) does not sleep. Only the speed changes. Default from
+    /// $GLMDIFF_REGISTER_PAUSE.
+    #[arg(
+        long,
+        value_name = "MICROS",
+        env = "GLMDIFF_REGISTER_PAUSE",
+        default_value = "0",
+        value_parser = clap::value_parser!(u64).range(0..=100_000)
+    )]
+    pub register_pause: u64,
 }
 
 /// The flags `run` and `compare` share: which hooks, floors and precisions, and the outputs.
@@ -909,6 +922,19 @@ mod tests {
         }
         let e = from(&["--upload-from", "stage"]).unwrap_err();
         assert!(e.contains("mapped") && e.contains("staged"), "{e}");
+        let pause = |args: &[&str]| {
+            let c = Cli::try_parse_from([&["glmdiff", "run", "m.gguf"], args].concat());
+            let Command::Run(r) = c.map_err(|e| e.to_string())?.command else {
+                panic!("not run")
+            };
+            Ok::<_, String>(r.prefetch.register_pause)
+        };
+        assert_eq!(pause(&["--register-pause", "50"]), Ok(50));
+        if std::env::var_os("GLMDIFF_REGISTER_PAUSE").is_none() {
+            assert_eq!(pause(&[]), Ok(0));
+        }
+        let e = pause(&["--register-pause", "100001"]).unwrap_err();
+        assert!(e.contains("100001") && e.contains("0..=100000"), "{e}");
         use crate::words::GpuWait;
         let wait = |args: &[&str]| {
             let c = Cli::try_parse_from([&["glmdiff"], args, &["run", "m.gguf"]].concat());

@@ -171,6 +171,14 @@ pub struct Settings {
     pub choice: Option<String>,
     /// Whether the candidate's chain runs ahead of the pass (`--candidate-ahead`).
     pub candidate_ahead: bool,
+    /// Whether the reference makes its short products from the CUDA candidate's device bytes
+    /// (`--reference-reuse`).
+    pub reference_reuse: bool,
+    /// Where the CUDA engine's uploads take their bytes (`--upload-from`: `mapped`, `staged`;
+    /// `None` for a CPU candidate).
+    pub upload_from: Option<String>,
+    /// Microseconds its upload thread sleeps after each registration (`--register-pause`).
+    pub register_pause_us: u64,
 }
 
 /// What one run of the pipeline returns.

@@ -52,6 +52,9 @@ pub(crate) fn set_prefetch(args: &PrefetchArgs) {
             UploadFrom::Mapped => Source::Mapped,
             UploadFrom::Staged => Source::Staged,
         });
+        crate::gpu::upload::set_register_pause_by_default(std::time::Duration::from_micros(
+            args.register_pause,
+        ));
     }
     // Without the `cuda` feature no engine uploads weights.
     #[cfg(not(feature = "cuda"))]

@@ -74,6 +74,22 @@ pub const READERS: usize = 4;
 /// Smallest part of a chunk given to a reader thread of its own.
 pub const MIN_PART: usize = 8 << 20;
 
+/// Microseconds the upload threads started from now on sleep after each registration
+/// ([`set_register_pause_by_default`]).
+static REGISTER_PAUSE_US: AtomicU64 = AtomicU64::new(0);
+
+/// How long the upload threads of engines opened from now on sleep after each registration of
+/// a mapped file's pages: the command's `--register-pause`, set once at its start.
+pub fn set_register_pause_by_default(pause: std::time::Duration) {
+    let us = u64::try_from(pause.as_micros()).unwrap_or(u64::MAX);
+    REGISTER_PAUSE_US.store(us, Ordering::Relaxed);
+}
+
+/// What [`set_register_pause_by_default`] set (none unless told otherwise).
+pub fn register_pause_by_default() -> std::time::Duration {
+    std::time::Duration::from_micros(REGISTER_PAUSE_US.load(Ordering::Relaxed))
+}
+
 /// How the upload thread puts a job's bytes on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Source {
@@ -406,15 +422,15 @@ impl Uploader {
         Uploader::start_from(gpu, Source::Staged)
     }
 
-    /// [`Uploader::start`], the jobs' bytes taken from `source`.
+    /// [`Uploader::start`], the jobs' bytes taken from `source`, the thread sleeping
+    /// [`register_pause_by_default`] after each registration.
     pub fn start_from(gpu: &Gpu, source: Source) -> Result<Uploader> {
-        Uploader::start_giving_way(gpu, source, std::time::Duration::ZERO)
+        Uploader::start_giving_way(gpu, source, register_pause_by_default())
     }
 
     /// [`Uploader::start_from`], the thread sleeping `give_way` after each registration of a
     /// mapped file's pages ([`Source::Mapped`]), so that other threads' calls into the driver,
-    /// which a registration may hold up, get their turn between two (a probe's setting:
-    /// `small_work_beside_uploads`).
+    /// which a registration may hold up, get their turn between two.
     pub fn start_giving_way(
         gpu: &Gpu,
         source: Source,

@@ -301,20 +301,28 @@ pub fn render_run(r: &run::Report) -> String {
         r.n_layer,
         r.n_dense
     ));
+    // The settings that differ from their defaults, as flags.
+    let mut global = String::new();
+    if st.candidate_ahead {
+        global.push_str(" --candidate-ahead on");
+    }
+    if st.reference_reuse {
+        global.push_str(" --reference-reuse on");
+    }
+    let mut own = st
+        .dtype
+        .as_ref()
+        .map(|d| format!(" --dtype {d}"))
+        .unwrap_or_default();
+    if st.upload_from.as_deref() == Some("staged") {
+        own.push_str(" --upload-from staged");
+    }
+    if st.register_pause_us > 0 {
+        own.push_str(&format!(" --register-pause {}", st.register_pause_us));
+    }
     s.push_str(&format!(
-        "pipeline: glmdiff{} run --against {} --mode {}{}; candidate: {}\n",
-        if st.candidate_ahead {
-            " --candidate-ahead on"
-        } else {
-            ""
-        },
-        st.spec,
-        st.mode,
-        st.dtype
-            .as_ref()
-            .map(|d| format!(" --dtype {d}"))
-            .unwrap_or_default(),
-        r.candidate
+        "pipeline: glmdiff{global} run --against {} --mode {}{own}; candidate: {}\n",
+        st.spec, st.mode, r.candidate
     ));
     if let Some(syn) = &r.synth {
         s.push_str(&format!(
@@ -689,6 +697,9 @@ mod tests {
                 dtype: Some("bf16".into()),
                 choice: None,
                 candidate_ahead: false,
+                reference_reuse: false,
+                upload_from: Some("mapped".into()),
+                register_pause_us: 0,
             },
             candidate: "cuda:0 NVIDIA H200 sm_90 (139.8 GiB, 132 SMs), bf16 weights".into(),
             seed: 1,

@@ -110,6 +110,12 @@ impl Pipeline for RunPipeline {
             },
             choice: self.choice.clone(),
             candidate_ahead: crate::driver::pair::candidate_ahead(),
+            reference_reuse: reference_reuse(),
+            upload_from: match self.candidate {
+                CandidateKind::Cpu => None,
+                CandidateKind::Cuda(_) => upload_from(),
+            },
+            register_pause_us: register_pause_us(),
         }
     }
 
@@ -154,4 +160,35 @@ impl Pipeline for RunPipeline {
             notes,
         })
     }
+}
+
+/// `--reference-reuse` as the command set it (off without the `cuda` feature).
+fn reference_reuse() -> bool {
+    #[cfg(feature = "cuda")]
+    return crate::gpu::resident::reuse();
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
+/// `--upload-from` as the command set it, in its words (`None` without the `cuda` feature).
+fn upload_from() -> Option<String> {
+    #[cfg(feature = "cuda")]
+    return Some(
+        match crate::gpu::upload::source_by_default() {
+            crate::gpu::upload::Source::Mapped => "mapped",
+            crate::gpu::upload::Source::Staged => "staged",
+        }
+        .to_string(),
+    );
+    #[cfg(not(feature = "cuda"))]
+    None
+}
+
+/// `--register-pause` as the command set it, microseconds (0 without the `cuda` feature).
+fn register_pause_us() -> u64 {
+    #[cfg(feature = "cuda")]
+    return u64::try_from(crate::gpu::upload::register_pause_by_default().as_micros())
+        .unwrap_or(u64::MAX);
+    #[cfg(not(feature = "cuda"))]
+    0
 }

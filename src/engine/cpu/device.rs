@@ -130,6 +130,7 @@ pub struct Device {
     /// Fewest tokens of a product made here ([`min_tokens`] at open).
     pub min_tokens: usize,
     /// The device's ordinal.
+    #[cfg(feature = "cuda")]
     ordinal: usize,
     /// Spans of the candidate's device bytes hashed so far, and whether they were the file's.
     #[cfg(feature = "cuda")]
