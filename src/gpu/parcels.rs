@@ -97,12 +97,7 @@ impl Parcels {
         rows: usize,
         cols: usize,
     ) -> Result<Option<Parcel>> {
-        if x.len() != t * cols {
-            bail!(
-                "cuda: reference products: {} input values for [{t}, {cols}]",
-                x.len()
-            );
-        }
+        check_input(x, t, cols)?;
         check_weights(w, rows, cols)?;
         let (w_bytes, packed): (&[u8], Packed) = match w {
             Weights::Raw { ty, bytes } => (bytes, Packed::Raw(*ty)),
@@ -135,12 +130,7 @@ impl Parcels {
         rows: usize,
         cols: usize,
     ) -> Result<Option<Parcel>> {
-        if x.len() != t * cols {
-            bail!(
-                "cuda: reference products: {} input values for [{t}, {cols}]",
-                x.len()
-            );
-        }
+        check_input(x, t, cols)?;
         row_bytes(ty, cols)?;
         if t == 0 || rows == 0 {
             return Ok(None);
@@ -292,6 +282,17 @@ pub enum Weights<'a> {
     },
     /// f32 values, row-major.
     Dense(&'a [f32]),
+}
+
+/// Whether `x` holds `t` tokens of `cols` values.
+fn check_input(x: &[f32], t: usize, cols: usize) -> Result<()> {
+    if x.len() != t * cols {
+        bail!(
+            "cuda: reference products: {} input values for [{t}, {cols}]",
+            x.len()
+        );
+    }
+    Ok(())
 }
 
 /// Whether `w` holds `rows` rows of `cols` values (whole blocks of its type, when raw).

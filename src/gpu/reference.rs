@@ -371,6 +371,13 @@ impl ReferenceProducts {
         self.gpu.stream()
     }
 
+    /// The device buffers kept between products, locked.
+    fn buffers(&self) -> Result<std::sync::MutexGuard<'_, Buffers>> {
+        self.bufs
+            .lock()
+            .map_err(|_| anyhow::anyhow!("cuda: the buffer lock is poisoned"))
+    }
+
     /// The device buffers of a product of `t` tokens by `rows` rows of `cols` (input, output,
     /// a chunk's dequantized weights, the non-finite counter, cleared): the rows of a chunk.
     fn product_buffers(
@@ -449,10 +456,7 @@ impl ReferenceProducts {
         }
         let s = self.stream();
         let g = &self.gpu;
-        let mut guard = self
-            .bufs
-            .lock()
-            .map_err(|_| anyhow::anyhow!("cuda: the buffer lock is poisoned"))?;
+        let mut guard = self.buffers()?;
         let b = &mut *guard;
         let chunk_rows = self.product_buffers(b, (t, rows, cols))?;
         let layout = parcel.layout.clone();
@@ -513,12 +517,7 @@ impl ReferenceProducts {
                     drop(rec);
                 }
             }
-            let (xd, wd, out) = (
-                b.x.as_ref().context("cuda: no input buffer")?,
-                b.w.as_ref().context("cuda: no weight buffer")?,
-                b.out.as_mut().context("cuda: no output buffer")?,
-            );
-            events.push(self.launch_with(self.kernel, xd, wd, out, (t, rows, cols), r0, n)?);
+            events.push(self.launch_chunk(b, (t, rows, cols), r0, n)?);
             r0 += n;
         }
         let out = b.out.as_ref().context("cuda: no output buffer")?;
@@ -585,10 +584,7 @@ impl ReferenceProducts {
             );
         }
         let s = self.stream();
-        let mut guard = self
-            .bufs
-            .lock()
-            .map_err(|_| anyhow::anyhow!("cuda: the buffer lock is poisoned"))?;
+        let mut guard = self.buffers()?;
         let b = &mut *guard;
         let chunk_rows = self.product_buffers(b, (t, rows, cols))?;
         let layout = parcel.layout.clone();
@@ -622,12 +618,7 @@ impl ReferenceProducts {
             let n = chunk_rows.min(rows - r0);
             let rows_bytes = bytes.slice(r0 * per_row..);
             self.dequant_chunk(b, ty, (n * per_row, Some(&rows_bytes)), n * cols)?;
-            let (xd, wd, out) = (
-                b.x.as_ref().context("cuda: no input buffer")?,
-                b.w.as_ref().context("cuda: no weight buffer")?,
-                b.out.as_mut().context("cuda: no output buffer")?,
-            );
-            events.push(self.launch_with(self.kernel, xd, wd, out, (t, rows, cols), r0, n)?);
+            events.push(self.launch_chunk(b, (t, rows, cols), r0, n)?);
             r0 += n;
         }
         let out = b.out.as_ref().context("cuda: no output buffer")?;
@@ -657,22 +648,27 @@ impl ReferenceProducts {
             .gpu
             .function("reference", REFERENCE_SOURCE, "reference_copy_words")?;
         let n = words as u64;
-        let blocks = (words.div_ceil(256) as u64).clamp(1, u64::from(self.gpu.info.sms.max(1)) * 4);
         let mut b = self.stream().launch_builder(&f);
         b.arg(&src).arg(&dst).arg(&n);
         // SAFETY: the callers pass `src` and `dst` holding at least `words` 32-bit words each
         // (device buffers, or ranges of a live parcel mapped into the device's address space
         // that the host does not touch until the stream has passed this kernel); the kernel
         // reads src[i] and writes dst[i] for i < n only.
-        unsafe {
-            b.launch(LaunchConfig {
-                grid_dim: (blocks as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            })
-        }
-        .context("cuda: launching reference_copy_words")?;
+        unsafe { b.launch(self.strided(words, 4)) }
+            .context("cuda: launching reference_copy_words")?;
         Ok(())
+    }
+
+    /// A launch of blocks of 256 threads striding over `n` items, at most `per_sm` blocks a
+    /// multiprocessor.
+    fn strided(&self, n: usize, per_sm: u64) -> LaunchConfig {
+        let most = u64::from(self.gpu.info.sms.max(1)) * per_sm;
+        let blocks = (n.div_ceil(256) as u64).clamp(1, most);
+        LaunchConfig {
+            grid_dim: (u32::try_from(blocks).unwrap_or(u32::MAX), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
     }
 
     /// `x · W^T` for `x` `[t, cols]` and `rows` weight rows of `cols` values: `[t, rows]`, every
@@ -696,10 +692,7 @@ impl ReferenceProducts {
             return Ok(Some(vec![0.0; t * rows]));
         }
         let s = self.stream();
-        let mut guard = self
-            .bufs
-            .lock()
-            .map_err(|_| anyhow::anyhow!("cuda: the buffer lock is poisoned"))?;
+        let mut guard = self.buffers()?;
         let b = &mut *guard;
         let g = &self.gpu;
         check_weights(&w, rows, cols)?;
@@ -730,12 +723,7 @@ impl ReferenceProducts {
                     self.put_f32(&v[r0 * cols..(r0 + n) * cols], wd)?;
                 }
             }
-            let (xd, wd, out) = (
-                b.x.as_ref().context("cuda: no input buffer")?,
-                b.w.as_ref().context("cuda: no weight buffer")?,
-                b.out.as_mut().context("cuda: no output buffer")?,
-            );
-            events.push(self.launch_with(self.kernel, xd, wd, out, (t, rows, cols), r0, n)?);
+            events.push(self.launch_chunk(b, (t, rows, cols), r0, n)?);
             r0 += n;
         }
         let out = b.out.as_ref().context("cuda: no output buffer")?;
@@ -838,10 +826,7 @@ impl ReferenceProducts {
             .max()
             .unwrap_or(0);
         let mut scores = g.alloc_zeroed::<f64>(most.max(1), "the reference's attention scores")?;
-        let mut bufs = self
-            .bufs
-            .lock()
-            .map_err(|_| anyhow::anyhow!("cuda: the reference's buffers' lock is poisoned"))?;
+        let mut bufs = self.buffers()?;
         if bufs.scores_host.as_ref().is_none_or(|b| b.len() < most) {
             bufs.scores_host = None;
             // SAFETY: the memory is unset; nothing reads it before a copy from the device
@@ -1068,6 +1053,23 @@ impl ReferenceProducts {
         Ok(Some(out))
     }
 
+    /// [`ReferenceProducts::launch_with`] of the buffers' input and dequantized weights into
+    /// their output, with the device's tiling.
+    fn launch_chunk(
+        &self,
+        b: &mut Buffers,
+        dims: (usize, usize, usize),
+        r0: usize,
+        n: usize,
+    ) -> Result<(CudaEvent, CudaEvent)> {
+        let (xd, wd, out) = (
+            b.x.as_ref().context("cuda: no input buffer")?,
+            b.w.as_ref().context("cuda: no weight buffer")?,
+            b.out.as_mut().context("cuda: no output buffer")?,
+        );
+        self.launch_with(self.kernel, xd, wd, out, dims, r0, n)
+    }
+
     /// Launches the products of weight rows `r0..r0 + n` (the first `n` rows of `w`) into
     /// columns `r0..r0 + n` of `out` (`[t, rows]`) with tiling `kernel` of [`KERNELS`], between
     /// two recorded events (what [`elapsed`] reads once the stream has passed them).
@@ -1146,18 +1148,11 @@ impl ReferenceProducts {
             .gpu
             .function("reference", REFERENCE_SOURCE, "reference_count_nonfinite")?;
         let n64 = n as u64;
-        let blocks = (n.div_ceil(256) as u64).clamp(1, u64::from(self.gpu.info.sms.max(1)) * 8);
         let mut b = s.launch_builder(&f);
         b.arg(v).arg(&n64).arg(count);
         // SAFETY: `v` holds at least n values; `count` one counter.
-        unsafe {
-            b.launch(LaunchConfig {
-                grid_dim: (blocks as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            })
-        }
-        .context("cuda: launching reference_count_nonfinite")?;
+        unsafe { b.launch(self.strided(n, 8)) }
+            .context("cuda: launching reference_count_nonfinite")?;
         Ok(())
     }
 }
