@@ -2243,11 +2243,13 @@ mod device {
 
     /// `run --reference-reuse on` gives the run of `off` (records, verdicts, exit) against a
     /// CUDA candidate that uploads its routed experts, f32 and bf16, with no span refused; `off`
-    /// makes no product from the candidate's bytes.
+    /// makes no product from the candidate's bytes. Both with `--register-pause 50`.
     #[test]
     #[ignore = "needs a CUDA device: scripts/gpu-test.sh runs it"]
     fn gpu_reference_reuse_changes_only_the_times() {
-        let extra = ["--expert-uploads", "routed"];
+        // With the upload thread sleeping after each registration too (`--register-pause`, which
+        // every other GPU test leaves at 0).
+        let extra = ["--expert-uploads", "routed", "--register-pause", "50"];
         for (what, runs) in cuda_runs_by_setting("--reference-reuse", &extra, &["notes"]) {
             for (setting, (exit, _, notes)) in ["off", "on"].iter().zip(&runs) {
                 eprintln!("== {what} reuse {setting}: exit {exit:?}; {notes}");
