@@ -189,14 +189,17 @@ print("by step:", top("candidate_beyond_times", 6), "| reference:", top("referen
     if wantb bench-reuse; then
     echo "== bench run, 16 tokens, bf16: the reference's products from the candidate's routed experts on the device (--reference-reuse) off and on, with --candidate-ahead off and on"
     # The third word: run's --register-pause (microseconds the uploader sleeps after each
-    # registration of the file's pages, letting other threads' driver calls through).
+    # registration of the file's pages, letting other threads' driver calls through); the
+    # fourth: run's --upload-from (staged: no registration at all).
     local r
-    for r in "on off 0" "on on 0" "off off 0" "off on 0" "on on 50" "off on 50"; do
+    for r in "on off 0 mapped" "on on 0 mapped" "off off 0 mapped" "off on 0 mapped" "on on 50 mapped" "off on 50 mapped" \
+        "on off 0 staged" "on on 0 staged"; do
         i=$((i + 1))
         set -- $r
         scripts/thread-cpu.sh "$logs/threads-reuse-$i-$1-$2.txt" "$bin" --wide --candidate-ahead "$1" --reference-reuse "$2" bench run \
-            --model "$bm/glm5.gguf" --against cuda --dtype bf16 --tokens 16 --reps 2 --project glm5 --register-pause "$3" > "$logs/bench-reuse-$i-$1-$2.txt" 2>&1
-        summary+=("bench run --candidate-ahead $1 --reference-reuse $2 --register-pause $3: exit $?, $(grep -E '^\| 16 ' "$logs/bench-reuse-$i-$1-$2.txt" | grep -E '4 MoE|x 0|\+' | tr -s ' -' | tr '\n' ' ' | cut -c1-330)")
+            --model "$bm/glm5.gguf" --against cuda --dtype bf16 --tokens 16 --reps 2 --project glm5 --register-pause "$3" \
+            --upload-from "$4" > "$logs/bench-reuse-$i-$1-$2.txt" 2>&1
+        summary+=("bench run --candidate-ahead $1 --reference-reuse $2 --register-pause $3 --upload-from $4: exit $?, $(grep -E '^\| 16 ' "$logs/bench-reuse-$i-$1-$2.txt" | grep -E '4 MoE|x 0|\+' | tr -s ' -' | tr '\n' ' ' | cut -c1-330)")
         summary+=("  threads: $(sed -n '2,4p' "$logs/threads-reuse-$i-$1-$2.txt" | tr -s ' ' | tr '\n' ';')")
     done
     set --
