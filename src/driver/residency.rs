@@ -120,6 +120,10 @@ mod tests {
         /// Upload figures not yet taken: each `begin_layer L` adds `1000 * (L + 1)` bytes and
         /// `L + 1` ms.
         uploads: Mutex<UploadStats>,
+        /// What `offer_uploads` answers (uploads under way), and how often it was called.
+        offers: Mutex<(bool, usize)>,
+        /// Slept in every `rms_norm` (a slow side of a step).
+        slow: std::time::Duration,
     }
 
     impl<'w> Recording<'w> {
@@ -133,6 +137,8 @@ mod tests {
                 prefetched: Default::default(),
                 begun: Default::default(),
                 uploads: Default::default(),
+                offers: Default::default(),
+                slow: std::time::Duration::ZERO,
             }
         }
 
@@ -219,6 +225,11 @@ mod tests {
         fn take_upload_stats(&self) -> UploadStats {
             std::mem::take(&mut *self.uploads.lock().unwrap())
         }
+        fn offer_uploads(&self) -> bool {
+            let mut o = self.offers.lock().unwrap();
+            o.1 += 1;
+            o.0
+        }
         fn prefetch_layer(&self, layer: usize, weights: &[String]) -> Result<()> {
             match &*self.layer.lock().unwrap() {
                 Some((l, _)) if *l < layer => {}
@@ -252,6 +263,7 @@ mod tests {
             cols: Option<Range<usize>>,
         ) -> Result<HostTensor> {
             self.uses(weight)?;
+            std::thread::sleep(self.slow);
             self.cpu.rms_norm(x, weight, eps, cols)
         }
         fn linear(&self, x: &HostTensor, weight: &str) -> Result<HostTensor> {
@@ -335,6 +347,56 @@ mod tests {
         fn missing(&mut self, name: &str, mode: Mode, why: &str) {
             panic!("{name} missing in {mode:?}: {why}");
         }
+    }
+
+    /// While the reference's side of a step runs, the pass asks a candidate engine to offer the
+    /// weights its uploads finished (`Engine::offer_uploads`) for as long as it says some are
+    /// under way, and not past the reference's end: an engine that always says so still ends
+    /// the pass, with the same pairs, and is asked while a slow reference norm runs; one that
+    /// says none are under way is asked at most once a step.
+    #[test]
+    fn the_pass_asks_for_offers_while_the_reference_runs() {
+        let hp = tiny_hparams(Arch::GlmDsa);
+        let model = tiny_model(&hp);
+        let w = Weights::new(&model).unwrap();
+        let plan = Plan::full(&w).unwrap();
+        let mut pairs = Vec::new();
+        for under_way in [false, true] {
+            let mut reference = Recording::new(&w);
+            reference.slow = std::time::Duration::from_millis(5);
+            let candidate = Recording::new(&w);
+            candidate.offers.lock().unwrap().0 = under_way;
+            let mut sink = CountPairs(HookFilter::default(), 0);
+            let summary = pair::run_pair(
+                &reference,
+                pair::Candidate::Engine(&candidate),
+                pair::RunInputs {
+                    weights: &w,
+                    tokens: &TOKENS,
+                    plan: &plan,
+                    start: &[],
+                    ties: &crate::trace::NoNearTies,
+                },
+                pair::Modes::BOTH,
+                &mut sink,
+                &NoProgress,
+            )
+            .unwrap();
+            let asked = candidate.offers.lock().unwrap().1;
+            if under_way {
+                assert!(asked > 0, "never asked while the reference's norms ran");
+            } else {
+                assert!(
+                    asked <= summary.steps,
+                    "{asked} asks for {} steps",
+                    summary.steps
+                );
+            }
+            assert_eq!(reference.offers.lock().unwrap().1, 0);
+            pairs.push(sink.1);
+        }
+        assert!(pairs[0] > 0);
+        assert_eq!(pairs[0], pairs[1]);
     }
 
     /// The weight hooks in order, around every layer, for a chained run, a reference prefix and
