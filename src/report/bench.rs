@@ -677,7 +677,7 @@ mod tests {
             memory: Memory::default(),
             differs: false,
         };
-        let r = Report {
+        let mut r = Report {
             cpu: "AMD EPYC 9654 96-Core Processor".into(),
             threads: 16,
             load_before: "0.10 0.20 0.30".into(),
@@ -734,5 +734,17 @@ mod tests {
         ] {
             assert!(text.contains(want), "{want}: {text}");
         }
+        assert!(
+            text.contains("pipeline: glmdiff run --against cuda:0 --mode both --dtype bf16;"),
+            "{text}"
+        );
+        // The settings that differ from their defaults, as their flags.
+        r.settings.candidate_ahead = true;
+        r.settings.reference_reuse = true;
+        r.settings.upload_from = Some("staged".into());
+        r.settings.register_pause_us = 50;
+        let text = render_run(&r);
+        let want = "pipeline: glmdiff --candidate-ahead on --reference-reuse on run --against cuda:0 --mode both --dtype bf16 --upload-from staged --register-pause 50;";
+        assert!(text.contains(want), "{text}");
     }
 }
