@@ -334,6 +334,33 @@ mod tests {
     }
 
     /// A pair sink that wants the hooks of `filter` and counts what it gets.
+    /// `run_pair` of `reference` and the engine `candidate` over `plan` of [`TOKENS`] in
+    /// `modes` into `sink`.
+    fn pair_pass(
+        reference: &Recording<'_>,
+        candidate: &Recording<'_>,
+        w: &Weights<'_>,
+        plan: &Plan,
+        modes: pair::Modes,
+        sink: &mut CountPairs,
+    ) -> pair::PairSummary {
+        pair::run_pair(
+            reference,
+            pair::Candidate::Engine(candidate),
+            pair::RunInputs {
+                weights: w,
+                tokens: &TOKENS,
+                plan,
+                start: &[],
+                ties: &crate::trace::NoNearTies,
+            },
+            modes,
+            sink,
+            &NoProgress,
+        )
+        .unwrap()
+    }
+
     struct CountPairs(HookFilter, usize);
 
     impl PairSink for CountPairs {
@@ -367,21 +394,14 @@ mod tests {
             let candidate = Recording::new(&w);
             candidate.offers.lock().unwrap().0 = under_way;
             let mut sink = CountPairs(HookFilter::default(), 0);
-            let summary = pair::run_pair(
+            let summary = pair_pass(
                 &reference,
-                pair::Candidate::Engine(&candidate),
-                pair::RunInputs {
-                    weights: &w,
-                    tokens: &TOKENS,
-                    plan: &plan,
-                    start: &[],
-                    ties: &crate::trace::NoNearTies,
-                },
+                &candidate,
+                &w,
+                &plan,
                 pair::Modes::BOTH,
                 &mut sink,
-                &NoProgress,
-            )
-            .unwrap();
+            );
             let asked = candidate.offers.lock().unwrap().1;
             if under_way {
                 assert!(asked > 0, "never asked while the reference's norms ran");
@@ -472,21 +492,7 @@ mod tests {
                 },
                 0,
             );
-            pair::run_pair(
-                &reference,
-                pair::Candidate::Engine(&candidate),
-                pair::RunInputs {
-                    weights: &w,
-                    tokens: &TOKENS,
-                    plan: &plan,
-                    start: &[],
-                    ties: &crate::trace::NoNearTies,
-                },
-                modes,
-                &mut sink,
-                &NoProgress,
-            )
-            .unwrap();
+            pair_pass(&reference, &candidate, &w, &plan, modes, &mut sink);
             assert!(sink.1 > 0);
             assert_eq!(reference.events(), full);
             assert_eq!(candidate.events(), cand_events, "{modes:?}");
@@ -650,21 +656,7 @@ mod tests {
         ] {
             let (reference, candidate) = (Recording::new(&w), Recording::new(&w));
             let mut sink = CountPairs(HookFilter::default(), 0);
-            let summary = pair::run_pair(
-                &reference,
-                pair::Candidate::Engine(&candidate),
-                pair::RunInputs {
-                    weights: &w,
-                    tokens: &TOKENS,
-                    plan: &plan,
-                    start: &[],
-                    ties: &crate::trace::NoNearTies,
-                },
-                modes,
-                &mut sink,
-                &NoProgress,
-            )
-            .unwrap();
+            let summary = pair_pass(&reference, &candidate, &w, &plan, modes, &mut sink);
             let got: Vec<(Option<usize>, u64, f64)> = summary
                 .layer_times
                 .iter()
