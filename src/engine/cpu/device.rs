@@ -299,9 +299,7 @@ impl Device {
         };
         let (sent, wait_seconds) = {
             let t0 = std::time::Instant::now();
-            let p = self.products.lock().map_err(|_| {
-                anyhow::anyhow!("engine: cpu: the reference's device lock is poisoned")
-            })?;
+            let p = self.turn()?;
             let waited = t0.elapsed().as_secs_f64();
             (p.submit_device(&mut parcel, &view, hash), waited)
         };
@@ -535,13 +533,18 @@ impl Device {
         &self,
         make: impl FnOnce(&crate::gpu::reference::ReferenceProducts) -> Result<Option<Vec<f32>>>,
     ) -> Result<Option<(Vec<f32>, f64)>> {
-        let p = self
-            .products
-            .lock()
-            .map_err(|_| anyhow::anyhow!("engine: cpu: the reference's device lock is poisoned"))?;
+        let p = self.turn()?;
         let k0 = p.kernel_seconds();
         let made = self.or_set_aside(make(&p))?.flatten();
         Ok(made.map(|out| (out, p.kernel_seconds() - k0)))
+    }
+
+    /// The device's turn: its products, locked (the reference's threads ask one at a time).
+    #[cfg(feature = "cuda")]
+    fn turn(&self) -> Result<std::sync::MutexGuard<'_, crate::gpu::reference::ReferenceProducts>> {
+        self.products
+            .lock()
+            .map_err(|_| anyhow::anyhow!("engine: cpu: the reference's device lock is poisoned"))
     }
 
     /// `r`'s value; a failure of the device or a difference from the CPU is the error under
@@ -601,9 +604,7 @@ impl Device {
         let upload_seconds = start.elapsed().as_secs_f64();
         let (sent, wait_seconds) = {
             let t0 = std::time::Instant::now();
-            let p = self.products.lock().map_err(|_| {
-                anyhow::anyhow!("engine: cpu: the reference's device lock is poisoned")
-            })?;
+            let p = self.turn()?;
             let waited = t0.elapsed().as_secs_f64();
             (p.submit(&mut parcel), waited)
         };
@@ -647,9 +648,7 @@ impl Device {
                 return self.made_packed(parcel, start, t, rows, cols);
             }
             let (out, kernel_seconds, upload_seconds, wait_seconds) = {
-                let p = self.products.lock().map_err(|_| {
-                    anyhow::anyhow!("engine: cpu: the reference's device lock is poisoned")
-                })?;
+                let p = self.turn()?;
                 let waited = start.elapsed().as_secs_f64();
                 let (k0, u0) = (p.kernel_seconds(), p.upload_seconds());
                 // Under `auto` a failure of the device (a copy, a launch, its memory) sets it
